@@ -1,0 +1,367 @@
+"""DeepSeek-V3 and its Multi-Token Prediction (MTP) modules: the PyTorch reference model.
+
+Read top-down, in dependency order: RMSNorm, RoPE, MLA (Multi-head Latent Attention), MLP, Gate,
+MoE, DecoderLayer, MTPLayer, DeepseekV3.  Module and parameter names are the checkpoint's
+(Hugging Face / DeepSeek), so `state_dict()` keys are tensor names; the DeepSeek-V3 paper's symbols
+are given beside them.  Shapes: B batch, S new tokens, T cached tokens, H heads, D hidden size,
+Dn/Dr/Dv the nope/rope/value head dims, Dl = kv_lora_rank, V vocabulary, E routed experts.
+
+The per-layer KV cache is the compressed latent of MLA: `Dl + Dr` values per token, the normed
+c_kv followed by the roped k_pe (the rope dims in the checkpoint's own pair layout).  Attention
+runs in two forms that compute the same function:
+  * expanded (prefill): keys and values are expanded per head through W^UK and W^UV;
+  * absorbed (generation): W^UK is absorbed into the query and W^UV applied after attention, so
+    attention reads only the latent cache (the form the MLA generation plugin implements).
+
+MTP convention (as vLLM and TensorRT-LLM run the official weights): MTP row i, at RoPE position
+i, takes the hidden state h_i that predicted token t_{i+1} and the embedding of t_{i+1} (zeroed at
+position 0) and predicts t_{i+2}:  h'_i = eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]).  Depth 1
+takes h_i from the main model *after* its final norm; deeper steps (eagle mode reuses one module)
+take the MTP block's output before `shared_head.norm`.  Embedding and output head are shared
+with the main model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_trt.config import ModelConfig
+
+Tensor = torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back before the weight (as DeepSeek and HF do)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies [Dr/2], YaRN-blended between interpolation and extrapolation."""
+    rope, dim = cfg.rope, cfg.qk_rope_head_dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if rope.type != "yarn":
+        return inv_freq
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_tables(cfg: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_positions, Dr/2], already multiplied by YaRN's attention factor."""
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+    return freqs.cos() * cfg.rope.attention_factor, freqs.sin() * cfg.rope.attention_factor
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
+    """Rotate x [..., Dr] by cos/sin [..., Dr/2] (broadcast over heads by the caller).
+
+    interleave=True: DeepSeek's layout, pairs (x[2i], x[2i+1]); False: halves (x[i], x[i + Dr/2]).
+    The output keeps the input's layout, so q·k is the same whatever the layout."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attention_mask(past_len: Tensor, past_rows: int, new_rows: int) -> Tensor:
+    """Bool mask [B, S, T + S]: query s of sequence b sees cached rows < past_len[b] and new rows <= s."""
+    b = past_len.shape[0]
+    cached = torch.arange(past_rows)[None, None, :] < past_len[:, None, None]  # [B, 1, T]
+    causal = torch.ones(new_rows, new_rows, dtype=torch.bool).tril()  # [S, S]
+    return torch.cat([cached.expand(b, new_rows, past_rows), causal.expand(b, new_rows, new_rows)], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------- MLA
+class MLA(nn.Module):
+    """Multi-head Latent Attention (DeepSeek-V2 §2.1, V3 §2.1.1).
+
+    queries: c_q = RMSNorm(W^DQ h)    (q_a_proj, q_a_layernorm)    [B, S, Dq]
+             [q_nope; q_pe] = W^UQ c_q (q_b_proj; or q_proj from h when q_lora_rank is None)
+    latent:  [c_kv; k_pe] = W^DKV h    (kv_a_proj_with_mqa); c_kv normed (kv_a_layernorm), k_pe roped
+    per head W^UK [Dn, Dl], W^UV [Dv, Dl] (kv_b_proj rows, head-major); output W^O (o_proj).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.num_attention_heads, cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.latent_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, S, D], cos/sin [B, S, Dr/2] -> q_nope [B, S, H, Dn], q_pe [B, S, H, Dr], latent [B, S, Dl+Dr]."""
+        cfg = self.cfg
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.unflatten(-1, (cfg.num_attention_heads, cfg.qk_head_dim))
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], cfg.rope_interleave)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, cfg.rope_interleave)], dim=-1)
+        return q_nope, q_pe, latent
+
+    def w_uk_uv(self) -> tuple[Tensor, Tensor]:
+        """W^UK [H, Dn, Dl] and W^UV [H, Dv, Dl], views of kv_b_proj.weight."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
+
+    def attend_expanded(self, q_nope: Tensor, q_pe: Tensor, kv: Tensor, mask: Tensor | None) -> Tensor:
+        """Expanded form. kv [B, T, Dl+Dr] (all visible rows), mask [B, S, T] or None (causal) -> [B, S, H, Dv]."""
+        cfg = self.cfg
+        c_kv, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_nope, v = self.kv_b_proj(c_kv).unflatten(-1, (cfg.num_attention_heads, -1)).split(
+            [cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # [B, T, H, Dn], [B, T, H, Dv]
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, S, Dn+Dr]
+        k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, cfg.num_attention_heads, -1)], dim=-1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), attn_mask=None if mask is None else mask[:, None],
+            is_causal=mask is None, scale=cfg.softmax_scale)
+        return out.transpose(1, 2)
+
+    def attend_absorbed(self, q_nope: Tensor, q_pe: Tensor, kv: Tensor, mask: Tensor) -> Tensor:
+        """Absorbed form over the latent rows only. kv [B, T, Dl+Dr], mask [B, S, T] -> [B, S, H, Dv]."""
+        cfg = self.cfg
+        w_uk, w_uv = self.w_uk_uv()
+        q_lat = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)  # q_nope absorbed through W^UK: [B, S, H, Dl]
+        q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [B, S, H, Dl+Dr]: what the generation plugin takes
+        o_lat = latent_attention(q_abs, kv, mask, cfg.kv_lora_rank, cfg.softmax_scale)  # [B, S, H, Dl]
+        return torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None = None,
+                mask: Tensor | None = None, absorbed: bool = False) -> tuple[Tensor, Tensor]:
+        """x [B, S, D]; past [B, T, Dl+Dr] cached latent rows; mask [B, S, T+S] (None: causal, no past).
+
+        Returns the attention output [B, S, D] and the new latent rows [B, S, Dl+Dr] for the cache."""
+        q_nope, q_pe, latent = self.project(x, cos, sin)
+        kv = latent if past is None else torch.cat([past, latent], dim=1)
+        if absorbed:
+            if mask is None:
+                mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril().expand(x.shape[0], -1, -1)
+            o = self.attend_absorbed(q_nope, q_pe, kv, mask)
+        else:
+            o = self.attend_expanded(q_nope, q_pe, kv, mask)
+        return self.o_proj(o.flatten(-2)), latent
+
+
+def latent_attention(q: Tensor, kv: Tensor, mask: Tensor, kv_lora_rank: int, scale: float) -> Tensor:
+    """MLA generation attention: q [B, S, H, Dl+Dr] · rows kv [B, T, Dl+Dr]; V = rows[..., :Dl].
+
+    mask [B, S, T] (True: visible) -> [B, S, H, Dl], softmax in fp32."""
+    scores = torch.einsum("bshc,btc->bsht", q.float(), kv.float()) * scale
+    scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+    return torch.einsum("bsht,btc->bshc", scores.softmax(-1), kv[..., :kv_lora_rank].float()).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------- MLP / MoE
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); dense layers, experts and shared experts."""
+
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter_dim, bias=False)
+        self.up_proj = nn.Linear(dim, inter_dim, bias=False)
+        self.down_proj = nn.Linear(inter_dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """Routing (V3 §2.1.2): s = sigmoid(u·e) (or softmax for V2-style configs); top-k over s + b
+    (b = e_score_correction_bias, noaux_tc) restricted to the top `topk_group` of `n_group` groups;
+    gating weights from s (not s + b), normalized if norm_topk_prob, times routed_scaling_factor."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, D] -> weights [N, k] (fp32), expert indices [N, k]."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # [N, E]
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
+        choice = scores + self.e_score_correction_bias.float() if cfg.topk_method == "noaux_tc" else scores
+        if cfg.n_group > 1 and cfg.topk_method != "greedy":
+            grouped = choice.unflatten(-1, (cfg.n_group, -1))  # [N, G, E/G]
+            group_scores = grouped.topk(2, -1)[0].sum(-1) if cfg.topk_method == "noaux_tc" else grouped.amax(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+                1, group_scores.topk(cfg.topk_group, -1)[1], True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        idx = choice.topk(cfg.num_experts_per_tok, -1)[1]
+        weights = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, idx
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE: shared experts on every token plus the gated top-k of the routed experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Gate(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.n_routed_experts))
+        if cfg.n_shared_experts:
+            self.shared_experts = MLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, idx = self.gate(x)
+        y = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            token, slot = torch.where(idx == e)
+            y.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype))
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return y.view(shape)
+
+
+# -------------------------------------------------------------------------------------- blocks
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += MLA(norm(h)); h += FFN(norm(h)), FFN dense or MoE by DeepSeek's layer rule."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = MLA(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None, mask: Tensor | None,
+                absorbed: bool) -> tuple[Tensor, Tensor]:
+        a, latent = self.self_attn(self.input_layernorm(h), cos, sin, past, mask, absorbed)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), latent
+
+
+class MTPLayer(DecoderLayer):
+    """MTP module k (V3 §2.2), stored as `model.layers.{N + k - 1}`: enorm, hnorm, eh_proj (M_k),
+    one decoder block (TRM_k), and shared_head.norm before the shared output head."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__(cfg, layer_id)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None,
+                mask: Tensor | None, absorbed: bool) -> tuple[Tensor, Tensor]:
+        """h [B, S, D] previous depth's hidden, emb [B, S, D] embedding of the shifted tokens."""
+        h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        return super().forward(h, cos, sin, past, mask, absorbed)
+
+
+class Backbone(nn.Module):
+    """`model.*` in the checkpoint: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3(nn.Module):
+    """The main model plus `nextn` MTP modules (default: all the config declares).
+
+    Caches are lists of per-layer latent rows [B, T, Dl+Dr]; `past_len` [B] says how many of the
+    T rows are valid for each sequence, and the S new tokens sit at positions past_len + 0..S-1.
+    """
+
+    def __init__(self, cfg: ModelConfig, nextn: int | None = None, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.nextn = cfg.num_nextn_predict_layers if nextn is None else nextn
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + k) for k in range(self.nextn))
+        cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_weights(self, std: float = 0.02) -> DeepseekV3:
+        """Random init for training from scratch: N(0, std) matrices, unit norms, zero biases."""
+        for name, p in self.named_parameters():
+            if name.endswith("e_score_correction_bias") or p.dim() == 1 and "norm" not in name:
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=std)
+        return self
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    @staticmethod
+    def _positions_mask(tokens: Tensor, past: list[Tensor] | None, past_len: Tensor | None):
+        b, s = tokens.shape
+        if past is None:
+            return torch.arange(s).expand(b, s), None
+        if past_len is None:
+            past_len = torch.full((b,), past[0].shape[1], dtype=torch.long)
+        return past_len[:, None] + torch.arange(s), attention_mask(past_len, past[0].shape[1], s)
+
+    def forward(self, tokens: Tensor, past: list[Tensor] | None = None, past_len: Tensor | None = None,
+                absorbed: bool = False) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """tokens [B, S] -> logits [B, S, V] (fp32), hidden [B, S, D] after the final norm, new latent rows
+        per layer [B, S, Dl+Dr].  With past=None the S tokens start at position 0."""
+        positions, mask = self._positions_mask(tokens, past, past_len)
+        cos, sin = self._rope(positions)
+        h = self.model.embed_tokens(tokens)
+        latents = []
+        for i, layer in enumerate(self.model.layers):
+            h, latent = layer(h, cos, sin, None if past is None else past[i], mask, absorbed)
+            latents.append(latent)
+        h = self.model.norm(h)
+        return self.lm_head(h).float(), h, latents
+
+    def mtp_forward(self, k: int, hidden: Tensor, next_tokens: Tensor, past: Tensor | None = None,
+                    past_len: Tensor | None = None, absorbed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """MTP module k (0-based) on rows i = past_len + 0..S-1: hidden h_i [B, S, D] and next_tokens
+        t_{i+1} [B, S] -> logits [B, S, V] for t_{i+2}, the block's output hidden [B, S, D] (before
+        shared_head.norm: the next depth's input), and the new latent rows [B, S, Dl+Dr]."""
+        layer = self.mtp[k]
+        positions, mask = self._positions_mask(next_tokens, None if past is None else [past], past_len)
+        cos, sin = self._rope(positions)
+        emb = self.model.embed_tokens(next_tokens) * (positions != 0)[..., None].to(hidden.dtype)
+        h, latent = layer(hidden, emb, cos, sin, past, mask, absorbed)
+        return self.lm_head(layer.shared_head.norm(h)).float(), h, latent

@@ -1,0 +1,264 @@
+"""DeepSeek-V3 model configuration: `config.json` parsed and checked, with no torch import.
+
+Field names are the Hugging Face / DeepSeek ones.  Both spellings of RoPE scaling are accepted:
+the official checkpoints' `rope_theta` + `rope_scaling: {"type": "yarn", ...}` and transformers 5's
+`rope_parameters: {"rope_type": "yarn", "rope_theta": ..., ...}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from mtp_trt.errors import MtpTrtError
+
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
+ROPE_TYPES = ("default", "yarn")
+HIDDEN_ACTS = ("silu",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Decoupled RoPE on `qk_rope_head_dim` dims, optionally YaRN-scaled (DeepSeek-V2 paper, App. B)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @staticmethod
+    def yarn_mscale(factor: float, mscale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        """Scale of cos/sin, as DeepSeek computes it: m(factor, mscale) / m(factor, mscale_all_dim); 1 for V3."""
+        if self.type != "yarn":
+            return 1.0
+        return self.yarn_mscale(self.factor, self.mscale) / self.yarn_mscale(self.factor, self.mscale_all_dim)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """Extra factor on the softmax scale: mscale(factor, mscale_all_dim)^2 (YaRN), else 1."""
+        if self.type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return self.yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a DeepSeek-V3 model and its MTP modules."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q projected directly (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    moe_intermediate_size: int = 0
+    n_routed_experts: int | None = None  # None or 0: every layer dense
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    num_nextn_predict_layers: int = 0
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope: RopeConfig = RopeConfig()
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    fp8_block_size: tuple[int, int] | None = None  # set when weights are FP8 block-quantized
+
+    # ----------------------------------------------------------------------------------- derived
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token and layer in the compressed cache: normed c_kv then roped k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """DeepSeek's rule; MTP layers use their index N + k, as in the official checkpoints."""
+        return bool(self.n_routed_experts) and layer_id >= self.first_k_dense_replace and (
+            layer_id % self.moe_layer_freq == 0
+        )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, list) else (self.eos_token_id,)
+
+    # ----------------------------------------------------------------------------------- parsing
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise MtpTrtError(f"{path}: config file not found")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:
+        def bad(field: str, msg: str) -> MtpTrtError:
+            return MtpTrtError(f"{source}: field '{field}' {msg}")
+
+        def get(field: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
+            if field not in d or d[field] is None:
+                if default is dataclasses.MISSING:
+                    raise bad(field, "is missing")
+                return default
+            v = d[field]
+            if kind is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise bad(field, f"must be an integer, got {v!r}")
+            if not isinstance(v, kind):
+                raise bad(field, f"must be {kind.__name__}, got {v!r}")
+            if kind is int and v < 0:
+                raise bad(field, f"must be >= 0, got {v}")
+            return v
+
+        def choice(field: str, allowed: tuple[str, ...], default: str) -> str:
+            v = get(field, str, default)
+            if v not in allowed:
+                raise bad(field, f"has unknown value {v!r}; expected one of {', '.join(allowed)}")
+            return v
+
+        n_routed = get("n_routed_experts", int, 0) or None
+        rope = _parse_rope(d, source, get, bad)
+        quant = d.get("quantization_config")
+        fp8_block = None
+        if quant:
+            method = quant.get("quant_method")
+            if method != "fp8":
+                raise bad("quantization_config.quant_method", f"has unsupported value {method!r}; expected 'fp8'")
+            block = quant.get("weight_block_size", [128, 128])
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise bad("quantization_config.weight_block_size", f"must be two positive integers, got {block!r}")
+            fp8_block = (block[0], block[1])
+        cfg = cls(
+            vocab_size=get("vocab_size", int),
+            hidden_size=get("hidden_size", int),
+            intermediate_size=get("intermediate_size", int),
+            num_hidden_layers=get("num_hidden_layers", int),
+            num_attention_heads=get("num_attention_heads", int),
+            kv_lora_rank=get("kv_lora_rank", int),
+            q_lora_rank=get("q_lora_rank", int, None),
+            qk_nope_head_dim=get("qk_nope_head_dim", int),
+            qk_rope_head_dim=get("qk_rope_head_dim", int),
+            v_head_dim=get("v_head_dim", int),
+            moe_intermediate_size=get("moe_intermediate_size", int, 0),
+            n_routed_experts=n_routed,
+            n_shared_experts=get("n_shared_experts", int, 0),
+            num_experts_per_tok=get("num_experts_per_tok", int, 1),
+            n_group=get("n_group", int, 1),
+            topk_group=get("topk_group", int, 1),
+            topk_method=choice("topk_method", TOPK_METHODS, "noaux_tc"),
+            scoring_func=choice("scoring_func", SCORING_FUNCS, "sigmoid"),
+            norm_topk_prob=get("norm_topk_prob", bool, True),
+            routed_scaling_factor=get("routed_scaling_factor", float, 1.0),
+            first_k_dense_replace=get("first_k_dense_replace", int, 0),
+            moe_layer_freq=get("moe_layer_freq", int, 1),
+            num_nextn_predict_layers=get("num_nextn_predict_layers", int, 0),
+            hidden_act=choice("hidden_act", HIDDEN_ACTS, "silu"),
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            max_position_embeddings=get("max_position_embeddings", int, 4096),
+            rope=rope,
+            rope_interleave=get("rope_interleave", bool, True),
+            attention_bias=get("attention_bias", bool, False),
+            tie_word_embeddings=get("tie_word_embeddings", bool, False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            fp8_block_size=fp8_block,
+        )
+        cfg._check(bad)
+        return cfg
+
+    def _check(self, bad) -> None:
+        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                  "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, f) <= 0:
+                raise bad(f, f"must be positive, got {getattr(self, f)}")
+        if self.qk_rope_head_dim % 2:
+            raise bad("qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
+        if self.moe_layer_freq < 1:
+            raise bad("moe_layer_freq", f"must be >= 1, got {self.moe_layer_freq}")
+        if self.n_routed_experts:
+            if self.moe_intermediate_size <= 0:
+                raise bad("moe_intermediate_size", "must be positive when n_routed_experts is set")
+            if self.n_group < 1 or self.n_routed_experts % self.n_group:
+                raise bad("n_group", f"must divide n_routed_experts={self.n_routed_experts}, got {self.n_group}")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise bad("topk_group", f"must be in 1..n_group={self.n_group}, got {self.topk_group}")
+            if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+                raise bad("num_experts_per_tok", f"must be in 1..{self.n_routed_experts}, got {self.num_experts_per_tok}")
+            per_group = self.n_routed_experts // self.n_group
+            if self.topk_method == "noaux_tc" and self.n_group > 1 and per_group < 2:
+                raise bad("n_group", "leaves fewer than 2 experts per group; noaux_tc scores groups by their top 2")
+            if self.topk_method == "noaux_tc" and self.scoring_func != "sigmoid":
+                raise bad("topk_method", "'noaux_tc' needs scoring_func 'sigmoid'")
+
+
+def _parse_rope(d: dict[str, Any], source: str, get, bad) -> RopeConfig:
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    field = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    if not isinstance(params, dict):
+        raise bad(field, f"must be an object, got {params!r}")
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise bad("rope_theta", f"must be a positive number, got {theta!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise bad(f"{field}.type", f"has unknown value {kind!r}; expected one of {', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+
+    def num(key: str, default: float | None) -> float:
+        v = params.get(key, default)
+        if v is None:
+            raise bad(f"{field}.{key}", "is missing (needed for YaRN)")
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise bad(f"{field}.{key}", f"must be a number, got {v!r}")
+        return float(v)
+
+    omax = params.get("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
+    return RopeConfig(
+        theta=float(theta), type="yarn", factor=num("factor", None),
+        original_max_position_embeddings=int(omax),
+        beta_fast=num("beta_fast", 32.0) or 32.0, beta_slow=num("beta_slow", 1.0) or 1.0,
+        mscale=num("mscale", 1.0), mscale_all_dim=num("mscale_all_dim", 0.0),
+    )
