@@ -1,0 +1,123 @@
+// common.cuh -- small device helpers shared by the mtp-trt kernels (internal, not installed API).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "mtp_kernels.h"
+
+namespace mtp {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---- element conversions ------------------------------------------------------------------
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// Two 16-bit values packed into one 32-bit register, `lo` in the low half (the lower-indexed
+// element of an mma fragment pair).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+template <typename T> __device__ __forceinline__ uint32_t pack2_raw(T lo, T hi) {
+    const uint32_t l = *reinterpret_cast<const uint16_t*>(&lo);
+    const uint32_t h = *reinterpret_cast<const uint16_t*>(&hi);
+    return l | (h << 16);
+}
+// 32-bit shared-memory load of two consecutive 16-bit elements (address must be 4-byte aligned).
+template <typename T> __device__ __forceinline__ uint32_t lds32(const T* p) {
+    return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// ---- warp reductions ----------------------------------------------------------------------
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+    return v;
+}
+
+// ---- cp.async (sm_80+) ----------------------------------------------------------------------
+// Copies 16 bytes global -> shared; when !pred, writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- tensor cores: D = A(16x16, row) * B(16x8, col) + D, fp32 accumulate ---------------------
+// Fragment layout (PTX ISA, mma.m16n8k16, 16-bit A/B), g = lane / 4, c = lane % 4:
+//   a0: A[g][2c..2c+1]   a1: A[g+8][2c..2c+1]   a2: A[g][2c+8..]   a3: A[g+8][2c+8..]
+//   b0: B[2c..2c+1][g]   b1: B[2c+8..2c+9][g]
+//   d0,d1: D[g][2c..2c+1]   d2,d3: D[g+8][2c..2c+1]
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+
+// ---- host helpers ---------------------------------------------------------------------------
+inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+inline int dtype_size(mtp_dtype t) { return t == MTP_DTYPE_F32 ? 4 : 2; }
+inline bool dtype_ok(int t) { return t == MTP_DTYPE_F32 || t == MTP_DTYPE_F16 || t == MTP_DTYPE_BF16; }
+
+// Kernel launch status: the launch error if any (clears it), else success.
+inline cudaError_t launch_status() { return cudaGetLastError(); }
+
+}  // namespace mtp
+
+// Dispatch `FN<T>(args...)` on a runtime dtype.
+#define MTP_DISPATCH_DTYPE(dtype, T, ...)                                        \
+    switch (dtype) {                                                             \
+        case MTP_DTYPE_F32: { using T = float; __VA_ARGS__; } break;             \
+        case MTP_DTYPE_F16: { using T = __half; __VA_ARGS__; } break;            \
+        case MTP_DTYPE_BF16: { using T = __nv_bfloat16; __VA_ARGS__; } break;    \
+        default: return cudaErrorInvalidValue;                                   \
+    }

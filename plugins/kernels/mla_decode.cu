@@ -1,0 +1,626 @@
+// mla_decode.cu -- MLA generation attention over the compressed latent cache (split-KV).
+// Interface and semantics: mtp_kernels.h.  Reference: plugins/reference.py::mla_decode.
+//
+// Grid of the attention kernels: x = tile of query rows (the S*H rows of one sequence, in
+// (s, h) order), y = KV split, z = sequence.  The query tiles of one (sequence, split) are
+// adjacent in launch order, so they run together and share the latent rows through L2.
+// Inside a block each latent row is loaded once (16-byte cp.async) into shared memory and used
+// by all the block's query rows for both products (scores with the whole row, P.V with its first
+// Dl values).  Softmax is online in base 2 (scores pre-multiplied by scale * log2 e).
+#include <math.h>
+
+#include "common.cuh"
+
+namespace mtp {
+namespace {
+
+struct MlaParams {
+    const void* q;
+    const void* cache;
+    const int32_t* cache_len;
+    const uint8_t* mask;
+    void* out;      // used when nsplit == 1
+    float* opart;   // [B*M][nsplit][Dl] when nsplit > 1
+    float2* ml;     // [B*M][nsplit] (max, sum)
+    int S, H, Dl, D, T_max, nsplit;
+    float scale_log2;
+};
+
+// Rows c .. of sequence b: c = clamped cache_len, returns L = rows after the commit.
+__device__ __forceinline__ int seq_rows(const MlaParams& p, int b, int& c) {
+    int cl = p.cache_len[b];
+    cl = max(0, min(cl, p.T_max));
+    c = cl;
+    return min(cl + p.S, p.T_max);
+}
+
+// [start, end) rows of split `sp` (chunk rounded up to the tile; may be empty).
+__device__ __forceinline__ void split_range(int L, int nsplit, int sp, int tile, int& start,
+                                            int& end) {
+    int chunk = (L + nsplit - 1) / nsplit;
+    chunk = (chunk + tile - 1) / tile * tile;
+    const long long s0 = static_cast<long long>(sp) * chunk;
+    start = static_cast<int>(min(s0, static_cast<long long>(L)));
+    end = static_cast<int>(min(s0 + chunk, static_cast<long long>(L)));
+}
+
+// May query s (new token s of sequence b) attend to cache row t (t < L)?
+__device__ __forceinline__ bool visible(int t, int c, int s, int S, const uint8_t* mask_b) {
+    if (t < c) return true;
+    const int j = t - c;
+    return mask_b ? (mask_b[s * S + j] != 0) : (j <= s);
+}
+
+// =============================================================================================
+// Tensor-core path (fp16 / bf16).  Block = 8 warps, 32 query rows, tiles of 32 latent rows.
+//   scores S[32 x 32] = Q[32 x D] . K^T : 8 mma tiles of 16x8, one per warp, k-loop over D.
+//   P V: O[32 x Dl] += P[32 x 32] . V[32 x Dl]; warp w owns the 8-column blocks w, w+8, ...
+// Shared memory (16-bit elements unless noted), row strides padded so that fragment loads are
+// free of bank conflicts (stride/2 words = 4 mod 8):
+//   sQ [32][D+8], sK [NSTAGE][32][D+8], sS [32][36] fp32, sP [32][40], sM/sL/sA [32] fp32.
+// =============================================================================================
+constexpr int TC_QT = 32;
+constexpr int TC_TT = 32;
+constexpr int TC_THREADS = 256;
+constexpr int TC_MAXNB = 8;  // column blocks per warp: Dl <= 8 warps * 8 blocks * 8 = 512
+constexpr int TC_SS = TC_TT + 4;
+constexpr int TC_PS = TC_TT + 8;
+
+inline size_t tc_smem_bytes(int D, int nstage) {
+    const size_t row = static_cast<size_t>(D + 8) * 2;
+    return row * TC_QT + row * TC_TT * nstage + sizeof(float) * TC_QT * TC_SS + 2 * TC_QT * TC_PS +
+           sizeof(float) * 3 * TC_QT;
+}
+
+template <typename T, int NSTAGE>
+__global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int D = p.D, Dl = p.Dl;
+    const int RS = D + 8;  // row stride of sQ and sK (elements)
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + TC_QT * RS;
+    float* sS = reinterpret_cast<float*>(sK + NSTAGE * TC_TT * RS);
+    T* sP = reinterpret_cast<T*>(sS + TC_QT * TC_SS);
+    float* sM = reinterpret_cast<float*>(sP + TC_QT * TC_PS);
+    float* sL = sM + TC_QT;
+    float* sA = sL + TC_QT;
+
+    const int qt = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
+    const int M = p.S * p.H;
+    const int m0 = qt * TC_QT;
+    const int nq = min(TC_QT, M - m0);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c4 = lane & 3;
+
+    int c;
+    const int L = seq_rows(p, b, c);
+    int start, end;
+    split_range(L, p.nsplit, sp, TC_TT, start, end);
+    const int ntiles = (end - start + TC_TT - 1) / TC_TT;  // 0 when empty
+    const T* cache_b = static_cast<const T*>(p.cache) + static_cast<size_t>(b) * p.T_max * D;
+    const T* q_b = static_cast<const T*>(p.q) + static_cast<size_t>(b) * M * D;
+    const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
+    const int D8 = D >> 3;  // 16-byte chunks per row
+
+    if (tid < TC_QT) {
+        sM[tid] = -INFINITY;
+        sL[tid] = 0.f;
+        sA[tid] = 1.f;
+    }
+
+    auto load_tile = [&](int tile, int stage) {
+        T* dst = sK + stage * TC_TT * RS;
+        const int t0 = start + tile * TC_TT;
+        for (int i = tid; i < TC_TT * D8; i += TC_THREADS) {
+            const int r = i / D8, k8 = i - r * D8;
+            const int t = t0 + r;
+            const bool ok = t < end;
+            cp_async16(dst + r * RS + k8 * 8, cache_b + static_cast<size_t>(ok ? t : start) * D + k8 * 8,
+                       ok);
+        }
+    };
+
+    if (ntiles > 0) {
+        for (int i = tid; i < TC_QT * D8; i += TC_THREADS) {
+            const int r = i / D8, k8 = i - r * D8;
+            const bool ok = r < nq;
+            cp_async16(sQ + r * RS + k8 * 8, q_b + static_cast<size_t>(m0 + (ok ? r : 0)) * D + k8 * 8,
+                       ok);
+        }
+        load_tile(0, 0);
+    }
+    cp_async_commit();
+
+    float acc[2][TC_MAXNB][4];
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+        for (int j = 0; j < TC_MAXNB; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[rb][j][e] = 0.f;
+    const int NB = Dl >> 3;  // 8-column blocks of the output
+
+    for (int it = 0; it < ntiles; ++it) {
+        const int stage = NSTAGE == 2 ? (it & 1) : 0;
+        if (NSTAGE == 2) {
+            // The buffer of tile it+1 was last read in iteration it-1, which ended with a barrier.
+            if (it + 1 < ntiles) load_tile(it + 1, (it + 1) & 1);
+            cp_async_commit();
+            cp_async_wait<1>();  // everything but the newest group: tile it (and Q) landed
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T* sKt = sK + stage * TC_TT * RS;
+        const int t0 = start + it * TC_TT;
+
+        // ---- scores: warp -> tile (rb = warp / 4, nb = warp % 4) of S[32 x 32]
+        {
+            const int rb = warp >> 2, nb = warp & 3;
+            float s4[4] = {0.f, 0.f, 0.f, 0.f};
+            const T* qa = sQ + (rb * 16 + g) * RS + 2 * c4;
+            const T* kb = sKt + (nb * 8 + g) * RS + 2 * c4;
+#pragma unroll 4
+            for (int k0 = 0; k0 < D; k0 += 16) {
+                const uint32_t a0 = lds32(qa + k0), a1 = lds32(qa + 8 * RS + k0);
+                const uint32_t a2 = lds32(qa + k0 + 8), a3 = lds32(qa + 8 * RS + k0 + 8);
+                const uint32_t b0 = lds32(kb + k0), b1 = lds32(kb + k0 + 8);
+                Mma<T>::run(s4, a0, a1, a2, a3, b0, b1);
+            }
+            float* srow = sS + (rb * 16 + g) * TC_SS + nb * 8 + 2 * c4;
+            srow[0] = s4[0] * p.scale_log2;
+            srow[1] = s4[1] * p.scale_log2;
+            srow[8 * TC_SS] = s4[2] * p.scale_log2;
+            srow[8 * TC_SS + 1] = s4[3] * p.scale_log2;
+        }
+        __syncthreads();
+
+        // ---- online softmax: warp -> rows warp, warp+8, ...; lane -> column (tile row)
+        for (int r = warp; r < TC_QT; r += TC_THREADS / 32) {
+            if (r < nq) {  // warp-uniform
+                const int s = (m0 + r) / p.H;
+                const int t = t0 + lane;
+                const bool ok = t < end && visible(t, c, s, p.S, mask_b);
+                const float x = ok ? sS[r * TC_SS + lane] : -INFINITY;
+                const float m_old = sM[r];
+                const float m_new = fmaxf(m_old, warp_max(x));
+                float pv = 0.f, alpha = 1.f;
+                if (m_new != -INFINITY) {
+                    pv = ok ? exp2f(x - m_new) : 0.f;
+                    alpha = exp2f(m_old - m_new);  // 0 when m_old == -inf
+                }
+                const T ph = from_f<T>(pv);
+                sP[r * TC_PS + lane] = ph;
+                const float ls = warp_sum(to_f<T>(ph));
+                if (lane == 0) {
+                    sM[r] = m_new;
+                    sL[r] = sL[r] * alpha + ls;
+                    sA[r] = alpha;
+                }
+            } else {
+                sP[r * TC_PS + lane] = from_f<T>(0.f);
+                if (lane == 0) sA[r] = 1.f;
+            }
+        }
+        __syncthreads();
+
+        // ---- O = alpha * O + P . V
+        {
+            float al[2][2];
+#pragma unroll
+            for (int rb = 0; rb < 2; ++rb) {
+                al[rb][0] = sA[rb * 16 + g];
+                al[rb][1] = sA[rb * 16 + g + 8];
+            }
+#pragma unroll
+            for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+                for (int j = 0; j < TC_MAXNB; ++j) {
+                    acc[rb][j][0] *= al[rb][0];
+                    acc[rb][j][1] *= al[rb][0];
+                    acc[rb][j][2] *= al[rb][1];
+                    acc[rb][j][3] *= al[rb][1];
+                }
+#pragma unroll
+            for (int k0 = 0; k0 < TC_TT; k0 += 16) {
+                uint32_t a[2][4];
+#pragma unroll
+                for (int rb = 0; rb < 2; ++rb) {
+                    const T* pa = sP + (rb * 16 + g) * TC_PS + k0 + 2 * c4;
+                    a[rb][0] = lds32(pa);
+                    a[rb][1] = lds32(pa + 8 * TC_PS);
+                    a[rb][2] = lds32(pa + 8);
+                    a[rb][3] = lds32(pa + 8 * TC_PS + 8);
+                }
+                // B[k][n] = V[k0 + k][n]: b0 = rows 2c, 2c+1; b1 = rows 2c+8, 2c+9; column g.
+                const T* vb = sKt + (k0 + 2 * c4) * RS + g;
+#pragma unroll
+                for (int j = 0; j < TC_MAXNB; ++j) {
+                    const int nb = warp + 8 * j;
+                    if (nb < NB) {  // warp-uniform
+                        const T* v = vb + nb * 8;
+                        const uint32_t b0 = pack2_raw<T>(v[0], v[RS]);
+                        const uint32_t b1 = pack2_raw<T>(v[8 * RS], v[9 * RS]);
+                        Mma<T>::run(acc[0][j], a[0][0], a[0][1], a[0][2], a[0][3], b0, b1);
+                        Mma<T>::run(acc[1][j], a[1][0], a[1][1], a[1][2], a[1][3], b0, b1);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // sK[stage], sS, sP and sA are free again
+        if (NSTAGE == 1 && it + 1 < ntiles) {
+            load_tile(it + 1, 0);
+            cp_async_commit();
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // sM / sL visible also when ntiles == 0
+
+    // ---- write: direct normalised output (one split) or fp32 partials
+    const bool direct = p.nsplit == 1;
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = rb * 16 + g + 8 * h;
+            if (r >= nq) continue;
+            const size_t row = static_cast<size_t>(b) * M + m0 + r;
+            float inv = 1.f;
+            if (direct) {
+                const float l = sL[r];
+                inv = l > 0.f ? 1.f / l : 0.f;
+            }
+#pragma unroll
+            for (int j = 0; j < TC_MAXNB; ++j) {
+                const int nb = warp + 8 * j;
+                if (nb >= NB) continue;
+                const int col = nb * 8 + 2 * c4;
+                const float v0 = acc[rb][j][2 * h] * inv, v1 = acc[rb][j][2 * h + 1] * inv;
+                if (direct) {
+                    *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * Dl + col) =
+                        pack2<T>(v0, v1);
+                } else {
+                    *reinterpret_cast<float2*>(p.opart + (row * p.nsplit + sp) * Dl + col) =
+                        make_float2(v0, v1);
+                }
+            }
+        }
+    if (!direct && tid < nq) {
+        const size_t row = static_cast<size_t>(b) * M + m0 + tid;
+        p.ml[row * p.nsplit + sp] = make_float2(sM[tid], sL[tid]);
+    }
+}
+
+// =============================================================================================
+// SIMT path (any dtype, any Dl <= 512, any Dr).  Block = 4 warps, 8 query rows (2 per warp),
+// tiles of 32 rows converted to fp32 in shared memory (row stride odd: conflict-free when lane j
+// reads row j).  Scores: lane j <-> tile row j.  P.V: lane owns output columns lane + 32 i.
+// =============================================================================================
+constexpr int SM_TT = 32;
+constexpr int SM_THREADS = 128;
+constexpr int SM_QPW = 2;
+constexpr int SM_QB = SM_QPW * SM_THREADS / 32;  // 8 query rows per block
+constexpr int SM_NC = 16;                        // Dl <= 32 * 16
+
+inline int simt_stride(int D) { return (D % 2 == 0) ? D + 1 : D; }
+inline size_t simt_smem_bytes(int D) {
+    return sizeof(float) * (static_cast<size_t>(SM_TT) * simt_stride(D) + static_cast<size_t>(SM_QB) * D);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(SM_THREADS) mla_simt_kernel(const MlaParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const int D = p.D, Dl = p.Dl;
+    const int KS = (D % 2 == 0) ? D + 1 : D;
+    float* sK = reinterpret_cast<float*>(smem_raw);
+    float* sQ = sK + SM_TT * KS;
+
+    const int qb = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
+    const int M = p.S * p.H;
+    const int m0 = qb * SM_QB;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int c;
+    const int L = seq_rows(p, b, c);
+    int start, end;
+    split_range(L, p.nsplit, sp, SM_TT, start, end);
+    const int ntiles = (end - start + SM_TT - 1) / SM_TT;
+    const T* cache_b = static_cast<const T*>(p.cache) + static_cast<size_t>(b) * p.T_max * D;
+    const T* q_b = static_cast<const T*>(p.q) + static_cast<size_t>(b) * M * D;
+    const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
+
+    for (int i = tid; i < SM_QB * D; i += SM_THREADS) {
+        const int r = i / D;
+        sQ[i] = (m0 + r < M) ? to_f<T>(q_b[static_cast<size_t>(m0) * D + i]) : 0.f;
+    }
+
+    float acc[SM_QPW][SM_NC];
+    float mrun[SM_QPW], lrun[SM_QPW];
+#pragma unroll
+    for (int qi = 0; qi < SM_QPW; ++qi) {
+        mrun[qi] = -INFINITY;
+        lrun[qi] = 0.f;
+#pragma unroll
+        for (int i = 0; i < SM_NC; ++i) acc[qi][i] = 0.f;
+    }
+
+    for (int it = 0; it < ntiles; ++it) {
+        const int t0 = start + it * SM_TT;
+        __syncthreads();  // previous tile consumed
+        for (int i = tid; i < SM_TT * D; i += SM_THREADS) {
+            const int r = i / D, d = i - r * D;
+            const int t = t0 + r;
+            sK[r * KS + d] = t < end ? to_f<T>(cache_b[static_cast<size_t>(t) * D + d]) : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int qi = 0; qi < SM_QPW; ++qi) {
+            const int r = warp * SM_QPW + qi;
+            if (m0 + r >= M) continue;  // warp-uniform
+            const int s = (m0 + r) / p.H;
+            const int t = t0 + lane;
+            const float* kr = sK + lane * KS;
+            const float* qr = sQ + r * D;
+            float x = 0.f;
+            for (int d = 0; d < D; ++d) x = fmaf(qr[d], kr[d], x);
+            const bool ok = t < end && visible(t, c, s, p.S, mask_b);
+            x = ok ? x * p.scale_log2 : -INFINITY;
+            const float m_new = fmaxf(mrun[qi], warp_max(x));
+            float pv = 0.f, alpha = 1.f;
+            if (m_new != -INFINITY) {
+                pv = ok ? exp2f(x - m_new) : 0.f;
+                alpha = exp2f(mrun[qi] - m_new);
+            }
+            lrun[qi] = lrun[qi] * alpha + warp_sum(pv);
+            mrun[qi] = m_new;
+#pragma unroll
+            for (int i = 0; i < SM_NC; ++i) acc[qi][i] *= alpha;
+            for (int j = 0; j < SM_TT; ++j) {
+                const float pj = __shfl_sync(kFullMask, pv, j);
+                if (pj != 0.f) {  // warp-uniform
+                    const float* vr = sK + j * KS;
+#pragma unroll
+                    for (int i = 0; i < SM_NC; ++i) {
+                        const int col = lane + 32 * i;
+                        if (col < Dl) acc[qi][i] = fmaf(pj, vr[col], acc[qi][i]);
+                    }
+                }
+            }
+        }
+    }
+
+    const bool direct = p.nsplit == 1;
+#pragma unroll
+    for (int qi = 0; qi < SM_QPW; ++qi) {
+        const int r = warp * SM_QPW + qi;
+        if (m0 + r >= M) continue;
+        const size_t row = static_cast<size_t>(b) * M + m0 + r;
+        const float inv = direct ? (lrun[qi] > 0.f ? 1.f / lrun[qi] : 0.f) : 1.f;
+#pragma unroll
+        for (int i = 0; i < SM_NC; ++i) {
+            const int col = lane + 32 * i;
+            if (col >= Dl) continue;
+            if (direct)
+                static_cast<T*>(p.out)[row * Dl + col] = from_f<T>(acc[qi][i] * inv);
+            else
+                p.opart[(row * p.nsplit + sp) * Dl + col] = acc[qi][i];
+        }
+        if (!direct && lane == 0) p.ml[row * p.nsplit + sp] = make_float2(mrun[qi], lrun[qi]);
+    }
+}
+
+// =============================================================================================
+// Combine: one warp per query row.  out = sum_i w_i O_i / sum_i w_i l_i, w_i = 2^(m_i - max m).
+// =============================================================================================
+constexpr int CB_THREADS = 128;
+
+template <typename T>
+__global__ void __launch_bounds__(CB_THREADS) mla_combine_kernel(const float* __restrict__ opart,
+                                                                 const float2* __restrict__ ml,
+                                                                 T* __restrict__ out, long long rows,
+                                                                 int nsplit, int Dl) {
+    __shared__ float sw[CB_THREADS / 32][MTP_MLA_MAX_SPLITS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long row = static_cast<long long>(blockIdx.x) * (CB_THREADS / 32) + warp;
+    if (row >= rows) return;  // whole warp leaves; no block barrier below
+    const float2* mlr = ml + row * nsplit;
+    float mx = -INFINITY;
+    for (int i = lane; i < nsplit; i += 32) mx = fmaxf(mx, mlr[i].x);
+    mx = warp_max(mx);
+    float lsum = 0.f;
+    for (int i = lane; i < nsplit; i += 32) {
+        const float2 v = mlr[i];
+        const float w = (mx == -INFINITY) ? 0.f : exp2f(v.x - mx);
+        sw[warp][i] = w;
+        lsum += w * v.y;
+    }
+    lsum = warp_sum(lsum);
+    __syncwarp();
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    const float* o = opart + row * nsplit * Dl;
+    for (int col = lane; col < Dl; col += 32) {
+        float a = 0.f;
+        for (int i = 0; i < nsplit; ++i) {
+            const float w = sw[warp][i];
+            if (w != 0.f) a = fmaf(w, o[static_cast<size_t>(i) * Dl + col], a);
+        }
+        out[row * Dl + col] = from_f<T>(a * inv);
+    }
+}
+
+// =============================================================================================
+// KV commit: cache[b][cache_len[b] + s] = new_rows[b][s], copied in units U.
+// =============================================================================================
+template <typename U>
+__global__ void kv_commit_kernel(U* __restrict__ cache, const int32_t* __restrict__ cache_len,
+                                 const U* __restrict__ new_rows, int S, int units, int T_max) {
+    const int row = blockIdx.x;
+    const int b = row / S, s = row - b * S;
+    const int c = max(0, min(static_cast<int>(cache_len[b]), T_max));
+    const int t = c + s;
+    if (t >= T_max) return;
+    U* dst = cache + (static_cast<size_t>(b) * T_max + t) * units;
+    const U* src = new_rows + static_cast<size_t>(row) * units;
+    for (int i = threadIdx.x; i < units; i += blockDim.x) dst[i] = src[i];
+}
+
+int current_num_sms() {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+        cudaGetLastError();
+        return 132;
+    }
+    return n;
+}
+
+int max_optin_smem() {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 48 * 1024;
+    }
+    return n;
+}
+
+template <typename K>
+cudaError_t launch_attn(K kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                        const MlaParams& p) {
+    if (smem > 48 * 1024) {
+        const cudaError_t e =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+        if (e != cudaSuccess) return e;
+    }
+    kernel<<<grid, threads, smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace mtp
+
+using namespace mtp;
+
+extern "C" int mtp_mla_decode_num_splits(int B, int S, int H, int max_len, int num_sms) {
+    if (B <= 0 || S <= 0 || H <= 0 || max_len <= 0) return 1;
+    if (num_sms <= 0) num_sms = current_num_sms();
+    const long long qtiles = (static_cast<long long>(S) * H + TC_QT - 1) / TC_QT;
+    const long long per_split = static_cast<long long>(B) * qtiles;
+    long long n = (num_sms + per_split - 1) / per_split;     // about one full wave
+    const long long by_len = (max_len + 127) / 128;          // at least ~128 rows per split
+    n = n < by_len ? n : by_len;
+    n = n < MTP_MLA_MAX_SPLITS ? n : MTP_MLA_MAX_SPLITS;
+    return static_cast<int>(n < 1 ? 1 : n);
+}
+
+extern "C" size_t mtp_mla_decode_workspace_size(int B, int S, int H, int Dl, int num_splits) {
+    if (num_splits <= 1 || B <= 0 || S <= 0 || H <= 0 || Dl <= 0) return 0;
+    const size_t rows = static_cast<size_t>(B) * S * H * num_splits;
+    return align_up(rows * Dl * sizeof(float), 256) + align_up(rows * sizeof(float2), 256);
+}
+
+extern "C" cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* cache_len,
+                                         const void* new_rows, int B, int S, int D, int T_max,
+                                         cudaStream_t stream) {
+    if (!dtype_ok(dtype) || B < 0 || S < 0 || D <= 0 || T_max <= 0) return cudaErrorInvalidValue;
+    if (B == 0 || S == 0) return cudaSuccess;
+    if (!kv_cache || !cache_len || !new_rows) return cudaErrorInvalidValue;
+    if (static_cast<long long>(B) * S > 0x7fffffffLL) return cudaErrorInvalidValue;
+    const size_t bytes = static_cast<size_t>(D) * dtype_size(dtype);
+    const dim3 grid(static_cast<unsigned>(B * S));
+    if (bytes % 16 == 0 && aligned16(kv_cache) && aligned16(new_rows)) {
+        kv_commit_kernel<uint4><<<grid, 64, 0, stream>>>(static_cast<uint4*>(kv_cache), cache_len,
+                                                         static_cast<const uint4*>(new_rows), S,
+                                                         static_cast<int>(bytes / 16), T_max);
+    } else if (bytes % 4 == 0) {
+        kv_commit_kernel<uint32_t><<<grid, 128, 0, stream>>>(
+            static_cast<uint32_t*>(kv_cache), cache_len, static_cast<const uint32_t*>(new_rows), S,
+            static_cast<int>(bytes / 4), T_max);
+    } else {
+        kv_commit_kernel<uint16_t><<<grid, 128, 0, stream>>>(
+            static_cast<uint16_t*>(kv_cache), cache_len, static_cast<const uint16_t*>(new_rows), S,
+            static_cast<int>(bytes / 2), T_max);
+    }
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_cache,
+                                      const int32_t* cache_len, const void* new_rows,
+                                      const uint8_t* mask, void* out, void* workspace,
+                                      size_t workspace_bytes, int B, int S, int H, int Dl, int Dr,
+                                      int T_max, float scale, int num_splits, int flags,
+                                      cudaStream_t stream) {
+    if (!dtype_ok(dtype) || B < 0 || S <= 0 || H <= 0 || Dl <= 0 || Dl > 32 * SM_NC || Dr < 0 ||
+        T_max <= 0 || num_splits < 1 || num_splits > MTP_MLA_MAX_SPLITS || B > 65535)
+        return cudaErrorInvalidValue;
+    if (B == 0) return cudaSuccess;
+    if (!q || !kv_cache || !cache_len || !out) return cudaErrorInvalidValue;
+    const long long M = static_cast<long long>(S) * H;
+    const int D = Dl + Dr;
+    if (M > (1LL << 24) || static_cast<long long>(S) * S > (1LL << 30)) return cudaErrorInvalidValue;
+    if (num_splits > 1) {
+        if (!workspace ||
+            workspace_bytes < mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits))
+            return cudaErrorInvalidValue;
+    }
+
+    if (new_rows) {
+        const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, cache_len, new_rows, B, S, D, T_max, stream);
+        if (e != cudaSuccess) return e;
+    }
+
+    MlaParams p;
+    p.q = q;
+    p.cache = kv_cache;
+    p.cache_len = cache_len;
+    p.mask = mask;
+    p.out = out;
+    p.S = S;
+    p.H = H;
+    p.Dl = Dl;
+    p.D = D;
+    p.T_max = T_max;
+    p.nsplit = num_splits;
+    p.scale_log2 = scale * 1.4426950408889634f;
+    p.opart = nullptr;
+    p.ml = nullptr;
+    if (num_splits > 1) {
+        const size_t rows = static_cast<size_t>(B) * M * num_splits;
+        p.opart = static_cast<float*>(workspace);
+        p.ml = reinterpret_cast<float2*>(static_cast<char*>(workspace) +
+                                         align_up(rows * Dl * sizeof(float), 256));
+    }
+
+    const int smem_max = max_optin_smem();
+    const bool tc_ok = (dtype == MTP_DTYPE_F16 || dtype == MTP_DTYPE_BF16) && !(flags & MTP_MLA_FORCE_SIMT) &&
+                       Dl % 16 == 0 && Dr % 16 == 0 && Dl >= 16 && Dl <= 8 * TC_MAXNB * 8 && Dr <= 512 &&
+                       aligned16(q) && aligned16(kv_cache) && aligned16(out);
+    cudaError_t err = cudaSuccess;
+    if (tc_ok && tc_smem_bytes(D, 1) <= static_cast<size_t>(smem_max)) {
+        const bool two = !(flags & MTP_MLA_SINGLE_STAGE) && tc_smem_bytes(D, 2) <= static_cast<size_t>(smem_max);
+        const dim3 grid(static_cast<unsigned>((M + TC_QT - 1) / TC_QT), num_splits, B);
+        const size_t smem = tc_smem_bytes(D, two ? 2 : 1);
+        if (dtype == MTP_DTYPE_F16)
+            err = two ? launch_attn(mla_tc_kernel<__half, 2>, grid, TC_THREADS, smem, stream, p)
+                      : launch_attn(mla_tc_kernel<__half, 1>, grid, TC_THREADS, smem, stream, p);
+        else
+            err = two ? launch_attn(mla_tc_kernel<__nv_bfloat16, 2>, grid, TC_THREADS, smem, stream, p)
+                      : launch_attn(mla_tc_kernel<__nv_bfloat16, 1>, grid, TC_THREADS, smem, stream, p);
+    } else {
+        const size_t smem = simt_smem_bytes(D);
+        if (smem > static_cast<size_t>(smem_max)) return cudaErrorInvalidValue;
+        const dim3 grid(static_cast<unsigned>((M + SM_QB - 1) / SM_QB), num_splits, B);
+        MTP_DISPATCH_DTYPE(dtype, T, err = launch_attn(mla_simt_kernel<T>, grid, SM_THREADS, smem, stream, p));
+    }
+    if (err != cudaSuccess) return err;
+
+    if (num_splits > 1) {
+        const long long rows = static_cast<long long>(B) * M;
+        const unsigned blocks = static_cast<unsigned>((rows + CB_THREADS / 32 - 1) / (CB_THREADS / 32));
+        const float2* ml = p.ml;
+        MTP_DISPATCH_DTYPE(dtype, T,
+                           mla_combine_kernel<T><<<blocks, CB_THREADS, 0, stream>>>(
+                               p.opart, ml, static_cast<T*>(out), rows, num_splits, Dl));
+        err = cudaGetLastError();
+    }
+    return err;
+}
