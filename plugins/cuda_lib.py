@@ -1,0 +1,357 @@
+"""Build the CUDA kernels of ``plugins/kernels`` into a shared library with nvcc and load it
+with ctypes.
+
+Importable without a GPU, without nvcc and without cuda-python: nothing is compiled or loaded
+until asked, and cuda-python is imported lazily (``import_cudart``).
+
+* ``build_library(archs)`` compiles every ``.cu`` into one ``.so`` cached under
+  ``$MTP_TRT_CACHE_DIR`` or ``$XDG_CACHE_HOME/mtp_trt/kernels`` (default ``~/.cache/...``), keyed
+  by a hash of the sources, the nvcc version, the flags and the archs; it builds into a temporary
+  file in that folder and renames it into place, so concurrent builders never see a partial file.
+* Archs: ``MTP_TRT_CUDA_ARCH`` (e.g. ``90a`` or ``sm_80,sm_90a`` or ``8.9``), else the current
+  GPU's compute capability (cuda-python, then ``nvidia-smi``), else ``DEFAULT_ARCHS``.
+* ``load_library()`` returns a ``KernelLib`` whose methods take device pointers (ints), sizes and
+  a stream (int handle, 0 = default stream) and raise ``CudaKernelError`` on a non-zero status.
+* ``nvcc_command(...)`` lists the command line; ``compile_archs(...)`` compiles each source for a
+  list of archs (no GPU needed; used by tests/kernels/test_compile.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtp_trt.errors import MtpTrtError
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+SOURCES = ("mla_decode.cu", "accept.cu", "gather.cu", "api.cu")
+HEADERS = ("mtp_kernels.h", "common.cuh")
+DEFAULT_ARCHS = ("80", "86", "89", "90a", "100", "120")
+NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
+ABI_VERSION = 1
+
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "f32": 0, "f16": 1, "bf16": 2, "fp32": 0, "fp16": 1}
+MLA_FORCE_SIMT = 1
+MLA_SINGLE_STAGE = 2
+
+
+class CudaKernelError(MtpTrtError):
+    """A kernel launcher returned a CUDA error status."""
+
+
+class NvccError(MtpTrtError):
+    """nvcc is missing or failed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# nvcc
+# ---------------------------------------------------------------------------------------------
+def find_nvcc() -> str | None:
+    """Path of nvcc: $NVCC, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin; None if absent."""
+    cands = [os.environ.get("NVCC"), shutil.which("nvcc")]
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            cands.append(str(Path(root) / "bin" / "nvcc"))
+    for c in cands:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+@functools.cache
+def nvcc_version(nvcc: str | None = None) -> str:
+    nvcc = nvcc or find_nvcc()
+    if not nvcc:
+        raise NvccError("nvcc not found (install the CUDA toolkit or set NVCC / CUDA_HOME)")
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    m = re.search(r"release ([\d.]+), V([\d.]+)", out)
+    return m.group(2) if m else out.strip().splitlines()[-1] if out.strip() else "unknown"
+
+
+def parse_archs(spec: str | list[str] | tuple[str, ...]) -> list[str]:
+    """'90a' / 'sm_90a' / 'compute_90a' / '9.0' / '80,86' / ['80', 'sm_90a'] -> ['90a', ...]."""
+    items = spec.replace(";", ",").replace(" ", ",").split(",") if isinstance(spec, str) else list(spec)
+    archs: list[str] = []
+    for raw in items:
+        a = str(raw).strip().lower()
+        if not a:
+            continue
+        a = re.sub(r"^(sm_|compute_)", "", a)
+        if re.fullmatch(r"\d+\.\d+", a):
+            a = a.replace(".", "")
+        if not re.fullmatch(r"\d{2,3}[af]?", a):
+            raise NvccError(f"bad CUDA arch {raw!r} (expected e.g. 80, 90a, sm_120)")
+        if a not in archs:
+            archs.append(a)
+    if not archs:
+        raise NvccError(f"no CUDA arch in {spec!r}")
+    return archs
+
+
+def gencode_flags(archs) -> list[str]:
+    """One -gencode per arch (SASS), e.g. -gencode=arch=compute_90a,code=sm_90a."""
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in parse_archs(archs)]
+
+
+def nvcc_command(sources, output, archs, *, shared: bool = True, extra=(), nvcc: str | None = None,
+                 threads: int = 0) -> list[str]:
+    """The nvcc command line building `sources` into `output` (a .so when shared, else one .o
+    per call with -c and a single source)."""
+    nvcc = nvcc or find_nvcc() or "nvcc"
+    cmd = [nvcc, *NVCC_FLAGS, "-I", str(KERNEL_DIR), *gencode_flags(archs)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    cmd += ["-shared"] if shared else ["-c"]
+    cmd += list(extra)
+    cmd += [str(KERNEL_DIR / s) if not os.path.isabs(str(s)) else str(s) for s in sources]
+    cmd += ["-o", str(output)]
+    return cmd
+
+
+def _run(cmd: list[str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise NvccError(f"nvcc failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}{proc.stdout}")
+    return dt, proc.stderr + proc.stdout
+
+
+@dataclass
+class CompileResult:
+    source: str
+    command: list[str]
+    seconds: float
+    log: str
+
+
+def compile_archs(archs, out_dir, *, sources=SOURCES, ptxas_verbose: bool = False, jobs: int | None = None,
+                  extra=()) -> list[CompileResult]:
+    """Compile each source to an object file for all `archs` (one nvcc per source, sources in
+    parallel, nvcc --threads for the archs).  Needs nvcc only, no GPU.  Raises NvccError."""
+    nvcc = find_nvcc()
+    if not nvcc:
+        raise NvccError("nvcc not found")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = jobs or max(1, min(len(sources), os.cpu_count() or 1))
+    nthreads = max(1, (os.cpu_count() or 1) // jobs)
+    flags = list(extra) + (["-Xptxas", "-v"] if ptxas_verbose else [])
+
+    def one(src: str) -> CompileResult:
+        cmd = nvcc_command([src], out_dir / (Path(src).stem + ".o"), archs, shared=False, extra=flags,
+                           nvcc=nvcc, threads=nthreads)
+        dt, log = _run(cmd)
+        return CompileResult(src, cmd, dt, log)
+
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
+        return list(ex.map(one, sources))
+
+
+# ---------------------------------------------------------------------------------------------
+# arch detection, cache, build
+# ---------------------------------------------------------------------------------------------
+def import_cudart():
+    """cuda-python's runtime module (``cuda.bindings.runtime``, or ``cuda.cudart`` before 12.6)."""
+    try:
+        from cuda.bindings import runtime as cudart  # type: ignore
+    except ImportError:
+        try:
+            from cuda import cudart  # type: ignore
+        except ImportError as e:
+            raise MtpTrtError("cuda-python is not installed (pip install cuda-python)") from e
+    return cudart
+
+
+def detect_archs() -> list[str]:
+    """$MTP_TRT_CUDA_ARCH, else the current GPU (cuda-python, nvidia-smi), else DEFAULT_ARCHS."""
+    env = os.environ.get("MTP_TRT_CUDA_ARCH")
+    if env:
+        return parse_archs(env)
+    try:
+        cudart = import_cudart()
+        err, dev = cudart.cudaGetDevice()
+        if int(err) == 0:
+            err, major = cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, dev)
+            err2, minor = cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, dev)
+            if int(err) == 0 and int(err2) == 0:
+                return [f"{major}{minor}"]
+    except Exception:  # noqa: BLE001 - any failure: fall through to the next method
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=20, check=False).stdout.split()
+            if out:
+                return parse_archs(out[0])
+        except (OSError, subprocess.SubprocessError, NvccError):
+            pass
+    return list(DEFAULT_ARCHS)
+
+
+def cache_dir() -> Path:
+    if os.environ.get("MTP_TRT_CACHE_DIR"):
+        return Path(os.environ["MTP_TRT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mtp_trt" / "kernels"
+
+
+def source_hash(archs, extra=()) -> str:
+    h = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        h.update(name.encode())
+        h.update((KERNEL_DIR / name).read_bytes())
+    h.update(repr((nvcc_version(), NVCC_FLAGS, tuple(parse_archs(archs)), tuple(extra))).encode())
+    return h.hexdigest()[:20]
+
+
+def library_path(archs=None) -> Path:
+    archs = parse_archs(archs) if archs else detect_archs()
+    return cache_dir() / f"libmtp_kernels-{'-'.join(archs)}-{source_hash(archs)}.so"
+
+
+def build_library(archs=None, *, force: bool = False, verbose: bool = False) -> Path:
+    """Build (or reuse from the cache) the shared library for `archs`; returns its path."""
+    archs = parse_archs(archs) if archs else detect_archs()
+    path = library_path(archs)
+    if path.exists() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = nvcc_command(SOURCES, tmp, archs, shared=True, threads=os.cpu_count() or 1)
+        if verbose:
+            print(" ".join(cmd))
+        _run(cmd)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# ctypes wrappers
+# ---------------------------------------------------------------------------------------------
+_P, _I, _F, _Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
+_SIGNATURES = {
+    "mtp_kernels_abi_version": (_I, []),
+    "mtp_error_string": (ctypes.c_char_p, [_I]),
+    "mtp_get_last_error": (_I, []),
+    "mtp_mla_decode_num_splits": (_I, [_I, _I, _I, _I, _I]),
+    "mtp_mla_decode_workspace_size": (_Z, [_I, _I, _I, _I, _I]),
+    "mtp_mla_decode": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _Z, _I, _I, _I, _I, _I, _I, _F, _I, _I, _P]),
+    "mtp_mla_kv_commit": (_I, [_I, _P, _P, _P, _I, _I, _I, _I, _P]),
+    "mtp_accept_strict": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P]),
+    "mtp_accept_relaxed": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P]),
+    "mtp_accept_rejection": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P]),
+    "mtp_gather_last_hidden": (_I, [_I, _P, _P, _P, _I, _I, _I, _P]),
+    "mtp_window_update": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P]),
+}
+
+
+def dtype_code(dtype) -> int:
+    if isinstance(dtype, int):
+        if dtype not in (0, 1, 2):
+            raise MtpTrtError(f"bad dtype code {dtype}")
+        return dtype
+    name = getattr(dtype, "name", str(dtype)).lower()
+    if name not in DTYPES:
+        raise MtpTrtError(f"unsupported dtype {dtype!r} (float32, float16 or bfloat16)")
+    return DTYPES[name]
+
+
+def _ptr(x) -> int | None:
+    return int(x) if x else None
+
+
+class KernelLib:
+    """The loaded library; methods mirror mtp_kernels.h (pointers and streams as ints)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.lib = ctypes.CDLL(str(path))
+        for name, (res, args) in _SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.restype, fn.argtypes = res, args
+        got = self.lib.mtp_kernels_abi_version()
+        if got != ABI_VERSION:
+            raise MtpTrtError(f"{path}: kernel ABI {got}, expected {ABI_VERSION}")
+
+    def _check(self, name: str, code: int) -> None:
+        if code != 0:
+            msg = self.lib.mtp_error_string(code).decode(errors="replace")
+            raise CudaKernelError(f"{name}: CUDA error {code} ({msg})")
+
+    def last_error(self) -> int:
+        return int(self.lib.mtp_get_last_error())
+
+    # ---- MLA
+    def mla_decode_num_splits(self, B, S, H, max_len, num_sms=0) -> int:
+        return int(self.lib.mtp_mla_decode_num_splits(B, S, H, max_len, num_sms))
+
+    def mla_decode_workspace_size(self, B, S, H, Dl, num_splits) -> int:
+        return int(self.lib.mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits))
+
+    def mla_decode(self, dtype, q, kv_cache, cache_len, new_rows, mask, out, workspace, workspace_bytes, B, S, H,
+                   Dl, Dr, T_max, scale, num_splits, flags=0, stream=0) -> None:
+        self._check("mtp_mla_decode", self.lib.mtp_mla_decode(
+            dtype_code(dtype), _ptr(q), _ptr(kv_cache), _ptr(cache_len), _ptr(new_rows), _ptr(mask), _ptr(out),
+            _ptr(workspace), int(workspace_bytes), B, S, H, Dl, Dr, T_max, float(scale), num_splits, flags,
+            _ptr(stream)))
+
+    def mla_kv_commit(self, dtype, kv_cache, cache_len, new_rows, B, S, D, T_max, stream=0) -> None:
+        self._check("mtp_mla_kv_commit", self.lib.mtp_mla_kv_commit(
+            dtype_code(dtype), _ptr(kv_cache), _ptr(cache_len), _ptr(new_rows), B, S, D, T_max, _ptr(stream)))
+
+    # ---- acceptance
+    def accept_strict(self, dtype, logits, target_ids, drafts, out_tokens, num_accepted, last_index, B, K, V,
+                      stream=0) -> None:
+        self._check("mtp_accept_strict", self.lib.mtp_accept_strict(
+            dtype_code(dtype), _ptr(logits), _ptr(target_ids), _ptr(drafts), _ptr(out_tokens), _ptr(num_accepted),
+            _ptr(last_index), B, K, V, _ptr(stream)))
+
+    def accept_relaxed(self, dtype, logits, drafts, thinking, out_tokens, num_accepted, last_index, B, K, V, topk,
+                       delta, think_start_id, think_end_id, stream=0) -> None:
+        self._check("mtp_accept_relaxed", self.lib.mtp_accept_relaxed(
+            dtype_code(dtype), _ptr(logits), _ptr(drafts), _ptr(thinking), _ptr(out_tokens), _ptr(num_accepted),
+            _ptr(last_index), B, K, V, topk, float(delta), think_start_id, think_end_id, _ptr(stream)))
+
+    def accept_rejection(self, dtype, p, q, drafts, uniforms, out_tokens, num_accepted, last_index, B, K, V,
+                         stream=0) -> None:
+        self._check("mtp_accept_rejection", self.lib.mtp_accept_rejection(
+            dtype_code(dtype), _ptr(p), _ptr(q), _ptr(drafts), _ptr(uniforms), _ptr(out_tokens), _ptr(num_accepted),
+            _ptr(last_index), B, K, V, _ptr(stream)))
+
+    # ---- small kernels
+    def gather_last_hidden(self, dtype, hidden, last_index, out, B, Kp1, D, stream=0) -> None:
+        self._check("mtp_gather_last_hidden", self.lib.mtp_gather_last_hidden(
+            dtype_code(dtype), _ptr(hidden), _ptr(last_index), _ptr(out), B, Kp1, D, _ptr(stream)))
+
+    def window_update(self, dtype, win_tokens_in, win_hidden_in, new_tokens, new_hidden, num_accepted,
+                      win_tokens_out, win_hidden_out, B, K, N, D, stream=0) -> None:
+        self._check("mtp_window_update", self.lib.mtp_window_update(
+            dtype_code(dtype), _ptr(win_tokens_in), _ptr(win_hidden_in), _ptr(new_tokens), _ptr(new_hidden),
+            _ptr(num_accepted), _ptr(win_tokens_out), _ptr(win_hidden_out), B, K, N, D, _ptr(stream)))
+
+
+@functools.cache
+def _load(path: str) -> KernelLib:
+    return KernelLib(path)
+
+
+def load_library(archs=None, *, force_build: bool = False) -> KernelLib:
+    """Build if needed and load the kernels library (cached per path within the process)."""
+    return _load(str(build_library(archs, force=force_build)))

@@ -1,0 +1,306 @@
+"""NumPy references of the CUDA kernels in ``plugins/kernels`` (see ``mtp_kernels.h``).
+
+Readable, loop-level where that is clearer, float64 accumulation; NumPy only (no torch).  The
+GPU tests compare every kernel with these, and ``tests/kernels/test_reference.py`` checks these
+against independent formulations.
+
+bfloat16 has no NumPy dtype: it travels as ``uint16`` bit patterns (``f32_to_bf16_bits`` /
+``bf16_bits_to_f32``, round-to-nearest-even as ``__float2bfloat16_rn``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# dtype codes of mtp_kernels.h (enum mtp_dtype)
+DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
+DTYPE_CODES = {"float32": DTYPE_F32, "float16": DTYPE_F16, "bfloat16": DTYPE_BF16}
+
+# The relaxed kernel keeps a per-position flag in bit 30 of out_tokens; ids stay below it.
+MAX_VOCAB = 1 << 30
+# Rejection sampling: quantisation of the weights and of the uniform (mtp_kernels.h).
+W_BITS = 40
+U_BITS = 24
+
+
+# ---------------------------------------------------------------------------------------------
+# bfloat16 helpers
+# ---------------------------------------------------------------------------------------------
+def f32_to_bf16_bits(x) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(x)
+    out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)  # keep sign, force a quiet NaN
+    return out
+
+
+def bf16_bits_to_f32(bits) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 (exact)."""
+    b = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def round_to(x, dtype: str) -> np.ndarray:
+    """Round float values to `dtype` ('float32' | 'float16' | 'bfloat16'), returned as float32."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float32":
+        return x.copy()
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. MLA generation attention
+# ---------------------------------------------------------------------------------------------
+def mla_kv_commit(kv_cache, cache_len, new_rows) -> np.ndarray:
+    """Copy of kv_cache [B, T_max, D] with new_rows [B, S, D] written at rows cache_len[b] + s
+    (rows at or past T_max are skipped; cache_len is clamped to [0, T_max])."""
+    cache = np.array(kv_cache, copy=True)
+    B, T_max, _ = cache.shape
+    S = new_rows.shape[1]
+    for b in range(B):
+        c = int(np.clip(cache_len[b], 0, T_max))
+        for s in range(S):
+            if c + s < T_max:
+                cache[b, c + s] = new_rows[b, s]
+    return cache
+
+
+def mla_visible(cache_len_b: int, L: int, S: int, mask_b=None) -> np.ndarray:
+    """[S, L] bool: may new token s attend to cache row t (t < L)."""
+    t = np.arange(L)[None, :]
+    s = np.arange(S)[:, None]
+    cached = t < cache_len_b
+    j = t - cache_len_b
+    if mask_b is None:
+        new = j <= s
+    else:
+        mb = np.asarray(mask_b) != 0
+        new = np.zeros((S, L), dtype=bool)
+        cols = np.arange(cache_len_b, L)
+        new[:, cols] = mb[:, cols - cache_len_b]
+    return cached | new
+
+
+def mla_decode(q, kv_cache, cache_len, *, dl: int, scale: float, new_rows=None, mask=None):
+    """MLA decode (mtp_mla_decode).
+
+    q [B, S, H, D], kv_cache [B, T_max, D], cache_len [B], new_rows [B, S, D] or None,
+    mask [B, S, S] or None.  Returns (out [B, S, H, dl] float64, cache after the commit).
+    out[b, s, h] = softmax(scale * q . row_t) @ row_t[:dl] over the visible rows t; zeros if none.
+    """
+    q = np.asarray(q)
+    B, S, H, D = q.shape
+    cache = mla_kv_commit(kv_cache, cache_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
+    T_max = cache.shape[1]
+    out = np.zeros((B, S, H, dl), dtype=np.float64)
+    for b in range(B):
+        c = int(np.clip(cache_len[b], 0, T_max))
+        L = min(c + S, T_max)
+        rows = cache[b, :L].astype(np.float64)                          # [L, D]
+        scores = scale * np.einsum("shd,td->sht", q[b].astype(np.float64), rows)
+        vis = mla_visible(c, L, S, None if mask is None else mask[b])   # [S, L]
+        scores = np.where(vis[:, None, :], scores, -np.inf)
+        mx = scores.max(axis=-1, keepdims=True)
+        has = np.isfinite(mx)
+        e = np.where(vis[:, None, :], np.exp(scores - np.where(has, mx, 0.0)), 0.0)
+        den = e.sum(axis=-1, keepdims=True)
+        p = np.divide(e, den, out=np.zeros_like(e), where=den > 0)
+        out[b] = p @ rows[:, :dl]
+    return out, cache
+
+
+def mla_num_splits(B: int, S: int, H: int, max_len: int, num_sms: int) -> int:
+    """Mirror of mtp_mla_decode_num_splits (the heuristic; for documentation and tests)."""
+    if min(B, S, H, max_len) <= 0:
+        return 1
+    qtiles = -(-S * H // 32)
+    n = -(-num_sms // (B * qtiles))
+    n = min(n, -(-max_len // 128), 256)
+    return max(n, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Acceptance
+# ---------------------------------------------------------------------------------------------
+def argmax_ids(logits) -> np.ndarray:
+    """[..., V] -> [...] int32; ties -> lowest index, first NaN wins (numpy.argmax)."""
+    return np.argmax(np.asarray(logits, dtype=np.float32), axis=-1).astype(np.int32)
+
+
+def _finish(drafts_b, n: int, bonus: int, K: int) -> np.ndarray:
+    row = np.full(K + 1, -1, dtype=np.int32)
+    row[:n] = drafts_b[:n]
+    row[n] = bonus
+    return row
+
+
+def accept_strict(drafts, logits=None, target_ids=None):
+    """Strict acceptance.  drafts [B, K]; logits [B, K+1, V] or target_ids [B, K+1].
+    Returns (out_tokens [B, K+1], num_accepted [B], last_index [B]), all int32."""
+    tgt = argmax_ids(logits) if logits is not None else np.asarray(target_ids, dtype=np.int32)
+    drafts = np.asarray(drafts, dtype=np.int32).reshape(tgt.shape[0], -1)
+    B, K = drafts.shape
+    out = np.empty((B, K + 1), dtype=np.int32)
+    num = np.empty(B, dtype=np.int32)
+    for b in range(B):
+        n = 0
+        while n < K and drafts[b, n] == tgt[b, n]:
+            n += 1
+        out[b] = _finish(drafts[b], n, int(tgt[b, n]), K)
+        num[b] = n
+    return out, num, num.copy()
+
+
+def relaxed_ok(logits, drafts, topk: int, delta: float):
+    """Per draft position [B, K]: (ok, margin).  ok = rank(d) < topk and p(d) >= p1 - delta;
+    margin = p(d) - (p1 - delta) (float64 softmax), for tests to avoid razor-thin decisions."""
+    x = np.asarray(logits, dtype=np.float32)
+    drafts = np.asarray(drafts, dtype=np.int64)
+    B, K = drafts.shape
+    V = x.shape[-1]
+    ok = np.zeros((B, K), dtype=bool)
+    margin = np.full((B, K), -np.inf)
+    for b in range(B):
+        for i in range(K):
+            d = int(drafts[b, i])
+            if not 0 <= d < V or topk <= 0:
+                continue
+            row = x[b, i]
+            ld = row[d]
+            rank = int(np.count_nonzero(row > ld) + np.count_nonzero(row[:d] == ld))
+            r64 = row.astype(np.float64)
+            mx = r64.max()
+            e = np.exp(r64 - mx)
+            z = e.sum()
+            margin[b, i] = e[d] / z - (1.0 / z - delta)
+            ok[b, i] = rank < topk and margin[b, i] >= 0
+    return ok, margin
+
+
+def think_update(flag: int, tok: int, start_id: int, end_id: int) -> int:
+    if tok == start_id:
+        return 1
+    if tok == end_id:
+        return 0
+    return flag
+
+
+def accept_relaxed(logits, drafts, thinking, *, topk: int, delta: float, think_start_id: int,
+                   think_end_id: int):
+    """Relaxed acceptance (mtp_accept_relaxed).
+    Returns (out_tokens [B, K+1], num_accepted [B], last_index [B], thinking_after [B])."""
+    tgt = argmax_ids(logits)
+    drafts = np.asarray(drafts, dtype=np.int32).reshape(tgt.shape[0], -1)
+    B, K = drafts.shape
+    ok, _ = relaxed_ok(logits, drafts, topk, delta)
+    out = np.empty((B, K + 1), dtype=np.int32)
+    num = np.empty(B, dtype=np.int32)
+    th_out = np.empty(B, dtype=np.int32)
+    for b in range(B):
+        th = 1 if thinking[b] else 0
+        n = 0
+        while n < K:
+            d = int(drafts[b, n])
+            if not (d == tgt[b, n] or (th and ok[b, n])):
+                break
+            th = think_update(th, d, think_start_id, think_end_id)
+            n += 1
+        bonus = int(tgt[b, n])
+        th = think_update(th, bonus, think_start_id, think_end_id)
+        out[b] = _finish(drafts[b], n, bonus, K)
+        num[b] = n
+        th_out[b] = th
+    return out, num, num.copy(), th_out
+
+
+def quantize_weights(w) -> np.ndarray:
+    """W_j = floor(min(max(w_j, 0), 1) * 2^40) as uint64 (NaN -> 0), w taken as float32."""
+    w = np.fmin(np.fmax(np.asarray(w, dtype=np.float32), np.float32(0)), np.float32(1))
+    return np.floor(w.astype(np.float64) * 2.0**W_BITS).astype(np.uint64)
+
+
+def sample_exact(w, u) -> int | None:
+    """Exact integer inverse-CDF draw from weights w with uniform u; None if all W_j are 0."""
+    W = quantize_weights(w)
+    tot = int(W.sum(dtype=np.uint64))
+    if tot == 0:
+        return None
+    uf = float(np.float32(u))
+    if not uf >= 0.0:  # negative or NaN
+        uf = 0.0
+    U = min(int(np.floor(uf * 2.0**U_BITS)), 2**U_BITS - 1)
+    thr = (U * tot) >> U_BITS
+    cum = np.cumsum(W, dtype=np.uint64)
+    return int(np.searchsorted(cum, np.uint64(thr), side="right"))
+
+
+def accept_rejection(p, q, drafts, uniforms):
+    """Rejection sampling (mtp_accept_rejection), reproducing the kernel's tokens exactly.
+    p [B, K+1, V], q [B, K, V] (any float dtype, used as float32), drafts [B, K], uniforms
+    [B, K+1] float32.  Returns (out_tokens [B, K+1], num_accepted [B], last_index [B])."""
+    p = np.asarray(p, dtype=np.float32)
+    B, K1, V = p.shape
+    K = K1 - 1
+    q = np.asarray(q, dtype=np.float32).reshape(B, K, V) if K > 0 else np.zeros((B, 0, V), np.float32)
+    drafts = np.asarray(drafts, dtype=np.int32).reshape(B, K)
+    u = np.asarray(uniforms, dtype=np.float32).reshape(B, K1)
+    out = np.empty((B, K1), dtype=np.int32)
+    num = np.empty(B, dtype=np.int32)
+    for b in range(B):
+        n = 0
+        while n < K:
+            d = int(drafts[b, n])
+            if not 0 <= d < V:
+                break
+            pd, qd = p[b, n, d], q[b, n, d]
+            with np.errstate(all="ignore"):
+                acc = bool(u[b, n] < np.float32(pd / qd)) if qd > 0 else bool(pd > 0)
+            if not acc:
+                break
+            n += 1
+        if n < K:
+            with np.errstate(invalid="ignore"):
+                w = p[b, n] - q[b, n]  # float32 subtraction, clamped in quantize_weights
+            tok = sample_exact(w, u[b, K])
+            if tok is None:
+                tok = sample_exact(p[b, n], u[b, K])
+        else:
+            tok = sample_exact(p[b, K], u[b, K])
+        out[b] = _finish(drafts[b], n, 0 if tok is None else tok, K)
+        num[b] = n
+    return out, num, num.copy()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Small per-step kernels
+# ---------------------------------------------------------------------------------------------
+def gather_last_hidden(hidden, last_index) -> np.ndarray:
+    """hidden [B, K+1, D], last_index [B] -> [B, D] (index clamped to [0, K])."""
+    hidden = np.asarray(hidden)
+    idx = np.clip(np.asarray(last_index, dtype=np.int64), 0, hidden.shape[1] - 1)
+    return hidden[np.arange(hidden.shape[0]), idx]
+
+
+def window_update(win_tokens, win_hidden, new_tokens, new_hidden, num_accepted):
+    """Past-K window update (mtp_window_update).  Returns (tokens [B, K], hidden [B, K, D]).
+    n = clamp(num_accepted + 1, 0, N) new pairs are appended and the last K kept."""
+    win_tokens = np.asarray(win_tokens)
+    win_hidden = np.asarray(win_hidden)
+    B, K = win_tokens.shape
+    N = np.asarray(new_tokens).shape[1]
+    tok_out = np.empty_like(win_tokens)
+    hid_out = np.empty_like(win_hidden)
+    for b in range(B):
+        n = int(np.clip(int(num_accepted[b]) + 1, 0, N))
+        seq_t = np.concatenate([win_tokens[b], np.asarray(new_tokens)[b, :n]])
+        seq_h = np.concatenate([win_hidden[b], np.asarray(new_hidden)[b, :n]])
+        tok_out[b] = seq_t[len(seq_t) - K:]
+        hid_out[b] = seq_h[len(seq_h) - K:]
+    return tok_out, hid_out
