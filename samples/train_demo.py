@@ -157,10 +157,12 @@ def parse_args(argv=None):
     p.add_argument("--min-lr-frac", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--mtp-lambda", type=float, default=0.3)
-    p.add_argument("--bias-gamma", type=float, default=1e-3)
+    p.add_argument("--bias-gamma", type=float, default=1e-2,
+                   help="bias update speed (paper: 1e-3 over trillions of tokens; this run is ~1k steps)")
     p.add_argument("--think-fraction", type=float, default=0.25,
                    help="fraction of training files (by path hash) whose docstrings become <think> blocks")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 autocast for the forward pass (default on: ~20%% faster on AVX512-BF16 CPUs)")
     p.add_argument("--eval-windows", type=int, default=None, help="held-out windows for the final quick eval")
     p.add_argument("--log-every", type=int, default=25)
     a = p.parse_args(argv)
@@ -169,7 +171,7 @@ def parse_args(argv=None):
         a.q_lora, a.kv_lora, a.rope_dim, a.inter, a.moe_inter = 32, 16, 8, 128, 32
         a.experts, a.groups, a.topk_group, a.topk, a.dense_layers = 4, 2, 1, 2, 1
     else:
-        dflt = dict(vocab=4096, hidden=256, layers=2, heads=4, seq=256, batch=16, max_steps=1500, warmup=100,
+        dflt = dict(vocab=2048, hidden=256, layers=2, heads=4, seq=256, batch=16, max_steps=1050, warmup=100,
                     eval_windows=64)
         a.q_lora, a.kv_lora, a.rope_dim, a.inter, a.moe_inter = 128, 64, 32, 768, 256
         a.experts, a.groups, a.topk_group, a.topk, a.dense_layers = 8, 4, 2, 2, 1
@@ -292,6 +294,7 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(model, out, config, dtype=torch.bfloat16, extra_files={
             "tokenizer.json": tok_path, "generation_config.json": gen_path, "train_log.json": log_path})
+        out.chmod(0o755)  # save_checkpoint's temporary directory is created 0700
     print(f"saved {out} in {time.time() - t_start:.0f}s total "
           f"({steps_done} steps, {train_seconds:.0f}s training)", flush=True)
     return 0
