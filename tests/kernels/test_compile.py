@@ -1,0 +1,102 @@
+"""Compile every kernel with nvcc for sm_80, sm_86, sm_89, sm_90a, sm_100 and sm_120 (no GPU needed),
+check ptxas reports no spills / stack for the attention kernels, and exercise the library's host-only
+functions.  Skipped when nvcc is absent.  About a minute on 2 cores."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from mtp_trt.plugins import cuda_lib
+from mtp_trt.plugins import reference as ref
+
+ARCHS = ["80", "86", "89", "90a", "100", "120"]
+
+pytestmark = pytest.mark.skipif(cuda_lib.find_nvcc() is None,
+                                reason="nvcc not found (install the CUDA toolkit or set NVCC / CUDA_HOME)")
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_entries(log: str) -> list[tuple[str, str, int, int, int]]:
+    """(kernel, arch, stack bytes, spill stores, spill loads) from an `-Xptxas -v` log."""
+    out, cur = [], None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            cur = (m.group(1), m.group(2))
+        elif (m := _FRAME.search(line)) and cur:
+            out.append((*cur, int(m.group(1)), int(m.group(2)), int(m.group(3))))
+            cur = None
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("objs")
+    t0 = time.perf_counter()
+    res = cuda_lib.compile_archs(ARCHS, out, ptxas_verbose=True)
+    return res, time.perf_counter() - t0, out
+
+
+def test_every_kernel_compiles_for_every_arch(compiled):
+    res, total, out = compiled
+    assert {r.source for r in res} == set(cuda_lib.SOURCES)
+    for r in res:
+        obj = out / (r.source.rsplit(".", 1)[0] + ".o")
+        assert obj.stat().st_size > 0, r.source
+        assert "-gencode=arch=compute_90a,code=sm_90a" in r.command
+        archs = {a for _, a, *_ in ptxas_entries(r.log)}
+        if r.source != "api.cu":  # api.cu has no kernels
+            assert archs == {f"sm_{a}" for a in ARCHS}, (r.source, archs)
+        print(f"{r.source}: {r.seconds:.1f} s for {len(ARCHS)} archs")
+    print(f"total wall time {total:.1f} s")
+
+
+def test_attention_kernels_do_not_spill_on_sm90a(compiled):
+    res, _, _ = compiled
+    log = next(r.log for r in res if r.source == "mla_decode.cu")
+    entries = [e for e in ptxas_entries(log) if e[1] == "sm_90a"]
+    attn = [e for e in entries if "mla_tc_kernel" in e[0] or "mla_simt_kernel" in e[0]]
+    assert len(attn) == 7, attn  # tensor-core: fp16/bf16 x 1/2 stages; SIMT: fp32/fp16/bf16
+    for name, arch, stack, st, ld in entries:
+        assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
+
+
+def test_nvcc_command_lists_the_sources_and_archs(tmp_path):
+    cmd = cuda_lib.nvcc_command(cuda_lib.SOURCES, tmp_path / "x.so", "sm_80,90a")
+    assert cmd[0].endswith("nvcc")
+    assert "-gencode=arch=compute_80,code=sm_80" in cmd and "-gencode=arch=compute_90a,code=sm_90a" in cmd
+    assert "-shared" in cmd and cmd[-2:] == ["-o", str(tmp_path / "x.so")]
+    assert sum(c.endswith(".cu") for c in cmd) == len(cuda_lib.SOURCES)
+    assert cuda_lib.parse_archs("8.9, sm_120 compute_90a") == ["89", "120", "90a"]
+    with pytest.raises(cuda_lib.NvccError):
+        cuda_lib.parse_archs("hopper")
+
+
+def test_library_host_functions_without_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
+    path = cuda_lib.build_library(["90a"])
+    assert path.exists() and path.parent == tmp_path / "cache"
+    assert cuda_lib.build_library(["90a"]) == path  # cached: same key, no rebuild
+    assert not list(path.parent.glob("*.tmp.so"))
+    lib = cuda_lib.KernelLib(path)
+    for B, S, H, T, sms in [(1, 1, 128, 32768, 132), (64, 1, 128, 4096, 132), (1, 4, 16, 300, 108),
+                            (8, 2, 128, 65536, 78), (1, 1, 16, 10**6, 1000), (3, 1, 1, 1, 132)]:
+        assert lib.mla_decode_num_splits(B, S, H, T, sms) == ref.mla_num_splits(B, S, H, T, sms)
+    ws = lib.mla_decode_workspace_size(2, 3, 16, 512, 5)
+    rows = 2 * 3 * 16 * 5
+    assert ws == -(-rows * 512 * 4 // 256) * 256 + -(-rows * 8 // 256) * 256
+    assert lib.mla_decode_workspace_size(2, 3, 16, 512, 1) == 0
+    # argument checks happen before any CUDA call: invalid-argument errors with no GPU
+    with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):
+        lib.mla_decode("float16", 16, 16, 16, 0, 0, 16, 0, 0, 1, 1, 16, 512, 64, 64, 0.1, num_splits=0)
+    with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):  # workspace missing
+        lib.mla_decode("bfloat16", 16, 16, 16, 0, 0, 16, 0, 0, 1, 1, 16, 512, 64, 64, 0.1, num_splits=4)
+    with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):
+        lib.accept_strict("float32", 16, 0, 16, 16, 16, 16, 1, 3, 0)
+    with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):
+        lib.accept_rejection("float32", 16, 16, 16, 16, 16, 16, 16, 1, 3, 1 << 24)
+    lib.gather_last_hidden("float16", 0, 0, 0, 0, 4, 8)  # B = 0: nothing to do, success
