@@ -140,7 +140,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--minutes", type=float, default=42.0,
+    p.add_argument("--minutes", type=float, default=44.0,
                    help="hard wall-clock cap on the training loop; the schedule is set by --max-steps")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--threads", type=int, default=2)
@@ -171,7 +171,7 @@ def parse_args(argv=None):
         a.q_lora, a.kv_lora, a.rope_dim, a.inter, a.moe_inter = 32, 16, 8, 128, 32
         a.experts, a.groups, a.topk_group, a.topk, a.dense_layers = 4, 2, 1, 2, 1
     else:
-        dflt = dict(vocab=2048, hidden=256, layers=2, heads=4, seq=256, batch=16, max_steps=1050, warmup=100,
+        dflt = dict(vocab=2048, hidden=256, layers=2, heads=4, seq=256, batch=16, max_steps=760, warmup=60,
                     eval_windows=64)
         a.q_lora, a.kv_lora, a.rope_dim, a.inter, a.moe_inter = 128, 64, 32, 768, 256
         a.experts, a.groups, a.topk_group, a.topk, a.dense_layers = 8, 4, 2, 2, 1
