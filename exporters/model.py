@@ -216,8 +216,8 @@ class Gate(nn.Module):
         if cfg.n_group > 1 and cfg.topk_method != "greedy":
             grouped = choice.unflatten(-1, (cfg.n_group, -1))  # [N, G, E/G]
             group_scores = grouped.topk(2, -1)[0].sum(-1) if cfg.topk_method == "noaux_tc" else grouped.amax(-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
-                1, group_scores.topk(cfg.topk_group, -1)[1], True)
+            top = group_scores.topk(cfg.topk_group, -1)[1]  # [N, topk_group]
+            keep = (top[:, :, None] == torch.arange(cfg.n_group)).any(1)  # [N, G] (one-hot: traces to ONNX)
             choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
         idx = choice.topk(cfg.num_experts_per_tok, -1)[1]
         weights = scores.gather(1, idx)

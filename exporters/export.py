@@ -1,0 +1,200 @@
+"""`mtp-trt export`: checkpoint -> target.onnx + MTP graph(s) + manifest.json, written atomically.
+
+Pipeline: check the request, load the checkpoint, trace each graph (TorchScript ONNX exporter,
+opset 18, dynamic B / S / T), check it (onnx.checker, shape inference), hash it, write the
+manifest and the tokenizer files, then rename the finished temporary directory into place.  A
+failure or an interrupt leaves nothing at the output path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mtp_trt.config import ModelConfig
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.exporters.graphs import LOWERINGS, MtpGraph, TargetGraph
+from mtp_trt.exporters.loader import load_checkpoint
+from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+OPSET = 18
+EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+Progress = Callable[[str], None]
+
+
+def _spec(name: str, dtype: str, shape: list) -> dict:
+    return {"name": name, "dtype": dtype, "shape": shape}
+
+
+def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
+    kv = [_spec(f"kv_{i}", dtype, ["B", "T", cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
+    inputs = [_spec("input_ids", "int32", ["B", "S"]), _spec("past_len", "int32", ["B"]),
+              _spec("thinking", "int32", ["B"]), _spec("relaxed_topk", "int32", []),
+              _spec("relaxed_delta", "fp32", []), *kv]
+    outputs = [_spec("accepted_tokens", "int32", ["B", "S"]), _spec("num_accepted", "int32", ["B"]),
+               _spec("thinking_out", "int32", ["B"]), _spec("target_tokens", "int32", ["B", "S"]),
+               _spec("hidden_states", dtype, ["B", "S", cfg.hidden_size]),
+               _spec("logits", "fp32", ["B", "S", cfg.vocab_size])]
+    if lowering == "onnx":
+        outputs += [_spec(f"new_kv_{i}", dtype, ["B", "S", cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
+    return inputs, outputs
+
+
+def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
+    inputs = [_spec("hidden", dtype, ["B", "S", cfg.hidden_size]), _spec("next_tokens", "int32", ["B", "S"]),
+              _spec("past_len", "int32", ["B"]), _spec("kv", dtype, ["B", "T", cfg.latent_dim])]
+    outputs = [_spec("hidden_out", dtype, ["B", "S", cfg.hidden_size]), _spec("draft_tokens", "int32", ["B", "S"]),
+               _spec("draft_probs", "fp32", ["B", "S"]), _spec("draft_logits", "fp32", ["B", "S", cfg.vocab_size])]
+    if lowering == "onnx":
+        outputs.append(_spec("new_kv", dtype, ["B", "S", cfg.latent_dim]))
+    return inputs, outputs
+
+
+def _example(spec: dict, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    """A small example input (B=2, S=3, T=8) for tracing."""
+    dims = {"B": 2, "S": 3, "T": 8}
+    shape = [dims.get(d, d) for d in spec["shape"]]
+    if spec["name"] in ("input_ids", "next_tokens"):
+        return torch.randint(0, cfg.vocab_size, shape, dtype=torch.int32)
+    if spec["name"] == "past_len":
+        return torch.tensor([5, 2], dtype=torch.int32)
+    if spec["name"] == "relaxed_topk":
+        return torch.tensor(3, dtype=torch.int32)
+    if spec["name"] == "relaxed_delta":
+        return torch.tensor(0.5, dtype=torch.float32)
+    if spec["dtype"] == "int32":
+        return torch.zeros(shape, dtype=torch.int32)
+    return torch.randn(shape, dtype=dtype)
+
+
+def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], path: Path, cfg: ModelConfig,
+                  dtype: torch.dtype, lowering: str) -> None:
+    import onnx
+
+    inputs, outputs = io
+    args = tuple(_example(s, cfg, dtype) for s in inputs)
+    axes = {s["name"]: {i: d for i, d in enumerate(s["shape"]) if isinstance(d, str)} for s in inputs + outputs}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
+        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, do_constant_folding=True,
+                          input_names=[s["name"] for s in inputs], output_names=[s["name"] for s in outputs],
+                          dynamic_axes=axes, custom_opsets={"mtp_trt": 1} if lowering == "plugin" else None)
+    model = onnx.load(str(path))
+    if model.ByteSize() > EXTERNAL_DATA_BYTES or path.stat().st_size > EXTERNAL_DATA_BYTES:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data")
+    onnx.checker.check_model(str(path))
+    inferred = path.with_suffix(".inferred")  # strict shape inference as a check; the graph is kept as exported
+    try:
+        onnx.shape_inference.infer_shapes_path(str(path), str(inferred), check_type=True, strict_mode=True)
+    finally:
+        inferred.unlink(missing_ok=True)
+
+
+def special_token_ids(ckpt: Path) -> tuple[tuple[int, int], str | None]:
+    """(<think>, </think>) ids from tokenizer.json (-1 when absent) and the tokenizer file name."""
+    tok = ckpt / "tokenizer.json"
+    if not tok.is_file():
+        return (-1, -1), None
+    try:
+        added = {t["content"]: t["id"] for t in json.loads(tok.read_text()).get("added_tokens", [])}
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise MtpTrtError(f"{tok}: not a tokenizers JSON file ({e})") from None
+    return (added.get("<think>", -1), added.get("</think>", -1)), tok.name
+
+
+def eos_token_ids(ckpt: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    gen = ckpt / "generation_config.json"
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    if eos is None:
+        return cfg.eos_token_ids
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype: str, lowering: str,
+                  max_batch: int, max_seq_len: int) -> tuple[ModelConfig, int]:
+    """Validate everything before any work: one clear error per bad value."""
+    cfg = ModelConfig.from_file(ckpt / "config.json")
+    if mtp_mode not in MTP_MODES:
+        raise MtpTrtError(f"--mtp-mode: unknown mode {mtp_mode!r}; expected one of {', '.join(MTP_MODES)}")
+    if dtype not in DTYPES:
+        raise MtpTrtError(f"--dtype: unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if lowering not in LOWERINGS:
+        raise MtpTrtError(f"--lowering: unknown lowering {lowering!r}; expected one of {', '.join(LOWERINGS)}")
+    have = cfg.num_nextn_predict_layers
+    nextn = have if nextn is None else nextn
+    if nextn < 0:
+        raise MtpTrtError(f"--nextn must be >= 0, got {nextn}")
+    if mtp_mode == "vanilla" and nextn > have:
+        raise MtpTrtError(f"--nextn {nextn} needs {nextn} MTP modules in vanilla mode, but {ckpt / 'config.json'} "
+                          f"has num_nextn_predict_layers = {have}; use --nextn <= {have} or --mtp-mode eagle")
+    if nextn > 0 and have == 0:
+        raise MtpTrtError(f"--nextn {nextn}: {ckpt / 'config.json'} has no MTP modules (num_nextn_predict_layers = 0)")
+    if max_batch < 1:
+        raise MtpTrtError(f"--max-batch must be >= 1, got {max_batch}")
+    if not 1 <= max_seq_len <= cfg.max_position_embeddings:
+        raise MtpTrtError(f"--max-seq-len must be in 1..{cfg.max_position_embeddings} (max_position_embeddings), "
+                          f"got {max_seq_len}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MtpTrtError(f"{out}: output directory exists and is not empty; choose another or remove it")
+    return cfg, nextn
+
+
+def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
+           dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int = 2048,
+           progress: Progress = lambda msg: None) -> Path:
+    """Export a checkpoint; returns the output directory.  See the module docstring."""
+    ckpt, out = Path(ckpt), Path(out)
+    cfg, nextn = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
+    modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
+    progress(f"loading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
+    tdtype = TORCH_DTYPES[dtype]
+    model = load_checkpoint(ckpt, nextn=modules, dtype=tdtype, max_positions=max_seq_len)
+    think_ids, tokenizer = special_token_ids(ckpt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        jobs = [("target", TargetGraph(model, lowering, think_ids), target_io(cfg, dtype, lowering),
+                 [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
+        jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
+                 for k in range(modules)]
+        graphs = {}
+        for name, module, io, kv_inputs in jobs:
+            progress(f"exporting {name}.onnx")
+            _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering)
+            kv_outputs = ["new_" + n for n in kv_inputs] if lowering == "onnx" else []
+            graphs[name] = {"file": f"{name}.onnx", "sha256": sha256(tmp / f"{name}.onnx"), "inputs": io[0],
+                            "outputs": io[1], "kv_inputs": kv_inputs, "kv_outputs": kv_outputs}
+        for f in TOKENIZER_FILES:
+            if (ckpt / f).is_file():
+                shutil.copyfile(ckpt / f, tmp / f)
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
+            "config": json.loads((ckpt / "config.json").read_text()), "nextn": nextn, "mtp_mode": mtp_mode,
+            "dtype": dtype, "lowering": lowering, "max_batch": max_batch, "max_seq_len": max_seq_len,
+            "opset": OPSET, "graphs": graphs, "think_ids": list(think_ids),
+            "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,
+            "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe",
+                      "kv_lora_rank": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim, "dtype": dtype,
+                      "target_layers": cfg.num_hidden_layers,
+                      "mtp_caches": modules, "rows_per_sequence": max_seq_len},
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        progress(f"writing {out}")
+        with contextlib.suppress(FileNotFoundError):
+            out.rmdir()  # an empty directory may be replaced
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

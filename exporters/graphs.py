@@ -1,0 +1,221 @@
+"""The exported graphs: the target (main model + in-graph acceptance) and the MTP module(s), in two lowerings.
+
+`onnx` lowering: MLA generation attention and acceptance decomposed into standard ONNX operators
+(ONNX Runtime runs them anywhere); the new latent rows are graph outputs that the runtime writes
+into its persistent cache.  `plugin` lowering: each is one node in the `mtp_trt` domain
+(docs/architecture.md documents inputs, attributes and outputs), implemented by the TensorRT
+plugins; the attention node writes the new rows into the cache in place.
+
+Both lowerings share everything else with the reference model (exporters/model.py); MoE is
+computed in a static form (every expert on every token, combine-weighted) so the graph has no
+data-dependent control flow.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, MoE
+
+Tensor = torch.Tensor
+LOWERINGS = ("onnx", "plugin")
+
+
+# ----------------------------------------------------------------------- MLA generation attention
+def mla_attention_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_len: Tensor, kv_lora_rank: int,
+                             scale: float) -> Tensor:
+    """q [B, S, H, Dl+Dr] (absorbed), new_rows [B, S, Dl+Dr], cache [B, T, Dl+Dr] with past_len [B] valid rows.
+
+    Attends over the valid cached rows and, causally, the new rows, without concatenating the cache:
+    the two score blocks are softmaxed together and the two value products summed.  -> [B, S, H, Dl]."""
+    b, s, h, _ = q.shape
+    qf = q.reshape(b, s * h, -1).float()  # query rows r = s*H + h
+    s_past = torch.matmul(qf, cache.float().transpose(1, 2)) * scale  # [B, S*H, T]
+    s_new = torch.matmul(qf, new_rows.float().transpose(1, 2)) * scale  # [B, S*H, S]
+    t = torch.arange(cache.shape[1], dtype=past_len.dtype)
+    past_ok = (t[None, :] < past_len[:, None])[:, None, :]  # [B, 1, T]
+    j = torch.arange(s)
+    new_ok = (j[None, :] <= (torch.arange(s * h) // h)[:, None])[None]  # [1, S*H, S]
+    scores = torch.cat([s_past.masked_fill(~past_ok, float("-inf")), s_new.masked_fill(~new_ok, float("-inf"))], -1)
+    p = scores.softmax(-1)
+    t_rows = cache.shape[1]
+    out = torch.matmul(p[..., :t_rows], cache.float()) + torch.matmul(p[..., t_rows:], new_rows.float())
+    return out[..., :kv_lora_rank].reshape(b, s, h, kv_lora_rank).to(q.dtype)
+
+
+class MlaGenerationAttentionOp(torch.autograd.Function):
+    """Plugin lowering: one `mtp_trt::MlaGenerationAttention` node (computes the decomposed form when traced)."""
+
+    @staticmethod
+    def forward(ctx, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
+        return mla_attention_decomposed(q, new_rows, cache, past_len, kv_lora_rank, scale)
+
+    @staticmethod
+    def symbolic(g, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
+        return g.op("mtp_trt::MlaGenerationAttention", q, new_rows, cache, past_len, kv_lora_rank_i=kv_lora_rank,
+                    softmax_scale_f=scale)
+
+
+# ------------------------------------------------------------------------------------ acceptance
+def accept_decomposed(logits: Tensor, input_ids: Tensor, thinking: Tensor, relaxed_topk: Tensor,
+                      relaxed_delta: Tensor, think_start_id: int, think_end_id: int):
+    """In-graph acceptance of the drafts input_ids[:, 1:] against the target logits [B, S=K+1, V].
+
+    Draft i is accepted if it equals the argmax at position i, or -- while the thinking flag in effect
+    for position i is on and relaxed_topk > 0 -- if it ranks among the top `relaxed_topk` tokens and
+    p(draft) >= p(top-1) - relaxed_delta.  Accepted = the longest prefix of accepted drafts, then the
+    bonus token (argmax at the first unaccepted position).  The thinking flag turns on at
+    `<think>` and off at `</think>` as accepted tokens are processed in order; the flag for position i
+    is the one after drafts 0..i-1 (the step's first token was processed by the previous step).
+
+    Returns accepted_tokens [B, S] (int32, -1 after the bonus), num_accepted [B] (drafts accepted),
+    thinking_out [B] (int32)."""
+    b, s, v = logits.shape
+    lg = logits.float()
+    target = lg.argmax(-1).to(torch.int32)  # [B, S]
+    # Work on S columns (never zero-sized, even for K = 0): column i holds draft i; column K is a
+    # placeholder (the target's own token) that can never be accepted.
+    pos = torch.arange(s, dtype=torch.int32)[None, :]
+    is_draft = pos < s - 1
+    drafts = torch.cat([input_ids[:, 1:], target[:, -1:]], dim=1)  # [B, S]
+    l_d = lg.gather(-1, drafts.long()[..., None])  # [B, S, 1]
+    vocab = torch.arange(v, dtype=torch.int32)
+    rank = ((lg > l_d) | ((lg == l_d) & (vocab < drafts[..., None]))).to(torch.int32).sum(-1)  # [B, S]
+    probs = lg.softmax(-1)
+    p_d = probs.gather(-1, drafts.long()[..., None])[..., 0]
+    relaxed_ok = (rank < relaxed_topk) & (p_d >= probs.amax(-1) - relaxed_delta)
+    # flag before draft i = after drafts 0..i-1 = after column i of [-1, drafts]
+    flag = thinking_flags(torch.cat([torch.full_like(drafts[:, :1], -1), drafts[:, :-1]], 1), thinking,
+                          think_start_id, think_end_id)  # [B, S]
+    ok = ((drafts == target) | (relaxed_ok & flag)) & is_draft
+    num_accepted = (torch.cumsum((~ok).to(torch.int32), -1) == 0).to(torch.int32).sum(-1)  # [B]
+    bonus = target.gather(1, num_accepted.long()[:, None])  # [B, 1]
+    accepted = torch.where(pos < num_accepted[:, None], drafts,
+                           torch.where(pos == num_accepted[:, None], bonus, torch.full_like(bonus, -1)))
+    after = thinking_flags(accepted, thinking, think_start_id, think_end_id)  # [B, S]
+    return accepted, num_accepted, after[:, -1].to(torch.int32)
+
+
+def thinking_flags(tokens: Tensor, thinking: Tensor, start_id: int, end_id: int) -> Tensor:
+    """The thinking flag after each token of tokens [B, N >= 1], given the flag before them (thinking [B]):
+    on after the latest `<think>`, off after the latest `</think>`, unchanged if neither appeared."""
+    n = tokens.shape[1]
+    idx = torch.arange(n)[None, :] + 1  # 1-based so 0 means "none"
+    upto = torch.ones(n, n, dtype=torch.bool).tril()  # [j, j']: token j' counts for position j
+    last_start = ((tokens == start_id).long() * idx)[:, None, :].masked_fill(~upto[None], 0).amax(-1)
+    last_end = ((tokens == end_id).long() * idx)[:, None, :].masked_fill(~upto[None], 0).amax(-1)
+    none = (last_start == 0) & (last_end == 0)
+    return (none & (thinking[:, None] != 0)) | (~none & (last_start > last_end))  # (no bool Where on ORT's CPU)
+
+
+class MtpAcceptOp(torch.autograd.Function):
+    """Plugin lowering: one `mtp_trt::MtpAccept` node (computes the decomposed form when traced)."""
+
+    @staticmethod
+    def forward(ctx, logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id: int,
+                think_end_id: int):
+        return accept_decomposed(logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id,
+                                 think_end_id)
+
+    @staticmethod
+    def symbolic(g, logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id: int, think_end_id: int):
+        return g.op("mtp_trt::MtpAccept", logits, input_ids, thinking, relaxed_topk, relaxed_delta,
+                    think_start_id_i=think_start_id, think_end_id_i=think_end_id, outputs=3)
+
+
+# ----------------------------------------------------------------------------------------- blocks
+def moe_static(moe: MoE, x: Tensor) -> Tensor:
+    """MoE with no data-dependent control flow: every routed expert on every token, weighted by the
+    gate's combine matrix (zero for unselected experts), in three matmuls over stacked weights."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, idx = moe.gate(x)
+    one_hot = idx[..., None] == torch.arange(len(moe.experts))  # [N, k, E]
+    combine = (weights[..., None] * one_hot.to(weights.dtype)).sum(1)  # [N, E]
+    w_gate = torch.cat([e.gate_proj.weight for e in moe.experts])  # [E*I, D]
+    w_up = torch.cat([e.up_proj.weight for e in moe.experts])
+    w_down = torch.cat([e.down_proj.weight for e in moe.experts], dim=1)  # [D, E*I]
+    a = (F.silu(x @ w_gate.T) * (x @ w_up.T)).unflatten(-1, (len(moe.experts), -1))  # [N, E, I]
+    y = (a * combine[..., None].to(a.dtype)).flatten(1) @ w_down.T
+    if hasattr(moe, "shared_experts"):
+        y = y + moe.shared_experts(x)
+    return y.view(shape)
+
+
+def block_forward(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, past_len: Tensor,
+                  lowering: str) -> tuple[Tensor, Tensor]:
+    """One decoder block with absorbed MLA over the persistent cache. -> (h [B, S, D], new rows [B, S, Dl+Dr])."""
+    attn: MLA = layer.self_attn
+    cfg = attn.cfg
+    q_nope, q_pe, latent = attn.project(layer.input_layernorm(h), cos, sin)
+    w_uk, w_uv = attn.w_uk_uv()
+    q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_pe], dim=-1)  # [B, S, H, Dl+Dr]
+    if lowering == "plugin":
+        o_lat = MlaGenerationAttentionOp.apply(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale)
+    else:
+        o_lat = mla_attention_decomposed(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale)
+    h = h + attn.o_proj(torch.einsum("bshc,hvc->bshv", o_lat, w_uv).flatten(-2))
+    x = layer.post_attention_layernorm(h)
+    return h + (moe_static(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x)), latent
+
+
+def _rope(model: DeepseekV3, past_len: Tensor, s: int) -> tuple[Tensor, Tensor, Tensor]:
+    positions = past_len[:, None].long() + torch.arange(s)[None, :]  # [B, S]
+    return positions, model.rope_cos[positions], model.rope_sin[positions]
+
+
+# ----------------------------------------------------------------------------------------- graphs
+class TargetGraph(nn.Module):
+    """Main model for prefill (S prompt tokens) and verification (S = K + 1), with acceptance in-graph.
+
+    inputs : input_ids [B, S] int32, past_len [B] int32, thinking [B] int32, relaxed_topk [] int32,
+             relaxed_delta [] float32, kv_0 .. kv_{L-1} [B, T, Dl+Dr]
+    outputs: accepted_tokens [B, S] int32, num_accepted [B] int32, thinking_out [B] int32,
+             target_tokens [B, S] int32 (argmax), hidden_states [B, S, D], logits [B, S, V] float32,
+             and in the onnx lowering new_kv_0 .. new_kv_{L-1} [B, S, Dl+Dr]."""
+
+    def __init__(self, model: DeepseekV3, lowering: str, think_ids: tuple[int, int]):
+        super().__init__()
+        self.model, self.lowering, self.think_ids = model, lowering, think_ids
+
+    def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
+        m = self.model
+        _, cos, sin = _rope(m, past_len, input_ids.shape[1])
+        h = m.model.embed_tokens(input_ids)
+        new_rows = []
+        for layer, cache in zip(m.model.layers, caches):
+            h, rows = block_forward(layer, h, cos, sin, cache, past_len, self.lowering)
+            new_rows.append(rows)
+        h = m.model.norm(h)
+        logits = m.lm_head(h).float()
+        accept = MtpAcceptOp.apply if self.lowering == "plugin" else accept_decomposed
+        accepted, num_accepted, thinking_out = accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta,
+                                                      *self.think_ids)
+        outs = (accepted, num_accepted, thinking_out, logits.argmax(-1).to(torch.int32), h, logits)
+        return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
+
+
+class MtpGraph(nn.Module):
+    """One MTP module over its own latent cache.
+
+    inputs : hidden [B, S, D], next_tokens [B, S] int32, past_len [B] int32, kv [B, T, Dl+Dr]
+    outputs: hidden_out [B, S, D], draft_tokens [B, S] int32, draft_probs [B, S] float32 (softmax
+             probability of the draft), draft_logits [B, S, V] float32, and new_kv [B, S, Dl+Dr]
+             in the onnx lowering."""
+
+    def __init__(self, model: DeepseekV3, k: int, lowering: str):
+        super().__init__()
+        self.model, self.k, self.lowering = model, k, lowering
+
+    def forward(self, hidden, next_tokens, past_len, cache):
+        m, layer = self.model, self.model.mtp[self.k]
+        positions, cos, sin = _rope(m, past_len, next_tokens.shape[1])
+        emb = m.model.embed_tokens(next_tokens) * (positions != 0)[..., None].to(hidden.dtype)
+        h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
+        h, rows = block_forward(layer, h, cos, sin, cache, past_len, self.lowering)
+        logits = m.lm_head(layer.shared_head.norm(h)).float()
+        probs, tokens = logits.softmax(-1).max(-1)
+        outs = (h, tokens.to(torch.int32), probs, logits)
+        return outs + ((rows,) if self.lowering == "onnx" else ())

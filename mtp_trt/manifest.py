@@ -1,0 +1,108 @@
+"""The export contract: `manifest.json` in an export directory, read and checked without torch.
+
+The exporter writes it; the runtime, the TensorRT builder and the plugins read it.  It records the
+model config, K, the MTP mode, dtypes, every graph's inputs and outputs (name, dtype, shape), the
+latent cache layout, the tokenizer files and a SHA-256 of each ONNX file.  docs/architecture.md
+describes the graphs and one decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from mtp_trt.config import ModelConfig
+from mtp_trt.errors import MtpTrtError
+
+FORMAT = "mtp-trt-export"
+FORMAT_VERSION = 1
+MTP_MODES = ("eagle", "vanilla")
+DTYPES = ("fp32", "fp16", "bf16")
+NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # fp32 | fp16 | bf16 | int32
+    shape: list[int | str]  # symbolic dims by name: B, S, T, ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSpec:
+    name: str  # target | mtp_0 | mtp_1 ...
+    file: str
+    sha256: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    kv_inputs: list[str]  # the persistent cache inputs, one per layer of this graph
+    kv_outputs: list[str]  # onnx lowering: the new rows to write back (same order); plugin lowering: []
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    root: Path
+    raw: dict[str, Any]
+    config: ModelConfig
+    nextn: int
+    mtp_mode: str
+    dtype: str
+    lowering: str
+    max_batch: int
+    max_seq_len: int
+    graphs: dict[str, GraphSpec]
+    think_ids: tuple[int, int]  # (<think>, </think>) token ids, -1 where the tokenizer has none
+    eos_ids: tuple[int, ...]
+    tokenizer: str | None  # file name of tokenizer.json in the export directory
+
+    @property
+    def mtp_graphs(self) -> list[str]:
+        """Graph used for each draft depth: eagle reuses mtp_0 K times, vanilla uses mtp_k at depth k."""
+        return ["mtp_0" if self.mtp_mode == "eagle" else f"mtp_{k}" for k in range(self.nextn)]
+
+    @classmethod
+    def load(cls, root: str | Path, verify_hashes: bool = False) -> Manifest:
+        root = Path(root)
+        path = root / "manifest.json"
+        if not path.is_file():
+            raise MtpTrtError(f"{root}: not an mtp-trt export directory (no manifest.json); run `mtp-trt export`")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
+        if raw.get("format") != FORMAT:
+            raise MtpTrtError(f"{path}: field 'format' is {raw.get('format')!r}, expected {FORMAT!r}")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise MtpTrtError(f"{path}: export format version {raw.get('format_version')!r} is not the "
+                              f"version {FORMAT_VERSION} this mtp-trt reads; export the checkpoint again")
+        try:
+            graphs = {}
+            for name, g in raw["graphs"].items():
+                graphs[name] = GraphSpec(
+                    name=name, file=g["file"], sha256=g["sha256"],
+                    inputs=[TensorSpec(**t) for t in g["inputs"]], outputs=[TensorSpec(**t) for t in g["outputs"]],
+                    kv_inputs=g["kv_inputs"], kv_outputs=g["kv_outputs"])
+            m = cls(root=root, raw=raw, config=ModelConfig.from_dict(raw["config"], source=f"{path} (config)"),
+                    nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
+                    max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
+                    think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]), tokenizer=raw.get("tokenizer"))
+        except (KeyError, TypeError) as e:
+            raise MtpTrtError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+        for g in graphs.values():
+            f = root / g.file
+            if not f.is_file():
+                raise MtpTrtError(f"{path}: graph file '{g.file}' is missing")
+            if verify_hashes and sha256(f) != g.sha256:
+                raise MtpTrtError(f"{f}: SHA-256 differs from manifest.json; the export was modified")
+        return m
