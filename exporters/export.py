@@ -27,6 +27,7 @@ from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OPSET = 18
+DEFAULT_MAX_SEQ_LEN = 4096
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 Progress = Callable[[str], None]
@@ -122,9 +123,11 @@ def eos_token_ids(ckpt: Path, cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype: str, lowering: str,
-                  max_batch: int, max_seq_len: int) -> tuple[ModelConfig, int]:
-    """Validate everything before any work: one clear error per bad value."""
+                  max_batch: int, max_seq_len: int | None) -> tuple[ModelConfig, int, int]:
+    """Validate everything before any work: one clear error per bad value.  -> (config, nextn, max_seq_len)."""
     cfg = ModelConfig.from_file(ckpt / "config.json")
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, cfg.max_position_embeddings)
     if mtp_mode not in MTP_MODES:
         raise MtpTrtError(f"--mtp-mode: unknown mode {mtp_mode!r}; expected one of {', '.join(MTP_MODES)}")
     if dtype not in DTYPES:
@@ -147,15 +150,15 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
                           f"got {max_seq_len}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MtpTrtError(f"{out}: output directory exists and is not empty; choose another or remove it")
-    return cfg, nextn
+    return cfg, nextn, max_seq_len
 
 
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
-           dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int = 2048,
+           dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int | None = None,
            progress: Progress = lambda msg: None) -> Path:
     """Export a checkpoint; returns the output directory.  See the module docstring."""
     ckpt, out = Path(ckpt), Path(out)
-    cfg, nextn = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
+    cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
     progress(f"loading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
     tdtype = TORCH_DTYPES[dtype]
