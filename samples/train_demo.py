@@ -129,19 +129,33 @@ class LoadCounter:
         return worst
 
 
-def lr_at(step: int, a) -> float:
+def lr_at(step: int, progress: float, a) -> float:
+    """Linear warmup over the first `warmup` steps, then cosine decay over `progress` in [0, 1]."""
     if step < a.warmup:
         return a.lr * (step + 1) / a.warmup
-    p = min(1.0, (step - a.warmup) / max(1, a.max_steps - a.warmup))
+    p = min(1.0, max(0.0, progress))
     return a.lr * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def progress_at(step: int, elapsed: float, a, replay: list[float] | None) -> float:
+    """Where the cosine stands: the larger of the step fraction and the wall-clock fraction (so a run on
+    a slow or shared CPU still anneals fully within --minutes), or the recorded value when replaying."""
+    if replay is not None:
+        return replay[step] if step < len(replay) else 1.0
+    by_steps = max(0, step - a.warmup) / max(1, a.max_steps - a.warmup)
+    by_time = elapsed / (a.minutes * 60) if a.minutes > 0 else 0.0
+    return max(by_steps, by_time)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--minutes", type=float, default=44.0,
-                   help="hard wall-clock cap on the training loop; the schedule is set by --max-steps")
+    p.add_argument("--minutes", type=float, default=40.0,
+                   help="wall-clock budget of the training loop: the cosine schedule follows the larger of "
+                        "step/max_steps and elapsed/budget and training stops when it ends (0: steps only)")
+    p.add_argument("--replay-schedule", help="train_log.json of an earlier run: replay its schedule step by step "
+                                             "(reproduces a run that the wall-clock budget shortened)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="tiny model and corpus slice, for smoke tests")
@@ -231,15 +245,23 @@ def main(argv=None) -> int:
     t_train = time.time()
     step = 0
     stopped_early = False
+    replay = None
+    if a.replay_schedule:
+        replay = json.loads(Path(a.replay_schedule).read_text())["schedule_progress"]
+        a.max_steps = len(replay)
+    progress_log = []
     for step in range(a.max_steps):
-        if time.time() - t_train > a.minutes * 60:
+        progress = progress_at(step, time.time() - t_train, a, replay)
+        if step >= a.warmup and progress >= 1.0 and step < a.max_steps - 1 and replay is None:
             stopped_early = True
-            print(f"time cap of {a.minutes} min reached at step {step}/{a.max_steps}", flush=True)
+            print(f"wall-clock budget of {a.minutes} min used up at step {step}/{a.max_steps}", flush=True)
             break
+        progress_log.append(round(progress, 6))
         starts = torch.randint(0, n_windows, (a.batch,), generator=gen)
         window = torch.stack([train_stream[s:s + span] for s in starts.tolist()])
+        lr = lr_at(step, progress, a)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, a)
+            g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
             main_ce, depth_ce = mtp_losses(model, window, a.seq)
         loss = main_ce + a.mtp_lambda * torch.stack(depth_ce).mean()
@@ -251,7 +273,7 @@ def main(argv=None) -> int:
         if step % a.log_every == 0 or step == a.max_steps - 1:
             el = time.time() - t_train
             rec = {"step": step, "loss": round(loss.item(), 4), "main_ce": round(main_ce.item(), 4),
-                   "mtp_ce": [round(x.item(), 4) for x in depth_ce], "lr": lr_at(step, a),
+                   "mtp_ce": [round(x.item(), 4) for x in depth_ce], "lr": round(lr, 7),
                    "grad_norm": round(float(gnorm), 3), "max_over_mean_load": round(imbalance, 2),
                    "elapsed_s": round(el, 1)}
             log.append(rec)
@@ -284,7 +306,7 @@ def main(argv=None) -> int:
             "threads": a.threads, "train_files": len(train_texts), "heldout_files": len(held_texts),
             "train_tokens_in_corpus": len(train_stream), "heldout_tokens_in_corpus": len(held_stream),
             "vocab_size": vocab_size, "params_main": n_main, "params_mtp": n_mtp,
-            "steps": steps_done, "stopped_by_time_cap": stopped_early,
+            "steps": steps_done, "stopped_by_time_cap": stopped_early, "schedule_progress": progress_log,
             "tokens_seen": steps_done * a.batch * a.seq,
             "data_prep_seconds": round(t_data, 1), "train_seconds": round(train_seconds, 1),
             "heldout_ce_quick": held_ce, "log": log,
