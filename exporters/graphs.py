@@ -151,19 +151,22 @@ def block_forward(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cach
     cfg = attn.cfg
     q_nope, q_pe, latent = attn.project(layer.input_layernorm(h), cos, sin)
     w_uk, w_uv = attn.w_uk_uv()
-    q_abs = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope, w_uk), q_pe], dim=-1)  # [B, S, H, Dl+Dr]
+    # MatMul rather than Einsum: ONNX's Einsum has no bf16.
+    q_lat = torch.matmul(q_nope.transpose(1, 2), w_uk).transpose(1, 2)  # q_nope absorbed through W^UK: [B, S, H, Dl]
+    q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [B, S, H, Dl+Dr]
     if lowering == "plugin":
         o_lat = MlaGenerationAttentionOp.apply(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale)
     else:
         o_lat = mla_attention_decomposed(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale)
-    h = h + attn.o_proj(torch.einsum("bshc,hvc->bshv", o_lat, w_uv).flatten(-2))
+    o = torch.matmul(o_lat.transpose(1, 2), w_uv.transpose(1, 2)).transpose(1, 2)  # W^UV: [B, S, H, Dv]
+    h = h + attn.o_proj(o.flatten(-2))
     x = layer.post_attention_layernorm(h)
     return h + (moe_static(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x)), latent
 
 
 def _rope(model: DeepseekV3, past_len: Tensor, s: int) -> tuple[Tensor, Tensor, Tensor]:
     positions = past_len[:, None].long() + torch.arange(s)[None, :]  # [B, S]
-    return positions, model.rope_cos[positions], model.rope_sin[positions]
+    return positions, *model.rope(positions)
 
 
 # ----------------------------------------------------------------------------------------- graphs

@@ -328,8 +328,10 @@ class DeepseekV3(nn.Module):
                 nn.init.normal_(p, std=std)
         return self
 
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return self.rope_cos[positions], self.rope_sin[positions]
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, S, Dr/2] for positions [B, S], in the model's dtype (computed in fp32, as HF does)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
     @staticmethod
     def _positions_mask(tokens: Tensor, past: list[Tensor] | None, past_len: Tensor | None):
@@ -345,7 +347,7 @@ class DeepseekV3(nn.Module):
         """tokens [B, S] -> logits [B, S, V] (fp32), hidden [B, S, D] after the final norm, new latent rows
         per layer [B, S, Dl+Dr].  With past=None the S tokens start at position 0."""
         positions, mask = self._positions_mask(tokens, past, past_len)
-        cos, sin = self._rope(positions)
+        cos, sin = self.rope(positions)
         h = self.model.embed_tokens(tokens)
         latents = []
         for i, layer in enumerate(self.model.layers):
@@ -361,7 +363,7 @@ class DeepseekV3(nn.Module):
         shared_head.norm: the next depth's input), and the new latent rows [B, S, Dl+Dr]."""
         layer = self.mtp[k]
         positions, mask = self._positions_mask(next_tokens, None if past is None else [past], past_len)
-        cos, sin = self._rope(positions)
+        cos, sin = self.rope(positions)
         emb = self.model.embed_tokens(next_tokens) * (positions != 0)[..., None].to(hidden.dtype)
         h, latent = layer(hidden, emb, cos, sin, past, mask, absorbed)
         return self.lm_head(layer.shared_head.norm(h)).float(), h, latent

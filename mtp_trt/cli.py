@@ -67,5 +67,68 @@ def inspect(checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint
         typer.echo(f"{k:<{width}}  {v}")
 
 
+class StageDisplay:
+    """Progress display for multi-stage jobs: a spinner on the current stage, a tick and its time when done."""
+
+    def __init__(self, title: str):
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.title, self.stage, self.status, self.t0 = title, None, None, 0.0
+
+    def __enter__(self):
+        import time
+
+        self.start = time.perf_counter()
+        self.status = self.console.status(self.title)
+        self.status.__enter__()
+        return self
+
+    def __call__(self, stage: str) -> None:
+        import time
+
+        self._finish_stage()
+        self.stage, self.t0 = stage, time.perf_counter()
+        self.status.update(f"{self.title}: {stage}")
+
+    def _finish_stage(self) -> None:
+        import time
+
+        if self.stage:
+            self.console.print(f"  [green]✓[/] {self.stage} [dim]({time.perf_counter() - self.t0:.1f} s)[/]")
+            self.stage = None
+
+    def __exit__(self, kind, value, tb):
+        import time
+
+        if kind is None:
+            self._finish_stage()
+        self.status.__exit__(kind, value, tb)
+        if kind is None:
+            self.console.print(f"[bold]{self.title}[/] done in {time.perf_counter() - self.start:.1f} s")
+        return False
+
+
+@app.command()
+@clear_errors
+def export(
+    checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint directory."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory (new or empty)."),
+    nextn: int = typer.Option(None, help="Draft tokens per step K (default: the checkpoint's MTP layer count)."),
+    mtp_mode: str = typer.Option("eagle", help="eagle (one MTP module reused K times) or vanilla (K modules)."),
+    dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16 (ONNX Runtime's CPU path wants fp32)."),
+    max_batch: int = typer.Option(8, help="Largest batch the runtime will allocate caches for."),
+    max_seq_len: int = typer.Option(None, help="Cache rows per sequence (default: min(4096, max_position_embeddings))."),
+    lowering: str = typer.Option("onnx", help="onnx (standard operators) or plugin (mtp_trt custom nodes for TensorRT)."),
+) -> None:
+    """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
+    from mtp_trt.exporters.export import export as run_export
+
+    with StageDisplay(f"export {checkpoint}") as show:
+        path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
+                          max_batch=max_batch, max_seq_len=max_seq_len, progress=show)
+    typer.echo(f"wrote {path}")
+
+
 if __name__ == "__main__":
     sys.exit(app())

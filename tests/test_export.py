@@ -273,3 +273,25 @@ def test_large_graphs_use_external_data(ckpt, tmp_path, monkeypatch):
     assert (m.root / "target.onnx").stat().st_size < (m.root / "target.onnx.data").stat().st_size
     sess = ort.InferenceSession(str(m.root / "target.onnx"), providers=["CPUExecutionProvider"])
     assert [o.name for o in sess.get_outputs()][:2] == ["accepted_tokens", "num_accepted"]
+
+
+@pytest.mark.parametrize("dtype,onnx_type", [("fp16", onnx.TensorProto.FLOAT16), ("bf16", onnx.TensorProto.BFLOAT16)])
+def test_half_precision_exports(ckpt, tmp_path, dtype, onnx_type):
+    """fp16/bf16 graphs (for TensorRT) pass the checker and strict shape inference (done by export) with
+    caches and hidden states in that dtype and logits in fp32; fp16 runs on ORT's CPU close to fp32."""
+    m = Manifest.load(export(ckpt, tmp_path / dtype, nextn=1, dtype=dtype, lowering="plugin", max_seq_len=64))
+    model = onnx.load(m.root / "target.onnx")
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+    assert types["kv_0"] == types["hidden_states"] == onnx_type
+    assert types["logits"] == onnx.TensorProto.FLOAT
+    if dtype == "fp16":
+        m = Manifest.load(export(ckpt, tmp_path / "ort16", nextn=1, dtype=dtype, max_seq_len=64))
+        sess = ort.InferenceSession(str(m.root / "target.onnx"), providers=["CPUExecutionProvider"])
+        ids = np.arange(8, dtype=np.int32)[None] * 7 % 90
+        feed = {"input_ids": ids, "past_len": np.zeros(1, np.int32), "thinking": np.zeros(1, np.int32),
+                "relaxed_topk": np.array(0, np.int32), "relaxed_delta": np.array(0, np.float32)}
+        feed |= {f"kv_{i}": np.zeros((1, 64, m.config.latent_dim), np.float16) for i in range(m.config.num_hidden_layers)}
+        got = _run(sess, feed)["logits"]
+        with torch.no_grad():
+            ref = load_checkpoint(ckpt, nextn=0)(torch.from_numpy(ids).long())[0].numpy()
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
