@@ -74,7 +74,7 @@ class StageDisplay:
         from rich.console import Console
 
         self.console = Console(stderr=True)
-        self.title, self.stage, self.status, self.t0 = title, None, None, 0.0
+        self.title, self.stage, self.status, self.t0, self.stages = title, None, None, 0.0, 0
 
     def __enter__(self):
         import time
@@ -88,7 +88,7 @@ class StageDisplay:
         import time
 
         self._finish_stage()
-        self.stage, self.t0 = stage, time.perf_counter()
+        self.stage, self.t0, self.stages = stage, time.perf_counter(), self.stages + 1
         self.status.update(f"{self.title}: {stage}")
 
     def _finish_stage(self) -> None:
@@ -104,7 +104,7 @@ class StageDisplay:
         if kind is None:
             self._finish_stage()
         self.status.__exit__(kind, value, tb)
-        if kind is None:
+        if kind is None and self.stages:
             self.console.print(f"[bold]{self.title}[/] done in {time.perf_counter() - self.start:.1f} s")
         return False
 
@@ -128,6 +128,86 @@ def export(
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
                           max_batch=max_batch, max_seq_len=max_seq_len, progress=show)
     typer.echo(f"wrote {path}")
+
+
+@app.command()
+@clear_errors
+def run(
+    model: Path = typer.Argument(None, help="Export directory or checkpoint (default: the bundled demo model)."),
+    prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; repeat for a batch."),
+    prompt_file: Path = typer.Option(None, help="File with one prompt per line (added to --prompt)."),
+    nextn: int = typer.Option(None, help="Draft tokens per step K, 0 = plain decoding (default: all exported)."),
+    mtp_mode: str = typer.Option(None, help="eagle or vanilla (default: the export's; eagle for checkpoints)."),
+    max_new_tokens: int = typer.Option(128, help="Tokens to generate per prompt at most."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples, with lossless rejection sampling."),
+    top_k: int = typer.Option(0, help="Sample among the k most likely tokens (0 = all)."),
+    top_p: float = typer.Option(1.0, help="Sample among the smallest set of tokens with this mass."),
+    seed: int = typer.Option(0, help="Random seed for sampling."),
+    relaxed_topk: int = typer.Option(0, help="Relaxed acceptance while thinking: top-N (0 = strict)."),
+    relaxed_delta: float = typer.Option(0.0, help="Relaxed acceptance: p(draft) >= p(top-1) - delta."),
+    stop: list[str] = typer.Option(None, help="Stop string; repeat for several."),
+    config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate text with MTP speculative decoding (ONNX Runtime on the CPU)."""
+    import json
+
+    from mtp_trt.runner import Runner, resolve_export
+    from mtp_trt.sampling import SamplingParams
+
+    prompts = list(prompt or [])
+    if prompt_file:
+        if not prompt_file.is_file():
+            raise MtpTrtError(f"{prompt_file}: prompt file not found")
+        prompts += [line for line in prompt_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise MtpTrtError("no prompt: give --prompt TEXT or --prompt-file FILE")
+    if config:
+        from mtp_trt.spec_config import load_spec_config
+
+        spec = load_spec_config(config)
+        nextn = spec.nextn if nextn is None else nextn
+        mtp_mode = mtp_mode or spec.mtp_mode
+        relaxed_topk, relaxed_delta = relaxed_topk or spec.relaxed_topk, relaxed_delta or spec.relaxed_delta
+    if mtp_mode not in (None, "eagle", "vanilla"):
+        raise MtpTrtError(f"--mtp-mode: unknown mode {mtp_mode!r}; expected eagle or vanilla")
+    if max_new_tokens < 1:
+        raise MtpTrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if relaxed_topk < 0 or relaxed_delta < 0:
+        raise MtpTrtError("--relaxed-topk and --relaxed-delta must be >= 0")
+    with StageDisplay("preparing the model") as show:
+        manifest = resolve_export(model, mtp_mode, progress=show)
+    runner = Runner(manifest)
+    opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
+                          relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta)
+    stream = not json_out and len(prompts) == 1
+    if stream:
+        typer.echo(prompts[0], nl=False)
+
+    def on_text(i: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    report = runner.run(prompts, opts, seed=seed, stop=tuple(stop or ()), on_text=on_text if stream else None)
+    if json_out:
+        out = {"results": [r.__dict__ for r in report.results], "summary": report.summary(),
+               "model": str(manifest.root), "mtp_mode": manifest.mtp_mode}
+        typer.echo(json.dumps(out, indent=2))
+        return
+    if stream:
+        typer.echo()
+    else:
+        for i, r in enumerate(report.results):
+            typer.secho(f"--- [{i}] {r.finish_reason}", fg="cyan")
+            typer.echo(r.prompt + r.text)
+    for r in report.results:
+        if r.message:
+            typer.secho(f"note: {r.message}", fg="yellow", err=True)
+    s = report.summary()
+    rates = " ".join(f"{a:.2f}" for a in s["acceptance_rate_per_position"]) or "-"
+    typer.secho(f"\n{s['new_tokens']} new tokens in {s['seconds']:.2f} s ({s['tokens_per_second']:.1f} tokens/s), "
+                f"{manifest.mtp_mode} nextn={s['nextn']}: {s['mean_accepted_tokens_per_step']:.2f} tokens per step, "
+                f"acceptance per draft position: {rates}", fg="green", err=True)
 
 
 if __name__ == "__main__":

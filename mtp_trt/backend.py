@@ -1,0 +1,112 @@
+"""Backends run the exported graphs over persistent latent KV caches; ONNX Runtime on the CPU is the default.
+
+A backend owns one cache per graph family, allocated once for `batch x rows`: the target's
+(one buffer per layer) and one per MTP module (eagle: one; vanilla: K).  Running a graph commits
+its S new latent rows of every sequence at rows past_len .. past_len+S-1 (the plugin lowering's
+attention node does it in place; for the onnx lowering the backend copies the graph's `new_kv`
+outputs).  Rewinding is the decode loop's business: it moves lengths back and later steps
+overwrite the rejected rows.  Sequences run on the first `n` slots; `swap_slots` lets the loop
+keep the unfinished ones first so finished ones cost nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.manifest import Manifest
+
+TARGET_OUTPUTS = ("accepted_tokens", "num_accepted", "thinking_out", "target_tokens", "hidden_states")
+
+
+class Backend(ABC):
+    """What the decode loop needs from an execution engine."""
+
+    manifest: Manifest
+
+    @abstractmethod
+    def allocate(self, batch: int, rows: int) -> None:
+        """(Re)allocate every cache for `batch` sequences of `rows` tokens."""
+
+    @abstractmethod
+    def target(self, n: int, input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray,
+               relaxed_topk: int, relaxed_delta: float, logits: bool) -> dict[str, np.ndarray]:
+        """Run the target graph on slots 0..n-1 and commit its rows.  Returns TARGET_OUTPUTS (+ logits)."""
+
+    @abstractmethod
+    def mtp(self, cache: int, graph: str, n: int, hidden: np.ndarray, next_tokens: np.ndarray,
+            past_len: np.ndarray, logits: bool) -> dict[str, np.ndarray]:
+        """Run MTP graph `graph` over MTP cache `cache` on slots 0..n-1 and commit its rows.
+        Returns hidden_out, draft_tokens, draft_probs (+ draft_logits)."""
+
+    @abstractmethod
+    def swap_slots(self, i: int, j: int) -> None:
+        """Exchange the cached rows of slots i and j (used when a sequence finishes)."""
+
+
+class OrtBackend(Backend):
+    """ONNX Runtime, CPU execution provider, running the `onnx` lowering."""
+
+    def __init__(self, manifest: Manifest, threads: int | None = None):
+        import onnxruntime as ort
+
+        if manifest.lowering != "onnx":
+            raise MtpTrtError(f"{manifest.root}: exported with --lowering {manifest.lowering}; ONNX Runtime needs "
+                              f"--lowering onnx (the plugin lowering is for `mtp-trt build`)")
+        if manifest.dtype == "bf16":
+            raise MtpTrtError(f"{manifest.root}: bf16 graphs do not run on ONNX Runtime's CPU provider; "
+                              f"export with --dtype fp32")
+        self.manifest = manifest
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.sessions = {name: ort.InferenceSession(str(manifest.root / g.file), opts,
+                                                    providers=["CPUExecutionProvider"])
+                         for name, g in manifest.graphs.items()}
+        self.np_dtype = np.float16 if manifest.dtype == "fp16" else np.float32
+        self.caches: dict[str, list[np.ndarray]] = {}
+
+    def allocate(self, batch: int, rows: int) -> None:
+        m = self.manifest
+        if rows > m.max_seq_len:
+            raise MtpTrtError(f"{m.root}: {rows} cache rows per sequence needed, but the export allows "
+                              f"max_seq_len = {m.max_seq_len}; re-export with a larger --max-seq-len")
+        shape = (batch, rows, m.config.latent_dim)
+        n_mtp = len(set(m.mtp_graphs))
+        self.caches = {"target": [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
+        self.caches |= {f"mtp{k}": [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
+
+    def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
+        n, s = new_rows[0].shape[:2]
+        rows = past_len[:, None] + np.arange(s)[None, :]  # [n, S]
+        keep = rows < caches[0].shape[1]  # never write past the buffer (the loop stops sequences first)
+        b_idx, s_idx = np.nonzero(keep)
+        for cache, new in zip(caches, new_rows):
+            cache[b_idx, rows[b_idx, s_idx]] = new[b_idx, s_idx]
+
+    def target(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, logits):
+        g = self.manifest.graphs["target"]
+        caches = self.caches["target"]
+        feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking,
+                "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32)}
+        feed |= {name: c[:n] for name, c in zip(g.kv_inputs, caches)}
+        names = list(TARGET_OUTPUTS) + (["logits"] if logits else []) + g.kv_outputs
+        out = dict(zip(names, self.sessions["target"].run(names, feed)))
+        self._commit([c[:n] for c in caches], [out.pop(k) for k in g.kv_outputs], past_len)
+        return out
+
+    def mtp(self, cache, graph, n, hidden, next_tokens, past_len, logits):
+        caches = self.caches[f"mtp{cache}"]
+        feed = {"hidden": hidden.astype(self.np_dtype, copy=False), "next_tokens": next_tokens,
+                "past_len": past_len, "kv": caches[0][:n]}
+        names = ["hidden_out", "draft_tokens", "draft_probs"] + (["draft_logits"] if logits else []) + ["new_kv"]
+        out = dict(zip(names, self.sessions[graph].run(names, feed)))
+        self._commit([caches[0][:n]], [out.pop("new_kv")], past_len)
+        return out
+
+    def swap_slots(self, i, j):
+        for caches in self.caches.values():
+            for c in caches:
+                c[[i, j]] = c[[j, i]]

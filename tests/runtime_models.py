@@ -1,0 +1,61 @@
+"""Test models for the decode loop: random ones, and a "self-drafting" one whose MTP modules copy the
+main model so that drafts are often (not always) right — real partial acceptance with real graphs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hf_models import BASE
+from mtp_trt.config import ModelConfig
+from mtp_trt.exporters.export import export
+from mtp_trt.exporters.loader import save_checkpoint
+from mtp_trt.exporters.model import DeepseekV3
+
+THINK = (90, 91)
+EOS = 95
+
+
+def self_drafting_config(nextn: int) -> dict:
+    return {**BASE, "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_nextn_predict_layers": nextn,
+            "max_position_embeddings": 256, "eos_token_id": EOS}
+
+
+def make_self_drafting(path: Path, nextn: int = 3, seed: int = 0) -> Path:
+    """One MoE layer; unit-RMS embeddings; each MTP module = a copy of that layer with eh_proj = [I | 0]
+    (it reads only the embedding of t_{i+1}) and shared_head.norm = the final norm, so it predicts
+    t_{i+2} much as the main model does from t_{i+1} -- but over its own cache, whose first row saw a
+    zeroed embedding, so it is sometimes wrong."""
+    torch.manual_seed(seed)
+    d = self_drafting_config(nextn)
+    model = DeepseekV3(ModelConfig.from_dict(d)).init_weights(std=0.3)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(emb / emb.pow(2).mean(-1, keepdim=True).sqrt())
+        layer = model.model.layers[0].state_dict()
+        hidden = d["hidden_size"]
+        for mtp in model.mtp:
+            mtp.load_state_dict(layer, strict=False)
+            mtp.eh_proj.weight.copy_(torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1))
+            mtp.enorm.weight.fill_(1.0)
+            mtp.shared_head.norm.weight.copy_(model.model.norm.weight)
+    save_checkpoint(model, path, d)
+    tok = {"added_tokens": [{"id": THINK[0], "content": "<think>"}, {"id": THINK[1], "content": "</think>"}]}
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path
+
+
+def make_random(path: Path, nextn: int = 2, seed: int = 0) -> Path:
+    from hf_models import CONFIGS
+
+    torch.manual_seed(seed)
+    d = {**BASE, **CONFIGS["moe_qlora_yarn"], "num_nextn_predict_layers": nextn}
+    save_checkpoint(DeepseekV3(ModelConfig.from_dict(d)).init_weights(0.15), path, d)
+    return path
+
+
+def export_both(ckpt: Path, root: Path, nextn: int) -> dict[str, Path]:
+    return {mode: export(ckpt, root / mode, nextn=nextn, mtp_mode=mode, max_seq_len=256)
+            for mode in ("eagle", "vanilla")}

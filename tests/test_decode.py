@@ -1,0 +1,176 @@
+"""The MTP decode loop on ONNX Runtime: greedy output equals plain greedy decoding of the PyTorch
+reference for every nextn and both modes, whatever the batch; wrong drafts are rewound; drafts equal
+a from-scratch PyTorch recomputation of the MTP chain; relaxed acceptance and the thinking switch;
+seeded sampling is reproducible; stop conditions."""
+
+import numpy as np
+import pytest
+import torch
+
+from mtp_trt.backend import OrtBackend
+from mtp_trt.decode import DecodeOptions, generate
+from mtp_trt.exporters.generate import greedy_generate
+from mtp_trt.exporters.loader import load_checkpoint
+from mtp_trt.manifest import Manifest
+from mtp_trt.sampling import SamplingParams
+from runtime_models import EOS, THINK, export_both, make_self_drafting
+
+K = 3
+PROMPTS = [[5, 17, 33, 2, 8, 41, 7, 19], [60, 3], [11, 12, 13, 14, 15], [70, 71, 72, 9, 30, 31]]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode")
+    ckpt = make_self_drafting(root / "ckpt", nextn=K)
+    exports = export_both(ckpt, root, nextn=K)
+    model = load_checkpoint(ckpt)
+    reference = [greedy_generate(model, p, NEW, eos_ids=(EOS,)) for p in PROMPTS]
+    backends = {mode: OrtBackend(Manifest.load(path)) for mode, path in exports.items()}
+    return model, backends, reference
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+@pytest.mark.parametrize("nextn", range(K + 1))
+def test_greedy_mtp_equals_plain_greedy(setup, mode, nextn):
+    model, backends, reference = setup
+    seqs, stats = generate(backends[mode], PROMPTS, DecodeOptions(nextn=nextn, max_new_tokens=NEW, eos_ids=(EOS,)))
+    assert [s.generated for s in seqs] == reference
+    if nextn:
+        assert 1.3 < stats.mean_accepted < nextn + 1, "drafts must be partly accepted for this test to bite"
+        assert 0 < stats.acceptance_rate[0] < 1
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_output_does_not_depend_on_the_batch(setup, mode):
+    _, backends, reference = setup
+    opts = DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,))
+    for i, p in enumerate(PROMPTS):
+        alone, _ = generate(backends[mode], [p], opts)
+        assert alone[0].generated == reference[i]
+    mixed, _ = generate(backends[mode], [PROMPTS[3], PROMPTS[1], PROMPTS[3]], opts)
+    assert [s.generated for s in mixed] == [reference[3], reference[1], reference[3]]
+
+
+class RandomDrafts:
+    """Wraps a backend; replaces every draft the MTP graphs propose with a random token."""
+
+    def __init__(self, inner, seed=0):
+        self.inner, self.rng, self.manifest = inner, np.random.default_rng(seed), inner.manifest
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def mtp(self, *args, **kwargs):
+        out = self.inner.mtp(*args, **kwargs)
+        out["draft_tokens"] = self.rng.integers(0, 90, out["draft_tokens"].shape).astype(np.int32)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_wrong_drafter_still_gives_greedy_output(setup, mode):
+    _, backends, reference = setup
+    seqs, stats = generate(RandomDrafts(backends[mode]), PROMPTS, DecodeOptions(nextn=K, max_new_tokens=NEW,
+                                                                                 eos_ids=(EOS,)))
+    assert [s.generated for s in seqs] == reference
+    assert stats.mean_accepted < 1.2, "random drafts should be rejected (and rewound) on nearly every step"
+
+
+def _reference_drafts(model, tokens, q, mode):
+    """Recompute from scratch, in PyTorch with no cache, the K drafts made after position q."""
+    with torch.no_grad():
+        _, h, _ = model(torch.tensor([tokens[:q + 1]]))
+        seq = torch.tensor([tokens[1:q + 2]])
+        logits, h1, _ = model.mtp_forward(0, h, seq)
+        drafts = [int(logits[0, q].argmax())]
+        if mode == "eagle":  # rows q+1.. append (the previous row's output hidden, the previous draft)
+            out_h, rows_h, rows_t = h1, h[0], seq[0]
+            for _ in range(1, K):
+                rows_h = torch.cat([rows_h, out_h[0, -1:]], 0)
+                rows_t = torch.cat([rows_t, torch.tensor([drafts[-1]])], 0)
+                logits, out_h, _ = model.mtp_forward(0, rows_h[None], rows_t[None])
+                drafts.append(int(logits[0, -1].argmax()))
+        else:
+            prev = h1
+            for depth in range(2, K + 1):
+                toks = [tokens[i + depth] if i + depth <= q + 1 else drafts[i + depth - q - 2] for i in range(q + 1)]
+                logits, prev, _ = model.mtp_forward(depth - 1, prev, torch.tensor([toks]))
+                drafts.append(int(logits[0, q].argmax()))
+    return drafts
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_drafts_equal_pytorch_recomputation(setup, mode):
+    """Every step's K drafts equal an independent, cache-free PyTorch recomputation of the MTP chain --
+    this checks the loop's cache bookkeeping, rewinds and (vanilla) carried hidden states."""
+    model, backends, _ = setup
+    seqs, _ = generate(backends[mode], PROMPTS[:2], DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,)))
+    for s in seqs:
+        assert len(s.draft_log) >= 4
+        for q, drafts in s.draft_log:
+            assert drafts == _reference_drafts(model, s.tokens, q, mode), f"q={q}"
+
+
+def test_relaxed_acceptance_follows_the_thinking_flag(setup):
+    """Relaxed acceptance with N = V, delta = 1 accepts every draft, but only while thinking: a prompt with
+    an open <think> is relaxed from the first step, one whose think block is closed decodes as greedy."""
+    _, backends, reference = setup
+    be = backends["eagle"]
+    relaxed = DecodeOptions(nextn=K, max_new_tokens=NEW, relaxed_topk=96, relaxed_delta=1.0, think_ids=THINK)
+    closed = [THINK[0], 5, 6, THINK[1], *PROMPTS[0]]
+    seqs, stats = generate(be, [closed], relaxed)
+    plain, _ = generate(be, [closed], DecodeOptions(nextn=0, max_new_tokens=NEW))
+    assert seqs[0].generated == plain[0].generated
+    open_ = [5, THINK[0], *PROMPTS[0]]
+    seqs, stats = generate(be, [open_], relaxed)
+    generated = seqs[0].generated
+    if THINK[1] not in generated:
+        assert stats.mean_accepted == K + 1, "every draft is accepted while thinking"
+    else:  # the flag switched off at </think>: from there on acceptance is strict again
+        assert stats.mean_accepted > 1
+
+
+def test_thinking_flag_switches_off_at_end_token(setup):
+    """Once </think> is among the accepted tokens, later drafts are judged strictly again."""
+    _, backends, _ = setup
+    seqs, stats = generate(_ForceEndThink(backends["eagle"]), [[THINK[0], *PROMPTS[1]]],
+                           DecodeOptions(nextn=K, max_new_tokens=NEW, relaxed_topk=96, relaxed_delta=1.0,
+                                         think_ids=THINK))
+    s = seqs[0]
+    assert THINK[1] in s.generated
+    assert stats.mean_accepted < K + 1, "after </think> not every (wrong) draft may be accepted"
+
+
+class _ForceEndThink(RandomDrafts):
+    """Random drafts, except that the first draft of the second step is </think>."""
+
+    calls = 0
+
+    def mtp(self, *args, **kwargs):
+        out = super().mtp(*args, **kwargs)
+        type(self).calls += 1
+        if type(self).calls == K + 1:
+            out["draft_tokens"][:] = THINK[1]
+        return out
+
+
+def test_seeded_sampling_is_reproducible(setup):
+    _, backends, _ = setup
+    opts = DecodeOptions(nextn=K, max_new_tokens=NEW, sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.9))
+    a, _ = generate(backends["vanilla"], PROMPTS, opts, seed=7)
+    b, _ = generate(backends["vanilla"], PROMPTS, opts, seed=7)
+    c, _ = generate(backends["vanilla"], PROMPTS, opts, seed=8)
+    assert [s.generated for s in a] == [s.generated for s in b]
+    assert [s.generated for s in a] != [s.generated for s in c]
+
+
+def test_stop_conditions(setup):
+    _, backends, reference = setup
+    be = backends["eagle"]
+    seqs, _ = generate(be, PROMPTS, DecodeOptions(nextn=K, max_new_tokens=5))
+    assert all(len(s.generated) == 5 and s.finish_reason == "length" for s in seqs)
+    assert [s.generated for s in seqs] == [r[:5] for r in reference]
+    eos = reference[0][3]
+    seqs, _ = generate(be, PROMPTS[:1], DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(eos,)))
+    assert seqs[0].generated == reference[0][:reference[0].index(eos) + 1] and seqs[0].finish_reason == "stop"
