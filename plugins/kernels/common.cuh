@@ -60,6 +60,7 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+#ifndef MTP_EMULATE_DEVICE
 // ---- cp.async (sm_80+) ----------------------------------------------------------------------
 // Copies 16 bytes global -> shared; when !pred, writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
@@ -101,6 +102,11 @@ template <> struct Mma<__nv_bfloat16> {
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
 };
+
+#else
+// Host emulation of the primitives above, for the CPU tests only (tests/kernels/emu).
+#include MTP_EMULATE_DEVICE
+#endif
 
 // ---- host helpers ---------------------------------------------------------------------------
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }

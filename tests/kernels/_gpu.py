@@ -91,3 +91,52 @@ class Gpu:
         for p in self.ptrs:
             self.rt.cudaFree(p)
         self.ptrs.clear()
+
+
+class HostRuntime:
+    """A stand-in for cuda-python's runtime over host memory (ctypes buffers), with the calls Gpu
+    uses.  Lets the GPU tests drive the CPU emulation of the kernels (tests/kernels/emu)."""
+
+    class cudaMemcpyKind:  # noqa: N801 - mirrors cuda-python
+        cudaMemcpyHostToDevice = 1
+        cudaMemcpyDeviceToHost = 2
+
+    class cudaDeviceAttr:  # noqa: N801
+        cudaDevAttrMultiProcessorCount = 16
+
+    def __init__(self, num_sms: int = 132):
+        import ctypes
+
+        self._ct = ctypes
+        self._bufs: dict[int, object] = {}
+        self._sms = num_sms
+
+    def cudaMalloc(self, n):  # noqa: N802
+        buf = self._ct.create_string_buffer(int(n))
+        addr = self._ct.addressof(buf)
+        self._bufs[addr] = buf
+        return (0, addr)
+
+    def cudaFree(self, p):  # noqa: N802
+        self._bufs.pop(int(p), None)
+        return (0,)
+
+    def cudaMemcpy(self, dst, src, n, kind):  # noqa: N802
+        self._ct.memmove(dst, src, n)
+        return (0,)
+
+    def cudaMemset(self, p, v, n):  # noqa: N802
+        self._ct.memset(p, v, n)
+        return (0,)
+
+    def cudaDeviceSynchronize(self):  # noqa: N802
+        return (0,)
+
+    def cudaGetLastError(self):  # noqa: N802
+        return (0,)
+
+    def cudaGetDevice(self):  # noqa: N802
+        return (0, 0)
+
+    def cudaDeviceGetAttribute(self, attr, dev):  # noqa: N802
+        return (0, self._sms)

@@ -1,0 +1,81 @@
+"""Build the CUDA kernels as a host shared library for the CPU emulation (tests only).
+
+The .cu sources are copied with two mechanical rewrites -- `K<<<cfg>>>(args)` becomes
+`emu::launcher(K, cfg)(args)` and the `extern __shared__` dynamic buffer becomes a pointer to the
+emulated block's shared memory -- and compiled by g++ with cuda_emu.h force-included and
+MTP_EMULATE_DEVICE pointing common.cuh at emu_device.h.  The result exports the same C functions
+as the real library, so mtp_trt.plugins.cuda_lib.KernelLib loads it unchanged; "device pointers"
+are host addresses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from mtp_trt.plugins import cuda_lib
+
+EMU_DIR = Path(__file__).resolve().parent
+_LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;(){}<>]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
+_DYN_SMEM = re.compile(r"extern\s+__shared__\s+__align__\(\d+\)\s+unsigned\s+char\s+(\w+)\[\];")
+
+
+def cuda_include_dir() -> Path | None:
+    cands = []
+    nvcc = cuda_lib.find_nvcc()
+    if nvcc:
+        cands.append(Path(os.path.realpath(nvcc)).parent.parent / "include")
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            cands.append(Path(root) / "include")
+    for c in cands:
+        if (c / "cuda_fp16.h").is_file() and (c / "cuda_runtime.h").is_file():
+            return c
+    return None
+
+
+def unavailable_reason() -> str | None:
+    if shutil.which("g++") is None:
+        return "g++ not found"
+    if cuda_include_dir() is None:
+        return "CUDA headers (cuda_runtime.h, cuda_fp16.h) not found"
+    return None
+
+
+def rewrite(src: str) -> str:
+    out, n = _LAUNCH.subn(lambda m: f"emu::launcher({m.group(1)}, {m.group(2)})(", src)
+    out = _DYN_SMEM.sub(r"unsigned char* \1 = emu::dyn_smem();", out)
+    return out
+
+
+def build_emulated_library(out_dir: str | os.PathLike) -> Path:
+    """Compile (cached by content hash inside out_dir) and return the .so path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    inc = cuda_include_dir()
+    h = hashlib.sha256()
+    for p in sorted(cuda_lib.KERNEL_DIR.iterdir()) + sorted(EMU_DIR.glob("*.[ch]*")):
+        if p.is_file():
+            h.update(p.name.encode() + p.read_bytes())
+    lib = out_dir / f"libmtp_emu-{h.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    srcs = []
+    for name in cuda_lib.SOURCES:
+        dst = out_dir / (Path(name).stem + "_emu.cpp")
+        dst.write_text(rewrite((cuda_lib.KERNEL_DIR / name).read_text()))
+        srcs.append(str(dst))
+    srcs.append(str(EMU_DIR / "emu_runtime.cpp"))
+    tmp = lib.with_suffix(".tmp.so")
+    cmd = ["g++", "-std=c++20", "-O1", "-g", "-fPIC", "-shared", "-pthread", "-w",
+           "-include", str(EMU_DIR / "cuda_emu.h"), '-DMTP_EMULATE_DEVICE="emu_device.h"',
+           "-I", str(EMU_DIR), "-I", str(cuda_lib.KERNEL_DIR), "-I", str(inc), *srcs, "-o", str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{proc.stderr[-6000:]}")
+    os.replace(tmp, lib)
+    return lib

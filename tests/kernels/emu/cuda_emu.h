@@ -1,0 +1,156 @@
+// cuda_emu.h -- host emulation of the CUDA execution model, enough to run the mtp-trt kernels on
+// a CPU for tests (g++ -std=c++20 -pthread; force-included before each kernel source).
+//
+// Blocks run one after another; the threads of a block run as std::threads.  __syncthreads is a
+// std::barrier over the block, warp shuffles / __syncwarp / mma use a per-warp barrier and
+// exchange slots.  Threads that return are dropped from both barriers (as exited threads on
+// Volta+).  Dynamic shared memory is filled with 0xFF bytes (NaN for fp16/bf16/fp32) before
+// each block.  cp.async copies happen at issue ("immediate") or at the wait that retires their
+// group ("deferred"), chosen by MTP_EMU_CP_ASYNC=deferred, to flush out missing waits.
+// Static __shared__ variables become function statics (shared by all blocks: blocks are serial).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#undef __global__
+#define __global__
+#undef __device__
+#define __device__
+#undef __host__
+#define __host__
+#undef __forceinline__
+#define __forceinline__ inline
+#undef __shared__
+#define __shared__ static
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+
+using std::max;
+using std::min;
+
+namespace emu {
+
+struct Warp {
+    explicit Warp(int n) : bar(n) {}
+    std::barrier<> bar;
+    unsigned long long slot[32];
+    uint32_t a[32][4], b[32][2];
+};
+
+struct Block {
+    std::unique_ptr<std::barrier<>> bar;
+    std::vector<std::unique_ptr<Warp>> warps;
+    std::vector<unsigned char> smem;
+};
+
+struct PendingCopy {
+    void* dst;
+    const void* src;
+    bool pred;
+};
+
+struct Ctx {
+    uint3 tid, bid;
+    dim3 bdim, gdim;
+    Block* block = nullptr;
+    Warp* warp = nullptr;
+    int lane = 0;
+    std::vector<PendingCopy> open;
+    std::vector<std::vector<PendingCopy>> groups;
+};
+inline thread_local Ctx ctx;
+
+inline bool deferred_cp_async() {
+    static const bool on = [] {
+        const char* e = std::getenv("MTP_EMU_CP_ASYNC");
+        return e && std::strcmp(e, "deferred") == 0;
+    }();
+    return on;
+}
+
+inline unsigned char* dyn_smem() { return ctx.block->smem.data(); }
+
+template <typename K, typename... Args>
+void run_grid(K kernel, dim3 g, dim3 b, size_t smem, Args... args) {
+    const int nthreads = static_cast<int>(b.x * b.y * b.z);
+    for (unsigned bz = 0; bz < g.z; ++bz)
+        for (unsigned by = 0; by < g.y; ++by)
+            for (unsigned bx = 0; bx < g.x; ++bx) {
+                Block blk;
+                blk.bar = std::make_unique<std::barrier<>>(nthreads);
+                for (int w = 0; w * 32 < nthreads; ++w) blk.warps.push_back(std::make_unique<Warp>(std::min(32, nthreads - w * 32)));
+                blk.smem.assign(std::max<size_t>(smem, 16), 0xFF);
+                std::vector<std::thread> ts;
+                ts.reserve(nthreads);
+                for (int t = 0; t < nthreads; ++t) {
+                    ts.emplace_back([&, t]() {
+                        ctx.tid = make_uint3(t % b.x, (t / b.x) % b.y, t / (b.x * b.y));
+                        ctx.bid = make_uint3(bx, by, bz);
+                        ctx.bdim = b;
+                        ctx.gdim = g;
+                        ctx.block = &blk;
+                        ctx.warp = blk.warps[t / 32].get();
+                        ctx.lane = t % 32;
+                        ctx.open.clear();
+                        ctx.groups.clear();
+                        kernel(args...);
+                        ctx.warp->bar.arrive_and_drop();
+                        blk.bar->arrive_and_drop();
+                    });
+                }
+                for (auto& th : ts) th.join();
+            }
+}
+
+template <typename K>
+auto launcher(K kernel, dim3 g, dim3 b, size_t smem = 0, cudaStream_t = nullptr) {
+    return [=](auto... args) { run_grid(kernel, g, b, smem, args...); };
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::ctx.tid)
+#define blockIdx (emu::ctx.bid)
+#define blockDim (emu::ctx.bdim)
+#define gridDim (emu::ctx.gdim)
+
+inline void __syncthreads() { emu::ctx.block->bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::ctx.warp->bar.arrive_and_wait(); }
+
+template <typename T>
+T emu_shfl(T v, int src, bool keep_own) {
+    static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
+    emu::Warp& w = *emu::ctx.warp;
+    std::memcpy(&w.slot[emu::ctx.lane], &v, sizeof(T));
+    w.bar.arrive_and_wait();
+    T r = v;
+    if (!keep_own) std::memcpy(&r, &w.slot[src & 31], sizeof(T));
+    w.bar.arrive_and_wait();
+    return r;
+}
+template <typename T> T __shfl_xor_sync(unsigned, T v, int m, int = 32) { return emu_shfl(v, emu::ctx.lane ^ m, false); }
+template <typename T> T __shfl_sync(unsigned, T v, int src, int = 32) { return emu_shfl(v, src, false); }
+template <typename T> T __shfl_up_sync(unsigned, T v, unsigned d, int = 32) {
+    return emu_shfl(v, emu::ctx.lane - static_cast<int>(d), emu::ctx.lane < static_cast<int>(d));
+}
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
+}
+
+// cuda_runtime.h declares this C++ overload only for nvcc.
+template <typename T>
+inline cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attr, int value) {
+    return cudaFuncSetAttribute(reinterpret_cast<const void*>(entry), attr, value);
+}

@@ -1,0 +1,74 @@
+// emu_device.h -- host versions of the asm primitives of plugins/kernels/common.cuh (included
+// there, inside namespace mtp, when MTP_EMULATE_DEVICE names this file).  Tests only.
+//
+// The mma emulation rebuilds the 16x16 A and 16x8 B matrices from all 32 lanes' registers with
+// the fragment layout documented in common.cuh and gives each lane its D elements: it checks
+// that the kernels use that layout consistently (not the layout itself, which only hardware can).
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+    if (emu::deferred_cp_async()) {
+        emu::ctx.open.push_back({smem, gmem, pred});
+        return;
+    }
+    if (pred)
+        std::memcpy(smem, gmem, 16);
+    else
+        std::memset(smem, 0, 16);
+}
+__device__ __forceinline__ void cp_async_commit() {
+    emu::ctx.groups.push_back(std::move(emu::ctx.open));
+    emu::ctx.open.clear();
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    auto& gs = emu::ctx.groups;
+    while (gs.size() > static_cast<size_t>(N)) {
+        for (const auto& c : gs.front()) {
+            if (c.pred)
+                std::memcpy(c.dst, c.src, 16);
+            else
+                std::memset(c.dst, 0, 16);
+        }
+        gs.erase(gs.begin());
+    }
+}
+
+template <typename T> inline void emu_unpack(uint32_t r, float& lo, float& hi) {
+    T a, b;
+    const uint16_t l = static_cast<uint16_t>(r & 0xffffu), h = static_cast<uint16_t>(r >> 16);
+    std::memcpy(&a, &l, 2);
+    std::memcpy(&b, &h, 2);
+    lo = to_f<T>(a);
+    hi = to_f<T>(b);
+}
+
+template <typename T> struct Mma {
+    static void run(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+        emu::Warp& w = *emu::ctx.warp;
+        const int l = emu::ctx.lane;
+        w.a[l][0] = a0;
+        w.a[l][1] = a1;
+        w.a[l][2] = a2;
+        w.a[l][3] = a3;
+        w.b[l][0] = b0;
+        w.b[l][1] = b1;
+        w.bar.arrive_and_wait();
+        float A[16][16], B[16][8];
+        for (int L = 0; L < 32; ++L) {
+            const int g = L >> 2, c = L & 3;
+            emu_unpack<T>(w.a[L][0], A[g][2 * c], A[g][2 * c + 1]);
+            emu_unpack<T>(w.a[L][1], A[g + 8][2 * c], A[g + 8][2 * c + 1]);
+            emu_unpack<T>(w.a[L][2], A[g][2 * c + 8], A[g][2 * c + 9]);
+            emu_unpack<T>(w.a[L][3], A[g + 8][2 * c + 8], A[g + 8][2 * c + 9]);
+            emu_unpack<T>(w.b[L][0], B[2 * c][g], B[2 * c + 1][g]);
+            emu_unpack<T>(w.b[L][1], B[2 * c + 8][g], B[2 * c + 9][g]);
+        }
+        w.bar.arrive_and_wait();
+        const int g = l >> 2, c = l & 3;
+        for (int k = 0; k < 16; ++k) {
+            d[0] += A[g][k] * B[k][2 * c];
+            d[1] += A[g][k] * B[k][2 * c + 1];
+            d[2] += A[g + 8][k] * B[k][2 * c];
+            d[3] += A[g + 8][k] * B[k][2 * c + 1];
+        }
+    }
+};

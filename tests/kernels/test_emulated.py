@@ -1,0 +1,90 @@
+"""The CUDA kernels run on the CPU under a host emulation of the CUDA execution model
+(tests/kernels/emu: std::thread per CUDA thread, barriers, emulated warp shuffles, mma and
+cp.async), driven by the same test functions as test_gpu_kernels.py on a subset of small shapes.
+
+This catches indexing, masking, split, synchronisation-order (cp.async groups are copied only when
+their wait retires them) and tensor-core fragment-consistency bugs without a GPU.  It cannot check
+the hardware's mma fragment layout itself, performance, or races that a real GPU would expose;
+test_gpu_kernels.py does that where a GPU is present.
+
+Needs g++ and the CUDA headers; skipped otherwise.  The emulated library is cached under
+~/.cache/mtp_trt/emu (keyed by the sources' hash); the first build takes ~20 s.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mtp_trt.plugins import cuda_lib
+
+from . import test_gpu_kernels as G
+from ._gpu import Gpu, HostRuntime
+from .emu import build as emu_build
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(emu_build.unavailable_reason() is not None,
+                                 reason=f"kernel emulation: {emu_build.unavailable_reason()}")]
+
+
+@pytest.fixture(scope="module")
+def emu_lib():
+    os.environ["MTP_EMU_CP_ASYNC"] = "deferred"  # read once, at the first cp.async of the process
+    path = emu_build.build_emulated_library(cuda_lib.cache_dir().parent / "emu")
+    return cuda_lib.KernelLib(path)
+
+
+@pytest.fixture()
+def host():
+    g = Gpu(HostRuntime(num_sms=132))
+    yield g
+    g.free_all()
+
+
+MLA = ["empty-cache-S1-H16", "demo-64-16-fp32", "demo-64-16-fp16", "demo-128-32-bf16-tree", "Dl32-Dr32-fp16",
+       "odd-48-8-fp16-simt", "odd-33-5-fp32", "odd-33-5-bf16", "precommitted-bf16", "splits-gt-rows-bf16",
+       "ds-bf16-S4-B2", "force-simt-bf16-tree"]
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_mla_decode_emulated(emu_lib, host, name):
+    G.run_mla(host, emu_lib, **dict(G.MLA_CASES)[name])
+
+
+def test_mla_decode_emulated_single_stage_small_smem(emu_lib, host, monkeypatch):
+    # an sm_86/89-sized shared memory (99 KB): the tensor-core path without double buffering
+    monkeypatch.setenv("MTP_EMU_SMEM_OPTIN", "101376")
+    G.run_mla(host, emu_lib, B=2, S=2, H=20, Dl=512, Dr=64, T_max=90, cache_len=[7, 88], dtype="float16",
+              num_splits=3)
+
+
+def test_kv_commit_emulated(emu_lib, host):
+    G.test_mla_kv_commit_alone(host, emu_lib)
+
+
+@pytest.mark.parametrize("B,K,V,dtype", [(1, 0, 17, "float32"), (7, 3, 1000, "float16"), (2, 16, 129280, "float32")])
+def test_accept_strict_emulated(emu_lib, host, B, K, V, dtype):
+    G.test_accept_strict(host, emu_lib, B, K, V, dtype)
+
+
+@pytest.mark.parametrize("B,K,V,dtype,topk,delta", [(5, 3, 50, "float32", 3, 0.3), (2, 7, 129280, "bfloat16", 10, 0.05)])
+def test_accept_relaxed_emulated(emu_lib, host, B, K, V, dtype, topk, delta):
+    G.test_accept_relaxed(host, emu_lib, B, K, V, dtype, topk, delta)
+
+
+@pytest.mark.parametrize("B,K,V,dtype", [(1, 0, 10, "float32"), (8, 3, 1000, "float32"), (3, 16, 129280, "float32"),
+                                         (5, 4, 129280, "bfloat16")])
+def test_accept_rejection_emulated(emu_lib, host, B, K, V, dtype):
+    G.test_accept_rejection(host, emu_lib, B, K, V, dtype)
+
+
+@pytest.mark.parametrize("B,Kp1,D,dtype", [(1, 1, 7168, "bfloat16"), (5, 4, 7, "float16"), (3, 2, 3, "float32")])
+def test_gather_emulated(emu_lib, host, B, Kp1, D, dtype):
+    G.test_gather_last_hidden(host, emu_lib, B, Kp1, D, dtype)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("B,K,N,D,dtype", [(1, 1, 2, 7168, "bfloat16"), (7, 16, 17, 33, "float32"), (5, 4, 2, 5, "float16")])
+def test_window_emulated(emu_lib, host, in_place, B, K, N, D, dtype):
+    G.test_window_update(host, emu_lib, in_place, B, K, N, D, dtype)
