@@ -120,6 +120,12 @@ class Runner:
             raise MtpTrtError("empty prompt: give some text with --prompt")
         return ids
 
+    def decode(self, tokens: list[int]) -> str:
+        """Text of generated tokens; special tokens such as <think> are shown, the final EOS is not."""
+        if tokens and tokens[-1] in self.manifest.eos_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
     def run(self, prompts: list[str], opts: DecodeOptions, seed: int = 0, stop: tuple[str, ...] = (),
             on_text: Callable[[int, str], None] | None = None) -> RunReport:
         """Decode the prompts as one batch.  on_text(i, new_text) streams each sequence's new text."""
@@ -127,7 +133,7 @@ class Runner:
 
         def on_step(seqs: list[Sequence]) -> None:
             for i, s in enumerate(seqs):
-                text = self.tokenizer.decode(s.generated)
+                text = self.decode(s.generated)
                 if stop and s.finish_reason is None and any(x in text for x in stop):
                     s.finish_reason = "stop"
                 if on_text and len(text) > shown[i] and not text.endswith("\ufffd"):
@@ -140,7 +146,7 @@ class Runner:
         seconds = time.perf_counter() - t0
         results = []
         for p, s in zip(prompts, seqs):
-            text = self.tokenizer.decode(s.generated)
+            text = self.decode(s.generated)
             for x in stop:
                 if x in text:
                     text = text[: text.index(x)]

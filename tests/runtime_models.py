@@ -3,7 +3,6 @@ main model so that drafts are often (not always) right — real partial acceptan
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -42,9 +41,25 @@ def make_self_drafting(path: Path, nextn: int = 3, seed: int = 0) -> Path:
             mtp.enorm.weight.fill_(1.0)
             mtp.shared_head.norm.weight.copy_(model.model.norm.weight)
     save_checkpoint(model, path, d)
-    tok = {"added_tokens": [{"id": THINK[0], "content": "<think>"}, {"id": THINK[1], "content": "</think>"}]}
-    (path / "tokenizer.json").write_text(json.dumps(tok))
+    write_char_tokenizer(path / "tokenizer.json")
     return path
+
+
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;()[]=+-*/_'\"\n#<>!?{}"
+
+
+def write_char_tokenizer(path: Path) -> None:
+    """A character-level tokenizer over the first 90 ids, with <think>, </think> and <eos> specials."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<think>", "</think>", "<unk>", "<pad>", "<bos>", "<eos>"]  # ids 90..95
+    vocab = {c: i for i, c in enumerate(CHARS)} | {s: 90 + i for i, s in enumerate(specials)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    assert tok.token_to_id("<think>") == THINK[0] and tok.token_to_id("<eos>") == EOS
+    tok.save(str(path))
 
 
 def make_random(path: Path, nextn: int = 2, seed: int = 0) -> Path:

@@ -1,0 +1,90 @@
+"""`mtp-trt run` and `mtp-trt export` end to end, as a user calls them."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from runtime_models import make_self_drafting
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_self_drafting(tmp_path_factory.mktemp("cli") / "ckpt", nextn=2)
+
+
+def mtp_trt(*args, env=None):
+    return subprocess.run(["mtp-trt", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def test_run_exports_a_checkpoint_on_first_use_then_reuses_it(ckpt, tmp_path):
+    env = {"MTP_TRT_CACHE": str(tmp_path / "cache")}
+    r = mtp_trt("run", ckpt, "-p", "def f(x):", "--max-new-tokens", "12", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "exporting target.onnx" in r.stderr and "12 new tokens" in r.stderr
+    assert r.stdout.startswith("def f(x):")
+    assert "tokens per step, acceptance per draft position" in r.stderr
+    again = mtp_trt("run", ckpt, "-p", "def f(x):", "--max-new-tokens", "12", env=env)
+    assert again.returncode == 0 and "exporting" not in again.stderr
+    assert again.stdout == r.stdout
+    assert len(list((tmp_path / "cache" / "exports").iterdir())) == 1
+
+
+def test_run_json_batch_and_nextn_zero_agree(ckpt, tmp_path):
+    out = tmp_path / "exp"
+    assert mtp_trt("export", ckpt, "-o", out, "--mtp-mode", "vanilla").returncode == 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n\nclass A:\n")
+    runs = {}
+    for nextn in (0, 2):
+        r = mtp_trt("run", out, "--prompt-file", prompts, "-p", "import os", "--nextn", nextn, "--json",
+                    "--max-new-tokens", "16")
+        assert r.returncode == 0, r.stderr
+        runs[nextn] = json.loads(r.stdout)
+    assert [x["prompt"] for x in runs[2]["results"]] == ["import os", "def f(x):", "class A:"]
+    assert [x["tokens"] for x in runs[0]["results"]] == [x["tokens"] for x in runs[2]["results"]]
+    s = runs[2]["summary"]
+    assert s["new_tokens"] == 48 and s["nextn"] == 2 and len(s["acceptance_rate_per_position"]) == 2
+    assert s["mean_accepted_tokens_per_step"] > 1
+
+
+def test_run_with_speculative_configs(ckpt, tmp_path):
+    out = tmp_path / "exp"
+    assert mtp_trt("export", ckpt, "-o", out).returncode == 0
+    vllm = tmp_path / "vllm.json"
+    vllm.write_text(json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 1}))
+    r = mtp_trt("run", out, "-p", "x = 1", "--config", vllm, "--json", "--max-new-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["summary"]["nextn"] == 1
+    trt = tmp_path / "trtllm.json"
+    trt.write_text(json.dumps({"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2,
+                                                      "use_mtp_vanilla": True}}))
+    r = mtp_trt("run", out, "-p", "x = 1", "--config", trt)
+    assert r.returncode == 2 and "exported in eagle mode, but --mtp-mode vanilla was asked" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"method": "medusa", "num_speculative_tokens": 2}))
+    r = mtp_trt("run", out, "-p", "x", "--config", bad)
+    assert r.returncode == 2 and "valid methods: deepseek_mtp, mtp" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "no prompt: give --prompt TEXT or --prompt-file FILE"),
+    (("-p", "x", "--nextn", "5"), "--nextn must be in 0..2"),
+    (("-p", "x", "--temperature", "-1"), "--temperature must be >= 0"),
+    (("-p", "x", "--prompt-file", "/nonexistent"), "/nonexistent: prompt file not found"),
+])
+def test_run_bad_input_is_one_line(ckpt, tmp_path, args, message):
+    env = {"MTP_TRT_CACHE": str(tmp_path / "cache")}
+    r = mtp_trt("run", ckpt, *args, env=env)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_stops_at_the_cache_limit(ckpt, tmp_path):
+    out = tmp_path / "exp"
+    assert mtp_trt("export", ckpt, "-o", out, "--max-seq-len", "24").returncode == 0
+    r = mtp_trt("run", out, "-p", "def f(x): return x", "--max-new-tokens", "50", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)["results"][0]
+    assert res["finish_reason"] == "length" and "KV cache full (24 rows per sequence)" in res["message"]
