@@ -1,0 +1,86 @@
+"""The engine manifest `engines.json` of an engine directory, written by `mtp-trt build`, read by `check`.
+
+It records the TensorRT flavour and version, the target architectures, the optimization profiles,
+the plugins (name, version, namespace, and how many layers of each every engine has), a SHA-256 of
+each source ONNX file and of each engine, and the export it came from (directory, format version,
+manifest hash).  The export's manifest.json is kept beside it as export_manifest.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.manifest import sha256
+
+FORMAT = "mtp-trt-engines"
+FORMAT_VERSION = 1
+FILE = "engines.json"
+EXPORT_MANIFEST = "export_manifest.json"
+
+
+def dumps(obj) -> str:
+    """Indented JSON with lists of numbers (shapes) kept on one line."""
+    text = json.dumps(obj, indent=2)
+    return re.sub(r"\[\s+([-\d.,\s]+?)\s+\]", lambda mt: "[" + " ".join(mt.group(1).split()) + "]", text) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    name: str  # graph name: target | mtp_0 ...
+    file: str
+    sha256: str
+    bytes: int
+    onnx: str
+    onnx_sha256: str
+    plugin_layers: dict[str, int]  # op name -> plugin layers in the network (== custom nodes in the ONNX)
+    build_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineManifest:
+    root: Path
+    raw: dict[str, Any]
+    flavour: str
+    trt_version: str
+    target_archs: list[str]
+    precision: str
+    export_format_version: int
+    profiles: list[dict]
+    plugins: list[dict]
+    engines: dict[str, EngineSpec]
+
+    @classmethod
+    def load(cls, root: str | Path, verify_hashes: bool = False) -> EngineManifest:
+        root = Path(root)
+        path = root / FILE
+        if not path.is_file():
+            raise MtpTrtError(f"{root}: not an mtp-trt engine directory (no {FILE}); run `mtp-trt build`")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
+        if raw.get("format") != FORMAT:
+            raise MtpTrtError(f"{path}: field 'format' is {raw.get('format')!r}, expected {FORMAT!r}")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise MtpTrtError(f"{path}: engine manifest version {raw.get('format_version')!r} is not the version "
+                              f"{FORMAT_VERSION} this mtp-trt reads; build the engines again")
+        try:
+            engines = {n: EngineSpec(name=n, **e) for n, e in raw["engines"].items()}
+            m = cls(root=root, raw=raw, flavour=raw["tensorrt"]["flavour"], trt_version=raw["tensorrt"]["version"],
+                    target_archs=raw["target_archs"], precision=raw["precision"],
+                    export_format_version=raw["export"]["format_version"], profiles=raw["profiles"],
+                    plugins=raw["plugins"], engines=engines)
+        except (KeyError, TypeError) as e:
+            raise MtpTrtError(f"{path}: malformed engine manifest ({type(e).__name__}: {e})") from None
+        for e in engines.values():
+            f = root / e.file
+            if not f.is_file():
+                raise MtpTrtError(f"{path}: engine file '{e.file}' is missing")
+            if verify_hashes and sha256(f) != e.sha256:
+                raise MtpTrtError(f"{f}: SHA-256 differs from {FILE}; the engine was modified or truncated")
+        return m

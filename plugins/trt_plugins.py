@@ -1,0 +1,312 @@
+"""TensorRT IPluginV3 plugins (Python) for the two custom ops of the `plugin` lowering (mtp_trt/ops.py).
+
+`register(trt)` registers one IPluginCreatorV3One per op with the plugin registry of the given
+TensorRT module (`tensorrt` or `tensorrt_rtx`), under the op's name, version `ops.VERSION` and the
+empty namespace — what the ONNX parser looks up for a node of that op type.  The same creators
+serve the builder (phase BUILD) and the runtime (phase RUNTIME, from the serialized fields).
+
+Build-time logic needs no GPU: output shapes from input dims, types/formats (linear; fp32, fp16
+or bf16 attention data with int32 lengths; fp32 logits with int32 ids), serialized attributes,
+workspace sizes.  `enqueue` (GPU only) launches the CUDA kernels of plugins/kernels through the
+ctypes library of plugins/cuda_lib.py, loaded on the first enqueue:
+
+* MlaGenerationAttention -> mtp_mla_decode with new_rows (the KV commit, written in place into
+  the kv_cache input buffer) and mask NULL (causal); split-KV workspace from the TensorRT workspace.
+* MtpAccept -> mtp_accept_relaxed (relaxed_topk <= 0 is strict).  The kernel takes the drafts as
+  a [B, K] array and updates the thinking flags in place, so enqueue first copies
+  input_ids[:, 1:] into the workspace and thinking into thinking_out (async); relaxed_topk and
+  relaxed_delta are device scalars that the launcher needs on the host, so enqueue reads them
+  back, synchronizing TensorRT's stream once per call (so the target engine cannot be captured
+  in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import traceback
+
+import numpy as np
+
+from mtp_trt import ops
+
+PLUGIN_VERSION = str(ops.VERSION)
+PLUGIN_NAMESPACE = ""
+TC_QT = 32  # query rows per tile of mtp_mla_decode (mla_decode.cu)
+MAX_SPLITS = 256  # MTP_MLA_MAX_SPLITS
+MAX_SMS = 192  # workspace is reserved for GPUs with up to this many SMs; bigger ones get fewer splits
+DTYPE_CODES = {"FLOAT": 0, "HALF": 1, "BF16": 2}  # mtp_dtype of mtp_kernels.h by trt.DataType name
+
+errors: list[str] = []  # messages of exceptions raised inside plugin callbacks (TensorRT only sees a failure)
+created: dict[str, int] = {}  # op name -> plugins created by the creators (any phase)
+_lock = threading.Lock()
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+def mla_num_splits(B: int, S: int, H: int, max_len: int, num_sms: int) -> int:
+    """mtp_mla_decode_num_splits of mla_decode.cu, in Python (for workspace bounds without a GPU)."""
+    if B <= 0 or S <= 0 or H <= 0 or max_len <= 0:
+        return 1
+    per_split = B * ((S * H + TC_QT - 1) // TC_QT)
+    n = min((num_sms + per_split - 1) // per_split, (max_len + 127) // 128, MAX_SPLITS)
+    return max(1, n)
+
+
+def mla_workspace_size(B: int, S: int, H: int, Dl: int, num_splits: int) -> int:
+    """mtp_mla_decode_workspace_size of mla_decode.cu, in Python."""
+    if num_splits <= 1 or min(B, S, H, Dl) <= 0:
+        return 0
+    rows = B * S * H * num_splits
+    return _align(rows * Dl * 4) + _align(rows * 8)
+
+
+def mla_splits_bound(B: int, S: int, H: int, max_len: int) -> int:
+    return mla_num_splits(B, S, H, max_len, MAX_SMS)
+
+
+def mla_workspace_bound(b_range: tuple[int, int], s_range: tuple[int, int], H: int, Dl: int, max_len: int) -> int:
+    """Workspace for every (B, S) of the ranges with splits_bound(B, S, H, max_len): enqueue never
+    uses more, since it caps its split count at that bound (and the bound grows with max_len)."""
+    b_lo, b_hi = max(1, b_range[0]), max(1, b_range[1])
+    s_lo, s_hi = max(1, s_range[0]), max(1, s_range[1])
+    best = 0
+    for b in range(b_lo, b_hi + 1):
+        for s in range(s_lo, s_hi + 1):
+            if b * ((s * H + TC_QT - 1) // TC_QT) >= MAX_SMS:  # one split from here on (grows with s)
+                break
+            best = max(best, mla_workspace_size(b, s, H, Dl, mla_splits_bound(b, s, H, max_len)))
+    return best
+
+
+def accept_workspace_size(B: int, S: int) -> int:
+    """drafts [B, S-1] int32 then last_index [B] int32 (outputs of the kernel the op does not expose)."""
+    return _align(B * max(S - 1, 0) * 4) + _align(B * 4)
+
+
+def _field(fc, name: str, kind):
+    for f in fc or ():
+        if f.name == name:
+            return kind(np.asarray(f.data).reshape(-1)[0])
+    raise ValueError(f"missing attribute {name!r}")
+
+
+def _reported(fn):
+    """Record the message of an exception raised in a TensorRT callback (TensorRT prints only a code)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args):
+        try:
+            return fn(self, *args)
+        except Exception as e:
+            with _lock:
+                errors.append(f"{self.plugin_name} plugin, {fn.__name__}: {type(e).__name__}: {e}")
+            traceback.print_exc()
+            raise
+
+    return wrapper
+
+
+@functools.cache
+def _kernels():
+    from mtp_trt.plugins.cuda_lib import load_library
+
+    return load_library()
+
+
+@functools.cache
+def plugin_classes(trt) -> dict[str, tuple[type, type]]:
+    """{op name: (plugin class, creator class)} for one TensorRT module."""
+    F, I32 = trt.PluginFieldType.FLOAT32, trt.PluginFieldType.INT32
+    floats = (trt.float32, trt.float16, trt.bfloat16)
+
+    class Base(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+        OP: ops.OpSpec
+        FIELDS: tuple[tuple[str, object, type], ...]  # (name, PluginFieldType, python type)
+
+        def __init__(self, values: dict):
+            trt.IPluginV3.__init__(self)
+            trt.IPluginV3OneCore.__init__(self)
+            trt.IPluginV3OneBuild.__init__(self)
+            trt.IPluginV3OneRuntime.__init__(self)
+            self.plugin_name, self.plugin_version, self.plugin_namespace = self.OP.name, PLUGIN_VERSION, PLUGIN_NAMESPACE
+            self.num_outputs = len(self.OP.outputs)
+            self.timing_cache_id = ""
+            self.values = dict(values)
+
+        def get_capability_interface(self, kind):
+            return self
+
+        def clone(self):
+            return type(self)(self.values)
+
+        def get_fields_to_serialize(self):
+            return trt.PluginFieldCollection([
+                trt.PluginField(n, np.array([self.values[n]], dtype=np.int32 if t is I32 else np.float32), t)
+                for n, t, _ in self.FIELDS])
+
+        def configure_plugin(self, inp, out):
+            pass
+
+        def on_shape_change(self, inp, out):
+            pass
+
+        def get_valid_tactics(self):
+            return []
+
+        def set_tactic(self, tactic):
+            pass
+
+        def attach_to_context(self, context):
+            return self.clone()
+
+        def destroy(self):
+            pass
+
+    class MlaGenerationAttention(Base):
+        OP = ops.MLA_GENERATION_ATTENTION
+        FIELDS = (("kv_lora_rank", I32, int), ("softmax_scale", F, float))
+
+        @_reported
+        def get_output_data_types(self, input_types):
+            return [input_types[0]]
+
+        @_reported
+        def get_output_shapes(self, inputs, shape_inputs, exprs):
+            q, rows, cache = inputs[0], inputs[1], inputs[2]
+            if (len(inputs), len(q), len(rows), len(cache), len(inputs[3])) != (4, 4, 3, 3, 1):
+                raise ValueError("expected q [B, S, H, D], new_rows [B, S, D], kv_cache [B, T, D], past_len [B]")
+            dl = self.values["kv_lora_rank"]
+            for name, d in (("q", q[3]), ("new_rows", rows[2]), ("kv_cache", cache[2])):
+                if d.is_constant() and d.get_constant_value() <= dl:
+                    raise ValueError(f"{name}'s last dim {d.get_constant_value()} must exceed kv_lora_rank {dl}")
+            return [trt.DimsExprs([q[0], q[1], q[2], exprs.constant(dl)])]
+
+        @_reported
+        def supports_format_combination(self, pos, in_out, num_inputs):
+            d = in_out[pos].desc
+            if d.format != trt.TensorFormat.LINEAR:
+                return False
+            if pos == 0:
+                return d.type in floats
+            if pos == 3:
+                return d.type == trt.int32
+            return d.type == in_out[0].desc.type  # new_rows, kv_cache, out
+
+        @_reported
+        def get_workspace_size(self, inp, out):
+            q, cache = inp[0], inp[2]
+            return mla_workspace_bound((q.min[0], q.max[0]), (q.min[1], q.max[1]), q.max[2],
+                                       self.values["kv_lora_rank"], cache.max[1])
+
+        @_reported
+        def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
+            B, S, H, D = (int(x) for x in input_desc[0].dims)
+            T = int(input_desc[2].dims[1])
+            dl = self.values["kv_lora_rank"]
+            lib = _kernels()
+            splits = min(lib.mla_decode_num_splits(B, S, H, T, 0), mla_splits_bound(B, S, H, T))
+            ws = lib.mla_decode_workspace_size(B, S, H, dl, splits)
+            lib.mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], inputs[2], inputs[3], inputs[1], None,
+                           outputs[0], workspace if ws else None, ws, B, S, H, dl, D - dl, T,
+                           self.values["softmax_scale"], splits, 0, stream)
+
+    class MtpAccept(Base):
+        OP = ops.MTP_ACCEPT
+        FIELDS = (("think_start_id", I32, int), ("think_end_id", I32, int))
+        TYPES = (trt.float32, trt.int32, trt.int32, trt.int32, trt.float32, trt.int32, trt.int32, trt.int32)
+
+        @_reported
+        def get_output_data_types(self, input_types):
+            return [trt.int32] * 3
+
+        @_reported
+        def get_output_shapes(self, inputs, shape_inputs, exprs):
+            logits = inputs[0]
+            if [len(x) for x in inputs] != [3, 2, 1, 0, 0]:
+                raise ValueError("expected logits [B, S, V], input_ids [B, S], thinking [B], relaxed_topk [], "
+                                 "relaxed_delta []")
+            b, s = logits[0], logits[1]
+            return [trt.DimsExprs([b, s]), trt.DimsExprs([b]), trt.DimsExprs([b])]
+
+        @_reported
+        def supports_format_combination(self, pos, in_out, num_inputs):
+            d = in_out[pos].desc
+            return d.format == trt.TensorFormat.LINEAR and d.type == self.TYPES[pos]
+
+        @_reported
+        def get_workspace_size(self, inp, out):
+            return accept_workspace_size(inp[0].max[0], inp[0].max[1])
+
+        @_reported
+        def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
+            from mtp_trt.plugins.trt_driver import driver
+
+            B, S, V = (int(x) for x in input_desc[0].dims)
+            K = S - 1
+            drv, lib = driver(), _kernels()
+            topk, delta = drv.read_scalars(inputs[3], inputs[4], stream)
+            drafts, last_index = workspace, workspace + _align(B * K * 4)
+            drv.copy_2d(drafts, K * 4, inputs[1] + 4, S * 4, K * 4, B, stream)  # input_ids[:, 1:]
+            drv.copy_d2d(outputs[2], inputs[2], B * 4, stream)  # thinking_out = thinking, then updated in place
+            lib.accept_relaxed(0, inputs[0], drafts if K else None, outputs[2], outputs[0], outputs[1], last_index,
+                               B, K, V, topk, delta, self.values["think_start_id"], self.values["think_end_id"],
+                               stream)
+
+    def creator_for(plugin: type) -> type:
+        class Creator(trt.IPluginCreatorV3One):
+            def __init__(self):
+                trt.IPluginCreatorV3One.__init__(self)
+                self.name, self.plugin_version, self.plugin_namespace = plugin.OP.name, PLUGIN_VERSION, PLUGIN_NAMESPACE
+                self.field_names = trt.PluginFieldCollection(
+                    [trt.PluginField(n, np.array([]), t) for n, t, _ in plugin.FIELDS])
+
+            def create_plugin(self, name, fc, phase):
+                try:
+                    values = {n: kind(_field(fc, n, kind)) for n, _, kind in plugin.FIELDS}
+                    if plugin is MlaGenerationAttention and not (values["kv_lora_rank"] > 0
+                                                                 and math.isfinite(values["softmax_scale"])):
+                        raise ValueError(f"bad attributes {values}")
+                except Exception as e:
+                    with _lock:
+                        errors.append(f"{plugin.OP.name} plugin for node {name!r}: {e}")
+                    raise
+                with _lock:
+                    created[plugin.OP.name] = created.get(plugin.OP.name, 0) + 1
+                return plugin(values)
+
+        Creator.__name__ = plugin.__name__ + "Creator"
+        return Creator
+
+    return {p.OP.name: (p, creator_for(p)) for p in (MlaGenerationAttention, MtpAccept)}
+
+
+_registered: dict[int, list] = {}  # id(trt module) -> creators (kept alive: the registry holds raw pointers)
+
+
+def register(trt) -> list:
+    """Register the creators of both plugins with trt's plugin registry (once per module)."""
+    with _lock:
+        if id(trt) in _registered:
+            return _registered[id(trt)]
+        registry = trt.get_plugin_registry()
+        creators = []
+        for name, (_, creator_cls) in plugin_classes(trt).items():
+            existing = registry.get_creator(name, PLUGIN_VERSION, PLUGIN_NAMESPACE)
+            if existing is not None and not isinstance(existing, creator_cls):
+                registry.deregister_creator(existing)
+            creator = creator_cls()
+            if not registry.register_creator(creator, PLUGIN_NAMESPACE):
+                raise RuntimeError(f"TensorRT refused to register the {name} plugin creator")
+            creators.append(creator)
+        _registered[id(trt)] = creators
+        return creators
+
+
+def is_ours(trt, plugin, op_name: str) -> bool:
+    """Whether a network layer's plugin object is this module's plugin for op_name."""
+    cls = plugin_classes(trt)[op_name][0]
+    return isinstance(plugin, cls) and plugin.plugin_name == op_name
