@@ -132,6 +132,51 @@ def export(
 
 @app.command()
 @clear_errors
+def build(
+    export_dir: Path = typer.Argument(..., help="Export directory made with `mtp-trt export --lowering plugin`."),
+    out: Path = typer.Option(..., "--out", "-o", help="Engine directory (new or empty)."),
+    precision: str = typer.Option(None, help="fp32, fp16 or bf16; must be the export's dtype (default: it)."),
+    max_batch: int = typer.Option(None, help="Largest batch of the profiles (default: the export's max_batch)."),
+    max_seq_len: int = typer.Option(None, help="Cache rows T of the profiles (default: the export's max_seq_len)."),
+    max_prefill: int = typer.Option(None, help="Longest prompt chunk of the prefill profile (default: min(512, T))."),
+    target_arch: str = typer.Option("auto", help="Compute capabilities, comma-separated (8.9,12.0), native, all; "
+                                                 "auto = this GPU, or without one every arch from 8.0 (RTX)."),
+    timing_cache: Path = typer.Option(None, help="Timing cache file: read if present, written after the build."),
+    flavour: str = typer.Option("auto", help="auto, tensorrt or tensorrt_rtx (auto: tensorrt if usable)."),
+) -> None:
+    """Build TensorRT engines (one per graph) with the MLA attention and acceptance plugins (docs/tensorrt.md)."""
+    from mtp_trt.trt.builder import build as run_build
+
+    with StageDisplay(f"build {export_dir}") as show:
+        path = run_build(export_dir, out, precision=precision, max_batch=max_batch, max_seq_len=max_seq_len,
+                         max_prefill=max_prefill, target_arch=target_arch, timing_cache=timing_cache,
+                         flavour=flavour, progress=show)
+    typer.echo(f"wrote {path}")
+
+
+@app.command()
+@clear_errors
+def check(
+    engine_dir: Path = typer.Argument(..., help="Engine directory made with `mtp-trt build`."),
+    reference: Path = typer.Option(None, help="An `onnx`-lowering export of the same checkpoint for ONNX Runtime "
+                                              "(default: exported from the checkpoint into a temporary folder)."),
+    seed: int = typer.Option(0, help="Seed of the random inputs."),
+) -> None:
+    """Run the engines and compare them with ONNX Runtime (needs a GPU; exit 3 = skipped, see docs/tensorrt.md)."""
+    from mtp_trt.trt.check import check as run_check
+
+    with StageDisplay(f"check {engine_dir}") as show:
+        result = run_check(engine_dir, reference=reference, seed=seed, progress=show)
+    for line in result.lines:
+        typer.echo(line)
+    if result.status != "passed":
+        typer.secho(f"{result.status}: {result.reason}", fg="yellow" if result.status == "skipped" else "red",
+                    err=True)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+@clear_errors
 def run(
     model: Path = typer.Argument(None, help="Export directory or checkpoint (default: the bundled demo model)."),
     prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; repeat for a batch."),
@@ -208,6 +253,45 @@ def run(
     typer.secho(f"\n{s['new_tokens']} new tokens in {s['seconds']:.2f} s ({s['tokens_per_second']:.1f} tokens/s), "
                 f"{manifest.mtp_mode} nextn={s['nextn']}: {s['mean_accepted_tokens_per_step']:.2f} tokens per step, "
                 f"acceptance per draft position: {rates}", fg="green", err=True)
+
+
+@app.command()
+@clear_errors
+def bench(
+    model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model)."),
+    batch: list[int] = typer.Option([1, 8], help="Batch sizes; repeat the option for several."),
+    max_new_tokens: int = typer.Option(128, help="Tokens generated per sequence."),
+    repeats: int = typer.Option(3, help="Timed repeats per configuration (the median is reported)."),
+    transformers: bool = typer.Option(True, help="Also time transformers' greedy generate (same run)."),
+    json_path: Path = typer.Option(Path("bench.json"), "--json", help="Where to write all figures."),
+    plot_path: Path = typer.Option(Path("bench.png"), "--plot", help="Where to write the PNG plot."),
+) -> None:
+    """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes against transformers' generate."""
+    import platform
+
+    from mtp_trt import bench as b
+    from mtp_trt.runner import demo_model
+
+    ckpt = model or demo_model()
+    if (ckpt / "manifest.json").is_file():
+        raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports both MTP modes and runs transformers)")
+    with StageDisplay("preparing exports") as show:
+        for mode in ("eagle", "vanilla"):
+            from mtp_trt.runner import resolve_export
+
+            resolve_export(ckpt, mode, progress=show)
+    rows = b.bench_mtp(ckpt, batch, max_new_tokens, repeats, progress=typer.echo)
+    if transformers:
+        rows += b.bench_transformers(ckpt, batch, max_new_tokens, repeats, progress=typer.echo)
+    meta = {"checkpoint": str(ckpt), "max_new_tokens": max_new_tokens, "repeats": repeats,
+            "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count()}
+    b.write_json(rows, json_path, meta)
+    typer.echo("\nbatch  mode     nextn0/transformers  best nextn  speedup  mean accepted  speedup/accepted")
+    for r in b.summarize(rows):
+        hf = f"{r['nextn0_over_transformers']:.2f}x" if r["nextn0_over_transformers"] else "-"
+        typer.echo(f"{r['batch']:>5}  {r['mode']:<7}  {hf:>19}  {r['best_nextn']:>10}  {r['speedup_over_nextn0']:6.2f}x"
+                   f"  {r['mean_accepted']:13.2f}  {r['speedup_over_mean_accepted']:16.2f}")
+    typer.echo(f"wrote {json_path}" + (f" and {plot_path}" if b.plot(rows, plot_path) else " (no matplotlib: no plot)"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,255 @@
+"""`mtp-trt check`: run the engines of an engine directory and compare them with ONNX Runtime.
+
+Always: the static checks (engines.json, the SHA-256 of every engine, the export manifest it was
+built from, the plugin versions it needs).  Where a GPU and the engine's TensorRT flavour are
+present: for every engine and profile, random inputs of a representative shape (seeded; lengths
+valid for the cache), the engine (polygraphy's TrtRunner, plugins registered) and ONNX Runtime
+on the `onnx`-lowering export of the same checkpoint (fp32), compared with polygraphy's
+Comparator on the outputs both graphs have.  Elsewhere the result is "skipped" with the reason.
+
+Exit codes (CLI): 0 passed, 1 outputs differ, 2 bad input, 3 skipped (static checks passed, but
+nothing could be run here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.manifest import Manifest, sha256
+from mtp_trt.trt import manifest as em
+
+EXIT_CODES = {"passed": 0, "failed": 1, "skipped": 3}
+# (atol, rtol) of float outputs by engine precision.  fp32: the same math in another order;
+# fp16/bf16 engines against the fp32 reference: rounding of weights and activations.
+TOLERANCES = {"fp32": (1e-3, 1e-3), "fp16": (5e-2, 5e-2), "bf16": (2e-1, 1e-1)}
+NUMPY = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32}
+
+
+@dataclasses.dataclass
+class CheckResult:
+    status: str  # passed | failed | skipped
+    reason: str = ""
+    lines: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+
+def static_checks(engine_dir: Path) -> tuple[em.EngineManifest, list[str]]:
+    from mtp_trt.plugins import trt_plugins
+
+    m = em.EngineManifest.load(engine_dir, verify_hashes=True)
+    lines = [f"{em.FILE}: {len(m.engines)} engines, {m.flavour} {m.trt_version}, {m.precision}, "
+             f"targets {', '.join(m.target_archs)}; SHA-256 of every engine verified"]
+    exp = engine_dir / em.EXPORT_MANIFEST
+    if not exp.is_file():
+        raise MtpTrtError(f"{engine_dir}: {em.EXPORT_MANIFEST} is missing")
+    if sha256(exp) != m.raw["export"]["manifest_sha256"]:
+        raise MtpTrtError(f"{exp}: SHA-256 differs from {em.FILE}; the engine directory was modified")
+    for p in m.plugins:
+        if p["version"] != trt_plugins.PLUGIN_VERSION:
+            raise MtpTrtError(f"{em.FILE}: the engines use plugin {p['name']} version {p['version']}, this mtp-trt "
+                              f"provides version {trt_plugins.PLUGIN_VERSION}; build the engines again")
+    for e in m.engines.values():
+        lines.append(f"  {e.file}: {e.bytes / 2**20:.1f} MiB, plugin layers "
+                     f"{', '.join(f'{k} x{v}' for k, v in e.plugin_layers.items()) or 'none'}")
+    return m, lines
+
+
+def runtime_unavailable(m: em.EngineManifest) -> str | None:
+    """Why the engines cannot be run here, or None."""
+    from mtp_trt.trt import compat
+
+    cc, why = compat.gpu()
+    if cc is None:
+        return f"no GPU: {why}; the engines were not run (static checks only)"
+    if m.flavour == "tensorrt_rtx" and cc not in m.target_archs:
+        return f"this GPU has compute capability {cc}, not among the engines' targets {', '.join(m.target_archs)}"
+    try:
+        api = compat.load(m.flavour)
+    except MtpTrtError as e:
+        return f"the engines need {m.flavour}: {e}"
+    if api.version != m.trt_version:
+        return f"the engines were built with {m.flavour} {m.trt_version}, this machine has {api.version}"
+    return None
+
+
+def make_inputs(graph, dims: dict[str, int], vocab: int, rng: np.random.Generator) -> dict:
+    """Random, valid inputs of one graph: ids in the vocabulary, past_len + S <= T."""
+    b, s, t = dims["B"], dims["S"], dims["T"]
+    feed = {}
+    for spec in graph.inputs:
+        shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
+        if spec.name in ("input_ids", "next_tokens"):
+            feed[spec.name] = rng.integers(0, vocab, shape, dtype=np.int32)
+        elif spec.name == "past_len":
+            feed[spec.name] = rng.integers(0, t - s + 1, b, dtype=np.int32)
+        elif spec.name == "thinking":
+            feed[spec.name] = rng.integers(0, 2, b, dtype=np.int32)
+        elif spec.name == "relaxed_topk":
+            feed[spec.name] = np.array(3, dtype=np.int32)
+        elif spec.name == "relaxed_delta":
+            feed[spec.name] = np.array(0.3, dtype=np.float32)
+        elif spec.dtype == "int32":
+            feed[spec.name] = np.zeros(shape, np.int32)
+        else:
+            feed[spec.name] = rng.standard_normal(shape, dtype=np.float32)
+    return feed
+
+
+def _to_engine_dtype(feed: dict, graph) -> dict:
+    out = {}
+    for spec in graph.inputs:
+        x = feed[spec.name]
+        if spec.dtype == "bf16":
+            import torch
+
+            x = torch.from_numpy(x).to(torch.bfloat16)
+        elif spec.dtype in NUMPY:
+            x = x.astype(NUMPY[spec.dtype])
+        out[spec.name] = x
+    return out
+
+
+def compare(got: dict, ref: dict, precision: str, label: str) -> tuple[bool, list[str]]:
+    """polygraphy's Comparator on the outputs both have; ints exactly in fp32 (else reported only)."""
+    from polygraphy.comparator import Comparator, CompareFunc, RunResults
+    from polygraphy.comparator.struct import IterationResult
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    names = [n for n in got if n in ref]
+    a = {n: np.asarray(got[n], dtype=np.float32 if np.asarray(got[n]).dtype.kind == "f" else np.int64) for n in names}
+    b = {n: np.asarray(ref[n], dtype=a[n].dtype) for n in names}
+    atol, rtol = TOLERANCES[precision]
+    strict = {n for n in names if a[n].dtype.kind == "f" or precision == "fp32"}
+    results = RunResults([("tensorrt", [IterationResult(outputs={n: a[n] for n in strict}, runner_name="tensorrt")]),
+                          ("onnxruntime", [IterationResult(outputs={n: b[n] for n in strict},
+                                                           runner_name="onnxruntime")])])
+    tol = {n: (atol if a[n].dtype.kind == "f" else 0.0) for n in strict}
+    rtl = {n: (rtol if a[n].dtype.kind == "f" else 0.0) for n in strict}
+    ok = bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=tol, rtol=rtl)))
+    lines = []
+    for n in names:
+        if a[n].shape != b[n].shape:
+            lines.append(f"  {label} {n}: shape {a[n].shape} vs {b[n].shape}")
+            ok = False
+        elif a[n].dtype.kind == "f":
+            lines.append(f"  {label} {n}: max |diff| {float(np.max(np.abs(a[n] - b[n]), initial=0)):.3g}")
+        else:
+            lines.append(f"  {label} {n}: {int(np.sum(a[n] != b[n]))}/{a[n].size} differ"
+                         + ("" if n in strict else " (not checked below fp32)"))
+    return ok, lines
+
+
+def _reference(exp: Manifest, reference: Path | None, workdir: Path,
+               progress: Callable[[str], None]) -> Manifest:
+    if reference is not None:
+        ref = Manifest.load(reference)
+    else:
+        ckpt = exp.raw.get("checkpoint")
+        if not ckpt or not (Path(ckpt) / "config.json").is_file():
+            raise MtpTrtError(f"no reference: the checkpoint {ckpt!r} of the export is not here; pass --reference "
+                              f"with an `onnx`-lowering export of it")
+        from mtp_trt.exporters.export import export
+
+        progress(f"exporting the onnx-lowering reference of {ckpt}")
+        ref = Manifest.load(export(ckpt, workdir / "reference", nextn=exp.nextn, mtp_mode=exp.mtp_mode, dtype="fp32",
+                                   lowering="onnx", max_batch=exp.max_batch, max_seq_len=exp.max_seq_len))
+    if ref.lowering != "onnx":
+        raise MtpTrtError(f"--reference {ref.root}: needs the onnx lowering (ONNX Runtime cannot run plugin nodes)")
+    if ref.raw["config"] != exp.raw["config"] or ref.nextn != exp.nextn or ref.mtp_mode != exp.mtp_mode:
+        raise MtpTrtError(f"--reference {ref.root}: not an export of the same checkpoint, K and MTP mode")
+    return ref
+
+
+def engine_runner(m: em.EngineManifest) -> Callable[[Path, int, dict], dict]:
+    """run(engine file, profile index, inputs) -> outputs, with the engines' TensorRT flavour and plugins."""
+    from mtp_trt.plugins import trt_plugins
+    from mtp_trt.trt import compat
+
+    api = compat.load(m.flavour)
+    if api.is_rtx:
+        os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1"
+        sys.modules.setdefault("tensorrt_rtx", api.trt)  # polygraphy imports it by this name
+        import polygraphy.config
+
+        polygraphy.config.USE_TENSORRT_RTX = True
+    trt_plugins.register(api.trt)
+    return functools.partial(_run_engine, api)
+
+
+def _run_engine(api, engine_path: Path, profile: int, feed: dict) -> dict:
+    from polygraphy.backend.trt import TrtRunner
+
+    runtime = api.trt.Runtime(api.trt.Logger(api.trt.Logger.WARNING))
+    engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
+    if engine is None:
+        raise MtpTrtError(f"{engine_path}: {api.flavour} could not deserialize the engine")
+    with TrtRunner(engine, optimization_profile=profile) as runner:
+        return {k: np.array(v.cpu() if hasattr(v, "cpu") else v) for k, v in runner.infer(feed).items()}
+
+
+def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int = 0,
+          progress: Callable[[str], None] = lambda msg: None) -> CheckResult:
+    engine_dir = Path(engine_dir)
+    progress("static checks")
+    m, lines = static_checks(engine_dir)
+    if why := runtime_unavailable(m):
+        return CheckResult("skipped", why, lines)
+    import onnxruntime as ort
+
+    run_engine = engine_runner(m)
+    exp = export_manifest(engine_dir)
+    rng = np.random.default_rng(seed)
+    ok_all = True
+    with tempfile.TemporaryDirectory(prefix="mtp-trt-check-") as work:
+        ref = _reference(exp, Path(reference) if reference else None, Path(work), progress)
+        for name, e in m.engines.items():
+            graph = exp.graphs[name]
+            sess = ort.InferenceSession(str(ref.root / ref.graphs[name].file), providers=["CPUExecutionProvider"])
+            for i, prof in enumerate(m.profiles):
+                d = prof["dims"]
+                dims = {"B": min(2, d["B"][2]), "S": d["S"][2] if prof["name"] == "generation" else min(16, d["S"][2]),
+                        "T": d["T"][2]}
+                progress(f"{e.file}, profile {prof['name']} (B={dims['B']}, S={dims['S']}, T={dims['T']})")
+                feed = make_inputs(graph, dims, exp.config.vocab_size, rng)
+                got = run_engine(engine_dir / e.file, i, _to_engine_dtype(feed, graph))
+                ref_out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+                ok, out = compare(got, ref_out, m.precision, f"{name}/{prof['name']}")
+                ok_all &= ok
+                lines += out
+    return CheckResult("passed" if ok_all else "failed", "" if ok_all else "engine outputs differ from ONNX Runtime",
+                       lines)
+
+
+def export_manifest(engine_dir: Path) -> Manifest:
+    """The export manifest kept in the engine directory (export_manifest.json), without its ONNX files."""
+    from mtp_trt.config import ModelConfig
+    from mtp_trt.manifest import GraphSpec, TensorSpec
+
+    path = engine_dir / em.EXPORT_MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+        graphs = {n: GraphSpec(name=n, file=g["file"], sha256=g["sha256"],
+                               inputs=[TensorSpec(**t) for t in g["inputs"]],
+                               outputs=[TensorSpec(**t) for t in g["outputs"]], kv_inputs=g["kv_inputs"],
+                               kv_outputs=g["kv_outputs"]) for n, g in raw["graphs"].items()}
+        return Manifest(root=engine_dir, raw=raw, config=ModelConfig.from_dict(raw["config"], source=str(path)),
+                        nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
+                        max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
+                        think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]),
+                        tokenizer=raw.get("tokenizer"))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise MtpTrtError(f"{path}: unreadable export manifest ({type(e).__name__}: {e})") from None
