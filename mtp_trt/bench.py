@@ -1,0 +1,137 @@
+"""`mtp-trt bench`: tokens/s of MTP speculative decoding for nextn 0..K in both modes, at several batch
+sizes, beside Hugging Face transformers' greedy `generate` on the same checkpoint, in one run.
+
+Figures are medians over repeats; ratios are taken within the run (these machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from mtp_trt.decode import DecodeOptions, generate
+from mtp_trt.runner import Runner, resolve_export
+
+# Code prompts in the demo model's domain (the Python standard library's style).
+PROMPTS = [
+    "def _get_default_tempdir():\n    \"\"\"Calculate the default directory to use for temporary files.\n",
+    "class OrderedSet:\n    def __init__(self, iterable=None):\n        self._data = {}\n",
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n        argv = sys.argv[1:]\n",
+    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
+    "def isabs(s):\n    \"\"\"Test whether a path is absolute\"\"\"\n    s = os.fspath(s)\n",
+    "        try:\n            f = open(filename, 'rb')\n        except OSError:\n",
+    "    @property\n    def name(self):\n        \"\"\"Return the name of the",
+    "for i in range(len(self.items)):\n    if self.items[i] is None:\n",
+]
+
+
+def _median_run(fn, repeats: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def bench_mtp(model: str | Path | None, batches: list[int], max_new_tokens: int, repeats: int,
+              progress=print) -> list[dict]:
+    rows = []
+    for mode in ("eagle", "vanilla"):
+        runner = Runner(resolve_export(model, mode, progress=progress))
+        for batch in batches:
+            prompts = [runner.encode(p) for p in (PROMPTS * batch)[:batch]]
+            for nextn in range(runner.manifest.nextn + 1):
+                opts = runner.options(nextn, max_new_tokens=max_new_tokens)
+                generate(runner.backend, prompts, opts)  # warm-up
+                seconds, (seqs, stats) = _median_run(lambda: generate(runner.backend, prompts, opts), repeats)
+                tokens = sum(len(s.generated) for s in seqs)
+                rows.append({"engine": "mtp-trt/onnxruntime", "mode": mode, "batch": batch, "nextn": nextn,
+                             "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+                             "mean_accepted": stats.mean_accepted, "acceptance_rate": stats.acceptance_rate})
+                progress(f"{mode:7s} batch {batch} nextn {nextn}: {tokens / seconds:8.1f} tokens/s, "
+                         f"{stats.mean_accepted:.2f} tokens/step")
+    return rows
+
+
+def bench_transformers(checkpoint: Path, batches: list[int], max_new_tokens: int, repeats: int,
+                       progress=print) -> list[dict]:
+    """Greedy `generate` of transformers' DeepseekV3ForCausalLM (main model) on the same prompts."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import DeepseekV3ForCausalLM
+
+    tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rows = []
+    for batch in batches:
+        ids = [tok.encode(p).ids for p in (PROMPTS * batch)[:batch]]
+        width = max(map(len, ids))
+        pad = model.config.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # left padding
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+
+        def run():
+            with torch.no_grad():
+                return model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=
+                                      max_new_tokens, do_sample=False, pad_token_id=pad)
+
+        run()
+        seconds, _ = _median_run(run, repeats)
+        tokens = batch * max_new_tokens
+        rows.append({"engine": "transformers.generate", "mode": "-", "batch": batch, "nextn": 0, "tokens": tokens,
+                     "seconds": seconds, "tokens_per_second": tokens / seconds})
+        progress(f"transformers batch {batch}: {tokens / seconds:8.1f} tokens/s")
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per batch: nextn=0 over transformers, and the best nextn's speedup against its mean accepted tokens."""
+    out = []
+    for batch in sorted({r["batch"] for r in rows}):
+        hf = next((r for r in rows if r["engine"] == "transformers.generate" and r["batch"] == batch), None)
+        for mode in ("eagle", "vanilla"):
+            mine = [r for r in rows if r["mode"] == mode and r["batch"] == batch]
+            if not mine:
+                continue
+            base = next(r for r in mine if r["nextn"] == 0)
+            best = max(mine, key=lambda r: r["tokens_per_second"])
+            speedup = best["tokens_per_second"] / base["tokens_per_second"]
+            out.append({"batch": batch, "mode": mode,
+                        "nextn0_over_transformers": base["tokens_per_second"] / hf["tokens_per_second"] if hf else None,
+                        "best_nextn": best["nextn"], "speedup_over_nextn0": speedup,
+                        "mean_accepted": best["mean_accepted"],
+                        "speedup_over_mean_accepted": speedup / best["mean_accepted"]})
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for mode, style in (("eagle", "o-"), ("vanilla", "s--")):
+            pts = sorted((r["nextn"], r["tokens_per_second"]) for r in rows if r["mode"] == mode and r["batch"] == batch)
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"mtp-trt {mode}")
+        hf = [r for r in rows if r["engine"] == "transformers.generate" and r["batch"] == batch]
+        if hf:
+            ax.axhline(hf[0]["tokens_per_second"], color="gray", ls=":", label="transformers generate")
+        ax.set(title=f"batch {batch}", xlabel="nextn (draft tokens per step)", ylabel="tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def write_json(rows: list[dict], path: Path, meta: dict) -> None:
+    path.write_text(json.dumps({"meta": meta, "runs": rows, "summary": summarize(rows)}, indent=2) + "\n")
