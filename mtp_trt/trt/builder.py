@@ -228,14 +228,18 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
     builder = api.trt.Builder(api.make_logger(log))
     if builder is None:
         raise log.failure(f"{api.flavour} {api.version} could not create a builder")
-    cache_cfg = builder.create_builder_config()
-    timing_cache = Path(timing_cache) if timing_cache else None
-    cache = cache_cfg.create_timing_cache(timing_cache.read_bytes() if timing_cache and timing_cache.is_file() else b"")
+    timing_cache, cache, notes = Path(timing_cache) if timing_cache else None, None, []
+    if timing_cache and api.is_rtx:
+        notes.append(f"--timing-cache {timing_cache}: ignored, timing caches are no-ops in TensorRT for RTX")
+        timing_cache = None
+    elif timing_cache:
+        data = timing_cache.read_bytes() if timing_cache.is_file() else b""
+        cache = builder.create_builder_config().create_timing_cache(data)
     profs = profiles(m, max_batch, max_seq_len, max_prefill)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        engines, notes = {}, []
+        engines = {}
         for name, g in m.graphs.items():
             progress(f"building {name}.engine ({', '.join(archs)}; {len(profs)} profiles)")
             t0 = time.perf_counter()

@@ -125,6 +125,7 @@ def _to_engine_dtype(feed: dict, graph) -> dict:
 def compare(got: dict, ref: dict, precision: str, label: str) -> tuple[bool, list[str]]:
     """polygraphy's Comparator on the outputs both have; ints exactly in fp32 (else reported only)."""
     from polygraphy.comparator import Comparator, CompareFunc, RunResults
+    from polygraphy.comparator import compare as compare_mod
     from polygraphy.comparator.struct import IterationResult
     from polygraphy.logger import G_LOGGER
 
@@ -139,7 +140,9 @@ def compare(got: dict, ref: dict, precision: str, label: str) -> tuple[bool, lis
                                                            runner_name="onnxruntime")])])
     tol = {n: (atol if a[n].dtype.kind == "f" else 0.0) for n in strict}
     rtl = {n: (rtol if a[n].dtype.kind == "f" else 0.0) for n in strict}
-    ok = bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=tol, rtol=rtl)))
+    simple = getattr(compare_mod, "SimpleCompareFunc", None) or CompareFunc.simple  # polygraphy < 0.50: .simple
+    with np.errstate(divide="ignore", invalid="ignore"):  # relative errors where the reference is 0
+        ok = bool(Comparator.compare_accuracy(results, compare_func=simple(atol=tol, rtol=rtl)))
     lines = []
     for n in names:
         if a[n].shape != b[n].shape:

@@ -1,0 +1,365 @@
+"""`mtp-trt build` / `check` on a small random checkpoint: real engines built with the installed TensorRT
+(TensorRT for RTX on a CPU-only machine), every custom node mapped to our IPluginV3 plugin, the engine
+manifest, the plugins' shape/type logic on single-node graphs, and one clear error for each bad input,
+leaving no half-written engine directory.  Running the engines needs a GPU: see `check`."""
+
+import collections
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+from typer.testing import CliRunner
+
+from hf_models import BASE, CONFIGS
+from mtp_trt import ops
+from mtp_trt.cli import app
+from mtp_trt.config import ModelConfig
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.exporters.export import export
+from mtp_trt.exporters.loader import save_checkpoint
+from mtp_trt.exporters.model import DeepseekV3
+from mtp_trt.manifest import FORMAT_VERSION, sha256
+from mtp_trt.plugins import trt_plugins
+from mtp_trt.trt import builder, check, compat
+from mtp_trt.trt import manifest as em
+
+ARCH = "8.9"  # one target keeps the build fast; TensorRT for RTX builds it without a GPU
+trt_mark = pytest.mark.trt
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.manual_seed(0)
+    d = {**BASE, **CONFIGS["moe_qlora_yarn"], "num_nextn_predict_layers": 2}
+    path = tmp_path_factory.mktemp("ckpt") / "model"
+    save_checkpoint(DeepseekV3(ModelConfig.from_dict(d)).init_weights(0.15), path, d)
+    tok = {"added_tokens": [{"id": 90, "content": "<think>"}, {"id": 91, "content": "</think>"}]}
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(ckpt, tmp_path_factory):
+    """Vanilla mode, K = 2: target.onnx, mtp_0.onnx and mtp_1.onnx in the plugin lowering."""
+    return export(ckpt, tmp_path_factory.mktemp("exp") / "plugin", nextn=2, mtp_mode="vanilla", lowering="plugin",
+                  max_batch=4, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def engines(exported, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eng") / "engines"
+    r = CliRunner().invoke(app, ["build", str(exported), "-o", str(out), "--target-arch", ARCH,
+                                 "--timing-cache", str(out.parent / "timing.cache")])
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}" in r.output
+    return out
+
+
+def _copy(exported, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(exported, dst)
+    return dst
+
+
+def _edit_manifest(root, **changes):
+    p = root / "manifest.json"
+    raw = json.loads(p.read_text())
+    raw.update(changes)
+    p.write_text(json.dumps(raw))
+
+
+def _no_leftovers(parent, name):
+    assert not (parent / name).exists()
+    assert not [p for p in parent.iterdir() if p.name.startswith(f".{name}.partial-")]
+
+
+# ------------------------------------------------------------------------------------ engines
+@trt_mark
+def test_engine_manifest_records_the_build(engines, exported):
+    api = compat.load("auto")
+    m = em.EngineManifest.load(engines, verify_hashes=True)
+    raw = m.raw
+    assert (m.flavour, m.trt_version) == (api.flavour, api.version)
+    assert m.target_archs == [ARCH] and m.precision == "fp32"
+    assert m.export_format_version == FORMAT_VERSION == raw["export"]["format_version"]
+    assert raw["export"]["lowering"] == "plugin" and raw["export"]["manifest_sha256"] == sha256(exported / "manifest.json")
+    assert (engines / em.EXPORT_MANIFEST).read_bytes() == (exported / "manifest.json").read_bytes()
+    assert (engines / "tokenizer.json").is_file() and (engines / "build.log").is_file()
+    assert [p["name"] for p in m.profiles] == ["generation", "prefill"]
+    gen, pre = (p["dims"] for p in m.profiles)
+    assert gen == {"B": [1, 4, 4], "S": [1, 3, 3], "T": [1, 64, 64]}
+    assert pre["S"][2] == 64 and pre["B"][2] == 4
+    assert m.profiles[0]["inputs"]["target"]["kv_0"] == [[1, 1, 40], [4, 64, 40], [4, 64, 40]]
+    assert {(p["name"], p["version"], p["namespace"]) for p in m.plugins} == {(n, "1", "") for n in ops.OPS}
+    assert set(m.engines) == {"target", "mtp_0", "mtp_1"}
+    for name, e in m.engines.items():
+        assert e.file == f"{name}.engine" and e.bytes == (engines / e.file).stat().st_size > 100_000
+        assert e.sha256 == sha256(engines / e.file)
+        assert e.onnx == f"{name}.onnx" and e.onnx_sha256 == sha256(exported / e.onnx)
+    assert any("num_accepted" in n for n in raw["notes"])  # the exporter's int64 declaration, built as int32
+    if api.is_rtx:  # timing caches are no-ops in TensorRT for RTX
+        assert any("--timing-cache" in n for n in raw["notes"]) and not (engines.parent / "timing.cache").exists()
+    else:
+        assert (engines.parent / "timing.cache").is_file()
+
+
+@trt_mark
+def test_every_custom_node_became_its_plugin(engines, exported):
+    m = em.EngineManifest.load(engines)
+    for name, e in m.engines.items():
+        model = onnx.load(str(exported / e.onnx))
+        nodes = collections.Counter(n.op_type for n in model.graph.node if n.domain == ops.DOMAIN)
+        assert e.plugin_layers == dict(nodes) and sum(nodes.values()) >= 1
+        data = (engines / e.file).read_bytes()
+        for op in nodes:  # the plugin (and its attributes) are serialized into the engine
+            assert op.encode() in data
+    assert m.engines["target"].plugin_layers == {"MlaGenerationAttention": 3, "MtpAccept": 1}
+    assert m.engines["mtp_1"].plugin_layers == {"MlaGenerationAttention": 1}
+
+
+def _node_model(op: str, inputs, outputs, **attrs):
+    node = helper.make_node(op, [i.name for i in inputs], [o.name for o in outputs], domain=ops.DOMAIN, name=op, **attrs)
+    graph = helper.make_graph([node], op, inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ops.DOMAIN, 1)])
+
+
+def _parse(model):
+    api = compat.load("auto")
+    trt = api.trt
+    trt_plugins.register(trt)
+    trt_plugins.errors.clear()
+    b = trt.Builder(trt.Logger(trt.Logger.ERROR))
+    net = b.create_network(api.network_flags())
+    parser = trt.OnnxParser(net, trt.Logger(trt.Logger.ERROR))
+    ok = parser.parse(model.SerializeToString())
+    return api, b, net, ok
+
+
+@trt_mark
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_attention_plugin_shapes_types_and_build(dtype):
+    v = helper.make_tensor_value_info
+    ins = [v("q", dtype, ["B", "S", 4, 40]), v("new_rows", dtype, ["B", "S", 40]), v("kv", dtype, ["B", "T", 40]),
+           v("past_len", TensorProto.INT32, ["B"])]
+    model = _node_model("MlaGenerationAttention", ins, [v("out", dtype, ["B", "S", 4, 32])], kv_lora_rank=32,
+                        softmax_scale=0.125)
+    api, b, net, ok = _parse(model)
+    assert ok
+    out = net.get_output(0)
+    trt = api.trt
+    want = {TensorProto.FLOAT: trt.float32, TensorProto.FLOAT16: trt.float16, TensorProto.BFLOAT16: trt.bfloat16}
+    assert tuple(out.shape) == (-1, -1, 4, 32) and out.dtype == want[dtype]
+    cfg = b.create_builder_config()
+    api.set_targets(cfg, [ARCH])
+    p = b.create_optimization_profile()
+    p.set_shape("q", (1, 1, 4, 40), (2, 3, 4, 40), (4, 3, 4, 40))
+    p.set_shape("new_rows", (1, 1, 40), (2, 3, 40), (4, 3, 40))
+    p.set_shape("kv", (1, 1, 40), (2, 64, 40), (4, 64, 40))
+    p.set_shape("past_len", (1,), (2,), (4,))
+    cfg.add_optimization_profile(p)
+    assert b.build_serialized_network(net, cfg) is not None and not trt_plugins.errors
+
+
+@trt_mark
+def test_accept_plugin_shapes_and_types():
+    v = helper.make_tensor_value_info
+    ins = [v("logits", TensorProto.FLOAT, ["B", "S", 96]), v("input_ids", TensorProto.INT32, ["B", "S"]),
+           v("thinking", TensorProto.INT32, ["B"]), v("relaxed_topk", TensorProto.INT32, []),
+           v("relaxed_delta", TensorProto.FLOAT, [])]
+    outs = [v("accepted", TensorProto.INT32, ["B", "S"]), v("num", TensorProto.INT32, ["B"]),
+            v("thinking_out", TensorProto.INT32, ["B"])]
+    api, _, net, ok = _parse(_node_model("MtpAccept", ins, outs, think_start_id=90, think_end_id=91))
+    assert ok
+    got = [(tuple(net.get_output(i).shape), net.get_output(i).dtype) for i in range(3)]
+    assert got == [((-1, -1), api.trt.int32), ((-1,), api.trt.int32), ((-1,), api.trt.int32)]
+
+
+@trt_mark
+def test_plugin_attribute_problem_is_reported():
+    v = helper.make_tensor_value_info
+    f = TensorProto.FLOAT
+    ins = [v("q", f, ["B", "S", 4, 40]), v("new_rows", f, ["B", "S", 40]), v("kv", f, ["B", "T", 40]),
+           v("past_len", TensorProto.INT32, ["B"])]
+    _, _, _, ok = _parse(_node_model("MlaGenerationAttention", ins, [v("out", f, None)], kv_lora_rank=40,
+                                     softmax_scale=0.125))
+    assert not ok
+    assert any("must exceed kv_lora_rank 40" in e for e in trt_plugins.errors)
+
+
+# --------------------------------------------------------------------------------- bad input
+@trt_mark
+def test_target_arch_the_flavour_cannot_build(exported, tmp_path):
+    api = compat.load("auto")
+    if not api.is_rtx:
+        pytest.skip("TensorRT for RTX's target list")
+    with pytest.raises(MtpTrtError, match=r"cannot build for compute capability 9.0 \(it can: .*8.9"):
+        builder.build(exported, tmp_path / "out", target_arch="9.0")
+    _no_leftovers(tmp_path, "out")
+
+
+@trt_mark
+def test_failed_build_leaves_nothing(exported, tmp_path):
+    """TensorRT for RTX cannot compile fp32 GEMMs for Turing: the build fails after parsing."""
+    api = compat.load("auto")
+    if not api.is_rtx or "7.5" not in api.buildable_archs():
+        pytest.skip("needs TensorRT for RTX with sm_75 in its target list")
+    with pytest.raises(MtpTrtError, match=r"target.onnx: tensorrt_rtx .* could not build the engine for compute "
+                                          r"capability 7.5: .*FP32 GEMM"):
+        builder.build(exported, tmp_path / "out", target_arch="7.5")
+    _no_leftovers(tmp_path, "out")
+
+
+@trt_mark
+def test_interrupted_build_leaves_nothing(exported, tmp_path, monkeypatch):
+    real, calls = builder.build_graph, []
+
+    def interrupt_second(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(builder, "build_graph", interrupt_second)
+    with pytest.raises(KeyboardInterrupt):
+        builder.build(exported, tmp_path / "out", target_arch=ARCH)
+    _no_leftovers(tmp_path, "out")
+
+
+def test_onnx_lowering_export_is_refused(ckpt, tmp_path):
+    exp = export(ckpt, tmp_path / "onnx", nextn=1, lowering="onnx", max_seq_len=32)
+    with pytest.raises(MtpTrtError, match="re-export with .*--lowering plugin"):
+        builder.build(exp, tmp_path / "out")
+    r = CliRunner().invoke(app, ["build", str(exp), "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "--lowering plugin" in r.output and "Traceback" not in r.output
+    _no_leftovers(tmp_path, "out")
+
+
+def test_incompatible_export_format_version(exported, tmp_path):
+    root = _copy(exported, tmp_path)
+    _edit_manifest(root, format_version=FORMAT_VERSION + 1)
+    with pytest.raises(MtpTrtError, match=f"export format version {FORMAT_VERSION + 1} is not the version"):
+        builder.build(root, tmp_path / "out")
+
+
+@pytest.mark.parametrize("domain,op", [(ops.DOMAIN, "MlaPrefillAttention"), ("com.example", "MtpAccept")])
+def test_unknown_custom_op(exported, tmp_path, domain, op):
+    root = _copy(exported, tmp_path)
+    model = onnx.load(str(root / "target.onnx"))
+    node = next(n for n in model.graph.node if n.op_type == "MtpAccept")
+    node.op_type, node.domain = op, domain
+    onnx.save(model, str(root / "target.onnx"))
+    raw = json.loads((root / "manifest.json").read_text())
+    raw["graphs"]["target"]["sha256"] = sha256(root / "target.onnx")
+    (root / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(MtpTrtError, match=rf"target.onnx: node .* is the custom op {domain}::{op}, which has no "
+                                          rf"TensorRT plugin"):
+        builder.build(root, tmp_path / "out")
+    _no_leftovers(tmp_path, "out")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"precision": "fp16"}, "--precision fp16: the export is fp32.*--dtype fp16 --lowering plugin"),
+    ({"precision": "int8"}, "--precision: unknown precision 'int8'"),
+    ({"max_batch": 5}, r"--max-batch must be in 1..4"),
+    ({"max_seq_len": 65}, r"--max-seq-len must be in 1..64"),
+    ({"max_seq_len": 2}, "shorter than one verification step"),
+    ({"max_prefill": 100}, r"--max-prefill must be in 1..64"),
+])
+def test_bad_request(exported, tmp_path, kwargs, message):
+    with pytest.raises(MtpTrtError, match=message):
+        builder.build(exported, tmp_path / "out", **kwargs)
+    _no_leftovers(tmp_path, "out")
+
+
+def test_output_directory_not_empty(exported, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    with pytest.raises(MtpTrtError, match="exists and is not empty"):
+        builder.build(exported, tmp_path / "out")
+
+
+def test_edited_onnx_is_refused(exported, tmp_path):
+    root = _copy(exported, tmp_path)
+    with open(root / "mtp_0.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(MtpTrtError, match="mtp_0.onnx: SHA-256 differs from manifest.json"):
+        builder.build(root, tmp_path / "out")
+
+
+# -------------------------------------------------------------------------------------- check
+@trt_mark
+def test_check_without_gpu_is_skipped(engines):
+    if compat.gpu()[0] is not None:
+        pytest.skip("a GPU is present: check runs the engines")
+    r = CliRunner().invoke(app, ["check", str(engines)])
+    assert r.exit_code == 3, r.output
+    assert "skipped: no GPU" in r.output and "SHA-256 of every engine verified" in r.output
+    assert "MlaGenerationAttention x3, MtpAccept x1" in r.output
+
+
+@trt_mark
+def test_check_refuses_a_modified_engine(engines, tmp_path):
+    root = tmp_path / "eng"
+    shutil.copytree(engines, root)
+    data = bytearray((root / "mtp_0.engine").read_bytes())
+    data[len(data) // 2] ^= 1
+    (root / "mtp_0.engine").write_bytes(bytes(data))
+    r = CliRunner().invoke(app, ["check", str(root)])
+    assert r.exit_code == 2 and "mtp_0.engine: SHA-256 differs from engines.json" in r.output
+
+
+@trt_mark
+@pytest.mark.parametrize("perturb", [0.0, 1e-2])
+def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
+    """The comparison path with a stand-in for the engines (ONNX Runtime on the onnx lowering, as the
+    engines would compute): identical outputs pass, perturbed logits fail with exit code 1."""
+    import onnxruntime as ort
+
+    def fake_runner(m):
+        ref = check.export_manifest(engines)
+        sessions = {}
+
+        def run(engine_path, profile, feed):
+            name = engine_path.stem
+            if name not in sessions:
+                sessions[name] = ort.InferenceSession(str(fake_runner.ref_root / ref.graphs[name].file),
+                                                      providers=["CPUExecutionProvider"])
+            s = sessions[name]
+            out = dict(zip([o.name for o in s.get_outputs()], s.run(None, feed)))
+            for k in ("logits", "draft_logits"):
+                if k in out:
+                    out[k] = out[k] + perturb
+            return out
+
+        return run
+
+    real_reference = check._reference
+
+    def reference(exp, reference, workdir, progress):
+        ref = real_reference(exp, reference, workdir, progress)
+        fake_runner.ref_root = ref.root
+        return ref
+
+    monkeypatch.setattr(check, "runtime_unavailable", lambda m: None)
+    monkeypatch.setattr(check, "engine_runner", fake_runner)
+    monkeypatch.setattr(check, "_reference", reference)
+    result = check.check(engines, seed=1)
+    assert result.status == ("passed" if perturb == 0 else "failed"), "\n".join(result.lines)
+    assert any("target/generation logits: max |diff|" in line for line in result.lines)
+    assert any("mtp_1/prefill draft_tokens" in line for line in result.lines)
+    assert result.exit_code == (0 if perturb == 0 else 1)
+
+
+def test_random_inputs_are_valid(exported):
+    from mtp_trt.manifest import Manifest
+
+    m = Manifest.load(exported)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        feed = check.make_inputs(m.graphs["target"], {"B": 3, "S": 5, "T": 8}, 96, rng)
+        assert feed["input_ids"].shape == (3, 5) and feed["input_ids"].max() < 96
+        assert (feed["past_len"] + 5 <= 8).all() and feed["kv_0"].shape == (3, 8, 40)
