@@ -210,6 +210,9 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
             lib = _kernels()
             splits = min(lib.mla_decode_num_splits(B, S, H, T, 0), mla_splits_bound(B, S, H, T))
             ws = lib.mla_decode_workspace_size(B, S, H, dl, splits)
+            if ws != mla_workspace_size(B, S, H, dl, splits):  # the reserved size was computed with the latter
+                raise RuntimeError(f"the kernel library's split-KV workspace ({ws} bytes) differs from "
+                                   f"plugins/trt_plugins.py's formula; update mla_workspace_size")
             lib.mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], inputs[2], inputs[3], inputs[1], None,
                            outputs[0], workspace if ws else None, ws, B, S, H, dl, D - dl, T,
                            self.values["softmax_scale"], splits, 0, stream)
