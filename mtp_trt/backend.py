@@ -49,7 +49,7 @@ class Backend(ABC):
 class OrtBackend(Backend):
     """ONNX Runtime, CPU execution provider, running the `onnx` lowering."""
 
-    def __init__(self, manifest: Manifest, threads: int | None = None):
+    def __init__(self, manifest: Manifest, threads: int | None = 1):
         import onnxruntime as ort
 
         if manifest.lowering != "onnx":
@@ -60,7 +60,7 @@ class OrtBackend(Backend):
                               f"export with --dtype fp32")
         self.manifest = manifest
         opts = ort.SessionOptions()
-        if threads:
+        if threads:  # one thread: these graphs are many small ops, where a thread pool costs more than it gives
             opts.intra_op_num_threads = threads
         self.sessions = {name: ort.InferenceSession(str(manifest.root / g.file), opts,
                                                     providers=["CPUExecutionProvider"])
