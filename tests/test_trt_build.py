@@ -27,8 +27,14 @@ from mtp_trt.plugins import trt_plugins
 from mtp_trt.trt import builder, check, compat
 from mtp_trt.trt import manifest as em
 
-ARCH = "8.9"  # one target keeps the build fast; TensorRT for RTX builds it without a GPU
 trt_mark = pytest.mark.trt
+
+
+def target():
+    """(--target-arch, the arch it resolves to): this GPU where there is one the flavour can build for,
+    else 8.9 (one target keeps the build fast; TensorRT for RTX builds it without a GPU)."""
+    api, cc = compat.load("auto"), compat.gpu()[0]
+    return ("native", cc) if cc and cc in api.buildable_archs() else ("8.9", "8.9")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,7 @@ def exported(ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(exported, tmp_path_factory):
     out = tmp_path_factory.mktemp("eng") / "engines"
-    r = CliRunner().invoke(app, ["build", str(exported), "-o", str(out), "--target-arch", ARCH,
+    r = CliRunner().invoke(app, ["build", str(exported), "-o", str(out), "--target-arch", target()[0],
                                  "--timing-cache", str(out.parent / "timing.cache")])
     assert r.exit_code == 0, r.output
     assert f"wrote {out}" in r.output
@@ -84,7 +90,7 @@ def test_engine_manifest_records_the_build(engines, exported):
     m = em.EngineManifest.load(engines, verify_hashes=True)
     raw = m.raw
     assert (m.flavour, m.trt_version) == (api.flavour, api.version)
-    assert m.target_archs == [ARCH] and m.precision == "fp32"
+    assert m.target_archs == [target()[1]] and m.precision == "fp32"
     assert m.export_format_version == FORMAT_VERSION == raw["export"]["format_version"]
     assert raw["export"]["lowering"] == "plugin" and raw["export"]["manifest_sha256"] == sha256(exported / "manifest.json")
     assert (engines / em.EXPORT_MANIFEST).read_bytes() == (exported / "manifest.json").read_bytes()
@@ -154,7 +160,7 @@ def test_attention_plugin_shapes_types_and_build(dtype):
     want = {TensorProto.FLOAT: trt.float32, TensorProto.FLOAT16: trt.float16, TensorProto.BFLOAT16: trt.bfloat16}
     assert tuple(out.shape) == (-1, -1, 4, 32) and out.dtype == want[dtype]
     cfg = b.create_builder_config()
-    api.set_targets(cfg, [ARCH])
+    api.set_targets(cfg, [target()[1]])
     p = b.create_optimization_profile()
     p.set_shape("q", (1, 1, 4, 40), (2, 3, 4, 40), (4, 3, 4, 40))
     p.set_shape("new_rows", (1, 1, 40), (2, 3, 40), (4, 3, 40))
@@ -225,7 +231,7 @@ def test_interrupted_build_leaves_nothing(exported, tmp_path, monkeypatch):
 
     monkeypatch.setattr(builder, "build_graph", interrupt_second)
     with pytest.raises(KeyboardInterrupt):
-        builder.build(exported, tmp_path / "out", target_arch=ARCH)
+        builder.build(exported, tmp_path / "out", target_arch=target()[0])
     _no_leftovers(tmp_path, "out")
 
 
@@ -299,6 +305,18 @@ def test_check_without_gpu_is_skipped(engines):
     assert r.exit_code == 3, r.output
     assert "skipped: no GPU" in r.output and "SHA-256 of every engine verified" in r.output
     assert "MlaGenerationAttention x3, MtpAccept x1" in r.output
+
+
+@trt_mark
+@pytest.mark.gpu
+def test_check_runs_the_engines_on_a_gpu(engines):
+    """Where a GPU is present: the engines (CUDA kernels through the plugins) against ONNX Runtime."""
+    from mtp_trt.plugins.cuda_lib import find_nvcc
+
+    if find_nvcc() is None:
+        pytest.skip("nvcc is needed to build the kernel library the plugins launch")
+    result = check.check(engines, seed=0)
+    assert result.status == "passed", f"{result.reason}\n" + "\n".join(result.lines)
 
 
 @trt_mark

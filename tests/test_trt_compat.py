@@ -80,6 +80,29 @@ def test_tensorrt_flavour_targets_only_its_gpu(monkeypatch):
         api.resolve_archs("8.9")
 
 
+def test_rtx_targets(monkeypatch):
+    import types
+
+    members = {"NONE": 0, "CURRENT": 1, "SM75": 75, "SM80": 80, "SM89": 89, "SM120": 120}
+    fake = types.SimpleNamespace(ComputeCapability=types.SimpleNamespace(__members__=members))
+    api = compat.TrtApi(flavour="tensorrt_rtx", trt=fake, version="1.7", module="tensorrt_rtx")
+    monkeypatch.setattr(compat, "gpu", lambda: (None, "no NVIDIA driver"))
+    assert api.buildable_archs() == ["7.5", "8.0", "8.9", "12.0"]
+    assert api.resolve_archs("auto") == api.resolve_archs(None) == ["8.0", "8.9", "12.0"]  # no GPU: Ampere on
+    assert api.resolve_archs("all") == ["7.5", "8.0", "8.9", "12.0"]
+    assert api.resolve_archs("89, sm_120,8.9") == ["8.9", "12.0"]
+    with pytest.raises(MtpTrtError, match="native: no NVIDIA driver; name the compute capabilities"):
+        api.resolve_archs("native")
+    with pytest.raises(MtpTrtError, match=r"cannot build for compute capability 9.0 \(it can: 7.5, 8.0, 8.9, 12.0\)"):
+        api.resolve_archs("9.0")
+    monkeypatch.setattr(compat, "gpu", lambda: ("8.9", ""))
+    assert api.resolve_archs("auto") == api.resolve_archs("native") == ["8.9"]
+    monkeypatch.setattr(compat, "gpu", lambda: ("9.0", ""))  # a GPU TensorRT for RTX does not support
+    assert api.resolve_archs("auto") == ["8.0", "8.9", "12.0"]
+    with pytest.raises(MtpTrtError, match="this GPU has compute capability 9.0, which tensorrt_rtx 1.7 cannot"):
+        api.resolve_archs("native")
+
+
 # --------------------------------------------------------------------------- libtensorrt_rtx.so
 def _run(code: str, **env):
     import os

@@ -99,7 +99,7 @@ class TrtApi:
         for item in items:
             low = item.lower()
             if low == "auto":
-                if cc or not self.is_rtx:
+                if not self.is_rtx or cc in can:
                     low = "native"
                 else:
                     out += [a for a in can if _arch_key(a) >= MIN_DEFAULT_ARCH]
@@ -108,6 +108,9 @@ class TrtApi:
                 if not cc:
                     raise MtpTrtError(f"--target-arch {item}: {why}; name the compute capabilities to build for "
                                       f"({self.flavour} can build for {', '.join(can) or 'none here'})")
+                if cc not in can:
+                    raise MtpTrtError(f"--target-arch {item}: this GPU has compute capability {cc}, which "
+                                      f"{self.flavour} {self.version} cannot build for (it can: {', '.join(can)})")
                 out.append(cc)
             elif low == "all" and self.is_rtx:
                 out += can
