@@ -109,7 +109,7 @@ template <> struct Mma<__nv_bfloat16> {
 #endif
 
 // ---- host helpers ---------------------------------------------------------------------------
-inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+__host__ __device__ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 inline int dtype_size(mtp_dtype t) { return t == MTP_DTYPE_F32 ? 4 : 2; }
 inline bool dtype_ok(int t) { return t == MTP_DTYPE_F32 || t == MTP_DTYPE_F16 || t == MTP_DTYPE_BF16; }

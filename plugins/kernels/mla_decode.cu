@@ -53,23 +53,34 @@ __device__ __forceinline__ bool visible(int t, int c, int s, int S, const uint8_
 
 // =============================================================================================
 // Tensor-core path (fp16 / bf16).  Block = 8 warps, 32 query rows, tiles of 32 latent rows.
-//   scores S[32 x 32] = Q[32 x D] . K^T : 8 mma tiles of 16x8, one per warp, k-loop over D.
+//   scores S[32 x 32] = Q[32 x D] . K^T with mma.sync m16n8k16, split over k across the warps:
+//     warp w owns the 16-wide k-steps w, w+8, ... of D; its Q fragments for those k-steps stay in
+//     registers for the whole block (loaded once), so per tile it only reads each K element once
+//     from shared memory; the 8 partial S[32 x 32] go to shared memory and the softmax sums them.
 //   P V: O[32 x Dl] += P[32 x 32] . V[32 x Dl]; warp w owns the 8-column blocks w, w+8, ...
-// Shared memory (16-bit elements unless noted), row strides padded so that fragment loads are
-// free of bank conflicts (stride/2 words = 4 mod 8):
-//   sQ [32][D+8], sK [NSTAGE][32][D+8], sS [32][36] fp32, sP [32][40], sM/sL/sA [32] fp32.
+// Shared memory (16-bit elements unless noted), row strides padded so that fragment loads and
+// partial-score stores are free of bank conflicts (16-bit rows: stride/2 words = 4 mod 8):
+//   union { sQ [32][D+8] (until the Q fragments are in registers), sSp [8][32][40] fp32 },
+//   sK [NSTAGE][32][D+8], sP [32][40], sM/sL/sA [32] fp32.
 // =============================================================================================
 constexpr int TC_QT = 32;
 constexpr int TC_TT = 32;
 constexpr int TC_THREADS = 256;
-constexpr int TC_MAXNB = 8;  // column blocks per warp: Dl <= 8 warps * 8 blocks * 8 = 512
-constexpr int TC_SS = TC_TT + 4;
+constexpr int TC_WARPS = TC_THREADS / 32;
+constexpr int TC_MAXNB = 8;   // column blocks per warp: Dl <= 8 warps * 8 blocks * 8 = 512
+constexpr int TC_MAXKS = 5;   // k-steps per warp: D <= 8 warps * 5 * 16 = 640
+constexpr int TC_MAXD = TC_WARPS * TC_MAXKS * 16;
+constexpr int TC_SS = TC_TT + 8;
 constexpr int TC_PS = TC_TT + 8;
 
+__host__ __device__ inline size_t tc_union_bytes(int D) {
+    const size_t q = static_cast<size_t>(D + 8) * 2 * TC_QT;
+    const size_t sp = sizeof(float) * TC_WARPS * TC_QT * TC_SS;
+    return align_up(q > sp ? q : sp, 16);
+}
 inline size_t tc_smem_bytes(int D, int nstage) {
     const size_t row = static_cast<size_t>(D + 8) * 2;
-    return row * TC_QT + row * TC_TT * nstage + sizeof(float) * TC_QT * TC_SS + 2 * TC_QT * TC_PS +
-           sizeof(float) * 3 * TC_QT;
+    return tc_union_bytes(D) + row * TC_TT * nstage + 2 * TC_QT * TC_PS + sizeof(float) * 3 * TC_QT;
 }
 
 template <typename T, int NSTAGE>
@@ -78,9 +89,9 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
     const int D = p.D, Dl = p.Dl;
     const int RS = D + 8;  // row stride of sQ and sK (elements)
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sK = sQ + TC_QT * RS;
-    float* sS = reinterpret_cast<float*>(sK + NSTAGE * TC_TT * RS);
-    T* sP = reinterpret_cast<T*>(sS + TC_QT * TC_SS);
+    float* sSp = reinterpret_cast<float*>(smem_raw);  // aliases sQ once Q is in registers
+    T* sK = reinterpret_cast<T*>(smem_raw + tc_union_bytes(D));
+    T* sP = sK + NSTAGE * TC_TT * RS;
     float* sM = reinterpret_cast<float*>(sP + TC_QT * TC_PS);
     float* sL = sM + TC_QT;
     float* sA = sL + TC_QT;
@@ -139,6 +150,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[rb][j][e] = 0.f;
     const int NB = Dl >> 3;  // 8-column blocks of the output
+    uint32_t qf[2][TC_MAXKS][4];  // this warp's Q fragments (k-steps warp + 8 j), set at it == 0
 
     for (int it = 0; it < ntiles; ++it) {
         const int stage = NSTAGE == 2 ? (it & 1) : 0;
@@ -154,24 +166,56 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
         const T* sKt = sK + stage * TC_TT * RS;
         const int t0 = start + it * TC_TT;
 
-        // ---- scores: warp -> tile (rb = warp / 4, nb = warp % 4) of S[32 x 32]
-        {
-            const int rb = warp >> 2, nb = warp & 3;
-            float s4[4] = {0.f, 0.f, 0.f, 0.f};
-            const T* qa = sQ + (rb * 16 + g) * RS + 2 * c4;
-            const T* kb = sKt + (nb * 8 + g) * RS + 2 * c4;
-#pragma unroll 4
-            for (int k0 = 0; k0 < D; k0 += 16) {
-                const uint32_t a0 = lds32(qa + k0), a1 = lds32(qa + 8 * RS + k0);
-                const uint32_t a2 = lds32(qa + k0 + 8), a3 = lds32(qa + 8 * RS + k0 + 8);
-                const uint32_t b0 = lds32(kb + k0), b1 = lds32(kb + k0 + 8);
-                Mma<T>::run(s4, a0, a1, a2, a3, b0, b1);
+        // ---- partial scores: warp -> its k-steps, all 2 x 4 tiles of 16x8 of S[32 x 32]
+        if (it == 0) {
+            // Q has landed (barrier above): keep this warp's A fragments in registers
+#pragma unroll
+            for (int j = 0; j < TC_MAXKS; ++j) {
+                const int k0 = (warp + TC_WARPS * j) * 16;
+                if (k0 < D) {
+#pragma unroll
+                    for (int rb = 0; rb < 2; ++rb) {
+                        const T* qa = sQ + (rb * 16 + g) * RS + k0 + 2 * c4;
+                        qf[rb][j][0] = lds32(qa);
+                        qf[rb][j][1] = lds32(qa + 8 * RS);
+                        qf[rb][j][2] = lds32(qa + 8);
+                        qf[rb][j][3] = lds32(qa + 8 * RS + 8);
+                    }
+                }
             }
-            float* srow = sS + (rb * 16 + g) * TC_SS + nb * 8 + 2 * c4;
-            srow[0] = s4[0] * p.scale_log2;
-            srow[1] = s4[1] * p.scale_log2;
-            srow[8 * TC_SS] = s4[2] * p.scale_log2;
-            srow[8 * TC_SS + 1] = s4[3] * p.scale_log2;
+        }
+        {
+            float sc[2][4][4];
+#pragma unroll
+            for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+                for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sc[rb][nb][e] = 0.f;
+#pragma unroll
+            for (int j = 0; j < TC_MAXKS; ++j) {
+                const int k0 = (warp + TC_WARPS * j) * 16;
+                if (k0 < D) {  // warp-uniform
+#pragma unroll
+                    for (int nb = 0; nb < 4; ++nb) {
+                        const T* kb = sKt + (nb * 8 + g) * RS + k0 + 2 * c4;
+                        const uint32_t b0 = lds32(kb), b1 = lds32(kb + 8);
+#pragma unroll
+                        for (int rb = 0; rb < 2; ++rb)
+                            Mma<T>::run(sc[rb][nb], qf[rb][j][0], qf[rb][j][1], qf[rb][j][2], qf[rb][j][3], b0, b1);
+                    }
+                }
+            }
+            if (it == 0) __syncthreads();  // every warp has its Q fragments: sQ may be overwritten
+            float* sw = sSp + warp * TC_QT * TC_SS;
+#pragma unroll
+            for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+                for (int nb = 0; nb < 4; ++nb) {
+                    float* d = sw + (rb * 16 + g) * TC_SS + nb * 8 + 2 * c4;
+                    *reinterpret_cast<float2*>(d) = make_float2(sc[rb][nb][0], sc[rb][nb][1]);
+                    *reinterpret_cast<float2*>(d + 8 * TC_SS) = make_float2(sc[rb][nb][2], sc[rb][nb][3]);
+                }
         }
         __syncthreads();
 
@@ -181,7 +225,13 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
                 const int s = (m0 + r) / p.H;
                 const int t = t0 + lane;
                 const bool ok = t < end && visible(t, c, s, p.S, mask_b);
-                const float x = ok ? sS[r * TC_SS + lane] : -INFINITY;
+                float x = -INFINITY;
+                if (ok) {
+                    float acc_s = 0.f;
+#pragma unroll
+                    for (int w = 0; w < TC_WARPS; ++w) acc_s += sSp[(w * TC_QT + r) * TC_SS + lane];
+                    x = acc_s * p.scale_log2;
+                }
                 const float m_old = sM[r];
                 const float m_new = fmaxf(m_old, warp_max(x));
                 float pv = 0.f, alpha = 1.f;
@@ -247,7 +297,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
                 }
             }
         }
-        __syncthreads();  // sK[stage], sS, sP and sA are free again
+        __syncthreads();  // sK[stage], sSp, sP and sA are free again
         if (NSTAGE == 1 && it + 1 < ntiles) {
             load_tile(it + 1, 0);
             cp_async_commit();
@@ -592,7 +642,7 @@ extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_c
 
     const int smem_max = max_optin_smem();
     const bool tc_ok = (dtype == MTP_DTYPE_F16 || dtype == MTP_DTYPE_BF16) && !(flags & MTP_MLA_FORCE_SIMT) &&
-                       Dl % 16 == 0 && Dr % 16 == 0 && Dl >= 16 && Dl <= 8 * TC_MAXNB * 8 && Dr <= 512 &&
+                       Dl % 16 == 0 && Dr % 16 == 0 && Dl >= 16 && Dl <= 8 * TC_MAXNB * 8 && D <= TC_MAXD &&
                        aligned16(q) && aligned16(kv_cache) && aligned16(out);
     cudaError_t err = cudaSuccess;
     if (tc_ok && tc_smem_bytes(D, 1) <= static_cast<size_t>(smem_max)) {

@@ -63,7 +63,7 @@ int mtp_get_last_error(void);
  * running max and sum to the workspace, and a combine kernel merges them.  num_splits == 1
  * writes `out` directly (no workspace needed, pass NULL/0).
  *
- * Paths: fp16/bf16 with Dl % 16 == 0, Dr % 16 == 0, 16 <= Dl <= 512, Dr <= 512, 16-byte aligned
+ * Paths: fp16/bf16 with Dl % 16 == 0, Dr % 16 == 0, 16 <= Dl <= 512, Dl + Dr <= 640, 16-byte aligned
  * pointers -> tensor-core path (mma.sync m16n8k16, one latent row loaded once per block and used
  * by its 32 query rows); everything else (fp32, odd dims) -> SIMT path (Dl <= 512).
  * flags: MTP_MLA_FORCE_SIMT forces the SIMT path (for testing); MTP_MLA_SINGLE_STAGE disables the

@@ -43,7 +43,7 @@ def host():
 
 
 MLA = ["empty-cache-S1-H16", "demo-64-16-fp32", "demo-64-16-fp16", "demo-128-32-bf16-tree", "Dl32-Dr32-fp16",
-       "odd-48-8-fp16-simt", "odd-33-5-fp32", "odd-33-5-bf16", "precommitted-bf16", "splits-gt-rows-bf16",
+       "Dl16-Dr0-bf16", "D640-bf16", "odd-48-8-fp16-simt", "odd-33-5-fp32", "odd-33-5-bf16", "precommitted-bf16", "splits-gt-rows-bf16",
        "ds-bf16-S4-B2", "force-simt-bf16-tree"]
 
 

@@ -115,6 +115,8 @@ MLA_CASES = [
     ("demo-128-32-bf16-tree", dict(B=2, S=5, H=8, Dl=128, Dr=32, T_max=260, cache_len=[100, 255], dtype="bfloat16",
                                    mask="tree")),
     ("Dl32-Dr32-fp16", dict(B=2, S=1, H=3, Dl=32, Dr=32, T_max=50, cache_len=[1, 49], dtype="float16")),
+    ("Dl16-Dr0-bf16", dict(B=2, S=3, H=2, Dl=16, Dr=0, T_max=40, cache_len=[0, 30], dtype="bfloat16")),
+    ("D640-bf16", dict(B=2, S=2, H=16, Dl=512, Dr=128, T_max=150, cache_len=[20, 140], dtype="bfloat16")),
     ("odd-48-8-fp16-simt", dict(B=2, S=2, H=5, Dl=48, Dr=8, T_max=45, cache_len=[3, 40], dtype="float16")),
     ("odd-33-5-fp32", dict(B=2, S=3, H=3, Dl=33, Dr=5, T_max=100, cache_len=[9, 90], dtype="float32", mask="tree")),
     ("odd-33-5-bf16", dict(B=2, S=1, H=3, Dl=33, Dr=5, T_max=100, cache_len=[9, 90], dtype="bfloat16")),
