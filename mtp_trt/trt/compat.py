@@ -22,14 +22,15 @@ from mtp_trt.errors import MtpTrtError
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
 INSTALL = {
-    "tensorrt": "pip install tensorrt cuda-python  (needs an NVIDIA GPU and driver to build)",
+    "tensorrt": "pip install tensorrt cuda-python",
     "tensorrt_rtx": "pip install tensorrt-rtx-cu13-libs tensorrt-rtx-cu13-bindings tensorrt_rtx_cu13",
 }
+WHERE = {"tensorrt": "builds on an NVIDIA GPU", "tensorrt_rtx": "TensorRT for RTX, builds without a GPU too"}
 MIN_DEFAULT_ARCH = (8, 0)  # no GPU + TensorRT for RTX: build for every listed arch from Ampere on
 
 
 def install_hint() -> str:
-    return "; ".join(f"{f}: `{cmd}`" for f, cmd in INSTALL.items())
+    return "; ".join(f"{f} ({WHERE[f]}): `{cmd}`" for f, cmd in INSTALL.items())
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -174,7 +175,10 @@ def _import(flavour: str) -> tuple[TrtApi | None, str]:
     names = ("tensorrt",) if flavour == "tensorrt" else ("tensorrt_rtx", "tensorrt_rtx_bindings")
     why = "not installed"
     for name in names:
-        if importlib.util.find_spec(name) is None:
+        try:
+            if importlib.util.find_spec(name) is None:
+                continue
+        except (ImportError, ValueError, AttributeError):  # e.g. a module entry set to None
             continue
         try:
             mod = importlib.import_module(name)
