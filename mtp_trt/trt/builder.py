@@ -215,9 +215,9 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
     precision, max_batch, max_seq_len, max_prefill = check_request(m, precision, max_batch, max_seq_len, max_prefill)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MtpTrtError(f"{out}: output directory exists and is not empty; choose another or remove it")
-    for g in m.graphs.values():  # unknown custom ops: before any TensorRT work
-        import onnx
+    import onnx
 
+    for g in m.graphs.values():  # unknown custom ops: before any TensorRT work
         custom_nodes(onnx.load(str(m.root / g.file), load_external_data=False), g.file)
     api = compat.load(flavour)
     archs = api.resolve_archs(target_arch)
