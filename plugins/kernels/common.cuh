@@ -76,6 +76,20 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- ldmatrix: four 8x8 matrices of 16-bit elements, transposed ------------------------------
+// Lanes 8m .. 8m+7 give the addresses of rows 0..7 of matrix m (16 bytes each, 16-byte aligned).
+// Register m of lane i receives matrix m's elements (row 2(i%4), col i/4) in the low half and
+// (row 2(i%4)+1, col i/4) in the high half -- the B fragment of mma.m16n8k16 for a row-major
+// [k][n] matrix when the rows are k and the 8 columns are n.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                              const void* row_addr) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row_addr));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(s)
+                 : "memory");
+}
+
 // ---- tensor cores: D = A(16x16, row) * B(16x8, col) + D, fp32 accumulate ---------------------
 // Fragment layout (PTX ISA, mma.m16n8k16, 16-bit A/B), g = lane / 4, c = lane % 4:
 //   a0: A[g][2c..2c+1]   a1: A[g+8][2c..2c+1]   a2: A[g][2c+8..]   a3: A[g+8][2c+8..]

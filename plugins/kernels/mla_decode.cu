@@ -282,17 +282,23 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
                     a[rb][2] = lds32(pa + 8);
                     a[rb][3] = lds32(pa + 8 * TC_PS + 8);
                 }
-                // B[k][n] = V[k0 + k][n]: b0 = rows 2c, 2c+1; b1 = rows 2c+8, 2c+9; column g.
-                const T* vb = sKt + (k0 + 2 * c4) * RS + g;
+                // B[k][n] = V[k0 + k][n] for two column blocks at once (ldmatrix .x4 .trans):
+                // matrices 0/1 = rows k0..k0+7 / k0+8..k0+15 of block nb0 (b0, b1), 2/3 = of nb1.
+                const int lm = lane >> 3;
+                const T* vrow = sKt + (k0 + (lm & 1) * 8 + (lane & 7)) * RS;
 #pragma unroll
-                for (int j = 0; j < TC_MAXNB; ++j) {
-                    const int nb = warp + 8 * j;
-                    if (nb < NB) {  // warp-uniform
-                        const T* v = vb + nb * 8;
-                        const uint32_t b0 = pack2_raw<T>(v[0], v[RS]);
-                        const uint32_t b1 = pack2_raw<T>(v[8 * RS], v[9 * RS]);
-                        Mma<T>::run(acc[0][j], a[0][0], a[0][1], a[0][2], a[0][3], b0, b1);
-                        Mma<T>::run(acc[1][j], a[1][0], a[1][1], a[1][2], a[1][3], b0, b1);
+                for (int j = 0; j < TC_MAXNB; j += 2) {
+                    const int nb0 = warp + 8 * j, nb1 = warp + 8 * (j + 1);
+                    if (nb0 < NB) {  // warp-uniform
+                        const bool two = nb1 < NB;
+                        uint32_t b00, b01, b10, b11;
+                        ldsm_x4_trans(b00, b01, b10, b11, vrow + ((lm >> 1) && two ? nb1 : nb0) * 8);
+                        Mma<T>::run(acc[0][j], a[0][0], a[0][1], a[0][2], a[0][3], b00, b01);
+                        Mma<T>::run(acc[1][j], a[1][0], a[1][1], a[1][2], a[1][3], b00, b01);
+                        if (two) {
+                            Mma<T>::run(acc[0][j + 1], a[0][0], a[0][1], a[0][2], a[0][3], b10, b11);
+                            Mma<T>::run(acc[1][j + 1], a[1][0], a[1][1], a[1][2], a[1][3], b10, b11);
+                        }
                     }
                 }
             }

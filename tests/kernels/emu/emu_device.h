@@ -72,3 +72,27 @@ template <typename T> struct Mma {
         }
     }
 };
+
+// ldmatrix .x4 .trans as the PTX ISA describes it: lanes 8m..8m+7 address the rows of matrix m;
+// lane i gets (row 2(i%4), col i/4) and (row 2(i%4)+1, col i/4) of each matrix.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                              const void* row_addr) {
+    emu::Warp& w = *emu::ctx.warp;
+    const int l = emu::ctx.lane;
+    w.slot[l] = reinterpret_cast<unsigned long long>(row_addr);
+    w.bar.arrive_and_wait();
+    uint32_t r[4];
+    for (int m = 0; m < 4; ++m) {
+        const unsigned char* lo_row = reinterpret_cast<const unsigned char*>(w.slot[8 * m + 2 * (l % 4)]);
+        const unsigned char* hi_row = reinterpret_cast<const unsigned char*>(w.slot[8 * m + 2 * (l % 4) + 1]);
+        uint16_t lo, hi;
+        std::memcpy(&lo, lo_row + 2 * (l / 4), 2);
+        std::memcpy(&hi, hi_row + 2 * (l / 4), 2);
+        r[m] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+    w.bar.arrive_and_wait();
+    r0 = r[0];
+    r1 = r[1];
+    r2 = r[2];
+    r3 = r[3];
+}
