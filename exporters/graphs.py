@@ -90,7 +90,7 @@ def accept_decomposed(logits: Tensor, input_ids: Tensor, thinking: Tensor, relax
     flag = thinking_flags(torch.cat([torch.full_like(drafts[:, :1], -1), drafts[:, :-1]], 1), thinking,
                           think_start_id, think_end_id)  # [B, S]
     ok = ((drafts == target) | (relaxed_ok & flag)) & is_draft
-    num_accepted = (torch.cumsum((~ok).to(torch.int32), -1) == 0).to(torch.int32).sum(-1)  # [B]
+    num_accepted = (torch.cumsum((~ok).to(torch.int32), -1) == 0).sum(-1).to(torch.int32)  # [B]
     bonus = target.gather(1, num_accepted.long()[:, None])  # [B, 1]
     accepted = torch.where(pos < num_accepted[:, None], drafts,
                            torch.where(pos == num_accepted[:, None], bonus, torch.full_like(bonus, -1)))

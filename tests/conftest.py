@@ -26,11 +26,15 @@ def gpu_unavailable_reason() -> str | None:
 
 @functools.cache
 def trt_unavailable_reason() -> str | None:
-    """None when TensorRT or TensorRT for RTX can be imported, else why not."""
-    for name in ("tensorrt", "tensorrt_rtx"):
-        if importlib.util.find_spec(name) is not None:
-            return None
-    return "neither tensorrt nor tensorrt_rtx is installed"
+    """None when TensorRT or TensorRT for RTX can be imported and used, else why not."""
+    from mtp_trt.errors import MtpTrtError
+    from mtp_trt.trt import compat
+
+    try:
+        compat.load("auto")
+    except MtpTrtError as e:
+        return str(e)
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -60,31 +60,24 @@ def custom_nodes(model, file: str) -> collections.Counter:
     return found
 
 
-def onnx_for_parser(path: Path, graph: GraphSpec) -> tuple[bytes, collections.Counter, list[str]]:
-    """The ONNX model as the parser gets it, its custom nodes, and notes on what was adjusted.
+def onnx_for_parser(path: Path, graph: GraphSpec) -> tuple[bytes, collections.Counter]:
+    """The ONNX model as the parser gets it, and its custom nodes.
 
-    The tracer may declare an output of a custom node with another type than the contract (e.g.
-    int64 for MtpAccept's int32 num_accepted); TensorRT rejects such a mismatch, so outputs produced
-    by custom nodes are declared with their manifest type.  Weights in external data stay on disk
-    (the parser reads them relative to `path`)."""
+    Every output must have the type manifest.json declares: the op contract's types are what the
+    plugins produce and what TensorRT checks.  Weights in external data stay on disk (the parser
+    reads them relative to `path`)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
     nodes = custom_nodes(model, path.name)
-    produced = {o for n in model.graph.node if n.domain == ops.DOMAIN for o in n.output}
     declared = {t.name: t.dtype for t in graph.outputs}
-    notes = []
     for out in model.graph.output:
         tt = out.type.tensor_type
         want, have = declared.get(out.name), ONNX_TYPES.get(tt.elem_type, str(tt.elem_type))
-        if want is None or want == have:
-            continue
-        if out.name not in produced:
-            raise MtpTrtError(f"{path.name}: output {out.name!r} is {have} in the ONNX file but {want} in manifest.json")
-        tt.elem_type = {v: k for k, v in ONNX_TYPES.items()}[want]
-        notes.append(f"{path.name}: output {out.name} declared {have} by the exporter, built as {want} "
-                     f"(the {ops.DOMAIN} op contract)")
-    return model.SerializeToString(), nodes, notes
+        if want is not None and want != have:
+            raise MtpTrtError(f"{path.name}: output {out.name!r} is {have} in the ONNX file but {want} in "
+                              f"manifest.json; export again with this version of mtp-trt")
+    return model.SerializeToString(), nodes
 
 
 def profiles(m: Manifest, max_batch: int, max_seq_len: int, max_prefill: int) -> list[dict]:
@@ -174,8 +167,7 @@ def _plugin_layers(api, network, file: str) -> collections.Counter:
 def build_graph(api, builder, graph: GraphSpec, path: Path, profs: list[dict], archs: list[str], cache,
                 log: _Log, notes: list[str]) -> tuple[bytes, dict[str, int]]:
     trt = api.trt
-    data, nodes, adjusted = onnx_for_parser(path, graph)
-    notes += adjusted
+    data, nodes = onnx_for_parser(path, graph)
     network = builder.create_network(api.network_flags())
     parser = trt.OnnxParser(network, api.make_logger(log))
     if not parser.parse(data, str(path)):
