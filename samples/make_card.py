@@ -51,14 +51,25 @@ decoded plainly to check the output is identical (speculative decoding is lossle
 {chr(10).join(sd_rows)}
 """
     capped = " (stopped by the wall-clock cap before the schedule ended)" if log["stopped_by_time_cap"] else ""
+    status = ""
+    if log["stopped_by_time_cap"]:
+        status = f"""
+> **Status: under-trained.**  The wall-clock budget ({a['minutes']} min) ran out after {log['steps']} of the
+> {a['max_steps']} planned steps (the CPU was slower than planned, e.g. shared with other heavy jobs);
+> the cosine schedule still annealed fully, but on only {log['tokens_seen']:,} tokens.  Check its greedy
+> continuations before relying on it: an under-trained model's are often degenerate (repetition),
+> and then draft acceptance in the speculative-decoding run below is high because the drafts
+> predict the same repetition.  Rebuild it on an
+> idle machine with the commands under *Reproduce* ({a['max_steps']} steps, about 28 min at ~2.2 s/step).
+"""
     return f"""# mtp-trt demo model: a tiny DeepSeek-V3 with {K} MTP modules, trained on the Python standard library
 
 A small model with the DeepSeek-V3 architecture (MLA with q LoRA, DeepSeekMoE with a shared
 expert, sigmoid routing with `noaux_tc` grouped top-k and the auxiliary-loss-free balancing bias)
 and **{K} Multi-Token Prediction modules**, trained from scratch on a 2-core CPU so that MTP
-speculative decoding can be tried on any machine, with no downloads.  It writes Python in the style
-of the standard library; it is a demo, not a useful code model.
-
+speculative decoding can be tried on any machine, with no downloads.  It is meant to write Python in
+the style of the standard library; it is a demo, not a useful code model.
+{status}
 Files: `config.json` (Hugging Face DeepSeek-V3 fields, `num_nextn_predict_layers = {K}`),
 `model.safetensors` (bf16, {size / 2**20:.1f} MiB in all with the other files; MTP module k stored as
 `model.layers.{{{cfg['num_hidden_layers']}+k}}.*`, as in the official checkpoints), `tokenizer.json`,
@@ -127,7 +138,8 @@ greedy verification checks); "chain" is the fraction of rows where depths 1..k a
 Expected tokens per verification step (teacher-forced estimate): **vanilla {tf['vanilla_expected_tokens_per_step']}**,
 **eagle {tf['eagle_expected_tokens_per_step']}** (depth 1 is the same module in both modes).
 {sd_text}
-Check these figures: `python samples/eval_demo.py --model samples/demo-model` (a few minutes on 2 cores).
+Check these figures: `python samples/eval_demo.py --model samples/demo-model --windows {ev['windows']}`
+(a few minutes on 2 cores).
 """
 
 
