@@ -316,7 +316,9 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(model, out, config, dtype=torch.bfloat16, extra_files={
             "tokenizer.json": tok_path, "generation_config.json": gen_path, "train_log.json": log_path})
-        out.chmod(0o755)  # save_checkpoint's temporary directory is created 0700
+        out.chmod(0o755)  # save_checkpoint's temporary directory (and safetensors file) are created 0700/0600
+        for f in out.iterdir():
+            f.chmod(0o644)
     print(f"saved {out} in {time.time() - t_start:.0f}s total "
           f"({steps_done} steps, {train_seconds:.0f}s training)", flush=True)
     return 0
