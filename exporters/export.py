@@ -8,11 +8,8 @@ failure or an interrupt leaves nothing at the output path.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +18,7 @@ import torch
 
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import atomic_directory
 from mtp_trt.exporters.graphs import LOWERINGS, MtpGraph, TargetGraph
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
@@ -164,9 +162,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     tdtype = TORCH_DTYPES[dtype]
     model = load_checkpoint(ckpt, nextn=modules, dtype=tdtype, max_positions=max_seq_len)
     think_ids, tokenizer = special_token_ids(ckpt)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         jobs = [("target", TargetGraph(model, lowering, think_ids), target_io(cfg, dtype, lowering),
                  [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
         jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
@@ -194,10 +190,4 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         progress(f"writing {out}")
-        with contextlib.suppress(FileNotFoundError):
-            out.rmdir()  # an empty directory may be replaced
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

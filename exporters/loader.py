@@ -12,9 +12,7 @@ peak memory is the model's size plus one tensor.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import atomic_directory
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 
 Tensor = torch.Tensor
@@ -172,17 +171,10 @@ def save_checkpoint(model: DeepseekV3, out: str | Path, config: dict, extra_file
     for name, p in checkpoint_names(model).items():
         t = p.detach()
         tensors[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().clone()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         cfg = dict(config, num_nextn_predict_layers=model.nextn)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

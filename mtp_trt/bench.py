@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mtp_trt.decode import DecodeOptions, generate
+from mtp_trt.decode import generate
 from mtp_trt.runner import Runner, resolve_export
 
 # Code prompts in the demo model's domain (the Python standard library's style).

@@ -32,6 +32,23 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def read_manifest_json(path: Path, fmt: str, version: int, what: str, command: str) -> dict[str, Any]:
+    """The JSON of an mtp-trt manifest, checked for its format and version (one clear error otherwise)."""
+    if not path.is_file():
+        raise MtpTrtError(f"{path.parent}: not an mtp-trt {what} directory (no {path.name}); run `{command}`")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("format") != fmt:
+        raise MtpTrtError(f"{path}: field 'format' is {raw.get('format') if isinstance(raw, dict) else raw!r}, "
+                          f"expected {fmt!r}")
+    if raw.get("format_version") != version:
+        raise MtpTrtError(f"{path}: {what} format version {raw.get('format_version')!r} is not the version {version} "
+                          f"this mtp-trt reads; run `{command}` again")
+    return raw
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -75,17 +92,7 @@ class Manifest:
     def load(cls, root: str | Path, verify_hashes: bool = False) -> Manifest:
         root = Path(root)
         path = root / "manifest.json"
-        if not path.is_file():
-            raise MtpTrtError(f"{root}: not an mtp-trt export directory (no manifest.json); run `mtp-trt export`")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
-        if raw.get("format") != FORMAT:
-            raise MtpTrtError(f"{path}: field 'format' is {raw.get('format')!r}, expected {FORMAT!r}")
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise MtpTrtError(f"{path}: export format version {raw.get('format_version')!r} is not the "
-                              f"version {FORMAT_VERSION} this mtp-trt reads; export the checkpoint again")
+        raw = read_manifest_json(path, FORMAT, FORMAT_VERSION, "export", "mtp-trt export")
         try:
             graphs = {}
             for name, g in raw["graphs"].items():

@@ -1,7 +1,7 @@
 """Text in, text out: resolve the model (export directory, checkpoint, or the bundled demo), tokenize, decode.
 
 A checkpoint is exported on first use into a cache directory keyed by the checkpoint's contents and
-the export options (`$MTP_TRT_CACHE`, default ~/.cache/mtp-trt), so later runs start at once.
+the export options (under `mtp_trt.fsutil.cache_dir()`, default ~/.cache/mtp-trt), so later runs start at once.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from mtp_trt.backend import Backend, OrtBackend
 from mtp_trt.decode import DecodeOptions, Sequence, Stats, generate
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import cache_dir
 from mtp_trt.manifest import Manifest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -28,10 +29,6 @@ def demo_model() -> Path:
     if not (path / "config.json").is_file():
         raise MtpTrtError(f"{path}: the bundled demo checkpoint is missing (set MTP_TRT_DEMO_MODEL or pass a model)")
     return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MTP_TRT_CACHE", Path.home() / ".cache" / "mtp-trt"))
 
 
 def checkpoint_key(ckpt: Path, **options) -> str:
@@ -56,7 +53,7 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     if not (path / "config.json").is_file():
         raise MtpTrtError(f"{path}: neither an export directory (manifest.json) nor a checkpoint (config.json)")
     mode = mtp_mode or "eagle"
-    out = cache_dir() / "exports" / f"{path.name}-{mode}-{checkpoint_key(path, mode=mode)}"
+    out = cache_dir("exports") / f"{path.name}-{mode}-{checkpoint_key(path, mode=mode)}"
     if not (out / "manifest.json").is_file():
         from mtp_trt.exporters.export import export  # torch: only on first use
 
@@ -115,10 +112,12 @@ class Runner:
         return DecodeOptions(nextn=nextn, eos_ids=m.eos_ids, think_ids=m.think_ids, **kwargs)
 
     def encode(self, text: str) -> list[int]:
+        """Prompt ids, starting with the model's BOS token when it has one and the tokenizer did not add it."""
         ids = self.tokenizer.encode(text).ids
         if not ids:
             raise MtpTrtError("empty prompt: give some text with --prompt")
-        return ids
+        bos = self.manifest.config.bos_token_id
+        return ids if bos is None or ids[0] == bos else [bos, *ids]
 
     def decode(self, tokens: list[int]) -> str:
         """Text of generated tokens; special tokens such as <think> are shown, the final EOS is not."""

@@ -5,7 +5,7 @@ Importable without a GPU, without nvcc and without cuda-python: nothing is compi
 until asked, and cuda-python is imported lazily (``import_cudart``).
 
 * ``build_library(archs)`` compiles every ``.cu`` into one ``.so`` cached under
-  ``$MTP_TRT_CACHE_DIR`` or ``$XDG_CACHE_HOME/mtp_trt/kernels`` (default ``~/.cache/...``), keyed
+  ``mtp_trt.fsutil.cache_dir("kernels")`` (``$MTP_TRT_CACHE_DIR``, default ``~/.cache/mtp-trt``), keyed
   by a hash of the sources, the nvcc version, the flags and the archs; it builds into a temporary
   file in that folder and renames it into place, so concurrent builders never see a partial file.
 * Archs: ``MTP_TRT_CUDA_ARCH`` (e.g. ``90a`` or ``sm_80,sm_90a`` or ``8.9``), else the current
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import cache_dir
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCES = ("mla_decode.cu", "accept.cu", "gather.cu", "api.cu")
@@ -200,11 +201,6 @@ def detect_archs() -> list[str]:
     return list(DEFAULT_ARCHS)
 
 
-def cache_dir() -> Path:
-    if os.environ.get("MTP_TRT_CACHE_DIR"):
-        return Path(os.environ["MTP_TRT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mtp_trt" / "kernels"
 
 
 def source_hash(archs, extra=()) -> str:
@@ -218,7 +214,7 @@ def source_hash(archs, extra=()) -> str:
 
 def library_path(archs=None) -> Path:
     archs = parse_archs(archs) if archs else detect_archs()
-    return cache_dir() / f"libmtp_kernels-{'-'.join(archs)}-{source_hash(archs)}.so"
+    return cache_dir("kernels") / f"libmtp_kernels-{'-'.join(archs)}-{source_hash(archs)}.so"
 
 
 def build_library(archs=None, *, force: bool = False, verbose: bool = False) -> Path:

@@ -20,7 +20,7 @@ def mtp_trt(*args, env=None):
 
 
 def test_run_exports_a_checkpoint_on_first_use_then_reuses_it(ckpt, tmp_path):
-    env = {"MTP_TRT_CACHE": str(tmp_path / "cache")}
+    env = {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
     r = mtp_trt("run", ckpt, "-p", "def f(x):", "--max-new-tokens", "12", env=env)
     assert r.returncode == 0, r.stderr
     assert "exporting target.onnx" in r.stderr and "12 new tokens" in r.stderr
@@ -76,7 +76,7 @@ def test_run_with_speculative_configs(ckpt, tmp_path):
     (("-p", "x", "--prompt-file", "/nonexistent"), "/nonexistent: prompt file not found"),
 ])
 def test_run_bad_input_is_one_line(ckpt, tmp_path, args, message):
-    env = {"MTP_TRT_CACHE": str(tmp_path / "cache")}
+    env = {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
     r = mtp_trt("run", ckpt, *args, env=env)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -11,17 +11,15 @@ directory into place, so a failure or an interrupt leaves no half-written engine
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from mtp_trt import __version__, ops
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import atomic_directory, write_atomic
 from mtp_trt.manifest import DTYPES, GraphSpec, Manifest, sha256
 from mtp_trt.trt import manifest as em
 
@@ -228,9 +226,7 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
         data = timing_cache.read_bytes() if timing_cache.is_file() else b""
         cache = builder.create_builder_config().create_timing_cache(data)
     profs = profiles(m, max_batch, max_seq_len, max_prefill)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         engines = {}
         for name, g in m.graphs.items():
             progress(f"building {name}.engine ({', '.join(archs)}; {len(profs)} profiles)")
@@ -263,23 +259,6 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
                 shutil.copyfile(m.root / f, tmp / f)
         (tmp / "build.log").write_text("\n".join(log.lines) + "\n")
         if timing_cache:
-            _write_atomic(timing_cache, bytes(cache.serialize()))
-        with contextlib.suppress(FileNotFoundError):
-            out.rmdir()  # an empty directory may be replaced
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            write_atomic(timing_cache, bytes(cache.serialize()))
     return out
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

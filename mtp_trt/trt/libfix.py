@@ -21,10 +21,10 @@ import ctypes
 import hashlib
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import cache_dir, write_atomic
 
 UNVERSIONED = "libtensorrt_rtx.so"
 _done: dict[str, str] = {}  # library folder -> how it was fixed
@@ -60,24 +60,6 @@ def elf_shim(soname: str, needed: str, machine: int) -> bytes:
     return out + bytes(dyn_off - len(out)) + dynamic
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("MTP_TRT_CACHE_DIR"):
-        return Path(os.environ["MTP_TRT_CACHE_DIR"]) / "trt"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp_trt" / "trt"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _load_shim(real: Path) -> str:
     with open(real, "rb") as f:
         head = f.read(20)
@@ -85,9 +67,9 @@ def _load_shim(real: Path) -> str:
         raise OSError(f"{real}: not a 64-bit little-endian ELF file")
     machine = struct.unpack_from("<H", head, 18)[0]
     data = elf_shim(UNVERSIONED, str(real), machine)
-    path = _cache_dir() / f"libtensorrt_rtx-shim-{hashlib.sha256(data).hexdigest()[:16]}.so"
+    path = cache_dir("trt") / f"libtensorrt_rtx-shim-{hashlib.sha256(data).hexdigest()[:16]}.so"
     if not path.is_file() or path.read_bytes() != data:
-        _write_atomic(path, data)
+        write_atomic(path, data)
     ctypes.CDLL(str(path))  # kept loaded for the life of the process
     return f"shim {path}"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.manifest import sha256
+from mtp_trt.manifest import read_manifest_json, sha256
 
 FORMAT = "mtp-trt-engines"
 FORMAT_VERSION = 1
@@ -58,17 +58,7 @@ class EngineManifest:
     def load(cls, root: str | Path, verify_hashes: bool = False) -> EngineManifest:
         root = Path(root)
         path = root / FILE
-        if not path.is_file():
-            raise MtpTrtError(f"{root}: not an mtp-trt engine directory (no {FILE}); run `mtp-trt build`")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
-        if raw.get("format") != FORMAT:
-            raise MtpTrtError(f"{path}: field 'format' is {raw.get('format')!r}, expected {FORMAT!r}")
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise MtpTrtError(f"{path}: engine manifest version {raw.get('format_version')!r} is not the version "
-                              f"{FORMAT_VERSION} this mtp-trt reads; build the engines again")
+        raw = read_manifest_json(path, FORMAT, FORMAT_VERSION, "engine", "mtp-trt build")
         try:
             engines = {n: EngineSpec(name=n, **e) for n, e in raw["engines"].items()}
             m = cls(root=root, raw=raw, flavour=raw["tensorrt"]["flavour"], trt_version=raw["tensorrt"]["version"],

@@ -17,6 +17,7 @@ import os
 
 import pytest
 
+from mtp_trt.fsutil import cache_dir
 from mtp_trt.plugins import cuda_lib
 
 from . import test_gpu_kernels as G
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.slow,
 @pytest.fixture(scope="module")
 def emu_lib():
     os.environ["MTP_EMU_CP_ASYNC"] = "deferred"  # read once, at the first cp.async of the process
-    path = emu_build.build_emulated_library(cuda_lib.cache_dir().parent / "emu")
+    path = emu_build.build_emulated_library(cache_dir("emu"))
     return cuda_lib.KernelLib(path)
 
 
