@@ -62,6 +62,9 @@ def bench_transformers(checkpoint: Path, batches: list[int], max_new_tokens: int
     import torch
     from tokenizers import Tokenizer
     from transformers import DeepseekV3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the MTP layers are "unexpected" weights to transformers: expected here
 
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -125,7 +128,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         hf = [r for r in rows if r["engine"] == "transformers.generate" and r["batch"] == batch]
         if hf:
             ax.axhline(hf[0]["tokens_per_second"], color="gray", ls=":", label="transformers generate")
-        ax.set(title=f"batch {batch}", xlabel="nextn (draft tokens per step)", ylabel="tokens/s")
+        ax.set(title=f"batch {batch}", xlabel="nextn (draft tokens per step)", ylabel="tokens/s",
+               xticks=sorted({r["nextn"] for r in rows}))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -380,3 +380,21 @@ def test_random_inputs_are_valid(exported):
         feed = check.make_inputs(m.graphs["target"], {"B": 3, "S": 5, "T": 8}, 96, rng)
         assert feed["input_ids"].shape == (3, 5) and feed["input_ids"].max() < 96
         assert (feed["past_len"] + 5 <= 8).all() and feed["kv_0"].shape == (3, 8, 40)
+
+
+@trt_mark
+def test_demo_checkpoint_builds_engines(tmp_path):
+    """The bundled demo checkpoint (eagle, K = 3, fp16) builds into engines with every custom node on its plugin."""
+    from mtp_trt.runner import demo_model
+
+    exported = export(demo_model(), tmp_path / "plugin", mtp_mode="eagle", dtype="fp16", lowering="plugin",
+                      max_batch=8, max_seq_len=512)
+    out = tmp_path / "engines"
+    r = CliRunner().invoke(app, ["build", str(exported), "-o", str(out), "--precision", "fp16",
+                                 "--target-arch", target()[0]])
+    assert r.exit_code == 0, r.output
+    m = em.EngineManifest.load(out, verify_hashes=True)
+    assert set(m.engines) == {"target", "mtp_0"}
+    cfg = ModelConfig.from_file(demo_model())
+    assert m.engines["target"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers, "MtpAccept": 1}
+    assert m.engines["mtp_0"].plugin_layers == {"MlaGenerationAttention": 1}
