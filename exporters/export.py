@@ -19,7 +19,7 @@ import torch
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory
-from mtp_trt.exporters.graphs import LOWERINGS, MtpGraph, TargetGraph
+from mtp_trt.exporters.graphs import LOWERINGS, MtpGraph, StepGraph, TargetGraph
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
 
@@ -49,6 +49,17 @@ def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], 
     return inputs, outputs
 
 
+def step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[list[dict], list[dict]]:
+    """The step graph's S is K + 1, fixed at export."""
+    t_in, t_out = target_io(cfg, dtype, lowering)
+    inputs = t_in + [_spec("mtp_kv", dtype, ["B", "T", cfg.latent_dim])]
+    outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])]
+    if lowering == "onnx":
+        outputs += t_out[6:] + [_spec("mtp_new_kv", dtype, ["B", "S", cfg.latent_dim])]
+    fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
+    return [fix(t) for t in inputs], [fix(t) for t in outputs]
+
+
 def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
     inputs = [_spec("hidden", dtype, ["B", "S", cfg.hidden_size]), _spec("next_tokens", "int32", ["B", "S"]),
               _spec("past_len", "int32", ["B"]), _spec("kv", dtype, ["B", "T", cfg.latent_dim])]
@@ -62,7 +73,7 @@ def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], lis
 def _example(spec: dict, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
     """A small example input (B=2, S=3, T=8) for tracing."""
     dims = {"B": 2, "S": 3, "T": 8}
-    shape = [dims.get(d, d) for d in spec["shape"]]
+    shape = [dims.get(d, d) for d in spec["shape"]]  # fixed dims (the step graph's K + 1) stay as they are
     if spec["name"] in ("input_ids", "next_tokens"):
         return torch.randint(0, cfg.vocab_size, shape, dtype=torch.int32)
     if spec["name"] == "past_len":
@@ -167,11 +178,14 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                  [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
         jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
                  for k in range(modules)]
+        if mtp_mode == "eagle" and nextn:  # the whole greedy step in one call (see StepGraph)
+            jobs.append(("step", StepGraph(model, nextn, lowering, think_ids), step_io(cfg, dtype, lowering, nextn),
+                         [f"kv_{i}" for i in range(cfg.num_hidden_layers)] + ["mtp_kv"]))
         graphs = {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
             _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering)
-            kv_outputs = ["new_" + n for n in kv_inputs] if lowering == "onnx" else []
+            kv_outputs = [("mtp_new_kv" if n == "mtp_kv" else "new_" + n) for n in kv_inputs] if lowering == "onnx" else []
             graphs[name] = {"file": f"{name}.onnx", "sha256": sha256(tmp / f"{name}.onnx"), "inputs": io[0],
                             "outputs": io[1], "kv_inputs": kv_inputs, "kv_outputs": kv_outputs}
         for f in TOKENIZER_FILES:

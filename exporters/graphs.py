@@ -25,23 +25,31 @@ LOWERINGS = ("onnx", "plugin")
 
 # ----------------------------------------------------------------------- MLA generation attention
 def mla_attention_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_len: Tensor, kv_lora_rank: int,
-                             scale: float) -> Tensor:
+                             scale: float, extra: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """q [B, S, H, Dl+Dr] (absorbed), new_rows [B, S, Dl+Dr], cache [B, T, Dl+Dr] with past_len [B] valid rows.
 
     Attends over the valid cached rows and, causally, the new rows, without concatenating the cache:
-    the two score blocks are softmaxed together and the two value products summed.  -> [B, S, H, Dl]."""
+    the score blocks are softmaxed together and the value products summed.  `extra` = (rows [B, R, Dl+Dr],
+    visible [B, R] bool) adds rows that sit between the cache and the new rows but are not in the buffer
+    (the step graph's earlier MTP rows of this step).  -> [B, S, H, Dl]."""
     b, s, h, _ = q.shape
     qf = q.reshape(b, s * h, -1).float()  # query rows r = s*H + h
-    s_past = torch.matmul(qf, cache.float().transpose(1, 2)) * scale  # [B, S*H, T]
-    s_new = torch.matmul(qf, new_rows.float().transpose(1, 2)) * scale  # [B, S*H, S]
+    # No .float() on an fp32 cache: it returns the same tensor, which the tracer would then map to a Cast
+    # node, and later plugin nodes would receive that Cast instead of the graph's cache input.
+    cache = cache if cache.dtype == torch.float32 else cache.float()
     t = torch.arange(cache.shape[1], dtype=past_len.dtype)
     past_ok = (t[None, :] < past_len[:, None])[:, None, :]  # [B, 1, T]
     j = torch.arange(s)
-    new_ok = (j[None, :] <= (torch.arange(s * h) // h)[:, None])[None]  # [1, S*H, S]
+    new_ok = (j[None, :] <= (torch.arange(s * h) // h)[:, None])[None]  # causal [1, S*H, S]
+    if extra is not None:  # extra rows go in front of the new ones
+        new_rows = torch.cat([extra[0], new_rows], 1)
+        new_ok = torch.cat([extra[1][:, None, :].expand(b, s * h, -1), new_ok.expand(b, -1, -1)], -1)
+    s_past = torch.matmul(qf, cache.transpose(1, 2)) * scale  # [B, S*H, T]
+    s_new = torch.matmul(qf, new_rows.float().transpose(1, 2)) * scale  # [B, S*H, R + S]
     scores = torch.cat([s_past.masked_fill(~past_ok, float("-inf")), s_new.masked_fill(~new_ok, float("-inf"))], -1)
     p = scores.softmax(-1)
     t_rows = cache.shape[1]
-    out = torch.matmul(p[..., :t_rows], cache.float()) + torch.matmul(p[..., t_rows:], new_rows.float())
+    out = torch.matmul(p[..., :t_rows], cache) + torch.matmul(p[..., t_rows:], new_rows.float())
     return out[..., :kv_lora_rank].reshape(b, s, h, kv_lora_rank).to(q.dtype)
 
 
@@ -147,8 +155,11 @@ def moe_static(moe: MoE, x: Tensor) -> Tensor:
 
 
 def block_forward(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, past_len: Tensor,
-                  lowering: str) -> tuple[Tensor, Tensor]:
-    """One decoder block with absorbed MLA over the persistent cache. -> (h [B, S, D], new rows [B, S, Dl+Dr])."""
+                  lowering: str, extra: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """One decoder block with absorbed MLA over the persistent cache. -> (h [B, S, D], new rows [B, S, Dl+Dr]).
+
+    past_len: the plugin lowering's write position (its rows are in the buffer); the onnx lowering's valid
+    cached rows, with this step's other rows passed as `extra` (see mla_attention_decomposed)."""
     attn: MLA = layer.self_attn
     cfg = attn.cfg
     q_nope, q_pe, latent = attn.project(layer.input_layernorm(h), cos, sin)
@@ -159,7 +170,7 @@ def block_forward(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cach
     if lowering == "plugin":
         o_lat = MlaGenerationAttentionOp.apply(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale)
     else:
-        o_lat = mla_attention_decomposed(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale)
+        o_lat = mla_attention_decomposed(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale, extra)
     o = torch.matmul(o_lat.transpose(1, 2), w_uv.transpose(1, 2)).transpose(1, 2)  # W^UV: [B, S, H, Dv]
     h = h + attn.o_proj(o.flatten(-2))
     x = layer.post_attention_layernorm(h)
@@ -172,6 +183,33 @@ def _rope(model: DeepseekV3, past_len: Tensor, s: int) -> tuple[Tensor, Tensor, 
 
 
 # ----------------------------------------------------------------------------------------- graphs
+def target_forward(m: DeepseekV3, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, caches, lowering: str,
+                   think_ids: tuple[int, int]):
+    """The main model with acceptance: (accepted, num_accepted, thinking_out, hidden [B, S, D], logits, new rows)."""
+    _, cos, sin = _rope(m, past_len, input_ids.shape[1])
+    h = m.model.embed_tokens(input_ids)
+    new_rows = []
+    for layer, cache in zip(m.model.layers, caches):
+        h, rows = block_forward(layer, h, cos, sin, cache, past_len, lowering)
+        new_rows.append(rows)
+    h = m.model.norm(h)
+    logits = m.lm_head(h).float()
+    accept = MtpAcceptOp.apply if lowering == "plugin" else accept_decomposed
+    accepted, num_accepted, thinking_out = accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta, *think_ids)
+    return accepted, num_accepted, thinking_out, h, logits, new_rows
+
+
+def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, write_pos, valid_len, cache, lowering: str,
+              extra: tuple[Tensor, Tensor] | None = None):
+    """MTP module k on rows at positions write_pos + 0..S-1: h' = eh_proj([enorm(emb); hnorm(hidden)]) then its
+    block.  -> (hidden_out [B, S, D] before shared_head.norm, new rows).  See block_forward for valid_len/extra."""
+    layer = m.mtp[k]
+    positions, cos, sin = _rope(m, write_pos, next_tokens.shape[1])
+    emb = m.model.embed_tokens(next_tokens) * (positions != 0)[..., None].to(hidden.dtype)
+    h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
+    return block_forward(layer, h, cos, sin, cache, write_pos if lowering == "plugin" else valid_len, lowering, extra)
+
+
 class TargetGraph(nn.Module):
     """Main model for prefill (S prompt tokens) and verification (S = K + 1), with acceptance in-graph.
 
@@ -186,19 +224,10 @@ class TargetGraph(nn.Module):
         self.model, self.lowering, self.think_ids = model, lowering, think_ids
 
     def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
-        m = self.model
-        _, cos, sin = _rope(m, past_len, input_ids.shape[1])
-        h = m.model.embed_tokens(input_ids)
-        new_rows = []
-        for layer, cache in zip(m.model.layers, caches):
-            h, rows = block_forward(layer, h, cos, sin, cache, past_len, self.lowering)
-            new_rows.append(rows)
-        h = m.model.norm(h)
-        logits = m.lm_head(h).float()
-        accept = MtpAcceptOp.apply if self.lowering == "plugin" else accept_decomposed
-        accepted, num_accepted, thinking_out = accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta,
-                                                      *self.think_ids)
-        outs = (accepted, num_accepted, thinking_out, logits.argmax(-1).to(torch.int32), h, logits)
+        accepted, num, thinking_out, h, logits, new_rows = target_forward(
+            self.model, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, caches, self.lowering,
+            self.think_ids)
+        outs = (accepted, num, thinking_out, logits.argmax(-1).to(torch.int32), h, logits)
         return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
 
 
@@ -215,12 +244,44 @@ class MtpGraph(nn.Module):
         self.model, self.k, self.lowering = model, k, lowering
 
     def forward(self, hidden, next_tokens, past_len, cache):
-        m, layer = self.model, self.model.mtp[self.k]
-        positions, cos, sin = _rope(m, past_len, next_tokens.shape[1])
-        emb = m.model.embed_tokens(next_tokens) * (positions != 0)[..., None].to(hidden.dtype)
-        h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
-        h, rows = block_forward(layer, h, cos, sin, cache, past_len, self.lowering)
-        logits = m.lm_head(layer.shared_head.norm(h)).float()
+        m = self.model
+        h, rows = mtp_block(m, self.k, hidden, next_tokens, past_len, past_len, cache, self.lowering)
+        logits = m.lm_head(m.mtp[self.k].shared_head.norm(h)).float()
         probs, tokens = logits.softmax(-1).max(-1)
         outs = (h, tokens.to(torch.int32), probs, logits)
         return outs + ((rows,) if self.lowering == "onnx" else ())
+
+
+class StepGraph(nn.Module):
+    """One whole eagle decode step, greedy, in one call: verify and accept, then MTP depth 1 over the K + 1
+    verified rows and depths 2..K one row each, drafting the next step's K tokens.
+
+    inputs : as TargetGraph (S = K + 1 exactly), then mtp_kv [B, T, Dl+Dr] (the MTP module's cache)
+    outputs: accepted_tokens, num_accepted, thinking_out (as TargetGraph), drafts [B, K] int32, and in the
+             onnx lowering new_kv_0 .. new_kv_{L-1} and mtp_new_kv [B, K+1, Dl+Dr] (depth 1's rows; the
+             deeper rows are speculative and need no commit).  In the plugin lowering every attention node
+             writes its rows in place, depth k at row past_len + num_accepted + k - 1."""
+
+    def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
+        super().__init__()
+        self.model, self.nextn, self.lowering, self.think_ids = model, nextn, lowering, think_ids
+
+    def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
+        m, layers = self.model, len(self.model.model.layers)
+        accepted, num, thinking_out, h, _, new_rows = target_forward(
+            m, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, caches[:layers], self.lowering,
+            self.think_ids)
+        cache, head_norm = caches[layers], m.mtp[0].shared_head.norm
+        h1, rows1 = mtp_block(m, 0, h, accepted.clamp(min=0), past_len, past_len, cache, self.lowering)
+        h_prev = h1.gather(1, num.long()[:, None, None].expand(-1, 1, h1.shape[-1]))  # row q = past_len + num
+        d = m.lm_head(head_norm(h_prev)).float().argmax(-1).to(torch.int32)  # [B, 1]
+        drafts = [d]
+        extra = (rows1, torch.arange(input_ids.shape[1])[None, :] <= num[:, None])  # depth 1's accepted rows
+        for k in range(2, self.nextn + 1):
+            pos = past_len + num + (k - 1)
+            h_prev, rows = mtp_block(m, 0, h_prev, d, pos, past_len, cache, self.lowering, extra)
+            d = m.lm_head(head_norm(h_prev)).float().argmax(-1).to(torch.int32)
+            drafts.append(d)
+            extra = (torch.cat([extra[0], rows], 1), torch.cat([extra[1], torch.ones_like(d, dtype=torch.bool)], 1))
+        outs = (accepted, num, thinking_out, torch.cat(drafts, 1))
+        return outs + ((*new_rows, rows1) if self.lowering == "onnx" else ())

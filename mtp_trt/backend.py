@@ -41,6 +41,16 @@ class Backend(ABC):
         """Run MTP graph `graph` over MTP cache `cache` on slots 0..n-1 and commit its rows.
         Returns hidden_out, draft_tokens, draft_probs (+ draft_logits)."""
 
+    def has_step(self, nextn: int) -> bool:
+        """Whether `step` can run a whole greedy eagle decode step with `nextn` drafts in one call."""
+        return False
+
+    def step(self, n: int, input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray, relaxed_topk: int,
+             relaxed_delta: float) -> dict[str, np.ndarray]:
+        """Verify, accept and draft the next K tokens in one call (the `step` graph), committing the target's
+        rows and MTP depth 1's.  Returns accepted_tokens, num_accepted, thinking_out, drafts."""
+        raise NotImplementedError
+
     @abstractmethod
     def swap_slots(self, i: int, j: int) -> None:
         """Exchange the cached rows of slots i and j (used when a sequence finishes)."""
@@ -104,6 +114,22 @@ class OrtBackend(Backend):
         names = ["hidden_out", "draft_tokens", "draft_probs"] + (["draft_logits"] if logits else []) + ["new_kv"]
         out = dict(zip(names, self.sessions[graph].run(names, feed)))
         self._commit([caches[0][:n]], [out.pop("new_kv")], past_len)
+        return out
+
+    def has_step(self, nextn):
+        return "step" in self.manifest.graphs and nextn == self.manifest.nextn
+
+    def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta):
+        g = self.manifest.graphs["step"]
+        caches = self.caches["target"] + self.caches["mtp0"]
+        feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking,
+                "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32)}
+        feed |= {name: c[:n] for name, c in zip(g.kv_inputs, caches)}
+        names = ["accepted_tokens", "num_accepted", "thinking_out", "drafts"] + g.kv_outputs
+        out = dict(zip(names, self.sessions["step"].run(names, feed)))
+        new = [out.pop(k) for k in g.kv_outputs]
+        self._commit([c[:n] for c in self.caches["target"]], new[:-1], past_len)
+        self._commit([self.caches["mtp0"][0][:n]], new[-1:], past_len)
         return out
 
     def swap_slots(self, i, j):

@@ -218,6 +218,21 @@ def verify(backend: Backend, st: State, opts: DecodeOptions, rng) -> tuple[np.nd
     return tokens, num, out["hidden_states"]
 
 
+def fused_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, opts: DecodeOptions,
+               rows: int) -> None:
+    """Eagle, greedy: verify, accept and draft in one backend call (the export's `step` graph)."""
+    n = st.n
+    ids = np.concatenate([st.last[:n, None], st.drafts[:n]], 1).astype(np.int32)
+    out = backend.step(n, ids, st.main_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta)
+    st.thinking[:n] = out["thinking_out"]
+    accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
+    st.drafts[:n] = out["drafts"]
+    st.mtp_len[:n, 0] = st.main_len[:n]
+    for i in range(n):
+        if seqs[st.order[i]].finish_reason is None:
+            seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.drafts[i].tolist()))
+
+
 def accept(st: State, seqs: list[Sequence], tokens: np.ndarray, num: np.ndarray, stats: Stats,
            opts: DecodeOptions, rows: int) -> np.ndarray:
     """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions.
@@ -284,7 +299,15 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
         elif len(s.tokens) + 2 * opts.nextn + 2 > rows:
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
     retire(backend, st, seqs)
+    fused = (opts.sampling.greedy and backend.manifest.mtp_mode == "eagle" and opts.nextn > 0
+             and backend.has_step(opts.nextn))
     while st.n:
+        if fused:
+            fused_step(backend, st, seqs, stats, opts, rows)
+            if on_step:
+                on_step(seqs)
+            retire(backend, st, seqs)
+            continue
         tokens, num, hidden = verify(backend, st, opts, rng)
         start = accept(st, seqs, tokens, num, stats, opts, rows)
         if on_step:

@@ -67,6 +67,11 @@ class RandomDrafts:
         out["draft_tokens"] = self.rng.integers(0, 90, out["draft_tokens"].shape).astype(np.int32)
         return out
 
+    def step(self, *args, **kwargs):  # the fused eagle step drafts too
+        out = self.inner.step(*args, **kwargs)
+        out["drafts"] = self.rng.integers(0, 90, out["drafts"].shape).astype(np.int32)
+        return out
+
 
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_wrong_drafter_still_gives_greedy_output(setup, mode):
@@ -75,6 +80,31 @@ def test_wrong_drafter_still_gives_greedy_output(setup, mode):
                                                                                  eos_ids=(EOS,)))
     assert [s.generated for s in seqs] == reference
     assert stats.mean_accepted < 1.2, "random drafts should be rejected (and rewound) on nearly every step"
+
+
+class _NoStep:
+    """A backend without the fused step graph: the loop runs target and MTP graphs separately."""
+
+    def __init__(self, inner):
+        self.inner, self.manifest = inner, inner.manifest
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def has_step(self, nextn):
+        return False
+
+
+def test_fused_step_equals_separate_graphs(setup):
+    """Eagle's one-call step graph makes the same tokens and the same drafts as the separate graphs."""
+    _, backends, reference = setup
+    be = backends["eagle"]
+    assert be.has_step(K) and not be.has_step(K - 1)
+    opts = DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,))
+    fused, _ = generate(be, PROMPTS, opts)
+    separate, _ = generate(_NoStep(be), PROMPTS, opts)
+    assert [s.generated for s in fused] == [s.generated for s in separate] == reference
+    assert [s.draft_log for s in fused] == [s.draft_log for s in separate]
 
 
 def _reference_drafts(model, tokens, q, mode):
@@ -143,15 +173,15 @@ def test_thinking_flag_switches_off_at_end_token(setup):
 
 
 class _ForceEndThink(RandomDrafts):
-    """Random drafts, except that the first draft of the second step is </think>."""
+    """Random drafts, except that the first draft made after the first verify step is </think>."""
 
-    calls = 0
+    steps = 0
 
-    def mtp(self, *args, **kwargs):
-        out = super().mtp(*args, **kwargs)
-        type(self).calls += 1
-        if type(self).calls == K + 1:
-            out["draft_tokens"][:] = THINK[1]
+    def step(self, *args, **kwargs):
+        out = super().step(*args, **kwargs)
+        type(self).steps += 1
+        if type(self).steps == 1:
+            out["drafts"][:, 0] = THINK[1]
         return out
 
 

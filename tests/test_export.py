@@ -54,7 +54,7 @@ def _run(sess, feed):
 def test_manifest_records_the_contract(exported):
     m = exported
     assert m.nextn == 2 and m.lowering == "onnx" and m.think_ids == THINK
-    assert set(m.graphs) == ({"target", "mtp_0"} if m.mtp_mode == "eagle" else {"target", "mtp_0", "mtp_1"})
+    assert set(m.graphs) == ({"target", "mtp_0", "step"} if m.mtp_mode == "eagle" else {"target", "mtp_0", "mtp_1"})
     assert m.mtp_graphs == (["mtp_0", "mtp_0"] if m.mtp_mode == "eagle" else ["mtp_0", "mtp_1"])
     for g in m.graphs.values():
         model = onnx.load(m.root / g.file)
@@ -205,10 +205,12 @@ def test_in_graph_acceptance_equals_plain_loop_reference(accept_graph):
 
 
 # ------------------------------------------------------------------------------------ plugin lowering
-def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path):
-    m = Manifest.load(export(ckpt, tmp_path / "plugin", nextn=2, mtp_mode="vanilla", lowering="plugin",
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path, mode):
+    m = Manifest.load(export(ckpt, tmp_path / "plugin", nextn=2, mtp_mode=mode, lowering="plugin",
                              max_seq_len=64))
     cfg = m.config
+    attention_nodes = {"target": cfg.num_hidden_layers, "step": cfg.num_hidden_layers + m.nextn}
     for name, g in m.graphs.items():
         model = onnx.load(m.root / g.file)
         onnx.checker.check_model(model)
@@ -216,8 +218,8 @@ def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path):
         custom = [n for n in model.graph.node if n.domain == "mtp_trt"]
         attn = [n for n in custom if n.op_type == "MlaGenerationAttention"]
         accept = [n for n in custom if n.op_type == "MtpAccept"]
-        assert len(attn) == (cfg.num_hidden_layers if name == "target" else 1)
-        assert len(accept) == (1 if name == "target" else 0)
+        assert len(attn) == attention_nodes.get(name, 1)
+        assert len(accept) == (1 if name in ("target", "step") else 0)
         assert {n.op_type for n in custom} <= set(OPS)
         for node in custom:
             spec = OPS[node.op_type]
@@ -230,7 +232,7 @@ def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path):
             else:
                 assert (attrs["think_start_id"], attrs["think_end_id"]) == THINK
         kv_inputs = {n.input[2] for n in attn}
-        assert kv_inputs == set(g.kv_inputs), "each attention node must own one persistent cache input"
+        assert kv_inputs == set(g.kv_inputs), "every persistent cache input must feed attention nodes"
         assert not any(o.name.startswith("new_kv") for o in model.graph.output)
 
 
