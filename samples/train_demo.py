@@ -151,7 +151,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--minutes", type=float, default=40.0,
+    p.add_argument("--minutes", type=float, default=42.0,
                    help="wall-clock budget of the training loop: the cosine schedule follows the larger of "
                         "step/max_steps and elapsed/budget and training stops when it ends (0: steps only)")
     p.add_argument("--replay-schedule", help="train_log.json of an earlier run: replay its schedule step by step "
@@ -185,7 +185,7 @@ def parse_args(argv=None):
         a.q_lora, a.kv_lora, a.rope_dim, a.inter, a.moe_inter = 32, 16, 8, 128, 32
         a.experts, a.groups, a.topk_group, a.topk, a.dense_layers = 4, 2, 1, 2, 1
     else:
-        dflt = dict(vocab=2048, hidden=256, layers=2, heads=4, seq=256, batch=16, max_steps=760, warmup=60,
+        dflt = dict(vocab=2048, hidden=256, layers=2, heads=4, seq=256, batch=16, max_steps=2000, warmup=60,
                     eval_windows=64)
         a.q_lora, a.kv_lora, a.rope_dim, a.inter, a.moe_inter = 128, 64, 32, 768, 256
         a.experts, a.groups, a.topk_group, a.topk, a.dense_layers = 8, 4, 2, 2, 1
