@@ -79,7 +79,7 @@ def test_nvcc_command_lists_the_sources_and_archs(tmp_path):
 def test_library_host_functions_without_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
     path = cuda_lib.build_library(["90a"])
-    assert path.exists() and path.parent == tmp_path / "cache"
+    assert path.exists() and path.parent == tmp_path / "cache" / "kernels"
     assert cuda_lib.build_library(["90a"]) == path  # cached: same key, no rebuild
     assert not list(path.parent.glob("*.tmp.so"))
     lib = cuda_lib.KernelLib(path)
