@@ -2,7 +2,6 @@
 rejections and rewinds (both MTP modes); in-graph acceptance equals a plain-loop reference; the plugin
 lowering's custom nodes carry their documented contract; bad requests fail cleanly, leaving nothing."""
 
-import json
 import warnings
 
 import numpy as np
@@ -11,14 +10,12 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from hf_models import BASE, CONFIGS
-from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters import export as export_mod
 from mtp_trt.exporters.export import export
 from mtp_trt.exporters.graphs import accept_decomposed
-from mtp_trt.exporters.loader import load_checkpoint, save_checkpoint
-from mtp_trt.exporters.model import DeepseekV3
+from mtp_trt.exporters.loader import load_checkpoint
+from runtime_models import THINK, make_random
 from mtp_trt.manifest import Manifest
 from mtp_trt.ops import OPS
 from mtp_trt.plugins import reference
@@ -26,18 +23,11 @@ from mtp_trt.plugins import reference
 # fp32 graphs vs the fp32 reference: the same math in another order (ORT's matmuls, the two-block
 # softmax); observed ~5e-6, so 1e-4 catches any real difference.
 ATOL, RTOL = 1e-4, 1e-4
-THINK = (90, 91)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    torch.manual_seed(0)
-    d = {**BASE, **CONFIGS["moe_qlora_yarn"], "num_nextn_predict_layers": 2}
-    path = tmp_path_factory.mktemp("ckpt") / "model"
-    save_checkpoint(DeepseekV3(ModelConfig.from_dict(d)).init_weights(0.15), path, d)
-    tok = {"added_tokens": [{"id": THINK[0], "content": "<think>"}, {"id": THINK[1], "content": "</think>"}]}
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    return path
+    return make_random(tmp_path_factory.mktemp("ckpt") / "model", nextn=2)
 
 
 @pytest.fixture(scope="module", params=["eagle", "vanilla"])

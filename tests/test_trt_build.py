@@ -10,18 +10,15 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
-from hf_models import BASE, CONFIGS
 from mtp_trt import ops
 from mtp_trt.cli import app
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.export import export
-from mtp_trt.exporters.loader import save_checkpoint
-from mtp_trt.exporters.model import DeepseekV3
+from runtime_models import make_random
 from mtp_trt.manifest import FORMAT_VERSION, sha256
 from mtp_trt.plugins import trt_plugins
 from mtp_trt.trt import builder, check, compat
@@ -39,13 +36,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    torch.manual_seed(0)
-    d = {**BASE, **CONFIGS["moe_qlora_yarn"], "num_nextn_predict_layers": 2}
-    path = tmp_path_factory.mktemp("ckpt") / "model"
-    save_checkpoint(DeepseekV3(ModelConfig.from_dict(d)).init_weights(0.15), path, d)
-    tok = {"added_tokens": [{"id": 90, "content": "<think>"}, {"id": 91, "content": "</think>"}]}
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    return path
+    return make_random(tmp_path_factory.mktemp("ckpt") / "model", nextn=2)
 
 
 @pytest.fixture(scope="module")
