@@ -49,6 +49,16 @@ def read_manifest_json(path: Path, fmt: str, version: int, what: str, command: s
     return raw
 
 
+def check_files(manifest: Path, files: list[tuple[str, str]], verify_hashes: bool, what: str) -> None:
+    """Every (file, sha256) a manifest lists exists beside it and, if asked, still has that hash."""
+    for name, digest in files:
+        f = manifest.parent / name
+        if not f.is_file():
+            raise MtpTrtError(f"{manifest}: {what} file '{name}' is missing")
+        if verify_hashes and sha256(f) != digest:
+            raise MtpTrtError(f"{f}: SHA-256 differs from {manifest.name}; the {what} file was modified or truncated")
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -106,10 +116,5 @@ class Manifest:
                     think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]), tokenizer=raw.get("tokenizer"))
         except (KeyError, TypeError) as e:
             raise MtpTrtError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
-        for g in graphs.values():
-            f = root / g.file
-            if not f.is_file():
-                raise MtpTrtError(f"{path}: graph file '{g.file}' is missing")
-            if verify_hashes and sha256(f) != g.sha256:
-                raise MtpTrtError(f"{f}: SHA-256 differs from manifest.json; the export was modified")
+        check_files(path, [(g.file, g.sha256) for g in graphs.values()], verify_hashes, "graph")
         return m

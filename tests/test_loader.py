@@ -128,6 +128,14 @@ def test_streaming_load_peak_memory_is_about_model_size(tmp_path):
 
 
 # ------------------------------------------------------------------------------- bad input
+def _config_only(ckpt, tmp_path):
+    """A new checkpoint directory holding a copy of ckpt's config.json and nothing else yet."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "config.json").write_text((ckpt / "config.json").read_text())
+    return d
+
+
 def test_missing_directory_and_files(tmp_path):
     with pytest.raises(MtpTrtError, match="checkpoint directory not found"):
         load_checkpoint(tmp_path / "nope")
@@ -137,17 +145,13 @@ def test_missing_directory_and_files(tmp_path):
 
 
 def test_missing_weights_file(hf_ckpt, tmp_path):
-    d = tmp_path / "c"
-    d.mkdir()
-    (d / "config.json").write_text((hf_ckpt / "config.json").read_text())
+    d = _config_only(hf_ckpt, tmp_path)
     with pytest.raises(MtpTrtError, match="no model.safetensors or model.safetensors.index.json"):
         load_checkpoint(d)
 
 
 def test_missing_tensor_named(hf_ckpt, tmp_path):
-    d = tmp_path / "c"
-    d.mkdir()
-    (d / "config.json").write_text((hf_ckpt / "config.json").read_text())
+    d = _config_only(hf_ckpt, tmp_path)
     t = load_file(hf_ckpt / "model.safetensors")
     del t["model.layers.1.mlp.experts.3.up_proj.weight"]
     save_file(t, d / "model.safetensors")
@@ -156,9 +160,7 @@ def test_missing_tensor_named(hf_ckpt, tmp_path):
 
 
 def test_wrong_shape_named(hf_ckpt, tmp_path):
-    d = tmp_path / "c"
-    d.mkdir()
-    (d / "config.json").write_text((hf_ckpt / "config.json").read_text())
+    d = _config_only(hf_ckpt, tmp_path)
     t = load_file(hf_ckpt / "model.safetensors")
     t["model.layers.0.self_attn.kv_b_proj.weight"] = t["model.layers.0.self_attn.kv_b_proj.weight"][:, :-1].clone()
     save_file(t, d / "model.safetensors")
@@ -168,9 +170,7 @@ def test_wrong_shape_named(hf_ckpt, tmp_path):
 
 
 def test_missing_shard_named(hf_ckpt, tmp_path):
-    d = tmp_path / "c"
-    d.mkdir()
-    (d / "config.json").write_text((hf_ckpt / "config.json").read_text())
+    d = _config_only(hf_ckpt, tmp_path)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(MtpTrtError, match="names shard 'model-00001-of-00002.safetensors'"):
         load_checkpoint(d)
@@ -197,9 +197,7 @@ def test_fp8_without_scale_named(hf_ckpt, tmp_path):
     ("quantization_config", {"quant_method": "gptq"}, "field 'quantization_config.quant_method' has unsupported value 'gptq'"),
 ])
 def test_bad_config_values_named(hf_ckpt, tmp_path, field, value, message):
-    d = tmp_path / "c"
-    d.mkdir()
-    (d / "config.json").write_text((hf_ckpt / "config.json").read_text())
+    d = _config_only(hf_ckpt, tmp_path)
     (d / "model.safetensors").symlink_to(hf_ckpt / "model.safetensors")
     edit_config(d, **{field: value})
     with pytest.raises(MtpTrtError) as e:
@@ -210,9 +208,7 @@ def test_bad_config_values_named(hf_ckpt, tmp_path, field, value, message):
 
 def test_legacy_rope_scaling_spelling(hf_ckpt, tmp_path):
     """The official checkpoints' `rope_theta` + `rope_scaling: {"type": "yarn"}` parse like `rope_parameters`."""
-    d = tmp_path / "c"
-    d.mkdir()
-    (d / "config.json").write_text((hf_ckpt / "config.json").read_text())
+    d = _config_only(hf_ckpt, tmp_path)
     (d / "model.safetensors").symlink_to(hf_ckpt / "model.safetensors")
     params = json.loads((d / "config.json").read_text())["rope_parameters"]
     legacy = {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")} | {"type": "yarn"}

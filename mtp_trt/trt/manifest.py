@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.manifest import read_manifest_json, sha256
+from mtp_trt.manifest import check_files, read_manifest_json
 
 FORMAT = "mtp-trt-engines"
 FORMAT_VERSION = 1
@@ -67,10 +67,5 @@ class EngineManifest:
                     plugins=raw["plugins"], engines=engines)
         except (KeyError, TypeError) as e:
             raise MtpTrtError(f"{path}: malformed engine manifest ({type(e).__name__}: {e})") from None
-        for e in engines.values():
-            f = root / e.file
-            if not f.is_file():
-                raise MtpTrtError(f"{path}: engine file '{e.file}' is missing")
-            if verify_hashes and sha256(f) != e.sha256:
-                raise MtpTrtError(f"{f}: SHA-256 differs from {FILE}; the engine was modified or truncated")
+        check_files(path, [(e.file, e.sha256) for e in engines.values()], verify_hashes, "engine")
         return m
