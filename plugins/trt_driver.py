@@ -1,7 +1,7 @@
 """The few CUDA driver calls the TensorRT plugins make around the kernels (ctypes on libcuda.so.1).
 
 Loaded on first use, from a plugin's enqueue on a GPU machine; importing this module loads nothing.
-All copies are asynchronous on TensorRT's stream except `read_scalars`, which must wait for it.
+All copies are asynchronous on TensorRT's stream; nothing here waits for it.
 """
 
 from __future__ import annotations
@@ -34,10 +34,8 @@ class Driver:
             raise MtpTrtError(f"the TensorRT plugins need the NVIDIA driver (libcuda.so.1): {e}") from None
         u64, sz, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
         sig = {
-            "cuMemcpyDtoHAsync_v2": [vp, u64, sz, vp],
             "cuMemcpyDtoDAsync_v2": [u64, u64, sz, vp],
             "cuMemcpy2DAsync_v2": [ctypes.POINTER(_Memcpy2D), vp],
-            "cuStreamSynchronize": [vp],
             "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
         }
         for name, args in sig.items():
@@ -63,14 +61,6 @@ class Driver:
                       dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=dst, dstPitch=dst_pitch,
                       WidthInBytes=width, Height=height)
         self._check("cuMemcpy2DAsync", self.lib.cuMemcpy2DAsync_v2(ctypes.byref(p), stream or None))
-
-    def read_scalars(self, int_ptr: int, float_ptr: int, stream: int) -> tuple[int, float]:
-        """An int32 and a float32 device scalar, read after the work queued on `stream` (synchronizes)."""
-        i, f = ctypes.c_int32(), ctypes.c_float()
-        self._check("cuMemcpyDtoHAsync", self.lib.cuMemcpyDtoHAsync_v2(ctypes.byref(i), int_ptr, 4, stream or None))
-        self._check("cuMemcpyDtoHAsync", self.lib.cuMemcpyDtoHAsync_v2(ctypes.byref(f), float_ptr, 4, stream or None))
-        self._check("cuStreamSynchronize", self.lib.cuStreamSynchronize(stream or None))
-        return int(i.value), float(f.value)
 
 
 @functools.cache

@@ -12,12 +12,11 @@ ctypes library of plugins/cuda_lib.py, loaded on the first enqueue:
 
 * MlaGenerationAttention -> mtp_mla_decode with new_rows (the KV commit, written in place into
   the kv_cache input buffer) and mask NULL (causal); split-KV workspace from the TensorRT workspace.
-* MtpAccept -> mtp_accept_relaxed (relaxed_topk <= 0 is strict).  The kernel takes the drafts as
-  a [B, K] array and updates the thinking flags in place, so enqueue first copies
+* MtpAccept -> mtp_accept_relaxed_dev (relaxed_topk <= 0 is strict).  The kernel takes the drafts
+  as a [B, K] array and updates the thinking flags in place, so enqueue first copies
   input_ids[:, 1:] into the workspace and thinking into thinking_out (async); relaxed_topk and
-  relaxed_delta are device scalars that the launcher needs on the host, so enqueue reads them
-  back, synchronizing TensorRT's stream once per call (so the target engine cannot be captured
-  in a CUDA graph).
+  relaxed_delta stay device scalars that the kernels read themselves, so nothing in enqueue waits
+  for the stream (the engines can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -251,13 +250,12 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
             B, S, V = (int(x) for x in input_desc[0].dims)
             K = S - 1
             drv, lib = driver(), _kernels()
-            topk, delta = drv.read_scalars(inputs[3], inputs[4], stream)
             drafts, last_index = workspace, workspace + _align(B * K * 4)
             drv.copy_2d(drafts, K * 4, inputs[1] + 4, S * 4, K * 4, B, stream)  # input_ids[:, 1:]
             drv.copy_d2d(outputs[2], inputs[2], B * 4, stream)  # thinking_out = thinking, then updated in place
-            lib.accept_relaxed(0, inputs[0], drafts if K else None, outputs[2], outputs[0], outputs[1], last_index,
-                               B, K, V, topk, delta, self.values["think_start_id"], self.values["think_end_id"],
-                               stream)
+            lib.accept_relaxed_dev(0, inputs[0], drafts if K else None, outputs[2], outputs[0], outputs[1],
+                                   last_index, B, K, V, inputs[3], inputs[4], self.values["think_start_id"],
+                                   self.values["think_end_id"], stream)
 
     def creator_for(plugin: type) -> type:
         class Creator(trt.IPluginCreatorV3One):

@@ -61,6 +61,13 @@ class HostKernels:
         _view(last_index, (B,), np.int32)[...] = last
         th[...] = th_after
 
+    def accept_relaxed_dev(self, dtype, logits, drafts, thinking, out_tokens, num_accepted, last_index, B, K, V,
+                           topk, delta, think_start_id, think_end_id, stream=0):
+        # topk / delta are device (here: host) pointers to scalars, read by the kernel itself
+        self.accept_relaxed(dtype, logits, drafts, thinking, out_tokens, num_accepted, last_index, B, K, V,
+                            int(_view(topk, (), np.int32)), float(_view(delta, (), np.float32)), think_start_id,
+                            think_end_id, stream)
+
 
 class HostDriver:
     def copy_d2d(self, dst, src, nbytes, stream):
@@ -69,9 +76,6 @@ class HostDriver:
     def copy_2d(self, dst, dst_pitch, src, src_pitch, width, height, stream):
         for r in range(height):
             ctypes.memmove(dst + r * dst_pitch, src + r * src_pitch, width)
-
-    def read_scalars(self, int_ptr, float_ptr, stream):
-        return int(_view(int_ptr, (), np.int32)), float(_view(float_ptr, (), np.float32))
 
 
 @pytest.fixture

@@ -37,7 +37,13 @@ template <typename T, bool RELAXED>
 __global__ void __launch_bounds__(AR_THREADS) greedy_rows_kernel(const T* __restrict__ logits,
                                                                  const int32_t* __restrict__ drafts,
                                                                  int32_t* __restrict__ out_tokens,
-                                                                 int K, int V, int topk, float delta) {
+                                                                 int K, int V, int topk, float delta,
+                                                                 const int32_t* __restrict__ topk_dev,
+                                                                 const float* __restrict__ delta_dev) {
+    if (RELAXED && topk_dev) {  // the scalars live in device memory (no host sync needed to launch)
+        topk = *topk_dev;
+        delta = *delta_dev;
+    }
     const long long row = blockIdx.x;
     const int b = static_cast<int>(row / (K + 1)), i = static_cast<int>(row % (K + 1));
     const T* x = logits + row * V;
@@ -257,7 +263,8 @@ __global__ void __launch_bounds__(RS_THREADS) rejection_kernel(
 cudaError_t greedy_common(mtp_dtype dtype, const void* logits, const int32_t* target_ids,
                           const int32_t* drafts, int32_t* thinking, int32_t* out_tokens,
                           int32_t* num_accepted, int32_t* last_index, int B, int K, int V, bool relaxed,
-                          int topk, float delta, int think_start, int think_end, cudaStream_t stream) {
+                          int topk, float delta, const int32_t* topk_dev, const float* delta_dev,
+                          int think_start, int think_end, cudaStream_t stream) {
     if (B < 0 || K < 0 || V < 1 || V >= kOkBit) return cudaErrorInvalidValue;
     if (B == 0) return cudaSuccess;
     if (!out_tokens || !num_accepted || !last_index || (K > 0 && !drafts)) return cudaErrorInvalidValue;
@@ -268,15 +275,17 @@ cudaError_t greedy_common(mtp_dtype dtype, const void* logits, const int32_t* ta
     bool flags = false;
     if (logits) {
         if (!dtype_ok(dtype)) return cudaErrorInvalidValue;
-        flags = relaxed && topk > 0 && K > 0;
+        flags = relaxed && (topk > 0 || topk_dev) && K > 0;
         if (flags) {
             MTP_DISPATCH_DTYPE(dtype, T,
                                greedy_rows_kernel<T, true><<<static_cast<unsigned>(rows), AR_THREADS, 0, stream>>>(
-                                   static_cast<const T*>(logits), drafts, out_tokens, K, V, topk, delta));
+                                   static_cast<const T*>(logits), drafts, out_tokens, K, V, topk, delta, topk_dev,
+                                   delta_dev));
         } else {
             MTP_DISPATCH_DTYPE(dtype, T,
                                greedy_rows_kernel<T, false><<<static_cast<unsigned>(rows), AR_THREADS, 0, stream>>>(
-                                   static_cast<const T*>(logits), drafts, out_tokens, K, V, 0, 0.f));
+                                   static_cast<const T*>(logits), drafts, out_tokens, K, V, 0, 0.f, nullptr,
+                                   nullptr));
         }
         const cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
@@ -298,7 +307,7 @@ extern "C" cudaError_t mtp_accept_strict(mtp_dtype dtype, const void* logits, co
                                          const int32_t* drafts, int32_t* out_tokens, int32_t* num_accepted,
                                          int32_t* last_index, int B, int K, int V, cudaStream_t stream) {
     return greedy_common(dtype, logits, target_ids, drafts, nullptr, out_tokens, num_accepted, last_index,
-                         B, K, V, false, 0, 0.f, -1, -1, stream);
+                         B, K, V, false, 0, 0.f, nullptr, nullptr, -1, -1, stream);
 }
 
 extern "C" cudaError_t mtp_accept_relaxed(mtp_dtype dtype, const void* logits, const int32_t* drafts,
@@ -307,7 +316,17 @@ extern "C" cudaError_t mtp_accept_relaxed(mtp_dtype dtype, const void* logits, c
                                           int think_start_id, int think_end_id, cudaStream_t stream) {
     if (!logits || !thinking) return B == 0 ? cudaSuccess : cudaErrorInvalidValue;
     return greedy_common(dtype, logits, nullptr, drafts, thinking, out_tokens, num_accepted, last_index, B,
-                         K, V, true, topk, delta, think_start_id, think_end_id, stream);
+                         K, V, true, topk, delta, nullptr, nullptr, think_start_id, think_end_id, stream);
+}
+
+extern "C" cudaError_t mtp_accept_relaxed_dev(mtp_dtype dtype, const void* logits, const int32_t* drafts,
+                                              int32_t* thinking, int32_t* out_tokens, int32_t* num_accepted,
+                                              int32_t* last_index, int B, int K, int V, const int32_t* topk,
+                                              const float* delta, int think_start_id, int think_end_id,
+                                              cudaStream_t stream) {
+    if (!logits || !thinking || !topk || !delta) return B == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    return greedy_common(dtype, logits, nullptr, drafts, thinking, out_tokens, num_accepted, last_index, B,
+                         K, V, true, 0, 0.f, topk, delta, think_start_id, think_end_id, stream);
 }
 
 extern "C" cudaError_t mtp_accept_rejection(mtp_dtype dtype, const void* p, const void* q,

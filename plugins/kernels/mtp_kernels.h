@@ -125,6 +125,14 @@ cudaError_t mtp_accept_relaxed(mtp_dtype dtype, const void* logits, const int32_
                                int32_t* last_index, int B, int K, int V, int topk, float delta,
                                int think_start_id, int think_end_id, cudaStream_t stream);
 
+/* The same, with topk [] int32 and delta [] float read from device memory by the kernels (as the
+ * MtpAccept plugin receives them): nothing waits for the host, so it can be captured in a CUDA graph. */
+cudaError_t mtp_accept_relaxed_dev(mtp_dtype dtype, const void* logits, const int32_t* drafts,
+                                   int32_t* thinking, int32_t* out_tokens, int32_t* num_accepted,
+                                   int32_t* last_index, int B, int K, int V, const int32_t* topk,
+                                   const float* delta, int think_start_id, int think_end_id,
+                                   cudaStream_t stream);
+
 /* Rejection sampling (lossless speculative sampling).
  *   p        [B, K+1, V] dtype  target probabilities (converted to fp32)
  *   q        [B, K, V]   dtype  draft probabilities (converted to fp32); may be NULL when K == 0

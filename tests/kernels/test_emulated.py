@@ -69,9 +69,12 @@ def test_accept_strict_emulated(emu_lib, host, B, K, V, dtype):
     G.test_accept_strict(host, emu_lib, B, K, V, dtype)
 
 
-@pytest.mark.parametrize("B,K,V,dtype,topk,delta", [(5, 3, 50, "float32", 3, 0.3), (2, 7, 129280, "bfloat16", 10, 0.05)])
-def test_accept_relaxed_emulated(emu_lib, host, B, K, V, dtype, topk, delta):
-    G.test_accept_relaxed(host, emu_lib, B, K, V, dtype, topk, delta)
+@pytest.mark.parametrize("B,K,V,dtype,topk,delta,scalars", [(5, 3, 50, "float32", 3, 0.3, "host"),
+                                                             (2, 7, 129280, "bfloat16", 10, 0.05, "host"),
+                                                             (5, 3, 50, "float32", 3, 0.3, "device"),
+                                                             (8, 5, 300, "bfloat16", 0, 0.5, "device")])
+def test_accept_relaxed_emulated(emu_lib, host, B, K, V, dtype, topk, delta, scalars):
+    G.test_accept_relaxed(host, emu_lib, B, K, V, dtype, topk, delta, scalars)
 
 
 @pytest.mark.parametrize("B,K,V,dtype", [(1, 0, 10, "float32"), (8, 3, 1000, "float32"), (3, 16, 129280, "float32"),

@@ -231,8 +231,10 @@ RELAXED_CASES = [(5, 3, 50, "float32", 3, 0.3), (16, 16, 1000, "float16", 8, 0.1
                  (64, 4, 4096, "float32", 5, 0.5), (3, 16, 129280, "float32", 1, 0.9), (8, 5, 300, "bfloat16", 0, 0.5)]
 
 
+@pytest.mark.parametrize("scalars", ["host", "device"])
 @pytest.mark.parametrize("B,K,V,dtype,topk,delta", RELAXED_CASES)
-def test_accept_relaxed(gpu, lib, B, K, V, dtype, topk, delta):
+def test_accept_relaxed(gpu, lib, B, K, V, dtype, topk, delta, scalars):
+    """mtp_accept_relaxed, or with scalars="device" mtp_accept_relaxed_dev (topk/delta in device memory)."""
     rng = np.random.default_rng(B + K + V + topk)
     ts, te = 1, 2
     x = rng.standard_normal((B, K + 1, V), np.float32)
@@ -255,9 +257,13 @@ def test_accept_relaxed(gpu, lib, B, K, V, dtype, topk, delta):
     want = ref.accept_relaxed(x_r, drafts, thinking, topk=topk, delta=delta, think_start_id=ts, think_end_id=te)
     d_th = gpu.upload(thinking)
     outs = alloc_accept_outputs(gpu, B, K)
-    lib.accept_relaxed(dtype, gpu.upload(x_s), gpu.upload(drafts) if K else 0, d_th, *outs, B, K, V, topk, delta,
-                       ts, te)
-    gpu.sync("mtp_accept_relaxed")
+    if scalars == "device":
+        lib.accept_relaxed_dev(dtype, gpu.upload(x_s), gpu.upload(drafts) if K else 0, d_th, *outs, B, K, V,
+                               gpu.upload(np.array(topk, np.int32)), gpu.upload(np.array(delta, np.float32)), ts, te)
+    else:
+        lib.accept_relaxed(dtype, gpu.upload(x_s), gpu.upload(drafts) if K else 0, d_th, *outs, B, K, V, topk, delta,
+                           ts, te)
+    gpu.sync(f"mtp_accept_relaxed ({scalars} scalars)")
     got = (*download_accept(gpu, *outs, B, K), gpu.download(d_th, (B,), np.int32))
     for name, g, w in zip(("tokens", "num_accepted", "last_index", "thinking"), got, want):
         assert_equal(g, w, name=f"relaxed {name}")
