@@ -178,9 +178,9 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                  [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
         jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
                  for k in range(modules)]
-        if mtp_mode == "eagle" and nextn:  # the whole greedy step in one call (see StepGraph)
-            jobs.append(("step", StepGraph(model, nextn, lowering, think_ids), step_io(cfg, dtype, lowering, nextn),
-                         [f"kv_{i}" for i in range(cfg.num_hidden_layers)] + ["mtp_kv"]))
+        if mtp_mode == "eagle":  # the whole greedy step in one call (see StepGraph), for every nextn 1..K
+            jobs += [(f"step_{n}", StepGraph(model, n, lowering, think_ids), step_io(cfg, dtype, lowering, n),
+                      [f"kv_{i}" for i in range(cfg.num_hidden_layers)] + ["mtp_kv"]) for n in range(1, nextn + 1)]
         graphs = {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")

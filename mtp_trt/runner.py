@@ -18,7 +18,7 @@ from mtp_trt.backend import Backend, OrtBackend
 from mtp_trt.decode import DecodeOptions, Sequence, Stats, generate
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import cache_dir
-from mtp_trt.manifest import Manifest
+from mtp_trt.manifest import EXPORTER_REVISION, Manifest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO_ROOT / "samples" / "demo-model"
@@ -32,8 +32,8 @@ def demo_model() -> Path:
 
 
 def checkpoint_key(ckpt: Path, **options) -> str:
-    """Digest of the checkpoint's files (names, sizes, mtimes) and the export options."""
-    h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    """Digest of the checkpoint's files (names, sizes, mtimes), the export options and the exporter revision."""
+    h = hashlib.sha256(json.dumps(options | {"exporter_revision": EXPORTER_REVISION}, sort_keys=True).encode())
     for f in sorted(ckpt.iterdir()):
         if f.is_file():
             st = f.stat()

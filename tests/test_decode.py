@@ -95,12 +95,13 @@ class _NoStep:
         return False
 
 
-def test_fused_step_equals_separate_graphs(setup):
-    """Eagle's one-call step graph makes the same tokens and the same drafts as the separate graphs."""
+@pytest.mark.parametrize("nextn", range(1, K + 1))
+def test_fused_step_equals_separate_graphs(setup, nextn):
+    """Eagle's one-call step graphs (one per nextn) make the same tokens and drafts as the separate graphs."""
     _, backends, reference = setup
     be = backends["eagle"]
-    assert be.has_step(K) and not be.has_step(K - 1)
-    opts = DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,))
+    assert be.has_step(nextn) and not be.has_step(0) and not be.has_step(K + 1)
+    opts = DecodeOptions(nextn=nextn, max_new_tokens=NEW, eos_ids=(EOS,))
     fused, _ = generate(be, PROMPTS, opts)
     separate, _ = generate(_NoStep(be), PROMPTS, opts)
     assert [s.generated for s in fused] == [s.generated for s in separate] == reference

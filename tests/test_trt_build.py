@@ -385,9 +385,11 @@ def test_demo_checkpoint_builds_engines(tmp_path):
                                  "--target-arch", target()[0]])
     assert r.exit_code == 0, r.output
     m = em.EngineManifest.load(out, verify_hashes=True)
-    assert set(m.engines) == {"target", "mtp_0", "step"}
     cfg = ModelConfig.from_file(demo_model())
     k = cfg.num_nextn_predict_layers
+    assert set(m.engines) == {"target", "mtp_0"} | {f"step_{n}" for n in range(1, k + 1)}
     assert m.engines["target"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers, "MtpAccept": 1}
     assert m.engines["mtp_0"].plugin_layers == {"MlaGenerationAttention": 1}
-    assert m.engines["step"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers + k, "MtpAccept": 1}
+    for n in range(1, k + 1):
+        assert m.engines[f"step_{n}"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers + n,
+                                                        "MtpAccept": 1}
