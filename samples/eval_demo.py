@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -180,13 +181,18 @@ def main(argv=None) -> int:
     texts = [t for t in (dd.read_source(f) for f in held) if t is not None]
     stream = dd.encode_files(tok, texts)
     windows = torch.from_numpy(dd.eval_windows(stream, seq + model.nextn + 1, a.windows).astype(np.int64))
+    chars = sum(len(t) for t in texts)
     res = {"model": str(a.model), "python": py, "heldout_files": len(texts), "heldout_tokens": int(len(stream)),
-           "windows": len(windows), "seq": seq, "K": model.nextn}
+           "heldout_chars": chars, "windows": len(windows), "seq": seq, "K": model.nextn}
     res["teacher_forced"] = teacher_forced(model, windows, seq)
     t1 = time.time()
     tf = res["teacher_forced"]
-    print(f"held-out: {len(texts)} files, {len(stream)} tokens, {len(windows)} windows of {seq}")
-    print(f"main head      CE {tf['main']['ce']:.4f}  top-1 {tf['main']['top1']:.2%}")
+    # per character, so that checkpoints with different tokenizers compare (bits per character)
+    tf["main"]["bits_per_char"] = round(tf["main"]["ce"] / math.log(2) * (len(stream) - 2 * len(texts)) / chars, 4)
+    print(f"held-out: {len(texts)} files, {len(stream)} tokens ({chars / len(stream):.2f} characters per token), "
+          f"{len(windows)} windows of {seq}")
+    print(f"main head      CE {tf['main']['ce']:.4f}  top-1 {tf['main']['top1']:.2%}  "
+          f"({tf['main']['bits_per_char']} bits per character)")
     for mode in ("vanilla", "eagle"):
         for k in range(1, model.nextn + 1):
             r = tf[f"{mode}_{k}"]

@@ -17,7 +17,7 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def card(model_dir: Path, machine: str) -> str:
+def card(model_dir: Path, machine: str, note: str = "") -> str:
     cfg = json.loads((model_dir / "config.json").read_text())
     log = json.loads((model_dir / "train_log.json").read_text())
     ev = json.loads((model_dir / "eval.json").read_text())
@@ -50,6 +50,14 @@ decoded plainly to check the output is identical (speculative decoding is lossle
 |---|---|---|---|---|
 {chr(10).join(sd_rows)}
 """
+    met = (tf["main"]["top1"] >= 0.5, tf["vanilla_1"]["top1"] >= 0.4)
+    verdict = {(True, True): "meets both", (False, False): "misses both"}.get(
+        met, f"{'meets' if met[0] else 'misses'} the first and {'meets' if met[1] else 'misses'} the second")
+    bpc = ""
+    if "bits_per_char" in tf["main"]:
+        bpc = (f"\nPer character (to compare tokenizers): about {tf['main']['bits_per_char']:.2f} bits; the held-out text is "
+               f"{ev['heldout_chars'] / ev['heldout_tokens']:.2f} characters per token.  Top-1 accuracy is per token, so it "
+               f"depends on the vocabulary: a smaller vocabulary makes shorter, more predictable tokens.\n")
     capped = " (stopped by the wall-clock cap before the schedule ended)" if log["stopped_by_time_cap"] else ""
     status = ""
     if log["stopped_by_time_cap"]:
@@ -80,12 +88,17 @@ weights; logits agree with the project's model to float rounding, see `tests/tes
 
 | | |
 |---|---|
-| layers | {cfg['num_hidden_layers']} (layer 0 dense, layers >= {cfg['first_k_dense_replace']} MoE) + {K} MTP modules (MoE) |
+| layers | {cfg['num_hidden_layers']} (layers 0..{cfg['first_k_dense_replace'] - 1} dense, layers >= {cfg['first_k_dense_replace']} MoE) + {K} MTP modules (MoE) |
 | hidden / heads | {cfg['hidden_size']} / {cfg['num_attention_heads']} (qk_nope {cfg['qk_nope_head_dim']}, qk_rope {cfg['qk_rope_head_dim']}, v {cfg['v_head_dim']}) |
 | MLA ranks | q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank {cfg['kv_lora_rank']} |
 | MoE | {cfg['n_routed_experts']} routed experts (inter {cfg['moe_intermediate_size']}) in {cfg['n_group']} groups, top-{cfg['topk_group']} groups, {cfg['num_experts_per_tok']} experts per token, {cfg['n_shared_experts']} shared expert; dense FFN inter {cfg['intermediate_size']} |
 | vocabulary | {cfg['vocab_size']} (byte-level BPE; specials `<pad>`=0 `<bos>`=1 `<eos>`=2 `<think>`=3 `</think>`=4) |
 | parameters | main model {log['params_main'] / 1e6:.2f} M, MTP modules {log['params_mtp'] / 1e6:.2f} M (embedding and output head shared) |
+
+Why these sizes (the defaults of `train_demo.py`): the main model is several times the cost of one MTP
+module, as in DeepSeek-V3 (61 layers beside one MTP block), so that drafting is cheap next to
+verification; the experts are fine-grained (inter = hidden / 4, like V3's 2048 / 7168); and a small
+vocabulary keeps the four output heads (main + 3 MTP depths) cheap in training.
 
 The tokenizer adds no special tokens by itself: prepend `<bos>` (id {cfg['bos_token_id']}) to a prompt, as training did
 (every file was `<bos> source <eos>`).
@@ -108,8 +121,7 @@ The tokenizer adds no special tokens by itself: prepend `<bos>` (id {cfg['bos_to
   (~{log['tokens_seen'] / log['train_tokens_in_corpus']:.1f} epochs); AdamW (0.9, 0.95, wd 0.1), lr {a['lr']} with {a['warmup']} warmup
   steps and cosine decay to {a['min_lr_frac']}x, grad clip 1.0, bf16 autocast {'on' if a['bf16'] else 'off'}, seed {a['seed']}.
 * Time: {log['train_seconds'] / 60:.1f} min of training (+{log['data_prep_seconds']:.0f} s tokenizer and data) on {machine},
-  torch {log['torch']}, {log['threads']} threads.  The machine was shared with other jobs (compilers, tests)
-  during the run, so the wall time is longer than on an idle machine.
+  torch {log['torch']}, {log['threads']} threads.{(' ' + note) if note else ''}
 
 Reproduce: `python samples/train_demo.py --out /tmp/demo-model --max-steps {a['max_steps']} --minutes {a['minutes']}`
 (same seed, same data order; add `--replay-schedule samples/demo-model/train_log.json` to replay this run's
@@ -123,9 +135,9 @@ than bit for bit), then
 {ev['windows']} non-overlapping windows of {ev['seq']} tokens from the {ev['heldout_files']} held-out files ({ev['heldout_tokens']:,} tokens).
 
 **Main head: held-out loss {tf['main']['ce']:.3f} nats/token (perplexity {2.718281828 ** tf['main']['ce']:.2f}), top-1 accuracy {pct(tf['main']['top1'])}.**
-
+{bpc}
 The project's targets (issue 3) are main-head top-1 >= 50% and MTP depth-1 top-1 >= 40%; this checkpoint
-{"meets" if tf['main']['top1'] >= 0.5 else "misses"} the first and {"meets" if tf['vanilla_1']['top1'] >= 0.4 else "misses"} the second.
+{verdict}.
 
 MTP modules, teacher-forced as in training (true tokens as inputs).  *vanilla*: module k drafts depth k
 (as `num_nextn_predict_layers` modules are meant to be used); *eagle*: module 1 reused at every depth, fed its
@@ -149,9 +161,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(Path(__file__).resolve().parent / "demo-model"))
     p.add_argument("--machine", default=f"a 2-core {platform.machine()} CPU VM (AMD EPYC, AVX-512 BF16), 24 GiB RAM")
+    p.add_argument("--note", default="", help="a sentence on the run's conditions (e.g. whether the machine was idle)")
     a = p.parse_args(argv)
     d = Path(a.model)
-    (d / "README.md").write_text(card(d, a.machine))
+    (d / "README.md").write_text(card(d, a.machine, a.note))
     return 0
 
 

@@ -164,6 +164,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--dense-layers", type=int, default=None, help="first_k_dense_replace: layers before the MoE ones")
+    p.add_argument("--moe-inter", type=int, default=None, help="moe_intermediate_size (routed and shared experts)")
     p.add_argument("--nextn", type=int, default=3)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
@@ -181,14 +183,18 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=25)
     a = p.parse_args(argv)
     if a.tiny:
-        dflt = dict(vocab=384, hidden=64, layers=2, heads=2, seq=32, batch=2, max_steps=3, warmup=2, eval_windows=2)
-        a.q_lora, a.kv_lora, a.rope_dim, a.inter, a.moe_inter = 32, 16, 8, 128, 32
-        a.experts, a.groups, a.topk_group, a.topk, a.dense_layers = 4, 2, 1, 2, 1
+        dflt = dict(vocab=384, hidden=64, layers=2, heads=2, seq=32, batch=2, max_steps=3, warmup=2, eval_windows=2,
+                    dense_layers=1, moe_inter=32)
+        a.q_lora, a.kv_lora, a.rope_dim, a.inter = 32, 16, 8, 128
+        a.experts, a.groups, a.topk_group, a.topk = 4, 2, 1, 2
     else:
-        dflt = dict(vocab=2048, hidden=256, layers=2, heads=4, seq=256, batch=16, max_steps=2000, warmup=60,
-                    eval_windows=64)
-        a.q_lora, a.kv_lora, a.rope_dim, a.inter, a.moe_inter = 128, 64, 32, 768, 256
-        a.experts, a.groups, a.topk_group, a.topk, a.dense_layers = 8, 4, 2, 2, 1
+        # 6 layers (4 dense, 2 MoE) of width 256 and fine-grained experts (inter 64 = hidden / 4, as in
+        # DeepSeek-V3's 2048 / 7168): a main model several times the cost of one MTP module, as in the
+        # real model; a 384-token vocabulary keeps the four output heads cheap.
+        dflt = dict(vocab=384, hidden=256, layers=6, heads=4, seq=256, batch=16, max_steps=1700, warmup=60,
+                    eval_windows=64, dense_layers=4, moe_inter=64)
+        a.q_lora, a.kv_lora, a.rope_dim, a.inter = 128, 64, 32, 768
+        a.experts, a.groups, a.topk_group, a.topk = 8, 4, 2, 2
     for k, v in dflt.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
