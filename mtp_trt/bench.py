@@ -1,7 +1,8 @@
 """`mtp-trt bench`: tokens/s of MTP speculative decoding for nextn 0..K in both modes, at several batch
 sizes, beside Hugging Face transformers' greedy `generate` on the same checkpoint, in one run.
 
-Figures are medians over repeats; ratios are taken within the run (these machines are shared and noisy).
+Figures are medians over repeats, and the configurations of one batch size are timed round-robin, so
+ratios are taken within the run under the same conditions (these machines are shared and noisy).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 from mtp_trt.decode import generate
-from mtp_trt.runner import Runner, resolve_export
+from mtp_trt.runner import Runner, demo_model, resolve_export
 
 # Code prompts in the demo model's domain (the Python standard library's style).
 PROMPTS = [
@@ -27,66 +28,81 @@ PROMPTS = [
 ]
 
 
-def _median_run(fn, repeats: int) -> tuple[float, object]:
-    times, result = [], None
+def _round_robin(jobs: dict, repeats: int) -> dict:
+    """{name: fn} -> {name: (median seconds, last result)}.  One warm-up call each, then `repeats` rounds
+    that call every job once in turn, so a machine that drifts (shared, throttled) slows all alike and
+    the ratios between jobs stay fair."""
+    results = {name: fn() for name, fn in jobs.items()}  # warm-up
+    times = {name: [] for name in jobs}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+        for name, fn in jobs.items():
+            t0 = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(times[name]), results[name]) for name in jobs}
 
 
-def bench_mtp(model: str | Path | None, batches: list[int], max_new_tokens: int, repeats: int,
-              progress=print) -> list[dict]:
-    rows = []
-    for mode in ("eagle", "vanilla"):
-        runner = Runner(resolve_export(model, mode, progress=progress))
-        for batch in batches:
-            prompts = [runner.encode(p) for p in (PROMPTS * batch)[:batch]]
-            for nextn in range(runner.manifest.nextn + 1):
-                opts = runner.options(nextn, max_new_tokens=max_new_tokens)
-                generate(runner.backend, prompts, opts)  # warm-up
-                seconds, (seqs, stats) = _median_run(lambda: generate(runner.backend, prompts, opts), repeats)
-                tokens = sum(len(s.generated) for s in seqs)
-                rows.append({"engine": "mtp-trt/onnxruntime", "mode": mode, "batch": batch, "nextn": nextn,
-                             "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
-                             "mean_accepted": stats.mean_accepted, "acceptance_rate": stats.acceptance_rate})
-                progress(f"{mode:7s} batch {batch} nextn {nextn}: {tokens / seconds:8.1f} tokens/s, "
-                         f"{stats.mean_accepted:.2f} tokens/step")
-    return rows
-
-
-def bench_transformers(checkpoint: Path, batches: list[int], max_new_tokens: int, repeats: int,
-                       progress=print) -> list[dict]:
-    """Greedy `generate` of transformers' DeepseekV3ForCausalLM (main model) on the same prompts."""
+def _transformers_generate(checkpoint: Path):
+    """A greedy-generate function of transformers' DeepseekV3ForCausalLM (main model) for a batch of prompts."""
     import torch
     from tokenizers import Tokenizer
     from transformers import DeepseekV3ForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the MTP layers are "unexpected" weights to transformers: expected here
-
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    rows = []
-    for batch in batches:
-        ids = [tok.encode(p).ids for p in (PROMPTS * batch)[:batch]]
+    pad = model.config.pad_token_id or 0
+
+    def make(prompts: list[str], max_new_tokens: int):
+        ids = [tok.encode(p).ids for p in prompts]
         width = max(map(len, ids))
-        pad = model.config.pad_token_id or 0
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # left padding
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
 
         def run():
             with torch.no_grad():
-                return model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=
-                                      max_new_tokens, do_sample=False, pad_token_id=pad)
+                return model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        return run
+    return make
 
-        run()
-        seconds, _ = _median_run(run, repeats)
-        tokens = batch * max_new_tokens
-        rows.append({"engine": "transformers.generate", "mode": "-", "batch": batch, "nextn": 0, "tokens": tokens,
-                     "seconds": seconds, "tokens_per_second": tokens / seconds})
-        progress(f"transformers batch {batch}: {tokens / seconds:8.1f} tokens/s")
+
+def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repeats: int, transformers: bool = True,
+        progress=print) -> list[dict]:
+    """tokens/s of every (mode, nextn) and of transformers' greedy `generate` (the main model, same prompts);
+    per batch size, all of them are timed round-robin (see _round_robin)."""
+    ckpt = Path(model) if model else demo_model()
+    runners = {mode: Runner(resolve_export(ckpt, mode, progress=progress)) for mode in ("eagle", "vanilla")}
+    hf = _transformers_generate(ckpt) if transformers else None
+    rows = []
+    for batch in batches:
+        texts = (PROMPTS * batch)[:batch]
+        jobs = {}
+        for mode, runner in runners.items():
+            prompts = [runner.encode(p) for p in texts]
+            for nextn in range(runner.manifest.nextn + 1):
+                opts = runner.options(nextn, max_new_tokens=max_new_tokens)
+                jobs[(mode, nextn)] = lambda r=runner, p=prompts, o=opts: generate(r.backend, p, o)
+        if hf:
+            jobs[("transformers", 0)] = hf(texts, max_new_tokens)
+        baseline = {}  # mode -> nextn 0's tokens: every nextn must produce the same (greedy is lossless)
+        for (mode, nextn), (seconds, result) in _round_robin(jobs, repeats).items():
+            if mode == "transformers":
+                tokens = batch * max_new_tokens
+                rows.append({"engine": "transformers.generate", "mode": "-", "batch": batch, "nextn": 0,
+                             "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds})
+                progress(f"transformers batch {batch}: {tokens / seconds:8.1f} tokens/s")
+                continue
+            seqs, stats = result
+            tokens = sum(len(s.generated) for s in seqs)
+            generated = baseline.setdefault(mode, [s.generated for s in seqs])
+            rows.append({"engine": "mtp-trt/onnxruntime", "mode": mode, "batch": batch, "nextn": nextn,
+                         "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+                         "mean_accepted": stats.mean_accepted, "acceptance_rate": stats.acceptance_rate,
+                         "same_tokens_as_nextn0": [s.generated for s in seqs] == generated})
+            progress(f"{mode:7s} batch {batch} nextn {nextn}: {tokens / seconds:8.1f} tokens/s, "
+                     f"{stats.mean_accepted:.2f} tokens/step")
     return rows
 
 

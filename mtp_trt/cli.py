@@ -261,7 +261,7 @@ def bench(
     model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model)."),
     batch: list[int] = typer.Option([1, 8], help="Batch sizes; repeat the option for several."),
     max_new_tokens: int = typer.Option(128, help="Tokens generated per sequence."),
-    repeats: int = typer.Option(3, help="Timed repeats per configuration (the median is reported)."),
+    repeats: int = typer.Option(5, help="Timed repeats per configuration (the median is reported)."),
     transformers: bool = typer.Option(True, help="Also time transformers' greedy generate (same run)."),
     json_path: Path = typer.Option(Path("bench.json"), "--json", help="Where to write all figures."),
     plot_path: Path = typer.Option(Path("bench.png"), "--plot", help="Where to write the PNG plot."),
@@ -280,9 +280,7 @@ def bench(
             from mtp_trt.runner import resolve_export
 
             resolve_export(ckpt, mode, progress=show)
-    rows = b.bench_mtp(ckpt, batch, max_new_tokens, repeats, progress=typer.echo)
-    if transformers:
-        rows += b.bench_transformers(ckpt, batch, max_new_tokens, repeats, progress=typer.echo)
+    rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo)
     meta = {"checkpoint": str(ckpt), "max_new_tokens": max_new_tokens, "repeats": repeats,
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count()}
     b.write_json(rows, json_path, meta)

@@ -88,3 +88,21 @@ def test_run_stops_at_the_cache_limit(ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)["results"][0]
     assert res["finish_reason"] == "length" and "KV cache full (24 rows per sequence)" in res["message"]
+
+
+def test_bench_times_every_configuration_and_writes_json_and_plot(ckpt, tmp_path):
+    """`mtp-trt bench` on a small checkpoint: every (mode, nextn, batch) and transformers' generate are timed,
+    every nextn generates the same greedy tokens as nextn 0, and the summary relates them."""
+    out = tmp_path / "bench.json"
+    r = mtp_trt("bench", ckpt, "--batch", 1, "--batch", 2, "--max-new-tokens", 6, "--repeats", 1, "--json", out,
+                "--plot", tmp_path / "bench.png", env={"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr + r.stdout
+    data = json.loads(out.read_text())
+    mine = [x for x in data["runs"] if x["engine"] == "mtp-trt/onnxruntime"]
+    assert sorted((x["mode"], x["batch"], x["nextn"]) for x in mine) == sorted(
+        (m, b, n) for m in ("eagle", "vanilla") for b in (1, 2) for n in range(3))
+    assert all(x["same_tokens_as_nextn0"] and x["tokens_per_second"] > 0 for x in mine)
+    assert all(1 <= x["mean_accepted"] <= x["nextn"] + 1 for x in mine)
+    assert {x["batch"] for x in data["runs"] if x["engine"] == "transformers.generate"} == {1, 2}
+    assert len(data["summary"]) == 4 and all(s["nextn0_over_transformers"] > 0 for s in data["summary"])
+    assert (tmp_path / "bench.png").stat().st_size > 0

@@ -134,6 +134,26 @@ def test_transformers_logits_match(model, tokenizer):
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() > 0.97
 
 
+def test_card_figures_reproduce_on_a_heldout_sample(model, tokenizer):
+    """The shipped eval.json (and so the card) agrees with the shipped weights: main-head and MTP depth-1
+    top-1 recomputed on every 16th held-out window are within 3 points of the figures over all windows."""
+    import eval_demo
+
+    ev = json.loads((DEMO / "eval.json").read_text())
+    if ev["python"].rsplit(".", 1)[0] != sys.version.split()[0].rsplit(".", 1)[0]:
+        pytest.skip(f"eval.json is for Python {ev['python']}'s stdlib; this is {sys.version.split()[0]}")
+    _, held = dd.split_files(dd.list_files())
+    stream = dd.encode_files(tokenizer, [t for t in (dd.read_source(f) for f in held) if t is not None])
+    assert len(stream) == ev["heldout_tokens"]
+    windows = dd.eval_windows(stream, ev["seq"] + ev["K"] + 1, ev["windows"])[::16]
+    torch.set_num_threads(2)
+    got = eval_demo.teacher_forced(model, torch.from_numpy(windows.astype("int64")), ev["seq"])
+    for key in ("main", "vanilla_1"):
+        assert abs(got[key]["top1"] - ev["teacher_forced"][key]["top1"]) < 0.03, (key, got[key], ev["teacher_forced"][key])
+    card = (DEMO / "README.md").read_text()
+    assert f"top-1 accuracy {100 * ev['teacher_forced']['main']['top1']:.1f}%" in card
+
+
 def test_model_card_states_figures():
     card = (DEMO / "README.md").read_text()
     for needle in ("held-out", "top-1", "eagle", "vanilla", "Python 3."):
