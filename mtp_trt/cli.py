@@ -289,6 +289,10 @@ def bench(
         hf = f"{r['nextn0_over_transformers']:.2f}x" if r["nextn0_over_transformers"] else "-"
         typer.echo(f"{r['batch']:>5}  {r['mode']:<7}  {hf:>19}  {r['best_nextn']:>10}  {r['speedup_over_nextn0']:6.2f}x"
                    f"  {r['mean_accepted']:13.2f}  {r['speedup_over_mean_accepted']:16.2f}")
+    differ = [f"{r['mode']} batch {r['batch']} nextn {r['nextn']}" for r in rows if r.get("same_tokens_as_nextn0") is False]
+    if differ:
+        typer.secho(f"warning: tokens differ from nextn 0 (greedy MTP must be lossless): {', '.join(differ)}",
+                    fg="red", err=True)
     typer.echo(f"wrote {json_path}" + (f" and {plot_path}" if b.plot(rows, plot_path) else " (no matplotlib: no plot)"))
 
 
