@@ -8,12 +8,12 @@ the official checkpoints' `rope_theta` + `rope_scaling: {"type": "yarn", ...}` a
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import read_json
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
@@ -125,11 +125,7 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise MtpTrtError(f"{path}: config file not found")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json(path), source=str(path))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:

@@ -1,8 +1,9 @@
-"""Files written whole or not at all, and the one cache directory of mtp-trt."""
+"""Files written whole or not at all, JSON files read with one clear error, and the one cache directory of mtp-trt."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -16,6 +17,16 @@ def cache_dir(*parts: str) -> Path:
     if not root:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp-trt"
     return Path(root).joinpath(*parts)
+
+
+def read_json(path: Path):
+    """The parsed contents of a JSON file; invalid JSON is an MtpTrtError naming the file."""
+    from mtp_trt.errors import MtpTrtError
+
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
 
 
 def _umask() -> int:

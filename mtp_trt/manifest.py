@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import read_json
 
 FORMAT = "mtp-trt-export"
 FORMAT_VERSION = 1
@@ -39,10 +39,7 @@ def read_manifest_json(path: Path, fmt: str, version: int, what: str, command: s
     """The JSON of an mtp-trt manifest, checked for its format and version (one clear error otherwise)."""
     if not path.is_file():
         raise MtpTrtError(f"{path.parent}: not an mtp-trt {what} directory (no {path.name}); run `{command}`")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
+    raw = read_json(path)
     if not isinstance(raw, dict) or raw.get("format") != fmt:
         raise MtpTrtError(f"{path}: field 'format' is {raw.get('format') if isinstance(raw, dict) else raw!r}, "
                           f"expected {fmt!r}")

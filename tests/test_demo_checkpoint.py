@@ -146,7 +146,6 @@ def test_card_figures_reproduce_on_a_heldout_sample(model, tokenizer):
     stream = dd.encode_files(tokenizer, [t for t in (dd.read_source(f) for f in held) if t is not None])
     assert len(stream) == ev["heldout_tokens"]
     windows = dd.eval_windows(stream, ev["seq"] + ev["K"] + 1, ev["windows"])[::16]
-    torch.set_num_threads(2)
     got = eval_demo.teacher_forced(model, torch.from_numpy(windows.astype("int64")), ev["seq"])
     for key in ("main", "vanilla_1"):
         assert abs(got[key]["top1"] - ev["teacher_forced"][key]["top1"]) < 0.03, (key, got[key], ev["teacher_forced"][key])
