@@ -17,40 +17,113 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, MoE
+from mtp_trt.exporters.model import MLA, MLP, DecoderLayer, DeepseekV3, MoE, as_fp32
 
 Tensor = torch.Tensor
 LOWERINGS = ("onnx", "plugin")
 
 
-# ----------------------------------------------------------------------- MLA generation attention
-def mla_attention_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_len: Tensor, kv_lora_rank: int,
-                             scale: float, extra: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """q [B, S, H, Dl+Dr] (absorbed), new_rows [B, S, Dl+Dr], cache [B, T, Dl+Dr] with past_len [B] valid rows.
+# ------------------------------------------------------------------- state shared by a graph's blocks
+class Dims:
+    """A block group's batch B and token count S, traced once: every reshape built from them shares one
+    shape computation (ONNX Runtime's common-subexpression elimination merges the copies), so a reshape
+    costs one node instead of the four the tracer emits for `x.shape`-derived sizes."""
 
-    Attends over the valid cached rows and, causally, the new rows, without concatenating the cache:
-    the score blocks are softmaxed together and the value products summed.  `extra` = (rows [B, R, Dl+Dr],
-    visible [B, R] bool) adds rows that sit between the cache and the new rows but are not in the buffer
-    (the step graph's earlier MTP rows of this step).  -> [B, S, H, Dl]."""
-    b, s, h, _ = q.shape
-    qf = q.reshape(b, s * h, -1).float()  # query rows r = s*H + h
-    # No .float() on an fp32 cache: it returns the same tensor, which the tracer would then map to a Cast
-    # node, and later plugin nodes would receive that Cast instead of the graph's cache input.
-    cache = cache if cache.dtype == torch.float32 else cache.float()
-    t = torch.arange(cache.shape[1], dtype=past_len.dtype)
-    past_ok = (t[None, :] < past_len[:, None])[:, None, :]  # [B, 1, T]
-    j = torch.arange(s)
-    new_ok = (j[None, :] <= (torch.arange(s * h) // h)[:, None])[None]  # causal [1, S*H, S]
-    if extra is not None:  # extra rows go in front of the new ones
-        new_rows = torch.cat([extra[0], new_rows], 1)
-        new_ok = torch.cat([extra[1][:, None, :].expand(b, s * h, -1), new_ok.expand(b, -1, -1)], -1)
-    s_past = torch.matmul(qf, cache.transpose(1, 2)) * scale  # [B, S*H, T]
-    s_new = torch.matmul(qf, new_rows.float().transpose(1, 2)) * scale  # [B, S*H, R + S]
-    scores = torch.cat([s_past.masked_fill(~past_ok, float("-inf")), s_new.masked_fill(~new_ok, float("-inf"))], -1)
-    p = scores.softmax(-1)
-    t_rows = cache.shape[1]
-    out = torch.matmul(p[..., :t_rows], cache) + torch.matmul(p[..., t_rows:], new_rows.float())
-    return out[..., :kv_lora_rank].reshape(b, s, h, kv_lora_rank).to(q.dtype)
+    def __init__(self, b, s):
+        self.b, self.s = b, s
+
+    def view(self, x: Tensor, *tail: int) -> Tensor:
+        """x [B, S, ...] -> [B, S, *tail]."""
+        return x.reshape(self.b, self.s, *tail)
+
+    def rows(self, x: Tensor, width: int) -> Tensor:
+        """x [B, S, ...] -> [B, S*..., width]."""
+        return x.reshape(self.b, -1, width)
+
+
+class Rope:
+    """RoPE as one gather and two multiply-adds: rope(x) = x * cos2 + x[..., swap] * sin2, where cos2/sin2
+    [P, Dr] hold each pair's cos / (-sin, +sin) in the layout's pair positions.  The same products and
+    sums as model.apply_rope (x1*cos - x2*sin == x1*cos + x2*(-sin) exactly), in 4 nodes instead of ~16."""
+
+    def __init__(self, model: DeepseekV3):
+        dtype = model.model.embed_tokens.weight.dtype
+        cos, sin = model.rope_cos.to(dtype), model.rope_sin.to(dtype)  # [P, Dr/2], cast as model.rope does
+        half = cos.shape[-1]
+        if model.cfg.rope_interleave:  # pairs (2i, 2i+1)
+            self.cos = torch.stack([cos, cos], -1).flatten(-2)
+            self.sin = torch.stack([-sin, sin], -1).flatten(-2)
+            self.swap = torch.arange(2 * half).view(half, 2).flip(-1).flatten()
+        else:  # pairs (i, i + Dr/2)
+            self.cos, self.sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+            self.swap = torch.arange(2 * half).roll(half)
+
+    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos2, sin2 [B, S, Dr] for positions [B, S]."""
+        return self.cos[positions], self.sin[positions]
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return x * cos + x[..., self.swap] * sin
+
+
+class Mask:
+    """The onnx lowering's attention visibility as additive float32 biases (0 visible, -inf hidden), built
+    once per block group, for query rows r = s*H + h: past [B, 1, T] over the cache buffer's T rows (valid:
+    < valid_len), new [B or 1, S*H, R + S] over `extra_rows` [B, R, Dl+Dr] (rows of this step that are not
+    in the buffer, visible where extra_visible [B, R]) and, causally, the S new rows."""
+
+    def __init__(self, dims: Dims, heads: int, valid_len: Tensor, t, extra: tuple[Tensor, Tensor] | None = None):
+        s = dims.s
+        self.dims, self.t = dims, t
+        self.extra_rows = None if extra is None else extra[0]
+        self.past = _bias(torch.arange(t) < valid_len[:, None])[:, None, :]
+        token = torch.arange(s * heads) // heads  # query row -> its token
+        causal = (torch.arange(s)[None, :] <= token[:, None])[None]  # [1, S*H, S]
+        if extra is not None:
+            causal = torch.cat([extra[1][:, None, :].expand(-1, s * heads, -1), causal.expand(dims.b, -1, -1)], -1)
+        self.new = _bias(causal)
+
+
+def _bias(visible: Tensor) -> Tensor:
+    return torch.where(visible, 0.0, float("-inf"))
+
+
+class Group:
+    """What every block of a group (the target's layers; one MTP depth) shares, computed once: dims, RoPE
+    tables at the group's positions write_pos + 0..S-1 [B, S, Dr] (and broadcast over heads) and, in the onnx
+    lowering, the attention Mask (the plugin attention node takes write_pos instead)."""
+
+    def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None):
+        self.rope, self.dims, self.write_pos, self.mask = rope, dims, write_pos, mask
+        self.positions = write_pos[:, None].long() + torch.arange(dims.s)[None, :]  # [B, S]
+        self.cos, self.sin = rope.at(self.positions)
+        self.cos_h, self.sin_h = self.cos[:, :, None], self.sin[:, :, None]  # [B, S, 1, Dr]
+
+
+# ----------------------------------------------------------------------- MLA generation attention
+def attend(q: Tensor, new_rows: Tensor, cache: Tensor, mask: Mask, kv_lora_rank: int, scale: float) -> Tensor:
+    """Absorbed MLA over a latent cache in standard operators.  q [B, S*H, Dl+Dr] (row s*H + h),
+    new_rows [B, S, Dl+Dr], cache [B, T, Dl+Dr] -> [B, S*H, Dl].
+
+    Attends over the visible cached rows, the mask's extra rows and, causally, the new rows, without
+    concatenating the cache: the two score blocks are softmaxed together and the value products summed."""
+    rows = new_rows if mask.extra_rows is None else torch.cat([mask.extra_rows, new_rows], 1)
+    qf, kc, kn = as_fp32(q), as_fp32(cache), as_fp32(rows)
+    s_past = torch.matmul(qf, kc.transpose(1, 2)) * scale + mask.past  # [B, S*H, T]
+    s_new = torch.matmul(qf, kn.transpose(1, 2)) * scale + mask.new  # [B, S*H, R + S]
+    p = torch.cat([s_past, s_new], -1).softmax(-1)
+    p_past, p_new = p[..., :mask.t], p[..., mask.t:]  # (slices at the shared T: no per-layer shape ops)
+    out = torch.matmul(p_past, kc) + torch.matmul(p_new, kn)  # [B, S*H, Dl+Dr]
+    return out[..., :kv_lora_rank].to(q.dtype)
+
+
+def mla_attention_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_len: Tensor, kv_lora_rank: int,
+                             scale: float) -> Tensor:
+    """The MlaGenerationAttention contract on its own: q [B, S, H, Dl+Dr] (absorbed), new_rows [B, S, Dl+Dr],
+    cache [B, T, Dl+Dr] with past_len [B] valid rows -> [B, S, H, Dl]."""
+    b, s, h, c = q.shape
+    mask = Mask(Dims(b, s), h, past_len, cache.shape[1])
+    return attend(q.reshape(b, s * h, c), new_rows, cache, mask, kv_lora_rank, scale).reshape(b, s, h, -1)
 
 
 class MlaGenerationAttentionOp(torch.autograd.Function):
@@ -136,61 +209,101 @@ class MtpAcceptOp(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------- blocks
-def moe_static(moe: MoE, x: Tensor) -> Tensor:
-    """MoE with no data-dependent control flow: every routed expert on every token, weighted by the
-    gate's combine matrix (zero for unselected experts), in three matmuls over stacked weights."""
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])
-    weights, idx = moe.gate(x)
-    one_hot = idx[..., None] == torch.arange(len(moe.experts))  # [N, k, E]
-    combine = (weights[..., None] * one_hot.to(weights.dtype)).sum(1)  # [N, E]
-    w_gate = torch.cat([e.gate_proj.weight for e in moe.experts])  # [E*I, D]
-    w_up = torch.cat([e.up_proj.weight for e in moe.experts])
-    w_down = torch.cat([e.down_proj.weight for e in moe.experts], dim=1)  # [D, E*I]
-    a = (F.silu(x @ w_gate.T) * (x @ w_up.T)).unflatten(-1, (len(moe.experts), -1))  # [N, E, I]
-    y = (a * combine[..., None].to(a.dtype)).flatten(1) @ w_down.T
-    if hasattr(moe, "shared_experts"):
-        y = y + moe.shared_experts(x)
-    return y.view(shape)
+def linear_cat(x: Tensor, *layers: nn.Linear) -> Tensor:
+    """Several linear layers on the same input as one matmul (outputs concatenated in order)."""
+    bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
+    return F.linear(x, torch.cat([m.weight for m in layers]), bias)
 
 
-def block_forward(layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, past_len: Tensor,
-                  lowering: str, extra: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """One decoder block with absorbed MLA over the persistent cache. -> (h [B, S, D], new rows [B, S, Dl+Dr]).
+def mlp(m: MLP, x: Tensor) -> Tensor:
+    """SwiGLU with gate and up in one matmul."""
+    g, u = linear_cat(x, m.gate_proj, m.up_proj).split(m.gate_proj.out_features, -1)
+    return m.down_proj(F.silu(g) * u)
 
-    past_len: the plugin lowering's write position (its rows are in the buffer); the onnx lowering's valid
-    cached rows, with this step's other rows passed as `extra` (see mla_attention_decomposed)."""
-    attn: MLA = layer.self_attn
+
+def moe_static(moe: MoE, x: Tensor, dims: Dims) -> Tensor:
+    """MoE with no data-dependent control flow: every expert on every token, weighted by the gate's combine
+    matrix (zero for unselected experts), in three matmuls over stacked weights.  The shared experts ride
+    along as always-on experts of weight 1 (a SwiGLU of width n*I is n SwiGLUs of width I)."""
+    experts = list(moe.experts) + ([moe.shared_experts] if hasattr(moe, "shared_experts") else [])
+    inter = moe.experts[0].gate_proj.weight.shape[0]
+    n_routed, n_all = len(moe.experts), sum(e.gate_proj.weight.shape[0] for e in experts) // inter
+    weights, idx = moe.gate(x)  # [B, S, k]
+    always = torch.cat([torch.zeros(n_routed), torch.ones(n_all - n_routed)]).to(weights.dtype)
+    combine = always.expand(dims.b, dims.s, n_all).scatter(-1, idx, weights)  # [B, S, E + shared]
+    w_gate_up = torch.cat([e.gate_proj.weight for e in experts] + [e.up_proj.weight for e in experts])
+    w_down = torch.cat([e.down_proj.weight for e in experts], dim=1)  # [D, (E + shared) * I]
+    g, u = F.linear(x, w_gate_up).split(n_all * inter, -1)
+    a = dims.view(F.silu(g) * u, n_all, inter) * combine[..., None].to(g.dtype)  # [B, S, E + shared, I]
+    return F.linear(dims.view(a, n_all * inter), w_down)
+
+
+def folded_mla(attn: MLA) -> tuple[Tensor | None, Tensor | None]:
+    """W^UK folded into the query up-projection and W^UV into W^O, each only where the folded matrix is no
+    larger than the two it replaces (a latent rank Dl no larger than the head dims, as in small models;
+    DeepSeek-V3's Dl = 512 keeps the per-head matmuls).  Folded in fp32, cast to the weights' dtype.
+      wq [H*(Dl+Dr), Dq]: per head, Dl absorbed-nope rows then the Dr rope rows (RoPE follows);
+      wo [D, H*Dl]: attention output, heads concatenated -> the block's residual branch.
+    -> (wq or None, wo or None)."""
     cfg = attn.cfg
-    q_nope, q_pe, latent = attn.project(layer.input_layernorm(h), cos, sin)
-    w_uk, w_uv = attn.w_uk_uv()
-    # MatMul rather than Einsum: ONNX's Einsum has no bf16.
-    q_lat = torch.matmul(q_nope.transpose(1, 2), w_uk).transpose(1, 2)  # q_nope absorbed through W^UK: [B, S, H, Dl]
-    q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [B, S, H, Dl+Dr]
+    h, dn, dr, dl, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                         cfg.v_head_dim)
+    w_uk, w_uv = (as_fp32(w) for w in attn.w_uk_uv())  # [H, Dn, Dl], [H, Dv, Dl]
+    w_up = attn.q_proj.weight if cfg.q_lora_rank is None else attn.q_b_proj.weight  # [H*(Dn+Dr), Dq]
+    (dq, d), wq, wo = (w_up.shape[1], cfg.hidden_size), None, None
+    if dq * dl <= dq * dn + dn * dl:
+        w = as_fp32(w_up).view(h, dn + dr, dq)
+        wq = torch.cat([w_uk.transpose(1, 2) @ w[:, :dn], w[:, dn:]], 1).reshape(h * (dl + dr), dq).to(w_up.dtype)
+    if dl * d <= dv * d + dv * dl:
+        w_o = as_fp32(attn.o_proj.weight).view(d, h, dv).transpose(0, 1)  # [H, D, Dv]
+        wo = (w_o @ w_uv).transpose(0, 1).reshape(d, h * dl).to(attn.o_proj.weight.dtype)
+    return wq, wo
+
+
+def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, lowering: str
+                  ) -> tuple[Tensor, Tensor]:
+    """One decoder block with absorbed MLA over the persistent cache. -> (h [B, S, D], new rows [B, S, Dl+Dr])."""
+    attn: MLA = layer.self_attn
+    cfg, dims, rope = attn.cfg, group.dims, group.rope
+    nh, dn, dr, dl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    x = layer.input_layernorm(h)
+    if cfg.q_lora_rank is None:
+        c_q, (c_kv, k_pe) = x, attn.kv_a_proj_with_mqa(x).split([dl, dr], -1)
+    else:  # W^DQ and W^DKV in one matmul
+        c_q, c_kv, k_pe = linear_cat(x, attn.q_a_proj, attn.kv_a_proj_with_mqa).split([cfg.q_lora_rank, dl, dr], -1)
+        c_q = attn.q_a_layernorm(c_q)
+    wq, wo = folded_mla(attn)
+    w_uk, w_uv = attn.w_uk_uv()  # [H, Dn, Dl], [H, Dv, Dl]
+    if wq is not None:
+        q_lat, q_pe = dims.view(F.linear(c_q, wq), nh, dl + dr).split([dl, dr], -1)
+    else:  # per-head matmuls broadcast over B and S (MatMul rather than Einsum: ONNX's Einsum has no bf16)
+        q = attn.q_proj(c_q) if cfg.q_lora_rank is None else attn.q_b_proj(c_q)
+        q_nope, q_pe = dims.view(q, nh, dn + dr).split([dn, dr], -1)  # [B, S, H, Dn], [B, S, H, Dr]
+        q_lat = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # q_nope absorbed through W^UK
+    q_abs = torch.cat([q_lat, rope(q_pe, group.cos_h, group.sin_h)], -1)  # [B, S, H, Dl+Dr]
+    latent = torch.cat([attn.kv_a_layernorm(c_kv), rope(k_pe, group.cos, group.sin)], -1)  # [B, S, Dl+Dr]
     if lowering == "plugin":
-        o_lat = MlaGenerationAttentionOp.apply(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale)
+        o_lat = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl, cfg.softmax_scale)
     else:
-        o_lat = mla_attention_decomposed(q_abs, latent, cache, past_len, cfg.kv_lora_rank, cfg.softmax_scale, extra)
-    o = torch.matmul(o_lat.transpose(1, 2), w_uv.transpose(1, 2)).transpose(1, 2)  # W^UV: [B, S, H, Dv]
-    h = h + attn.o_proj(o.flatten(-2))
+        o_lat = attend(dims.rows(q_abs, dl + dr), latent, cache, group.mask, dl, cfg.softmax_scale)  # [B, S*H, Dl]
+    if wo is not None:
+        o = F.linear(dims.view(o_lat, nh * dl), wo, attn.o_proj.bias)
+    else:
+        o = torch.matmul(dims.view(o_lat, nh, 1, dl), w_uv.transpose(1, 2))  # W^UV: [B, S, H, 1, Dv]
+        o = attn.o_proj(dims.view(o, nh * cfg.v_head_dim))
+    h = h + o
     x = layer.post_attention_layernorm(h)
-    return h + (moe_static(layer.mlp, x) if isinstance(layer.mlp, MoE) else layer.mlp(x)), latent
-
-
-def _rope(model: DeepseekV3, past_len: Tensor, s: int) -> tuple[Tensor, Tensor, Tensor]:
-    positions = past_len[:, None].long() + torch.arange(s)[None, :]  # [B, S]
-    return positions, *model.rope(positions)
+    return h + (moe_static(layer.mlp, x, dims) if isinstance(layer.mlp, MoE) else mlp(layer.mlp, x)), latent
 
 
 # ----------------------------------------------------------------------------------------- graphs
-def target_forward(m: DeepseekV3, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, caches, lowering: str,
-                   think_ids: tuple[int, int]):
+def target_forward(m: DeepseekV3, group: Group, input_ids, thinking, relaxed_topk, relaxed_delta, caches,
+                   lowering: str, think_ids: tuple[int, int]):
     """The main model with acceptance: (accepted, num_accepted, thinking_out, hidden [B, S, D], logits, new rows)."""
-    _, cos, sin = _rope(m, past_len, input_ids.shape[1])
     h = m.model.embed_tokens(input_ids)
     new_rows = []
     for layer, cache in zip(m.model.layers, caches):
-        h, rows = block_forward(layer, h, cos, sin, cache, past_len, lowering)
+        h, rows = block_forward(layer, h, group, cache, lowering)
         new_rows.append(rows)
     h = m.model.norm(h)
     logits = m.lm_head(h).float()
@@ -199,39 +312,52 @@ def target_forward(m: DeepseekV3, input_ids, past_len, thinking, relaxed_topk, r
     return accepted, num_accepted, thinking_out, h, logits, new_rows
 
 
-def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, write_pos, valid_len, cache, lowering: str,
-              extra: tuple[Tensor, Tensor] | None = None):
-    """MTP module k on rows at positions write_pos + 0..S-1: h' = eh_proj([enorm(emb); hnorm(hidden)]) then its
-    block.  -> (hidden_out [B, S, D] before shared_head.norm, new rows).  See block_forward for valid_len/extra."""
+def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, group: Group, cache, lowering: str):
+    """MTP module k on the group's rows: h' = eh_proj([enorm(emb); hnorm(hidden)]) then its block.
+    -> (hidden_out [B, S, D] before shared_head.norm, new rows)."""
     layer = m.mtp[k]
-    positions, cos, sin = _rope(m, write_pos, next_tokens.shape[1])
-    emb = m.model.embed_tokens(next_tokens) * (positions != 0)[..., None].to(hidden.dtype)
+    emb = m.model.embed_tokens(next_tokens) * (group.positions != 0)[..., None].to(hidden.dtype)
     h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
-    return block_forward(layer, h, cos, sin, cache, write_pos if lowering == "plugin" else valid_len, lowering, extra)
+    return block_forward(layer, h, group, cache, lowering)
 
 
-class TargetGraph(nn.Module):
+class _Graph(nn.Module):
+    def __init__(self, model: DeepseekV3, lowering: str):
+        super().__init__()
+        self.model, self.lowering, self.rope = model, lowering, Rope(model)
+
+    def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
+              extra: tuple[Tensor, Tensor] | None = None) -> Group:
+        """The block group of S rows per sequence at write_pos + 0..S-1 over `cache` (valid_len valid rows)."""
+        dims = Dims(b, s)
+        heads = self.model.cfg.num_attention_heads
+        mask = Mask(dims, heads, valid_len, cache.shape[1], extra) if self.lowering == "onnx" else None
+        return Group(self.rope, dims, write_pos, mask)
+
+
+class TargetGraph(_Graph):
     """Main model for prefill (S prompt tokens) and verification (S = K + 1), with acceptance in-graph.
 
     inputs : input_ids [B, S] int32, past_len [B] int32, thinking [B] int32, relaxed_topk [] int32,
-             relaxed_delta [] float32, kv_0 .. kv_{L-1} [B, T, Dl+Dr]
+             relaxed_delta [] float32, kv_0 .. kv_{L-1} [B, T, Dl+Dr] (one T for all caches)
     outputs: accepted_tokens [B, S] int32, num_accepted [B] int32, thinking_out [B] int32,
              target_tokens [B, S] int32 (argmax), hidden_states [B, S, D], logits [B, S, V] float32,
              and in the onnx lowering new_kv_0 .. new_kv_{L-1} [B, S, Dl+Dr]."""
 
     def __init__(self, model: DeepseekV3, lowering: str, think_ids: tuple[int, int]):
-        super().__init__()
-        self.model, self.lowering, self.think_ids = model, lowering, think_ids
+        super().__init__(model, lowering)
+        self.think_ids = think_ids
 
     def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
+        group = self.group(*input_ids.shape, past_len, past_len, caches[0])
         accepted, num, thinking_out, h, logits, new_rows = target_forward(
-            self.model, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, caches, self.lowering,
+            self.model, group, input_ids, thinking, relaxed_topk, relaxed_delta, caches, self.lowering,
             self.think_ids)
         outs = (accepted, num, thinking_out, logits.argmax(-1).to(torch.int32), h, logits)
         return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
 
 
-class MtpGraph(nn.Module):
+class MtpGraph(_Graph):
     """One MTP module over its own latent cache.
 
     inputs : hidden [B, S, D], next_tokens [B, S] int32, past_len [B] int32, kv [B, T, Dl+Dr]
@@ -240,19 +366,20 @@ class MtpGraph(nn.Module):
              in the onnx lowering."""
 
     def __init__(self, model: DeepseekV3, k: int, lowering: str):
-        super().__init__()
-        self.model, self.k, self.lowering = model, k, lowering
+        super().__init__(model, lowering)
+        self.k = k
 
     def forward(self, hidden, next_tokens, past_len, cache):
         m = self.model
-        h, rows = mtp_block(m, self.k, hidden, next_tokens, past_len, past_len, cache, self.lowering)
+        group = self.group(*next_tokens.shape, past_len, past_len, cache)
+        h, rows = mtp_block(m, self.k, hidden, next_tokens, group, cache, self.lowering)
         logits = m.lm_head(m.mtp[self.k].shared_head.norm(h)).float()
         probs, tokens = logits.softmax(-1).max(-1)
         outs = (h, tokens.to(torch.int32), probs, logits)
         return outs + ((rows,) if self.lowering == "onnx" else ())
 
 
-class StepGraph(nn.Module):
+class StepGraph(_Graph):
     """One whole eagle decode step, greedy, in one call: verify and accept, then MTP depth 1 over the K + 1
     verified rows and depths 2..K one row each, drafting the next step's K tokens.
 
@@ -263,23 +390,25 @@ class StepGraph(nn.Module):
              writes its rows in place, depth k at row past_len + num_accepted + k - 1."""
 
     def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
-        super().__init__()
-        self.model, self.nextn, self.lowering, self.think_ids = model, nextn, lowering, think_ids
+        super().__init__(model, lowering)
+        self.nextn, self.think_ids = nextn, think_ids
 
     def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
         m, layers = self.model, len(self.model.model.layers)
+        b, s = input_ids.shape
+        group = self.group(b, s, past_len, past_len, caches[0])  # the target's rows; MTP depth 1's too
         accepted, num, thinking_out, h, _, new_rows = target_forward(
-            m, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, caches[:layers], self.lowering,
+            m, group, input_ids, thinking, relaxed_topk, relaxed_delta, caches[:layers], self.lowering,
             self.think_ids)
         cache, head_norm = caches[layers], m.mtp[0].shared_head.norm
-        h1, rows1 = mtp_block(m, 0, h, accepted.clamp(min=0), past_len, past_len, cache, self.lowering)
-        h_prev = h1.gather(1, num.long()[:, None, None].expand(-1, 1, h1.shape[-1]))  # row q = past_len + num
+        h1, rows1 = mtp_block(m, 0, h, accepted.clamp(min=0), group, cache, self.lowering)
+        h_prev = h1.gather(1, num.long()[:, None, None].expand(-1, 1, m.cfg.hidden_size))  # row past_len + num
         d = m.lm_head(head_norm(h_prev)).float().argmax(-1).to(torch.int32)  # [B, 1]
         drafts = [d]
-        extra = (rows1, torch.arange(input_ids.shape[1])[None, :] <= num[:, None])  # depth 1's accepted rows
+        extra = (rows1, torch.arange(s)[None, :] <= num[:, None])  # depth 1's accepted rows
         for k in range(2, self.nextn + 1):
-            pos = past_len + num + (k - 1)
-            h_prev, rows = mtp_block(m, 0, h_prev, d, pos, past_len, cache, self.lowering, extra)
+            group_k = self.group(b, 1, past_len + num + (k - 1), past_len, cache, extra)
+            h_prev, rows = mtp_block(m, 0, h_prev, d, group_k, cache, self.lowering)
             d = m.lm_head(head_norm(h_prev)).float().argmax(-1).to(torch.int32)
             drafts.append(d)
             extra = (torch.cat([extra[0], rows], 1), torch.cat([extra[1], torch.ones_like(d, dtype=torch.bool)], 1))

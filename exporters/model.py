@@ -34,6 +34,12 @@ from mtp_trt.config import ModelConfig
 Tensor = torch.Tensor
 
 
+def as_fp32(x: Tensor) -> Tensor:
+    """x in fp32; an fp32 tensor as is (.float() would return it too, but the tracer records a Cast node,
+    and a plugin node after it would receive the Cast instead of the graph's input)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back before the weight (as DeepSeek and HF do)."""
 
@@ -208,19 +214,19 @@ class Gate(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [N, D] -> weights [N, k] (fp32), expert indices [N, k]."""
+        """x [..., D] -> weights [..., k] (fp32), expert indices [..., k]."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())  # [N, E]
+        logits = F.linear(as_fp32(x), as_fp32(self.weight))  # [..., E]
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias.float() if cfg.topk_method == "noaux_tc" else scores
+        choice = scores + as_fp32(self.e_score_correction_bias) if cfg.topk_method == "noaux_tc" else scores
         if cfg.n_group > 1 and cfg.topk_method != "greedy":
-            grouped = choice.unflatten(-1, (cfg.n_group, -1))  # [N, G, E/G]
+            grouped = choice.unflatten(-1, (cfg.n_group, -1))  # [..., G, E/G]
             group_scores = grouped.topk(2, -1)[0].sum(-1) if cfg.topk_method == "noaux_tc" else grouped.amax(-1)
-            top = group_scores.topk(cfg.topk_group, -1)[1]  # [N, topk_group]
-            keep = (top[:, :, None] == torch.arange(cfg.n_group)).any(1)  # [N, G] (one-hot: traces to ONNX)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+            top = group_scores.topk(cfg.topk_group, -1)[1]  # [..., topk_group]
+            keep = (top[..., None] == torch.arange(cfg.n_group)).any(-2)  # [..., G] (one-hot: traces to ONNX)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
         idx = choice.topk(cfg.num_experts_per_tok, -1)[1]
-        weights = scores.gather(1, idx)
+        weights = scores.gather(-1, idx)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * cfg.routed_scaling_factor, idx

@@ -64,13 +64,13 @@ def write_char_tokenizer(path: Path) -> None:
     tok.save(str(path))
 
 
-def make_random(path: Path, nextn: int = 2, seed: int = 0) -> Path:
-    """Random weights (config moe_qlora_yarn), `nextn` MTP modules, and a tokenizer.json that only declares
-    <think> / </think> as ids 90 / 91 (enough for the exporter to record them)."""
+def make_random(path: Path, nextn: int = 2, seed: int = 0, **overrides) -> Path:
+    """Random weights (config moe_qlora_yarn + overrides), `nextn` MTP modules, and a tokenizer.json that only
+    declares <think> / </think> as ids 90 / 91 (enough for the exporter to record them)."""
     from hf_models import CONFIGS
 
     torch.manual_seed(seed)
-    d = {**BASE, **CONFIGS["moe_qlora_yarn"], "num_nextn_predict_layers": nextn}
+    d = {**BASE, **CONFIGS["moe_qlora_yarn"], "num_nextn_predict_layers": nextn, **overrides}
     save_checkpoint(DeepseekV3(ModelConfig.from_dict(d)).init_weights(0.15), path, d)
     tok = {"added_tokens": [{"id": THINK[0], "content": "<think>"}, {"id": THINK[1], "content": "</think>"}]}
     (path / "tokenizer.json").write_text(json.dumps(tok))

@@ -30,10 +30,18 @@ def ckpt(tmp_path_factory):
     return make_random(tmp_path_factory.mktemp("ckpt") / "model", nextn=2)
 
 
-@pytest.fixture(scope="module", params=["eagle", "vanilla"])
-def exported(request, ckpt, tmp_path_factory):
-    out = export(ckpt, tmp_path_factory.mktemp("exp") / request.param, nextn=2, mtp_mode=request.param,
-                 max_seq_len=64)
+@pytest.fixture(scope="module")
+def ckpt_folded(tmp_path_factory):
+    """kv_lora_rank = 12 (<= the head dims): the exporter folds W^UK and W^UV into the projections
+    (graphs.folded_mla); the default checkpoint's rank 32 keeps the per-head matmuls."""
+    return make_random(tmp_path_factory.mktemp("ckpt") / "folded", nextn=2, kv_lora_rank=12)
+
+
+@pytest.fixture(scope="module", params=[("eagle", "ckpt"), ("vanilla", "ckpt"), ("eagle", "ckpt_folded")],
+                ids=["eagle", "vanilla", "eagle-folded"])
+def exported(request, tmp_path_factory):
+    mode, ckpt = request.param[0], request.getfixturevalue(request.param[1])
+    out = export(ckpt, tmp_path_factory.mktemp("exp") / mode, nextn=2, mtp_mode=mode, max_seq_len=64)
     return Manifest.load(out, verify_hashes=True)
 
 
@@ -56,13 +64,13 @@ def test_manifest_records_the_contract(exported):
     assert (m.root / "tokenizer.json").is_file()
 
 
-def test_onnxruntime_matches_torch_through_decode_with_rewinds(exported, ckpt):
+def test_onnxruntime_matches_torch_through_decode_with_rewinds(exported):
     """Two sequences (prompts of 7 and 4 tokens, right-padded); then 5 verify steps with K = 2 drafts
     chosen so that some steps accept all, some part, some none; the caches are rewound by moving
     the lengths back.  At every step ORT's logits, hidden states, new cache rows, acceptance and MTP
     outputs match the PyTorch reference run on its own caches."""
     m = exported
-    model = load_checkpoint(ckpt, nextn=2 if m.mtp_mode == "vanilla" else 1, max_positions=64)
+    model = load_checkpoint(m.raw["checkpoint"], nextn=2 if m.mtp_mode == "vanilla" else 1, max_positions=64)
     cfg, b, t = m.config, 2, 64
     target = ort.InferenceSession(str(m.root / "target.onnx"), providers=["CPUExecutionProvider"])
     mtps = {n: ort.InferenceSession(str(m.root / m.graphs[n].file), providers=["CPUExecutionProvider"])
