@@ -11,6 +11,7 @@ keep the unfinished ones first so finished ones cost nothing.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -58,10 +59,21 @@ class Backend(ABC):
         """Exchange the cached rows of slots i and j (used when a sequence finishes)."""
 
 
-class OrtBackend(Backend):
-    """ONNX Runtime, CPU execution provider, running the `onnx` lowering."""
+def default_threads() -> int:
+    """The cores this process may use, at most 8 (the graphs' ops are small: more threads would only wait)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 8))
 
-    def __init__(self, manifest: Manifest, threads: int | None = 1):
+
+class OrtBackend(Backend):
+    """ONNX Runtime, CPU execution provider, running the `onnx` lowering, `threads` intra-op threads per
+    session (default: default_threads()).
+
+    A decode step runs several sessions in turn (target, MTP graphs).  Each session's pool stops spinning
+    when its run ends (`session.force_spinning_stop`): otherwise its idle threads spin on and fight the next
+    session's for the cores (measured 2-4x slower on 2 cores)."""
+
+    def __init__(self, manifest: Manifest, threads: int | None = None):
         import onnxruntime as ort
 
         if manifest.lowering != "onnx":
@@ -72,8 +84,8 @@ class OrtBackend(Backend):
                               f"export with --dtype fp32")
         self.manifest = manifest
         opts = ort.SessionOptions()
-        if threads:  # one thread: these graphs are many small ops, where a thread pool costs more than it gives
-            opts.intra_op_num_threads = threads
+        opts.intra_op_num_threads = threads or default_threads()
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
         self.sessions = {name: ort.InferenceSession(str(manifest.root / g.file), opts,
                                                     providers=["CPUExecutionProvider"])
                          for name, g in manifest.graphs.items()}
