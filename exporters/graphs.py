@@ -175,8 +175,9 @@ def accept_decomposed(logits: Tensor, input_ids: Tensor, thinking: Tensor, relax
     bonus = target.gather(1, num_accepted.long()[:, None])  # [B, 1]
     accepted = torch.where(pos < num_accepted[:, None], drafts,
                            torch.where(pos == num_accepted[:, None], bonus, torch.full_like(bonus, -1)))
-    after = thinking_flags(accepted, thinking, think_start_id, think_end_id)  # [B, S]
-    return accepted, num_accepted, after[:, -1].to(torch.int32)
+    # flag after the accepted drafts = the flag before draft num_accepted; then the bonus token's effect
+    kept = flag.gather(1, num_accepted.long()[:, None]) & (bonus != think_end_id)
+    return accepted, num_accepted, ((bonus == think_start_id) | kept)[:, 0].to(torch.int32)
 
 
 def thinking_flags(tokens: Tensor, thinking: Tensor, start_id: int, end_id: int) -> Tensor:
