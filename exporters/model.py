@@ -220,16 +220,18 @@ class Gate(nn.Module):
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores + as_fp32(self.e_score_correction_bias) if cfg.topk_method == "noaux_tc" else scores
         if cfg.n_group > 1 and cfg.topk_method != "greedy":
-            grouped = choice.unflatten(-1, (cfg.n_group, -1))  # [..., G, E/G]
+            experts = torch.arange(cfg.n_routed_experts)
+            grouped = choice[..., experts.view(cfg.n_group, -1)]  # [..., G, E/G] (a gather: no reshape)
+            group_of = experts // (cfg.n_routed_experts // cfg.n_group)  # [E]
             group_scores = grouped.topk(2, -1)[0].sum(-1) if cfg.topk_method == "noaux_tc" else grouped.amax(-1)
             top = group_scores.topk(cfg.topk_group, -1)[1]  # [..., topk_group]
             keep = (top[..., None] == torch.arange(cfg.n_group)).any(-2)  # [..., G] (one-hot: traces to ONNX)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+            choice = choice.masked_fill(~keep[..., group_of], float("-inf"))
         idx = choice.topk(cfg.num_experts_per_tok, -1)[1]
         weights = scores.gather(-1, idx)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, idx
+        return weights if cfg.routed_scaling_factor == 1.0 else weights * cfg.routed_scaling_factor, idx
 
 
 class MoE(nn.Module):
