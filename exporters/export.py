@@ -50,12 +50,15 @@ def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], 
 
 
 def step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[list[dict], list[dict]]:
-    """The step graph's S is K + 1, fixed at export."""
+    """The step graph's S is K + 1, fixed at export; step_0 (plain decoding) has no relaxed-acceptance
+    inputs, no MTP cache and no drafts."""
     t_in, t_out = target_io(cfg, dtype, lowering)
-    inputs = t_in + [_spec("mtp_kv", dtype, ["B", "T", cfg.latent_dim])]
-    outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])]
+    mtp = nextn > 0
+    inputs = [t for t in t_in if mtp or not t["name"].startswith("relaxed_")]
+    inputs += [_spec("mtp_kv", dtype, ["B", "T", cfg.latent_dim])] * mtp
+    outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])] * mtp
     if lowering == "onnx":
-        outputs += t_out[6:] + [_spec("mtp_new_kv", dtype, ["B", "S", cfg.latent_dim])]
+        outputs += t_out[6:] + [_spec("mtp_new_kv", dtype, ["B", "S", cfg.latent_dim])] * mtp
     fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
     return [fix(t) for t in inputs], [fix(t) for t in outputs]
 
@@ -178,9 +181,11 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                  [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
         jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
                  for k in range(modules)]
-        if mtp_mode == "eagle":  # the whole greedy step in one call (see StepGraph), for every nextn 1..K
-            jobs += [(f"step_{n}", StepGraph(model, n, lowering, think_ids), step_io(cfg, dtype, lowering, n),
-                      [f"kv_{i}" for i in range(cfg.num_hidden_layers)] + ["mtp_kv"]) for n in range(1, nextn + 1)]
+        # The whole greedy step in one call (see StepGraph): plain decoding (nextn 0) in both modes, and in
+        # eagle mode every nextn 1..K.
+        for n in range(nextn + 1 if mtp_mode == "eagle" else 1):
+            jobs.append((f"step_{n}", StepGraph(model, n, lowering, think_ids), step_io(cfg, dtype, lowering, n),
+                         [f"kv_{i}" for i in range(cfg.num_hidden_layers)] + ["mtp_kv"] * (n > 0)))
         graphs = {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")

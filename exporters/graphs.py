@@ -176,8 +176,13 @@ def accept_decomposed(logits: Tensor, input_ids: Tensor, thinking: Tensor, relax
     accepted = torch.where(pos < num_accepted[:, None], drafts,
                            torch.where(pos == num_accepted[:, None], bonus, torch.full_like(bonus, -1)))
     # flag after the accepted drafts = the flag before draft num_accepted; then the bonus token's effect
-    kept = flag.gather(1, num_accepted.long()[:, None]) & (bonus != think_end_id)
-    return accepted, num_accepted, ((bonus == think_start_id) | kept)[:, 0].to(torch.int32)
+    after = flag_after(flag.gather(1, num_accepted.long()[:, None]), bonus, think_start_id, think_end_id)
+    return accepted, num_accepted, after[:, 0].to(torch.int32)
+
+
+def flag_after(flag: Tensor, token: Tensor, start_id: int, end_id: int) -> Tensor:
+    """The thinking flag (bool) after `token`: on at `<think>`, off at `</think>`, else unchanged."""
+    return (token == start_id) | (flag & (token != end_id))
 
 
 def thinking_flags(tokens: Tensor, thinking: Tensor, start_id: int, end_id: int) -> Tensor:
@@ -298,19 +303,19 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
 
 
 # ----------------------------------------------------------------------------------------- graphs
-def target_forward(m: DeepseekV3, group: Group, input_ids, thinking, relaxed_topk, relaxed_delta, caches,
-                   lowering: str, think_ids: tuple[int, int]):
-    """The main model with acceptance: (accepted, num_accepted, thinking_out, hidden [B, S, D], logits, new rows)."""
+def main_forward(m: DeepseekV3, group: Group, input_ids, caches, lowering: str):
+    """The main model: (hidden [B, S, D] after the final norm, logits [B, S, V] fp32, new rows per layer)."""
     h = m.model.embed_tokens(input_ids)
     new_rows = []
     for layer, cache in zip(m.model.layers, caches):
         h, rows = block_forward(layer, h, group, cache, lowering)
         new_rows.append(rows)
     h = m.model.norm(h)
-    logits = m.lm_head(h).float()
-    accept = MtpAcceptOp.apply if lowering == "plugin" else accept_decomposed
-    accepted, num_accepted, thinking_out = accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta, *think_ids)
-    return accepted, num_accepted, thinking_out, h, logits, new_rows
+    return h, m.lm_head(h).float(), new_rows
+
+
+def accept_op(lowering: str):
+    return MtpAcceptOp.apply if lowering == "plugin" else accept_decomposed
 
 
 def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, group: Group, cache, lowering: str):
@@ -351,9 +356,9 @@ class TargetGraph(_Graph):
 
     def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
         group = self.group(*input_ids.shape, past_len, past_len, caches[0])
-        accepted, num, thinking_out, h, logits, new_rows = target_forward(
-            self.model, group, input_ids, thinking, relaxed_topk, relaxed_delta, caches, self.lowering,
-            self.think_ids)
+        h, logits, new_rows = main_forward(self.model, group, input_ids, caches, self.lowering)
+        accepted, num, thinking_out = accept_op(self.lowering)(logits, input_ids, thinking, relaxed_topk,
+                                                               relaxed_delta, *self.think_ids)
         outs = (accepted, num, thinking_out, logits.argmax(-1).to(torch.int32), h, logits)
         return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
 
@@ -381,26 +386,34 @@ class MtpGraph(_Graph):
 
 
 class StepGraph(_Graph):
-    """One whole eagle decode step, greedy, in one call: verify and accept, then MTP depth 1 over the K + 1
-    verified rows and depths 2..K one row each, drafting the next step's K tokens.
+    """One whole greedy decode step in one call.  K > 0 (eagle): verify and accept, then MTP depth 1 over
+    the K + 1 verified rows and depths 2..K one row each, drafting the next step's K tokens.  K = 0 (both
+    modes): plain decoding, the main model and its argmax, with no acceptance to compute.
 
-    inputs : as TargetGraph (S = K + 1 exactly), then mtp_kv [B, T, Dl+Dr] (the MTP module's cache)
-    outputs: accepted_tokens, num_accepted, thinking_out (as TargetGraph), drafts [B, K] int32, and in the
-             onnx lowering new_kv_0 .. new_kv_{L-1} and mtp_new_kv [B, K+1, Dl+Dr] (depth 1's rows; the
-             deeper rows are speculative and need no commit).  In the plugin lowering every attention node
-             writes its rows in place, depth k at row past_len + num_accepted + k - 1."""
+    inputs : as TargetGraph (S = K + 1 exactly; K = 0: without relaxed_topk / relaxed_delta), then (K > 0)
+             mtp_kv [B, T, Dl+Dr] (the MTP module's cache)
+    outputs: accepted_tokens, num_accepted, thinking_out (as TargetGraph), (K > 0) drafts [B, K] int32,
+             and in the onnx lowering new_kv_0 .. new_kv_{L-1} and (K > 0) mtp_new_kv [B, K+1, Dl+Dr]
+             (depth 1's rows; the deeper rows are speculative and need no commit).  In the plugin lowering
+             every attention node writes its rows in place, depth k at row past_len + num_accepted + k - 1."""
 
     def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
         super().__init__(model, lowering)
         self.nextn, self.think_ids = nextn, think_ids
 
-    def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
+    def forward(self, input_ids, past_len, thinking, *rest):
         m, layers = self.model, len(self.model.model.layers)
+        (relaxed_topk, relaxed_delta), caches = (rest[:2], rest[2:]) if self.nextn else ((None, None), rest)
         b, s = input_ids.shape
         group = self.group(b, s, past_len, past_len, caches[0])  # the target's rows; MTP depth 1's too
-        accepted, num, thinking_out, h, _, new_rows = target_forward(
-            m, group, input_ids, thinking, relaxed_topk, relaxed_delta, caches[:layers], self.lowering,
-            self.think_ids)
+        h, logits, new_rows = main_forward(m, group, input_ids, caches[:layers], self.lowering)
+        if self.nextn == 0:
+            token = logits.argmax(-1).to(torch.int32)  # [B, 1]
+            flag = flag_after(thinking[:, None] != 0, token, *self.think_ids)[:, 0].to(torch.int32)
+            outs = (token, torch.zeros_like(past_len), flag)
+            return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
+        accepted, num, thinking_out = accept_op(self.lowering)(logits, input_ids, thinking, relaxed_topk,
+                                                               relaxed_delta, *self.think_ids)
         cache, head_norm = caches[layers], m.mtp[0].shared_head.norm
         h1, rows1 = mtp_block(m, 0, h, accepted.clamp(min=0), group, cache, self.lowering)
         h_prev = h1.gather(1, num.long()[:, None, None].expand(-1, 1, m.cfg.hidden_size))  # row past_len + num

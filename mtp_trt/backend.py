@@ -43,15 +43,15 @@ class Backend(ABC):
         Returns hidden_out, draft_tokens, draft_probs (+ draft_logits)."""
 
     def has_step(self, nextn: int) -> bool:
-        """Whether `step` can run a whole greedy eagle decode step with `nextn` drafts in one call (the export
-        has a `step_{nextn}` graph)."""
+        """Whether `step` can run a whole greedy decode step with `nextn` drafts in one call (the export has
+        a `step_{nextn}` graph: nextn 0 in both modes, 1..K in eagle mode)."""
         return False
 
     def step(self, n: int, input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray, relaxed_topk: int,
              relaxed_delta: float) -> dict[str, np.ndarray]:
         """Verify, accept and draft the next K tokens in one call (the `step_K` graph, K = input_ids' width - 1),
-        committing the target's rows and MTP depth 1's.  Returns accepted_tokens, num_accepted, thinking_out,
-        drafts."""
+        committing the target's rows and MTP depth 1's.  Returns accepted_tokens, num_accepted, thinking_out
+        and (K > 0) drafts."""
         raise NotImplementedError
 
     @abstractmethod
@@ -136,15 +136,15 @@ class OrtBackend(Backend):
     def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta):
         name = f"step_{input_ids.shape[1] - 1}"
         g = self.manifest.graphs[name]
-        caches = self.caches["target"] + self.caches["mtp0"]
-        feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking,
-                "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32)}
-        feed |= {name: c[:n] for name, c in zip(g.kv_inputs, caches)}
-        names = ["accepted_tokens", "num_accepted", "thinking_out", "drafts"] + g.kv_outputs
-        out = dict(zip(names, self.sessions[name].run(names, feed)))
-        new = [out.pop(k) for k in g.kv_outputs]
-        self._commit([c[:n] for c in self.caches["target"]], new[:-1], past_len)
-        self._commit([self.caches["mtp0"][0][:n]], new[-1:], past_len)
+        caches = [c[:n] for c in self.caches["target"] + self.caches.get("mtp0", [])][:len(g.kv_inputs)]
+        feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking}
+        if input_ids.shape[1] > 1:  # step_0 has no acceptance to relax
+            feed |= {"relaxed_topk": np.array(relaxed_topk, np.int32),
+                     "relaxed_delta": np.array(relaxed_delta, np.float32)}
+        feed |= dict(zip(g.kv_inputs, caches))
+        names = ["accepted_tokens", "num_accepted", "thinking_out"] + ["drafts"] * (input_ids.shape[1] > 1)
+        out = dict(zip(names + g.kv_outputs, self.sessions[name].run(names + g.kv_outputs, feed)))
+        self._commit(caches, [out.pop(k) for k in g.kv_outputs], past_len)
         return out
 
     def swap_slots(self, i, j):

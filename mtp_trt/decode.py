@@ -220,12 +220,14 @@ def verify(backend: Backend, st: State, opts: DecodeOptions, rng) -> tuple[np.nd
 
 def fused_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, opts: DecodeOptions,
                rows: int) -> None:
-    """Eagle, greedy: verify, accept and draft in one backend call (the export's `step` graph)."""
+    """Greedy: verify, accept and (eagle) draft in one backend call (the export's `step_K` graph)."""
     n = st.n
     ids = np.concatenate([st.last[:n, None], st.drafts[:n]], 1).astype(np.int32)
     out = backend.step(n, ids, st.main_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta)
     st.thinking[:n] = out["thinking_out"]
     accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
+    if not opts.nextn:
+        return
     st.drafts[:n] = out["drafts"]
     st.mtp_len[:n, 0] = st.main_len[:n]
     for i in range(n):
@@ -299,8 +301,7 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
         elif len(s.tokens) + 2 * opts.nextn + 2 > rows:
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
     retire(backend, st, seqs)
-    fused = (opts.sampling.greedy and backend.manifest.mtp_mode == "eagle" and opts.nextn > 0
-             and backend.has_step(opts.nextn))
+    fused = opts.sampling.greedy and backend.has_step(opts.nextn)
     while st.n:
         if fused:
             fused_step(backend, st, seqs, stats, opts, rows)

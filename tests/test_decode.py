@@ -95,12 +95,13 @@ class _NoStep:
         return False
 
 
-@pytest.mark.parametrize("nextn", range(1, K + 1))
-def test_fused_step_equals_separate_graphs(setup, nextn):
-    """Eagle's one-call step graphs (one per nextn) make the same tokens and drafts as the separate graphs."""
+@pytest.mark.parametrize("mode,nextn", [("eagle", n) for n in range(K + 1)] + [("vanilla", 0)])
+def test_fused_step_equals_separate_graphs(setup, mode, nextn):
+    """The one-call step graphs (plain decoding in both modes; in eagle mode one per nextn) make the same
+    tokens and drafts as the separate graphs."""
     _, backends, reference = setup
-    be = backends["eagle"]
-    assert be.has_step(nextn) and not be.has_step(0) and not be.has_step(K + 1)
+    be = backends[mode]
+    assert be.has_step(nextn) and not be.has_step(K + 1) and be.has_step(1) == (mode == "eagle")
     opts = DecodeOptions(nextn=nextn, max_new_tokens=NEW, eos_ids=(EOS,))
     fused, _ = generate(be, PROMPTS, opts)
     separate, _ = generate(_NoStep(be), PROMPTS, opts)

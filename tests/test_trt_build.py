@@ -92,7 +92,7 @@ def test_engine_manifest_records_the_build(engines, exported):
     assert pre["S"][2] == 64 and pre["B"][2] == 4
     assert m.profiles[0]["inputs"]["target"]["kv_0"] == [[1, 1, 40], [4, 64, 40], [4, 64, 40]]
     assert {(p["name"], p["version"], p["namespace"]) for p in m.plugins} == {(n, "1", "") for n in ops.OPS}
-    assert set(m.engines) == {"target", "mtp_0", "mtp_1"}
+    assert set(m.engines) == {"target", "mtp_0", "mtp_1", "step_0"}
     for name, e in m.engines.items():
         assert e.file == f"{name}.engine" and e.bytes == (engines / e.file).stat().st_size > 100_000
         assert e.sha256 == sha256(engines / e.file)
@@ -387,8 +387,9 @@ def test_demo_checkpoint_builds_engines(tmp_path):
     m = em.EngineManifest.load(out, verify_hashes=True)
     cfg = ModelConfig.from_file(demo_model())
     k = cfg.num_nextn_predict_layers
-    assert set(m.engines) == {"target", "mtp_0"} | {f"step_{n}" for n in range(1, k + 1)}
+    assert set(m.engines) == {"target", "mtp_0"} | {f"step_{n}" for n in range(k + 1)}
     assert m.engines["target"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers, "MtpAccept": 1}
+    assert m.engines["step_0"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers}
     assert m.engines["mtp_0"].plugin_layers == {"MlaGenerationAttention": 1}
     for n in range(1, k + 1):
         assert m.engines[f"step_{n}"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers + n,
