@@ -270,6 +270,7 @@ def bench(
     import platform
 
     from mtp_trt import bench as b
+    from mtp_trt.backend import default_threads
     from mtp_trt.runner import demo_model
 
     ckpt = model or demo_model()
@@ -282,7 +283,8 @@ def bench(
             resolve_export(ckpt, mode, progress=show)
     rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo)
     meta = {"checkpoint": str(ckpt), "max_new_tokens": max_new_tokens, "repeats": repeats,
-            "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count()}
+            "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count(),
+            "onnxruntime_threads": default_threads()}
     b.write_json(rows, json_path, meta)
     typer.echo("\nbatch  mode     nextn0/transformers  best nextn  speedup  mean accepted  speedup/accepted")
     for r in b.summarize(rows):

@@ -106,3 +106,17 @@ def test_bench_times_every_configuration_and_writes_json_and_plot(ckpt, tmp_path
     assert {x["batch"] for x in data["runs"] if x["engine"] == "transformers.generate"} == {1, 2}
     assert len(data["summary"]) == 4 and all(s["nextn0_over_transformers"] > 0 for s in data["summary"])
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_bench_summary_judges_the_fastest_drafting_nextn():
+    """The speedup-per-accepted-token figure is the fastest nextn >= 1's, even when nextn 0 is faster."""
+    from mtp_trt.bench import summarize
+
+    def row(nextn, tps, accepted):
+        return {"engine": "mtp-trt/onnxruntime", "mode": "vanilla", "batch": 8, "nextn": nextn,
+                "tokens_per_second": tps, "mean_accepted": accepted}
+    rows = [row(0, 100.0, 1.0), row(1, 90.0, 1.8), row(2, 80.0, 2.4),
+            {"engine": "transformers.generate", "mode": "-", "batch": 8, "nextn": 0, "tokens_per_second": 20.0}]
+    (s,) = summarize(rows)
+    assert (s["best_nextn"], s["nextn0_over_transformers"]) == (1, 5.0)
+    assert s["speedup_over_nextn0"] == pytest.approx(0.9) and s["speedup_over_mean_accepted"] == pytest.approx(0.5)
