@@ -19,7 +19,7 @@ import torch
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory
-from mtp_trt.exporters.graphs import LOWERINGS, MtpGraph, StepGraph, TargetGraph
+from mtp_trt.exporters.graphs import LOWERINGS, MtpGraph, StepGraph, TargetGraph, VanillaStepGraph
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
 
@@ -59,6 +59,21 @@ def step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[li
     outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])] * mtp
     if lowering == "onnx":
         outputs += t_out[6:] + [_spec("mtp_new_kv", dtype, ["B", "S", cfg.latent_dim])] * mtp
+    fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
+    return [fix(t) for t in inputs], [fix(t) for t in outputs]
+
+
+def vanilla_step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[list[dict], list[dict]]:
+    """VanillaStepGraph: S = K + 1 fixed; one MTP cache per depth; depth k's new rows are K + k wide."""
+    t_in, t_out = target_io(cfg, dtype, lowering)
+    carry = nextn > 1
+    inputs = t_in + [_spec(f"mtp_kv_{k}", dtype, ["B", "T", cfg.latent_dim]) for k in range(nextn)]
+    inputs += [_spec("carry", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
+    outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])]
+    outputs += [_spec("carry_out", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
+    if lowering == "onnx":
+        outputs += t_out[6:] + [_spec(f"mtp_new_kv_{k}", dtype, ["B", nextn + k + 1, cfg.latent_dim])
+                                for k in range(nextn)]
     fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
     return [fix(t) for t in inputs], [fix(t) for t in outputs]
 
@@ -181,16 +196,22 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                  [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
         jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
                  for k in range(modules)]
-        # The whole greedy step in one call (see StepGraph): plain decoding (nextn 0) in both modes, and in
-        # eagle mode every nextn 1..K.
-        for n in range(nextn + 1 if mtp_mode == "eagle" else 1):
-            jobs.append((f"step_{n}", StepGraph(model, n, lowering, think_ids), step_io(cfg, dtype, lowering, n),
-                         [f"kv_{i}" for i in range(cfg.num_hidden_layers)] + ["mtp_kv"] * (n > 0)))
+        # The whole greedy step in one call, for every nextn 0..K (StepGraph: plain decoding and eagle;
+        # VanillaStepGraph).
+        target_kv = [f"kv_{i}" for i in range(cfg.num_hidden_layers)]
+        for n in range(nextn + 1):
+            if mtp_mode == "vanilla" and n > 0:
+                jobs.append((f"step_{n}", VanillaStepGraph(model, n, lowering, think_ids),
+                             vanilla_step_io(cfg, dtype, lowering, n), target_kv + [f"mtp_kv_{k}" for k in range(n)]))
+            else:
+                jobs.append((f"step_{n}", StepGraph(model, n, lowering, think_ids), step_io(cfg, dtype, lowering, n),
+                             target_kv + ["mtp_kv"] * (n > 0)))
         graphs = {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
             _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering)
-            kv_outputs = [("mtp_new_kv" if n == "mtp_kv" else "new_" + n) for n in kv_inputs] if lowering == "onnx" else []
+            kv_outputs = [("mtp_new_" + n[4:] if n.startswith("mtp_") else "new_" + n) for n in kv_inputs] \
+                if lowering == "onnx" else []
             graphs[name] = {"file": f"{name}.onnx", "sha256": sha256(tmp / f"{name}.onnx"), "inputs": io[0],
                             "outputs": io[1], "kv_inputs": kv_inputs, "kv_outputs": kv_outputs}
         for f in TOKENIZER_FILES:

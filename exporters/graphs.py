@@ -428,3 +428,59 @@ class StepGraph(_Graph):
             extra = (torch.cat([extra[0], rows], 1), torch.cat([extra[1], torch.ones_like(d, dtype=torch.bool)], 1))
         outs = (accepted, num, thinking_out, torch.cat(drafts, 1))
         return outs + ((*new_rows, rows1) if self.lowering == "onnx" else ())
+
+
+class VanillaStepGraph(_Graph):
+    """One whole greedy vanilla decode step in one call: verify and accept, then MTP module k (k = 1..K) over
+    its window of K + k rows, each module with its own cache.
+
+    Window of depth k: rows start_k = past_len + 1 - k onwards (its cache holds rows < start_k: the
+    runtime's invariant mtp_len[k] = main_len + 1 - k), row j embedding the token at position
+    past_len + 1 + j -- an accepted token for j <= num_accepted, else the draft of depth j - num_accepted
+    made earlier in this step -- with depth k-1's hidden state at the same row: `carry` for the first row
+    (kept from the previous step), then depth k-1's window.  Depth k drafts from row
+    q = past_len + num_accepted (window row num_accepted + k - 1); rows up to q + 1 - k (window rows
+    0..num_accepted) hold only accepted tokens: the next step starts after them.
+
+    inputs : as TargetGraph (S = K + 1 exactly), then mtp_kv_0 .. mtp_kv_{K-1} [B, T, Dl+Dr] and (K > 1)
+             carry [B, K-1, D] (for k = 1..K-1, depth k's hidden at row past_len - k: the first row of depth
+             k+1's window, from the previous step)
+    outputs: accepted_tokens, num_accepted, thinking_out, drafts [B, K], (K > 1) carry_out [B, K-1, D]
+             (depth k's hidden at window row num_accepted: the next step's carry), and in the onnx lowering
+             new_kv_0 .. new_kv_{L-1}, then mtp_new_kv_{k-1} [B, K+k, Dl+Dr] for each depth k (rows from
+             start_k: the first num_accepted + 1 are final, later ones are overwritten next step)."""
+
+    def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
+        super().__init__(model, lowering)
+        self.nextn, self.think_ids = nextn, think_ids
+
+    def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *rest):
+        m, layers, k_max = self.model, len(self.model.model.layers), self.nextn
+        caches, mtp_caches = rest[:layers], rest[layers:layers + k_max]
+        carry = rest[layers + k_max] if k_max > 1 else None
+        b, s = input_ids.shape
+        group = self.group(b, s, past_len, past_len, caches[0])
+        h, logits, new_rows = main_forward(m, group, input_ids, caches, self.lowering)
+        accepted, num, thinking_out = accept_op(self.lowering)(logits, input_ids, thinking, relaxed_topk,
+                                                               relaxed_delta, *self.think_ids)
+        a, n = accepted.clamp(min=0), num.long()[:, None]  # tokens at positions past_len + 1 ..
+        hidden, drafts, carry_out, mtp_rows = h, [], [], []
+        for k in range(1, k_max + 1):
+            j = torch.arange(k_max + k)[None, :]  # window rows
+            if k == 1:
+                tokens = a
+            else:  # accepted tokens, then this step's drafts (a's tail only pads: those rows are never read)
+                later = torch.cat(drafts, 1).gather(1, (j - n - 1).clamp(0, k - 2))
+                tokens = torch.where(j <= n, torch.cat([a, a[:, :k - 1]], 1), later)
+                hidden = torch.cat([carry[:, k - 2:k - 1], hidden], 1)
+            start = past_len + 1 - k
+            mtp_group = self.group(b, k_max + k, start, start, mtp_caches[k - 1])
+            h_k, rows = mtp_block(m, k - 1, hidden, tokens, mtp_group, mtp_caches[k - 1], self.lowering)
+            at_q = h_k.gather(1, (n + k - 1)[:, :, None].expand(-1, 1, m.cfg.hidden_size))
+            drafts.append(m.lm_head(m.mtp[k - 1].shared_head.norm(at_q)).float().argmax(-1).to(torch.int32))
+            if k < k_max:
+                carry_out.append(h_k.gather(1, n[:, :, None].expand(-1, 1, m.cfg.hidden_size)))
+            hidden = h_k
+            mtp_rows.append(rows)
+        outs = (accepted, num, thinking_out, torch.cat(drafts, 1)) + ((torch.cat(carry_out, 1),) if carry_out else ())
+        return outs + ((*new_rows, *mtp_rows) if self.lowering == "onnx" else ())

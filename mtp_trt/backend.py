@@ -44,14 +44,15 @@ class Backend(ABC):
 
     def has_step(self, nextn: int) -> bool:
         """Whether `step` can run a whole greedy decode step with `nextn` drafts in one call (the export has
-        a `step_{nextn}` graph: nextn 0 in both modes, 1..K in eagle mode)."""
+        a `step_{nextn}` graph)."""
         return False
 
     def step(self, n: int, input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray, relaxed_topk: int,
-             relaxed_delta: float) -> dict[str, np.ndarray]:
+             relaxed_delta: float, carry: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Verify, accept and draft the next K tokens in one call (the `step_K` graph, K = input_ids' width - 1),
-        committing the target's rows and MTP depth 1's.  Returns accepted_tokens, num_accepted, thinking_out
-        and (K > 0) drafts."""
+        committing the target's rows and the MTP caches'.  carry [n, K-1, D]: vanilla's hidden states kept
+        from the previous step.  Returns accepted_tokens, num_accepted, thinking_out and (K > 0) drafts and
+        (vanilla, K > 1) carry_out."""
         raise NotImplementedError
 
     @abstractmethod
@@ -105,7 +106,7 @@ class OrtBackend(Backend):
     def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
         n, s = new_rows[0].shape[:2]
         rows = past_len[:, None] + np.arange(s)[None, :]  # [n, S]
-        keep = rows < caches[0].shape[1]  # never write past the buffer (the loop stops sequences first)
+        keep = (rows >= 0) & (rows < caches[0].shape[1])  # never write outside the buffer
         b_idx, s_idx = np.nonzero(keep)
         for cache, new in zip(caches, new_rows):
             cache[b_idx, rows[b_idx, s_idx]] = new[b_idx, s_idx]
@@ -133,18 +134,28 @@ class OrtBackend(Backend):
     def has_step(self, nextn):
         return f"step_{nextn}" in self.manifest.graphs
 
-    def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta):
+    def _step_cache(self, name: str) -> tuple[np.ndarray, int]:
+        """A step graph's cache input -> (buffer, row offset of its window from past_len): kv_i (target),
+        mtp_kv (eagle), mtp_kv_j (vanilla depth j + 1, whose window starts j rows before past_len)."""
+        if name.startswith("kv_"):
+            return self.caches["target"][int(name[3:])], 0
+        j = int(name[7:]) if name.startswith("mtp_kv_") else 0
+        return self.caches[f"mtp{j}"][0], -j
+
+    def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, carry=None):
         name = f"step_{input_ids.shape[1] - 1}"
         g = self.manifest.graphs[name]
-        caches = [c[:n] for c in self.caches["target"] + self.caches.get("mtp0", [])][:len(g.kv_inputs)]
-        feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking}
-        if input_ids.shape[1] > 1:  # step_0 has no acceptance to relax
-            feed |= {"relaxed_topk": np.array(relaxed_topk, np.int32),
-                     "relaxed_delta": np.array(relaxed_delta, np.float32)}
-        feed |= dict(zip(g.kv_inputs, caches))
-        names = ["accepted_tokens", "num_accepted", "thinking_out"] + ["drafts"] * (input_ids.shape[1] > 1)
+        inputs = {t.name for t in g.inputs}
+        feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking, "relaxed_topk":
+                np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32), "carry": carry}
+        caches = [self._step_cache(k) for k in g.kv_inputs]
+        feed = {k: v for k, v in feed.items() if k in inputs} | {k: c[:n] for k, (c, _) in zip(g.kv_inputs, caches)}
+        names = [t.name for t in g.outputs if t.name not in g.kv_outputs]
         out = dict(zip(names + g.kv_outputs, self.sessions[name].run(names + g.kv_outputs, feed)))
-        self._commit(caches, [out.pop(k) for k in g.kv_outputs], past_len)
+        new_rows = [out.pop(k) for k in g.kv_outputs]
+        for offset in sorted({o for _, o in caches}):  # one index computation per window offset
+            pairs = [(c[:n], r) for (c, o), r in zip(caches, new_rows) if o == offset]
+            self._commit([c for c, _ in pairs], [r for _, r in pairs], past_len + offset)
         return out
 
     def swap_slots(self, i, j):

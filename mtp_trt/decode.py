@@ -220,16 +220,21 @@ def verify(backend: Backend, st: State, opts: DecodeOptions, rng) -> tuple[np.nd
 
 def fused_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, opts: DecodeOptions,
                rows: int) -> None:
-    """Greedy: verify, accept and (eagle) draft in one backend call (the export's `step_K` graph)."""
-    n = st.n
+    """Greedy: verify, accept and draft in one backend call (the export's `step_K` graph).  Vanilla passes
+    and keeps the carried hidden states of depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds
+    rows < main_len + 1 - k, as after the separate graphs."""
+    n, k = st.n, opts.nextn
     ids = np.concatenate([st.last[:n, None], st.drafts[:n]], 1).astype(np.int32)
-    out = backend.step(n, ids, st.main_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta)
+    carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
+    out = backend.step(n, ids, st.main_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
     st.thinking[:n] = out["thinking_out"]
     accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
-    if not opts.nextn:
+    if not k:
         return
     st.drafts[:n] = out["drafts"]
-    st.mtp_len[:n, 0] = st.main_len[:n]
+    st.mtp_len[:n] = st.main_len[:n, None] + 1 - np.arange(1, st.mtp_len.shape[1] + 1)
+    if "carry_out" in out:
+        st.carry[:n, 1:] = out["carry_out"]
     for i in range(n):
         if seqs[st.order[i]].finish_reason is None:
             seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.drafts[i].tolist()))
@@ -302,8 +307,10 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
     retire(backend, st, seqs)
     fused = opts.sampling.greedy and backend.has_step(opts.nextn)
+    vanilla = backend.manifest.mtp_mode == "vanilla"
     while st.n:
-        if fused:
+        # vanilla's step graph needs every depth's window to start at row >= 0 (main_len >= K - 1)
+        if fused and not (vanilla and st.main_len[:st.n].min() < opts.nextn - 1):
             fused_step(backend, st, seqs, stats, opts, rows)
             if on_step:
                 on_step(seqs)

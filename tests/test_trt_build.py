@@ -92,7 +92,7 @@ def test_engine_manifest_records_the_build(engines, exported):
     assert pre["S"][2] == 64 and pre["B"][2] == 4
     assert m.profiles[0]["inputs"]["target"]["kv_0"] == [[1, 1, 40], [4, 64, 40], [4, 64, 40]]
     assert {(p["name"], p["version"], p["namespace"]) for p in m.plugins} == {(n, "1", "") for n in ops.OPS}
-    assert set(m.engines) == {"target", "mtp_0", "mtp_1", "step_0"}
+    assert set(m.engines) == {"target", "mtp_0", "mtp_1", "step_0", "step_1", "step_2"}
     for name, e in m.engines.items():
         assert e.file == f"{name}.engine" and e.bytes == (engines / e.file).stat().st_size > 100_000
         assert e.sha256 == sha256(engines / e.file)
