@@ -1,8 +1,9 @@
 """`mtp-trt bench`: tokens/s of MTP speculative decoding for nextn 0..K in both modes, at several batch
 sizes, beside Hugging Face transformers' greedy `generate` on the same checkpoint, in one run.
 
-Figures are medians over repeats, and the configurations of one batch size are timed round-robin, so
-ratios are taken within the run under the same conditions (these machines are shared and noisy).
+Figures are medians over repeats, and the configurations of one batch size are timed round-robin; ratios
+are medians of per-round ratios, so they compare runs made moments apart (these machines are shared and
+noisy).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ PROMPTS = [
 
 
 def _round_robin(jobs: dict, repeats: int) -> dict:
-    """{name: fn} -> {name: (median seconds, last result)}.  One warm-up call each, then `repeats` rounds
-    that call every job once in turn, so a machine that drifts (shared, throttled) slows all alike and
-    the ratios between jobs stay fair."""
+    """{name: fn} -> {name: (seconds of each round, last result)}.  One warm-up call each, then `repeats`
+    rounds that call every job once in turn, so a machine that drifts (shared, throttled) slows all alike;
+    ratios are then taken within each round (see ratio)."""
     results = {name: fn() for name, fn in jobs.items()}  # warm-up
     times = {name: [] for name in jobs}
     for _ in range(repeats):
@@ -39,7 +40,16 @@ def _round_robin(jobs: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             results[name] = fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(times[name]), results[name]) for name in jobs}
+    return {name: (times[name], results[name]) for name in jobs}
+
+
+def ratio(a: dict, b: dict) -> float:
+    """tokens/s of row a over row b: the median of the per-round ratios when both were timed in the same
+    rounds (drift between rounds cancels), else the ratio of the medians."""
+    ra, rb = a.get("round_seconds"), b.get("round_seconds")
+    if ra and rb and len(ra) == len(rb):
+        return statistics.median((a["tokens"] / x) / (b["tokens"] / y) for x, y in zip(ra, rb))
+    return a["tokens_per_second"] / b["tokens_per_second"]
 
 
 def _transformers_generate(checkpoint: Path):
@@ -87,11 +97,13 @@ def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repea
         if hf:
             jobs[("transformers", 0)] = hf(texts, max_new_tokens)
         baseline = {}  # mode -> nextn 0's tokens: every nextn must produce the same (greedy is lossless)
-        for (mode, nextn), (seconds, result) in _round_robin(jobs, repeats).items():
+        for (mode, nextn), (rounds, result) in _round_robin(jobs, repeats).items():
+            seconds = statistics.median(rounds)
             if mode == "transformers":
                 tokens = batch * max_new_tokens
                 rows.append({"engine": "transformers.generate", "mode": "-", "batch": batch, "nextn": 0,
-                             "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds})
+                             "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+                             "round_seconds": rounds})
                 progress(f"transformers batch {batch}: {tokens / seconds:8.1f} tokens/s")
                 continue
             seqs, stats = result
@@ -99,6 +111,7 @@ def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repea
             generated = baseline.setdefault(mode, [s.generated for s in seqs])
             rows.append({"engine": "mtp-trt/onnxruntime", "mode": mode, "batch": batch, "nextn": nextn,
                          "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+                         "round_seconds": rounds,
                          "mean_accepted": stats.mean_accepted, "acceptance_rate": stats.acceptance_rate,
                          "same_tokens_as_nextn0": [s.generated for s in seqs] == generated})
             progress(f"{mode:7s} batch {batch} nextn {nextn}: {tokens / seconds:8.1f} tokens/s, "
@@ -120,10 +133,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             drafting = [r for r in mine if r["nextn"] > 0]
             if not drafting:
                 continue
-            best = max(drafting, key=lambda r: r["tokens_per_second"])  # the fastest nextn >= 1, even if < 1x
-            speedup = best["tokens_per_second"] / base["tokens_per_second"]
-            out.append({"batch": batch, "mode": mode,
-                        "nextn0_over_transformers": base["tokens_per_second"] / hf["tokens_per_second"] if hf else None,
+            best = max(drafting, key=lambda r: ratio(r, base))  # the fastest nextn >= 1, even if < 1x
+            speedup = ratio(best, base)
+            out.append({"batch": batch, "mode": mode, "nextn0_over_transformers": ratio(base, hf) if hf else None,
                         "best_nextn": best["nextn"], "speedup_over_nextn0": speedup,
                         "mean_accepted": best["mean_accepted"],
                         "speedup_over_mean_accepted": speedup / best["mean_accepted"]})

@@ -120,3 +120,12 @@ def test_bench_summary_judges_the_fastest_drafting_nextn():
     (s,) = summarize(rows)
     assert (s["best_nextn"], s["nextn0_over_transformers"]) == (1, 5.0)
     assert s["speedup_over_nextn0"] == pytest.approx(0.9) and s["speedup_over_mean_accepted"] == pytest.approx(0.5)
+
+
+def test_bench_ratios_pair_the_runs_of_each_round():
+    """A machine that slows down between rounds: per-round ratios see the true 2x, ratios of medians would not."""
+    from mtp_trt.bench import ratio
+
+    a = {"tokens": 100, "round_seconds": [1.0, 2.0, 4.0], "tokens_per_second": 50.0}
+    b = {"tokens": 100, "round_seconds": [2.0, 4.0, 8.0], "tokens_per_second": 100 / 3.0}
+    assert ratio(a, b) == pytest.approx(2.0)
