@@ -123,9 +123,11 @@ def test_bench_summary_judges_the_fastest_drafting_nextn():
 
 
 def test_bench_ratios_pair_the_runs_of_each_round():
-    """A machine that slows down between rounds: per-round ratios see the true 2x, ratios of medians would not."""
+    """A machine whose speed swings between rounds: per-round ratios see the true 2x, medians' ratio does not."""
     from mtp_trt.bench import ratio
 
-    a = {"tokens": 100, "round_seconds": [1.0, 2.0, 4.0], "tokens_per_second": 50.0}
-    b = {"tokens": 100, "round_seconds": [2.0, 4.0, 8.0], "tokens_per_second": 100 / 3.0}
-    assert ratio(a, b) == pytest.approx(2.0)
+    a = {"tokens": 100, "round_seconds": [1.0, 4.0, 4.1], "tokens_per_second": 100 / 4.0}
+    b = {"tokens": 100, "round_seconds": [2.0, 2.1, 8.2], "tokens_per_second": 100 / 2.1}
+    assert ratio(a, b) == pytest.approx(2.0)  # a was twice as fast in two rounds of three
+    assert a["tokens_per_second"] / b["tokens_per_second"] < 1  # the medians come from different rounds
+    assert ratio(a, {"tokens": 100, "tokens_per_second": 50.0}) == pytest.approx(0.5)  # no rounds: medians
