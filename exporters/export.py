@@ -19,7 +19,8 @@ import torch
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory
-from mtp_trt.exporters.graphs import LOWERINGS, MtpGraph, StepGraph, TargetGraph, VanillaStepGraph
+from mtp_trt.exporters.graphs import MtpGraph, StepGraph, TargetGraph, VanillaStepGraph
+from mtp_trt.exporters.lowering import LOWERINGS
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
 

@@ -13,7 +13,7 @@ import torch
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters import export as export_mod
 from mtp_trt.exporters.export import export
-from mtp_trt.exporters.graphs import accept_decomposed
+from mtp_trt.exporters.lowering import accept_decomposed
 from mtp_trt.exporters.loader import load_checkpoint
 from runtime_models import THINK, make_random
 from mtp_trt.manifest import Manifest

@@ -1,7 +1,7 @@
 """The plugins' enqueue glue without a GPU: host buffers stand in for device memory, and the kernel
 library and the CUDA driver are replaced by host emulations (the kernels' NumPy references of
 plugins/reference.py, memmove).  The op outputs must equal the op contract as the `onnx` lowering
-computes it (exporters/graphs.py), the new rows must land in the cache in place, and the split-KV
+computes it (exporters/lowering.py), the new rows must land in the cache in place, and the split-KV
 workspace used must fit the one reserved at build time.  What this cannot check: the CUDA kernels
 themselves on a GPU (tests/kernels), and TensorRT calling enqueue (needs a GPU)."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtp_trt.exporters.graphs import accept_decomposed, mla_attention_decomposed
+from mtp_trt.exporters.lowering import accept_decomposed, mla_attention_decomposed
 from mtp_trt.plugins import reference
 from mtp_trt.plugins import trt_plugins as tp
 

@@ -1,0 +1,171 @@
+"""The exported graphs' two custom operations, MLA generation attention and draft acceptance, in the two
+lowerings: `onnx` decomposes them into standard ONNX operators (ONNX Runtime runs them anywhere);
+`plugin` makes each one node in the `mtp_trt` domain (docs/architecture.md documents inputs,
+attributes and outputs), implemented by the TensorRT plugins.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp_trt.exporters.model import as_fp32
+
+Tensor = torch.Tensor
+LOWERINGS = ("onnx", "plugin")
+
+
+class Dims:
+    """A block group's batch B and token count S, traced once: every reshape built from them shares one
+    shape computation (ONNX Runtime's common-subexpression elimination merges the copies), so a reshape
+    costs one node instead of the four the tracer emits for `x.shape`-derived sizes."""
+
+    def __init__(self, b, s):
+        self.b, self.s = b, s
+
+    def view(self, x: Tensor, *tail: int) -> Tensor:
+        """x [B, S, ...] -> [B, S, *tail]."""
+        return x.reshape(self.b, self.s, *tail)
+
+    def rows(self, x: Tensor, width: int) -> Tensor:
+        """x [B, S, ...] -> [B, S*..., width]."""
+        return x.reshape(self.b, -1, width)
+
+
+class Mask:
+    """The onnx lowering's attention visibility as additive float32 biases (0 visible, -inf hidden), built
+    once per block group, for query rows r = s*H + h: past [B, 1, T] over the cache buffer's T rows (valid:
+    < valid_len), new [B or 1, S*H, R + S] over `extra_rows` [B, R, Dl+Dr] (rows of this step that are not
+    in the buffer, visible where extra_visible [B, R]) and, causally, the S new rows."""
+
+    def __init__(self, dims: Dims, heads: int, valid_len: Tensor, t, extra: tuple[Tensor, Tensor] | None = None):
+        s = dims.s
+        self.dims, self.t = dims, t
+        self.extra_rows = None if extra is None else extra[0]
+        self.past = _bias(torch.arange(t) < valid_len[:, None])[:, None, :]
+        token = torch.arange(s * heads) // heads  # query row -> its token
+        causal = (torch.arange(s)[None, :] <= token[:, None])[None]  # [1, S*H, S]
+        if extra is not None:
+            causal = torch.cat([extra[1][:, None, :].expand(-1, s * heads, -1), causal.expand(dims.b, -1, -1)], -1)
+        self.new = _bias(causal)
+
+
+def _bias(visible: Tensor) -> Tensor:
+    return torch.where(visible, 0.0, float("-inf"))
+
+
+# ----------------------------------------------------------------------- MLA generation attention
+def attend(q: Tensor, new_rows: Tensor, cache: Tensor, mask: Mask, kv_lora_rank: int, scale: float) -> Tensor:
+    """Absorbed MLA over a latent cache in standard operators.  q [B, S*H, Dl+Dr] (row s*H + h),
+    new_rows [B, S, Dl+Dr], cache [B, T, Dl+Dr] -> [B, S*H, Dl].
+
+    Attends over the visible cached rows, the mask's extra rows and, causally, the new rows, without
+    concatenating the cache: the two score blocks are softmaxed together and the value products summed."""
+    rows = new_rows if mask.extra_rows is None else torch.cat([mask.extra_rows, new_rows], 1)
+    qf, kc, kn = as_fp32(q), as_fp32(cache), as_fp32(rows)
+    s_past = torch.matmul(qf, kc.transpose(1, 2)) * scale + mask.past  # [B, S*H, T]
+    s_new = torch.matmul(qf, kn.transpose(1, 2)) * scale + mask.new  # [B, S*H, R + S]
+    p = torch.cat([s_past, s_new], -1).softmax(-1)
+    p_past, p_new = p[..., :mask.t], p[..., mask.t:]  # (slices at the shared T: no per-layer shape ops)
+    out = torch.matmul(p_past, kc) + torch.matmul(p_new, kn)  # [B, S*H, Dl+Dr]
+    return out[..., :kv_lora_rank].to(q.dtype)
+
+
+def mla_attention_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_len: Tensor, kv_lora_rank: int,
+                             scale: float) -> Tensor:
+    """The MlaGenerationAttention contract on its own: q [B, S, H, Dl+Dr] (absorbed), new_rows [B, S, Dl+Dr],
+    cache [B, T, Dl+Dr] with past_len [B] valid rows -> [B, S, H, Dl]."""
+    b, s, h, c = q.shape
+    mask = Mask(Dims(b, s), h, past_len, cache.shape[1])
+    return attend(q.reshape(b, s * h, c), new_rows, cache, mask, kv_lora_rank, scale).reshape(b, s, h, -1)
+
+
+class MlaGenerationAttentionOp(torch.autograd.Function):
+    """Plugin lowering: one `mtp_trt::MlaGenerationAttention` node (computes the decomposed form when traced)."""
+
+    @staticmethod
+    def forward(ctx, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
+        return mla_attention_decomposed(q, new_rows, cache, past_len, kv_lora_rank, scale)
+
+    @staticmethod
+    def symbolic(g, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
+        return g.op("mtp_trt::MlaGenerationAttention", q, new_rows, cache, past_len, kv_lora_rank_i=kv_lora_rank,
+                    softmax_scale_f=scale)
+
+
+# ------------------------------------------------------------------------------------ acceptance
+def accept_decomposed(logits: Tensor, input_ids: Tensor, thinking: Tensor, relaxed_topk: Tensor,
+                      relaxed_delta: Tensor, think_start_id: int, think_end_id: int):
+    """In-graph acceptance of the drafts input_ids[:, 1:] against the target logits [B, S=K+1, V].
+
+    Draft i is accepted if it equals the argmax at position i, or -- while the thinking flag in effect
+    for position i is on and relaxed_topk > 0 -- if it ranks among the top `relaxed_topk` tokens and
+    p(draft) >= p(top-1) - relaxed_delta.  Accepted = the longest prefix of accepted drafts, then the
+    bonus token (argmax at the first unaccepted position).  The thinking flag turns on at
+    `<think>` and off at `</think>` as accepted tokens are processed in order; the flag for position i
+    is the one after drafts 0..i-1 (the step's first token was processed by the previous step).
+
+    Returns accepted_tokens [B, S] (int32, -1 after the bonus), num_accepted [B] (drafts accepted),
+    thinking_out [B] (int32)."""
+    b, s, v = logits.shape
+    lg = logits.float()
+    target = lg.argmax(-1).to(torch.int32)  # [B, S]
+    # Work on S columns (never zero-sized, even for K = 0): column i holds draft i; column K is a
+    # placeholder (the target's own token) that can never be accepted.
+    pos = torch.arange(s, dtype=torch.int32)[None, :]
+    is_draft = pos < s - 1
+    drafts = torch.cat([input_ids[:, 1:], target[:, -1:]], dim=1)  # [B, S]
+    l_d = lg.gather(-1, drafts.long()[..., None])  # [B, S, 1]
+    vocab = torch.arange(v, dtype=torch.int32)
+    rank = ((lg > l_d) | ((lg == l_d) & (vocab < drafts[..., None]))).to(torch.int32).sum(-1)  # [B, S]
+    probs = lg.softmax(-1)
+    p_d = probs.gather(-1, drafts.long()[..., None])[..., 0]
+    relaxed_ok = (rank < relaxed_topk) & (p_d >= probs.amax(-1) - relaxed_delta)
+    # flag before draft i = after drafts 0..i-1 = after column i of [-1, drafts]
+    flag = thinking_flags(torch.cat([torch.full_like(drafts[:, :1], -1), drafts[:, :-1]], 1), thinking,
+                          think_start_id, think_end_id)  # [B, S]
+    ok = ((drafts == target) | (relaxed_ok & flag)) & is_draft
+    num_accepted = (torch.cumsum((~ok).to(torch.int32), -1) == 0).sum(-1).to(torch.int32)  # [B]
+    bonus = target.gather(1, num_accepted.long()[:, None])  # [B, 1]
+    accepted = torch.where(pos < num_accepted[:, None], drafts,
+                           torch.where(pos == num_accepted[:, None], bonus, torch.full_like(bonus, -1)))
+    # flag after the accepted drafts = the flag before draft num_accepted; then the bonus token's effect
+    after = flag_after(flag.gather(1, num_accepted.long()[:, None]), bonus, think_start_id, think_end_id)
+    return accepted, num_accepted, after[:, 0].to(torch.int32)
+
+
+def flag_after(flag: Tensor, token: Tensor, start_id: int, end_id: int) -> Tensor:
+    """The thinking flag (bool) after `token`: on at `<think>`, off at `</think>`, else unchanged."""
+    return (token == start_id) | (flag & (token != end_id))
+
+
+def thinking_flags(tokens: Tensor, thinking: Tensor, start_id: int, end_id: int) -> Tensor:
+    """The thinking flag after each token of tokens [B, N], given the flag before them (thinking [B]):
+    on after the latest `<think>`, off after the latest `</think>`, unchanged if neither appeared.
+
+    Which came last is read from prefix sums of 2^j over the positions j of each kind: the two sets
+    are disjoint, so the larger sum holds the latest position (exact for N <= 53 in float64, which
+    covers every verify step; prefill's flags are computed by the runtime)."""
+    w = torch.pow(2.0, torch.arange(tokens.shape[1], dtype=torch.float64))[None, :]
+    starts = torch.cumsum((tokens == start_id).to(torch.float64) * w, -1)
+    ends = torch.cumsum((tokens == end_id).to(torch.float64) * w, -1)
+    seen = (starts + ends) > 0
+    return (seen & (starts > ends)) | (~seen & (thinking[:, None] != 0))  # (no bool Where on ORT's CPU)
+
+
+class MtpAcceptOp(torch.autograd.Function):
+    """Plugin lowering: one `mtp_trt::MtpAccept` node (computes the decomposed form when traced)."""
+
+    @staticmethod
+    def forward(ctx, logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id: int,
+                think_end_id: int):
+        return accept_decomposed(logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id,
+                                 think_end_id)
+
+    @staticmethod
+    def symbolic(g, logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id: int, think_end_id: int):
+        return g.op("mtp_trt::MtpAccept", logits, input_ids, thinking, relaxed_topk, relaxed_delta,
+                    think_start_id_i=think_start_id, think_end_id_i=think_end_id, outputs=3)
+
+
+def accept_op(lowering: str):
+    return MtpAcceptOp.apply if lowering == "plugin" else accept_decomposed
