@@ -261,7 +261,7 @@ def bench(
     model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model)."),
     batch: list[int] = typer.Option([1, 8], help="Batch sizes; repeat the option for several."),
     max_new_tokens: int = typer.Option(128, help="Tokens generated per sequence."),
-    repeats: int = typer.Option(5, help="Timed repeats per configuration (the median is reported)."),
+    repeats: int = typer.Option(9, help="Timed rounds per batch size (medians; ratios: medians of per-round ratios)."),
     transformers: bool = typer.Option(True, help="Also time transformers' greedy generate (same run)."),
     json_path: Path = typer.Option(Path("bench.json"), "--json", help="Where to write all figures."),
     plot_path: Path = typer.Option(Path("bench.png"), "--plot", help="Where to write the PNG plot."),
