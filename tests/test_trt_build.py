@@ -371,6 +371,9 @@ def test_random_inputs_are_valid(exported):
         feed = check.make_inputs(m.graphs["target"], {"B": 3, "S": 5, "T": 8}, 96, rng)
         assert feed["input_ids"].shape == (3, 5) and feed["input_ids"].max() < 96
         assert (feed["past_len"] + 5 <= 8).all() and feed["kv_0"].shape == (3, 8, 40)
+        step = check.make_inputs(m.graphs["step_2"], {"B": 3, "S": 3, "T": 8}, 96, rng)  # vanilla, K = 2
+        assert (step["past_len"] >= 1).all() and (step["past_len"] + 3 <= 8).all()  # windows start at >= 0
+        assert step["carry"].shape == (3, 1, 64) and step["mtp_kv_1"].shape == (3, 8, 40)
 
 
 @trt_mark

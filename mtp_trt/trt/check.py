@@ -86,15 +86,17 @@ def runtime_unavailable(m: em.EngineManifest) -> str | None:
 
 
 def make_inputs(graph, dims: dict[str, int], vocab: int, rng: np.random.Generator) -> dict:
-    """Random, valid inputs of one graph: ids in the vocabulary, past_len + S <= T."""
+    """Random, valid inputs of one graph: ids in the vocabulary, past_len + S <= T, and past_len >= K - 1
+    for a vanilla step graph (K MTP caches; depth k's window starts at past_len + 1 - k)."""
     b, s, t = dims["B"], dims["S"], dims["T"]
+    low = max(sum(spec.name.startswith("mtp_kv_") for spec in graph.inputs) - 1, 0)
     feed = {}
     for spec in graph.inputs:
         shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
         if spec.name in ("input_ids", "next_tokens"):
             feed[spec.name] = rng.integers(0, vocab, shape, dtype=np.int32)
         elif spec.name == "past_len":
-            feed[spec.name] = rng.integers(0, t - s + 1, b, dtype=np.int32)
+            feed[spec.name] = rng.integers(min(low, t - s), t - s + 1, b, dtype=np.int32)
         elif spec.name == "thinking":
             feed[spec.name] = rng.integers(0, 2, b, dtype=np.int32)
         elif spec.name == "relaxed_topk":
