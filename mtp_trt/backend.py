@@ -42,6 +42,15 @@ class Backend(ABC):
         """Run MTP graph `graph` over MTP cache `cache` on slots 0..n-1 and commit its rows.
         Returns hidden_out, draft_tokens, draft_probs (+ draft_logits)."""
 
+    def prepare(self, nextn: int, greedy: bool) -> None:
+        """Load everything a decode with these options runs (called before it, so that timings exclude it)."""
+
+    def graphs_for(self, nextn: int, greedy: bool) -> list[str]:
+        """The graphs a decode with these options runs: the target (prefill), the MTP graphs (the first
+        drafts; every step's when not fused) and the step graph when there is one."""
+        graphs = ["target", *dict.fromkeys(self.manifest.mtp_graphs[:nextn])]
+        return graphs + ([f"step_{nextn}"] if greedy and self.has_step(nextn) else [])
+
     def has_step(self, nextn: int) -> bool:
         """Whether `step` can run a whole greedy decode step with `nextn` drafts in one call (the export has
         a `step_{nextn}` graph)."""
@@ -84,14 +93,29 @@ class OrtBackend(Backend):
             raise MtpTrtError(f"{manifest.root}: bf16 graphs do not run on ONNX Runtime's CPU provider; "
                               f"export with --dtype fp32")
         self.manifest = manifest
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads or default_threads()
-        opts.add_session_config_entry("session.force_spinning_stop", "1")
-        self.sessions = {name: ort.InferenceSession(str(manifest.root / g.file), opts,
-                                                    providers=["CPUExecutionProvider"])
-                         for name, g in manifest.graphs.items()}
+        self.options = ort.SessionOptions()
+        self.options.intra_op_num_threads = threads or default_threads()
+        self.options.add_session_config_entry("session.force_spinning_stop", "1")
+        self.sessions: dict[str, ort.InferenceSession] = {}  # created on first use: a run needs only some
         self.np_dtype = np.float16 if manifest.dtype == "fp16" else np.float32
         self.caches: dict[str, list[np.ndarray]] = {}
+
+    def session(self, name: str):
+        """The ONNX Runtime session of graph `name`, created the first time it is asked for."""
+        if name not in self.sessions:
+            import onnxruntime as ort
+
+            path = self.manifest.root / self.manifest.graphs[name].file
+            try:
+                self.sessions[name] = ort.InferenceSession(str(path), self.options, providers=["CPUExecutionProvider"])
+            except Exception as e:  # ORT's message is a long C++ trace: keep its first line
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise MtpTrtError(f"{path}: ONNX Runtime cannot load this graph ({first[:300]})") from None
+        return self.sessions[name]
+
+    def prepare(self, nextn, greedy):
+        for name in self.graphs_for(nextn, greedy):
+            self.session(name)
 
     def allocate(self, batch: int, rows: int) -> None:
         m = self.manifest
@@ -118,7 +142,7 @@ class OrtBackend(Backend):
                 "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32)}
         feed |= {name: c[:n] for name, c in zip(g.kv_inputs, caches)}
         names = list(TARGET_OUTPUTS) + (["logits"] if logits else []) + g.kv_outputs
-        out = dict(zip(names, self.sessions["target"].run(names, feed)))
+        out = dict(zip(names, self.session("target").run(names, feed)))
         self._commit([c[:n] for c in caches], [out.pop(k) for k in g.kv_outputs], past_len)
         return out
 
@@ -127,7 +151,7 @@ class OrtBackend(Backend):
         feed = {"hidden": hidden.astype(self.np_dtype, copy=False), "next_tokens": next_tokens,
                 "past_len": past_len, "kv": caches[0][:n]}
         names = ["hidden_out", "draft_tokens", "draft_probs"] + (["draft_logits"] if logits else []) + ["new_kv"]
-        out = dict(zip(names, self.sessions[graph].run(names, feed)))
+        out = dict(zip(names, self.session(graph).run(names, feed)))
         self._commit([caches[0][:n]], [out.pop("new_kv")], past_len)
         return out
 
@@ -151,7 +175,7 @@ class OrtBackend(Backend):
         caches = [self._step_cache(k) for k in g.kv_inputs]
         feed = {k: v for k, v in feed.items() if k in inputs} | {k: c[:n] for k, (c, _) in zip(g.kv_inputs, caches)}
         names = [t.name for t in g.outputs if t.name not in g.kv_outputs]
-        out = dict(zip(names + g.kv_outputs, self.sessions[name].run(names + g.kv_outputs, feed)))
+        out = dict(zip(names + g.kv_outputs, self.session(name).run(names + g.kv_outputs, feed)))
         new_rows = [out.pop(k) for k in g.kv_outputs]
         for offset in sorted({o for _, o in caches}):  # one index computation per window offset
             pairs = [(c[:n], r) for (c, o), r in zip(caches, new_rows) if o == offset]

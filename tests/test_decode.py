@@ -207,3 +207,22 @@ def test_stop_conditions(setup):
     eos = reference[0][3]
     seqs, _ = generate(be, PROMPTS[:1], DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(eos,)))
     assert seqs[0].generated == reference[0][:reference[0].index(eos) + 1] and seqs[0].finish_reason == "stop"
+
+
+def test_backend_loads_only_the_graphs_a_decode_runs(setup, tmp_path):
+    """Sessions are made on first use (prepare() makes a decode's before it starts); an unreadable graph
+    is one clear error naming its file, raised when a decode needs it."""
+    import shutil
+
+    from mtp_trt.errors import MtpTrtError
+
+    _, backends, reference = setup
+    root = tmp_path / "eagle"
+    shutil.copytree(backends["eagle"].manifest.root, root)
+    (root / "step_1.onnx").write_bytes(b"not an onnx file")
+    be = OrtBackend(Manifest.load(root))
+    seqs, _ = generate(be, PROMPTS[:1], DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,)))
+    assert seqs[0].generated == reference[0]
+    assert set(be.sessions) == {"target", "mtp_0", f"step_{K}"}
+    with pytest.raises(MtpTrtError, match=r"step_1\.onnx: ONNX Runtime cannot load this graph"):
+        be.prepare(1, greedy=True)
