@@ -192,8 +192,9 @@ def _draft_vanilla(backend, st, seqs, out1, start1, q, opts, rng, qd) -> None:
         st.drafts[:n, depth - 1] = d
         if qd is not None:
             qd.append(p)
-        # Commit rows up to q + 1 - depth; keep depth d-1's hidden at the next step's first row.
-        new_start = q + 2 - depth
+        # Commit rows up to q + 1 - depth; keep depth d-1's hidden at the next step's first row.  A prompt
+        # shorter than the depth commits nothing yet: the window starts at row 0 (there is no row before it).
+        new_start = np.maximum(q + 2 - depth, 0)
         st.carry[np.arange(n), depth - 1] = prev_out["hidden_out"][np.arange(n), new_start - prev_start]
         st.mtp_len[:n, depth - 1] = new_start
         prev_out, prev_start = out, start

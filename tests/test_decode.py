@@ -138,7 +138,9 @@ def test_drafts_equal_pytorch_recomputation(setup, mode):
     """Every step's K drafts equal an independent, cache-free PyTorch recomputation of the MTP chain --
     this checks the loop's cache bookkeeping, rewinds and (vanilla) carried hidden states."""
     model, backends, _ = setup
-    seqs, _ = generate(backends[mode], PROMPTS[:2], DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,)))
+    # [60]: a prompt shorter than K - 1, whose deeper windows would start before row 0
+    seqs, _ = generate(backends[mode], PROMPTS[:2] + [[60]], DecodeOptions(nextn=K, max_new_tokens=NEW,
+                                                                           eos_ids=(EOS,)))
     for s in seqs:
         assert len(s.draft_log) >= 4
         for q, drafts in s.draft_log:
