@@ -61,3 +61,21 @@ def test_attention_mask_layout():
     assert m.shape == (2, 2, 5)
     assert m[0].int().tolist() == [[1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
     assert m[1].int().tolist() == [[0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+
+
+def test_export_rope_is_bit_exact_with_the_reference():
+    """The exporter's RoPE (one gather, two multiply-adds) makes the very same floats as model.apply_rope,
+    for both pair layouts and in half precision too."""
+    from mtp_trt.exporters.graphs import Rope
+    from mtp_trt.exporters.model import apply_rope
+
+    for name in ("moe_qlora_yarn", "moe_flat_halfrope"):
+        for dtype in (torch.float32, torch.float16):
+            model = _model(name).to(dtype)
+            cfg, rope = model.cfg, Rope(model)
+            positions = torch.tensor([[0, 7, 300], [511, 2, 64]])
+            x = torch.randn(2, 3, cfg.num_attention_heads, cfg.qk_rope_head_dim).to(dtype) * 3
+            cos, sin = model.rope(positions)
+            want = apply_rope(x, cos[:, :, None], sin[:, :, None], cfg.rope_interleave)
+            c2, s2 = rope.at(positions)
+            assert torch.equal(rope(x, c2[:, :, None], s2[:, :, None]), want), (name, dtype)
