@@ -1,13 +1,15 @@
 """`mtp-trt export`: checkpoint -> target.onnx + MTP graph(s) + manifest.json, written atomically.
 
 Pipeline: check the request, load the checkpoint, trace each graph (TorchScript ONNX exporter,
-opset 18, dynamic B / S / T), check it (onnx.checker, shape inference), hash it, write the
-manifest and the tokenizer files, then rename the finished temporary directory into place.  A
-failure or an interrupt leaves nothing at the output path.
+opset 18, dynamic B / S / T), check it (onnx.checker, shape inference), move the weights of all
+graphs into one shared weights.bin, hash the files, write the manifest and the tokenizer files, then
+rename the finished temporary directory into place.  A failure or an interrupt leaves nothing at the
+output path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import warnings
@@ -28,6 +30,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 OPSET = 18
 DEFAULT_MAX_SEQ_LEN = 4096
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
+WEIGHTS_FILE, INLINE_BYTES, WEIGHTS_ALIGN = "weights.bin", 1024, 4096
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 Progress = Callable[[str], None]
 
@@ -130,6 +133,44 @@ def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], pa
         inferred.unlink(missing_ok=True)
 
 
+def share_weights(root: Path, files: list[str]) -> dict:
+    """Move the graphs' weights into one `weights.bin` (ONNX external data), each distinct tensor stored
+    once: the step graphs repeat the main model's weights, so this divides the export's size by about the
+    number of graphs.  Initializers and Constant nodes of at least INLINE_BYTES move, at page-aligned
+    offsets; smaller ones (shapes, indices) stay in the graph files.  -> the manifest's "weights" entry."""
+    import onnx
+    from onnx.external_data_helper import set_external_data
+
+    stored: dict[bytes, tuple[int, int]] = {}
+    with open(root / WEIGHTS_FILE, "wb") as out:
+        for f in files:
+            path = root / f
+            model = onnx.load(str(path))  # with a huge graph's own external data
+            graph = model.graph
+            for node in [n for n in graph.node if n.op_type == "Constant" and n.attribute[0].name == "value"]:
+                if len(node.attribute[0].t.raw_data) >= INLINE_BYTES:  # a large constant becomes an initializer
+                    tensor = graph.initializer.add()
+                    tensor.CopyFrom(node.attribute[0].t)
+                    tensor.name = node.output[0]
+                    graph.node.remove(node)
+            for t in graph.initializer:
+                if len(t.raw_data) < INLINE_BYTES:
+                    continue
+                key = hashlib.sha256(t.raw_data).digest() + bytes([t.data_type])
+                if key not in stored:
+                    out.write(b"\0" * (-out.tell() % WEIGHTS_ALIGN))
+                    stored[key] = (out.tell(), len(t.raw_data))
+                    out.write(t.raw_data)
+                set_external_data(t, location=WEIGHTS_FILE, offset=stored[key][0], length=stored[key][1])
+                t.data_location = onnx.TensorProto.EXTERNAL
+                t.ClearField("raw_data")
+            path.write_bytes(model.SerializeToString())
+            (root / (f + ".data")).unlink(missing_ok=True)  # a huge graph's own data file, now in weights.bin
+            onnx.checker.check_model(str(path))
+    return {"file": WEIGHTS_FILE, "sha256": sha256(root / WEIGHTS_FILE), "bytes": (root / WEIGHTS_FILE).stat().st_size,
+            "tensors": len(stored)}
+
+
 def special_token_ids(ckpt: Path) -> tuple[tuple[int, int], str | None]:
     """(<think>, </think>) ids from tokenizer.json (-1 when absent) and the tokenizer file name."""
     tok = ckpt / "tokenizer.json"
@@ -213,8 +254,12 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
             _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering)
             kv_outputs = [("mtp_new_" + n[4:] if n.startswith("mtp_") else "new_" + n) for n in kv_inputs] \
                 if lowering == "onnx" else []
-            graphs[name] = {"file": f"{name}.onnx", "sha256": sha256(tmp / f"{name}.onnx"), "inputs": io[0],
-                            "outputs": io[1], "kv_inputs": kv_inputs, "kv_outputs": kv_outputs}
+            graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,
+                            "kv_outputs": kv_outputs}
+        progress(f"sharing the weights of {len(graphs)} graphs")
+        weights = share_weights(tmp, [g["file"] for g in graphs.values()])
+        for g in graphs.values():
+            g["sha256"] = sha256(tmp / g["file"])
         for f in TOKENIZER_FILES:
             if (ckpt / f).is_file():
                 shutil.copyfile(ckpt / f, tmp / f)
@@ -222,7 +267,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
             "config": json.loads((ckpt / "config.json").read_text()), "nextn": nextn, "mtp_mode": mtp_mode,
             "dtype": dtype, "lowering": lowering, "max_batch": max_batch, "max_seq_len": max_seq_len,
-            "opset": OPSET, "graphs": graphs, "think_ids": list(think_ids),
+            "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
             "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,
             "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe",
                       "kv_lora_rank": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim, "dtype": dtype,

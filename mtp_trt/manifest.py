@@ -21,9 +21,9 @@ FORMAT = "mtp-trt-export"
 FORMAT_VERSION = 1
 # Bumped whenever the exporter writes different graphs for the same checkpoint (2: one step graph per nextn;
 # 3: fewer glue nodes: shared shapes and masks, gather RoPE, fused projections, folded MLA weights;
-# 4: step_0, plain decoding without acceptance, in both modes; 5: vanilla step graphs),
+# 4: step_0, plain decoding without acceptance, in both modes; 5: vanilla step graphs; 6: weights.bin),
 # so exports cached by `mtp-trt run` are redone rather than reused.
-EXPORTER_REVISION = 5
+EXPORTER_REVISION = 6
 MTP_MODES = ("eagle", "vanilla")
 DTYPES = ("fp32", "fp16", "bf16")
 NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}
@@ -118,5 +118,7 @@ class Manifest:
                     think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]), tokenizer=raw.get("tokenizer"))
         except (KeyError, TypeError) as e:
             raise MtpTrtError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
-        check_files(path, [(g.file, g.sha256) for g in graphs.values()], verify_hashes, "graph")
+        weights = raw.get("weights")  # one file of weights shared by the graphs (older exports: none)
+        shared = [(weights["file"], weights["sha256"])] if isinstance(weights, dict) and "file" in weights else []
+        check_files(path, [(g.file, g.sha256) for g in graphs.values()] + shared, verify_hashes, "graph")
         return m

@@ -268,13 +268,28 @@ def test_interrupted_export_leaves_nothing(ckpt, tmp_path):
     assert list(tmp_path.iterdir()) == [], "no partial output may remain"
 
 
-def test_large_graphs_use_external_data(ckpt, tmp_path, monkeypatch):
+def test_graphs_share_one_weights_file(ckpt, tmp_path, monkeypatch):
+    """Every weight is stored once in weights.bin, though the step graphs repeat the main model's; graphs
+    written with their own external data (over 2 GB: forced here) are folded in; the manifest hashes it."""
     monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 0)  # treat every graph as over the 2 GB limit
-    m = Manifest.load(export(ckpt, tmp_path / "out", nextn=1, max_seq_len=64))
-    assert (m.root / "target.onnx.data").is_file()
-    assert (m.root / "target.onnx").stat().st_size < (m.root / "target.onnx.data").stat().st_size
-    sess = ort.InferenceSession(str(m.root / "target.onnx"), providers=["CPUExecutionProvider"])
+    m = Manifest.load(export(ckpt, tmp_path / "out", nextn=1, max_seq_len=64), verify_hashes=True)
+    assert sorted(p.name for p in m.root.iterdir() if p.suffix not in (".onnx", ".json")) == ["weights.bin"]
+    sizes, distinct = 0, set()
+    for g in m.graphs.values():
+        model = onnx.load(m.root / g.file)  # external data resolved from weights.bin
+        big = [t for t in model.graph.initializer if len(t.raw_data) >= export_mod.INLINE_BYTES]
+        sizes += sum(len(t.raw_data) for t in big)
+        distinct |= {t.raw_data for t in big}
+        assert (m.root / g.file).stat().st_size < 200_000
+    assert len(distinct) == m.raw["weights"]["tensors"]
+    assert sum(map(len, distinct)) <= m.raw["weights"]["bytes"] < sizes / 2  # stored once, not per graph
+    sess = ort.InferenceSession(str(m.root / "step_1.onnx"), providers=["CPUExecutionProvider"])
     assert [o.name for o in sess.get_outputs()][:2] == ["accepted_tokens", "num_accepted"]
+    with open(m.root / "weights.bin", "r+b") as f:
+        f.seek(5000)
+        f.write(b"x")
+    with pytest.raises(MtpTrtError, match="weights.bin: SHA-256 differs"):
+        Manifest.load(m.root, verify_hashes=True)
 
 
 @pytest.mark.parametrize("dtype,onnx_type", [("fp16", onnx.TensorProto.FLOAT16), ("bf16", onnx.TensorProto.BFLOAT16)])
