@@ -286,11 +286,13 @@ def bench(
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count(),
             "onnxruntime_threads": default_threads()}
     b.write_json(rows, json_path, meta)
-    typer.echo("\nbatch  mode     nextn0/transformers  best nextn  speedup  mean accepted  speedup/accepted")
+    typer.echo("\nbatch  mode     nextn0/transformers  best nextn  speedup  mean accepted  speedup/accepted"
+               "  step/plain step")
     for r in b.summarize(rows):
         hf = f"{r['nextn0_over_transformers']:.2f}x" if r["nextn0_over_transformers"] else "-"
         typer.echo(f"{r['batch']:>5}  {r['mode']:<7}  {hf:>19}  {r['best_nextn']:>10}  {r['speedup_over_nextn0']:6.2f}x"
-                   f"  {r['mean_accepted']:13.2f}  {r['speedup_over_mean_accepted']:16.2f}")
+                   f"  {r['mean_accepted']:13.2f}  {r['speedup_over_mean_accepted']:16.2f}"
+                   f"  {r['step_cost_over_plain_step']:14.2f}x")
     differ = [f"{r['mode']} batch {r['batch']} nextn {r['nextn']}" for r in rows if r.get("same_tokens_as_nextn0") is False]
     if differ:
         typer.secho(f"warning: tokens differ from nextn 0 (greedy MTP must be lossless): {', '.join(differ)}",

@@ -120,6 +120,7 @@ def test_bench_summary_judges_the_fastest_drafting_nextn():
     (s,) = summarize(rows)
     assert (s["best_nextn"], s["nextn0_over_transformers"]) == (1, 5.0)
     assert s["speedup_over_nextn0"] == pytest.approx(0.9) and s["speedup_over_mean_accepted"] == pytest.approx(0.5)
+    assert s["step_cost_over_plain_step"] == pytest.approx(2.0)  # a step of nextn 1 costs two plain steps
 
 
 def test_bench_ratios_pair_the_runs_of_each_round():
