@@ -98,6 +98,7 @@ class OrtBackend(Backend):
         self.options.intra_op_num_threads = threads or default_threads()
         self.options.add_session_config_entry("session.force_spinning_stop", "1")
         self.sessions: dict[str, ort.InferenceSession] = {}  # created on first use: a run needs only some
+        self.plans: dict[str, tuple] = {}  # step graph -> how to feed and commit it (_step_plan)
         self.np_dtype = np.float16 if manifest.dtype == "fp16" else np.float32
         self.caches: dict[str, list[np.ndarray]] = {}
 
@@ -159,28 +160,33 @@ class OrtBackend(Backend):
     def has_step(self, nextn):
         return f"step_{nextn}" in self.manifest.graphs
 
-    def _step_cache(self, name: str) -> tuple[np.ndarray, int]:
-        """A step graph's cache input -> (buffer, row offset of its window from past_len): kv_i (target),
-        mtp_kv (eagle), mtp_kv_j (vanilla depth j + 1, whose window starts j rows before past_len)."""
-        if name.startswith("kv_"):
-            return self.caches["target"][int(name[3:])], 0
-        j = int(name[7:]) if name.startswith("mtp_kv_") else 0
-        return self.caches[f"mtp{j}"][0], -j
+    def _step_plan(self, name: str):
+        """How to feed and commit step graph `name`, worked out on first use: its non-cache input names, its
+        output names (new rows last) and, per window offset from past_len, its caches as (input name, cache
+        family, index, new-rows output): kv_i (target), mtp_kv (eagle), mtp_kv_j (vanilla depth j + 1,
+        whose window starts j rows earlier)."""
+        if name not in self.plans:
+            g = self.manifest.graphs[name]
+            groups: dict[int, list[tuple[str, str, int, str]]] = {}
+            for kv, new in zip(g.kv_inputs, g.kv_outputs):
+                j = int(kv[7:]) if kv.startswith("mtp_kv_") else 0
+                family, index = ("target", int(kv[3:])) if kv.startswith("kv_") else (f"mtp{j}", 0)
+                groups.setdefault(-j, []).append((kv, family, index, new))
+            outputs = [t.name for t in g.outputs if t.name not in g.kv_outputs] + g.kv_outputs
+            self.plans[name] = ({t.name for t in g.inputs} - set(g.kv_inputs), outputs, sorted(groups.items()))
+        return self.plans[name]
 
     def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, carry=None):
         name = f"step_{input_ids.shape[1] - 1}"
-        g = self.manifest.graphs[name]
-        inputs = {t.name for t in g.inputs}
+        inputs, names, groups = self._step_plan(name)
         feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking, "relaxed_topk":
                 np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32), "carry": carry}
-        caches = [self._step_cache(k) for k in g.kv_inputs]
-        feed = {k: v for k, v in feed.items() if k in inputs} | {k: c[:n] for k, (c, _) in zip(g.kv_inputs, caches)}
-        names = [t.name for t in g.outputs if t.name not in g.kv_outputs]
-        out = dict(zip(names + g.kv_outputs, self.session(name).run(names + g.kv_outputs, feed)))
-        new_rows = [out.pop(k) for k in g.kv_outputs]
-        for offset in sorted({o for _, o in caches}):  # one index computation per window offset
-            pairs = [(c[:n], r) for (c, o), r in zip(caches, new_rows) if o == offset]
-            self._commit([c for c, _ in pairs], [r for _, r in pairs], past_len + offset)
+        feed = {k: v for k, v in feed.items() if k in inputs}
+        feed |= {kv: self.caches[family][i][:n] for _, entries in groups for kv, family, i, _ in entries}
+        out = dict(zip(names, self.session(name).run(names, feed)))
+        for offset, entries in groups:  # one index computation per window offset
+            self._commit([self.caches[family][i][:n] for _, family, i, _ in entries],
+                         [out.pop(new) for *_, new in entries], past_len + offset)
         return out
 
     def swap_slots(self, i, j):
