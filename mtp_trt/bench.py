@@ -79,11 +79,12 @@ def _transformers_generate(checkpoint: Path):
 
 
 def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repeats: int, transformers: bool = True,
-        progress=print) -> list[dict]:
+        progress=print, threads: int | None = None) -> list[dict]:
     """tokens/s of every (mode, nextn) and of transformers' greedy `generate` (the main model, same prompts);
     per batch size, all of them are timed round-robin (see _round_robin)."""
     ckpt = Path(model) if model else demo_model()
-    runners = {mode: Runner(resolve_export(ckpt, mode, progress=progress)) for mode in ("eagle", "vanilla")}
+    runners = {mode: Runner(resolve_export(ckpt, mode, progress=progress), threads=threads)
+               for mode in ("eagle", "vanilla")}
     hf = _transformers_generate(ckpt) if transformers else None
     rows = []
     for batch in batches:

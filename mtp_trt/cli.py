@@ -193,6 +193,7 @@ def run(
     stop: list[str] = typer.Option(None, help="Stop string; repeat for several."),
     config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
 ) -> None:
     """Generate text with MTP speculative decoding (ONNX Runtime on the CPU)."""
     import json
@@ -220,9 +221,11 @@ def run(
         raise MtpTrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if relaxed_topk < 0 or relaxed_delta < 0:
         raise MtpTrtError("--relaxed-topk and --relaxed-delta must be >= 0")
+    if threads < 0:
+        raise MtpTrtError(f"--threads must be >= 0 (0 = the usable cores), got {threads}")
     with StageDisplay("preparing the model") as show:
         manifest = resolve_export(model, mtp_mode, progress=show)
-    runner = Runner(manifest)
+    runner = Runner(manifest, threads=threads or None)
     opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
                           relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta)
     stream = not json_out and len(prompts) == 1
@@ -265,6 +268,7 @@ def bench(
     transformers: bool = typer.Option(True, help="Also time transformers' greedy generate (same run)."),
     json_path: Path = typer.Option(Path("bench.json"), "--json", help="Where to write all figures."),
     plot_path: Path = typer.Option(Path("bench.png"), "--plot", help="Where to write the PNG plot."),
+    threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
 ) -> None:
     """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes against transformers' generate."""
     import platform
@@ -281,10 +285,12 @@ def bench(
             from mtp_trt.runner import resolve_export
 
             resolve_export(ckpt, mode, progress=show)
-    rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo)
+    if threads < 0:
+        raise MtpTrtError(f"--threads must be >= 0 (0 = the usable cores), got {threads}")
+    rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None)
     meta = {"checkpoint": str(ckpt), "max_new_tokens": max_new_tokens, "repeats": repeats,
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count(),
-            "onnxruntime_threads": default_threads()}
+            "onnxruntime_threads": threads or default_threads()}
     b.write_json(rows, json_path, meta)
     typer.echo("\nbatch  mode     nextn0/transformers  best nextn  speedup  mean accepted  speedup/accepted"
                "  step/plain step")

@@ -95,14 +95,14 @@ class RunReport:
 class Runner:
     """A loaded export, its tokenizer and a backend."""
 
-    def __init__(self, manifest: Manifest, backend: Backend | None = None):
+    def __init__(self, manifest: Manifest, backend: Backend | None = None, threads: int | None = None):
         from tokenizers import Tokenizer
 
         self.manifest = manifest
         if not manifest.tokenizer:
             raise MtpTrtError(f"{manifest.root}: the export has no tokenizer.json; text prompts need one")
         self.tokenizer = Tokenizer.from_file(str(manifest.root / manifest.tokenizer))
-        self.backend = backend or OrtBackend(manifest)
+        self.backend = backend or OrtBackend(manifest, threads=threads)
 
     def options(self, nextn: int | None, **kwargs) -> DecodeOptions:
         m = self.manifest

@@ -74,6 +74,7 @@ def test_run_with_speculative_configs(ckpt, tmp_path):
     (("-p", "x", "--nextn", "5"), "--nextn must be in 0..2"),
     (("-p", "x", "--temperature", "-1"), "--temperature must be >= 0"),
     (("-p", "x", "--prompt-file", "/nonexistent"), "/nonexistent: prompt file not found"),
+    (("-p", "x", "--threads", "-1"), "--threads must be >= 0"),
 ])
 def test_run_bad_input_is_one_line(ckpt, tmp_path, args, message):
     env = {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
@@ -84,7 +85,7 @@ def test_run_bad_input_is_one_line(ckpt, tmp_path, args, message):
 def test_run_stops_at_the_cache_limit(ckpt, tmp_path):
     out = tmp_path / "exp"
     assert mtp_trt("export", ckpt, "-o", out, "--max-seq-len", "24").returncode == 0
-    r = mtp_trt("run", out, "-p", "def f(x): return x", "--max-new-tokens", "50", "--json")
+    r = mtp_trt("run", out, "-p", "def f(x): return x", "--max-new-tokens", "50", "--json", "--threads", "1")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)["results"][0]
     assert res["finish_reason"] == "length" and "KV cache full (24 rows per sequence)" in res["message"]
