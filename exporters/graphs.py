@@ -168,10 +168,20 @@ def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, group: Group, cache, l
     return block_forward(layer, h, group, cache, lowering)
 
 
+def row_at(h: Tensor, index: Tensor, width: int) -> Tensor:
+    """h [B, S, width] at one row per sequence, index [B] -> [B, 1, width]."""
+    return h.gather(1, index[:, None, None].expand(-1, 1, width))
+
+
+def draft_token(m: DeepseekV3, k: int, h: Tensor) -> Tensor:
+    """MTP module k's greedy draft from its output hidden state h [B, 1, D] -> [B, 1] int32."""
+    return m.lm_head(m.mtp[k].shared_head.norm(h)).float().argmax(-1).to(torch.int32)
+
+
 class _Graph(nn.Module):
-    def __init__(self, model: DeepseekV3, lowering: str):
+    def __init__(self, model: DeepseekV3, lowering: str, think_ids: tuple[int, int] = (-1, -1)):
         super().__init__()
-        self.model, self.lowering, self.rope = model, lowering, Rope(model)
+        self.model, self.lowering, self.think_ids, self.rope = model, lowering, think_ids, Rope(model)
 
     def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
               extra: tuple[Tensor, Tensor] | None = None) -> Group:
@@ -180,6 +190,15 @@ class _Graph(nn.Module):
         heads = self.model.cfg.num_attention_heads
         mask = Mask(dims, heads, valid_len, cache.shape[1], extra) if self.lowering == "onnx" else None
         return Group(self.rope, dims, write_pos, mask)
+
+    def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:
+        """The main model over the S rows at past_len (one block group) -> (group, hidden, logits, new rows)."""
+        group = self.group(*input_ids.shape, past_len, past_len, caches[0])
+        return (group, *main_forward(self.model, group, input_ids, caches, self.lowering))
+
+    def accept(self, logits, input_ids, thinking, relaxed_topk, relaxed_delta):
+        """In-graph acceptance of input_ids[:, 1:] -> (accepted_tokens, num_accepted, thinking_out)."""
+        return accept_op(self.lowering)(logits, input_ids, thinking, relaxed_topk, relaxed_delta, *self.think_ids)
 
 
 class TargetGraph(_Graph):
@@ -191,15 +210,9 @@ class TargetGraph(_Graph):
              target_tokens [B, S] int32 (argmax), hidden_states [B, S, D], logits [B, S, V] float32,
              and in the onnx lowering new_kv_0 .. new_kv_{L-1} [B, S, Dl+Dr]."""
 
-    def __init__(self, model: DeepseekV3, lowering: str, think_ids: tuple[int, int]):
-        super().__init__(model, lowering)
-        self.think_ids = think_ids
-
     def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
-        group = self.group(*input_ids.shape, past_len, past_len, caches[0])
-        h, logits, new_rows = main_forward(self.model, group, input_ids, caches, self.lowering)
-        accepted, num, thinking_out = accept_op(self.lowering)(logits, input_ids, thinking, relaxed_topk,
-                                                               relaxed_delta, *self.think_ids)
+        _, h, logits, new_rows = self.main(input_ids, past_len, caches)
+        accepted, num, thinking_out = self.accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta)
         outs = (accepted, num, thinking_out, logits.argmax(-1).to(torch.int32), h, logits)
         return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
 
@@ -239,32 +252,30 @@ class StepGraph(_Graph):
              every attention node writes its rows in place, depth k at row past_len + num_accepted + k - 1."""
 
     def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
-        super().__init__(model, lowering)
-        self.nextn, self.think_ids = nextn, think_ids
+        super().__init__(model, lowering, think_ids)
+        self.nextn = nextn
 
     def forward(self, input_ids, past_len, thinking, *rest):
         m, layers = self.model, len(self.model.model.layers)
         (relaxed_topk, relaxed_delta), caches = (rest[:2], rest[2:]) if self.nextn else ((None, None), rest)
         b, s = input_ids.shape
-        group = self.group(b, s, past_len, past_len, caches[0])  # the target's rows; MTP depth 1's too
-        h, logits, new_rows = main_forward(m, group, input_ids, caches[:layers], self.lowering)
+        group, h, logits, new_rows = self.main(input_ids, past_len, caches[:layers])  # MTP depth 1's group too
         if self.nextn == 0:
             token = logits.argmax(-1).to(torch.int32)  # [B, 1]
             flag = flag_after(thinking[:, None] != 0, token, *self.think_ids)[:, 0].to(torch.int32)
             outs = (token, torch.zeros_like(past_len), flag)
             return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
-        accepted, num, thinking_out = accept_op(self.lowering)(logits, input_ids, thinking, relaxed_topk,
-                                                               relaxed_delta, *self.think_ids)
-        cache, head_norm = caches[layers], m.mtp[0].shared_head.norm
+        accepted, num, thinking_out = self.accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta)
+        cache = caches[layers]
         h1, rows1 = mtp_block(m, 0, h, accepted.clamp(min=0), group, cache, self.lowering)
-        h_prev = h1.gather(1, num.long()[:, None, None].expand(-1, 1, m.cfg.hidden_size))  # row past_len + num
-        d = m.lm_head(head_norm(h_prev)).float().argmax(-1).to(torch.int32)  # [B, 1]
+        h_prev = row_at(h1, num.long(), m.cfg.hidden_size)  # row past_len + num
+        d = draft_token(m, 0, h_prev)  # [B, 1]
         drafts = [d]
         extra = (rows1, torch.arange(s)[None, :] <= num[:, None])  # depth 1's accepted rows
         for k in range(2, self.nextn + 1):
             group_k = self.group(b, 1, past_len + num + (k - 1), past_len, cache, extra)
             h_prev, rows = mtp_block(m, 0, h_prev, d, group_k, cache, self.lowering)
-            d = m.lm_head(head_norm(h_prev)).float().argmax(-1).to(torch.int32)
+            d = draft_token(m, 0, h_prev)
             drafts.append(d)
             extra = (torch.cat([extra[0], rows], 1), torch.cat([extra[1], torch.ones_like(d, dtype=torch.bool)], 1))
         outs = (accepted, num, thinking_out, torch.cat(drafts, 1))
@@ -292,18 +303,16 @@ class VanillaStepGraph(_Graph):
              start_k: the first num_accepted + 1 are final, later ones are overwritten next step)."""
 
     def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
-        super().__init__(model, lowering)
-        self.nextn, self.think_ids = nextn, think_ids
+        super().__init__(model, lowering, think_ids)
+        self.nextn = nextn
 
     def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *rest):
         m, layers, k_max = self.model, len(self.model.model.layers), self.nextn
         caches, mtp_caches = rest[:layers], rest[layers:layers + k_max]
         carry = rest[layers + k_max] if k_max > 1 else None
-        b, s = input_ids.shape
-        group = self.group(b, s, past_len, past_len, caches[0])
-        h, logits, new_rows = main_forward(m, group, input_ids, caches, self.lowering)
-        accepted, num, thinking_out = accept_op(self.lowering)(logits, input_ids, thinking, relaxed_topk,
-                                                               relaxed_delta, *self.think_ids)
+        b = input_ids.shape[0]
+        _, h, logits, new_rows = self.main(input_ids, past_len, caches)
+        accepted, num, thinking_out = self.accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta)
         a, n = accepted.clamp(min=0), num.long()[:, None]  # tokens at positions past_len + 1 ..
         hidden, drafts, carry_out, mtp_rows = h, [], [], []
         for k in range(1, k_max + 1):
@@ -317,10 +326,9 @@ class VanillaStepGraph(_Graph):
             start = past_len + 1 - k
             mtp_group = self.group(b, k_max + k, start, start, mtp_caches[k - 1])
             h_k, rows = mtp_block(m, k - 1, hidden, tokens, mtp_group, mtp_caches[k - 1], self.lowering)
-            at_q = h_k.gather(1, (n + k - 1)[:, :, None].expand(-1, 1, m.cfg.hidden_size))
-            drafts.append(m.lm_head(m.mtp[k - 1].shared_head.norm(at_q)).float().argmax(-1).to(torch.int32))
+            drafts.append(draft_token(m, k - 1, row_at(h_k, n[:, 0] + k - 1, m.cfg.hidden_size)))  # row q
             if k < k_max:
-                carry_out.append(h_k.gather(1, n[:, :, None].expand(-1, 1, m.cfg.hidden_size)))
+                carry_out.append(row_at(h_k, n[:, 0], m.cfg.hidden_size))
             hidden = h_k
             mtp_rows.append(rows)
         outs = (accepted, num, thinking_out, torch.cat(drafts, 1)) + ((torch.cat(carry_out, 1),) if carry_out else ())
