@@ -20,10 +20,12 @@ import torch
 
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.fsutil import atomic_directory
+from mtp_trt.fsutil import atomic_directory, read_json
 from mtp_trt.exporters.graphs import MtpGraph, StepGraph, TargetGraph, VanillaStepGraph
 from mtp_trt.exporters.lowering import LOWERINGS
 from mtp_trt.exporters.loader import load_checkpoint
+from mtp_trt.tokenizer import load_tokenizer
+from mtp_trt.validate import check_memory, check_mtp_modules, check_output_dir
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -185,16 +187,25 @@ def special_token_ids(ckpt: Path) -> tuple[tuple[int, int], str | None]:
 
 def eos_token_ids(ckpt: Path, cfg: ModelConfig) -> tuple[int, ...]:
     gen = ckpt / "generation_config.json"
-    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    raw = read_json(gen) if gen.is_file() else {}
+    if not isinstance(raw, dict):
+        raise MtpTrtError(f"{gen}: expected a JSON object, got a {type(raw).__name__}")
+    eos = raw.get("eos_token_id")
     if eos is None:
         return cfg.eos_token_ids
-    return tuple(eos) if isinstance(eos, list) else (eos,)
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size for i in ids):
+        raise MtpTrtError(f"{gen}: field 'eos_token_id' must be token ids in 0..{cfg.vocab_size - 1}, got {eos!r}")
+    return tuple(ids)
 
 
 def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype: str, lowering: str,
                   max_batch: int, max_seq_len: int | None) -> tuple[ModelConfig, int, int]:
     """Validate everything before any work: one clear error per bad value.  -> (config, nextn, max_seq_len)."""
+    if not ckpt.is_dir():
+        raise MtpTrtError(f"{ckpt}: checkpoint directory not found")
     cfg = ModelConfig.from_file(ckpt / "config.json")
+    check_mtp_modules(ckpt, cfg)  # before --nextn is judged against the config's count
     if max_seq_len is None:
         max_seq_len = min(DEFAULT_MAX_SEQ_LEN, cfg.max_position_embeddings)
     if mtp_mode not in MTP_MODES:
@@ -217,8 +228,12 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
     if not 1 <= max_seq_len <= cfg.max_position_embeddings:
         raise MtpTrtError(f"--max-seq-len must be in 1..{cfg.max_position_embeddings} (max_position_embeddings), "
                           f"got {max_seq_len}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MtpTrtError(f"{out}: output directory exists and is not empty; choose another or remove it")
+    check_output_dir(out)
+    if (ckpt / "tokenizer.json").is_file():
+        load_tokenizer(ckpt / "tokenizer.json")  # a broken one fails now, not at `mtp-trt run`
+    eos_token_ids(ckpt, cfg)
+    check_memory(cfg, nextn if mtp_mode == "vanilla" else min(nextn, 1), TORCH_DTYPES[dtype].itemsize,
+                 str(ckpt / "config.json"))
     return cfg, nextn, max_seq_len
 
 
@@ -265,7 +280,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                 shutil.copyfile(ckpt / f, tmp / f)
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
-            "config": json.loads((ckpt / "config.json").read_text()), "nextn": nextn, "mtp_mode": mtp_mode,
+            "config": read_json(ckpt / "config.json"), "nextn": nextn, "mtp_mode": mtp_mode,
             "dtype": dtype, "lowering": lowering, "max_batch": max_batch, "max_seq_len": max_seq_len,
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
             "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,

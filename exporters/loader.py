@@ -129,8 +129,12 @@ def load_checkpoint(ckpt: str | Path, nextn: int | None = None, dtype: torch.dty
     files = _shard_map(ckpt)
     with torch.device("meta"):
         model = DeepseekV3(cfg, nextn=nextn, max_positions=1).to(dtype)
-    model = model.to_empty(device="cpu")
-    cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings)
+    try:
+        model = model.to_empty(device="cpu")
+        cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings)
+    except (RuntimeError, MemoryError) as e:  # torch's allocator: a config far beyond this machine's memory
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise MtpTrtError(f"{ckpt / 'config.json'}: cannot allocate the model ({first[:200]})") from None
     model.rope_cos, model.rope_sin = cos, sin
 
     params = checkpoint_names(model)
@@ -148,6 +152,9 @@ def load_checkpoint(ckpt: str | Path, nextn: int | None = None, dtype: torch.dty
                     t = dequantize_fp8(w, scale, block)
                 except ValueError as e:
                     raise MtpTrtError(f"{path}: tensor '{name}_scale_inv': {e}") from None
+            elif not t.is_floating_point():
+                raise MtpTrtError(f"{path}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}, "
+                                  f"expected a floating-point type (fp32, fp16, bf16 or fp8)")
             if tuple(t.shape) != tuple(p.shape):
                 raise MtpTrtError(f"{path}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)} "
                                   f"from {ckpt / 'config.json'}")

@@ -27,8 +27,18 @@ def clear_errors(fn):
         except MtpTrtError as e:
             typer.secho(f"error: {e}", fg="red", err=True)
             raise typer.Exit(2) from None
+        except OSError as e:  # a file the checks above did not foresee: still one line naming it
+            if not e.filename:
+                raise
+            typer.secho(f"error: {e.filename}: {e.strerror or e}", fg="red", err=True)
+            raise typer.Exit(2) from None
 
     return wrapper
+
+
+def _terminate(signum, frame):
+    """SIGTERM ends the command as Ctrl-C does, through every `finally` (partial outputs are removed)."""
+    raise SystemExit(128 + signum)
 
 
 def _version(value: bool) -> None:
@@ -41,6 +51,9 @@ def _version(value: bool) -> None:
 def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
     """mtp-trt: export, build and run DeepSeek-V3 MTP speculative decoding."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminate)
 
 
 @app.command()
@@ -48,8 +61,13 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 def inspect(checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json).")) -> None:
     """Summarize a checkpoint's architecture: layers, MoE, MTP modules and the latent KV cache size."""
     from mtp_trt.config import ModelConfig
+    from mtp_trt.validate import stored_mtp_modules
 
     cfg = ModelConfig.from_file(checkpoint)
+    ckpt = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    stored = stored_mtp_modules(ckpt, cfg.num_hidden_layers)
+    mtp = str(cfg.num_nextn_predict_layers) if stored in (None, cfg.num_nextn_predict_layers) else \
+        f"{cfg.num_nextn_predict_layers} in config.json, but {stored} stored in the weights"
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     rows = [
         ("layers", f"{cfg.num_hidden_layers} ({len(moe)} MoE, {cfg.num_hidden_layers - len(moe)} dense)"),
@@ -58,13 +76,22 @@ def inspect(checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint
                       f"rope {cfg.qk_rope_head_dim} ({cfg.rope.type})"),
         ("experts", f"{cfg.n_routed_experts or 0} routed (top {cfg.num_experts_per_tok}, {cfg.n_group} groups, "
                     f"{cfg.scoring_func}), {cfg.n_shared_experts} shared" if cfg.n_routed_experts else "none"),
-        ("MTP modules", str(cfg.num_nextn_predict_layers)),
+        ("MTP modules", mtp),
         ("latent cache", f"{cfg.latent_dim} values per token and layer"),
         ("weights", f"FP8 blocks {cfg.fp8_block_size}" if cfg.fp8_block_size else "unquantized"),
+        ("BOS", _bos_row(ckpt, cfg)),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         typer.echo(f"{k:<{width}}  {v}")
+
+
+def _bos_row(ckpt: Path, cfg) -> str:
+    """Which BOS convention `mtp-trt run` will follow for this checkpoint (mtp_trt.tokenizer)."""
+    from mtp_trt.tokenizer import bos_policy, load_tokenizer
+
+    tok = ckpt / "tokenizer.json"
+    return bos_policy(ckpt, cfg.bos_token_id, load_tokenizer(tok) if tok.is_file() else None).describe()
 
 
 class StageDisplay:
@@ -194,40 +221,49 @@ def run(
     config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
+    bos: bool = typer.Option(None, "--bos/--no-bos", help="Start prompts with BOS or not (default: as the "
+                                                          "checkpoint's tokenizer does; `mtp-trt inspect` shows it)."),
+    truncate: bool = typer.Option(False, help="Keep the last tokens of a prompt too long for the cache "
+                                              "(default: refuse it)."),
+    verify: bool = typer.Option(False, help="Hash every file of the export again (default: only files whose "
+                                            "size, mtime or inode changed since they were last verified)."),
 ) -> None:
     """Generate text with MTP speculative decoding (ONNX Runtime on the CPU)."""
     import json
 
+    from mtp_trt import validate as v
     from mtp_trt.runner import Runner, resolve_export
     from mtp_trt.sampling import SamplingParams
 
-    prompts = list(prompt or [])
+    prompts = [v.text_arg("--prompt", p) for p in prompt or []]
     if prompt_file:
-        if not prompt_file.is_file():
-            raise MtpTrtError(f"{prompt_file}: prompt file not found")
-        prompts += [line for line in prompt_file.read_text().splitlines() if line.strip()]
+        prompts += v.read_prompt_file(prompt_file)
     if not prompts:
         raise MtpTrtError("no prompt: give --prompt TEXT or --prompt-file FILE")
+    relaxed_source = "--relaxed-topk"
     if config:
         from mtp_trt.spec_config import load_spec_config
 
         spec = load_spec_config(config)
-        nextn = spec.nextn if nextn is None else nextn
-        mtp_mode = mtp_mode or spec.mtp_mode
-        relaxed_topk, relaxed_delta = relaxed_topk or spec.relaxed_topk, relaxed_delta or spec.relaxed_delta
+        nextn, mtp_mode, relaxed_topk, relaxed_delta = v.merge_spec_config(spec, config, nextn, mtp_mode,
+                                                                           relaxed_topk, relaxed_delta)
+        relaxed_source = f"{config} (relaxed_topk)" if spec.relaxed_topk else relaxed_source
     if mtp_mode not in (None, "eagle", "vanilla"):
         raise MtpTrtError(f"--mtp-mode: unknown mode {mtp_mode!r}; expected eagle or vanilla")
     if max_new_tokens < 1:
         raise MtpTrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if relaxed_topk < 0 or relaxed_delta < 0:
         raise MtpTrtError("--relaxed-topk and --relaxed-delta must be >= 0")
-    if threads < 0:
-        raise MtpTrtError(f"--threads must be >= 0 (0 = the usable cores), got {threads}")
+    v.check_sampling(temperature, top_k, top_p, seed, relaxed_topk, relaxed_delta, relaxed_source)
+    v.check_stop(list(stop or ()))
+    v.check_threads(threads)
     with StageDisplay("preparing the model") as show:
-        manifest = resolve_export(model, mtp_mode, progress=show)
-    runner = Runner(manifest, threads=threads or None)
+        manifest = resolve_export(model, mtp_mode, progress=show, verify=verify)
+    runner = Runner(manifest, threads=threads or None, bos=bos)
     opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
                           relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta)
+    encoded = [runner.encode(p) for p in prompts]
+    ids = runner.fit(encoded, opts.nextn, truncate)  # a prompt too long is refused before any output
     stream = not json_out and len(prompts) == 1
     if stream:
         typer.echo(prompts[0], nl=False)
@@ -236,7 +272,12 @@ def run(
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    report = runner.run(prompts, opts, seed=seed, stop=tuple(stop or ()), on_text=on_text if stream else None)
+    report = runner.run(prompts, opts, seed=seed, stop=tuple(stop or ()), on_text=on_text if stream else None,
+                        truncate=truncate)
+    truncated = [i for i, (a, b) in enumerate(zip(encoded, ids)) if len(b) < len(a)]
+    if truncated:
+        typer.secho(f"note: prompt(s) {', '.join(map(str, truncated))} truncated to their last tokens (--truncate)",
+                    fg="yellow", err=True)
     if json_out:
         out = {"results": [r.__dict__ for r in report.results], "summary": report.summary(),
                "model": str(manifest.root), "mtp_mode": manifest.mtp_mode}
@@ -269,24 +310,29 @@ def bench(
     json_path: Path = typer.Option(Path("bench.json"), "--json", help="Where to write all figures."),
     plot_path: Path = typer.Option(Path("bench.png"), "--plot", help="Where to write the PNG plot."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
+    verify: bool = typer.Option(False, help="Hash every file of the exports again (see `mtp-trt run --verify`)."),
 ) -> None:
     """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes against transformers' generate."""
     import platform
 
     from mtp_trt import bench as b
+    from mtp_trt import validate as v
     from mtp_trt.backend import default_threads
-    from mtp_trt.runner import demo_model
+    from mtp_trt.runner import demo_model, resolve_export
 
+    for size in batch:
+        v.check_positive("--batch", size)
+    v.check_positive("--repeats", repeats)
+    v.check_positive("--max-new-tokens", max_new_tokens)
+    v.check_threads(threads)
+    v.check_writable_file(json_path, "--json")  # before the benchmark, not after it
+    v.check_writable_file(plot_path, "--plot")
     ckpt = model or demo_model()
     if (ckpt / "manifest.json").is_file():
         raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports both MTP modes and runs transformers)")
     with StageDisplay("preparing exports") as show:
         for mode in ("eagle", "vanilla"):
-            from mtp_trt.runner import resolve_export
-
-            resolve_export(ckpt, mode, progress=show)
-    if threads < 0:
-        raise MtpTrtError(f"--threads must be >= 0 (0 = the usable cores), got {threads}")
+            resolve_export(ckpt, mode, progress=show, verify=verify)
     rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None)
     meta = {"checkpoint": str(ckpt), "max_new_tokens": max_new_tokens, "repeats": repeats,
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count(),

@@ -19,6 +19,7 @@ SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 ROPE_TYPES = ("default", "yarn")
 HIDDEN_ACTS = ("silu",)
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +128,26 @@ class ModelConfig:
             raise MtpTrtError(f"{path}: config file not found")
         return cls.from_dict(read_json(path), source=str(path))
 
+    def approx_parameters(self, nextn: int) -> int:
+        """About how many parameters the model has with `nextn` MTP modules (to refuse what cannot fit)."""
+        d, h = self.hidden_size, self.num_attention_heads
+        q = (d * self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim) if self.q_lora_rank \
+            else d * h * self.qk_head_dim
+        attn = q + d * self.latent_dim + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim) \
+            + h * self.v_head_dim * d
+        dense = 3 * d * self.intermediate_size
+        moe = 3 * d * self.moe_intermediate_size * ((self.n_routed_experts or 0) + self.n_shared_experts) \
+            + d * (self.n_routed_experts or 0)
+        layers = [moe if self.is_moe_layer(i) else dense for i in range(self.num_hidden_layers + nextn)]
+        return 2 * self.vocab_size * d + (self.num_hidden_layers + nextn) * attn + sum(layers) + nextn * 2 * d * d
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:
         def bad(field: str, msg: str) -> MtpTrtError:
             return MtpTrtError(f"{source}: field '{field}' {msg}")
+
+        if not isinstance(d, dict):
+            raise MtpTrtError(f"{source}: expected a JSON object of model fields, got a {type(d).__name__}")
 
         def get(field: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
             if field not in d or d[field] is None:
@@ -158,6 +175,8 @@ class ModelConfig:
         rope = _parse_rope(d, source, get, bad)
         quant = d.get("quantization_config")
         fp8_block = None
+        if quant and not isinstance(quant, dict):
+            raise bad("quantization_config", f"must be an object, got {quant!r}")
         if quant:
             method = quant.get("quant_method")
             if method != "fp8":
@@ -206,9 +225,18 @@ class ModelConfig:
 
     def _check(self, bad) -> None:
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                  "qk_rope_head_dim", "v_head_dim"):
+                  "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
             if getattr(self, f) <= 0:
                 raise bad(f, f"must be positive, got {getattr(self, f)}")
+        for f in ("vocab_size", "max_position_embeddings"):
+            if getattr(self, f) > MAX_TOKEN_ID:
+                raise bad(f, f"must be at most {MAX_TOKEN_ID} (token ids and positions are int32), "
+                             f"got {getattr(self, f)}")
+        for f in ("bos_token_id", "eos_token_id"):
+            v = getattr(self, f)
+            ids = v if isinstance(v, list) else [] if v is None else [v]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ids):
+                raise bad(f, f"must be a token id (or list of ids) in 0..{self.vocab_size - 1}, got {v!r}")
         if self.qk_rope_head_dim % 2:
             raise bad("qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
         if self.moe_layer_freq < 1:

@@ -2,20 +2,26 @@
 
 The exporter writes it; the runtime, the TensorRT builder and the plugins read it.  It records the
 model config, K, the MTP mode, dtypes, every graph's inputs and outputs (name, dtype, shape), the
-latent cache layout, the tokenizer files and a SHA-256 of each ONNX file.  docs/architecture.md
-describes the graphs and one decode step.
+latent cache layout, the tokenizer files and a SHA-256 of each ONNX file and of `weights.bin`.
+docs/architecture.md describes the graphs and one decode step.
+
+Integrity: `Manifest.load` checks that the manifest agrees with itself and with the files present (cheap);
+`verify_files` / `verify_export` hash the files once and remember, per file, the (size, mtime, ctime, inode)
+they had, in `cache_dir("verified")`; later calls re-hash only files whose stat changed (or all, forced).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import time
 from pathlib import Path
 from typing import Any
 
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.fsutil import read_json
+from mtp_trt.fsutil import cache_dir, read_json, write_atomic
 
 FORMAT = "mtp-trt-export"
 FORMAT_VERSION = 1
@@ -59,6 +65,57 @@ def check_files(manifest: Path, files: list[tuple[str, str]], verify_hashes: boo
             raise MtpTrtError(f"{manifest}: {what} file '{name}' is missing")
         if verify_hashes and sha256(f) != digest:
             raise MtpTrtError(f"{f}: SHA-256 differs from {manifest.name}; the {what} file was modified or truncated")
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _record_path(root: Path) -> Path:
+    return cache_dir("verified", hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24] + ".json")
+
+
+def verify_files(manifest: Path, files: list[tuple[str, str]], what: str, force: bool = False) -> dict:
+    """Check that each (file, sha256) listed by `manifest` (a manifest file's path) has that hash.  A file
+    whose (size, mtime, ctime, inode, device) equal those recorded when it last hashed to the same digest is
+    not read again, unless `force`.  Returns {"files", "hashed", "bytes_hashed", "seconds"}; a mismatch is an
+    MtpTrtError naming the file.  The record lives in cache_dir("verified") (best effort: an unwritable cache
+    only means hashing again next time)."""
+    t0 = time.perf_counter()
+    root = manifest.parent
+    record_path = _record_path(root)
+    try:
+        record = json.loads(record_path.read_text()) if not force else {}
+        known = record.get("files", {}) if isinstance(record, dict) and record.get("root") == str(root.resolve()) \
+            else {}
+    except (OSError, ValueError):
+        known = {}
+    check_files(manifest, files, False, what)
+    verified, hashed, nbytes = {}, 0, 0
+    for name, digest in files:
+        f = root / name
+        key = _stat_key(f)
+        if known.get(name) == key + [digest]:
+            verified[name] = known[name]
+            continue
+        hashed, nbytes = hashed + 1, nbytes + key[0]
+        if sha256(f) != digest:
+            raise MtpTrtError(f"{f}: SHA-256 differs from {manifest.name}; the {what} file was modified, "
+                              f"truncated or comes from another export")
+        verified[name] = _stat_key(f) + [digest]
+    if hashed:
+        try:
+            write_atomic(record_path, json.dumps({"root": str(root.resolve()), "files": verified}).encode())
+        except OSError:
+            pass
+    return {"files": len(files), "hashed": hashed, "bytes_hashed": nbytes,
+            "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def verify_export(manifest: Manifest, force: bool = False) -> dict:
+    """verify_files for an export: every graph and weights.bin (see verify_files for the cost)."""
+    return verify_files(manifest.root / "manifest.json", manifest.files, "graph", force)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +173,42 @@ class Manifest:
                     nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
                     max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
                     think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]), tokenizer=raw.get("tokenizer"))
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise MtpTrtError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
-        weights = raw.get("weights")  # one file of weights shared by the graphs (older exports: none)
-        shared = [(weights["file"], weights["sha256"])] if isinstance(weights, dict) and "file" in weights else []
-        check_files(path, [(g.file, g.sha256) for g in graphs.values()] + shared, verify_hashes, "graph")
+        _check_consistency(path, m)
+        check_files(path, m.files, verify_hashes, "graph")
         return m
+
+    @property
+    def files(self) -> list[tuple[str, str]]:
+        """(file, sha256) of every graph and of the shared weights.bin (older exports: none)."""
+        weights = self.raw.get("weights")
+        shared = [(weights["file"], weights["sha256"])] if isinstance(weights, dict) and "file" in weights else []
+        return [(g.file, g.sha256) for g in self.graphs.values()] + shared
+
+
+def _check_consistency(path: Path, m: Manifest) -> None:
+    """The manifest agrees with itself: known mode, dtype and lowering; every graph that nextn and the mode
+    need is listed; the caches' dtype is the manifest's dtype.  One error naming the field otherwise."""
+    def bad(field: str, msg: str) -> MtpTrtError:
+        return MtpTrtError(f"{path}: field '{field}' {msg}; the manifest was edited or the export is incomplete "
+                           f"(export again)")
+
+    for field, value, allowed in (("mtp_mode", m.mtp_mode, MTP_MODES), ("dtype", m.dtype, DTYPES),
+                                  ("lowering", m.lowering, ("onnx", "plugin"))):
+        if value not in allowed:
+            raise bad(field, f"is {value!r}, expected one of {', '.join(allowed)}")
+    for field in ("nextn", "max_batch", "max_seq_len"):
+        v = getattr(m, field)
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if field == "nextn" else 1):
+            raise bad(field, f"is {v!r}, expected a {'non-negative' if field == 'nextn' else 'positive'} integer")
+    if m.nextn >= len(m.graphs):  # at least target and step_0..step_nextn
+        raise bad("nextn", f"is {m.nextn}, but only {len(m.graphs)} graphs are listed")
+    need = ["target", *dict.fromkeys(m.mtp_graphs), *(f"step_{n}" for n in range(m.nextn + 1))]
+    missing = [g for g in need if g not in m.graphs]
+    if missing:
+        raise bad("nextn", f"is {m.nextn} ({m.mtp_mode}), but graph(s) {', '.join(missing)} are not listed")
+    for g in m.graphs.values():
+        for t in g.inputs:
+            if t.name in g.kv_inputs and t.dtype != m.dtype:
+                raise bad("dtype", f"is {m.dtype!r}, but graph {g.name!r} input {t.name!r} is {t.dtype}")

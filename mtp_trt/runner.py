@@ -18,7 +18,7 @@ from mtp_trt.backend import Backend, OrtBackend
 from mtp_trt.decode import DecodeOptions, Sequence, Stats, generate
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import cache_dir
-from mtp_trt.manifest import EXPORTER_REVISION, Manifest
+from mtp_trt.manifest import EXPORTER_REVISION, Manifest, verify_export
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO_ROOT / "samples" / "demo-model"
@@ -41,23 +41,43 @@ def checkpoint_key(ckpt: Path, **options) -> str:
     return h.hexdigest()[:16]
 
 
-def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None) -> Manifest:
-    """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules."""
+def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None, verify: bool = False) -> Manifest:
+    """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules.  Either
+    is checked against its manifest's hashes (once per change of its files; every time with `verify`)."""
     path = Path(model) if model else demo_model()
     if (path / "manifest.json").is_file():
         m = Manifest.load(path)
         if mtp_mode and mtp_mode != m.mtp_mode:
             raise MtpTrtError(f"{path}: exported in {m.mtp_mode} mode, but --mtp-mode {mtp_mode} was asked; "
                               f"export again with --mtp-mode {mtp_mode} (or pass the checkpoint)")
+        verify_export(m, force=verify)
         return m
     if not (path / "config.json").is_file():
         raise MtpTrtError(f"{path}: neither an export directory (manifest.json) nor a checkpoint (config.json)")
     mode = mtp_mode or "eagle"
     out = cache_dir("exports") / f"{path.name}-{mode}-{checkpoint_key(path, mode=mode)}"
-    if not (out / "manifest.json").is_file():
-        from mtp_trt.exporters.export import export  # torch: only on first use
+    m = export_cached(path, out, mode, progress or (lambda msg: None))
+    verify_export(m, force=verify)
+    return m
 
-        export(path, out, mtp_mode=mode, progress=progress or (lambda msg: None))
+
+def export_cached(ckpt: Path, out: Path, mode: str, progress) -> Manifest:
+    """Export `ckpt` into the cache entry `out` unless it is there.  Any number of processes may ask at once:
+    one exports (under a lock file in cache_dir("locks")), the others wait and reuse its result.  Partial
+    directories left by killed processes are removed first (never a live one's: fsutil)."""
+    from mtp_trt.fsutil import locked, remove_stale_partials
+    from mtp_trt.tokenizer import load_tokenizer
+
+    remove_stale_partials(out.parent)
+    if not (out / "manifest.json").is_file():
+        if not (ckpt / "tokenizer.json").is_file():  # before the export, not after it
+            raise MtpTrtError(f"{ckpt}: the checkpoint has no tokenizer.json; text prompts need one")
+        load_tokenizer(ckpt / "tokenizer.json")
+        with locked(cache_dir("locks", f"{out.name}.lock")):
+            if not (out / "manifest.json").is_file():
+                from mtp_trt.exporters.export import export  # torch: only on first use
+
+                export(ckpt, out, mtp_mode=mode, progress=progress)
     return Manifest.load(out)
 
 
@@ -95,13 +115,15 @@ class RunReport:
 class Runner:
     """A loaded export, its tokenizer and a backend."""
 
-    def __init__(self, manifest: Manifest, backend: Backend | None = None, threads: int | None = None):
-        from tokenizers import Tokenizer
+    def __init__(self, manifest: Manifest, backend: Backend | None = None, threads: int | None = None,
+                 bos: bool | None = None):
+        from mtp_trt.tokenizer import bos_policy, load_tokenizer
 
         self.manifest = manifest
         if not manifest.tokenizer:
             raise MtpTrtError(f"{manifest.root}: the export has no tokenizer.json; text prompts need one")
-        self.tokenizer = Tokenizer.from_file(str(manifest.root / manifest.tokenizer))
+        self.tokenizer = load_tokenizer(manifest.root / manifest.tokenizer)
+        self.bos = bos_policy(manifest.root, manifest.config.bos_token_id, self.tokenizer, bos)
         self.backend = backend or OrtBackend(manifest, threads=threads)
 
     def options(self, nextn: int | None, **kwargs) -> DecodeOptions:
@@ -112,12 +134,33 @@ class Runner:
         return DecodeOptions(nextn=nextn, eos_ids=m.eos_ids, think_ids=m.think_ids, **kwargs)
 
     def encode(self, text: str) -> list[int]:
-        """Prompt ids, starting with the model's BOS token when it has one and the tokenizer did not add it."""
-        ids = self.tokenizer.encode(text).ids
+        """Prompt ids, with BOS first as the checkpoint's tokenizer (or --bos/--no-bos) says: mtp_trt.tokenizer."""
+        from mtp_trt.tokenizer import encode
+
+        ids = encode(self.tokenizer, text, self.bos)
         if not ids:
             raise MtpTrtError("empty prompt: give some text with --prompt")
-        bos = self.manifest.config.bos_token_id
-        return ids if bos is None or ids[0] == bos else [bos, *ids]
+        return ids
+
+    def fit(self, ids: list[list[int]], nextn: int, truncate: bool = False) -> list[list[int]]:
+        """Prompts that fit the export's cache with room for one decode step (prompt + 2 nextn + 2 rows); a
+        longer one is an error naming it, or with `truncate` keeps its last tokens (and its BOS)."""
+        room = self.manifest.max_seq_len - 2 * nextn - 2
+        out = []
+        for i, x in enumerate(ids):
+            if len(x) <= room:
+                out.append(x)
+                continue
+            if room < 1:
+                raise MtpTrtError(f"{self.manifest.root}: max_seq_len {self.manifest.max_seq_len} leaves no room for "
+                                  f"a prompt with --nextn {nextn}")
+            if not truncate:
+                raise MtpTrtError(f"prompt {i} has {len(x)} tokens, but the export's cache ({self.manifest.max_seq_len} "
+                                  f"rows, max_seq_len) fits at most {room} with --nextn {nextn}; shorten it, or give "
+                                  f"--truncate to keep its last {room} tokens")
+            head = x[:1] if self.bos.add and self.bos.token_id is not None and x[0] == self.bos.token_id else []
+            out.append(head + x[len(x) - room + len(head):])
+        return out
 
     def decode(self, tokens: list[int]) -> str:
         """Text of generated tokens; special tokens such as <think> are shown, the final EOS is not."""
@@ -126,8 +169,9 @@ class Runner:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def run(self, prompts: list[str], opts: DecodeOptions, seed: int = 0, stop: tuple[str, ...] = (),
-            on_text: Callable[[int, str], None] | None = None) -> RunReport:
-        """Decode the prompts as one batch.  on_text(i, new_text) streams each sequence's new text."""
+            on_text: Callable[[int, str], None] | None = None, truncate: bool = False) -> RunReport:
+        """Decode the prompts as one batch.  on_text(i, new_text) streams each sequence's new text.  Prompts
+        that do not fit the cache are refused before any decoding (or truncated: see fit)."""
         shown = [0] * len(prompts)
 
         def on_step(seqs: list[Sequence]) -> None:
@@ -139,7 +183,7 @@ class Runner:
                     on_text(i, text[shown[i]:])
                     shown[i] = len(text)
 
-        ids = [self.encode(p) for p in prompts]
+        ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate)
         self.backend.prepare(opts.nextn, opts.sampling.greedy)  # graph loading is not decoding time
         t0 = time.perf_counter()
         seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)

@@ -9,6 +9,7 @@ drafts themselves must be drawn from q, the drafter's own (filtered) distributio
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -23,8 +24,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise MtpTrtError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise MtpTrtError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise MtpTrtError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

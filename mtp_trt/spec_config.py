@@ -31,20 +31,29 @@ class SpecConfig:
 
 def load_spec_config(path: str | Path) -> SpecConfig:
     path = Path(path)
+    if path.is_dir():
+        raise MtpTrtError(f"{path}: --config must be a file, but this is a directory")
     if not path.is_file():
         raise MtpTrtError(f"{path}: config file not found")
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MtpTrtError(f"{path}: not UTF-8 text (byte at offset {e.start})") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as json_error:
+        json_msg = f"{json_error.msg} at line {json_error.lineno} column {json_error.colno}"
         try:
             import yaml
         except ImportError:
-            raise MtpTrtError(f"{path}: not valid JSON (install PyYAML to read YAML)") from None
+            raise MtpTrtError(f"{path}: not valid JSON ({json_msg}; install PyYAML to read YAML)") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise MtpTrtError(f"{path}: neither JSON nor YAML ({e})") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or ["invalid"])[0]
+            raise MtpTrtError(f"{path}: neither JSON ({json_msg}) nor YAML ({problem}{where})") from None
     return parse_spec_config(data, str(path))
 
 

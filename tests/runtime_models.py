@@ -3,8 +3,6 @@ main model so that drafts are often (not always) right — real partial acceptan
 
 from __future__ import annotations
 
-import json
-
 from pathlib import Path
 
 import torch
@@ -65,15 +63,14 @@ def write_char_tokenizer(path: Path) -> None:
 
 
 def make_random(path: Path, nextn: int = 2, seed: int = 0, **overrides) -> Path:
-    """Random weights (config moe_qlora_yarn + overrides), `nextn` MTP modules, and a tokenizer.json that only
-    declares <think> / </think> as ids 90 / 91 (enough for the exporter to record them)."""
+    """Random weights (config moe_qlora_yarn + overrides), `nextn` MTP modules, and the character tokenizer
+    (<think> / </think> are ids 90 / 91)."""
     from hf_models import CONFIGS
 
     torch.manual_seed(seed)
     d = {**BASE, **CONFIGS["moe_qlora_yarn"], "num_nextn_predict_layers": nextn, **overrides}
     save_checkpoint(DeepseekV3(ModelConfig.from_dict(d)).init_weights(0.15), path, d)
-    tok = {"added_tokens": [{"id": THINK[0], "content": "<think>"}, {"id": THINK[1], "content": "</think>"}]}
-    (path / "tokenizer.json").write_text(json.dumps(tok))
+    write_char_tokenizer(path / "tokenizer.json")
     return path
 
 

@@ -1,0 +1,108 @@
+"""The checkpoint's tokenizer: loaded with one clear error, and the BOS convention a prompt follows.
+
+BOS, as Hugging Face tokenizers decide it, in this order:
+  1. `--bos` / `--no-bos` (the user);
+  2. `add_bos_token` in tokenizer_config.json (transformers' Llama-style tokenizers honour it);
+  3. tokenizer.json's post-processor, when it has one that places special tokens (TemplateProcessing,
+     BertProcessing, RobertaProcessing): whatever it adds is kept, nothing more;
+  4. otherwise (neither says) the config's `bos_token_id` is prepended, as mtp-trt always did.
+In every case a BOS is never doubled, and without one the post-processor's specials are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from mtp_trt.errors import MtpTrtError
+
+SPECIAL_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+
+
+def load_tokenizer(path: Path):
+    """A tokenizers.Tokenizer from tokenizer.json, or an MtpTrtError naming the file."""
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        raise MtpTrtError(f"{path}: tokenizer file not found")
+    try:
+        tok = Tokenizer.from_file(str(path))
+        tok.encode("a")
+    except Exception as e:  # tokenizers raises plain Exception subclasses with multi-line serde messages
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise MtpTrtError(f"{path}: not a valid tokenizers file ({first[:200]})") from None
+    return tok
+
+
+def _processor_places_specials(node) -> bool:
+    if not isinstance(node, dict):
+        return False
+    if node.get("type") in SPECIAL_PROCESSORS:
+        return True
+    return any(_processor_places_specials(p) for p in node.get("processors", []) or [])
+
+
+@dataclasses.dataclass(frozen=True)
+class BosPolicy:
+    add: bool  # the prompt starts with BOS
+    token_id: int | None  # the BOS id prepended when the tokenizer does not add it (None: it adds its own)
+    source: str  # what decided, for `mtp-trt inspect` and messages
+    use_post_processor: bool  # encode with the tokenizer's post-processor (add_special_tokens)
+
+    def describe(self) -> str:
+        if not self.add:
+            return f"none ({self.source})"
+        return f"id {self.token_id} ({self.source})" if self.token_id is not None else f"added by {self.source}"
+
+
+def bos_policy(root: Path, bos_token_id: int | None, tokenizer=None, flag: bool | None = None) -> BosPolicy:
+    """The BOS convention of the checkpoint or export in `root` (see the module docstring).  `tokenizer`: the
+    loaded tokenizer.json, if any; `flag`: --bos (True) / --no-bos (False) / neither (None)."""
+    post = None
+    if tokenizer is not None:
+        plain = tokenizer.encode("a", add_special_tokens=False).ids
+        full = tokenizer.encode("a").ids
+        post = full[0] if len(full) > len(plain) and full[: len(plain)] != plain else -1  # -1: adds no leading token
+    if flag is not None:
+        if not flag:
+            return BosPolicy(False, None, "--no-bos", False)
+        bos = bos_token_id if bos_token_id is not None else (post if post is not None and post >= 0 else None)
+        if bos is None:
+            raise MtpTrtError(f"--bos: {root} names no BOS token (config bos_token_id); give --no-bos or neither")
+        return BosPolicy(True, bos, "--bos", False)
+    cfg_path = root / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            add = json.loads(cfg_path.read_text()).get("add_bos_token")
+        except (ValueError, OSError, AttributeError):
+            raise MtpTrtError(f"{cfg_path}: not a JSON object") from None
+        if isinstance(add, bool):
+            source = f"{cfg_path.name} add_bos_token {str(add).lower()}"
+            if not add:
+                return BosPolicy(False, None, source, False)
+            bos = bos_token_id if bos_token_id is not None else (post if post is not None and post >= 0 else None)
+            if bos is None:
+                raise MtpTrtError(f"{cfg_path}: add_bos_token is true but no BOS id is known (config bos_token_id)")
+            return BosPolicy(True, bos, source, False)
+    tok_path = root / "tokenizer.json"
+    if tokenizer is not None and tok_path.is_file():
+        try:
+            processor = json.loads(tok_path.read_text()).get("post_processor")
+        except (ValueError, OSError, AttributeError):
+            processor = None
+        if _processor_places_specials(processor):
+            if post is not None and post >= 0:
+                return BosPolicy(True, None, "the tokenizer's post-processor", True)
+            return BosPolicy(False, None, "the tokenizer's post-processor adds none", True)
+    if bos_token_id is None:
+        return BosPolicy(False, None, "neither the tokenizer nor the config's bos_token_id names one", False)
+    return BosPolicy(True, bos_token_id, "config bos_token_id", True)
+
+
+def encode(tokenizer, text: str, policy: BosPolicy) -> list[int]:
+    """Prompt ids under `policy`: BOS first exactly when the policy says so, never twice."""
+    ids = tokenizer.encode(text, add_special_tokens=policy.use_post_processor).ids
+    if policy.add and policy.token_id is not None and (not ids or ids[0] != policy.token_id):
+        ids = [policy.token_id, *ids]
+    return ids

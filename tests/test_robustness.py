@@ -1,0 +1,228 @@
+"""Bad and unusual input (issue #14), as a user or an adversary gives it to the `mtp-trt` commands: each case
+ends in one `error:` line naming the file, field, flag or value, exit status 2, and leaves no file or
+directory behind.  Then integrity (tampered exports), concurrent exports into one cache entry, interrupted
+exports, and the BOS convention.
+
+One small checkpoint and one export (max_seq_len 64, nextn 2) are shared by every case; a case copies what
+it damages into its own directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime_models import make_self_drafting
+
+ROOM = 64 - 2 * 2 - 2  # the longest prompt a 64-row cache takes with nextn 2 (one char = one token here)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_self_drafting(tmp_path_factory.mktemp("robust") / "ckpt", nextn=2)
+
+
+@pytest.fixture(scope="module")
+def exp(ckpt, tmp_path_factory):
+    from mtp_trt.exporters.export import export
+
+    return export(ckpt, tmp_path_factory.mktemp("robust-exp") / "exp", max_seq_len=64)
+
+
+def mtp_trt(*args, cache: Path, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    args = [a if isinstance(a, bytes) else str(a) for a in args]
+    return subprocess.run(["mtp-trt", *args], capture_output=True, timeout=timeout,
+                          env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)}, **kw)
+
+
+class Case:
+    """What a case may build in its own directory: damaged copies of the checkpoint or the export."""
+
+    def __init__(self, ckpt: Path, exp: Path, tmp: Path):
+        self.ckpt, self.exp, self.tmp = ckpt, exp, tmp
+
+    def checkpoint(self, config=None, **changes) -> Path:
+        out = self.tmp / "ckpt"
+        shutil.copytree(self.ckpt, out)
+        raw = json.loads((out / "config.json").read_text()) | changes
+        (out / "config.json").write_text(json.dumps(raw if config is None else config))
+        return out
+
+    def export(self, **changes) -> Path:
+        out = self.tmp / "exp"
+        shutil.copytree(self.exp, out)
+        raw = json.loads((out / "manifest.json").read_text()) | changes
+        (out / "manifest.json").write_text(json.dumps(raw))
+        return out
+
+    def file(self, name: str, data: bytes | str) -> Path:
+        path = self.tmp / name
+        path.write_bytes(data if isinstance(data, bytes) else data.encode())
+        return path
+
+
+def _tampered_hash(c):
+    e = c.export()
+    raw = json.loads((e / "manifest.json").read_text())
+    raw["graphs"]["step_1"]["sha256"] = "0" * 64
+    (e / "manifest.json").write_text(json.dumps(raw))
+    return ["run", e, "-p", "x"]
+
+
+def _flipped_weights(c):
+    e = c.export()
+    data = bytearray((e / "weights.bin").read_bytes())
+    data[len(data) // 2] ^= 1
+    (e / "weights.bin").write_bytes(bytes(data))
+    return ["run", e, "-p", "x"]
+
+
+def _mixed_graph(c):
+    e = c.export()
+    shutil.copyfile(e / "step_1.onnx", e / "step_2.onnx")  # a graph of another export (or another nextn)
+    return ["run", e, "-p", "x"]
+
+
+def _int_tensor(c):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = c.checkpoint()
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, out / "model.safetensors")
+    return ["export", out, "-o", c.tmp / "out"]
+
+
+def _fewer_mtp_layers(c):
+    return ["export", c.checkpoint(num_nextn_predict_layers=5), "-o", c.tmp / "out", "--mtp-mode", "eagle"]
+
+
+def _no_tokenizer(c):
+    out = c.checkpoint()
+    (out / "tokenizer.json").unlink()
+    return ["run", out, "-p", "x"]
+
+
+def _bad_tokenizer(command):
+    def make(c):
+        out = c.checkpoint()
+        (out / "tokenizer.json").write_text('{"model": {"type": "Nope"}}')
+        return [command, out, *(["-o", c.tmp / "out"] if command == "export" else ["-p", "x"])]
+    return make
+
+
+CASES = [
+    # (id, argv builder, exit status, fragment of the message)
+    ("config-list-inspect", lambda c: ["inspect", c.checkpoint(config=[1, 2, 3])], 2,
+     "config.json: expected a JSON object of model fields, got a list"),
+    ("config-list-export", lambda c: ["export", c.checkpoint(config=[1, 2, 3]), "-o", c.tmp / "out"], 2,
+     "expected a JSON object of model fields"),
+    ("vocab-1e12-inspect", lambda c: ["inspect", c.checkpoint(vocab_size=10**12)], 2,
+     "field 'vocab_size' must be at most 2147483647"),
+    ("vocab-1e12-export", lambda c: ["export", c.checkpoint(vocab_size=10**12), "-o", c.tmp / "out"], 2,
+     "field 'vocab_size' must be at most"),
+    ("vocab-beyond-memory", lambda c: ["export", c.checkpoint(vocab_size=2 * 10**9), "-o", c.tmp / "out"], 2,
+     "GiB of memory"),
+    ("max-position-0", lambda c: ["inspect", c.checkpoint(max_position_embeddings=0)], 2,
+     "field 'max_position_embeddings' must be positive"),
+    ("bos-out-of-vocab", lambda c: ["inspect", c.checkpoint(bos_token_id=500)], 2, "field 'bos_token_id'"),
+    ("tokenizer-not-a-tokenizer-export", _bad_tokenizer("export"), 2, "tokenizer.json: not a valid tokenizers file"),
+    ("tokenizer-not-a-tokenizer-run", _bad_tokenizer("run"), 2, "tokenizer.json: not a valid tokenizers file"),
+    ("no-tokenizer-run", _no_tokenizer, 2, "the checkpoint has no tokenizer.json"),
+    ("mtp-layers-missing", _fewer_mtp_layers, 2, "field 'num_nextn_predict_layers' is 5, but the weights hold 2"),
+    ("int32-tensor", _int_tensor, 2, "tensor 'model.norm.weight' has dtype int32"),
+    ("manifest-dtype", lambda c: ["run", c.export(dtype="fp16"), "-p", "x"], 2,
+     "field 'dtype' is 'fp16', but graph"),
+    ("manifest-nextn", lambda c: ["run", c.export(nextn=9), "-p", "x"], 2, "field 'nextn' is 9"),
+    ("manifest-hash", _tampered_hash, 2, "step_1.onnx: SHA-256 differs from manifest.json"),
+    ("weights-flipped", _flipped_weights, 2, "weights.bin: SHA-256 differs from manifest.json"),
+    ("graph-from-elsewhere", _mixed_graph, 2, "step_2.onnx: SHA-256 differs"),
+    ("prompt-too-long", lambda c: ["run", c.exp, "-p", "a" * (ROOM + 1)], 2,
+     f"prompt 0 has {ROOM + 1} tokens, but the export's cache (64 rows, max_seq_len) fits at most {ROOM}"),
+    ("prompt-too-long-batch-json", lambda c: ["run", c.exp, "-p", "ok", "-p", "b" * 500, "--json"], 2,
+     "prompt 1 has 500 tokens"),
+    ("prompt-fits", lambda c: ["run", c.exp, "-p", "a" * ROOM, "--json"], 0, "KV cache full (64 rows"),
+    ("prompt-fits-nextn0", lambda c: ["run", c.exp, "-p", "a" * 62, "--nextn", "0", "--json"], 0, '"length"'),
+    ("prompt-truncated", lambda c: ["run", c.exp, "-p", "a" * 500, "--truncate", "--max-new-tokens", "2"], 0,
+     "truncated to their last tokens"),
+    ("prompt-not-utf8", lambda c: ["run", c.exp, "-p", b"abc\xff\xfedef"], 2,
+     "--prompt b'abc\\xff\\xfedef': not valid UTF-8 (byte 0xff at offset 3)"),
+    ("prompt-file-not-utf8", lambda c: ["run", c.exp, "--prompt-file", c.file("p.txt", b"ok\nab\xffc\n")], 2,
+     "p.txt: not UTF-8 text (byte 0xff on line 2)"),
+    ("prompt-file-directory", lambda c: ["run", c.exp, "--prompt-file", c.tmp], 2, "is a directory"),
+    ("temperature-nan", lambda c: ["run", c.exp, "-p", "x", "--temperature", "nan"], 2,
+     "--temperature must be a finite number"),
+    ("seed-negative", lambda c: ["run", c.exp, "-p", "x", "--temperature", "0.5", "--seed", "-1"], 2,
+     "--seed must be in 0.."),
+    ("threads-100000", lambda c: ["run", c.exp, "-p", "x", "--threads", "100000"], 2, "--threads must be in 0.."),
+    ("stop-empty", lambda c: ["run", c.exp, "-p", "x", "--stop", ""], 2, "--stop must not be empty"),
+    ("relaxed-delta-nan", lambda c: ["run", c.exp, "-p", "x", "--relaxed-delta", "nan"], 2,
+     "--relaxed-delta must be a finite number"),
+    ("top-p-greedy", lambda c: ["run", c.exp, "-p", "x", "--top-p", "0.9"], 2, "--top-p applies only when sampling"),
+    ("relaxed-with-sampling", lambda c: ["run", c.exp, "-p", "x", "--relaxed-topk", "3", "--temperature", "1"], 2,
+     "--relaxed-topk (relaxed acceptance) applies only to greedy decoding"),
+    ("config-bad-json", lambda c: ["run", c.exp, "-p", "x", "--config", c.file("s.json", '{"method": [')], 2,
+     "s.json: neither JSON (Expecting value at line 1 column 13) nor YAML"),
+    ("config-contradicts-flag", lambda c: ["run", c.exp, "-p", "x", "--nextn", "2", "--config", c.file(
+        "s.json", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}')], 2, "--nextn 2 contradicts"),
+    ("bos-without-id", lambda c: ["run", c.exp, "-p", "x", "--bos"], 2, "--bos:"),
+    ("export-to-proc", lambda c: ["export", c.ckpt, "-o", "/proc/mtp-trt-test"], 2,
+     "/proc/mtp-trt-test: cannot create the output directory"),
+    ("export-onto-file", lambda c: ["export", c.ckpt, "-o", c.file("f", "x")], 2, "exists and is not a directory"),
+    ("bench-batch-0", lambda c: ["bench", c.ckpt, "--batch", "0"], 2, "--batch must be >= 1"),
+    ("bench-repeats-0", lambda c: ["bench", c.ckpt, "--repeats", "0"], 2, "--repeats must be >= 1"),
+    ("bench-max-new-0", lambda c: ["bench", c.ckpt, "--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1"),
+    ("bench-json-unwritable", lambda c: ["bench", c.ckpt, "--json", "/proc/bench.json"], 2,
+     "--json /proc/bench.json: not writable"),
+    ("bench-json-no-dir", lambda c: ["bench", c.ckpt, "--json", c.tmp / "no" / "b.json"], 2, "does not exist"),
+]
+
+
+def _tree(*roots: Path) -> set[Path]:
+    """Every path under the roots, but the cache's verification records and lock files (kept by design)."""
+    out = set()
+    for root in roots:
+        for p in root.rglob("*"):
+            if not ({"verified", "locks"} & set(p.relative_to(root).parts)):
+                out.add(p)
+    return out
+
+
+@pytest.mark.parametrize("name,make,code,message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(ckpt, exp, tmp_path, name, make, code, message):
+    cache = tmp_path / "cache"
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = make(Case(ckpt, exp, work))
+    before = _tree(work, exp, ckpt)
+    r = mtp_trt(*argv, cache=cache)
+    out, err = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+    assert r.returncode == code, err + out
+    assert "Traceback" not in err
+    if code == 2:
+        assert err.startswith("error: ") and err.strip().count("\n") == 0, err
+        assert message in err, err
+        assert out == "", out  # nothing printed, not even with --json
+    else:
+        assert message in err + out
+    assert _tree(work, exp, ckpt) == before  # nothing written beside the inputs
+    if cache.exists():  # nothing half-written in the cache either
+        assert not [p for p in _tree(cache) if ".partial-" in p.name]
+        assert code == 0 or not (cache / "exports").exists() or not any((cache / "exports").iterdir())
+
+
+def test_inspect_reports_stored_mtp_modules_and_bos(ckpt, tmp_path):
+    c = Case(ckpt, None, tmp_path)
+    r = mtp_trt("inspect", c.checkpoint(num_nextn_predict_layers=5), cache=tmp_path / "cache", text=True)
+    assert r.returncode == 0, r.stderr
+    assert "MTP modules   5 in config.json, but 2 stored in the weights" in r.stdout
+    assert "BOS           none (neither the tokenizer nor the config's bos_token_id names one)" in r.stdout
