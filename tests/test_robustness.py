@@ -226,3 +226,160 @@ def test_inspect_reports_stored_mtp_modules_and_bos(ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "MTP modules   5 in config.json, but 2 stored in the weights" in r.stdout
     assert "BOS           none (neither the tokenizer nor the config's bos_token_id names one)" in r.stdout
+
+
+# ------------------------------------------------------------------------------------------ integrity
+def test_verification_is_remembered_until_a_file_changes(exp, tmp_path, monkeypatch):
+    """The first check hashes every file; later ones only stat them; a file rewritten with the same size and
+    mtime (but a new ctime) is hashed again and the change found; --verify (force) hashes everything."""
+    from mtp_trt.errors import MtpTrtError
+    from mtp_trt.manifest import Manifest, verify_export
+
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "exp"
+    shutil.copytree(exp, root)
+    m = Manifest.load(root)
+    first = verify_export(m)
+    assert first["hashed"] == first["files"] == 6  # target, mtp_0, step_0..2, weights.bin
+    assert verify_export(m)["hashed"] == 0
+    assert verify_export(m, force=True)["hashed"] == 6
+    w = root / "weights.bin"
+    st = w.stat()
+    data = bytearray(w.read_bytes())
+    data[100] ^= 0xFF
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime: only ctime tells
+    with pytest.raises(MtpTrtError, match="weights.bin: SHA-256 differs from manifest.json"):
+        verify_export(m)
+    data[100] ^= 0xFF
+    w.write_bytes(bytes(data))
+    assert verify_export(m)["hashed"] == 1  # the restored file, once
+
+
+def test_run_verify_flag_hashes_again(exp, tmp_path):
+    cache = tmp_path / "cache"
+    for extra in ((), ("--verify",)):
+        r = mtp_trt("run", exp, "-p", "x", "--max-new-tokens", "2", *extra, cache=cache, text=True)
+        assert r.returncode == 0, r.stderr
+    assert len(list((cache / "verified").iterdir())) == 1
+
+
+# ------------------------------------------------------------------------------ concurrency, interrupts
+def _partials(*dirs: Path) -> list[Path]:
+    return [p for d in dirs if d.exists() for p in d.iterdir() if ".partial-" in p.name]
+
+
+def test_three_runs_share_one_export_of_an_empty_cache(ckpt, tmp_path):
+    """Three `mtp-trt run`s on one checkpoint and an empty cache at once: one exports, the others wait for it
+    and reuse its entry; all succeed with the same text and leave one entry, no partial directory."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "MTP_TRT_CACHE_DIR": str(cache)}
+    procs = [subprocess.Popen(["mtp-trt", "run", str(ckpt), "-p", "def f(x):", "--max-new-tokens", "6",
+                               "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    for code, out, err in results:
+        assert code == 0, err
+    assert len({out for _, out, _ in results}) == 1
+    assert sum("exporting target.onnx" in err for _, _, err in results) == 1
+    entries = list((cache / "exports").iterdir())
+    assert len(entries) == 1 and (entries[0] / "manifest.json").is_file(), entries
+
+
+def _wait_for(predicate, timeout: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def test_killed_export_is_cleaned_up_by_the_next_run(ckpt, tmp_path):
+    """SIGKILL while the first run exports: its partial directory outlives it; the next run removes it,
+    exports and succeeds, leaving one entry."""
+    cache = tmp_path / "cache"
+    exports = cache / "exports"
+    env = {**os.environ, "MTP_TRT_CACHE_DIR": str(cache)}
+    p = subprocess.Popen(["mtp-trt", "run", str(ckpt), "-p", "x"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=env)
+    _wait_for(lambda: any((d / "target.onnx").exists() for d in _partials(exports)))
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    left = _partials(exports)
+    assert left and not [e for e in exports.iterdir() if ".partial-" not in e.name]
+    r = mtp_trt("run", ckpt, "-p", "x", "--max-new-tokens", "2", cache=cache, text=True)
+    assert r.returncode == 0, r.stderr
+    assert not _partials(exports) and not any(d.exists() for d in left)
+    assert len(list(exports.iterdir())) == 1
+
+
+def test_terminated_export_leaves_nothing(ckpt, tmp_path):
+    """SIGTERM midway through `mtp-trt export`: the partial directory goes with the process."""
+    out = tmp_path / "out"
+    p = subprocess.Popen(["mtp-trt", "export", str(ckpt), "-o", str(out)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    _wait_for(lambda: any((d / "target.onnx").exists() for d in _partials(tmp_path)))
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_live_partial_directory_is_never_removed(tmp_path):
+    from mtp_trt.fsutil import LEGACY_PARTIAL_AGE_S, atomic_directory, remove_stale_partials
+
+    with atomic_directory(tmp_path / "out") as tmp:
+        (tmp / "x").write_text("x")
+        # another process's view: its lock is held, so nothing is stale
+        code = (f"from pathlib import Path; from mtp_trt.fsutil import remove_stale_partials as r; "
+                f"print(len(r(Path({str(tmp_path)!r}))))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.stdout.strip() == "0" and tmp.is_dir(), r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    legacy = tmp_path / ".old.partial-abc"  # an older mtp-trt's, without a lock file: removed once old
+    legacy.mkdir()
+    assert remove_stale_partials(tmp_path) == [] and legacy.exists()
+    os.utime(legacy, (time.time() - LEGACY_PARTIAL_AGE_S - 1,) * 2)
+    assert remove_stale_partials(tmp_path) == [legacy] and not legacy.exists()
+
+
+# ------------------------------------------------------------------------------------------------ BOS
+@pytest.mark.parametrize("tokenizer_config,post_processor,flag,expected,source", [
+    (None, False, None, [94, 0], "config bos_token_id"),
+    ({"add_bos_token": False}, False, None, [0], "tokenizer_config.json add_bos_token false"),
+    ({"add_bos_token": True}, True, None, [94, 0], "tokenizer_config.json add_bos_token true"),
+    (None, True, None, [94, 0], "post-processor"),
+    ({"add_bos_token": True}, False, False, [0], "--no-bos"),
+    (None, True, False, [0], "--no-bos"),
+    ({"add_bos_token": False}, False, True, [94, 0], "--bos"),
+])
+def test_bos_follows_the_tokenizer(tmp_path, tokenizer_config, post_processor, flag, expected, source):
+    """BOS as Hugging Face decides it: the flag, then tokenizer_config.json's add_bos_token, then the
+    post-processor, then (neither says) the config's bos_token_id; never twice."""
+    from tokenizers import processors
+
+    from mtp_trt.tokenizer import bos_policy, encode, load_tokenizer
+    from runtime_models import write_char_tokenizer
+
+    write_char_tokenizer(tmp_path / "tokenizer.json")
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    if post_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 94)])
+        tok.save(str(tmp_path / "tokenizer.json"))
+    if tokenizer_config is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    policy = bos_policy(tmp_path, 94, tok, flag)
+    assert encode(tok, "a", policy) == expected and source in policy.describe()
+
+
+def test_inspect_and_run_follow_add_bos_token(ckpt, tmp_path):
+    c = Case(ckpt, None, tmp_path)
+    out = c.checkpoint(bos_token_id=94)
+    (out / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    r = mtp_trt("inspect", out, cache=tmp_path / "cache", text=True)
+    assert "BOS           none (tokenizer_config.json add_bos_token false)" in r.stdout, r.stdout + r.stderr
+    exp = tmp_path / "exp"
+    assert mtp_trt("export", out, "-o", exp, "--max-seq-len", "64", cache=tmp_path / "cache").returncode == 0
+    from mtp_trt.manifest import Manifest
+    from mtp_trt.runner import Runner
+
+    assert Runner(Manifest.load(exp)).encode("ab") == [0, 1]
+    assert Runner(Manifest.load(exp), bos=True).encode("ab") == [94, 0, 1]
