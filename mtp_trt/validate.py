@@ -22,9 +22,10 @@ def usable_cores() -> int:
 
 def check_threads(threads: int) -> None:
     top = usable_cores() * THREADS_PER_CORE
-    if not 0 <= threads <= top:
-        raise MtpTrtError(f"--threads must be in 0..{top} ({THREADS_PER_CORE} per usable core; 0 = the usable "
-                          f"cores), got {threads}")
+    if threads < 0:
+        raise MtpTrtError(f"--threads must be >= 0 (0 = the usable cores), got {threads}")
+    if threads > top:
+        raise MtpTrtError(f"--threads must be at most {top} ({THREADS_PER_CORE} per usable core), got {threads}")
 
 
 def check_number(flag: str, value: float, low: float | None = None, high: float | None = None) -> None:
