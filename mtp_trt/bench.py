@@ -91,7 +91,7 @@ def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repea
         texts = (PROMPTS * batch)[:batch]
         jobs = {}
         for mode, runner in runners.items():
-            prompts = [runner.encode(p) for p in texts]
+            prompts = runner.fit([runner.encode(p) for p in texts], runner.manifest.nextn)  # or one clear error
             for nextn in range(runner.manifest.nextn + 1):
                 opts = runner.options(nextn, max_new_tokens=max_new_tokens)
                 jobs[(mode, nextn)] = lambda r=runner, p=prompts, o=opts: generate(r.backend, p, o)

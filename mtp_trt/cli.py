@@ -91,7 +91,10 @@ def _bos_row(ckpt: Path, cfg) -> str:
     from mtp_trt.tokenizer import bos_policy, load_tokenizer
 
     tok = ckpt / "tokenizer.json"
-    return bos_policy(ckpt, cfg.bos_token_id, load_tokenizer(tok) if tok.is_file() else None).describe()
+    try:
+        return bos_policy(ckpt, cfg.bos_token_id, load_tokenizer(tok) if tok.is_file() else None).describe()
+    except MtpTrtError as e:  # inspect still shows the rest
+        return f"unknown ({e})"
 
 
 class StageDisplay:

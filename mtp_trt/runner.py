@@ -124,6 +124,7 @@ class Runner:
             raise MtpTrtError(f"{manifest.root}: the export has no tokenizer.json; text prompts need one")
         self.tokenizer = load_tokenizer(manifest.root / manifest.tokenizer)
         self.bos = bos_policy(manifest.root, manifest.config.bos_token_id, self.tokenizer, bos)
+        verify_export(manifest)  # remembered: a stat per file unless one changed since it was last hashed
         self.backend = backend or OrtBackend(manifest, threads=threads)
 
     def options(self, nextn: int | None, **kwargs) -> DecodeOptions:
