@@ -183,8 +183,9 @@ class Manifest:
     def files(self) -> list[tuple[str, str]]:
         """(file, sha256) of every graph and of the shared weights.bin (older exports: none)."""
         weights = self.raw.get("weights")
-        shared = [(weights["file"], weights["sha256"])] if isinstance(weights, dict) and "file" in weights else []
-        return [(g.file, g.sha256) for g in self.graphs.values()] + shared
+        if not (isinstance(weights, dict) and "file" in weights):
+            return [(g.file, g.sha256) for g in self.graphs.values()]
+        return [(g.file, g.sha256) for g in self.graphs.values()] + [(weights["file"], weights.get("sha256", ""))]
 
 
 def _check_consistency(path: Path, m: Manifest) -> None:
@@ -208,6 +209,9 @@ def _check_consistency(path: Path, m: Manifest) -> None:
     missing = [g for g in need if g not in m.graphs]
     if missing:
         raise bad("nextn", f"is {m.nextn} ({m.mtp_mode}), but graph(s) {', '.join(missing)} are not listed")
+    for name, _ in m.files:
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            raise bad("graphs", f"names file {name!r}, which is not a plain file name in the export directory")
     for g in m.graphs.values():
         for t in g.inputs:
             if t.name in g.kv_inputs and t.dtype != m.dtype:

@@ -156,9 +156,9 @@ class Runner:
                 raise MtpTrtError(f"{self.manifest.root}: max_seq_len {self.manifest.max_seq_len} leaves no room for "
                                   f"a prompt with --nextn {nextn}")
             if not truncate:
-                raise MtpTrtError(f"prompt {i} has {len(x)} tokens, but the export's cache ({self.manifest.max_seq_len} "
-                                  f"rows, max_seq_len) fits at most {room} with --nextn {nextn}; shorten it, or give "
-                                  f"--truncate to keep its last {room} tokens")
+                raise MtpTrtError(f"prompt {i} has {len(x)} tokens, but the export's cache "
+                                  f"({self.manifest.max_seq_len} rows, max_seq_len) fits at most {room} with --nextn "
+                                  f"{nextn}; shorten it, or give --truncate to keep its last {room} tokens")
             head = x[:1] if self.bos.add and self.bos.token_id is not None and x[0] == self.bos.token_id else []
             out.append(head + x[len(x) - room + len(head):])
         return out

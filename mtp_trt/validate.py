@@ -129,11 +129,17 @@ def check_output_dir(out: Path, flag: str = "--out") -> None:
             raise MtpTrtError(f"{out}: exists and is not a directory; choose another {flag} or remove it")
         if any(out.iterdir()):
             raise MtpTrtError(f"{out}: output directory exists and is not empty; choose another or remove it")
+    import tempfile
+
     parent = out.absolute().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise MtpTrtError(f"{out}: cannot create the output directory ({parent} is not a writable directory)")
+    if not parent.is_dir():
+        raise MtpTrtError(f"{out}: cannot create the output directory ({parent} is not a directory)")
+    try:  # a directory made and removed at once: what the export will do, tried before the work
+        os.rmdir(tempfile.mkdtemp(prefix=".mtp-trt-probe-", dir=parent))
+    except OSError as e:
+        raise MtpTrtError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
 
 
 def merge_spec_config(spec, source: Path, nextn: int | None, mtp_mode: str | None, relaxed_topk: int,
