@@ -371,16 +371,22 @@ def test_bos_follows_the_tokenizer(tmp_path, tokenizer_config, post_processor, f
     assert encode(tok, "a", policy) == expected and source in policy.describe()
 
 
-def test_inspect_and_run_follow_add_bos_token(ckpt, tmp_path):
-    c = Case(ckpt, None, tmp_path)
+def test_inspect_and_run_follow_add_bos_token(ckpt, exp, tmp_path, monkeypatch):
+    """A checkpoint whose tokenizer_config.json says add_bos_token false gets no BOS, though its config names
+    one; inspect says so; --bos puts it back."""
+    from mtp_trt.manifest import Manifest
+    from mtp_trt.runner import Runner
+
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))  # the Runner records its verification
+
+    c = Case(ckpt, exp, tmp_path)
     out = c.checkpoint(bos_token_id=94)
     (out / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
     r = mtp_trt("inspect", out, cache=tmp_path / "cache", text=True)
     assert "BOS           none (tokenizer_config.json add_bos_token false)" in r.stdout, r.stdout + r.stderr
-    exp = tmp_path / "exp"
-    assert mtp_trt("export", out, "-o", exp, "--max-seq-len", "64", cache=tmp_path / "cache").returncode == 0
-    from mtp_trt.manifest import Manifest
-    from mtp_trt.runner import Runner
-
-    assert Runner(Manifest.load(exp)).encode("ab") == [0, 1]
-    assert Runner(Manifest.load(exp), bos=True).encode("ab") == [94, 0, 1]
+    raw = json.loads((exp / "manifest.json").read_text())
+    e = c.export(config={**raw["config"], "bos_token_id": 94})  # as exported from that checkpoint
+    assert Runner(Manifest.load(e)).encode("ab") == [94, 0, 1]  # the config's BOS: the tokenizer says nothing
+    shutil.copyfile(out / "tokenizer_config.json", e / "tokenizer_config.json")
+    assert Runner(Manifest.load(e)).encode("ab") == [0, 1]
+    assert Runner(Manifest.load(e), bos=True).encode("ab") == [94, 0, 1]
