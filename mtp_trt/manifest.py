@@ -203,6 +203,13 @@ def _check_consistency(path: Path, m: Manifest) -> None:
         v = getattr(m, field)
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if field == "nextn" else 1):
             raise bad(field, f"is {v!r}, expected a {'non-negative' if field == 'nextn' else 'positive'} integer")
+    cache = m.raw.get("cache")
+    for field, key, value in (("max_seq_len", "rows_per_sequence", m.max_seq_len), ("dtype", "dtype", m.dtype)):
+        if isinstance(cache, dict) and key in cache and cache[key] != value:
+            raise bad(field, f"is {value!r}, but cache.{key} is {cache[key]!r}")
+    if m.max_seq_len > m.config.max_position_embeddings:
+        raise bad("max_seq_len", f"is {m.max_seq_len}, beyond the config's max_position_embeddings "
+                                 f"{m.config.max_position_embeddings}")
     if m.nextn >= len(m.graphs):  # at least target and step_0..step_nextn
         raise bad("nextn", f"is {m.nextn}, but only {len(m.graphs)} graphs are listed")
     need = ["target", *dict.fromkeys(m.mtp_graphs), *(f"step_{n}" for n in range(m.nextn + 1))]
