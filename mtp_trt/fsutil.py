@@ -137,6 +137,20 @@ def remove_stale_partials(parent: Path, name: str | None = None) -> list[Path]:
     return removed
 
 
+def _owned_lock(out: Path) -> tuple[int, str]:
+    """A new `.NAME.partial-XXXX.lock` beside `out`, locked by this process until it ends.  A cleaner may
+    unlink a lock file in the instant between its creation and its locking: then it is made again."""
+    while True:
+        fd, lock = tempfile.mkstemp(prefix=f".{out.name}{PARTIAL}", suffix=".lock", dir=out.parent)
+        _try_lock(fd, blocking=True)
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return fd, lock
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_directory(out: Path) -> Iterator[Path]:
     """Yield a temporary directory beside `out`; on success it replaces `out` (which must be absent or
@@ -147,12 +161,11 @@ def atomic_directory(out: Path) -> Iterator[Path]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(out.parent, out.name)
-        fd, lock = tempfile.mkstemp(prefix=f".{out.name}{PARTIAL}", suffix=".lock", dir=out.parent)
+        fd, lock = _owned_lock(out)
     except OSError as e:
         raise MtpTrtError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
     tmp = Path(lock[: -len(".lock")])
     try:
-        _try_lock(fd, blocking=True)  # held until this process ends: its partial directory is live
         tmp.mkdir(mode=0o700)
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
