@@ -337,6 +337,13 @@ def test_a_live_partial_directory_is_never_removed(tmp_path):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert r.stdout.strip() == "0" and tmp.is_dir(), r.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    dead = tmp_path / ".again.partial-xyz"  # a killed owner's: its lock file is there, but nobody holds it
+    dead.mkdir()
+    (dead / "target.onnx").write_text("x")
+    dead.with_name(dead.name + ".lock").touch()
+    with atomic_directory(tmp_path / "again") as tmp:  # the next export to the same output removes it
+        assert not dead.exists() and tmp.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "out"]
     legacy = tmp_path / ".old.partial-abc"  # an older mtp-trt's, without a lock file: removed once old
     legacy.mkdir()
     assert remove_stale_partials(tmp_path) == [] and legacy.exists()
