@@ -124,7 +124,8 @@ class Runner:
             raise MtpTrtError(f"{manifest.root}: the export has no tokenizer.json; text prompts need one")
         self.tokenizer = load_tokenizer(manifest.root / manifest.tokenizer)
         self.bos = bos_policy(manifest.root, manifest.config.bos_token_id, self.tokenizer, bos)
-        verify_export(manifest)  # remembered: a stat per file unless one changed since it was last hashed
+        if backend is None:  # the graphs ONNX Runtime will load; a given backend checks its own files
+            verify_export(manifest)  # remembered: a stat per file unless one changed since it was last hashed
         self.backend = backend or OrtBackend(manifest, threads=threads)
 
     def options(self, nextn: int | None, **kwargs) -> DecodeOptions:
@@ -159,7 +160,7 @@ class Runner:
                 raise MtpTrtError(f"prompt {i} has {len(x)} tokens, but the export's cache "
                                   f"({self.manifest.max_seq_len} rows, max_seq_len) fits at most {room} with --nextn "
                                   f"{nextn}; shorten it, or give --truncate to keep its last {room} tokens")
-            head = x[:1] if self.bos.add and self.bos.token_id is not None and x[0] == self.bos.token_id else []
+            head = x[:1] if self.bos.add and self.bos.token_id in (None, x[0]) else []  # BOS stays first
             out.append(head + x[len(x) - room + len(head):])
         return out
 
