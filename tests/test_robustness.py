@@ -395,7 +395,10 @@ def test_inspect_and_run_follow_add_bos_token(ckpt, exp, tmp_path, monkeypatch):
     assert "BOS           none (tokenizer_config.json add_bos_token false)" in r.stdout, r.stdout + r.stderr
     raw = json.loads((exp / "manifest.json").read_text())
     e = c.export(config={**raw["config"], "bos_token_id": 94})  # as exported from that checkpoint
-    assert Runner(Manifest.load(e)).encode("ab") == [94, 0, 1]  # the config's BOS: the tokenizer says nothing
+    runner = Runner(Manifest.load(e))
+    assert runner.encode("ab") == [94, 0, 1]  # the config's BOS: the tokenizer says nothing
+    long = runner.encode("a" * 100)
+    assert runner.fit([long], 2, truncate=True) == [[94] + long[-(ROOM - 1):]]  # BOS first, then the last tokens
     shutil.copyfile(out / "tokenizer_config.json", e / "tokenizer_config.json")
     assert Runner(Manifest.load(e)).encode("ab") == [0, 1]
     assert Runner(Manifest.load(e), bos=True).encode("ab") == [94, 0, 1]
