@@ -237,6 +237,18 @@ class ModelConfig:
             ids = v if isinstance(v, list) else [] if v is None else [v]
             if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ids):
                 raise bad(f, f"must be a token id (or list of ids) in 0..{self.vocab_size - 1}, got {v!r}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise bad("q_lora_rank", f"must be positive, or null for no q LoRA; got {self.q_lora_rank}")
+        for f in ("rms_norm_eps", "routed_scaling_factor"):
+            v = getattr(self, f)
+            if not (math.isfinite(v) and v > 0):
+                raise bad(f, f"must be a finite number > 0, got {v}")
+        rope = self.rope
+        for f in ("theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            v = getattr(rope, f)
+            if not math.isfinite(v) or (v <= 0 and f in ("theta", "factor")):
+                name = "rope_theta" if f == "theta" else f"rope_scaling.{f}"
+                raise bad(name, f"must be a finite number{' > 0' if f in ('theta', 'factor') else ''}, got {v}")
         if self.qk_rope_head_dim % 2:
             raise bad("qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
         if self.moe_layer_freq < 1:
