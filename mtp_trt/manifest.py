@@ -87,10 +87,10 @@ def verify_files(manifest: Path, files: list[tuple[str, str]], what: str, force:
     record_path = _record_path(root)
     try:
         record = json.loads(record_path.read_text()) if not force else {}
-        known = record.get("files", {}) if isinstance(record, dict) and record.get("root") == str(root.resolve()) \
-            else {}
     except (OSError, ValueError):
-        known = {}
+        record = {}
+    known = record.get("files") if isinstance(record, dict) and record.get("root") == str(root.resolve()) else {}
+    known = known if isinstance(known, dict) else {}
     check_files(manifest, files, False, what)
     verified, hashed, nbytes = {}, 0, 0
     for name, digest in files:
