@@ -22,6 +22,7 @@ from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory, write_atomic
 from mtp_trt.manifest import DTYPES, GraphSpec, Manifest, sha256
 from mtp_trt.trt import manifest as em
+from mtp_trt.validate import check_output_dir
 
 DEFAULT_MAX_PREFILL = 512
 KERNEL_MAX_BATCH = 65535  # mtp_mla_decode's limit
@@ -203,8 +204,7 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
     out = Path(out)
     m = load_export(export_dir)
     precision, max_batch, max_seq_len, max_prefill = check_request(m, precision, max_batch, max_seq_len, max_prefill)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MtpTrtError(f"{out}: output directory exists and is not empty; choose another or remove it")
+    check_output_dir(out)  # absent or empty, and creatable: before any TensorRT work
     import onnx
 
     for g in m.graphs.values():  # unknown custom ops: before any TensorRT work
