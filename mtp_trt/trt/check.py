@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -216,7 +215,7 @@ def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int
     import onnxruntime as ort
 
     run_engine = engine_runner(m)
-    exp = export_manifest(engine_dir)
+    exp = em.load_export_manifest(engine_dir)
     rng = np.random.default_rng(seed)
     ok_all = True
     with tempfile.TemporaryDirectory(prefix="mtp-trt-check-") as work:
@@ -237,24 +236,3 @@ def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int
                 lines += out
     return CheckResult("passed" if ok_all else "failed", "" if ok_all else "engine outputs differ from ONNX Runtime",
                        lines)
-
-
-def export_manifest(engine_dir: Path) -> Manifest:
-    """The export manifest kept in the engine directory (export_manifest.json), without its ONNX files."""
-    from mtp_trt.config import ModelConfig
-    from mtp_trt.manifest import GraphSpec, TensorSpec
-
-    path = engine_dir / em.EXPORT_MANIFEST
-    try:
-        raw = json.loads(path.read_text())
-        graphs = {n: GraphSpec(name=n, file=g["file"], sha256=g["sha256"],
-                               inputs=[TensorSpec(**t) for t in g["inputs"]],
-                               outputs=[TensorSpec(**t) for t in g["outputs"]], kv_inputs=g["kv_inputs"],
-                               kv_outputs=g["kv_outputs"]) for n, g in raw["graphs"].items()}
-        return Manifest(root=engine_dir, raw=raw, config=ModelConfig.from_dict(raw["config"], source=str(path)),
-                        nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
-                        max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
-                        think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]),
-                        tokenizer=raw.get("tokenizer"))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise MtpTrtError(f"{path}: unreadable export manifest ({type(e).__name__}: {e})") from None
