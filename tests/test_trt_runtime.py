@@ -196,3 +196,40 @@ def test_too_little_device_memory_is_one_clear_error(setup):
     backend = fake_backend(engines["plugin"], ref, free_bytes=1 << 16)
     with pytest.raises(MtpTrtError, match=r"need about .* GiB of GPU memory, .* GiB is free"):
         backend.allocate(4, 64)
+
+
+def test_check_decode_comparison(setup):
+    """`mtp-trt check`'s end-to-end part: the engines' greedy tokens against ONNX Runtime for nextn 0..K."""
+    from mtp_trt.trt.check import decode_comparison
+
+    ref, engines = setup
+    ok, lines = decode_comparison(fake_backend(engines["plugin"], ref), ref, "fp32", max_new_tokens=12)
+    assert ok and len(lines) == K + 1 and all("tokens equal ONNX Runtime's, " in x for x in lines)
+    backend = fake_backend(engines["plugin"], ref)
+    real = backend.step
+
+    def off_by_one(*args, **kw):  # a wrong engine: every accepted token shifted
+        out = real(*args, **kw)
+        out["accepted_tokens"] = np.where(out["accepted_tokens"] >= 0, (out["accepted_tokens"] + 1) % 90, -1)
+        return out
+
+    backend.step = off_by_one
+    ok, lines = decode_comparison(backend, ref, "fp32", max_new_tokens=12)
+    assert not ok and "(differ)" in lines[1]
+    ok, _ = decode_comparison(backend, ref, "fp16", max_new_tokens=12)
+    assert ok, "below fp32 the agreement is reported, not failed"
+
+
+def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
+    from mtp_trt.trt import compat
+
+    if compat.gpu()[0] is not None:
+        pytest.skip("a GPU is present")
+    ref, engines = setup
+    env = {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
+    for lowering, instead in (("plugin", ref.raw["checkpoint"]), ("onnx", str(ref.root.resolve()))):
+        for args in (["run", str(engines[lowering]), "-p", "x"], ["bench", str(engines[lowering]), "--repeats", "1"]):
+            r = CliRunner().invoke(app, args, env=env)
+            assert r.exit_code == 2, r.output
+            assert "running engines needs an NVIDIA GPU" in r.output and f"mtp-trt run {instead}" in r.output
+            assert "Traceback" not in r.output and r.output.count("error:") == 1

@@ -133,13 +133,13 @@ def cache_bytes(m: Manifest, batch: int, rows: int) -> int:
 
 
 def runtime_problem(m: em.EngineManifest, cc: str | None, why_no_gpu: str, flavour_version: str | None,
-                    export_dir: str) -> str | None:
+                    instead: str) -> str | None:
     """Why these engines cannot run here, in one line, or None.  cc: this GPU's compute capability (None: no
     GPU, because why_no_gpu); flavour_version: the installed version of the engines' TensorRT flavour (None:
-    not installed)."""
+    not installed); instead: what ONNX Runtime can run in their place (an onnx export or the checkpoint)."""
     if cc is None:
         return (f"running engines needs an NVIDIA GPU ({why_no_gpu}); ONNX Runtime runs the export instead: "
-                f"mtp-trt run {export_dir}")
+                f"mtp-trt run {instead}")
     built_on = m.raw.get("built_on")
     if m.flavour == "tensorrt_rtx" and cc not in m.target_archs:
         return (f"{m.root}: the engines were built for compute capabilit{'ies' if len(m.target_archs) > 1 else 'y'} "

@@ -135,7 +135,9 @@ class TrtBackend(Backend):
             version = compat.load(self.em.flavour).version
         except MtpTrtError:
             version = None
-        problem = plan.runtime_problem(self.em, cc, why, version, self.em.raw["export"].get("dir", "EXPORT_DIR"))
+        exp = self.em.raw["export"]  # what ONNX Runtime can run instead: an onnx-lowering export, else the checkpoint
+        instead = exp.get("dir") if exp.get("lowering") == "onnx" else exp.get("checkpoint") or exp.get("dir")
+        problem = plan.runtime_problem(self.em, cc, why, version, instead or "CHECKPOINT")
         if problem:
             raise MtpTrtError(problem)
         return Device()
