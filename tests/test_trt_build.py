@@ -255,13 +255,17 @@ def test_interrupted_build_leaves_nothing(exported, tmp_path, monkeypatch):
     _no_leftovers(tmp_path, "out")
 
 
-def test_onnx_lowering_export_is_refused(ckpt, tmp_path):
+@trt_mark
+def test_onnx_lowering_export_builds_plugin_free_engines(ckpt, tmp_path):
+    """Standard operators only: engines any TensorRT application loads without our plugins; the runtime commits
+    their new_kv outputs itself, so nothing is aliased."""
     exp = export(ckpt, tmp_path / "onnx", nextn=1, lowering="onnx", max_seq_len=32)
-    with pytest.raises(MtpTrtError, match="re-export with .*--lowering plugin"):
-        builder.build(exp, tmp_path / "out")
-    r = CliRunner().invoke(app, ["build", str(exp), "-o", str(tmp_path / "out")])
-    assert r.exit_code == 2 and "--lowering plugin" in r.output and "Traceback" not in r.output
-    _no_leftovers(tmp_path, "out")
+    out = builder.build(exp, tmp_path / "out", target_arch=target()[0])
+    m = em.EngineManifest.load(out, verify_hashes=True)
+    assert m.raw["lowering"] == "onnx" and set(m.engines) == {"target", "mtp_0", "step_0", "step_1"}
+    for e in m.engines.values():
+        assert e.plugin_layers == {} and e.aliases == {}
+        assert b"MlaGenerationAttention" not in (out / e.file).read_bytes()
 
 
 def test_incompatible_export_format_version(exported, tmp_path):
