@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 DOMAIN = "mtp_trt"
-VERSION = 1
+# Every node also carries the string attribute `plugin_version` = str(VERSION): TensorRT's ONNX parser looks the
+# plugin creator up by (op type, that attribute, default "1"; namespace "").  It is not a plugin field.
+PLUGIN_VERSION_ATTRIBUTE = "plugin_version"
+VERSION = 2  # 2: MlaGenerationAttention returns its cache as an output aliased to the cache input
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +28,10 @@ class OpSpec:
 MLA_GENERATION_ATTENTION = OpSpec(
     name="MlaGenerationAttention",
     doc="MLA attention over the compressed latent cache (absorbed form). Writes the S new latent rows into "
-        "kv_cache at rows past_len[b] .. past_len[b]+S-1 (in place), then attends query s of sequence b over "
-        "rows 0 .. past_len[b]+s (causal among the new rows).  V is the first Dl values of each row.",
+        "the cache at rows past_len[b] .. past_len[b]+S-1, then attends query s of sequence b over rows "
+        "0 .. past_len[b]+s (causal among the new rows).  V is the first Dl values of each row.  The write is "
+        "in place: output kv_cache_out is aliased to input kv_cache (TensorRT's aliased plugin I/O, "
+        "IPluginV3OneBuildV2.get_aliased_input(1) == 2): both are bound to the same buffer.",
     inputs=(
         ("q", "fp32/fp16/bf16 [B, S, H, Dl+Dr]: q_nope absorbed through W^UK, then roped q_pe"),
         ("new_rows", "same dtype [B, S, Dl+Dr]: normed c_kv then roped k_pe of the new tokens"),
@@ -37,8 +42,10 @@ MLA_GENERATION_ATTENTION = OpSpec(
         ("kv_lora_rank", "int: Dl"),
         ("softmax_scale", "float: qk_head_dim^-0.5 times YaRN's mscale^2"),
     ),
-    outputs=(("out", "same dtype [B, S, H, Dl]: softmax(scale q.row) @ row[:Dl]"),),
+    outputs=(("out", "same dtype [B, S, H, Dl]: softmax(scale q.row) @ row[:Dl]"),
+             ("kv_cache_out", "same dtype [B, T, Dl+Dr]: kv_cache with the new rows written (aliased to input 2)")),
 )
+ALIASES = {"MlaGenerationAttention": {1: 2}, "MtpAccept": {}}  # op -> {output index: aliased input index}
 
 MTP_ACCEPT = OpSpec(
     name="MtpAccept",

@@ -1,4 +1,5 @@
-"""Text in, text out: resolve the model (export directory, checkpoint, or the bundled demo), tokenize, decode.
+"""Text in, text out: resolve the model (engine directory, export directory, checkpoint, or the bundled demo),
+tokenize, decode.
 
 A checkpoint is exported on first use into a cache directory keyed by the checkpoint's contents and
 the export options (under `mtp_trt.fsutil.cache_dir()`, default ~/.cache/mtp-trt), so later runs start at once.
@@ -79,6 +80,33 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress) -> Manifest:
 
                 export(ckpt, out, mtp_mode=mode, progress=progress)
     return Manifest.load(out)
+
+
+def verify_engines(engine_dir: Path, force: bool = False) -> dict:
+    """manifest.verify_files for the engines an engine directory's engines.json lists (remembered likewise)."""
+    from mtp_trt.manifest import verify_files
+    from mtp_trt.trt import manifest as em
+
+    engines = em.EngineManifest.load(engine_dir).engines.values()
+    return verify_files(Path(engine_dir) / em.FILE, [(e.file, e.sha256) for e in engines], "engine", force=force)
+
+
+def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: int | None = None,
+                cuda_graphs: bool = True, progress=None, bos: bool | None = None, verify: bool = False) -> Runner:
+    """A Runner for an engine directory (engines.json: TensorRT on the GPU, mtp_trt/trt/runtime.py), an export
+    directory or a checkpoint (ONNX Runtime on the CPU).  The files are checked against their manifest's hashes
+    (once per change of the files; every time with `verify`); `bos`: see mtp_trt.tokenizer."""
+    path = Path(model) if model else demo_model()
+    if (path / "engines.json").is_file():
+        from mtp_trt.trt import manifest as em
+        from mtp_trt.trt.runtime import TrtBackend
+
+        m = em.load_export_manifest(path)
+        if mtp_mode and mtp_mode != m.mtp_mode:
+            raise MtpTrtError(f"{path}: engines of a {m.mtp_mode}-mode export, but --mtp-mode {mtp_mode} was asked")
+        verify_engines(path, force=verify)
+        return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs), bos=bos)
+    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify), threads=threads, bos=bos)
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""`mtp-trt build`: an export in the `plugin` lowering -> one TensorRT engine per graph + engines.json.
+"""`mtp-trt build`: an export (`plugin` or `onnx` lowering) -> one TensorRT engine per graph + engines.json.
 
 Pipeline: check the request (export format version, lowering, precision, sizes, target
 architectures, custom ops) before any work; register the plugins; for each graph parse the ONNX,
@@ -22,10 +22,12 @@ from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory, write_atomic
 from mtp_trt.manifest import DTYPES, GraphSpec, Manifest, sha256
 from mtp_trt.trt import manifest as em
+from mtp_trt.trt import plan
 from mtp_trt.validate import check_output_dir
 
 DEFAULT_MAX_PREFILL = 512
 KERNEL_MAX_BATCH = 65535  # mtp_mla_decode's limit
+KERNEL_MIN_ARCH = (8, 0)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 ONNX_TYPES = {1: "fp32", 10: "fp16", 16: "bf16", 6: "int32", 7: "int64"}  # onnx.TensorProto elem types
 Progress = Callable[[str], None]
@@ -33,12 +35,9 @@ Progress = Callable[[str], None]
 
 # ------------------------------------------------------------------------------------- checks
 def load_export(export_dir: str | Path) -> Manifest:
-    m = Manifest.load(export_dir, verify_hashes=True)  # checks format and format version
-    if m.lowering != "plugin":
-        raise MtpTrtError(f"{m.root}: the export uses the {m.lowering!r} lowering (standard ONNX operators, for ONNX "
-                          f"Runtime); TensorRT engines need the plugin nodes: re-export with "
-                          f"`mtp-trt export {m.raw.get('checkpoint', 'CHECKPOINT')} -o DIR --lowering plugin`")
-    return m
+    """An export in either lowering: `plugin` (the mtp_trt plugins: in-place cache writes, fused acceptance)
+    or `onnx` (standard operators only: engines any TensorRT application loads without our plugins)."""
+    return Manifest.load(export_dir, verify_hashes=True)  # checks format and format version
 
 
 def custom_nodes(model, file: str) -> collections.Counter:
@@ -122,6 +121,14 @@ def check_request(m: Manifest, precision: str | None, max_batch: int | None, max
     return precision, max_batch, max_seq_len, max_prefill
 
 
+def check_archs(archs: list[str]) -> None:
+    """The kernels need compute capability 8.0+ (cp.async, ldmatrix, bf16 mma.sync)."""
+    old = [a for a in archs if a != "ampere+" and tuple(map(int, a.split("."))) < KERNEL_MIN_ARCH]
+    if old:
+        raise MtpTrtError(f"--target-arch {', '.join(old)}: the mtp-trt kernels need compute capability "
+                          f"{'.'.join(map(str, KERNEL_MIN_ARCH))} or newer (cp.async, ldmatrix, bf16 tensor cores)")
+
+
 # -------------------------------------------------------------------------------------- build
 class _Log:
     """TensorRT's log: kept in memory, written to build.log, errors quoted in exceptions."""
@@ -179,6 +186,7 @@ def build_graph(api, builder, graph: GraphSpec, path: Path, profs: list[dict], a
                           f"some node was not mapped to its plugin")
     config = builder.create_builder_config()
     api.set_targets(config, archs)
+    api.enable_aliased_plugin_io(config)
     for prof in profs:
         p = builder.create_optimization_profile()
         for name, (lo, opt, hi) in input_shapes(graph, prof).items():
@@ -211,6 +219,7 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
         custom_nodes(onnx.load(str(m.root / g.file), load_external_data=False), g.file)
     api = compat.load(flavour)
     archs = api.resolve_archs(target_arch)
+    check_archs(archs)
     progress(f"{api.flavour} {api.version}: registering plugins")
     trt_plugins.register(api.trt)
     trt_plugins.errors.clear()
@@ -235,13 +244,15 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
             (tmp / f"{name}.engine").write_bytes(data)
             engines[name] = {"file": f"{name}.engine", "sha256": sha256(tmp / f"{name}.engine"), "bytes": len(data),
                              "onnx": g.file, "onnx_sha256": g.sha256, "plugin_layers": layers,
+                             "aliases": plan.engine_io(g, m.lowering).aliases,
                              "build_seconds": round(time.perf_counter() - t0, 2)}
         progress(f"writing {out}")
         manifest = {
             "format": em.FORMAT, "format_version": em.FORMAT_VERSION, "mtp_trt_version": __version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "tensorrt": {"flavour": api.flavour, "version": api.version, "module": api.module},
-            "target_archs": archs, "precision": precision, "max_batch": max_batch, "max_seq_len": max_seq_len,
+            "target_archs": archs, "built_on": compat.gpu()[0], "lowering": m.lowering,
+            "precision": precision, "max_batch": max_batch, "max_seq_len": max_seq_len,
             "max_prefill": max_prefill,
             "export": {"dir": str(m.root.resolve()), "format_version": m.raw["format_version"],
                        "manifest_sha256": sha256(m.root / "manifest.json"), "lowering": m.lowering, "dtype": m.dtype,
