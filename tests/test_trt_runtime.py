@@ -233,3 +233,25 @@ def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
             assert r.exit_code == 2, r.output
             assert "running engines needs an NVIDIA GPU" in r.output and f"mtp-trt run {instead}" in r.output
             assert "Traceback" not in r.output and r.output.count("error:") == 1
+
+
+def test_tampered_engines_are_found_before_they_run(setup, tmp_path, monkeypatch):
+    """`run` and `bench` check the engines against engines.json's hashes once (remembered, like exports): an
+    engine changed afterwards is one error naming it, before TensorRT (or the GPU check) is reached."""
+    import shutil
+
+    from mtp_trt.runner import verify_engines
+
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
+    _, engines = setup
+    root = tmp_path / "eng"
+    shutil.copytree(engines["onnx"], root)
+    first = verify_engines(root)
+    assert first["hashed"] == first["files"] > 0 and verify_engines(root)["hashed"] == 0
+    with open(root / "step_1.engine", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    r = CliRunner().invoke(app, ["run", str(root), "-p", "x"], env={"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.exit_code == 2 and "step_1.engine: SHA-256 differs from engines.json" in r.output, r.output
