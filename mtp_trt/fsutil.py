@@ -21,7 +21,7 @@ from pathlib import Path
 
 try:
     import fcntl
-except ImportError:  # not POSIX: no advisory locks; partial directories are then only removed when old
+except ImportError:  # not POSIX: no advisory locks; partial directories are then never judged abandoned
     fcntl = None
 
 PARTIAL = ".partial-"
@@ -112,7 +112,7 @@ def remove_stale_partials(parent: Path, name: str | None = None) -> list[Path]:
             fd = os.open(lock, os.O_RDWR)
         except FileNotFoundError:
             with contextlib.suppress(OSError):
-                if time.time() - entry.lstat().st_mtime > LEGACY_PARTIAL_AGE_S or fcntl is None:
+                if time.time() - entry.lstat().st_mtime > LEGACY_PARTIAL_AGE_S:
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
             continue
