@@ -74,6 +74,11 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress) -> Manifest:
         if not (ckpt / "tokenizer.json").is_file():  # before the export, not after it
             raise MtpTrtError(f"{ckpt}: the checkpoint has no tokenizer.json; text prompts need one")
         load_tokenizer(ckpt / "tokenizer.json")
+        try:
+            cache_dir("locks").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MtpTrtError(f"{cache_dir()}: cannot write the cache directory ({e.strerror}); set "
+                              f"MTP_TRT_CACHE_DIR to a writable directory") from None
         with locked(cache_dir("locks", f"{out.name}.lock")):
             if not (out / "manifest.json").is_file():
                 from mtp_trt.exporters.export import export  # torch: only on first use

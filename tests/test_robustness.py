@@ -405,3 +405,8 @@ def test_inspect_and_run_follow_add_bos_token(ckpt, exp, tmp_path, monkeypatch):
     shutil.copyfile(out / "tokenizer_config.json", e / "tokenizer_config.json")
     assert Runner(Manifest.load(e)).encode("ab") == [0, 1]
     assert Runner(Manifest.load(e), bos=True).encode("ab") == [94, 0, 1]
+
+
+def test_an_unwritable_cache_is_named(ckpt, tmp_path):
+    r = mtp_trt("run", ckpt, "-p", "x", cache=Path("/proc/mtp-trt-cache"), text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: /proc/mtp-trt-cache: cannot write the cache directory")
