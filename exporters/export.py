@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mtp_trt import ops
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory
@@ -39,6 +40,15 @@ def _spec(name: str, dtype: str, shape: list) -> dict:
     return {"name": name, "dtype": dtype, "shape": shape}
 
 
+def commit_spec(cache: str, dtype: str, cfg: ModelConfig, lowering: str, rows="S") -> dict:
+    """The output that commits cache input `cache`: its new rows (`onnx`: new_kv_i / mtp_new_kv..., [B, rows, C],
+    written back by the runtime) or the cache itself after the graph's writes (`plugin`: <cache>_out [B, T, C],
+    aliased to the input: TensorRT binds both to one buffer)."""
+    if lowering == "plugin":
+        return _spec(f"{cache}_out", dtype, ["B", "T", cfg.latent_dim])
+    return _spec("mtp_new_" + cache[4:] if cache.startswith("mtp_") else "new_" + cache, dtype, ["B", rows, cfg.latent_dim])
+
+
 def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
     kv = [_spec(f"kv_{i}", dtype, ["B", "T", cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
     inputs = [_spec("input_ids", "int32", ["B", "S"]), _spec("past_len", "int32", ["B"]),
@@ -48,8 +58,7 @@ def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], 
                _spec("thinking_out", "int32", ["B"]), _spec("target_tokens", "int32", ["B", "S"]),
                _spec("hidden_states", dtype, ["B", "S", cfg.hidden_size]),
                _spec("logits", "fp32", ["B", "S", cfg.vocab_size])]
-    if lowering == "onnx":
-        outputs += [_spec(f"new_kv_{i}", dtype, ["B", "S", cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
+    outputs += [commit_spec(t["name"], dtype, cfg, lowering) for t in kv]
     return inputs, outputs
 
 
@@ -61,8 +70,7 @@ def step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[li
     inputs = [t for t in t_in if mtp or not t["name"].startswith("relaxed_")]
     inputs += [_spec("mtp_kv", dtype, ["B", "T", cfg.latent_dim])] * mtp
     outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])] * mtp
-    if lowering == "onnx":
-        outputs += t_out[6:] + [_spec("mtp_new_kv", dtype, ["B", "S", cfg.latent_dim])] * mtp
+    outputs += t_out[6:] + [commit_spec("mtp_kv", dtype, cfg, lowering)] * mtp
     fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
     return [fix(t) for t in inputs], [fix(t) for t in outputs]
 
@@ -75,9 +83,7 @@ def vanilla_step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> 
     inputs += [_spec("carry", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
     outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])]
     outputs += [_spec("carry_out", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
-    if lowering == "onnx":
-        outputs += t_out[6:] + [_spec(f"mtp_new_kv_{k}", dtype, ["B", nextn + k + 1, cfg.latent_dim])
-                                for k in range(nextn)]
+    outputs += t_out[6:] + [commit_spec(f"mtp_kv_{k}", dtype, cfg, lowering, nextn + k + 1) for k in range(nextn)]
     fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
     return [fix(t) for t in inputs], [fix(t) for t in outputs]
 
@@ -86,9 +92,8 @@ def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], lis
     inputs = [_spec("hidden", dtype, ["B", "S", cfg.hidden_size]), _spec("next_tokens", "int32", ["B", "S"]),
               _spec("past_len", "int32", ["B"]), _spec("kv", dtype, ["B", "T", cfg.latent_dim])]
     outputs = [_spec("hidden_out", dtype, ["B", "S", cfg.hidden_size]), _spec("draft_tokens", "int32", ["B", "S"]),
-               _spec("draft_probs", "fp32", ["B", "S"]), _spec("draft_logits", "fp32", ["B", "S", cfg.vocab_size])]
-    if lowering == "onnx":
-        outputs.append(_spec("new_kv", dtype, ["B", "S", cfg.latent_dim]))
+               _spec("draft_probs", "fp32", ["B", "S"]), _spec("draft_logits", "fp32", ["B", "S", cfg.vocab_size]),
+               commit_spec("kv", dtype, cfg, lowering)]
     return inputs, outputs
 
 
@@ -120,7 +125,7 @@ def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], pa
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
         torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, do_constant_folding=True,
                           input_names=[s["name"] for s in inputs], output_names=[s["name"] for s in outputs],
-                          dynamic_axes=axes, custom_opsets={"mtp_trt": 1} if lowering == "plugin" else None)
+                          dynamic_axes=axes, custom_opsets={ops.DOMAIN: ops.VERSION} if lowering == "plugin" else None)
     model = onnx.load(str(path))
     if model.ByteSize() > EXTERNAL_DATA_BYTES or path.stat().st_size > EXTERNAL_DATA_BYTES:
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -252,8 +257,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
             _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering)
-            kv_outputs = [("mtp_new_" + n[4:] if n.startswith("mtp_") else "new_" + n) for n in kv_inputs] \
-                if lowering == "onnx" else []
+            kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
             graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,
                             "kv_outputs": kv_outputs}
         progress(f"sharing the weights of {len(graphs)} graphs")

@@ -1,7 +1,9 @@
 """The exported graphs: the target (main model + in-graph acceptance), the MTP module(s) and the one-call
 decode steps, in two lowerings (exporters/lowering.py).  In the `onnx` lowering the new latent rows
 are graph outputs that the runtime writes into its persistent cache; in the `plugin` lowering the
-attention node writes them in place.
+attention node writes them in place and every cache input has an output `<input>_out` aliased to it
+(the cache after the graph's writes; TensorRT binds both to one buffer).  Each block returns what
+its lowering commits: the new rows (`onnx`) or the updated cache (`plugin`).
 
 Both lowerings share everything else with the reference model (exporters/model.py); MoE is
 computed in a static form (every expert on every token, combine-weighted) so the graph has no
@@ -113,7 +115,8 @@ def folded_mla(attn: MLA) -> tuple[Tensor | None, Tensor | None]:
 
 def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, lowering: str
                   ) -> tuple[Tensor, Tensor]:
-    """One decoder block with absorbed MLA over the persistent cache. -> (h [B, S, D], new rows [B, S, Dl+Dr])."""
+    """One decoder block with absorbed MLA over the persistent cache.  -> (h [B, S, D], commit): the new rows
+    [B, S, Dl+Dr] in the onnx lowering, the cache with them written [B, T, Dl+Dr] in the plugin lowering."""
     attn: MLA = layer.self_attn
     cfg, dims, rope = attn.cfg, group.dims, group.rope
     nh, dn, dr, dl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -134,7 +137,7 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
     q_abs = torch.cat([q_lat, rope(q_pe, group.cos_h, group.sin_h)], -1)  # [B, S, H, Dl+Dr]
     latent = torch.cat([attn.kv_a_layernorm(c_kv), rope(k_pe, group.cos, group.sin)], -1)  # [B, S, Dl+Dr]
     if lowering == "plugin":
-        o_lat = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl, cfg.softmax_scale)
+        o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl, cfg.softmax_scale)
     else:
         o_lat = attend(dims.rows(q_abs, dl + dr), latent, cache, group.mask, dl, cfg.softmax_scale)  # [B, S*H, Dl]
     if wo is not None:
@@ -149,7 +152,7 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
 
 # ----------------------------------------------------------------------------------------- graphs
 def main_forward(m: DeepseekV3, group: Group, input_ids, caches, lowering: str):
-    """The main model: (hidden [B, S, D] after the final norm, logits [B, S, V] fp32, new rows per layer)."""
+    """The main model: (hidden [B, S, D] after the final norm, logits [B, S, V] fp32, commit per layer)."""
     h = m.model.embed_tokens(input_ids)
     new_rows = []
     for layer, cache in zip(m.model.layers, caches):
@@ -161,7 +164,7 @@ def main_forward(m: DeepseekV3, group: Group, input_ids, caches, lowering: str):
 
 def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, group: Group, cache, lowering: str):
     """MTP module k on the group's rows: h' = eh_proj([enorm(emb); hnorm(hidden)]) then its block.
-    -> (hidden_out [B, S, D] before shared_head.norm, new rows)."""
+    -> (hidden_out [B, S, D] before shared_head.norm, commit)."""
     layer = m.mtp[k]
     emb = m.model.embed_tokens(next_tokens) * (group.positions != 0)[..., None].to(hidden.dtype)
     h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
@@ -208,13 +211,12 @@ class TargetGraph(_Graph):
              relaxed_delta [] float32, kv_0 .. kv_{L-1} [B, T, Dl+Dr] (one T for all caches)
     outputs: accepted_tokens [B, S] int32, num_accepted [B] int32, thinking_out [B] int32,
              target_tokens [B, S] int32 (argmax), hidden_states [B, S, D], logits [B, S, V] float32,
-             and in the onnx lowering new_kv_0 .. new_kv_{L-1} [B, S, Dl+Dr]."""
+             then new_kv_0 .. new_kv_{L-1} [B, S, Dl+Dr] (onnx) or kv_0_out .. kv_{L-1}_out (plugin)."""
 
     def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
-        _, h, logits, new_rows = self.main(input_ids, past_len, caches)
+        _, h, logits, commits = self.main(input_ids, past_len, caches)
         accepted, num, thinking_out = self.accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta)
-        outs = (accepted, num, thinking_out, logits.argmax(-1).to(torch.int32), h, logits)
-        return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
+        return (accepted, num, thinking_out, logits.argmax(-1).to(torch.int32), h, logits, *commits)
 
 
 class MtpGraph(_Graph):
@@ -222,8 +224,8 @@ class MtpGraph(_Graph):
 
     inputs : hidden [B, S, D], next_tokens [B, S] int32, past_len [B] int32, kv [B, T, Dl+Dr]
     outputs: hidden_out [B, S, D], draft_tokens [B, S] int32, draft_probs [B, S] float32 (softmax
-             probability of the draft), draft_logits [B, S, V] float32, and new_kv [B, S, Dl+Dr]
-             in the onnx lowering."""
+             probability of the draft), draft_logits [B, S, V] float32, then new_kv [B, S, Dl+Dr] (onnx) or
+             kv_out (plugin)."""
 
     def __init__(self, model: DeepseekV3, k: int, lowering: str):
         super().__init__(model, lowering)
@@ -232,11 +234,10 @@ class MtpGraph(_Graph):
     def forward(self, hidden, next_tokens, past_len, cache):
         m = self.model
         group = self.group(*next_tokens.shape, past_len, past_len, cache)
-        h, rows = mtp_block(m, self.k, hidden, next_tokens, group, cache, self.lowering)
+        h, commit = mtp_block(m, self.k, hidden, next_tokens, group, cache, self.lowering)
         logits = m.lm_head(m.mtp[self.k].shared_head.norm(h)).float()
         probs, tokens = logits.softmax(-1).max(-1)
-        outs = (h, tokens.to(torch.int32), probs, logits)
-        return outs + ((rows,) if self.lowering == "onnx" else ())
+        return h, tokens.to(torch.int32), probs, logits, commit
 
 
 class StepGraph(_Graph):
@@ -247,9 +248,11 @@ class StepGraph(_Graph):
     inputs : as TargetGraph (S = K + 1 exactly; K = 0: without relaxed_topk / relaxed_delta), then (K > 0)
              mtp_kv [B, T, Dl+Dr] (the MTP module's cache)
     outputs: accepted_tokens, num_accepted, thinking_out (as TargetGraph), (K > 0) drafts [B, K] int32,
-             and in the onnx lowering new_kv_0 .. new_kv_{L-1} and (K > 0) mtp_new_kv [B, K+1, Dl+Dr]
+             then in the onnx lowering new_kv_0 .. new_kv_{L-1} and (K > 0) mtp_new_kv [B, K+1, Dl+Dr]
              (depth 1's rows; the deeper rows are speculative and need no commit).  In the plugin lowering
-             every attention node writes its rows in place, depth k at row past_len + num_accepted + k - 1."""
+             every attention node writes its rows in place, depth k at row past_len + num_accepted + k - 1,
+             the MTP depths one after another through the cache (depth k's cache input is depth k-1's
+             kv_cache_out), and the outputs are kv_0_out .. kv_{L-1}_out and (K > 0) mtp_kv_out."""
 
     def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
         super().__init__(model, lowering, think_ids)
@@ -259,27 +262,31 @@ class StepGraph(_Graph):
         m, layers = self.model, len(self.model.model.layers)
         (relaxed_topk, relaxed_delta), caches = (rest[:2], rest[2:]) if self.nextn else ((None, None), rest)
         b, s = input_ids.shape
-        group, h, logits, new_rows = self.main(input_ids, past_len, caches[:layers])  # MTP depth 1's group too
+        group, h, logits, commits = self.main(input_ids, past_len, caches[:layers])  # MTP depth 1's group too
         if self.nextn == 0:
             token = logits.argmax(-1).to(torch.int32)  # [B, 1]
             flag = flag_after(thinking[:, None] != 0, token, *self.think_ids)[:, 0].to(torch.int32)
-            outs = (token, torch.zeros_like(past_len), flag)
-            return outs + (tuple(new_rows) if self.lowering == "onnx" else ())
+            return (token, torch.zeros_like(past_len), flag, *commits)
         accepted, num, thinking_out = self.accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta)
         cache = caches[layers]
-        h1, rows1 = mtp_block(m, 0, h, accepted.clamp(min=0), group, cache, self.lowering)
+        h1, commit1 = mtp_block(m, 0, h, accepted.clamp(min=0), group, cache, self.lowering)
         h_prev = row_at(h1, num.long(), m.cfg.hidden_size)  # row past_len + num
         d = draft_token(m, 0, h_prev)  # [B, 1]
         drafts = [d]
-        extra = (rows1, torch.arange(s)[None, :] <= num[:, None])  # depth 1's accepted rows
+        plugin = self.lowering == "plugin"
+        mtp_cache = commit1 if plugin else cache  # plugin: each depth writes into the previous depth's output
+        extra = None if plugin else (commit1, torch.arange(s)[None, :] <= num[:, None])  # depth 1's accepted rows
         for k in range(2, self.nextn + 1):
             group_k = self.group(b, 1, past_len + num + (k - 1), past_len, cache, extra)
-            h_prev, rows = mtp_block(m, 0, h_prev, d, group_k, cache, self.lowering)
+            h_prev, commit = mtp_block(m, 0, h_prev, d, group_k, mtp_cache, self.lowering)
             d = draft_token(m, 0, h_prev)
             drafts.append(d)
-            extra = (torch.cat([extra[0], rows], 1), torch.cat([extra[1], torch.ones_like(d, dtype=torch.bool)], 1))
-        outs = (accepted, num, thinking_out, torch.cat(drafts, 1))
-        return outs + ((*new_rows, rows1) if self.lowering == "onnx" else ())
+            if plugin:
+                mtp_cache = commit
+            else:
+                extra = (torch.cat([extra[0], commit], 1),
+                         torch.cat([extra[1], torch.ones_like(d, dtype=torch.bool)], 1))
+        return (accepted, num, thinking_out, torch.cat(drafts, 1), *commits, mtp_cache if plugin else commit1)
 
 
 class VanillaStepGraph(_Graph):
@@ -298,9 +305,10 @@ class VanillaStepGraph(_Graph):
              carry [B, K-1, D] (for k = 1..K-1, depth k's hidden at row past_len - k: the first row of depth
              k+1's window, from the previous step)
     outputs: accepted_tokens, num_accepted, thinking_out, drafts [B, K], (K > 1) carry_out [B, K-1, D]
-             (depth k's hidden at window row num_accepted: the next step's carry), and in the onnx lowering
-             new_kv_0 .. new_kv_{L-1}, then mtp_new_kv_{k-1} [B, K+k, Dl+Dr] for each depth k (rows from
-             start_k: the first num_accepted + 1 are final, later ones are overwritten next step)."""
+             (depth k's hidden at window row num_accepted: the next step's carry), then in the onnx lowering
+             new_kv_0 .. new_kv_{L-1} and mtp_new_kv_{k-1} [B, K+k, Dl+Dr] for each depth k (rows from
+             start_k: the first num_accepted + 1 are final, later ones are overwritten next step), in the
+             plugin lowering kv_0_out .. kv_{L-1}_out and mtp_kv_0_out .. mtp_kv_{K-1}_out."""
 
     def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
         super().__init__(model, lowering, think_ids)
@@ -311,10 +319,10 @@ class VanillaStepGraph(_Graph):
         caches, mtp_caches = rest[:layers], rest[layers:layers + k_max]
         carry = rest[layers + k_max] if k_max > 1 else None
         b = input_ids.shape[0]
-        _, h, logits, new_rows = self.main(input_ids, past_len, caches)
+        _, h, logits, commits = self.main(input_ids, past_len, caches)
         accepted, num, thinking_out = self.accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta)
         a, n = accepted.clamp(min=0), num.long()[:, None]  # tokens at positions past_len + 1 ..
-        hidden, drafts, carry_out, mtp_rows = h, [], [], []
+        hidden, drafts, carry_out, mtp_commits = h, [], [], []
         for k in range(1, k_max + 1):
             j = torch.arange(k_max + k)[None, :]  # window rows
             if k == 1:
@@ -325,11 +333,11 @@ class VanillaStepGraph(_Graph):
                 hidden = torch.cat([carry[:, k - 2:k - 1], hidden], 1)
             start = past_len + 1 - k
             mtp_group = self.group(b, k_max + k, start, start, mtp_caches[k - 1])
-            h_k, rows = mtp_block(m, k - 1, hidden, tokens, mtp_group, mtp_caches[k - 1], self.lowering)
+            h_k, commit = mtp_block(m, k - 1, hidden, tokens, mtp_group, mtp_caches[k - 1], self.lowering)
             drafts.append(draft_token(m, k - 1, row_at(h_k, n[:, 0] + k - 1, m.cfg.hidden_size)))  # row q
             if k < k_max:
                 carry_out.append(row_at(h_k, n[:, 0], m.cfg.hidden_size))
             hidden = h_k
-            mtp_rows.append(rows)
+            mtp_commits.append(commit)
         outs = (accepted, num, thinking_out, torch.cat(drafts, 1)) + ((torch.cat(carry_out, 1),) if carry_out else ())
-        return outs + ((*new_rows, *mtp_rows) if self.lowering == "onnx" else ())
+        return outs + (*commits, *mtp_commits)

@@ -79,17 +79,26 @@ def mla_attention_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_le
     return attend(q.reshape(b, s * h, c), new_rows, cache, mask, kv_lora_rank, scale).reshape(b, s, h, -1)
 
 
+def commit_rows(cache: Tensor, new_rows: Tensor, past_len: Tensor) -> Tensor:
+    """cache [B, T, C] with new_rows [B, S, C] written at rows past_len[b] .. past_len[b] + S - 1 (a copy)."""
+    rows = past_len[:, None].long() + torch.arange(new_rows.shape[1])[None, :]  # [B, S]
+    return cache.scatter(1, rows[..., None].expand(-1, -1, cache.shape[-1]), new_rows)
+
+
 class MlaGenerationAttentionOp(torch.autograd.Function):
-    """Plugin lowering: one `mtp_trt::MlaGenerationAttention` node (computes the decomposed form when traced)."""
+    """Plugin lowering: one `mtp_trt::MlaGenerationAttention` node -> (out, kv_cache_out), the second output
+    aliased to the cache input (the plugin writes the new rows in place).  When traced it computes the
+    decomposed form and the committed cache, so later nodes that take kv_cache_out see the same values."""
 
     @staticmethod
     def forward(ctx, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
-        return mla_attention_decomposed(q, new_rows, cache, past_len, kv_lora_rank, scale)
+        out = mla_attention_decomposed(q, new_rows, cache, past_len, kv_lora_rank, scale)
+        return out, commit_rows(cache, new_rows, past_len)
 
     @staticmethod
     def symbolic(g, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
         return g.op("mtp_trt::MlaGenerationAttention", q, new_rows, cache, past_len, kv_lora_rank_i=kv_lora_rank,
-                    softmax_scale_f=scale)
+                    softmax_scale_f=scale, outputs=2)
 
 
 # ------------------------------------------------------------------------------------ acceptance

@@ -2,6 +2,7 @@
 rejections and rewinds (both MTP modes); in-graph acceptance equals a plain-loop reference; the plugin
 lowering's custom nodes carry their documented contract; bad requests fail cleanly, leaving nothing."""
 
+import collections
 import warnings
 
 import numpy as np
@@ -17,6 +18,7 @@ from mtp_trt.exporters.lowering import accept_decomposed
 from mtp_trt.exporters.loader import load_checkpoint
 from runtime_models import THINK, make_random
 from mtp_trt.manifest import Manifest
+from mtp_trt import ops
 from mtp_trt.ops import OPS
 from mtp_trt.plugins import reference
 
@@ -214,7 +216,7 @@ def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path, mod
     for name, g in m.graphs.items():
         model = onnx.load(m.root / g.file)
         onnx.checker.check_model(model)
-        assert any(o.domain == "mtp_trt" and o.version == 1 for o in model.opset_import)
+        assert any(o.domain == "mtp_trt" and o.version == ops.VERSION for o in model.opset_import)
         custom = [n for n in model.graph.node if n.domain == "mtp_trt"]
         attn = [n for n in custom if n.op_type == "MlaGenerationAttention"]
         accept = [n for n in custom if n.op_type == "MtpAccept"]
@@ -231,8 +233,21 @@ def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path, mod
                 assert attrs["softmax_scale"] == pytest.approx(cfg.softmax_scale, rel=1e-6)
             else:
                 assert (attrs["think_start_id"], attrs["think_end_id"]) == THINK
-        kv_inputs = {n.input[2] for n in attn}
-        assert kv_inputs == set(g.kv_inputs), "every persistent cache input must feed attention nodes"
+        # Each cache runs through a chain of attention nodes (kv_cache -> kv_cache_out -> the next node's
+        # kv_cache ...) that ends in the graph output <cache>_out, and nothing else reads it: TensorRT then
+        # aliases the whole chain to the one buffer bound to the input and the output.
+        by_cache = {n.input[2]: n for n in attn}
+        readers = collections.Counter(i for n in model.graph.node for i in n.input)
+        outputs = {o.name for o in model.graph.output}
+        chained = 0
+        assert g.kv_outputs == [c + "_out" for c in g.kv_inputs]
+        for cache, out in zip(g.kv_inputs, g.kv_outputs):
+            value = cache
+            while value in by_cache:
+                assert readers[value] == 1, f"{name}: {value} is read by more than its attention node"
+                value, chained = by_cache[value].output[1], chained + 1
+            assert value == out and out in outputs, f"{name}: {cache}'s chain ends in {value}, not {out}"
+        assert chained == len(attn), f"{name}: attention nodes outside the cache chains"
         assert not any(o.name.startswith("new_kv") for o in model.graph.output)
 
 
