@@ -21,7 +21,7 @@ from mtp_trt.exporters.export import export
 from runtime_models import make_random
 from mtp_trt.manifest import FORMAT_VERSION, sha256
 from mtp_trt.plugins import trt_plugins
-from mtp_trt.trt import builder, check, compat
+from mtp_trt.trt import builder, check, compat, cpp_plugins
 from mtp_trt.trt import manifest as em
 
 trt_mark = pytest.mark.trt
@@ -126,7 +126,7 @@ def _node_model(op: str, inputs, outputs, **attrs):
 def _parse(model):
     api = compat.load("auto")
     trt = api.trt
-    trt_plugins.register(trt)
+    cpp_plugins.use(trt, "python")  # these tests are about the Python plugins (test_cpp_plugins.py: the C++ ones)
     trt_plugins.errors.clear()
     b = trt.Builder(trt.Logger(trt.Logger.ERROR))
     net = b.create_network(api.network_flags())
