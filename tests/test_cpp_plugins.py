@@ -166,3 +166,41 @@ def test_engines_cross_implementations(api, op):
     aliases = {"kv_out": "kv"} if op == "MlaGenerationAttention" else {}
     _check_engine(api, eng_cpp, aliases, impl="python")
     _check_engine(api, eng_py, aliases, impl="cpp")
+
+
+@pytest.mark.slow
+def test_eagle_export_builds_with_cpp_plugins(api, tmp_path):
+    """Every engine of a small eagle export (K = 2, plugin lowering) builds with the C++ plugins: the real
+    graphs' shapes, types and chains of aliased caches.  About 30 s; TensorRT for RTX needs no GPU."""
+    from runtime_models import make_random
+
+    from mtp_trt.exporters.export import export
+    from mtp_trt.manifest import Manifest
+    from mtp_trt.trt import builder
+
+    ex = export(make_random(tmp_path / "ckpt", nextn=2), tmp_path / "exp", nextn=2, mtp_mode="eagle",
+                lowering="plugin", max_batch=2, max_seq_len=64)
+    m, trt = Manifest.load(ex), api.trt
+    assert cpp_plugins.use(trt, "cpp") == "cpp"
+    logger = trt.Logger(trt.Logger.ERROR)
+    b = trt.Builder(logger)
+    for name, g in m.graphs.items():
+        model = onnx.load(str(ex / g.file), load_external_data=False)
+        for n in model.graph.node:  # the parser looks for plugin version "1" unless the node says otherwise
+            if n.domain == ops.DOMAIN and not any(a.name == "plugin_version" for a in n.attribute):
+                n.attribute.append(helper.make_attribute("plugin_version", str(ops.VERSION)))
+        net = b.create_network(api.network_flags())
+        parser = trt.OnnxParser(net, logger)
+        assert parser.parse(model.SerializeToString(), str(ex / g.file)), (name, parser.get_error(0))
+        layers = builder._plugin_layers(api, net, g.file)
+        assert sum(layers.values()) >= 1 and set(layers) <= set(ops.OPS)
+        assert sorted(net.get_output(i).name for i in range(net.num_outputs)) == sorted(t.name for t in g.outputs)
+        cfg = b.create_builder_config()
+        api.set_targets(cfg, ["8.9"] if api.is_rtx else [api.resolve_archs("auto")[0]])
+        cfg.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+        for prof in builder.profiles(m, 2, 64, 32):
+            p = b.create_optimization_profile()
+            for n, (lo, opt, hi) in builder.input_shapes(g, prof).items():
+                p.set_shape(n, lo, opt, hi)
+            cfg.add_optimization_profile(p)
+        assert b.build_serialized_network(net, cfg) is not None, name
