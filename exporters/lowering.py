@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mtp_trt import ops
 from mtp_trt.exporters.model import as_fp32
 
 Tensor = torch.Tensor
@@ -80,8 +81,9 @@ def mla_attention_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_le
 
 
 def commit_rows(cache: Tensor, new_rows: Tensor, past_len: Tensor) -> Tensor:
-    """cache [B, T, C] with new_rows [B, S, C] written at rows past_len[b] .. past_len[b] + S - 1 (a copy)."""
-    rows = past_len[:, None].long() + torch.arange(new_rows.shape[1])[None, :]  # [B, S]
+    """cache [B, T, C] with new_rows [B, S, C] written at rows past_len[b] .. past_len[b] + S - 1 (a copy; rows past
+    the buffer land on its last row, where the kernel skips them: only tracing computes this)."""
+    rows = (past_len[:, None].long() + torch.arange(new_rows.shape[1])[None, :]).clamp(max=cache.shape[1] - 1)
     return cache.scatter(1, rows[..., None].expand(-1, -1, cache.shape[-1]), new_rows)
 
 
@@ -98,7 +100,7 @@ class MlaGenerationAttentionOp(torch.autograd.Function):
     @staticmethod
     def symbolic(g, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
         return g.op("mtp_trt::MlaGenerationAttention", q, new_rows, cache, past_len, kv_lora_rank_i=kv_lora_rank,
-                    softmax_scale_f=scale, outputs=2)
+                    softmax_scale_f=scale, plugin_version_s=str(ops.VERSION), outputs=2)
 
 
 # ------------------------------------------------------------------------------------ acceptance
@@ -173,7 +175,8 @@ class MtpAcceptOp(torch.autograd.Function):
     @staticmethod
     def symbolic(g, logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id: int, think_end_id: int):
         return g.op("mtp_trt::MtpAccept", logits, input_ids, thinking, relaxed_topk, relaxed_delta,
-                    think_start_id_i=think_start_id, think_end_id_i=think_end_id, outputs=3)
+                    think_start_id_i=think_start_id, think_end_id_i=think_end_id, plugin_version_s=str(ops.VERSION),
+                    outputs=3)
 
 
 def accept_op(lowering: str):

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 DOMAIN = "mtp_trt"
+# Every node also carries the string attribute `plugin_version` = str(VERSION): TensorRT's ONNX parser looks the
+# plugin creator up by (op type, that attribute, default "1"; namespace "").  It is not a plugin field.
+PLUGIN_VERSION_ATTRIBUTE = "plugin_version"
 VERSION = 2  # 2: MlaGenerationAttention returns its cache as an output aliased to the cache input
 
 

@@ -204,11 +204,13 @@ def detect_archs() -> list[str]:
 
 
 def source_hash(archs, extra=()) -> str:
+    """Digest of the kernel sources, the flags and the archs.  No nvcc call: a cached or shipped library is
+    found without the toolkit (a library built by another nvcc of the same sources counts as the same)."""
     h = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         h.update(name.encode())
         h.update((KERNEL_DIR / name).read_bytes())
-    h.update(repr((nvcc_version(), NVCC_FLAGS, tuple(parse_archs(archs)), tuple(extra))).encode())
+    h.update(repr((NVCC_FLAGS, tuple(parse_archs(archs)), tuple(extra))).encode())
     return h.hexdigest()[:20]
 
 
@@ -217,17 +219,21 @@ def library_path(archs=None) -> Path:
     return cache_dir("kernels") / f"libmtp_kernels-{'-'.join(archs)}-{source_hash(archs)}.so"
 
 
-def build_library(archs=None, *, force: bool = False, verbose: bool = False) -> Path:
+def build_library(archs=None, *, force: bool = False, verbose: bool = False, path: Path | None = None,
+                  extra=()) -> Path:
     """Build (or reuse from the cache) the shared library for `archs`; returns its path."""
     archs = parse_archs(archs) if archs else detect_archs()
-    path = library_path(archs)
+    path = path or library_path(archs)
     if path.exists() and not force:
         return path
+    if find_nvcc() is None:
+        raise NvccError(f"nvcc not found: the CUDA kernels for sm_{', sm_'.join(archs)} are not built (install the "
+                        f"CUDA toolkit, or use a GPU the shipped library covers: {', '.join(shipped_archs())})")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = nvcc_command(SOURCES, tmp, archs, shared=True, threads=os.cpu_count() or 1)
+        cmd = nvcc_command(SOURCES, tmp, archs, shared=True, threads=os.cpu_count() or 1, extra=extra)
         if verbose:
             print(" ".join(cmd))
         _run(cmd)
@@ -360,6 +366,78 @@ def _load(path: str) -> KernelLib:
     return KernelLib(path)
 
 
+# ---------------------------------------------------------------------------------------------
+# the shipped library (kernels compiled ahead: no nvcc or host compiler where the engines run)
+# ---------------------------------------------------------------------------------------------
+PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
+PREBUILT_LIB, PREBUILT_INFO = PREBUILT_DIR / "libmtp_kernels.so", PREBUILT_DIR / "libmtp_kernels.json"
+PREBUILT_PTX = "80"  # PTX for compute_80 rides along: GPUs without their own SASS in the file JIT it once
+
+
+def _ptx_flags() -> tuple[str, ...]:
+    return (f"-gencode=arch=compute_{PREBUILT_PTX},code=compute_{PREBUILT_PTX}",)
+
+
+def prebuilt_info() -> dict | None:
+    """The shipped library's record (source digest, archs, nvcc), or None when none is shipped."""
+    import json
+
+    if not (PREBUILT_LIB.is_file() and PREBUILT_INFO.is_file()):
+        return None
+    return json.loads(PREBUILT_INFO.read_text())
+
+
+def shipped_archs() -> list[str]:
+    info = prebuilt_info()
+    return [f"sm_{a}" for a in info["archs"]] + [f"compute_{info['ptx']}+"] if info else []
+
+
+def prebuilt_current() -> tuple[bool, str]:
+    """(whether the shipped library was built from these sources, why not)."""
+    info = prebuilt_info()
+    if info is None:
+        return False, f"{PREBUILT_LIB} is not shipped"
+    want = source_hash(info["archs"], _ptx_flags())
+    if info["source_hash"] != want or info["abi"] != ABI_VERSION:
+        return False, (f"{PREBUILT_LIB} was built from other kernel sources (digest {info['source_hash']}, now "
+                       f"{want}); rebuild it: python -m mtp_trt.plugins.cuda_lib --ship")
+    return True, ""
+
+
+def ship() -> Path:
+    """Build the library shipped in the package (DEFAULT_ARCHS as SASS + compute_80 PTX) and its record."""
+    import json
+
+    build_library(DEFAULT_ARCHS, force=True, path=PREBUILT_LIB, extra=_ptx_flags())
+    info = {"source_hash": source_hash(DEFAULT_ARCHS, _ptx_flags()), "abi": ABI_VERSION,
+            "archs": list(DEFAULT_ARCHS), "ptx": PREBUILT_PTX, "nvcc": nvcc_version(),
+            "note": "CUDA runtime linked statically: needs an NVIDIA driver of this nvcc's CUDA major version or newer"}
+    PREBUILT_INFO.write_text(json.dumps(info, indent=2) + "\n")
+    return PREBUILT_LIB
+
+
+def resolve_library(archs=None) -> Path:
+    """The library to load, without compiling when avoidable: $MTP_TRT_KERNEL_LIB; else (no archs asked) the
+    shipped library when it is current; else one built for `archs` (default: this GPU's) in the cache, built
+    now with nvcc if missing (an NvccError naming what to do where there is no nvcc)."""
+    env = os.environ.get("MTP_TRT_KERNEL_LIB")
+    if env:
+        if not Path(env).is_file():
+            raise MtpTrtError(f"MTP_TRT_KERNEL_LIB={env}: no such file")
+        return Path(env)
+    if archs is None and prebuilt_current()[0]:
+        return PREBUILT_LIB
+    return build_library(archs)
+
+
 def load_library(archs=None, *, force_build: bool = False) -> KernelLib:
-    """Build if needed and load the kernels library (cached per path within the process)."""
-    return _load(str(build_library(archs, force=force_build)))
+    """Load the kernels library (resolve_library; cached per path within the process)."""
+    return _load(str(build_library(archs, force=True) if force_build else resolve_library(archs)))
+
+
+if __name__ == "__main__":  # python -m mtp_trt.plugins.cuda_lib --ship
+    import sys
+
+    if sys.argv[1:] != ["--ship"]:
+        sys.exit("usage: python -m mtp_trt.plugins.cuda_lib --ship   (rebuild the shipped kernel library)")
+    print(ship())

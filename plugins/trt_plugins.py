@@ -8,10 +8,13 @@ serve the builder (phase BUILD) and the runtime (phase RUNTIME, from the seriali
 Build-time logic needs no GPU: output shapes from input dims, types/formats (linear; fp32, fp16
 or bf16 attention data with int32 lengths; fp32 logits with int32 ids), serialized attributes,
 workspace sizes.  `enqueue` (GPU only) launches the CUDA kernels of plugins/kernels through the
-ctypes library of plugins/cuda_lib.py, loaded on the first enqueue:
+ctypes library of plugins/cuda_lib.py (prebuilt and shipped, see cuda_lib.load_library), loaded when a
+plugin is created for the runtime phase (engine deserialization), never inside enqueue:
 
-* MlaGenerationAttention -> mtp_mla_decode with new_rows (the KV commit, written in place into
-  the kv_cache input buffer) and mask NULL (causal); split-KV workspace from the TensorRT workspace.
+* MlaGenerationAttention -> mtp_mla_decode with new_rows (the KV commit, written in place) and mask
+  NULL (causal); split-KV workspace from the TensorRT workspace.  The write is legal: output 1,
+  kv_cache_out, is declared aliased to input 2 (IPluginV3OneBuildV2.get_aliased_input, builder
+  preview feature ALIASED_PLUGIN_IO_10_03), so TensorRT gives both the same buffer.
 * MtpAccept -> mtp_accept_relaxed_dev (relaxed_topk <= 0 is strict).  The kernel takes the drafts
   as a [B, K] array and updates the thinking flags in place, so enqueue first copies
   input_ids[:, 1:] into the workspace and thinking into thinking_out (async); relaxed_topk and
@@ -122,14 +125,14 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
     F, I32 = trt.PluginFieldType.FLOAT32, trt.PluginFieldType.INT32
     floats = (trt.float32, trt.float16, trt.bfloat16)
 
-    class Base(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+    class Base(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuildV2, trt.IPluginV3OneRuntime):
         OP: ops.OpSpec
         FIELDS: tuple[tuple[str, object, type], ...]  # (name, PluginFieldType, python type)
 
         def __init__(self, values: dict):
             trt.IPluginV3.__init__(self)
             trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuild.__init__(self)
+            trt.IPluginV3OneBuildV2.__init__(self)
             trt.IPluginV3OneRuntime.__init__(self)
             self.plugin_name, self.plugin_version, self.plugin_namespace = self.OP.name, PLUGIN_VERSION, PLUGIN_NAMESPACE
             self.num_outputs = len(self.OP.outputs)
@@ -138,6 +141,9 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
 
         def get_capability_interface(self, kind):
             return self
+
+        def get_aliased_input(self, output_index: int) -> int:
+            return ops.ALIASES[self.OP.name].get(output_index, -1)
 
         def clone(self):
             return type(self)(self.values)
@@ -171,7 +177,7 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
 
         @_reported
         def get_output_data_types(self, input_types):
-            return [input_types[0]]
+            return [input_types[0], input_types[2]]
 
         @_reported
         def get_output_shapes(self, inputs, shape_inputs, exprs):
@@ -182,7 +188,7 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
             for name, d in (("q", q[3]), ("new_rows", rows[2]), ("kv_cache", cache[2])):
                 if d.is_constant() and d.get_constant_value() <= dl:
                     raise ValueError(f"{name}'s last dim {d.get_constant_value()} must exceed kv_lora_rank {dl}")
-            return [trt.DimsExprs([q[0], q[1], q[2], exprs.constant(dl)])]
+            return [trt.DimsExprs([q[0], q[1], q[2], exprs.constant(dl)]), trt.DimsExprs([cache[0], cache[1], cache[2]])]
 
         @_reported
         def supports_format_combination(self, pos, in_out, num_inputs):
@@ -193,7 +199,7 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
                 return d.type in floats
             if pos == 3:
                 return d.type == trt.int32
-            return d.type == in_out[0].desc.type  # new_rows, kv_cache, out
+            return d.type == in_out[0].desc.type  # new_rows, kv_cache, out, kv_cache_out
 
         @_reported
         def get_workspace_size(self, inp, out):
@@ -212,7 +218,7 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
             if ws != mla_workspace_size(B, S, H, dl, splits):  # the reserved size was computed with the latter
                 raise RuntimeError(f"the kernel library's split-KV workspace ({ws} bytes) differs from "
                                    f"plugins/trt_plugins.py's formula; update mla_workspace_size")
-            lib.mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], inputs[2], inputs[3], inputs[1], None,
+            lib.mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], outputs[1], inputs[3], inputs[1], None,
                            outputs[0], workspace if ws else None, ws, B, S, H, dl, D - dl, T,
                            self.values["softmax_scale"], splits, 0, stream)
 
@@ -275,6 +281,13 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
                     with _lock:
                         errors.append(f"{plugin.OP.name} plugin for node {name!r}: {e}")
                     raise
+                if phase == trt.TensorRTPhase.RUNTIME:
+                    try:
+                        _kernels()  # ready before the first enqueue: nothing is loaded or built there
+                    except Exception as e:
+                        with _lock:
+                            errors.append(f"{plugin.OP.name} plugin: the CUDA kernels cannot be loaded: {e}")
+                        raise
                 with _lock:
                     created[plugin.OP.name] = created.get(plugin.OP.name, 0) + 1
                 return plugin(values)

@@ -227,7 +227,8 @@ def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path, mod
             spec = OPS[node.op_type]
             assert len(node.input) == len(spec.inputs) and len(node.output) == len(spec.outputs)
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            assert set(attrs) == {a for a, _ in spec.attributes}
+            assert set(attrs) == {a for a, _ in spec.attributes} | {ops.PLUGIN_VERSION_ATTRIBUTE}
+            assert attrs[ops.PLUGIN_VERSION_ATTRIBUTE] == str(ops.VERSION).encode()
             if node.op_type == "MlaGenerationAttention":
                 assert attrs["kv_lora_rank"] == cfg.kv_lora_rank
                 assert attrs["softmax_scale"] == pytest.approx(cfg.softmax_scale, rel=1e-6)

@@ -91,7 +91,7 @@ def test_engine_manifest_records_the_build(engines, exported):
     assert gen == {"B": [1, 4, 4], "S": [1, 3, 3], "T": [1, 64, 64]}
     assert pre["S"][2] == 64 and pre["B"][2] == 4
     assert m.profiles[0]["inputs"]["target"]["kv_0"] == [[1, 1, 40], [4, 64, 40], [4, 64, 40]]
-    assert {(p["name"], p["version"], p["namespace"]) for p in m.plugins} == {(n, "1", "") for n in ops.OPS}
+    assert {(p["name"], p["version"], p["namespace"]) for p in m.plugins} == {(n, str(ops.VERSION), "") for n in ops.OPS}
     assert set(m.engines) == {"target", "mtp_0", "mtp_1", "step_0", "step_1", "step_2"}
     for name, e in m.engines.items():
         assert e.file == f"{name}.engine" and e.bytes == (engines / e.file).stat().st_size > 100_000
@@ -118,9 +118,11 @@ def test_every_custom_node_became_its_plugin(engines, exported):
 
 
 def _node_model(op: str, inputs, outputs, **attrs):
-    node = helper.make_node(op, [i.name for i in inputs], [o.name for o in outputs], domain=ops.DOMAIN, name=op, **attrs)
+    node = helper.make_node(op, [i.name for i in inputs], [o.name for o in outputs], domain=ops.DOMAIN, name=op,
+                            plugin_version=str(ops.VERSION), **attrs)
     graph = helper.make_graph([node], op, inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ops.DOMAIN, 1)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                   helper.make_opsetid(ops.DOMAIN, ops.VERSION)])
 
 
 def _parse(model):
@@ -141,16 +143,19 @@ def test_attention_plugin_shapes_types_and_build(dtype):
     v = helper.make_tensor_value_info
     ins = [v("q", dtype, ["B", "S", 4, 40]), v("new_rows", dtype, ["B", "S", 40]), v("kv", dtype, ["B", "T", 40]),
            v("past_len", TensorProto.INT32, ["B"])]
-    model = _node_model("MlaGenerationAttention", ins, [v("out", dtype, ["B", "S", 4, 32])], kv_lora_rank=32,
-                        softmax_scale=0.125)
+    model = _node_model("MlaGenerationAttention", ins, [v("out", dtype, ["B", "S", 4, 32]),
+                                                        v("kv_out", dtype, ["B", "T", 40])],
+                        kv_lora_rank=32, softmax_scale=0.125)
     api, b, net, ok = _parse(model)
     assert ok
-    out = net.get_output(0)
+    out, kv_out = net.get_output(0), net.get_output(1)
     trt = api.trt
     want = {TensorProto.FLOAT: trt.float32, TensorProto.FLOAT16: trt.float16, TensorProto.BFLOAT16: trt.bfloat16}
     assert tuple(out.shape) == (-1, -1, 4, 32) and out.dtype == want[dtype]
+    assert tuple(kv_out.shape) == (-1, -1, 40) and kv_out.dtype == want[dtype]  # the cache, aliased to input 2
     cfg = b.create_builder_config()
     api.set_targets(cfg, [target()[1]])
+    api.enable_aliased_plugin_io(cfg)
     p = b.create_optimization_profile()
     p.set_shape("q", (1, 1, 4, 40), (2, 3, 4, 40), (4, 3, 4, 40))
     p.set_shape("new_rows", (1, 1, 40), (2, 3, 40), (4, 3, 40))
@@ -180,8 +185,8 @@ def test_plugin_attribute_problem_is_reported():
     f = TensorProto.FLOAT
     ins = [v("q", f, ["B", "S", 4, 40]), v("new_rows", f, ["B", "S", 40]), v("kv", f, ["B", "T", 40]),
            v("past_len", TensorProto.INT32, ["B"])]
-    _, _, _, ok = _parse(_node_model("MlaGenerationAttention", ins, [v("out", f, None)], kv_lora_rank=40,
-                                     softmax_scale=0.125))
+    _, _, _, ok = _parse(_node_model("MlaGenerationAttention", ins, [v("out", f, None), v("kv_out", f, None)],
+                                     kv_lora_rank=40, softmax_scale=0.125))
     assert not ok
     assert any("must exceed kv_lora_rank 40" in e for e in trt_plugins.errors)
 
@@ -198,14 +203,39 @@ def test_target_arch_the_flavour_cannot_build(exported, tmp_path):
 
 
 @trt_mark
-def test_failed_build_leaves_nothing(exported, tmp_path):
-    """TensorRT for RTX cannot compile fp32 GEMMs for Turing: the build fails after parsing."""
+def test_turing_is_refused_before_any_work(exported, tmp_path):
+    """The kernels need sm_80 (cp.async, ldmatrix, bf16 mma): 7.5 is refused up front, whatever the flavour."""
+    with pytest.raises(MtpTrtError, match=r"--target-arch 7.5: the mtp-trt kernels need compute capability 8.0"):
+        builder.build(exported, tmp_path / "out", target_arch="7.5" if "7.5" in compat.load("auto").buildable_archs()
+                      else "8.0,7.5")
+    _no_leftovers(tmp_path, "out")
+
+
+@trt_mark
+def test_failed_build_leaves_nothing(exported, tmp_path, monkeypatch):
+    """TensorRT returning no engine for the second graph (after the first was written) is one clear error, and
+    nothing is left behind.  (TensorRT for RTX used to fail this way for fp32 on Turing; Turing is now refused
+    up front, and with aliased plugin I/O that build aborts the process instead.)"""
+    real, calls = builder.build_graph, []
+
+    def fail_second(api, b, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            monkeypatch.setattr(b, "build_serialized_network", lambda *a: None, raising=False)
+        return real(api, b, *args)
+
+    class Builder:  # the real builder, whose build_serialized_network the test can replace
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
     api = compat.load("auto")
-    if not api.is_rtx or "7.5" not in api.buildable_archs():
-        pytest.skip("needs TensorRT for RTX with sm_75 in its target list")
-    with pytest.raises(MtpTrtError, match=r"target.onnx: tensorrt_rtx .* could not build the engine for compute "
-                                          r"capability 7.5: .*FP32 GEMM"):
-        builder.build(exported, tmp_path / "out", target_arch="7.5")
+    monkeypatch.setattr(api.trt, "Builder", lambda logger, real_cls=api.trt.Builder: Builder(real_cls(logger)))
+    monkeypatch.setattr(builder, "build_graph", fail_second)
+    with pytest.raises(MtpTrtError, match=r"\.onnx: tensorrt(_rtx)? .* could not build the engine for compute capabilit"):
+        builder.build(exported, tmp_path / "out", target_arch=target()[0])
     _no_leftovers(tmp_path, "out")
 
 

@@ -115,8 +115,8 @@ def test_attention_enqueue_matches_the_op_contract(host, dtype, B, S, T):
     reserved = tp.mla_workspace_bound((1, B), (1, S), H, Dl, T)
     ws = np.zeros(max(reserved, 1), np.uint8)
     plugin = tp.plugin_classes(trt)["MlaGenerationAttention"][0]({"kv_lora_rank": Dl, "softmax_scale": scale})
-    plugin.enqueue([_desc(trt, a) for a in (q, rows, cache, past)], [_desc(trt, out)],
-                   [_ptr(q), _ptr(rows), _ptr(cache), _ptr(past)], [_ptr(out)], _ptr(ws), 0)
+    plugin.enqueue([_desc(trt, a) for a in (q, rows, cache, past)], [_desc(trt, out), _desc(trt, cache)],
+                   [_ptr(q), _ptr(rows), _ptr(cache), _ptr(past)], [_ptr(out), _ptr(cache)], _ptr(ws), 0)
     call = kernels.calls[-1]
     assert call["mask"] is None and call["workspace_bytes"] <= reserved
     assert (call["splits"] > 1) == (call["workspace"] is not None)
@@ -124,7 +124,7 @@ def test_attention_enqueue_matches_the_op_contract(host, dtype, B, S, T):
                                     torch.from_numpy(before.astype(np.float32)), torch.from_numpy(past), Dl, scale)
     tol = 1e-5 if dtype == np.float32 else 2e-3
     np.testing.assert_allclose(out.astype(np.float32), want.numpy(), atol=tol, rtol=tol)
-    for b in range(B):  # the KV commit, in place in the caller's cache buffer
+    for b in range(B):  # the KV commit, in place in the cache buffer (kv_cache_out, aliased to kv_cache)
         p = past[b]
         np.testing.assert_array_equal(cache[b, p:p + S], rows[b])
         np.testing.assert_array_equal(np.delete(cache[b], np.s_[p:p + S], 0), np.delete(before[b], np.s_[p:p + S], 0))
@@ -141,8 +141,8 @@ def test_split_count_is_capped_by_the_reserved_workspace(host):
     reserved = tp.mla_workspace_bound((1, 1), (1, 1), H, Dl, T)
     ws = np.zeros(reserved, np.uint8)
     plugin = tp.plugin_classes(trt)["MlaGenerationAttention"][0]({"kv_lora_rank": Dl, "softmax_scale": 1.0})
-    plugin.enqueue([_desc(trt, a) for a in (q, rows, cache, past)], [_desc(trt, out)],
-                   [_ptr(q), _ptr(rows), _ptr(cache), _ptr(past)], [_ptr(out)], _ptr(ws), 0)
+    plugin.enqueue([_desc(trt, a) for a in (q, rows, cache, past)], [_desc(trt, out), _desc(trt, cache)],
+                   [_ptr(q), _ptr(rows), _ptr(cache), _ptr(past)], [_ptr(out), _ptr(cache)], _ptr(ws), 0)
     assert kernels.calls[-1]["splits"] == tp.mla_splits_bound(B, S, H, T) < 256
     assert kernels.calls[-1]["workspace_bytes"] <= reserved
 

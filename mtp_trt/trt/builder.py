@@ -25,6 +25,7 @@ from mtp_trt.trt import manifest as em
 
 DEFAULT_MAX_PREFILL = 512
 KERNEL_MAX_BATCH = 65535  # mtp_mla_decode's limit
+KERNEL_MIN_ARCH = (8, 0)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 ONNX_TYPES = {1: "fp32", 10: "fp16", 16: "bf16", 6: "int32", 7: "int64"}  # onnx.TensorProto elem types
 Progress = Callable[[str], None]
@@ -121,6 +122,14 @@ def check_request(m: Manifest, precision: str | None, max_batch: int | None, max
     return precision, max_batch, max_seq_len, max_prefill
 
 
+def check_archs(archs: list[str]) -> None:
+    """The kernels need compute capability 8.0+ (cp.async, ldmatrix, bf16 mma.sync)."""
+    old = [a for a in archs if a != "ampere+" and tuple(map(int, a.split("."))) < KERNEL_MIN_ARCH]
+    if old:
+        raise MtpTrtError(f"--target-arch {', '.join(old)}: the mtp-trt kernels need compute capability "
+                          f"{'.'.join(map(str, KERNEL_MIN_ARCH))} or newer (cp.async, ldmatrix, bf16 tensor cores)")
+
+
 # -------------------------------------------------------------------------------------- build
 class _Log:
     """TensorRT's log: kept in memory, written to build.log, errors quoted in exceptions."""
@@ -178,6 +187,7 @@ def build_graph(api, builder, graph: GraphSpec, path: Path, profs: list[dict], a
                           f"some node was not mapped to its plugin")
     config = builder.create_builder_config()
     api.set_targets(config, archs)
+    api.enable_aliased_plugin_io(config)
     for prof in profs:
         p = builder.create_optimization_profile()
         for name, (lo, opt, hi) in input_shapes(graph, prof).items():
@@ -211,6 +221,7 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
         custom_nodes(onnx.load(str(m.root / g.file), load_external_data=False), g.file)
     api = compat.load(flavour)
     archs = api.resolve_archs(target_arch)
+    check_archs(archs)
     impl = cpp_plugins.use(api.trt, plugins)  # "cpp" or "python"
     progress(f"{api.flavour} {api.version}: {impl} plugins")
     trt_plugins.errors.clear()

@@ -145,6 +145,13 @@ class TrtApi:
         elif len(archs) != 1:
             raise MtpTrtError("the tensorrt flavour builds for one target: native or ampere+")
 
+    def enable_aliased_plugin_io(self, config) -> None:
+        """Let plugins declare outputs aliased to inputs (MlaGenerationAttention's in-place cache): a preview
+        feature from TensorRT 10.3 (ALIASED_PLUGIN_IO_10_03); versions that no longer list it have it on."""
+        feature = getattr(self.trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
+        if feature is not None:
+            config.set_preview_feature(feature, True)
+
     def network_flags(self) -> int:
         flag = getattr(self.trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
         return 0 if flag is None else 1 << int(flag)
