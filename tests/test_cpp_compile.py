@@ -25,9 +25,10 @@ def _compile(tmp_path, *args):
     assert "warning" not in proc.stderr, proc.stderr
 
 
-def test_plugin_library_source_compiles_without_warnings(tmp_path):
-    _compile(tmp_path, "-fPIC", "-c", "-I", "plugins/kernels", "-I", "plugins/cpp", "plugins/cpp/mtp_trt_plugins.cpp",
-             "-o", str(tmp_path / "plugins.o"))
+@pytest.mark.parametrize("variant", [[], ["-DMTP_TRT_REGISTER_ON_LOAD"]], ids=["loadLibrary", "register-on-load"])
+def test_plugin_library_source_compiles_without_warnings(tmp_path, variant):
+    _compile(tmp_path, "-fPIC", "-c", *variant, "-I", "plugins/kernels", "-I", "plugins/cpp",
+             "plugins/cpp/mtp_trt_plugins.cpp", "-o", str(tmp_path / "plugins.o"))
     symbols = subprocess.run(["nm", "-C", str(tmp_path / "plugins.o")], capture_output=True, text=True).stdout
     for entry in ("setLoggerFinder", "getCreators", "getPluginCreators"):  # extern "C", defined here
         assert any(line.endswith(f" T {entry}") for line in symbols.splitlines()), entry

@@ -437,3 +437,22 @@ __attribute__((visibility("default"))) IPluginCreatorInterface* const* getPlugin
 __attribute__((visibility("default"))) int mtp_trt_plugins_kernel_abi(void) { return mtp_kernels_abi_version(); }
 
 }  // extern "C"
+
+#ifdef MTP_TRT_REGISTER_ON_LOAD
+// Variant built with -DMTP_TRT_REGISTER_ON_LOAD=ON (links libnvinfer): the creators are registered
+// with TensorRT's global plugin registry as soon as the library is loaded, for hosts that only
+// dlopen plugin libraries (LD_PRELOAD, an inference server's "plugins" option).  Such a build must
+// not also be passed to IPluginRegistry::loadLibrary / trtexec --dynamicPlugins (duplicates).
+namespace {
+struct RegisterOnLoad {
+    RegisterOnLoad() {
+        int32_t n = 0;
+        IPluginCreatorInterface* const* creators = getCreators(n);
+        for (int32_t i = 0; i < n; ++i) {
+            if (!getPluginRegistry()->registerCreator(*creators[i], mtp_trt::contract::kNamespace))
+                std::fprintf(stderr, "mtp_trt_plugins: a plugin creator could not be registered (already registered?)\n");
+        }
+    }
+} gRegisterOnLoad;
+}  // namespace
+#endif
