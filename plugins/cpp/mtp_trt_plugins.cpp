@@ -208,7 +208,8 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
     int32_t configurePlugin(const DynamicPluginTensorDesc* in, int32_t nbInputs, const DynamicPluginTensorDesc*,
                             int32_t nbOutputs) noexcept override {
         if (bad_io(nbInputs, nbOutputs, "configurePlugin")) return -1;
-        return in[ct::mla::kQ].desc.dims.d[3] > dl() || in[ct::mla::kQ].desc.dims.d[3] < 0 ? 0 : -1;
+        const int64_t d = in[ct::mla::kQ].desc.dims.d[3];  // -1 while dynamic
+        return d < 0 || d > dl() ? 0 : -1;
     }
 
     // Launch parameters for the new shapes: dims, dtype, split count (capped at the bound the
