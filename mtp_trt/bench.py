@@ -52,7 +52,7 @@ def ratio(a: dict, b: dict) -> float:
     return a["tokens_per_second"] / b["tokens_per_second"]
 
 
-def _transformers_generate(checkpoint: Path):
+def _transformers_generate(checkpoint: Path, device: str = "cpu"):
     """A greedy-generate function of transformers' DeepseekV3ForCausalLM (main model) for a batch of prompts."""
     import torch
     from tokenizers import Tokenizer
@@ -61,61 +61,91 @@ def _transformers_generate(checkpoint: Path):
 
     hf_logging.set_verbosity_error()  # the MTP layers are "unexpected" weights to transformers: expected here
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval().to(device)
     pad = model.config.pad_token_id or 0
 
     def make(prompts: list[str], max_new_tokens: int):
         ids = [tok.encode(p).ids for p in prompts]
         width = max(map(len, ids))
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # left padding
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)  # left padding
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
 
         def run():
             with torch.no_grad():
-                return model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+                out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                     min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            return out
         return run
     return make
 
 
 def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repeats: int, transformers: bool = True,
         progress=print, threads: int | None = None) -> list[dict]:
-    """tokens/s of every (mode, nextn) and of transformers' greedy `generate` (the main model, same prompts);
-    per batch size, all of them are timed round-robin (see _round_robin)."""
+    """tokens/s of every (mode, nextn) on ONNX Runtime and of transformers' greedy `generate` (the main model,
+    same prompts); per batch size, all of them are timed round-robin (see _round_robin)."""
     ckpt = Path(model) if model else demo_model()
-    runners = {mode: Runner(resolve_export(ckpt, mode, progress=progress), threads=threads)
+    runners = {("mtp-trt/onnxruntime", mode): Runner(resolve_export(ckpt, mode, progress=progress), threads=threads)
                for mode in ("eagle", "vanilla")}
-    hf = _transformers_generate(ckpt) if transformers else None
+    return time_runners(runners, _transformers_generate(ckpt) if transformers else None, batches, max_new_tokens,
+                        repeats, progress)
+
+
+def run_engines(engine_dir: Path, batches: list[int], max_new_tokens: int, repeats: int, transformers: bool = True,
+                progress=print, threads: int | None = None) -> list[dict]:
+    """An engine directory's TensorRT engines (with and without CUDA graphs) beside ONNX Runtime on the onnx
+    export of the same checkpoint and transformers' `generate` on the GPU, in the same round-robin rounds."""
+    from mtp_trt.trt import manifest as em
+    from mtp_trt.trt.runtime import TrtBackend
+
+    exp = em.load_export_manifest(engine_dir)
+    ckpt = Path(exp.raw.get("checkpoint") or "")
+    runners = {(f"mtp-trt/tensorrt{suffix}", exp.mtp_mode): Runner(exp, TrtBackend(engine_dir, cuda_graphs=graphs))
+               for suffix, graphs in (("", True), (" (no CUDA graphs)", False))}
+    if (ckpt / "config.json").is_file():
+        runners[("mtp-trt/onnxruntime", exp.mtp_mode)] = Runner(resolve_export(ckpt, exp.mtp_mode, progress=progress),
+                                                                threads=threads)
+    else:
+        progress(f"the export's checkpoint {ckpt} is not here: no ONNX Runtime or transformers rows")
+    hf = _transformers_generate(ckpt, device="cuda") if transformers and (ckpt / "config.json").is_file() else None
+    return time_runners(runners, hf, batches, max_new_tokens, repeats, progress)
+
+
+def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, repeats: int, progress) -> list[dict]:
+    """{(engine label, mode): Runner} and transformers' generate (or None), timed round-robin per batch size."""
     rows = []
     for batch in batches:
         texts = (PROMPTS * batch)[:batch]
         jobs = {}
-        for mode, runner in runners.items():
+        for (engine, mode), runner in runners.items():
             prompts = [runner.encode(p) for p in texts]
             for nextn in range(runner.manifest.nextn + 1):
                 opts = runner.options(nextn, max_new_tokens=max_new_tokens)
-                jobs[(mode, nextn)] = lambda r=runner, p=prompts, o=opts: generate(r.backend, p, o)
+                runner.backend.prepare(nextn, True)
+                jobs[(engine, mode, nextn)] = lambda r=runner, p=prompts, o=opts: generate(r.backend, p, o)
         if hf:
-            jobs[("transformers", 0)] = hf(texts, max_new_tokens)
-        baseline = {}  # mode -> nextn 0's tokens: every nextn must produce the same (greedy is lossless)
-        for (mode, nextn), (rounds, result) in _round_robin(jobs, repeats).items():
+            jobs[("transformers.generate", "-", 0)] = hf(texts, max_new_tokens)
+        baseline = {}  # (engine, mode) -> nextn 0's tokens: every nextn must produce the same (greedy is lossless)
+        for (engine, mode, nextn), (rounds, result) in _round_robin(jobs, repeats).items():
             seconds = statistics.median(rounds)
-            if mode == "transformers":
+            if engine == "transformers.generate":
                 tokens = batch * max_new_tokens
-                rows.append({"engine": "transformers.generate", "mode": "-", "batch": batch, "nextn": 0,
+                rows.append({"engine": engine, "mode": mode, "batch": batch, "nextn": 0,
                              "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
                              "round_seconds": rounds})
                 progress(f"transformers batch {batch}: {tokens / seconds:8.1f} tokens/s")
                 continue
             seqs, stats = result
             tokens = sum(len(s.generated) for s in seqs)
-            generated = baseline.setdefault(mode, [s.generated for s in seqs])
-            rows.append({"engine": "mtp-trt/onnxruntime", "mode": mode, "batch": batch, "nextn": nextn,
+            generated = baseline.setdefault((engine, mode), [s.generated for s in seqs])
+            rows.append({"engine": engine, "mode": mode, "batch": batch, "nextn": nextn,
                          "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
                          "round_seconds": rounds,
                          "mean_accepted": stats.mean_accepted, "acceptance_rate": stats.acceptance_rate,
                          "same_tokens_as_nextn0": [s.generated for s in seqs] == generated})
-            progress(f"{mode:7s} batch {batch} nextn {nextn}: {tokens / seconds:8.1f} tokens/s, "
+            label = "" if engine == "mtp-trt/onnxruntime" else f"{engine[8:]} "
+            progress(f"{label}{mode:7s} batch {batch} nextn {nextn}: {tokens / seconds:8.1f} tokens/s, "
                      f"{stats.mean_accepted:.2f} tokens/step")
     return rows
 
@@ -126,8 +156,9 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for batch in sorted({r["batch"] for r in rows}):
         hf = next((r for r in rows if r["engine"] == "transformers.generate" and r["batch"] == batch), None)
-        for mode in ("eagle", "vanilla"):
-            mine = [r for r in rows if r["mode"] == mode and r["batch"] == batch]
+        pairs = dict.fromkeys((r["engine"], r["mode"]) for r in rows if r["engine"] != "transformers.generate")
+        for engine, mode in pairs:
+            mine = [r for r in rows if (r["engine"], r["mode"]) == (engine, mode) and r["batch"] == batch]
             if not mine:
                 continue
             base = next(r for r in mine if r["nextn"] == 0)
@@ -136,7 +167,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 continue
             best = max(drafting, key=lambda r: ratio(r, base))  # the fastest nextn >= 1, even if < 1x
             speedup = ratio(best, base)
-            out.append({"batch": batch, "mode": mode, "nextn0_over_transformers": ratio(base, hf) if hf else None,
+            out.append({"batch": batch, "engine": engine, "mode": mode, "nextn0_over_transformers": ratio(base, hf) if hf else None,
                         "best_nextn": best["nextn"], "speedup_over_nextn0": speedup,
                         "mean_accepted": best["mean_accepted"],
                         "speedup_over_mean_accepted": speedup / best["mean_accepted"],
@@ -155,10 +186,12 @@ def plot(rows: list[dict], path: Path) -> bool:
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        for mode, style in (("eagle", "o-"), ("vanilla", "s--")):
-            pts = sorted((r["nextn"], r["tokens_per_second"]) for r in rows if r["mode"] == mode and r["batch"] == batch)
+        pairs = dict.fromkeys((r["engine"], r["mode"]) for r in rows if r["engine"] != "transformers.generate")
+        for engine, mode in pairs:
+            pts = sorted((r["nextn"], r["tokens_per_second"]) for r in rows
+                         if (r["engine"], r["mode"]) == (engine, mode) and r["batch"] == batch)
             if pts:
-                ax.plot(*zip(*pts), style, label=f"mtp-trt {mode}")
+                ax.plot(*zip(*pts), "o-" if mode == "eagle" else "s--", label=f"{engine} {mode}")
         hf = [r for r in rows if r["engine"] == "transformers.generate" and r["batch"] == batch]
         if hf:
             ax.axhline(hf[0]["tokens_per_second"], color="gray", ls=":", label="transformers generate")

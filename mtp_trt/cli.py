@@ -180,7 +180,8 @@ def check(
 @app.command()
 @clear_errors
 def run(
-    model: Path = typer.Argument(None, help="Export directory or checkpoint (default: the bundled demo model)."),
+    model: Path = typer.Argument(None, help="Engine directory (TensorRT, GPU), export directory or checkpoint "
+                                            "(ONNX Runtime; default: the bundled demo model)."),
     prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; repeat for a batch."),
     prompt_file: Path = typer.Option(None, help="File with one prompt per line (added to --prompt)."),
     nextn: int = typer.Option(None, help="Draft tokens per step K, 0 = plain decoding (default: all exported)."),
@@ -196,11 +197,12 @@ def run(
     config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
+    cuda_graphs: bool = typer.Option(True, help="TensorRT engines: replay each decode step as a CUDA graph."),
 ) -> None:
-    """Generate text with MTP speculative decoding (ONNX Runtime on the CPU)."""
+    """Generate text with MTP speculative decoding (TensorRT engines on a GPU, or ONNX Runtime on the CPU)."""
     import json
 
-    from mtp_trt.runner import Runner, resolve_export
+    from mtp_trt.runner import open_runner
     from mtp_trt.sampling import SamplingParams
 
     prompts = list(prompt or [])
@@ -226,8 +228,8 @@ def run(
     if threads < 0:
         raise MtpTrtError(f"--threads must be >= 0 (0 = the usable cores), got {threads}")
     with StageDisplay("preparing the model") as show:
-        manifest = resolve_export(model, mtp_mode, progress=show)
-    runner = Runner(manifest, threads=threads or None)
+        runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show)
+    manifest = runner.manifest
     opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
                           relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta)
     stream = not json_out and len(prompts) == 1
@@ -263,7 +265,8 @@ def run(
 @app.command()
 @clear_errors
 def bench(
-    model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model)."),
+    model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model), or an engine directory "
+                                            "(TensorRT beside ONNX Runtime and transformers on the GPU)."),
     batch: list[int] = typer.Option([1, 8], help="Batch sizes; repeat the option for several."),
     max_new_tokens: int = typer.Option(128, help="Tokens generated per sequence."),
     repeats: int = typer.Option(9, help="Timed rounds per batch size (medians; ratios: medians of per-round ratios)."),
@@ -280,25 +283,31 @@ def bench(
     from mtp_trt.runner import demo_model
 
     ckpt = model or demo_model()
+    engines = (ckpt / "engines.json").is_file()
     if (ckpt / "manifest.json").is_file():
-        raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports both MTP modes and runs transformers)")
-    with StageDisplay("preparing exports") as show:
-        for mode in ("eagle", "vanilla"):
-            from mtp_trt.runner import resolve_export
-
-            resolve_export(ckpt, mode, progress=show)
+        raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports both MTP modes and runs transformers) or an "
+                          f"engine directory")
     if threads < 0:
         raise MtpTrtError(f"--threads must be >= 0 (0 = the usable cores), got {threads}")
-    rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None)
+    if engines:
+        rows = b.run_engines(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo,
+                             threads=threads or None)
+    else:
+        with StageDisplay("preparing exports") as show:
+            for mode in ("eagle", "vanilla"):
+                from mtp_trt.runner import resolve_export
+
+                resolve_export(ckpt, mode, progress=show)
+        rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None)
     meta = {"checkpoint": str(ckpt), "max_new_tokens": max_new_tokens, "repeats": repeats,
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count(),
             "onnxruntime_threads": threads or default_threads()}
     b.write_json(rows, json_path, meta)
-    typer.echo("\nbatch  mode     nextn0/transformers  best nextn  speedup  mean accepted  speedup/accepted"
-               "  step/plain step")
+    typer.echo("\nbatch  engine                      mode     nextn0/transformers  best nextn  speedup  mean accepted"
+               "  speedup/accepted  step/plain step")
     for r in b.summarize(rows):
         hf = f"{r['nextn0_over_transformers']:.2f}x" if r["nextn0_over_transformers"] else "-"
-        typer.echo(f"{r['batch']:>5}  {r['mode']:<7}  {hf:>19}  {r['best_nextn']:>10}  {r['speedup_over_nextn0']:6.2f}x"
+        typer.echo(f"{r['batch']:>5}  {r['engine'][8:]:<26}  {r['mode']:<7}  {hf:>19}  {r['best_nextn']:>10}  {r['speedup_over_nextn0']:6.2f}x"
                    f"  {r['mean_accepted']:13.2f}  {r['speedup_over_mean_accepted']:16.2f}"
                    f"  {r['step_cost_over_plain_step']:14.2f}x")
     differ = [f"{r['mode']} batch {r['batch']} nextn {r['nextn']}" for r in rows if r.get("same_tokens_as_nextn0") is False]

@@ -1,4 +1,5 @@
-"""Text in, text out: resolve the model (export directory, checkpoint, or the bundled demo), tokenize, decode.
+"""Text in, text out: resolve the model (engine directory, export directory, checkpoint, or the bundled demo),
+tokenize, decode.
 
 A checkpoint is exported on first use into a cache directory keyed by the checkpoint's contents and
 the export options (under `mtp_trt.fsutil.cache_dir()`, default ~/.cache/mtp-trt), so later runs start at once.
@@ -59,6 +60,22 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
 
         export(path, out, mtp_mode=mode, progress=progress or (lambda msg: None))
     return Manifest.load(out)
+
+
+def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: int | None = None,
+                cuda_graphs: bool = True, progress=None) -> Runner:
+    """A Runner for an engine directory (engines.json: TensorRT on the GPU, mtp_trt/trt/runtime.py), an export
+    directory or a checkpoint (ONNX Runtime on the CPU)."""
+    path = Path(model) if model else demo_model()
+    if (path / "engines.json").is_file():
+        from mtp_trt.trt import manifest as em
+        from mtp_trt.trt.runtime import TrtBackend
+
+        m = em.load_export_manifest(path)
+        if mtp_mode and mtp_mode != m.mtp_mode:
+            raise MtpTrtError(f"{path}: engines of a {m.mtp_mode}-mode export, but --mtp-mode {mtp_mode} was asked")
+        return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs))
+    return Runner(resolve_export(path, mtp_mode, progress=progress), threads=threads)
 
 
 @dataclasses.dataclass

@@ -255,13 +255,17 @@ def test_interrupted_build_leaves_nothing(exported, tmp_path, monkeypatch):
     _no_leftovers(tmp_path, "out")
 
 
-def test_onnx_lowering_export_is_refused(ckpt, tmp_path):
+@trt_mark
+def test_onnx_lowering_export_builds_plugin_free_engines(ckpt, tmp_path):
+    """Standard operators only: engines any TensorRT application loads without our plugins; the runtime commits
+    their new_kv outputs itself, so nothing is aliased."""
     exp = export(ckpt, tmp_path / "onnx", nextn=1, lowering="onnx", max_seq_len=32)
-    with pytest.raises(MtpTrtError, match="re-export with .*--lowering plugin"):
-        builder.build(exp, tmp_path / "out")
-    r = CliRunner().invoke(app, ["build", str(exp), "-o", str(tmp_path / "out")])
-    assert r.exit_code == 2 and "--lowering plugin" in r.output and "Traceback" not in r.output
-    _no_leftovers(tmp_path, "out")
+    out = builder.build(exp, tmp_path / "out", target_arch=target()[0])
+    m = em.EngineManifest.load(out, verify_hashes=True)
+    assert m.raw["lowering"] == "onnx" and set(m.engines) == {"target", "mtp_0", "step_0", "step_1"}
+    for e in m.engines.values():
+        assert e.plugin_layers == {} and e.aliases == {}
+        assert b"MlaGenerationAttention" not in (out / e.file).read_bytes()
 
 
 def test_incompatible_export_format_version(exported, tmp_path):
@@ -330,11 +334,8 @@ def test_check_without_gpu_is_skipped(engines):
 @trt_mark
 @pytest.mark.gpu
 def test_check_runs_the_engines_on_a_gpu(engines):
-    """Where a GPU is present: the engines (CUDA kernels through the plugins) against ONNX Runtime."""
-    from mtp_trt.plugins.cuda_lib import find_nvcc
-
-    if find_nvcc() is None:
-        pytest.skip("nvcc is needed to build the kernel library the plugins launch")
+    """Where a GPU is present: the engines (CUDA kernels through the plugins, the shipped kernel library) against
+    ONNX Runtime, graph by graph and by greedy decoding."""
     result = check.check(engines, seed=0)
     assert result.status == "passed", f"{result.reason}\n" + "\n".join(result.lines)
 

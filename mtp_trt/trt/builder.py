@@ -1,4 +1,4 @@
-"""`mtp-trt build`: an export in the `plugin` lowering -> one TensorRT engine per graph + engines.json.
+"""`mtp-trt build`: an export (`plugin` or `onnx` lowering) -> one TensorRT engine per graph + engines.json.
 
 Pipeline: check the request (export format version, lowering, precision, sizes, target
 architectures, custom ops) before any work; register the plugins; for each graph parse the ONNX,
@@ -22,6 +22,7 @@ from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory, write_atomic
 from mtp_trt.manifest import DTYPES, GraphSpec, Manifest, sha256
 from mtp_trt.trt import manifest as em
+from mtp_trt.trt import plan
 
 DEFAULT_MAX_PREFILL = 512
 KERNEL_MAX_BATCH = 65535  # mtp_mla_decode's limit
@@ -33,12 +34,9 @@ Progress = Callable[[str], None]
 
 # ------------------------------------------------------------------------------------- checks
 def load_export(export_dir: str | Path) -> Manifest:
-    m = Manifest.load(export_dir, verify_hashes=True)  # checks format and format version
-    if m.lowering != "plugin":
-        raise MtpTrtError(f"{m.root}: the export uses the {m.lowering!r} lowering (standard ONNX operators, for ONNX "
-                          f"Runtime); TensorRT engines need the plugin nodes: re-export with "
-                          f"`mtp-trt export {m.raw.get('checkpoint', 'CHECKPOINT')} -o DIR --lowering plugin`")
-    return m
+    """An export in either lowering: `plugin` (the mtp_trt plugins: in-place cache writes, fused acceptance)
+    or `onnx` (standard operators only: engines any TensorRT application loads without our plugins)."""
+    return Manifest.load(export_dir, verify_hashes=True)  # checks format and format version
 
 
 def custom_nodes(model, file: str) -> collections.Counter:
@@ -246,13 +244,15 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
             (tmp / f"{name}.engine").write_bytes(data)
             engines[name] = {"file": f"{name}.engine", "sha256": sha256(tmp / f"{name}.engine"), "bytes": len(data),
                              "onnx": g.file, "onnx_sha256": g.sha256, "plugin_layers": layers,
+                             "aliases": plan.engine_io(g, m.lowering).aliases,
                              "build_seconds": round(time.perf_counter() - t0, 2)}
         progress(f"writing {out}")
         manifest = {
             "format": em.FORMAT, "format_version": em.FORMAT_VERSION, "mtp_trt_version": __version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "tensorrt": {"flavour": api.flavour, "version": api.version, "module": api.module},
-            "target_archs": archs, "precision": precision, "max_batch": max_batch, "max_seq_len": max_seq_len,
+            "target_archs": archs, "built_on": compat.gpu()[0], "lowering": m.lowering,
+            "precision": precision, "max_batch": max_batch, "max_seq_len": max_seq_len,
             "max_prefill": max_prefill,
             "export": {"dir": str(m.root.resolve()), "format_version": m.raw["format_version"],
                        "manifest_sha256": sha256(m.root / "manifest.json"), "lowering": m.lowering, "dtype": m.dtype,

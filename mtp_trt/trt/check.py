@@ -5,7 +5,9 @@ built from, the plugin versions it needs).  Where a GPU and the engine's TensorR
 present: for every engine and profile, random inputs of a representative shape (seeded; lengths
 valid for the cache), the engine (polygraphy's TrtRunner, plugins registered) and ONNX Runtime
 on the `onnx`-lowering export of the same checkpoint (fp32), compared with polygraphy's
-Comparator on the outputs both graphs have.  Elsewhere the result is "skipped" with the reason.
+Comparator on the outputs both graphs have; then greedy decoding end to end (TrtBackend against
+OrtBackend, nextn 0..K): fp32 engines must give the same tokens, fp16/bf16 report the agreement.
+Elsewhere the result is "skipped" with the reason.
 
 Exit codes (CLI): 0 passed, 1 outputs differ, 2 bad input, 3 skipped (static checks passed, but
 nothing could be run here).
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -203,7 +204,43 @@ def _run_engine(api, engine_path: Path, profile: int, feed: dict) -> dict:
     if engine is None:
         raise MtpTrtError(f"{engine_path}: {api.flavour} could not deserialize the engine")
     with TrtRunner(engine, optimization_profile=profile) as runner:
-        return {k: np.array(v.cpu() if hasattr(v, "cpu") else v) for k, v in runner.infer(feed).items()}
+        return {k: host_array(v) for k, v in runner.infer(feed).items()}
+
+
+def host_array(v) -> np.ndarray:
+    """An engine output as NumPy: torch tensors (polygraphy returns them for bf16) go to the host, bf16 as fp32."""
+    if hasattr(v, "cpu"):
+        import torch
+
+        v = v.detach().cpu()
+        return (v.float() if v.dtype == torch.bfloat16 else v).numpy()
+    return np.asarray(v)
+
+
+def decode_comparison(engines, ref: Manifest, precision: str, seed: int = 0, max_new_tokens: int = 32,
+                      progress: Callable[[str], None] = lambda msg: None) -> tuple[bool, list[str]]:
+    """Greedy decoding end to end on the engines (a TrtBackend) against ONNX Runtime on the reference export, for
+    nextn 0..K, on a small batch of random prompts of different lengths: fp32 engines must give exactly the same
+    tokens; fp16/bf16 engines report the share of equal tokens (rounding may flip a near tie)."""
+    from mtp_trt.backend import OrtBackend
+    from mtp_trt.decode import DecodeOptions, generate
+
+    rng = np.random.default_rng(seed)
+    lens = [7, 3, 12][:max(1, min(3, ref.max_batch))]
+    prompts = [rng.integers(0, ref.config.vocab_size, n).tolist() for n in lens]
+    ok, lines, ort = True, [], OrtBackend(ref)
+    for nextn in range(ref.nextn + 1):
+        progress(f"greedy decoding, nextn {nextn}: engines and ONNX Runtime")
+        opts = DecodeOptions(nextn=nextn, max_new_tokens=max_new_tokens, think_ids=ref.think_ids)
+        got, stats = generate(engines, prompts, opts)
+        want, _ = generate(ort, prompts, opts)
+        pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g.generated, w.generated)]
+        same = sum(a == b for a, b in pairs)
+        equal = [g.generated for g in got] == [w.generated for w in want]
+        ok &= equal or precision != "fp32"
+        lines.append(f"  decode nextn {nextn}: {same}/{max(len(pairs), 1)} tokens equal ONNX Runtime's"
+                     f"{'' if equal else ' (differ)'}, {stats.mean_accepted:.2f} tokens per step")
+    return ok, lines
 
 
 def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int = 0,
@@ -216,7 +253,7 @@ def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int
     import onnxruntime as ort
 
     run_engine = engine_runner(m)
-    exp = export_manifest(engine_dir)
+    exp = em.load_export_manifest(engine_dir)
     rng = np.random.default_rng(seed)
     ok_all = True
     with tempfile.TemporaryDirectory(prefix="mtp-trt-check-") as work:
@@ -235,26 +272,10 @@ def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int
                 ok, out = compare(got, ref_out, m.precision, f"{name}/{prof['name']}")
                 ok_all &= ok
                 lines += out
+        from mtp_trt.trt.runtime import TrtBackend
+
+        ok, out = decode_comparison(TrtBackend(engine_dir), ref, m.precision, seed, progress=progress)
+        ok_all &= ok
+        lines += out
     return CheckResult("passed" if ok_all else "failed", "" if ok_all else "engine outputs differ from ONNX Runtime",
                        lines)
-
-
-def export_manifest(engine_dir: Path) -> Manifest:
-    """The export manifest kept in the engine directory (export_manifest.json), without its ONNX files."""
-    from mtp_trt.config import ModelConfig
-    from mtp_trt.manifest import GraphSpec, TensorSpec
-
-    path = engine_dir / em.EXPORT_MANIFEST
-    try:
-        raw = json.loads(path.read_text())
-        graphs = {n: GraphSpec(name=n, file=g["file"], sha256=g["sha256"],
-                               inputs=[TensorSpec(**t) for t in g["inputs"]],
-                               outputs=[TensorSpec(**t) for t in g["outputs"]], kv_inputs=g["kv_inputs"],
-                               kv_outputs=g["kv_outputs"]) for n, g in raw["graphs"].items()}
-        return Manifest(root=engine_dir, raw=raw, config=ModelConfig.from_dict(raw["config"], source=str(path)),
-                        nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
-                        max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
-                        think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]),
-                        tokenizer=raw.get("tokenizer"))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise MtpTrtError(f"{path}: unreadable export manifest ({type(e).__name__}: {e})") from None

@@ -1,6 +1,7 @@
 """The engine manifest `engines.json` of an engine directory, written by `mtp-trt build`, read by `check`.
 
-It records the TensorRT flavour and version, the target architectures, the optimization profiles,
+It records the TensorRT flavour and version, the target architectures (and the GPU it was built on), the
+export's lowering, the optimization profiles, each engine's aliased cache outputs,
 the plugins (name, version, namespace, and how many layers of each every engine has), a SHA-256 of
 each source ONNX file and of each engine, and the export it came from (directory, format version,
 manifest hash).  The export's manifest.json is kept beside it as export_manifest.json.
@@ -18,7 +19,7 @@ from mtp_trt.errors import MtpTrtError
 from mtp_trt.manifest import check_files, read_manifest_json
 
 FORMAT = "mtp-trt-engines"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: lowering, built_on, per-engine aliases (plugin contract version 2)
 FILE = "engines.json"
 EXPORT_MANIFEST = "export_manifest.json"
 
@@ -39,6 +40,7 @@ class EngineSpec:
     onnx_sha256: str
     plugin_layers: dict[str, int]  # op name -> plugin layers in the network (== custom nodes in the ONNX)
     build_seconds: float
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # output -> input bound to one buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +71,24 @@ class EngineManifest:
             raise MtpTrtError(f"{path}: malformed engine manifest ({type(e).__name__}: {e})") from None
         check_files(path, [(e.file, e.sha256) for e in engines.values()], verify_hashes, "engine")
         return m
+
+
+def load_export_manifest(engine_dir: Path) -> Manifest:
+    """The export manifest kept in the engine directory (export_manifest.json), without its ONNX files."""
+    from mtp_trt.config import ModelConfig
+    from mtp_trt.manifest import GraphSpec, Manifest, TensorSpec
+
+    path = Path(engine_dir) / EXPORT_MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+        graphs = {n: GraphSpec(name=n, file=g["file"], sha256=g["sha256"],
+                               inputs=[TensorSpec(**t) for t in g["inputs"]],
+                               outputs=[TensorSpec(**t) for t in g["outputs"]], kv_inputs=g["kv_inputs"],
+                               kv_outputs=g["kv_outputs"]) for n, g in raw["graphs"].items()}
+        return Manifest(root=engine_dir, raw=raw, config=ModelConfig.from_dict(raw["config"], source=str(path)),
+                        nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
+                        max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
+                        think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]),
+                        tokenizer=raw.get("tokenizer"))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise MtpTrtError(f"{path}: unreadable export manifest ({type(e).__name__}: {e})") from None

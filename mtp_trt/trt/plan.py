@@ -1,0 +1,163 @@
+"""The TensorRT runtime's planning, as plain functions (no GPU, no TensorRT): which engine and optimization
+profile serve a call, the shape of every tensor, which persistent cache each cache input binds, the device
+buffers a decode needs and their sizes, and why engines cannot run on this machine.
+
+Everything here reads `engines.json` and the export manifest kept beside the engines
+(`export_manifest.json`), so it is tested on CPU machines against real engine directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.manifest import GraphSpec, Manifest, TensorSpec
+from mtp_trt.trt import manifest as em
+
+ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int32": 4, "int64": 8}
+GENERATION, PREFILL = "generation", "prefill"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSlot:
+    """Where a graph's cache input lives: persistent cache `family` (target | mtp0 | mtp1 ...), buffer `index`
+    of it, and the row offset of the graph's window from past_len (vanilla step depth j + 1: -j)."""
+
+    family: str
+    index: int
+    offset: int = 0
+
+
+def cache_slot(name: str, mtp_family: str = "mtp0") -> CacheSlot:
+    """kv_i -> target[i]; kv (an MTP graph's own cache) -> `mtp_family`; mtp_kv -> mtp0 (eagle step);
+    mtp_kv_j -> mtp{j} at offset -j (vanilla step: depth j + 1's window starts j rows earlier)."""
+    if name == "kv":
+        return CacheSlot(mtp_family, 0)
+    if name == "mtp_kv":
+        return CacheSlot("mtp0", 0)
+    if name.startswith("mtp_kv_"):
+        j = int(name[7:])
+        return CacheSlot(f"mtp{j}", 0, -j)
+    if name.startswith("kv_"):
+        return CacheSlot("target", int(name[3:]))
+    raise MtpTrtError(f"{name!r} is not a cache input of the graph contract (kv_i, kv, mtp_kv, mtp_kv_j)")
+
+
+def cache_families(m: Manifest) -> dict[str, int]:
+    """{family: buffers}: the target's one per layer, then one per MTP cache (eagle: 1; vanilla: K)."""
+    return {"target": m.config.num_hidden_layers} | {f"mtp{k}": 1 for k in range(len(set(m.mtp_graphs)))}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineIO:
+    """One engine's tensors and how the runtime binds them."""
+
+    name: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    kv_inputs: list[str]
+    kv_outputs: list[str]  # same order: onnx lowering, the new rows to commit; plugin, aliased cache outputs
+    aliases: dict[str, str]  # output -> input bound to the same buffer (plugin lowering's caches)
+
+    @property
+    def data_inputs(self) -> list[TensorSpec]:
+        return [t for t in self.inputs if t.name not in self.kv_inputs]
+
+    @property
+    def data_outputs(self) -> list[TensorSpec]:
+        return [t for t in self.outputs if t.name not in self.aliases]
+
+
+def engine_io(graph: GraphSpec, lowering: str) -> EngineIO:
+    aliases = dict(zip(graph.kv_outputs, graph.kv_inputs)) if lowering == "plugin" else {}
+    return EngineIO(graph.name, graph.inputs, graph.outputs, graph.kv_inputs, graph.kv_outputs, aliases)
+
+
+def check_aliases(io: EngineIO, recorded: dict[str, str]) -> None:
+    """engines.json's aliases for an engine must be the graph contract's (a plugin-lowering engine whose cache
+    outputs are not aliased would write its caches into scratch memory)."""
+    if recorded != io.aliases:
+        raise MtpTrtError(f"{em.FILE}: engine {io.name!r} aliases {recorded}, but the graph contract needs "
+                          f"{io.aliases}; build the engines again with this mtp-trt")
+
+
+def choose_profile(profiles: list[dict], s: int, batch: int) -> int:
+    """Index of the optimization profile serving a call of S rows per sequence for `batch` sequences: the
+    generation profile where S fits it (verify and step calls), else the prefill profile."""
+    order = sorted(range(len(profiles)), key=lambda i: profiles[i]["name"] != GENERATION)
+    for i in order:
+        d = profiles[i]["dims"]
+        if d["S"][0] <= s <= d["S"][2] and d["B"][0] <= batch <= d["B"][2]:
+            return i
+    best = max(p["dims"]["S"][2] for p in profiles)
+    raise MtpTrtError(f"no optimization profile of the engines takes {batch} sequences of {s} new tokens "
+                      f"(longest: {best}; the runtime splits longer prompts into chunks of that size)")
+
+
+def max_chunk(profiles: list[dict]) -> int:
+    """The most rows one call may carry (the prefill profile's S max): longer prompts run in chunks."""
+    return max(p["dims"]["S"][2] for p in profiles)
+
+
+def chunks(s: int, size: int) -> list[tuple[int, int]]:
+    """(start, length) pieces of S rows, each at most `size` rows."""
+    return [(i, min(size, s - i)) for i in range(0, s, size)]
+
+
+def shape(spec: TensorSpec, dims: dict[str, int]) -> tuple[int, ...]:
+    """A tensor's concrete shape: symbolic dims (B, S, T) from `dims`, fixed dims as they are."""
+    return tuple(dims[d] if isinstance(d, str) else int(d) for d in spec.shape)
+
+
+def nbytes(spec: TensorSpec, dims: dict[str, int]) -> int:
+    return math.prod(shape(spec, dims)) * ITEMSIZE[spec.dtype]
+
+
+def buffer_sizes(ios: list[EngineIO], batch: int, rows: int, s_max: int) -> dict[str, int]:
+    """Bytes of the one device buffer each non-cache tensor name gets, shared by every engine that has a
+    tensor of that name (calls run one after another on one stream), sized for the largest call:
+    `batch` sequences, S up to s_max rows, T = rows."""
+    dims = {"B": batch, "S": s_max, "T": rows}
+    sizes: dict[str, int] = {}
+    for io in ios:
+        for t in io.data_inputs + io.data_outputs:
+            sizes[t.name] = max(sizes.get(t.name, 0), nbytes(t, dims))
+    return sizes
+
+
+def cache_bytes(m: Manifest, batch: int, rows: int) -> int:
+    """Device memory of every persistent latent cache for `batch` sequences of `rows` rows."""
+    per = batch * rows * m.config.latent_dim * ITEMSIZE[m.dtype]
+    return per * sum(cache_families(m).values())
+
+
+def runtime_problem(m: em.EngineManifest, cc: str | None, why_no_gpu: str, flavour_version: str | None,
+                    instead: str) -> str | None:
+    """Why these engines cannot run here, in one line, or None.  cc: this GPU's compute capability (None: no
+    GPU, because why_no_gpu); flavour_version: the installed version of the engines' TensorRT flavour (None:
+    not installed); instead: what ONNX Runtime can run in their place (an onnx export or the checkpoint)."""
+    if cc is None:
+        return (f"running engines needs an NVIDIA GPU ({why_no_gpu}); ONNX Runtime runs the export instead: "
+                f"mtp-trt run {instead}")
+    built_on = m.raw.get("built_on")
+    if m.flavour == "tensorrt_rtx" and cc not in m.target_archs:
+        return (f"{m.root}: the engines were built for compute capabilit{'ies' if len(m.target_archs) > 1 else 'y'} "
+                f"{', '.join(m.target_archs)}, this GPU is {cc}; build them again with --target-arch {cc}")
+    if m.flavour == "tensorrt" and built_on and m.target_archs != ["ampere+"] and built_on != cc:
+        return f"{m.root}: the engines were built on a GPU of compute capability {built_on}, this GPU is {cc}; build them here"
+    if flavour_version is None:
+        return f"{m.root}: the engines need {m.flavour} {m.trt_version}, which is not installed"
+    if flavour_version != m.trt_version:
+        return (f"{m.root}: the engines were built with {m.flavour} {m.trt_version}, this machine has "
+                f"{flavour_version}; build them again")
+    return None
+
+
+def memory_problem(need: int, free: int) -> str | None:
+    """One line when `need` bytes of device memory do not fit in `free`."""
+    if need <= free:
+        return None
+    gib = 2 ** 30
+    return (f"the engines, caches and buffers need about {need / gib:.2f} GiB of GPU memory, {free / gib:.2f} GiB "
+            f"is free; use fewer sequences, a shorter --max-new-tokens or a smaller --max-seq-len")

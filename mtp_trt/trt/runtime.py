@@ -1,0 +1,352 @@
+"""TrtBackend: the decode loop (mtp_trt/decode.py) on TensorRT engines, through cuda-python.
+
+What a decode costs on the device, and when:
+* once per process: each engine it runs is deserialized (only those: `prepare`), one execution context per
+  engine and optimization profile;
+* once per (batch, rows): every persistent latent cache, one device buffer per tensor name shared by the
+  engines (sized for the largest call) and its pinned host twin (`allocate`);
+* per call: the inputs are written into the pinned buffers and copied to the device asynchronously on the
+  one stream, the engine runs, and only the outputs the loop reads come back (accepted tokens, counts, the
+  thinking flags, drafts, vanilla's carry; hidden states on the separate-graph path; logits only when
+  sampling).  Nothing of a cache's size is allocated or copied; rewinding is the loop's lengths;
+  `swap_slots` swaps one slot's rows by device copies when a sequence finishes.
+* Lowerings: `plugin` engines write their cache rows in place (each cache output is aliased to its input and
+  bound to the same buffer); `onnx` engines (no plugins: any TensorRT application loads them) return the new
+  rows, committed by the `mtp_mla_kv_commit` kernel on the same stream (a device copy, no host round trip).
+* CUDA graphs: the fused step (`step_K` engine) at each batch size runs eagerly once, is captured on its
+  second call (input copies, engine, commits, output copies) and replayed from then on.
+
+The device layer (mtp_trt/trt/device.py), the engine loader (`EngineLoader`, TensorRT) and the kernel library
+are injected, so tests run this whole module on a CPU with host-memory stand-ins (tests/trt_fakes.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from mtp_trt.backend import TARGET_OUTPUTS, Backend
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.trt import manifest as em
+from mtp_trt.trt import plan
+
+HOST_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16, "int32": np.int32}  # bf16: raw bits
+DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
+MTP_OUTPUTS = ["hidden_out", "draft_tokens", "draft_probs"]
+STEP_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "drafts", "carry_out"]
+
+
+class EngineLoader:
+    """Deserializes engines with the flavour they were built with and the plugins registered."""
+
+    def __init__(self, m: em.EngineManifest, plugins: str = "python"):
+        from mtp_trt.trt import compat
+
+        self.api = api = compat.load(m.flavour)
+        self.errors: list[str] = []
+        if plugins == "python":
+            from mtp_trt.plugins import trt_plugins
+
+            trt_plugins.register(api.trt)
+        else:
+            from mtp_trt.trt import cpp_plugins  # noqa: PLC0415 - the C++ plugin library (issue #13)
+
+            cpp_plugins.load(api.trt)
+        self.runtime = api.trt.Runtime(api.make_logger(lambda sev, msg: self.errors.append(msg)
+                                                       if sev in ("ERROR", "INTERNAL_ERROR") else None))
+
+    def load(self, path: Path):
+        engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            why = self.errors[-1].splitlines()[0] if self.errors else "no message from TensorRT"
+            raise MtpTrtError(f"{path}: {self.api.flavour} {self.api.version} cannot load this engine ({why[:300]})")
+        return engine
+
+    def context(self, engine, profile: int, stream: int):
+        ctx = engine.create_execution_context()
+        if ctx is None:
+            raise MtpTrtError(f"{engine.name}: TensorRT could not create an execution context (out of GPU memory?)")
+        if not ctx.set_optimization_profile_async(profile, stream):
+            raise MtpTrtError(f"{engine.name}: TensorRT refused optimization profile {profile}")
+        return ctx
+
+    @staticmethod
+    def aliases(engine) -> dict[str, str]:
+        """{output: input} the engine binds to one buffer (TensorRT's record of aliased plugin I/O)."""
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        return {n: a for n in names if (a := engine.get_aliased_input_tensor(n))}
+
+
+class Buffer:
+    """One device buffer and its pinned host twin."""
+
+    def __init__(self, device, nbytes: int):
+        self.nbytes = nbytes
+        self.dev = device.malloc(nbytes)
+        self.host_ptr, self.host = device.malloc_host(nbytes)
+
+    def stage(self, a: np.ndarray) -> int:
+        """Write `a` into the pinned buffer; returns its byte count."""
+        raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        if raw.size > self.nbytes:
+            raise MtpTrtError(f"internal: {raw.size} bytes staged into a buffer of {self.nbytes}")
+        self.host[:raw.size] = raw
+        return raw.size
+
+    def read(self, dtype, shape) -> np.ndarray:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.host[:n].view(dtype).reshape(shape).copy()
+
+
+class TrtBackend(Backend):
+    """Runs an engine directory (`mtp-trt build`) on the GPU.  See the module docstring."""
+
+    def __init__(self, engine_dir: str | Path, *, device=None, loader=None, kernels=None, cuda_graphs: bool = True,
+                 plugins: str = "python"):
+        self.em = em.EngineManifest.load(engine_dir)
+        self.manifest = em.load_export_manifest(Path(engine_dir))
+        m, self.root = self.manifest, Path(engine_dir)
+        if device is None:
+            device = self._default_device()
+        self.device, self.cuda_graphs = device, cuda_graphs
+        self._loader, self._plugins, self._kernels = loader, plugins, kernels
+        self.lowering = m.lowering
+        self.ios = {name: plan.engine_io(m.graphs[name], m.lowering) for name in self.em.engines}
+        for name, io in self.ios.items():
+            plan.check_aliases(io, self.em.engines[name].aliases)
+        self.s_max = plan.max_chunk(self.em.profiles)
+        self.engines: dict[str, object] = {}
+        self.contexts: dict[tuple[str, int], object] = {}
+        self.graphs: dict[tuple, object] = {}  # (engine, n) -> captured step
+        self.warm: set[tuple] = set()
+        self.bound: dict[tuple[str, int], dict] = {}  # context -> {tensor: address or shape} last set
+        self.caches: dict[str, list[int]] = {}
+        self.buffers: dict[str, Buffer] = {}
+        self.shape_key: tuple[int, int] | None = None
+        self.itemsize = plan.ITEMSIZE[m.dtype]
+
+    def _default_device(self):
+        from mtp_trt.trt import compat
+        from mtp_trt.trt.device import Device
+
+        cc, why = compat.gpu()
+        try:
+            version = compat.load(self.em.flavour).version
+        except MtpTrtError:
+            version = None
+        exp = self.em.raw["export"]  # what ONNX Runtime can run instead: an onnx-lowering export, else the checkpoint
+        instead = exp.get("dir") if exp.get("lowering") == "onnx" else exp.get("checkpoint") or exp.get("dir")
+        problem = plan.runtime_problem(self.em, cc, why, version, instead or "CHECKPOINT")
+        if problem:
+            raise MtpTrtError(problem)
+        return Device()
+
+    # ------------------------------------------------------------------------------- loading
+    @property
+    def loader(self):
+        if self._loader is None:
+            self._loader = EngineLoader(self.em, self._plugins)
+        return self._loader
+
+    @property
+    def kernels(self):
+        if self._kernels is None:
+            from mtp_trt.plugins.cuda_lib import load_library
+
+            self._kernels = load_library()
+        return self._kernels
+
+    def engine(self, name: str):
+        if name not in self.engines:
+            if name not in self.em.engines:
+                raise MtpTrtError(f"{self.root}: no {name}.engine in this engine directory (engines.json lists "
+                                  f"{', '.join(self.em.engines)})")
+            engine = self.loader.load(self.root / self.em.engines[name].file)
+            got = self.loader.aliases(engine)
+            if got != self.ios[name].aliases:
+                raise MtpTrtError(f"{self.root / self.em.engines[name].file}: TensorRT binds {got or 'no outputs'} to "
+                                  f"their inputs, the graph contract {self.ios[name].aliases}; build the engines again")
+            self.engines[name] = engine
+        return self.engines[name]
+
+    def context(self, name: str, profile: int):
+        key = (name, profile)
+        if key not in self.contexts:
+            self.contexts[key] = self.loader.context(self.engine(name), profile, self.device.stream)
+            self.bound[key] = {}
+        return self.contexts[key]
+
+    def prepare(self, nextn, greedy):
+        for name in self.graphs_for(nextn, greedy):
+            self.engine(name)
+
+    # ---------------------------------------------------------------------------- allocation
+    def allocate(self, batch: int, rows: int) -> None:
+        m = self.manifest
+        if rows > self.em.raw["max_seq_len"]:
+            raise MtpTrtError(f"{self.root}: {rows} cache rows per sequence needed, but the engines were built for "
+                              f"--max-seq-len {self.em.raw['max_seq_len']}")
+        if batch > self.em.raw["max_batch"]:
+            raise MtpTrtError(f"{self.root}: {batch} sequences, but the engines were built for --max-batch "
+                              f"{self.em.raw['max_batch']}")
+        if self.shape_key == (batch, rows):
+            return  # the same caches serve the next decode: lengths start at 0 again
+        self.release()
+        sizes = plan.buffer_sizes(list(self.ios.values()), batch, rows, max(self.s_max, m.nextn + 1))
+        offsets = self._commit_offsets(*self.ios.values())
+        sizes |= {f"past_len_minus{j}": 4 * batch for j in offsets}  # vanilla step commits at past_len - j (onnx)
+        slot = rows * m.config.latent_dim * self.itemsize
+        need = plan.cache_bytes(m, batch, rows) + sum(sizes.values()) + slot
+        if hasattr(self.device, "mem_info") and (problem := plan.memory_problem(need, self.device.mem_info()[0])):
+            raise MtpTrtError(problem)
+        self.caches = {fam: [self.device.malloc(batch * slot) for _ in range(count)]
+                       for fam, count in plan.cache_families(m).items()}
+        self.buffers = {name: Buffer(self.device, n) for name, n in sizes.items()}
+        self.scratch = self.device.malloc(slot)  # swap_slots
+        self.shape_key, self.rows, self.slot_bytes = (batch, rows), rows, slot
+
+    def release(self) -> None:
+        """Free the caches and buffers (the captured graphs use their addresses: dropped too)."""
+        for exe in self.graphs.values():
+            self.device.destroy_graph(exe)
+        self.graphs, self.warm = {}, set()
+        for bufs in self.caches.values():
+            for p in bufs:
+                self.device.free(p)
+        for b in self.buffers.values():
+            self.device.free(b.dev)
+            self.device.free_host(b.host_ptr)
+        if self.shape_key is not None:
+            self.device.free(self.scratch)
+        self.caches, self.buffers, self.shape_key = {}, {}, None
+        for bound in self.bound.values():
+            bound.clear()
+
+    def _commit_offsets(self, *ios: plan.EngineIO) -> list[int]:
+        """j > 0 where a cache's rows are committed at past_len - j (vanilla step depths, onnx lowering)."""
+        if self.lowering != "onnx":
+            return []
+        return sorted({-plan.cache_slot(k).offset for io in ios for k in io.kv_inputs if k != "kv"} - {0})
+
+    # --------------------------------------------------------------------------------- calls
+    def _bind(self, key, ctx, io: plan.EngineIO, dims: dict, mtp_family: str) -> None:
+        """Shapes and addresses of every tensor of a call (TensorRT calls only where they changed)."""
+        bound = self.bound[key]
+
+        def put(what, name, value, fn):
+            if bound.get((what, name)) != value:
+                if not fn(name, value):
+                    raise MtpTrtError(f"{io.name}.engine: TensorRT refused {what} {value} for tensor {name!r}")
+                bound[(what, name)] = value
+
+        addr = {}
+        for t in io.inputs:
+            slot = plan.cache_slot(t.name, mtp_family) if t.name in io.kv_inputs else None
+            addr[t.name] = self.caches[slot.family][slot.index] if slot else self.buffers[t.name].dev
+            put("shape", t.name, plan.shape(t, dims), ctx.set_input_shape)
+            put("address", t.name, addr[t.name], ctx.set_tensor_address)
+        for t in io.outputs:
+            put("address", t.name, addr[io.aliases[t.name]] if t.name in io.aliases else self.buffers[t.name].dev,
+                ctx.set_tensor_address)
+
+    def _enqueue(self, ctx, io: plan.EngineIO, staged: dict[str, int], dims: dict, past_len: np.ndarray,
+                 mtp_family: str, fetch: list[str]) -> None:
+        """Everything one call puts on the stream: input copies, the engine, the commits (onnx lowering), the
+        copies of the fetched outputs."""
+        dev = self.device
+        for name, n in staged.items():
+            dev.copy("h2d", self.buffers[name].dev, self.buffers[name].host_ptr, n)
+        if not ctx.execute_async_v3(dev.stream):
+            raise MtpTrtError(f"{io.name}.engine: TensorRT could not enqueue the engine (see its log)")
+        for cache, new in zip(io.kv_inputs, io.kv_outputs) if self.lowering == "onnx" else ():
+            slot = plan.cache_slot(cache, mtp_family)
+            rows_spec = next(t for t in io.outputs if t.name == new)
+            s_new = plan.shape(rows_spec, dims)[1]
+            lens = self.buffers["past_len" if slot.offset == 0 else f"past_len_minus{-slot.offset}"].dev
+            self.kernels.mla_kv_commit(DTYPE_CODES[self.manifest.dtype], self.caches[slot.family][slot.index], lens,
+                                       self.buffers[new].dev, dims["B"], s_new, self.manifest.config.latent_dim,
+                                       self.rows, dev.stream)
+        specs = {t.name: t for t in io.outputs}
+        for name in fetch:
+            dev.copy("d2h", self.buffers[name].host_ptr, self.buffers[name].dev, plan.nbytes(specs[name], dims))
+
+    def _call(self, name: str, n: int, feed: dict[str, np.ndarray], fetch: list[str], mtp_family: str = "mtp0",
+              graph: bool = False) -> dict[str, np.ndarray]:
+        io = self.ios[name]
+        s = next(feed[k].shape[1] for k in ("input_ids", "next_tokens") if k in feed)
+        profile = plan.choose_profile(self.em.profiles, s, n)
+        ctx = self.context(name, profile)
+        dims = {"B": n, "S": s, "T": self.rows}
+        past_len = feed["past_len"]
+        for j in self._commit_offsets(io):
+            feed = feed | {f"past_len_minus{j}": (past_len - j).astype(np.int32)}
+        wanted = {t.name for t in io.data_inputs} | {k for k in feed if k.startswith("past_len")}
+        staged = {k: self.buffers[k].stage(v) for k, v in feed.items() if k in wanted and v is not None}
+        key = (name, n, s)
+        if graph and key in self.graphs:
+            self._bind((name, profile), ctx, io, dims, mtp_family)  # the context's shapes as at capture
+            self.device.launch(self.graphs[key])
+        else:
+            self._bind((name, profile), ctx, io, dims, mtp_family)
+            capture = graph and self.cuda_graphs and key in self.warm
+            if capture:
+                self.device.begin_capture()
+                try:
+                    self._enqueue(ctx, io, staged, dims, past_len, mtp_family, fetch)
+                    self.graphs[key] = self.device.end_capture()
+                except BaseException:
+                    self.device.abort_capture()
+                    raise
+                self.device.launch(self.graphs[key])
+            else:
+                self._enqueue(ctx, io, staged, dims, past_len, mtp_family, fetch)
+                self.warm.add(key)
+        self.device.sync()
+        specs = {t.name: t for t in io.outputs}
+        return {k: self.buffers[k].read(HOST_DTYPES[specs[k].dtype], plan.shape(specs[k], dims)) for k in fetch}
+
+    def _chunked(self, name: str, n: int, feed: dict, split: tuple[str, ...], fetch: list[str], concat: set[str],
+                 mtp_family: str = "mtp0") -> dict[str, np.ndarray]:
+        """A call whose S exceeds the engines' longest profile, as chunks at past_len + start; outputs in `concat`
+        are joined along S, the others come from the last chunk."""
+        s = feed[split[0]].shape[1]
+        parts = []
+        for start, length in plan.chunks(s, self.s_max):
+            piece = feed | {k: feed[k][:, start:start + length] for k in split}
+            piece["past_len"] = (feed["past_len"] + start).astype(np.int32)
+            parts.append(self._call(name, n, piece, fetch, mtp_family))
+        return {k: np.concatenate([p[k] for p in parts], 1) if k in concat else parts[-1][k] for k in fetch}
+
+    # ------------------------------------------------------------------------------- Backend
+    def target(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, logits):
+        feed = {"input_ids": input_ids.astype(np.int32), "past_len": past_len.astype(np.int32),
+                "thinking": thinking.astype(np.int32), "relaxed_topk": np.array(relaxed_topk, np.int32),
+                "relaxed_delta": np.array(relaxed_delta, np.float32)}
+        fetch = list(TARGET_OUTPUTS) + (["logits"] if logits else [])
+        return self._chunked("target", n, feed, ("input_ids",), fetch,
+                             {"target_tokens", "hidden_states", "logits"})
+
+    def mtp(self, cache, graph, n, hidden, next_tokens, past_len, logits):
+        feed = {"hidden": hidden, "next_tokens": next_tokens.astype(np.int32), "past_len": past_len.astype(np.int32)}
+        fetch = MTP_OUTPUTS + (["draft_logits"] if logits else [])
+        return self._chunked(graph, n, feed, ("hidden", "next_tokens"), fetch, set(fetch), mtp_family=f"mtp{cache}")
+
+    def has_step(self, nextn):
+        return f"step_{nextn}" in self.em.engines
+
+    def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, carry=None):
+        name = f"step_{input_ids.shape[1] - 1}"
+        feed = {"input_ids": input_ids.astype(np.int32), "past_len": past_len.astype(np.int32),
+                "thinking": thinking.astype(np.int32), "relaxed_topk": np.array(relaxed_topk, np.int32),
+                "relaxed_delta": np.array(relaxed_delta, np.float32), "carry": carry}
+        outputs = {t.name for t in self.ios[name].outputs}
+        return self._call(name, n, feed, [k for k in STEP_OUTPUTS if k in outputs], graph=True)
+
+    def swap_slots(self, i, j):
+        for bufs in self.caches.values():
+            for base in bufs:
+                a, b = base + i * self.slot_bytes, base + j * self.slot_bytes
+                self.device.copy("d2d", self.scratch, a, self.slot_bytes)
+                self.device.copy("d2d", a, b, self.slot_bytes)
+                self.device.copy("d2d", b, self.scratch, self.slot_bytes)

@@ -1,0 +1,235 @@
+"""TrtBackend (mtp_trt/trt/runtime.py) without a GPU: engine directories that TensorRT for RTX builds here, run by
+the runtime over host-memory stand-ins of the device and the engines (tests/trt_fakes.py: each engine reads its
+bound inputs, runs the onnx lowering of the same graph on ONNX Runtime and writes its bound outputs; plugin
+engines also write their cache rows in place, as the attention plugin does).
+
+What this checks: the planning (profiles, shapes, chunked prefill, the binding table, aliasing, commits, buffer
+sizes, swaps) and the decode loop on it give exactly ONNX Runtime's tokens, in both lowerings and both MTP
+modes, greedy, relaxed and sampling, with and without CUDA graphs; and a decode step allocates nothing and
+copies nothing of a cache's size.  What needs a GPU (tests/test_trt_gpu.py): TensorRT running the engines,
+the CUDA kernels inside them, cuda-python's device layer."""
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mtp_trt.backend import OrtBackend
+from mtp_trt.cli import app
+from mtp_trt.decode import DecodeOptions, generate
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.exporters.export import export
+from mtp_trt.manifest import Manifest
+from mtp_trt.sampling import SamplingParams
+from mtp_trt.trt import manifest as em
+from mtp_trt.trt import plan
+from runtime_models import EOS, THINK, make_self_drafting
+from trt_fakes import fake_backend
+
+pytestmark = pytest.mark.trt
+K = 2
+PROMPTS = [[1, 5, 9, 13, 2, 7, 30, 31, 4, 8, 12], [3, 4], [11, 12, 13, 14, 15, 16, 17]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_self_drafting(tmp_path_factory.mktemp("rt") / "ckpt", nextn=K)
+
+
+def _build(export_dir, out, **kwargs):
+    r = CliRunner().invoke(app, ["build", str(export_dir), "-o", str(out), "--target-arch", "8.9",
+                                 *[x for k, v in kwargs.items() for x in (f"--{k.replace('_', '-')}", str(v))]])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module", params=["eagle", "vanilla"])
+def setup(request, ckpt, tmp_path_factory):
+    """(reference onnx export, {lowering: engine dir}) for one MTP mode; the prefill profile takes 8 rows, so
+    the 11-token prompt runs in chunks."""
+    mode, root = request.param, tmp_path_factory.mktemp(request.param)
+    ref = export(ckpt, root / "onnx", nextn=K, mtp_mode=mode, max_batch=4, max_seq_len=64)
+    plug = export(ckpt, root / "plugin", nextn=K, mtp_mode=mode, lowering="plugin", max_batch=4, max_seq_len=64)
+    engines = {"plugin": _build(plug, root / "eng-plugin", max_prefill=8),
+               "onnx": _build(ref, root / "eng-onnx", max_prefill=8)}
+    return Manifest.load(ref), engines
+
+
+def _opts(nextn, **kw):
+    return DecodeOptions(nextn=nextn, eos_ids=(EOS,), think_ids=THINK, max_new_tokens=kw.pop("max_new_tokens", 24), **kw)
+
+
+def _tokens(backend, prompts, opts, seed=0):
+    seqs, stats = generate(backend, prompts, opts, seed=seed)
+    return [s.generated for s in seqs], stats
+
+
+@pytest.fixture(scope="module")
+def greedy(setup):
+    """ONNX Runtime's greedy tokens for nextn 0..K (all equal: greedy MTP is lossless)."""
+    ref, _ = setup
+    want = {n: _tokens(OrtBackend(ref), PROMPTS, _opts(n))[0] for n in range(K + 1)}
+    assert all(w == want[0] for w in want.values())
+    return want
+
+
+@pytest.mark.parametrize("lowering", ["plugin", "onnx"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_greedy_decode_equals_onnxruntime(setup, greedy, lowering, graphs):
+    ref, engines = setup
+    want = greedy
+    for n in range(K + 1):
+        backend = fake_backend(engines[lowering], ref, cuda_graphs=graphs)
+        got, stats = _tokens(backend, PROMPTS, _opts(n))
+        assert got == want[n], f"nextn {n}"
+        if n:
+            assert stats.mean_accepted > 1
+        launches = backend.device.counts["graph_launches"]
+        assert (launches > 0) == graphs, "the fused steps replay captured graphs exactly when asked"
+
+
+def test_relaxed_acceptance_and_sampling_equal_onnxruntime(setup):
+    ref, engines = setup
+    think = THINK[0]
+    prompts = [[think, 5, 9, 13], [3, 4, think, 6]]
+    relaxed = _opts(K, relaxed_topk=3, relaxed_delta=0.5)
+    assert _tokens(fake_backend(engines["plugin"], ref), prompts, relaxed)[0] == \
+        _tokens(OrtBackend(ref), prompts, relaxed)[0]
+    sampled = _opts(K, sampling=SamplingParams(temperature=0.9, top_k=20, top_p=0.95))
+    for seed in (0, 1):
+        assert _tokens(fake_backend(engines["onnx"], ref), prompts, sampled, seed)[0] == \
+            _tokens(OrtBackend(ref), prompts, sampled, seed)[0]
+
+
+def test_forced_rejections_rewind(setup, greedy):
+    """Random drafts (almost all rejected) still give the greedy tokens: rewinds by length are right."""
+    ref, engines = setup
+    backend = fake_backend(engines["plugin"], ref, cuda_graphs=False)
+    real_step = backend.step
+    rng = np.random.default_rng(0)
+
+    def scrambled(n, input_ids, *args, **kw):
+        ids = input_ids.copy()
+        ids[:, 1:] = rng.integers(0, 90, ids[:, 1:].shape)
+        return real_step(n, ids, *args, **kw)
+
+    backend.step = scrambled
+    got, stats = _tokens(backend, PROMPTS, _opts(K))
+    assert got == greedy[0]
+    assert stats.mean_accepted < 1.5
+
+
+def test_a_decode_step_allocates_nothing_and_copies_no_cache(setup):
+    ref, engines = setup
+    backend = fake_backend(engines["plugin"], ref)
+    dev = backend.device
+    backend.prepare(K, True)
+    backend.allocate(3, 60)
+    allocs = dev.counts["alloc"]
+    caches = sum(map(len, backend.caches.values()))
+    assert allocs == caches + len(backend.buffers) + 1  # caches, one buffer per tensor name, the swap slot
+    ids = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], np.int32)
+    zeros = np.zeros(3, np.int32)
+    backend.target(3, np.array(PROMPTS[0][:4] * 3, np.int32).reshape(3, 4), zeros, zeros, 0, 0.0, False)
+    carry = np.zeros((3, K - 1, ref.config.hidden_size), np.float32) if ref.mtp_mode == "vanilla" else None
+    dev.copies.clear()
+    for step in range(6):
+        out = backend.step(3, ids, np.full(3, 4 + 3 * step, np.int32), zeros, 0, 0.0, carry)
+        assert set(out) >= {"accepted_tokens", "num_accepted", "thinking_out", "drafts"}
+    assert dev.counts["alloc"] == allocs and dev.counts["alloc_host"] == len(backend.buffers)
+    slot = backend.slot_bytes
+    assert dev.copies and max(b for _, b in dev.copies) < slot / 4, "only small inputs and outputs move"
+    assert {k for k, _ in dev.copies} == {"h2d", "d2h"}
+    assert dev.counts["graphs"] == 1 and dev.counts["graph_launches"] == 5  # step 1 eager, 2 captured, 3..6 replayed
+
+
+def test_swap_slots_moves_rows_on_the_device(setup):
+    ref, engines = setup
+    backend = fake_backend(engines["onnx"], ref)
+    backend.allocate(3, 16)
+    from trt_fakes import view
+
+    d = ref.config.latent_dim
+    caches = [view(p, (3, 16, d), np.float32) for bufs in backend.caches.values() for p in bufs]
+    for c in caches:
+        c[...] = np.arange(c.size, dtype=np.float32).reshape(c.shape)
+    before = [c.copy() for c in caches]
+    backend.device.copies.clear()
+    backend.swap_slots(0, 2)
+    for c, b in zip(caches, before):
+        np.testing.assert_array_equal(c[[2, 1, 0]], b)
+    assert {k for k, _ in backend.device.copies} == {"d2d"}
+
+
+def test_planning_from_real_engine_directories(setup):
+    ref, engines = setup
+    for lowering, root in engines.items():
+        m = em.EngineManifest.load(root, verify_hashes=True)
+        assert m.raw["lowering"] == lowering and m.raw["built_on"] is None  # no GPU here
+        exp = em.load_export_manifest(root)
+        for name, e in m.raw["engines"].items():
+            io = plan.engine_io(exp.graphs[name], lowering)
+            assert e["aliases"] == io.aliases
+            if lowering == "plugin":
+                assert sorted(io.aliases.values()) == sorted(io.kv_inputs) and len(io.aliases) == len(io.kv_inputs)
+            else:
+                assert io.aliases == {} and all(o.startswith(("new_kv", "mtp_new_kv")) for o in io.kv_outputs)
+        assert plan.choose_profile(m.profiles, K + 1, 4) == 0 and plan.choose_profile(m.profiles, 5, 1) == 1
+        assert plan.max_chunk(m.profiles) == 8
+        with pytest.raises(MtpTrtError, match="no optimization profile .* 9 new tokens"):
+            plan.choose_profile(m.profiles, 9, 1)
+        sizes = plan.buffer_sizes([plan.engine_io(g, lowering) for g in exp.graphs.values()], 4, 64, 8)
+        assert sizes["input_ids"] == 4 * 8 * 4 and sizes["logits"] == 4 * 8 * ref.config.vocab_size * 4
+        assert not any(n.startswith("kv") for n in sizes)
+
+
+def test_plan_helpers():
+    assert plan.cache_slot("kv_3") == plan.CacheSlot("target", 3)
+    assert plan.cache_slot("mtp_kv") == plan.CacheSlot("mtp0", 0)
+    assert plan.cache_slot("mtp_kv_2") == plan.CacheSlot("mtp2", 0, -2)
+    assert plan.cache_slot("kv", "mtp1") == plan.CacheSlot("mtp1", 0)
+    assert plan.chunks(11, 8) == [(0, 8), (8, 3)] and plan.chunks(8, 8) == [(0, 8)]
+    assert "1.00 GiB" in plan.memory_problem(2 ** 30, 2 ** 29) and plan.memory_problem(1, 2) is None
+
+
+def test_too_little_device_memory_is_one_clear_error(setup):
+    ref, engines = setup
+    backend = fake_backend(engines["plugin"], ref, free_bytes=1 << 16)
+    with pytest.raises(MtpTrtError, match=r"need about .* GiB of GPU memory, .* GiB is free"):
+        backend.allocate(4, 64)
+
+
+def test_check_decode_comparison(setup):
+    """`mtp-trt check`'s end-to-end part: the engines' greedy tokens against ONNX Runtime for nextn 0..K."""
+    from mtp_trt.trt.check import decode_comparison
+
+    ref, engines = setup
+    ok, lines = decode_comparison(fake_backend(engines["plugin"], ref), ref, "fp32", max_new_tokens=12)
+    assert ok and len(lines) == K + 1 and all("tokens equal ONNX Runtime's, " in x for x in lines)
+    backend = fake_backend(engines["plugin"], ref)
+    real = backend.step
+
+    def off_by_one(*args, **kw):  # a wrong engine: every accepted token shifted
+        out = real(*args, **kw)
+        out["accepted_tokens"] = np.where(out["accepted_tokens"] >= 0, (out["accepted_tokens"] + 1) % 90, -1)
+        return out
+
+    backend.step = off_by_one
+    ok, lines = decode_comparison(backend, ref, "fp32", max_new_tokens=12)
+    assert not ok and "(differ)" in lines[1]
+    ok, _ = decode_comparison(backend, ref, "fp16", max_new_tokens=12)
+    assert ok, "below fp32 the agreement is reported, not failed"
+
+
+def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
+    from mtp_trt.trt import compat
+
+    if compat.gpu()[0] is not None:
+        pytest.skip("a GPU is present")
+    ref, engines = setup
+    env = {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
+    for lowering, instead in (("plugin", ref.raw["checkpoint"]), ("onnx", str(ref.root.resolve()))):
+        for args in (["run", str(engines[lowering]), "-p", "x"], ["bench", str(engines[lowering]), "--repeats", "1"]):
+            r = CliRunner().invoke(app, args, env=env)
+            assert r.exit_code == 2, r.output
+            assert "running engines needs an NVIDIA GPU" in r.output and f"mtp-trt run {instead}" in r.output
+            assert "Traceback" not in r.output and r.output.count("error:") == 1
