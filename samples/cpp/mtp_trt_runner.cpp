@@ -222,6 +222,8 @@ struct Scalars {
 int run(const Options& opt) {
     const json::Value em = json::parse(read_file(opt.dir + "/engines.json"));
     const json::Value xm = json::parse(read_file(opt.dir + "/export_manifest.json"));
+    if (em.has("lowering") && em["lowering"].as_string() != "plugin")
+        throw std::runtime_error("this sample runs engines of the plugin lowering (mtp-trt export --lowering plugin)");
     const int export_k = em["export"]["nextn"].as_int();
     const int K = opt.nextn < 0 ? export_k : opt.nextn;
     if (em["export"]["mtp_mode"].as_string() != "eagle" && K > 0)
