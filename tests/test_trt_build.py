@@ -19,6 +19,7 @@ from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.export import export
 from runtime_models import make_random
+from trt_fakes import fake_backend
 from mtp_trt.manifest import FORMAT_VERSION, sha256
 from mtp_trt.plugins import trt_plugins
 from mtp_trt.trt import builder, check, compat, cpp_plugins
@@ -359,7 +360,7 @@ def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
     import onnxruntime as ort
 
     def fake_runner(m):
-        ref = check.export_manifest(engines)
+        ref = em.load_export_manifest(engines)
         sessions = {}
 
         def run(engine_path, profile, feed):
@@ -386,8 +387,10 @@ def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
     monkeypatch.setattr(check, "runtime_unavailable", lambda m: None)
     monkeypatch.setattr(check, "engine_runner", fake_runner)
     monkeypatch.setattr(check, "_reference", reference)
+    monkeypatch.setattr(check, "engine_backend", lambda root, ref: fake_backend(root, ref))
     result = check.check(engines, seed=1)
     assert result.status == ("passed" if perturb == 0 else "failed"), "\n".join(result.lines)
+    assert sum("tokens equal ONNX Runtime's" in line for line in result.lines) == 3  # nextn 0..2 decoded
     assert any("target/generation logits: max |diff|" in line for line in result.lines)
     assert any("mtp_1/prefill draft_tokens" in line for line in result.lines)
     assert result.exit_code == (0 if perturb == 0 else 1)
