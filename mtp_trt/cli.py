@@ -173,6 +173,8 @@ def build(
                                                  "auto = this GPU, or without one every arch from 8.0 (RTX)."),
     timing_cache: Path = typer.Option(None, help="Timing cache file: read if present, written after the build."),
     flavour: str = typer.Option("auto", help="auto, tensorrt or tensorrt_rtx (auto: tensorrt if usable)."),
+    plugins: str = typer.Option("auto", help="cpp (libmtp_trt_plugins.so), python, or auto: cpp where built and "
+                                             "loadable, else python.  Either's engines run with the other."),
 ) -> None:
     """Build TensorRT engines (one per graph) with the MLA attention and acceptance plugins (docs/tensorrt.md)."""
     from mtp_trt.trt.builder import build as run_build
@@ -180,7 +182,7 @@ def build(
     with StageDisplay(f"build {export_dir}") as show:
         path = run_build(export_dir, out, precision=precision, max_batch=max_batch, max_seq_len=max_seq_len,
                          max_prefill=max_prefill, target_arch=target_arch, timing_cache=timing_cache,
-                         flavour=flavour, progress=show)
+                         flavour=flavour, plugins=plugins, progress=show)
     typer.echo(f"wrote {path}")
 
 

@@ -39,7 +39,7 @@ SOURCES = ("mla_decode.cu", "accept.cu", "gather.cu", "api.cu")
 HEADERS = ("mtp_kernels.h", "common.cuh")
 DEFAULT_ARCHS = ("80", "86", "89", "90a", "100", "120")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
-ABI_VERSION = 2
+ABI_VERSION = 3  # 3: mtp_accept_relaxed_dev takes draft_stride and separate thinking_in / thinking_out
 
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "f32": 0, "f16": 1, "bf16": 2, "fp32": 0, "fp16": 1}
 MLA_FORCE_SIMT = 1
@@ -258,7 +258,7 @@ _SIGNATURES = {
     "mtp_mla_kv_commit": (_I, [_I, _P, _P, _P, _I, _I, _I, _I, _P]),
     "mtp_accept_strict": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P]),
     "mtp_accept_relaxed": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P]),
-    "mtp_accept_relaxed_dev": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _I, _P]),
+    "mtp_accept_relaxed_dev": (_I, [_I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _I, _P]),
     "mtp_accept_rejection": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P]),
     "mtp_gather_last_hidden": (_I, [_I, _P, _P, _P, _I, _I, _I, _P]),
     "mtp_window_update": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P]),
@@ -332,12 +332,16 @@ class KernelLib:
             dtype_code(dtype), _ptr(logits), _ptr(drafts), _ptr(thinking), _ptr(out_tokens), _ptr(num_accepted),
             _ptr(last_index), B, K, V, topk, float(delta), think_start_id, think_end_id, _ptr(stream)))
 
-    def accept_relaxed_dev(self, dtype, logits, drafts, thinking, out_tokens, num_accepted, last_index, B, K, V,
-                           topk, delta, think_start_id, think_end_id, stream=0) -> None:
-        """accept_relaxed with `topk` (int32) and `delta` (float32) as device pointers to scalars."""
+    def accept_relaxed_dev(self, dtype, logits, drafts, draft_stride, thinking_in, thinking_out, out_tokens,
+                           num_accepted, last_index, B, K, V, topk, delta, think_start_id, think_end_id,
+                           stream=0) -> None:
+        """accept_relaxed with `topk` (int32) and `delta` (float32) as device pointers to scalars, drafts
+        of sequence b at drafts[b * draft_stride + i], the flags read from thinking_in and written to
+        thinking_out (may be the same), last_index optional (0/None: not written)."""
         self._check("mtp_accept_relaxed_dev", self.lib.mtp_accept_relaxed_dev(
-            dtype_code(dtype), _ptr(logits), _ptr(drafts), _ptr(thinking), _ptr(out_tokens), _ptr(num_accepted),
-            _ptr(last_index), B, K, V, _ptr(topk), _ptr(delta), think_start_id, think_end_id, _ptr(stream)))
+            dtype_code(dtype), _ptr(logits), _ptr(drafts), int(draft_stride), _ptr(thinking_in), _ptr(thinking_out),
+            _ptr(out_tokens), _ptr(num_accepted), _ptr(last_index), B, K, V, _ptr(topk), _ptr(delta),
+            think_start_id, think_end_id, _ptr(stream)))
 
     def accept_rejection(self, dtype, p, q, drafts, uniforms, out_tokens, num_accepted, last_index, B, K, V,
                          stream=0) -> None:

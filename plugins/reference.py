@@ -220,6 +220,26 @@ def accept_relaxed(logits, drafts, thinking, *, topk: int, delta: float, think_s
     return out, num, num.copy(), th_out
 
 
+def strided_drafts(drafts, B: int, K: int, draft_stride: int) -> np.ndarray:
+    """The [B, K] drafts a kernel reads from a flat buffer at drafts[b * draft_stride + i]
+    (e.g. input_ids [B, K+1] with the pointer moved by one and draft_stride = K+1)."""
+    if draft_stride < K:
+        raise ValueError(f"draft_stride {draft_stride} < K {K}")
+    flat = np.asarray(drafts, dtype=np.int32).reshape(-1)
+    return flat[np.arange(B)[:, None] * draft_stride + np.arange(K)[None, :]].reshape(B, K)
+
+
+def accept_relaxed_dev(logits, drafts, draft_stride: int, thinking_in, *, topk: int, delta: float,
+                       think_start_id: int, think_end_id: int):
+    """mtp_accept_relaxed_dev (ABI 3): drafts read with a stride from a flat buffer, the flags in
+    thinking_in left alone.  Returns (out_tokens [B, K+1], num_accepted [B], last_index [B],
+    thinking_out [B])."""
+    B, S = np.asarray(logits).shape[:2]
+    d = strided_drafts(drafts, B, S - 1, draft_stride)
+    return accept_relaxed(logits, d, np.array(thinking_in, copy=True), topk=topk, delta=delta,
+                          think_start_id=think_start_id, think_end_id=think_end_id)
+
+
 def quantize_weights(w) -> np.ndarray:
     """W_j = floor(min(max(w_j, 0), 1) * 2^40) as uint64 (NaN -> 0), w taken as float32."""
     w = np.fmin(np.fmax(np.asarray(w, dtype=np.float32), np.float32(0)), np.float32(1))

@@ -15,11 +15,10 @@ plugin is created for the runtime phase (engine deserialization), never inside e
   NULL (causal); split-KV workspace from the TensorRT workspace.  The write is legal: output 1,
   kv_cache_out, is declared aliased to input 2 (IPluginV3OneBuildV2.get_aliased_input, builder
   preview feature ALIASED_PLUGIN_IO_10_03), so TensorRT gives both the same buffer.
-* MtpAccept -> mtp_accept_relaxed_dev (relaxed_topk <= 0 is strict).  The kernel takes the drafts
-  as a [B, K] array and updates the thinking flags in place, so enqueue first copies
-  input_ids[:, 1:] into the workspace and thinking into thinking_out (async); relaxed_topk and
-  relaxed_delta stay device scalars that the kernels read themselves, so nothing in enqueue waits
-  for the stream (the engines can be captured in a CUDA graph).
+* MtpAccept -> mtp_accept_relaxed_dev (kernel ABI 3; relaxed_topk <= 0 is strict), reading the
+  drafts in place from input_ids + 1 with stride S and writing the flags to thinking_out: no
+  workspace, no copies.  relaxed_topk and relaxed_delta stay device scalars that the kernels read
+  themselves, so nothing in enqueue waits for the stream (the engines can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -82,11 +81,6 @@ def mla_workspace_bound(b_range: tuple[int, int], s_range: tuple[int, int], H: i
                 break
             best = max(best, mla_workspace_size(b, s, H, Dl, mla_splits_bound(b, s, H, max_len)))
     return best
-
-
-def accept_workspace_size(B: int, S: int) -> int:
-    """drafts [B, S-1] int32 then last_index [B] int32 (outputs of the kernel the op does not expose)."""
-    return _align(B * max(S - 1, 0) * 4) + _align(B * 4)
 
 
 def _field(fc, name: str, kind):
@@ -247,21 +241,15 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
 
         @_reported
         def get_workspace_size(self, inp, out):
-            return accept_workspace_size(inp[0].max[0], inp[0].max[1])
+            return 0
 
         @_reported
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            from mtp_trt.plugins.trt_driver import driver
-
             B, S, V = (int(x) for x in input_desc[0].dims)
-            K = S - 1
-            drv, lib = driver(), _kernels()
-            drafts, last_index = workspace, workspace + _align(B * K * 4)
-            drv.copy_2d(drafts, K * 4, inputs[1] + 4, S * 4, K * 4, B, stream)  # input_ids[:, 1:]
-            drv.copy_d2d(outputs[2], inputs[2], B * 4, stream)  # thinking_out = thinking, then updated in place
-            lib.accept_relaxed_dev(0, inputs[0], drafts if K else None, outputs[2], outputs[0], outputs[1],
-                                   last_index, B, K, V, inputs[3], inputs[4], self.values["think_start_id"],
-                                   self.values["think_end_id"], stream)
+            # kernel ABI 3: the drafts read in place (input_ids + 1, stride S), thinking -> thinking_out; no copies
+            _kernels().accept_relaxed_dev(0, inputs[0], inputs[1] + 4 if S > 1 else None, S, inputs[2], outputs[2],
+                                          outputs[0], outputs[1], None, B, S - 1, V, inputs[3], inputs[4],
+                                          self.values["think_start_id"], self.values["think_end_id"], stream)
 
     def creator_for(plugin: type) -> type:
         class Creator(trt.IPluginCreatorV3One):

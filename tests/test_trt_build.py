@@ -19,9 +19,10 @@ from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.export import export
 from runtime_models import make_random
+from trt_fakes import fake_backend
 from mtp_trt.manifest import FORMAT_VERSION, sha256
 from mtp_trt.plugins import trt_plugins
-from mtp_trt.trt import builder, check, compat
+from mtp_trt.trt import builder, check, compat, cpp_plugins
 from mtp_trt.trt import manifest as em
 
 trt_mark = pytest.mark.trt
@@ -128,7 +129,7 @@ def _node_model(op: str, inputs, outputs, **attrs):
 def _parse(model):
     api = compat.load("auto")
     trt = api.trt
-    trt_plugins.register(trt)
+    cpp_plugins.use(trt, "python")  # these tests are about the Python plugins (test_cpp_plugins.py: the C++ ones)
     trt_plugins.errors.clear()
     b = trt.Builder(trt.Logger(trt.Logger.ERROR))
     net = b.create_network(api.network_flags())
@@ -359,7 +360,7 @@ def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
     import onnxruntime as ort
 
     def fake_runner(m):
-        ref = check.export_manifest(engines)
+        ref = em.load_export_manifest(engines)
         sessions = {}
 
         def run(engine_path, profile, feed):
@@ -386,8 +387,10 @@ def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
     monkeypatch.setattr(check, "runtime_unavailable", lambda m: None)
     monkeypatch.setattr(check, "engine_runner", fake_runner)
     monkeypatch.setattr(check, "_reference", reference)
+    monkeypatch.setattr(check, "engine_backend", lambda root, ref: fake_backend(root, ref))
     result = check.check(engines, seed=1)
     assert result.status == ("passed" if perturb == 0 else "failed"), "\n".join(result.lines)
+    assert sum("tokens equal ONNX Runtime's" in line for line in result.lines) == 3  # nextn 0..2 decoded
     assert any("target/generation logits: max |diff|" in line for line in result.lines)
     assert any("mtp_1/prefill draft_tokens" in line for line in result.lines)
     assert result.exit_code == (0 if perturb == 0 else 1)

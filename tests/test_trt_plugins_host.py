@@ -1,6 +1,6 @@
 """The plugins' enqueue glue without a GPU: host buffers stand in for device memory, and the kernel
 library and the CUDA driver are replaced by host emulations (the kernels' NumPy references of
-plugins/reference.py, memmove).  The op outputs must equal the op contract as the `onnx` lowering
+plugins/reference.py).  The op outputs must equal the op contract as the `onnx` lowering
 computes it (exporters/lowering.py), the new rows must land in the cache in place, and the split-KV
 workspace used must fit the one reserved at build time.  What this cannot check: the CUDA kernels
 themselves on a GPU (tests/kernels), and TensorRT calling enqueue (needs a GPU)."""
@@ -48,44 +48,27 @@ class HostKernels:
         cache[...] = committed
         _view(out, (B, S, H, Dl), dt)[...] = o
 
-    def accept_relaxed(self, dtype, logits, drafts, thinking, out_tokens, num_accepted, last_index, B, K, V, topk,
-                       delta, think_start_id, think_end_id, stream=0):
-        self.calls.append(dict(topk=topk, delta=delta))
-        d = _view(drafts, (B, K), np.int32).copy() if K else np.zeros((B, 0), np.int32)
-        th = _view(thinking, (B,), np.int32)
-        toks, num, last, th_after = reference.accept_relaxed(  # topk <= 0: strict, as the kernel
-            _view(logits, (B, K + 1, V), np.float32), d, th.copy(), topk=topk, delta=delta,
-            think_start_id=think_start_id, think_end_id=think_end_id)
+    def accept_relaxed_dev(self, dtype, logits, drafts, draft_stride, thinking_in, thinking_out, out_tokens,
+                           num_accepted, last_index, B, K, V, topk, delta, think_start_id, think_end_id, stream=0):
+        """Kernel ABI 3: drafts[b * draft_stride + i] in place; topk / delta are device (here: host) pointers to
+        scalars, read by the kernel itself; flags read from thinking_in, written to thinking_out."""
+        topk, delta = int(_view(topk, (), np.int32)), float(_view(delta, (), np.float32))
+        self.calls.append(dict(topk=topk, delta=delta, last_index=last_index))
+        d = _view(drafts, (B, draft_stride), np.int32)[:, :K].copy() if K else np.zeros((B, 0), np.int32)
+        toks, num, _, th_after = reference.accept_relaxed(  # topk <= 0: strict, as the kernel
+            _view(logits, (B, K + 1, V), np.float32), d, _view(thinking_in, (B,), np.int32).copy(), topk=topk,
+            delta=delta, think_start_id=think_start_id, think_end_id=think_end_id)
         _view(out_tokens, (B, K + 1), np.int32)[...] = toks
         _view(num_accepted, (B,), np.int32)[...] = num
-        _view(last_index, (B,), np.int32)[...] = last
-        th[...] = th_after
-
-    def accept_relaxed_dev(self, dtype, logits, drafts, thinking, out_tokens, num_accepted, last_index, B, K, V,
-                           topk, delta, think_start_id, think_end_id, stream=0):
-        # topk / delta are device (here: host) pointers to scalars, read by the kernel itself
-        self.accept_relaxed(dtype, logits, drafts, thinking, out_tokens, num_accepted, last_index, B, K, V,
-                            int(_view(topk, (), np.int32)), float(_view(delta, (), np.float32)), think_start_id,
-                            think_end_id, stream)
-
-
-class HostDriver:
-    def copy_d2d(self, dst, src, nbytes, stream):
-        ctypes.memmove(dst, src, nbytes)
-
-    def copy_2d(self, dst, dst_pitch, src, src_pitch, width, height, stream):
-        for r in range(height):
-            ctypes.memmove(dst + r * dst_pitch, src + r * src_pitch, width)
+        _view(thinking_out, (B,), np.int32)[...] = th_after
 
 
 @pytest.fixture
 def host(monkeypatch):
-    from mtp_trt.plugins import trt_driver
     from mtp_trt.trt import compat
 
     kernels = HostKernels()
     monkeypatch.setattr(tp, "_kernels", lambda: kernels)
-    monkeypatch.setattr(trt_driver, "driver", lambda: HostDriver())
     return compat.load("auto").trt, kernels
 
 
@@ -164,13 +147,13 @@ def test_accept_enqueue_matches_the_op_contract(host, topk, delta, K):
     thinking = rng.integers(0, 2, B).astype(np.int32)
     topk_a, delta_a = np.array(topk, np.int32), np.array(delta, np.float32)
     acc, num, th_out = np.full((B, K + 1), -7, np.int32), np.full(B, -7, np.int32), np.full(B, -7, np.int32)
-    ws = np.zeros(tp.accept_workspace_size(B, K + 1), np.uint8)
+    ws = np.zeros(1, np.uint8)  # MtpAccept needs no workspace
     thinking_before = thinking.copy()
     plugin = tp.plugin_classes(trt)["MtpAccept"][0]({"think_start_id": start, "think_end_id": end})
     ins = (logits, ids, thinking, topk_a, delta_a)
     plugin.enqueue([_desc(trt, a) for a in ins], [_desc(trt, a) for a in (acc, num, th_out)],
                    [_ptr(a) for a in ins], [_ptr(acc), _ptr(num), _ptr(th_out)], _ptr(ws), 0)
-    assert kernels.calls[-1] == {"topk": topk, "delta": pytest.approx(delta)}
+    assert kernels.calls[-1] == {"topk": topk, "delta": pytest.approx(delta), "last_index": None}
     want = accept_decomposed(torch.from_numpy(logits), torch.from_numpy(ids), torch.from_numpy(thinking),
                              torch.tensor(topk, dtype=torch.int32), torch.tensor(delta), start, end)
     np.testing.assert_array_equal(acc, want[0].numpy())

@@ -152,7 +152,7 @@ class _Log:
 
 def _plugin_layers(api, network, file: str) -> collections.Counter:
     """Plugin layers of the parsed network by op name, each checked to hold our plugin object."""
-    from mtp_trt.plugins import trt_plugins
+    from mtp_trt.trt import cpp_plugins
 
     trt, found = api.trt, collections.Counter()
     for i in range(network.num_layers):
@@ -163,8 +163,8 @@ def _plugin_layers(api, network, file: str) -> collections.Counter:
             continue
         layer.__class__ = trt.IPluginV3Layer
         plugin = layer.plugin
-        name = getattr(plugin, "plugin_name", None)
-        if name not in ops.OPS or not trt_plugins.is_ours(trt, plugin, name):
+        name = (cpp_plugins.plugin_identity(trt, plugin) or (None,))[0]
+        if name not in ops.OPS or not cpp_plugins.is_ours(trt, plugin, name):
             raise MtpTrtError(f"{file}: layer {layer.name!r} holds plugin {name!r}, not an mtp-trt plugin")
         found[name] += 1
     return found
@@ -203,11 +203,11 @@ def build_graph(api, builder, graph: GraphSpec, path: Path, profs: list[dict], a
 
 def build(export_dir: str | Path, out: str | Path, precision: str | None = None, max_batch: int | None = None,
           max_seq_len: int | None = None, max_prefill: int | None = None, target_arch: str | None = None,
-          timing_cache: str | Path | None = None, flavour: str = "auto",
+          timing_cache: str | Path | None = None, flavour: str = "auto", plugins: str = "auto",
           progress: Progress = lambda msg: None) -> Path:
     """Build the engines of an export; returns the engine directory.  See the module docstring."""
     from mtp_trt.plugins import trt_plugins
-    from mtp_trt.trt import compat
+    from mtp_trt.trt import compat, cpp_plugins
 
     out = Path(out)
     m = load_export(export_dir)
@@ -220,8 +220,8 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
     api = compat.load(flavour)
     archs = api.resolve_archs(target_arch)
     check_archs(archs)
-    progress(f"{api.flavour} {api.version}: registering plugins")
-    trt_plugins.register(api.trt)
+    impl = cpp_plugins.use(api.trt, plugins)  # "cpp" or "python"
+    progress(f"{api.flavour} {api.version}: {impl} plugins")
     trt_plugins.errors.clear()
     log = _Log()
     builder = api.trt.Builder(api.make_logger(log))
@@ -260,7 +260,7 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
             "profiles": [{**p, "inputs": {g: input_shapes(m.graphs[g], p) for g in m.graphs}} for p in profs],
             "plugins": [{"name": op.name, "version": trt_plugins.PLUGIN_VERSION,
                          "namespace": trt_plugins.PLUGIN_NAMESPACE, "onnx_domain": ops.DOMAIN,
-                         "implementation": "mtp_trt.plugins.trt_plugins (Python IPluginV3)"} for op in ops.OPS.values()],
+                         "implementation": cpp_plugins.DESCRIPTIONS[impl]} for op in ops.OPS.values()],
             "engines": engines, "notes": notes,
         }
         (tmp / em.FILE).write_text(em.dumps(manifest))

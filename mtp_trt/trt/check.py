@@ -182,8 +182,7 @@ def _reference(exp: Manifest, reference: Path | None, workdir: Path,
 
 def engine_runner(m: em.EngineManifest) -> Callable[[Path, int, dict], dict]:
     """run(engine file, profile index, inputs) -> outputs, with the engines' TensorRT flavour and plugins."""
-    from mtp_trt.plugins import trt_plugins
-    from mtp_trt.trt import compat
+    from mtp_trt.trt import compat, cpp_plugins
 
     api = compat.load(m.flavour)
     if api.is_rtx:
@@ -192,7 +191,7 @@ def engine_runner(m: em.EngineManifest) -> Callable[[Path, int, dict], dict]:
         import polygraphy.config
 
         polygraphy.config.USE_TENSORRT_RTX = True
-    trt_plugins.register(api.trt)
+    cpp_plugins.use(api.trt, "auto")
     return functools.partial(_run_engine, api)
 
 
@@ -215,6 +214,13 @@ def host_array(v) -> np.ndarray:
         v = v.detach().cpu()
         return (v.float() if v.dtype == torch.bfloat16 else v).numpy()
     return np.asarray(v)
+
+
+def engine_backend(engine_dir: Path, ref: Manifest):
+    """The TrtBackend that check's end-to-end decoding runs on (tests substitute a host stand-in)."""
+    from mtp_trt.trt.runtime import TrtBackend
+
+    return TrtBackend(engine_dir)
 
 
 def decode_comparison(engines, ref: Manifest, precision: str, seed: int = 0, max_new_tokens: int = 32,
@@ -272,9 +278,7 @@ def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int
                 ok, out = compare(got, ref_out, m.precision, f"{name}/{prof['name']}")
                 ok_all &= ok
                 lines += out
-        from mtp_trt.trt.runtime import TrtBackend
-
-        ok, out = decode_comparison(TrtBackend(engine_dir), ref, m.precision, seed, progress=progress)
+        ok, out = decode_comparison(engine_backend(engine_dir, ref), ref, m.precision, seed, progress=progress)
         ok_all &= ok
         lines += out
     return CheckResult("passed" if ok_all else "failed", "" if ok_all else "engine outputs differ from ONNX Runtime",

@@ -40,19 +40,12 @@ STEP_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "drafts", "ca
 class EngineLoader:
     """Deserializes engines with the flavour they were built with and the plugins registered."""
 
-    def __init__(self, m: em.EngineManifest, plugins: str = "python"):
-        from mtp_trt.trt import compat
+    def __init__(self, m: em.EngineManifest, plugins: str = "auto"):
+        from mtp_trt.trt import compat, cpp_plugins
 
         self.api = api = compat.load(m.flavour)
         self.errors: list[str] = []
-        if plugins == "python":
-            from mtp_trt.plugins import trt_plugins
-
-            trt_plugins.register(api.trt)
-        else:
-            from mtp_trt.trt import cpp_plugins  # noqa: PLC0415 - the C++ plugin library (issue #13)
-
-            cpp_plugins.load(api.trt)
+        self.plugins = cpp_plugins.use(api.trt, plugins)  # either implementation runs engines built with either
         self.runtime = api.trt.Runtime(api.make_logger(lambda sev, msg: self.errors.append(msg)
                                                        if sev in ("ERROR", "INTERNAL_ERROR") else None))
 
@@ -103,7 +96,7 @@ class TrtBackend(Backend):
     """Runs an engine directory (`mtp-trt build`) on the GPU.  See the module docstring."""
 
     def __init__(self, engine_dir: str | Path, *, device=None, loader=None, kernels=None, cuda_graphs: bool = True,
-                 plugins: str = "python"):
+                 plugins: str = "auto"):
         self.em = em.EngineManifest.load(engine_dir)
         self.manifest = em.load_export_manifest(Path(engine_dir))
         m, self.root = self.manifest, Path(engine_dir)

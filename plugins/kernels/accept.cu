@@ -36,6 +36,7 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
 template <typename T, bool RELAXED>
 __global__ void __launch_bounds__(AR_THREADS) greedy_rows_kernel(const T* __restrict__ logits,
                                                                  const int32_t* __restrict__ drafts,
+                                                                 int draft_stride,
                                                                  int32_t* __restrict__ out_tokens,
                                                                  int K, int V, int topk, float delta,
                                                                  const int32_t* __restrict__ topk_dev,
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(AR_THREADS) greedy_rows_kernel(const T* __rest
 
     // Relaxed test needs the draft's logit first.
     const bool test = RELAXED && i < K && topk > 0;
-    const int d = test ? drafts[static_cast<long long>(b) * K + i] : -1;
+    const int d = test ? drafts[static_cast<long long>(b) * draft_stride + i] : -1;
     const bool d_ok = test && d >= 0 && d < V;
     const float ld = d_ok ? to_f<T>(x[d]) : 0.f;
 
@@ -129,16 +130,19 @@ __device__ __forceinline__ int think_update(int th, int tok, int start_id, int e
 }
 
 // One thread per sequence.  src[b][i] = target argmax (| kOkBit when `relaxed`); may alias out.
-__global__ void greedy_finalize_kernel(const int32_t* src, const int32_t* __restrict__ drafts,
+// drafts of sequence b: drafts[b * draft_stride + i]; thinking_out may equal thinking_in (each
+// thread reads its flag before writing it); last_index may be NULL.
+__global__ void greedy_finalize_kernel(const int32_t* src, const int32_t* __restrict__ drafts, int draft_stride,
                                        int32_t* out, int32_t* __restrict__ num_accepted,
-                                       int32_t* __restrict__ last_index, int32_t* __restrict__ thinking,
-                                       int B, int K, int relaxed, int think_start, int think_end) {
+                                       int32_t* __restrict__ last_index, const int32_t* thinking_in,
+                                       int32_t* thinking_out, int B, int K, int relaxed, int think_start,
+                                       int think_end) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= B) return;
     const int32_t* s = src + static_cast<long long>(b) * (K + 1);
     int32_t* o = out + static_cast<long long>(b) * (K + 1);
-    const int32_t* d = drafts + static_cast<long long>(b) * K;
-    int th = (thinking && thinking[b] != 0) ? 1 : 0;
+    const int32_t* d = drafts + static_cast<long long>(b) * draft_stride;
+    int th = (thinking_in && thinking_in[b] != 0) ? 1 : 0;
     int n = 0;
     for (; n < K; ++n) {
         const int32_t v = s[n];
@@ -153,8 +157,8 @@ __global__ void greedy_finalize_kernel(const int32_t* src, const int32_t* __rest
     th = think_update(th, bonus, think_start, think_end);
     for (int i = n + 1; i <= K; ++i) o[i] = -1;
     num_accepted[b] = n;
-    last_index[b] = n;
-    if (thinking) thinking[b] = th;
+    if (last_index) last_index[b] = n;
+    if (thinking_out) thinking_out[b] = th;
 }
 
 // ---- rejection sampling --------------------------------------------------------------------
@@ -260,14 +264,16 @@ __global__ void __launch_bounds__(RS_THREADS) rejection_kernel(
     }
 }
 
+// last_index NULL is allowed (the callers that require it check it themselves).
 cudaError_t greedy_common(mtp_dtype dtype, const void* logits, const int32_t* target_ids,
-                          const int32_t* drafts, int32_t* thinking, int32_t* out_tokens,
-                          int32_t* num_accepted, int32_t* last_index, int B, int K, int V, bool relaxed,
-                          int topk, float delta, const int32_t* topk_dev, const float* delta_dev,
-                          int think_start, int think_end, cudaStream_t stream) {
-    if (B < 0 || K < 0 || V < 1 || V >= kOkBit) return cudaErrorInvalidValue;
+                          const int32_t* drafts, int draft_stride, const int32_t* thinking_in,
+                          int32_t* thinking_out, int32_t* out_tokens, int32_t* num_accepted,
+                          int32_t* last_index, int B, int K, int V, bool relaxed, int topk, float delta,
+                          const int32_t* topk_dev, const float* delta_dev, int think_start, int think_end,
+                          cudaStream_t stream) {
+    if (B < 0 || K < 0 || V < 1 || V >= kOkBit || draft_stride < K) return cudaErrorInvalidValue;
     if (B == 0) return cudaSuccess;
-    if (!out_tokens || !num_accepted || !last_index || (K > 0 && !drafts)) return cudaErrorInvalidValue;
+    if (!out_tokens || !num_accepted || (K > 0 && !drafts)) return cudaErrorInvalidValue;
     if (!logits && !target_ids) return cudaErrorInvalidValue;
     const long long rows = static_cast<long long>(B) * (K + 1);
     if (rows > 0x7fffffffLL) return cudaErrorInvalidValue;
@@ -279,12 +285,12 @@ cudaError_t greedy_common(mtp_dtype dtype, const void* logits, const int32_t* ta
         if (flags) {
             MTP_DISPATCH_DTYPE(dtype, T,
                                greedy_rows_kernel<T, true><<<static_cast<unsigned>(rows), AR_THREADS, 0, stream>>>(
-                                   static_cast<const T*>(logits), drafts, out_tokens, K, V, topk, delta, topk_dev,
+                                   static_cast<const T*>(logits), drafts, draft_stride, out_tokens, K, V, topk, delta, topk_dev,
                                    delta_dev));
         } else {
             MTP_DISPATCH_DTYPE(dtype, T,
                                greedy_rows_kernel<T, false><<<static_cast<unsigned>(rows), AR_THREADS, 0, stream>>>(
-                                   static_cast<const T*>(logits), drafts, out_tokens, K, V, 0, 0.f, nullptr,
+                                   static_cast<const T*>(logits), drafts, draft_stride, out_tokens, K, V, 0, 0.f, nullptr,
                                    nullptr));
         }
         const cudaError_t e = cudaGetLastError();
@@ -293,8 +299,8 @@ cudaError_t greedy_common(mtp_dtype dtype, const void* logits, const int32_t* ta
     }
     const int threads = 128;
     greedy_finalize_kernel<<<(B + threads - 1) / threads, threads, 0, stream>>>(
-        src, drafts, out_tokens, num_accepted, last_index, relaxed ? thinking : nullptr, B, K,
-        flags ? 1 : 0, think_start, think_end);
+        src, drafts, draft_stride, out_tokens, num_accepted, last_index, relaxed ? thinking_in : nullptr,
+        relaxed ? thinking_out : nullptr, B, K, flags ? 1 : 0, think_start, think_end);
     return cudaGetLastError();
 }
 
@@ -306,27 +312,32 @@ using namespace mtp;
 extern "C" cudaError_t mtp_accept_strict(mtp_dtype dtype, const void* logits, const int32_t* target_ids,
                                          const int32_t* drafts, int32_t* out_tokens, int32_t* num_accepted,
                                          int32_t* last_index, int B, int K, int V, cudaStream_t stream) {
-    return greedy_common(dtype, logits, target_ids, drafts, nullptr, out_tokens, num_accepted, last_index,
-                         B, K, V, false, 0, 0.f, nullptr, nullptr, -1, -1, stream);
+    if (!last_index) return B == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    return greedy_common(dtype, logits, target_ids, drafts, K, nullptr, nullptr, out_tokens, num_accepted,
+                         last_index, B, K, V, false, 0, 0.f, nullptr, nullptr, -1, -1, stream);
 }
 
 extern "C" cudaError_t mtp_accept_relaxed(mtp_dtype dtype, const void* logits, const int32_t* drafts,
                                           int32_t* thinking, int32_t* out_tokens, int32_t* num_accepted,
                                           int32_t* last_index, int B, int K, int V, int topk, float delta,
                                           int think_start_id, int think_end_id, cudaStream_t stream) {
-    if (!logits || !thinking) return B == 0 ? cudaSuccess : cudaErrorInvalidValue;
-    return greedy_common(dtype, logits, nullptr, drafts, thinking, out_tokens, num_accepted, last_index, B,
-                         K, V, true, topk, delta, nullptr, nullptr, think_start_id, think_end_id, stream);
+    if (!logits || !thinking || !last_index) return B == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    return greedy_common(dtype, logits, nullptr, drafts, K, thinking, thinking, out_tokens, num_accepted,
+                         last_index, B, K, V, true, topk, delta, nullptr, nullptr, think_start_id, think_end_id,
+                         stream);
 }
 
 extern "C" cudaError_t mtp_accept_relaxed_dev(mtp_dtype dtype, const void* logits, const int32_t* drafts,
-                                              int32_t* thinking, int32_t* out_tokens, int32_t* num_accepted,
+                                              int draft_stride, const int32_t* thinking_in,
+                                              int32_t* thinking_out, int32_t* out_tokens, int32_t* num_accepted,
                                               int32_t* last_index, int B, int K, int V, const int32_t* topk,
                                               const float* delta, int think_start_id, int think_end_id,
                                               cudaStream_t stream) {
-    if (!logits || !thinking || !topk || !delta) return B == 0 ? cudaSuccess : cudaErrorInvalidValue;
-    return greedy_common(dtype, logits, nullptr, drafts, thinking, out_tokens, num_accepted, last_index, B,
-                         K, V, true, 0, 0.f, topk, delta, think_start_id, think_end_id, stream);
+    if (!logits || !thinking_in || !thinking_out || !topk || !delta)
+        return B == 0 ? cudaSuccess : cudaErrorInvalidValue;
+    return greedy_common(dtype, logits, nullptr, drafts, draft_stride, thinking_in, thinking_out, out_tokens,
+                         num_accepted, last_index, B, K, V, true, 0, 0.f, topk, delta, think_start_id,
+                         think_end_id, stream);
 }
 
 extern "C" cudaError_t mtp_accept_rejection(mtp_dtype dtype, const void* p, const void* q,

@@ -25,7 +25,7 @@ typedef enum mtp_dtype {
     MTP_DTYPE_BF16 = 2  /* bfloat16 (__nv_bfloat16) */
 } mtp_dtype;
 
-/* Version of this interface (bumped on any incompatible change). */
+/* Version of this interface (bumped on any incompatible change): 3. */
 int mtp_kernels_abi_version(void);
 /* cudaGetErrorString / cudaGetLastError of the CUDA runtime linked into this library. */
 const char* mtp_error_string(int err);
@@ -125,13 +125,20 @@ cudaError_t mtp_accept_relaxed(mtp_dtype dtype, const void* logits, const int32_
                                int32_t* last_index, int B, int K, int V, int topk, float delta,
                                int think_start_id, int think_end_id, cudaStream_t stream);
 
-/* The same, with topk [] int32 and delta [] float read from device memory by the kernels (as the
- * MtpAccept plugin receives them): nothing waits for the host, so it can be captured in a CUDA graph. */
+/* The same as the MtpAccept plugin needs it, with no copies around it:
+ *   topk [] int32 and delta [] float are read from device memory by the kernels (nothing waits
+ *   for the host, so it can be captured in a CUDA graph);
+ *   drafts of sequence b are drafts[b * draft_stride + i], i < K (draft_stride >= K; the plugin
+ *   passes input_ids + 1 with draft_stride = S = K + 1, so the drafts are read in place);
+ *   thinking_in [B] is the flag before the step, thinking_out [B] receives the flag after it
+ *   (thinking_out may equal thinking_in);
+ *   last_index may be NULL (then not written).
+ * ABI 3 (was: dense [B, K] drafts and one in/out thinking array). */
 cudaError_t mtp_accept_relaxed_dev(mtp_dtype dtype, const void* logits, const int32_t* drafts,
-                                   int32_t* thinking, int32_t* out_tokens, int32_t* num_accepted,
-                                   int32_t* last_index, int B, int K, int V, const int32_t* topk,
-                                   const float* delta, int think_start_id, int think_end_id,
-                                   cudaStream_t stream);
+                                   int draft_stride, const int32_t* thinking_in, int32_t* thinking_out,
+                                   int32_t* out_tokens, int32_t* num_accepted, int32_t* last_index,
+                                   int B, int K, int V, const int32_t* topk, const float* delta,
+                                   int think_start_id, int think_end_id, cudaStream_t stream);
 
 /* Rejection sampling (lossless speculative sampling).
  *   p        [B, K+1, V] dtype  target probabilities (converted to fp32)

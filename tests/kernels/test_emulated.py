@@ -71,8 +71,10 @@ def test_accept_strict_emulated(emu_lib, host, B, K, V, dtype):
 
 @pytest.mark.parametrize("B,K,V,dtype,topk,delta,scalars", [(5, 3, 50, "float32", 3, 0.3, "host"),
                                                              (2, 7, 129280, "bfloat16", 10, 0.05, "host"),
-                                                             (5, 3, 50, "float32", 3, 0.3, "device"),
-                                                             (8, 5, 300, "bfloat16", 0, 0.5, "device")])
+                                                             (5, 3, 50, "float32", 3, 0.3, "device-plugin"),
+                                                             (6, 4, 200, "float16", 4, 0.4, "device-gap"),
+                                                             (3, 0, 40, "float32", 3, 0.3, "device-plugin"),
+                                                             (8, 5, 300, "bfloat16", 0, 0.5, "device-gap")])
 def test_accept_relaxed_emulated(emu_lib, host, B, K, V, dtype, topk, delta, scalars):
     G.test_accept_relaxed(host, emu_lib, B, K, V, dtype, topk, delta, scalars)
 

@@ -231,10 +231,13 @@ RELAXED_CASES = [(5, 3, 50, "float32", 3, 0.3), (16, 16, 1000, "float16", 8, 0.1
                  (64, 4, 4096, "float32", 5, 0.5), (3, 16, 129280, "float32", 1, 0.9), (8, 5, 300, "bfloat16", 0, 0.5)]
 
 
-@pytest.mark.parametrize("scalars", ["host", "device"])
+@pytest.mark.parametrize("scalars", ["host", "device-plugin", "device-gap"])
 @pytest.mark.parametrize("B,K,V,dtype,topk,delta", RELAXED_CASES)
 def test_accept_relaxed(gpu, lib, B, K, V, dtype, topk, delta, scalars):
-    """mtp_accept_relaxed, or with scalars="device" mtp_accept_relaxed_dev (topk/delta in device memory)."""
+    """mtp_accept_relaxed (scalars="host"), or mtp_accept_relaxed_dev (topk/delta in device memory, ABI 3):
+    "device-plugin" as the MtpAccept plugin calls it -- drafts read in place from input_ids [B, K+1]
+    (pointer + 1 element, stride K+1; column 0 holds garbage), thinking_out separate from thinking_in,
+    last_index NULL; "device-gap" -- drafts at stride K+3 with garbage in the gaps, thinking in place."""
     rng = np.random.default_rng(B + K + V + topk)
     ts, te = 1, 2
     x = rng.standard_normal((B, K + 1, V), np.float32)
@@ -257,16 +260,30 @@ def test_accept_relaxed(gpu, lib, B, K, V, dtype, topk, delta, scalars):
     want = ref.accept_relaxed(x_r, drafts, thinking, topk=topk, delta=delta, think_start_id=ts, think_end_id=te)
     d_th = gpu.upload(thinking)
     outs = alloc_accept_outputs(gpu, B, K)
-    if scalars == "device":
-        lib.accept_relaxed_dev(dtype, gpu.upload(x_s), gpu.upload(drafts) if K else 0, d_th, *outs, B, K, V,
-                               gpu.upload(np.array(topk, np.int32)), gpu.upload(np.array(delta, np.float32)), ts, te)
-    else:
+    d_th_out, last = d_th, outs[2]
+    if scalars == "host":
         lib.accept_relaxed(dtype, gpu.upload(x_s), gpu.upload(drafts) if K else 0, d_th, *outs, B, K, V, topk, delta,
                            ts, te)
-    gpu.sync(f"mtp_accept_relaxed ({scalars} scalars)")
-    got = (*download_accept(gpu, *outs, B, K), gpu.download(d_th, (B,), np.int32))
+    else:
+        # garbage = the target argmax (a draft read from the wrong place would often be accepted)
+        skip, stride = (1, K + 1) if scalars == "device-plugin" else (0, K + 3)
+        buf = np.repeat(ref.argmax_ids(x_r)[:, :1], stride, 1).astype(np.int32)  # [B, stride]
+        buf[:, skip:skip + K] = drafts
+        assert_equal(ref.strided_drafts(buf.reshape(-1)[skip:], B, K, stride), drafts, name="test layout")
+        if scalars == "device-plugin":
+            d_th_out, last = gpu.alloc(B * 4), 0
+            gpu.poison(d_th_out, B * 4, POISON_I)
+        lib.accept_relaxed_dev(dtype, gpu.upload(x_s), gpu.upload(buf) + 4 * skip, stride, d_th, d_th_out, outs[0],
+                               outs[1], last, B, K, V, gpu.upload(np.array(topk, np.int32)),
+                               gpu.upload(np.array(delta, np.float32)), ts, te)
+    gpu.sync(f"mtp_accept_relaxed ({scalars})")
+    got = (*download_accept(gpu, *outs, B, K), gpu.download(d_th_out, (B,), np.int32))
     for name, g, w in zip(("tokens", "num_accepted", "last_index", "thinking"), got, want):
+        if name == "last_index" and not last:  # NULL: left alone
+            w = np.full(B, int.from_bytes(bytes([POISON_I] * 4), "little"), np.int32)
         assert_equal(g, w, name=f"relaxed {name}")
+    if d_th_out != d_th:  # thinking_in is read only
+        assert_equal(gpu.download(d_th, (B,), np.int32), thinking, name="thinking_in")
 
 
 def softmax_rows(z):

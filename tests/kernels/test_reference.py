@@ -239,6 +239,30 @@ def test_relaxed_thinking_flag_sequence():
     assert th[0] == 1
 
 
+@pytest.mark.parametrize("K,skip,stride", [(3, 1, 4), (3, 0, 6), (0, 1, 1), (5, 2, 9)])
+def test_accept_relaxed_dev_strided_drafts(K, skip, stride):
+    """ABI 3: drafts read at drafts[b * stride + i] from a buffer with garbage in the gaps (skip = 1,
+    stride = K+1 is the plugin's input_ids + 1), thinking_in left alone, thinking_out returned."""
+    rng = np.random.default_rng(K * 100 + stride)
+    B, V = 4, 12
+    logits = (rng.standard_normal((B, K + 1, V)) * 2).astype(np.float32)
+    drafts = ref.argmax_ids(logits)[:, :K].copy()
+    drafts[:, K // 2:] = rng.integers(0, V, (B, K - K // 2))
+    buf = np.full((B, stride + skip), 99, np.int32).reshape(-1)  # 99 >= V: accepting garbage would show
+    for b in range(B):
+        buf[skip + b * stride: skip + b * stride + K] = drafts[b]
+    assert_equal(ref.strided_drafts(buf[skip:], B, K, stride), drafts, name="strided_drafts")
+    thinking = np.array([0, 1, 0, 1], np.int32)
+    got = ref.accept_relaxed_dev(logits, buf[skip:], stride, thinking, topk=3, delta=0.5, think_start_id=0,
+                                 think_end_id=1)
+    want = ref.accept_relaxed(logits, drafts, thinking.copy(), topk=3, delta=0.5, think_start_id=0, think_end_id=1)
+    for name, g, w in zip(("tokens", "num_accepted", "last_index", "thinking_out"), got, want):
+        assert_equal(g, w, name=name)
+    assert_equal(thinking, np.array([0, 1, 0, 1], np.int32), name="thinking_in")
+    with pytest.raises(ValueError):
+        ref.strided_drafts(buf, B, K + 1, K)
+
+
 # ---------------------------------------------------------------------------------------------
 # rejection sampling
 # ---------------------------------------------------------------------------------------------

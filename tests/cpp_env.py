@@ -1,0 +1,55 @@
+"""Where the C++ tests find TensorRT's headers, the CUDA headers and g++ (helpers, not tests).
+
+TensorRT's headers: $TENSORRT_INCLUDE_DIR, $TensorRT_ROOT/include, then the usual install paths.
+None of this machine's TensorRT Python wheels ships them; CI has none, so the C++ tests skip there
+with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from mtp_trt.plugins import cuda_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = "NvInferRuntime.h"
+
+
+def tensorrt_include_dir() -> Path | None:
+    cands = [os.environ.get("TENSORRT_INCLUDE_DIR")]
+    if os.environ.get("TensorRT_ROOT"):
+        cands.append(str(Path(os.environ["TensorRT_ROOT"]) / "include"))
+    cands += ["/usr/include/x86_64-linux-gnu", "/usr/include/aarch64-linux-gnu", "/usr/local/TensorRT/include",
+              "/opt/tensorrt/include", "/usr/include"]
+    return next((Path(c) for c in cands if c and (Path(c) / HEADER).is_file()), None)
+
+
+def cuda_include_dir() -> Path | None:
+    cands = []
+    nvcc = cuda_lib.find_nvcc()
+    if nvcc:
+        cands.append(Path(os.path.realpath(nvcc)).parent.parent / "include")
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            cands.append(Path(root) / "include")
+    return next((c for c in cands if (c / "cuda_runtime_api.h").is_file()), None)
+
+
+def unavailable_reason() -> str | None:
+    """Why the C++ sources cannot be compiled here, or None."""
+    if shutil.which("g++") is None:
+        return "g++ not found"
+    if tensorrt_include_dir() is None:
+        return (f"TensorRT's C++ headers ({HEADER}) not found: set TENSORRT_INCLUDE_DIR or TensorRT_ROOT "
+                f"(e.g. the include/ folder of github.com/NVIDIA/TensorRT)")
+    if cuda_include_dir() is None:
+        return "the CUDA toolkit's headers (cuda_runtime_api.h) not found"
+    return None
+
+
+def gxx(*args: str) -> list[str]:
+    """g++ with our warning flags and the include folders (TensorRT and CUDA as system headers)."""
+    return ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-isystem", str(tensorrt_include_dir()),
+            "-isystem", str(cuda_include_dir()), *args]
