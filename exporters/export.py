@@ -224,8 +224,9 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
 
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
            dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int | None = None,
-           progress: Progress = lambda msg: None) -> Path:
-    """Export a checkpoint; returns the output directory.  See the module docstring."""
+           progress: Progress = lambda msg: None, moe_form: str | None = None) -> Path:
+    """Export a checkpoint; returns the output directory.  See the module docstring.  moe_form: one of
+    exporters/moe.py FORMS for every graph (benchmarks compare them), instead of the lowering's choice."""
     ckpt, out = Path(ckpt), Path(out)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
@@ -251,6 +252,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
         graphs = {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
+            module.moe = moe_form or module.moe
             _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering)
             kv_outputs = [("mtp_new_" + n[4:] if n.startswith("mtp_") else "new_" + n) for n in kv_inputs] \
                 if lowering == "onnx" else []
