@@ -137,13 +137,17 @@ def share_weights(root: Path, files: list[str]) -> dict:
     """Move the graphs' weights into one `weights.bin` (ONNX external data), each distinct tensor stored
     once: the step graphs repeat the main model's weights, so this divides the export's size by about the
     number of graphs.  Initializers and Constant nodes of at least INLINE_BYTES move, at page-aligned
-    offsets; smaller ones (shapes, indices) stay in the graph files.  -> the manifest's "weights" entry."""
+    offsets; smaller ones (shapes, indices) stay in the graph files.  -> the manifest's "weights" entry, with
+    `initializers`: per graph file, [name, offset, bytes, ONNX data type, dims] of each tensor it reads there
+    (the runtime maps weights.bin once and hands every session the same memory: OrtBackend)."""
     import onnx
     from onnx.external_data_helper import set_external_data
 
     stored: dict[bytes, tuple[int, int]] = {}
+    tables: dict[str, list] = {}
     with open(root / WEIGHTS_FILE, "wb") as out:
         for f in files:
+            table = tables.setdefault(f, [])
             path = root / f
             model = onnx.load(str(path))  # with a huge graph's own external data
             graph = model.graph
@@ -162,13 +166,14 @@ def share_weights(root: Path, files: list[str]) -> dict:
                     stored[key] = (out.tell(), len(t.raw_data))
                     out.write(t.raw_data)
                 set_external_data(t, location=WEIGHTS_FILE, offset=stored[key][0], length=stored[key][1])
+                table.append([t.name, *stored[key], t.data_type, list(t.dims)])
                 t.data_location = onnx.TensorProto.EXTERNAL
                 t.ClearField("raw_data")
             path.write_bytes(model.SerializeToString())
             (root / (f + ".data")).unlink(missing_ok=True)  # a huge graph's own data file, now in weights.bin
             onnx.checker.check_model(str(path))
     return {"file": WEIGHTS_FILE, "sha256": sha256(root / WEIGHTS_FILE), "bytes": (root / WEIGHTS_FILE).stat().st_size,
-            "tensors": len(stored)}
+            "tensors": len(stored), "initializers": tables}
 
 
 def special_token_ids(ckpt: Path) -> tuple[tuple[int, int], str | None]:
