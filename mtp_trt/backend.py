@@ -167,12 +167,15 @@ class OrtBackend(Backend):
         self.caches |= {f"mtp{k}": [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
 
     def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
+        """new_rows[i] [n, S, C] into caches[i] at rows past_len[b] .. + S - 1, clipped to the buffer: one slice
+        copy per sequence and cache (cheaper than fancy indexing at the few sequences of a decode)."""
         n, s = new_rows[0].shape[:2]
-        rows = past_len[:, None] + np.arange(s)[None, :]  # [n, S]
-        keep = (rows >= 0) & (rows < caches[0].shape[1])  # never write outside the buffer
-        b_idx, s_idx = np.nonzero(keep)
-        for cache, new in zip(caches, new_rows):
-            cache[b_idx, rows[b_idx, s_idx]] = new[b_idx, s_idx]
+        t = caches[0].shape[1]
+        for b, p in enumerate(past_len[:n].tolist()):
+            lo, hi = max(p, 0), min(p + s, t)  # never write outside the buffer
+            if lo < hi:
+                for cache, new in zip(caches, new_rows):
+                    cache[b, lo:hi] = new[b, lo - p:hi - p]
 
     def target(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, logits):
         g = self.manifest.graphs["target"]
