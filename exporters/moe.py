@@ -108,9 +108,10 @@ def routed_ort(moe: MoE, x: Tensor, weights: Tensor, idx: Tensor, b, s) -> Tenso
     """The `ort` form: the router's choice as logits log(w) at idx, -inf elsewhere, so that the node's
     softmax top-k gives w / sum(w) on exactly the selected experts; scaled back by sum(w)."""
     fc1, fc2 = stacked(moe)
-    n, d = fc1.shape[0], x.shape[-1]
+    cfg = moe.gate.cfg
+    n, d = cfg.n_routed_experts, cfg.hidden_size  # Python ints: constant reshapes, no shape nodes per layer
     router = torch.full((n,), float("-inf")).expand(b, s, n).scatter(-1, idx, weights.log())  # [B, S, E]
-    y = OrtMoEOp.apply(x.reshape(-1, d), router.reshape(-1, n).to(x.dtype), fc1, torch.zeros(fc1.shape[:2], dtype=fc1.dtype),
-                       fc2, moe.gate.cfg.num_experts_per_tok)
+    bias = torch.zeros(fc1.shape[:2], dtype=fc1.dtype)
+    y = OrtMoEOp.apply(x.reshape(-1, d), router.reshape(-1, n).to(x.dtype), fc1, bias, fc2, cfg.num_experts_per_tok)
     return y.reshape(b, s, d) * weights.sum(-1, keepdim=True).to(x.dtype)
 
