@@ -13,7 +13,7 @@ module), never shipped, and cached under $MTP_TRT_CACHE_DIR/bench-real-size:
   python benchmarks/real_size.py --sizes 85m --forms ort --nextn 0 1
 
 Per size: each export is timed round-robin in one process (medians over rounds), and its peak RSS is
-taken in a process of its own that loads and decodes it alone (ru_maxrss: ONNX Runtime sessions,
+taken in a process of its own that loads and decodes it alone (VmHWM: ONNX Runtime sessions,
 caches, Python).  Export peak RSS and wall time are measured the same way, once per export.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,9 @@ def cache_dir() -> Path:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory: VmHWM (ru_maxrss can carry the parent's figure over a fork)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
 def make_checkpoint(size: str) -> Path:
@@ -140,11 +141,13 @@ def main():
     a = ap.parse_args()
     if a.child:
         name, *args = json.loads(a.child)
-        print(json.dumps({"export": export_child, "time": time_child, "rss": rss_child}[name](*args)))
+        jobs = {"checkpoint": lambda size: str(make_checkpoint(size)), "export": export_child, "time": time_child,
+                "rss": rss_child}
+        print(json.dumps(jobs[name](*args)))
         return
     report = []
     for size in a.sizes:
-        ckpt = make_checkpoint(size)
+        ckpt = child("checkpoint", size)  # in a child: this process stays small (its memory is not measured)
         paths, exports = [], {}
         for form in a.forms:
             out = cache_dir() / f"export-{size}-{form}"
