@@ -35,6 +35,23 @@ def main():
               f"{peaks.get(stage[0], 0):7.0f} MB  -> {msg}", flush=True)
         stage[0] = msg
 
+    import onnx
+    import torch
+
+    def staged(name, fn):  # each call of fn is a stage of its own
+        def wrapped(*args, **kwargs):
+            before = stage[0]
+            progress(f"  {name}")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                progress(f"  (after {name}) {before}")
+        return wrapped
+
+    torch.onnx.export = staged("torch.onnx.export", torch.onnx.export)
+    onnx.load = staged("onnx.load", onnx.load)
+    onnx.checker.check_model = staged("onnx.checker.check_model", onnx.checker.check_model)
+    onnx.shape_inference.infer_shapes_path = staged("infer_shapes_path", onnx.shape_inference.infer_shapes_path)
     export(a.checkpoint, a.out, nextn=a.nextn, max_seq_len=1024, progress=progress)
     progress("done")
     print({k: round(v) for k, v in peaks.items()})
