@@ -37,7 +37,7 @@ def main():
     ap.add_argument("--nextn", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-share", action="store_true", help="OrtBackend(share_weights=False)")
+    ap.add_argument("--no-share", action="store_true", help="OrtBackend(share_weights=False); default: its own choice")
     a = ap.parse_args()
     from mtp_trt.backend import OrtBackend
     from mtp_trt.decode import DecodeOptions, generate
@@ -48,7 +48,7 @@ def main():
     step = f"step_{a.nextn}"
 
     # 1. wall time of whole decodes, the share spent outside ONNX Runtime, and Python's profile of one
-    backend = OrtBackend(manifest, threads=a.threads, share_weights=not a.no_share)
+    backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None)
     generate(backend, [PROMPT], opts)
     timed = {name: Timed(s) for name, s in backend.sessions.items()}
     backend.sessions.update(timed)
@@ -79,7 +79,7 @@ def main():
 
     # 2. ONNX Runtime's profile of the step graph
     with tempfile.TemporaryDirectory() as tmp:
-        prof_backend = OrtBackend(manifest, threads=a.threads, share_weights=not a.no_share)
+        prof_backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None)
         base = prof_backend.session_options
 
         def profiled(file):

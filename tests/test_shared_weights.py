@@ -1,6 +1,7 @@
 """One copy of the weights per process (OrtBackend): the second session of an export (target after step_0,
 which repeat the whole main model) adds far less resident memory than the weights it reads, while
-without sharing it adds about a copy; and both decode the same tokens."""
+without sharing it adds about a copy; and both decode the same tokens.  By default the backend shares
+from SHARE_WEIGHTS_BYTES of weights up."""
 
 import json
 import subprocess
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from mtp_trt import backend
 from mtp_trt.exporters.export import export
+from mtp_trt.manifest import Manifest
 from runtime_models import make_random
 
 # Run in a fresh process: resident memory (VmRSS) after step_0's first run (and the shared mapping made
@@ -60,3 +63,12 @@ def test_second_session_shares_the_weights(big_export):
     assert shared["tokens"] == copied["tokens"]
     assert shared["growth"] < 0.15 * target_bytes, (shared["growth"], target_bytes)
     assert copied["growth"] > 0.6 * target_bytes, (copied["growth"], target_bytes)  # the probe sees copies
+
+
+def test_default_shares_from_the_threshold_up(big_export, monkeypatch):
+    manifest = Manifest.load(big_export)
+    size = json.loads((big_export / "manifest.json").read_text())["weights"]["bytes"]
+    monkeypatch.setattr(backend, "SHARE_WEIGHTS_BYTES", size + 1)
+    assert backend.OrtBackend(manifest).tables is None  # below: each session pre-packs its own copy
+    monkeypatch.setattr(backend, "SHARE_WEIGHTS_BYTES", size)
+    assert set(backend.OrtBackend(manifest).tables) == {g.file for g in manifest.graphs.values()}
