@@ -72,3 +72,17 @@ def test_default_shares_from_the_threshold_up(big_export, monkeypatch):
     assert backend.OrtBackend(manifest).tables is None  # below: each session pre-packs its own copy
     monkeypatch.setattr(backend, "SHARE_WEIGHTS_BYTES", size)
     assert set(backend.OrtBackend(manifest).tables) == {g.file for g in manifest.graphs.values()}
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_shared_weights_decode_the_same_tokens(tmp_path, mode):
+    """Every graph a decode runs (target, MTP graphs, step graphs), shared or not: the same greedy tokens."""
+    from mtp_trt.decode import DecodeOptions, generate
+
+    ckpt = make_random(tmp_path / "ckpt", nextn=2)
+    manifest = Manifest.load(export(ckpt, tmp_path / "out", nextn=2, mtp_mode=mode, max_seq_len=64))
+    prompts = [[5, 17, 33, 2, 8, 41, 7], [60, 3]]
+    for nextn in range(3):
+        opts = DecodeOptions(nextn=nextn, max_new_tokens=12)
+        runs = [generate(backend.OrtBackend(manifest, share_weights=s), prompts, opts)[0] for s in (True, False)]
+        assert [q.generated for q in runs[0]] == [q.generated for q in runs[1]]
