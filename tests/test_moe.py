@@ -24,8 +24,8 @@ LAYERS = [(4, 1, 1, 1, "sigmoid", True, 1), (8, 2, 4, 2, "sigmoid", True, 1), (1
 
 
 def make_moe(experts, topk, n_group, topk_group, scoring, norm, shared, seed=0, tie=False) -> MoE:
-    """A random MoE layer (hidden 48, expert width 16; outputs of order 1).  tie: experts 2k and 2k+1 get the same router row and
-    bias, so their scores tie exactly (and only their SwiGLUs differ)."""
+    """A random MoE layer (hidden 48, expert width 16; outputs of order 1).  tie: experts 2k and 2k+1 get the
+    same router row and bias, so their scores tie exactly (and only their SwiGLUs differ)."""
     cfg = ModelConfig.from_dict({**BASE, "hidden_size": 48, "moe_intermediate_size": 16, "n_routed_experts": experts,
                                  "num_experts_per_tok": topk, "n_group": n_group, "topk_group": topk_group,
                                  "scoring_func": scoring, "norm_topk_prob": norm, "n_shared_experts": shared,
