@@ -77,7 +77,7 @@ def default_threads() -> int:
 
 
 # OrtBackend shares one copy of the weights (no pre-packing) from this size of weights.bin up (measured:
-# demo 23 MB, pre-packed copies 1.5x faster and small; 85M checkpoint 374 MB, copies 1.8x the memory for
+# demo 23 MB, pre-packed copies 1.2-1.7x faster and small; 85M checkpoint 374 MB, copies 1.8x the memory for
 # ~1.1x speed).
 SHARE_WEIGHTS_BYTES = 128 << 20
 # ONNX data type -> numpy dtype of the weights a session can be handed (others load the usual way)
@@ -97,7 +97,7 @@ class OrtBackend(Backend):
     its weights (`SessionOptions.add_initializer` with an OrtValue over the mapping, made once per tensor),
     with ONNX Runtime's pre-packing of MatMul weights turned off (a pre-packed copy is per session, and
     ONNX Runtime's Python API cannot share one).  Without it every session holds its own pre-packed copy,
-    which is faster: ~1.1x per decode step at 85M parameters (374 MB, memory-bound), ~1.5x on the demo
+    which is faster: ~1.1x per decode step at 85M parameters (374 MB, memory-bound), 1.2-1.7x on the demo
     (23 MB, cache-resident, where packing on every call costs most).  share_weights=None (default) shares
     from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
 
