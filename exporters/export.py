@@ -24,6 +24,7 @@ from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory, read_json
 from mtp_trt.exporters.graphs import MtpGraph, StepGraph, TargetGraph, VanillaStepGraph
 from mtp_trt.exporters.lowering import LOWERINGS
+from mtp_trt.exporters.moe import FORMS as MOE_FORMS
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.tokenizer import load_tokenizer
 from mtp_trt.validate import check_memory, check_mtp_modules, check_output_dir
@@ -144,13 +145,17 @@ def share_weights(root: Path, files: list[str]) -> dict:
     """Move the graphs' weights into one `weights.bin` (ONNX external data), each distinct tensor stored
     once: the step graphs repeat the main model's weights, so this divides the export's size by about the
     number of graphs.  Initializers and Constant nodes of at least INLINE_BYTES move, at page-aligned
-    offsets; smaller ones (shapes, indices) stay in the graph files.  -> the manifest's "weights" entry."""
+    offsets; smaller ones (shapes, indices) stay in the graph files.  -> the manifest's "weights" entry, with
+    `initializers`: per graph file, [name, offset, bytes, ONNX data type, dims] of each tensor it reads there
+    (the runtime maps weights.bin once and hands every session the same memory: OrtBackend)."""
     import onnx
     from onnx.external_data_helper import set_external_data
 
     stored: dict[bytes, tuple[int, int]] = {}
+    tables: dict[str, list] = {}
     with open(root / WEIGHTS_FILE, "wb") as out:
         for f in files:
+            table = tables.setdefault(f, [])
             path = root / f
             model = onnx.load(str(path))  # with a huge graph's own external data
             graph = model.graph
@@ -169,13 +174,14 @@ def share_weights(root: Path, files: list[str]) -> dict:
                     stored[key] = (out.tell(), len(t.raw_data))
                     out.write(t.raw_data)
                 set_external_data(t, location=WEIGHTS_FILE, offset=stored[key][0], length=stored[key][1])
+                table.append([t.name, *stored[key], t.data_type, list(t.dims)])
                 t.data_location = onnx.TensorProto.EXTERNAL
                 t.ClearField("raw_data")
             path.write_bytes(model.SerializeToString())
             (root / (f + ".data")).unlink(missing_ok=True)  # a huge graph's own data file, now in weights.bin
             onnx.checker.check_model(str(path))
     return {"file": WEIGHTS_FILE, "sha256": sha256(root / WEIGHTS_FILE), "bytes": (root / WEIGHTS_FILE).stat().st_size,
-            "tensors": len(stored)}
+            "tensors": len(stored), "initializers": tables}
 
 
 def special_token_ids(ckpt: Path) -> tuple[tuple[int, int], str | None]:
@@ -244,8 +250,13 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
 
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
            dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int | None = None,
-           progress: Progress = lambda msg: None) -> Path:
-    """Export a checkpoint; returns the output directory.  See the module docstring."""
+           progress: Progress = lambda msg: None, moe_form: str | None = None) -> Path:
+    """Export a checkpoint; returns the output directory.  See the module docstring.  moe_form: one of
+    exporters/moe.py FORMS for every graph (benchmarks compare them), or "tensorrt" (standard operators only:
+    gather in the few-token step graphs, static elsewhere, as the plugin lowering does; for plugin-free
+    TensorRT engines of an onnx-lowering export), instead of the lowering's choice."""
+    if moe_form not in (None, "tensorrt", *MOE_FORMS):
+        raise MtpTrtError(f"--moe-form: unknown form {moe_form!r}; expected tensorrt, {', '.join(MOE_FORMS)}")
     ckpt, out = Path(ckpt), Path(out)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
@@ -271,6 +282,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
         graphs = {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
+            module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
             _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering)
             kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
             graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,
@@ -285,7 +297,8 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
             "config": read_json(ckpt / "config.json"), "nextn": nextn, "mtp_mode": mtp_mode,
-            "dtype": dtype, "lowering": lowering, "max_batch": max_batch, "max_seq_len": max_seq_len,
+            "dtype": dtype, "lowering": lowering, "moe_form": moe_form or "auto", "max_batch": max_batch,
+            "max_seq_len": max_seq_len,
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
             "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,
             "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe",

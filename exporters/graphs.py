@@ -5,9 +5,11 @@ attention node writes them in place and every cache input has an output `<input>
 (the cache after the graph's writes; TensorRT binds both to one buffer).  Each block returns what
 its lowering commits: the new rows (`onnx`) or the updated cache (`plugin`).
 
-Both lowerings share everything else with the reference model (exporters/model.py); MoE is
-computed in a static form (every expert on every token, combine-weighted) so the graph has no
-data-dependent control flow.
+Both lowerings share everything else with the reference model (exporters/model.py).  MoE
+(exporters/moe.py): the `onnx` lowering routes every graph through ONNX Runtime's MoE node (only the
+selected experts' weights are read); the `plugin` lowering gathers each token's experts in the step graphs
+(few tokens, fixed S) and keeps the static form (every expert on every token) in the target and MTP
+graphs, whose S can be a whole prompt.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from mtp_trt.exporters.lowering import Dims, Mask, MlaGenerationAttentionOp, accept_op, attend, flag_after
 from mtp_trt.exporters.model import MLA, MLP, DecoderLayer, DeepseekV3, MoE, as_fp32
+from mtp_trt.exporters.moe import moe_forward
 
 Tensor = torch.Tensor
 
@@ -53,8 +56,9 @@ class Group:
     tables at the group's positions write_pos + 0..S-1 [B, S, Dr] (and broadcast over heads) and, in the onnx
     lowering, the attention Mask (the plugin attention node takes write_pos instead)."""
 
-    def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None):
+    def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static"):
         self.rope, self.dims, self.write_pos, self.mask = rope, dims, write_pos, mask
+        self.moe = moe  # the MoE form (exporters/moe.py FORMS)
         self.positions = write_pos[:, None].long() + torch.arange(dims.s)[None, :]  # [B, S]
         self.cos, self.sin = rope.at(self.positions)
         self.cos_h, self.sin_h = self.cos[:, :, None], self.sin[:, :, None]  # [B, S, 1, Dr]
@@ -71,23 +75,6 @@ def mlp(m: MLP, x: Tensor) -> Tensor:
     """SwiGLU with gate and up in one matmul."""
     g, u = linear_cat(x, m.gate_proj, m.up_proj).split(m.gate_proj.out_features, -1)
     return m.down_proj(F.silu(g) * u)
-
-
-def moe_static(moe: MoE, x: Tensor, dims: Dims) -> Tensor:
-    """MoE with no data-dependent control flow: every expert on every token, weighted by the gate's combine
-    matrix (zero for unselected experts), in three matmuls over stacked weights.  The shared experts ride
-    along as always-on experts of weight 1 (a SwiGLU of width n*I is n SwiGLUs of width I)."""
-    experts = list(moe.experts) + ([moe.shared_experts] if hasattr(moe, "shared_experts") else [])
-    inter = moe.experts[0].gate_proj.weight.shape[0]
-    n_routed, n_all = len(moe.experts), sum(e.gate_proj.weight.shape[0] for e in experts) // inter
-    weights, idx = moe.gate(x)  # [B, S, k]
-    always = torch.cat([torch.zeros(n_routed), torch.ones(n_all - n_routed)]).to(weights.dtype)
-    combine = always.expand(dims.b, dims.s, n_all).scatter(-1, idx, weights)  # [B, S, E + shared]
-    w_gate_up = torch.cat([e.gate_proj.weight for e in experts] + [e.up_proj.weight for e in experts])
-    w_down = torch.cat([e.down_proj.weight for e in experts], dim=1)  # [D, (E + shared) * I]
-    g, u = F.linear(x, w_gate_up).split(n_all * inter, -1)
-    a = dims.view(F.silu(g) * u, n_all, inter) * combine[..., None].to(g.dtype)  # [B, S, E + shared, I]
-    return F.linear(dims.view(a, n_all * inter), w_down)
 
 
 def folded_mla(attn: MLA) -> tuple[Tensor | None, Tensor | None]:
@@ -147,7 +134,8 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
         o = attn.o_proj(dims.view(o, nh * cfg.v_head_dim))
     h = h + o
     x = layer.post_attention_layernorm(h)
-    return h + (moe_static(layer.mlp, x, dims) if isinstance(layer.mlp, MoE) else mlp(layer.mlp, x)), latent
+    ffn = moe_forward(layer.mlp, x, dims.b, dims.s, group.moe) if isinstance(layer.mlp, MoE) else mlp(layer.mlp, x)
+    return h + ffn, latent
 
 
 # ----------------------------------------------------------------------------------------- graphs
@@ -182,9 +170,12 @@ def draft_token(m: DeepseekV3, k: int, h: Tensor) -> Tensor:
 
 
 class _Graph(nn.Module):
+    few_tokens = False  # S is small and fixed (the step graphs): the plugin lowering's MoE gathers experts
+
     def __init__(self, model: DeepseekV3, lowering: str, think_ids: tuple[int, int] = (-1, -1)):
         super().__init__()
         self.model, self.lowering, self.think_ids, self.rope = model, lowering, think_ids, Rope(model)
+        self.moe = "ort" if lowering == "onnx" else "gather" if self.few_tokens else "static"
 
     def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
               extra: tuple[Tensor, Tensor] | None = None) -> Group:
@@ -192,7 +183,7 @@ class _Graph(nn.Module):
         dims = Dims(b, s)
         heads = self.model.cfg.num_attention_heads
         mask = Mask(dims, heads, valid_len, cache.shape[1], extra) if self.lowering == "onnx" else None
-        return Group(self.rope, dims, write_pos, mask)
+        return Group(self.rope, dims, write_pos, mask, self.moe)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:
         """The main model over the S rows at past_len (one block group) -> (group, hidden, logits, new rows)."""
@@ -254,6 +245,8 @@ class StepGraph(_Graph):
              the MTP depths one after another through the cache (depth k's cache input is depth k-1's
              kv_cache_out), and the outputs are kv_0_out .. kv_{L-1}_out and (K > 0) mtp_kv_out."""
 
+    few_tokens = True
+
     def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
         super().__init__(model, lowering, think_ids)
         self.nextn = nextn
@@ -309,6 +302,8 @@ class VanillaStepGraph(_Graph):
              new_kv_0 .. new_kv_{L-1} and mtp_new_kv_{k-1} [B, K+k, Dl+Dr] for each depth k (rows from
              start_k: the first num_accepted + 1 are final, later ones are overwritten next step), in the
              plugin lowering kv_0_out .. kv_{L-1}_out and mtp_kv_0_out .. mtp_kv_{K-1}_out."""
+
+    few_tokens = True
 
     def __init__(self, model: DeepseekV3, nextn: int, lowering: str, think_ids: tuple[int, int]):
         super().__init__(model, lowering, think_ids)

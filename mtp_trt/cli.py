@@ -150,13 +150,17 @@ def export(
     max_batch: int = typer.Option(8, help="Largest batch the runtime will allocate caches for."),
     max_seq_len: int = typer.Option(None, help="Cache rows per sequence (default: min(4096, max_position_embeddings))."),
     lowering: str = typer.Option("onnx", help="onnx (standard operators) or plugin (mtp_trt custom nodes for TensorRT)."),
+    moe_form: str = typer.Option("auto", help="MoE layers: auto (onnx lowering: ONNX Runtime's MoE node; plugin: "
+                                              "TensorRT's forms), tensorrt (standard operators, for plugin-free "
+                                              "TensorRT engines), static, gather or ort in every graph."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
     from mtp_trt.exporters.export import export as run_export
 
     with StageDisplay(f"export {checkpoint}") as show:
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
-                          max_batch=max_batch, max_seq_len=max_seq_len, progress=show)
+                          max_batch=max_batch, max_seq_len=max_seq_len, progress=show,
+                          moe_form=None if moe_form == "auto" else moe_form)
     typer.echo(f"wrote {path}")
 
 

@@ -260,7 +260,12 @@ def test_interrupted_build_leaves_nothing(exported, tmp_path, monkeypatch):
 def test_onnx_lowering_export_builds_plugin_free_engines(ckpt, tmp_path):
     """Standard operators only: engines any TensorRT application loads without our plugins; the runtime commits
     their new_kv outputs itself, so nothing is aliased."""
-    exp = export(ckpt, tmp_path / "onnx", nextn=1, lowering="onnx", max_seq_len=32)
+    ort = export(ckpt, tmp_path / "onnx", nextn=1, lowering="onnx", max_seq_len=32)  # ONNX Runtime's MoE node
+    with pytest.raises(MtpTrtError, match=r"target.onnx: node .* is ONNX Runtime's com.microsoft::MoE, which TensorRT "
+                                          r"has no layer for; export with --moe-form tensorrt"):
+        builder.build(ort, tmp_path / "out", target_arch=target()[0])
+    _no_leftovers(tmp_path, "out")
+    exp = export(ckpt, tmp_path / "plain", nextn=1, lowering="onnx", max_seq_len=32, moe_form="tensorrt")
     out = builder.build(exp, tmp_path / "out", target_arch=target()[0])
     m = em.EngineManifest.load(out, verify_hashes=True)
     assert m.raw["lowering"] == "onnx" and set(m.engines) == {"target", "mtp_0", "step_0", "step_1"}

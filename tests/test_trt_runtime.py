@@ -49,8 +49,9 @@ def setup(request, ckpt, tmp_path_factory):
     mode, root = request.param, tmp_path_factory.mktemp(request.param)
     ref = export(ckpt, root / "onnx", nextn=K, mtp_mode=mode, max_batch=4, max_seq_len=64)
     plug = export(ckpt, root / "plugin", nextn=K, mtp_mode=mode, lowering="plugin", max_batch=4, max_seq_len=64)
+    plain = export(ckpt, root / "onnx-trt", nextn=K, mtp_mode=mode, max_batch=4, max_seq_len=64, moe_form="tensorrt")
     engines = {"plugin": _build(plug, root / "eng-plugin", max_prefill=8),
-               "onnx": _build(ref, root / "eng-onnx", max_prefill=8)}
+               "onnx": _build(plain, root / "eng-onnx", max_prefill=8)}
     return Manifest.load(ref), engines
 
 
@@ -227,7 +228,7 @@ def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
         pytest.skip("a GPU is present")
     ref, engines = setup
     env = {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
-    for lowering, instead in (("plugin", ref.raw["checkpoint"]), ("onnx", str(ref.root.resolve()))):
+    for lowering, instead in (("plugin", ref.raw["checkpoint"]), ("onnx", str(ref.root.parent.resolve() / "onnx-trt"))):
         for args in (["run", str(engines[lowering]), "-p", "x"], ["bench", str(engines[lowering]), "--repeats", "1"]):
             r = CliRunner().invoke(app, args, env=env)
             assert r.exit_code == 2, r.output

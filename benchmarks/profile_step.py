@@ -1,0 +1,116 @@
+"""Where one decode step's time goes: ONNX Runtime's profiler (time per operator type in the step graph, node
+count) and Python's (the decode loop around the graph calls), batch 1, greedy.
+
+  python benchmarks/profile_step.py EXPORT_DIR [--nextn 0] [--tokens 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT = list(range(3, 60))
+
+
+class Timed:
+    """An InferenceSession whose run() adds up its wall time."""
+
+    def __init__(self, session):
+        self.session, self.seconds = session, 0.0
+
+    def run(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.session.run(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("export", type=Path)
+    ap.add_argument("--nextn", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-share", action="store_true", help="OrtBackend(share_weights=False); default: its own choice")
+    a = ap.parse_args()
+    from mtp_trt.backend import OrtBackend
+    from mtp_trt.decode import DecodeOptions, generate
+    from mtp_trt.manifest import Manifest
+
+    manifest = Manifest.load(a.export)
+    opts = DecodeOptions(nextn=a.nextn, max_new_tokens=a.tokens)
+    step = f"step_{a.nextn}"
+
+    # 1. wall time of whole decodes, the share spent outside ONNX Runtime, and Python's profile of one
+    backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None)
+    generate(backend, [PROMPT], opts)
+    timed = {name: Timed(s) for name, s in backend.sessions.items()}
+    backend.sessions.update(timed)
+    walls, outside = [], []
+    for _ in range(5):
+        for s in timed.values():
+            s.seconds = 0.0
+        t0 = time.perf_counter()
+        seqs, stats = generate(backend, [PROMPT], opts)
+        walls.append(time.perf_counter() - t0)
+        outside.append(walls[-1] - sum(s.seconds for s in timed.values()))
+    wall, steps = sorted(walls)[2], stats.steps
+    print(f"outside ONNX Runtime (no profiler, median of 5 decodes): {sorted(outside)[2] * 1e3 / steps:.3f} ms per "
+          f"step of {wall * 1e3 / steps:.3f} ms")
+    backend.sessions.update({name: s.session for name, s in timed.items()})
+    prof = cProfile.Profile()
+    prof.enable()
+    generate(backend, [PROMPT], opts)
+    prof.disable()
+    ps = pstats.Stats(prof)
+    run_time = sum(v[3] for k, v in ps.stats.items() if k[2] in ("run",) and "onnxruntime" in k[0])
+    total = sum(v[2] for v in ps.stats.values())  # self time of everything
+    print(f"decode of {a.tokens} tokens (prompt {len(PROMPT)}): {wall * 1e3:.1f} ms wall, "
+          f"{len(seqs[0].generated) / wall:.1f} tokens/s; steps {steps}")
+    print(f"Python profile: {total * 1e3:.1f} ms in all, of which InferenceSession.run {run_time * 1e3:.1f} ms: "
+          f"{(total - run_time) * 1e3 / a.tokens:.3f} ms per token outside ONNX Runtime (profiler overhead included)")
+    ps.sort_stats("tottime").print_stats(8)
+
+    # 2. ONNX Runtime's profile of the step graph
+    with tempfile.TemporaryDirectory() as tmp:
+        prof_backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None)
+        base = prof_backend.session_options
+
+        def profiled(file):
+            o = base(file)
+            if file == manifest.graphs[step].file:
+                o.enable_profiling = True
+                o.profile_file_prefix = str(Path(tmp) / "ort")
+            return o
+
+        prof_backend.session_options = profiled
+        generate(prof_backend, [PROMPT], opts)
+        path = prof_backend.session(step).end_profiling()
+        events = json.loads(Path(path).read_text())
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
+    by_type, count = collections.Counter(), collections.Counter()
+    per_run_nodes = collections.Counter()
+    for e in nodes:
+        by_type[e["args"]["op_name"]] += e["dur"]
+        per_run_nodes[e["name"]] += 1
+    n_runs = max(len(runs), 1)
+    for name in per_run_nodes:
+        count[name] = 1
+    run_us = sorted(e["dur"] for e in runs)
+    print(f"\nONNX Runtime profile of {step}: {len(per_run_nodes)} kernels per run, {n_runs} runs, "
+          f"median run {run_us[len(run_us) // 2] / 1e3:.3f} ms; kernel time by operator type (per run):")
+    total_us = sum(by_type.values())
+    for op, us in by_type.most_common(15):
+        print(f"  {op:24s} {us / n_runs / 1e3:8.3f} ms  {100 * us / total_us:5.1f}%")
+    print(f"  {'(sum of kernels)':24s} {total_us / n_runs / 1e3:8.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
