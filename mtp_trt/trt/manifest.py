@@ -13,10 +13,13 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.manifest import check_files, read_manifest_json
+
+if TYPE_CHECKING:
+    from mtp_trt.manifest import Manifest
 
 FORMAT = "mtp-trt-engines"
 FORMAT_VERSION = 2  # 2: lowering, built_on, per-engine aliases (plugin contract version 2)

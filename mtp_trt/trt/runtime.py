@@ -191,7 +191,7 @@ class TrtBackend(Backend):
         sizes |= {f"past_len_minus{j}": 4 * batch for j in offsets}  # vanilla step commits at past_len - j (onnx)
         slot = rows * m.config.latent_dim * self.itemsize
         need = plan.cache_bytes(m, batch, rows) + sum(sizes.values()) + slot
-        if hasattr(self.device, "mem_info") and (problem := plan.memory_problem(need, self.device.mem_info()[0])):
+        if problem := plan.memory_problem(need, self.device.mem_info()[0]):
             raise MtpTrtError(problem)
         self.caches = {fam: [self.device.malloc(batch * slot) for _ in range(count)]
                        for fam, count in plan.cache_families(m).items()}
@@ -243,8 +243,8 @@ class TrtBackend(Backend):
             put("address", t.name, addr[io.aliases[t.name]] if t.name in io.aliases else self.buffers[t.name].dev,
                 ctx.set_tensor_address)
 
-    def _enqueue(self, ctx, io: plan.EngineIO, staged: dict[str, int], dims: dict, past_len: np.ndarray,
-                 mtp_family: str, fetch: list[str]) -> None:
+    def _enqueue(self, ctx, io: plan.EngineIO, staged: dict[str, int], dims: dict, mtp_family: str,
+                 fetch: list[str]) -> None:
         """Everything one call puts on the stream: input copies, the engine, the commits (onnx lowering), the
         copies of the fetched outputs."""
         dev = self.device
@@ -286,14 +286,14 @@ class TrtBackend(Backend):
             if capture:
                 self.device.begin_capture()
                 try:
-                    self._enqueue(ctx, io, staged, dims, past_len, mtp_family, fetch)
+                    self._enqueue(ctx, io, staged, dims, mtp_family, fetch)
                     self.graphs[key] = self.device.end_capture()
                 except BaseException:
                     self.device.abort_capture()
                     raise
                 self.device.launch(self.graphs[key])
             else:
-                self._enqueue(ctx, io, staged, dims, past_len, mtp_family, fetch)
+                self._enqueue(ctx, io, staged, dims, mtp_family, fetch)
                 self.warm.add(key)
         self.device.sync()
         specs = {t.name: t for t in io.outputs}
