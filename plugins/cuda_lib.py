@@ -69,6 +69,19 @@ def find_nvcc() -> str | None:
     return None
 
 
+def cuda_include_dir() -> Path | None:
+    """The CUDA toolkit's include folder (cuda_runtime.h, cuda_fp16.h): beside nvcc, $CUDA_HOME, $CUDA_PATH or
+    /usr/local/cuda; None if absent."""
+    cands = []
+    nvcc = find_nvcc()
+    if nvcc:
+        cands.append(Path(os.path.realpath(nvcc)).parent.parent / "include")
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            cands.append(Path(root) / "include")
+    return next((c for c in cands if (c / "cuda_fp16.h").is_file() and (c / "cuda_runtime.h").is_file()), None)
+
+
 @functools.cache
 def nvcc_version(nvcc: str | None = None) -> str:
     nvcc = nvcc or find_nvcc()

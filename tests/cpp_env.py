@@ -26,15 +26,7 @@ def tensorrt_include_dir() -> Path | None:
     return next((Path(c) for c in cands if c and (Path(c) / HEADER).is_file()), None)
 
 
-def cuda_include_dir() -> Path | None:
-    cands = []
-    nvcc = cuda_lib.find_nvcc()
-    if nvcc:
-        cands.append(Path(os.path.realpath(nvcc)).parent.parent / "include")
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root:
-            cands.append(Path(root) / "include")
-    return next((c for c in cands if (c / "cuda_runtime_api.h").is_file()), None)
+cuda_include_dir = cuda_lib.cuda_include_dir
 
 
 def unavailable_reason() -> str | None:

@@ -24,18 +24,7 @@ _LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;(){}<>]*>)?)\s*<<<(.*?)>>>\s*\(", 
 _DYN_SMEM = re.compile(r"extern\s+__shared__\s+__align__\(\d+\)\s+unsigned\s+char\s+(\w+)\[\];")
 
 
-def cuda_include_dir() -> Path | None:
-    cands = []
-    nvcc = cuda_lib.find_nvcc()
-    if nvcc:
-        cands.append(Path(os.path.realpath(nvcc)).parent.parent / "include")
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root:
-            cands.append(Path(root) / "include")
-    for c in cands:
-        if (c / "cuda_fp16.h").is_file() and (c / "cuda_runtime.h").is_file():
-            return c
-    return None
+cuda_include_dir = cuda_lib.cuda_include_dir
 
 
 def unavailable_reason() -> str | None:
