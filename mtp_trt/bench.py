@@ -101,8 +101,10 @@ def run_engines(engine_dir: Path, batches: list[int], max_new_tokens: int, repea
 
     exp = em.load_export_manifest(engine_dir)
     ckpt = Path(exp.raw.get("checkpoint") or "")
-    runners = {(f"mtp-trt/tensorrt{suffix}", exp.mtp_mode): Runner(exp, TrtBackend(engine_dir, cuda_graphs=graphs))
-               for suffix, graphs in (("", True), (" (no CUDA graphs)", False))}
+    graphs = TrtBackend(engine_dir)
+    plain = TrtBackend(engine_dir, cuda_graphs=False, share=graphs)  # the same engines, loaded once
+    runners = {("mtp-trt/tensorrt", exp.mtp_mode): Runner(exp, graphs),
+               ("mtp-trt/tensorrt (no CUDA graphs)", exp.mtp_mode): Runner(exp, plain)}
     if (ckpt / "config.json").is_file():
         runners[("mtp-trt/onnxruntime", exp.mtp_mode)] = Runner(resolve_export(ckpt, exp.mtp_mode, progress=progress),
                                                                 threads=threads)

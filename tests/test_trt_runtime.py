@@ -256,3 +256,15 @@ def test_tampered_engines_are_found_before_they_run(setup, tmp_path, monkeypatch
         f.write(bytes([byte[0] ^ 1]))
     r = CliRunner().invoke(app, ["run", str(root), "-p", "x"], env={"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
     assert r.exit_code == 2 and "step_1.engine: SHA-256 differs from engines.json" in r.output, r.output
+
+
+def test_two_backends_share_the_deserialized_engines(setup):
+    """bench runs the engines with and without CUDA graphs side by side: each engine is deserialized once."""
+    from mtp_trt.trt.runtime import TrtBackend
+
+    ref, engines = setup
+    first = fake_backend(engines["plugin"], ref)
+    second = TrtBackend(engines["plugin"], cuda_graphs=False, share=first)
+    assert _tokens(first, PROMPTS, _opts(K))[0] == _tokens(second, PROMPTS, _opts(K))[0]
+    assert sorted(first.loader.loaded) == sorted(set(first.loader.loaded))  # none loaded twice
+    assert second.engines is first.engines and second.caches is not first.caches

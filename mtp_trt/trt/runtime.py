@@ -96,7 +96,11 @@ class TrtBackend(Backend):
     """Runs an engine directory (`mtp-trt build`) on the GPU.  See the module docstring."""
 
     def __init__(self, engine_dir: str | Path, *, device=None, loader=None, kernels=None, cuda_graphs: bool = True,
-                 plugins: str = "auto"):
+                 plugins: str = "auto", share: TrtBackend | None = None):
+        """share: another TrtBackend of the same engine directory whose device, loader and deserialized engines
+        this one uses too (its own contexts, caches and buffers), so a process holds each engine once."""
+        if share is not None:
+            device, loader, kernels = share.device, share.loader, share._kernels
         self.em = em.EngineManifest.load(engine_dir)
         self.manifest = em.load_export_manifest(Path(engine_dir))
         m, self.root = self.manifest, Path(engine_dir)
@@ -109,7 +113,7 @@ class TrtBackend(Backend):
         for name, io in self.ios.items():
             plan.check_aliases(io, self.em.engines[name].aliases)
         self.s_max = plan.max_chunk(self.em.profiles)
-        self.engines: dict[str, object] = {}
+        self.engines: dict[str, object] = share.engines if share is not None else {}
         self.contexts: dict[tuple[str, int], object] = {}
         self.graphs: dict[tuple, object] = {}  # (engine, n) -> captured step
         self.warm: set[tuple] = set()
