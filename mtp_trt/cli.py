@@ -374,5 +374,25 @@ def bench(
     typer.echo(f"wrote {json_path}" + (f" and {plot_path}" if b.plot(rows, plot_path) else " (no matplotlib: no plot)"))
 
 
+def entry() -> int:
+    """The `mtp-trt` command: the app, with bad command-line syntax (an unknown option, a value of the wrong
+    type) also one `error:` line and exit status 2, instead of click's usage box."""
+    errors = sys.modules[typer.BadParameter.__module__]  # click's exceptions (typer may vendor its own click)
+    try:
+        code = app(standalone_mode=False)
+    except getattr(errors, "NoArgsIsHelpError", ()) as e:  # `mtp-trt` alone: the help, as before
+        typer.echo(e.ctx.get_help())
+        return 2
+    except errors.UsageError as e:
+        where = f"{e.ctx.command_path}: " if e.ctx else ""
+        hint = f"; see {e.ctx.command_path} --help" if e.ctx else ""
+        typer.secho(f"error: {where}{e.format_message().rstrip('.')}{hint}", fg="red", err=True)
+        return 2
+    except typer.Abort:
+        typer.secho("error: interrupted", fg="red", err=True)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
 if __name__ == "__main__":
-    sys.exit(app())
+    sys.exit(entry())

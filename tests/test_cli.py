@@ -42,3 +42,18 @@ def test_bad_input_is_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
     assert str(tmp_path / "config.json") in r.stderr
+
+
+def test_bad_command_line_syntax_is_one_line():
+    """Unknown options, commands and values of the wrong type: one `error:` line naming the command, exit 2 (not
+    click's usage box); the help and the version still print as before."""
+    for args, fragment in ((["run", "--foo"], "error: mtp-trt run: No such option: --foo"),
+                           (["run", "-p", "x", "--seed", "abc"], "error: mtp-trt run: Invalid value for '--seed'"),
+                           (["nosuchcmd"], "error: mtp-trt: No such command 'nosuchcmd'")):
+        r = subprocess.run(["mtp-trt", *args], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+        assert fragment in r.stderr and "--help" in r.stderr and not r.stdout
+    r = subprocess.run(["mtp-trt"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Usage: mtp-trt" in r.stdout
+    r = subprocess.run(["mtp-trt", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("mtp-trt ")

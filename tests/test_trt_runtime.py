@@ -234,6 +234,11 @@ def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
             assert r.exit_code == 2, r.output
             assert "running engines needs an NVIDIA GPU" in r.output and f"mtp-trt run {instead}" in r.output
             assert "Traceback" not in r.output and r.output.count("error:") == 1
+    import subprocess  # the installed command passes check's own exit codes through (3: skipped)
+
+    r = subprocess.run(["mtp-trt", "check", str(engines["plugin"])], capture_output=True, text=True, env={
+        **__import__("os").environ, **env})
+    assert r.returncode == 3 and "skipped: no GPU" in r.stderr, r.stderr
 
 
 def test_tampered_engines_are_found_before_they_run(setup, tmp_path, monkeypatch):
