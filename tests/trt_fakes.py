@@ -145,7 +145,7 @@ class FakeEngine:
         self.session = ort.InferenceSession(str(reference.root / self.ref.file), providers=["CPUExecutionProvider"])
 
     def run(self, shapes: dict, addresses: dict) -> None:
-        specs = {t.name: t for t in self.io.inputs + self.io.outputs}
+        specs = self.io.specs
         feed = {n: view(addresses[n], shapes[n], NP[specs[n].dtype]).copy() for n in shapes}
         names = [o.name for o in self.session.get_outputs()]
         out = dict(zip(names, self.session.run(names, feed)))

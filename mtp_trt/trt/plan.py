@@ -9,6 +9,7 @@ Everything here reads `engines.json` and the export manifest kept beside the eng
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from mtp_trt.errors import MtpTrtError
@@ -29,6 +30,7 @@ class CacheSlot:
     offset: int = 0
 
 
+@functools.cache
 def cache_slot(name: str, mtp_family: str = "mtp0") -> CacheSlot:
     """kv_i -> target[i]; kv (an MTP graph's own cache) -> `mtp_family`; mtp_kv -> mtp0 (eagle step);
     mtp_kv_j -> mtp{j} at offset -j (vanilla step: depth j + 1's window starts j rows earlier)."""
@@ -67,6 +69,11 @@ class EngineIO:
     @property
     def data_outputs(self) -> list[TensorSpec]:
         return [t for t in self.outputs if t.name not in self.aliases]
+
+    @functools.cached_property
+    def specs(self) -> dict[str, TensorSpec]:
+        """Every tensor of the engine by name."""
+        return {t.name: t for t in self.inputs + self.outputs}
 
 
 def engine_io(graph: GraphSpec, lowering: str) -> EngineIO:

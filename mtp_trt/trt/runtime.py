@@ -112,6 +112,7 @@ class TrtBackend(Backend):
         self.ios = {name: plan.engine_io(m.graphs[name], m.lowering) for name in self.em.engines}
         for name, io in self.ios.items():
             plan.check_aliases(io, self.em.engines[name].aliases)
+        self.offsets = {name: self._commit_offsets(io) for name, io in self.ios.items()}  # past_len - j commits
         self.s_max = plan.max_chunk(self.em.profiles)
         self.engines: dict[str, object] = share.engines if share is not None else {}
         self.contexts: dict[tuple[str, int], object] = {}
@@ -191,7 +192,7 @@ class TrtBackend(Backend):
             return  # the same caches serve the next decode: lengths start at 0 again
         self.release()
         sizes = plan.buffer_sizes(list(self.ios.values()), batch, rows, max(self.s_max, m.nextn + 1))
-        offsets = self._commit_offsets(*self.ios.values())
+        offsets = {j for js in self.offsets.values() for j in js}
         sizes |= {f"past_len_minus{j}": 4 * batch for j in offsets}  # vanilla step commits at past_len - j (onnx)
         slot = rows * m.config.latent_dim * self.itemsize
         need = plan.cache_bytes(m, batch, rows) + sum(sizes.values()) + slot
@@ -220,11 +221,11 @@ class TrtBackend(Backend):
         for bound in self.bound.values():
             bound.clear()
 
-    def _commit_offsets(self, *ios: plan.EngineIO) -> list[int]:
+    def _commit_offsets(self, io: plan.EngineIO) -> list[int]:
         """j > 0 where a cache's rows are committed at past_len - j (vanilla step depths, onnx lowering)."""
         if self.lowering != "onnx":
             return []
-        return sorted({-plan.cache_slot(k).offset for io in ios for k in io.kv_inputs if k != "kv"} - {0})
+        return sorted({-plan.cache_slot(k).offset for k in io.kv_inputs if k != "kv"} - {0})
 
     # --------------------------------------------------------------------------------- calls
     def _bind(self, key, ctx, io: plan.EngineIO, dims: dict, mtp_family: str) -> None:
@@ -258,15 +259,13 @@ class TrtBackend(Backend):
             raise MtpTrtError(f"{io.name}.engine: TensorRT could not enqueue the engine (see its log)")
         for cache, new in zip(io.kv_inputs, io.kv_outputs) if self.lowering == "onnx" else ():
             slot = plan.cache_slot(cache, mtp_family)
-            rows_spec = next(t for t in io.outputs if t.name == new)
-            s_new = plan.shape(rows_spec, dims)[1]
+            s_new = plan.shape(io.specs[new], dims)[1]
             lens = self.buffers["past_len" if slot.offset == 0 else f"past_len_minus{-slot.offset}"].dev
             self.kernels.mla_kv_commit(DTYPE_CODES[self.manifest.dtype], self.caches[slot.family][slot.index], lens,
                                        self.buffers[new].dev, dims["B"], s_new, self.manifest.config.latent_dim,
                                        self.rows, dev.stream)
-        specs = {t.name: t for t in io.outputs}
         for name in fetch:
-            dev.copy("d2h", self.buffers[name].host_ptr, self.buffers[name].dev, plan.nbytes(specs[name], dims))
+            dev.copy("d2h", self.buffers[name].host_ptr, self.buffers[name].dev, plan.nbytes(io.specs[name], dims))
 
     def _call(self, name: str, n: int, feed: dict[str, np.ndarray], fetch: list[str], mtp_family: str = "mtp0",
               graph: bool = False) -> dict[str, np.ndarray]:
@@ -276,16 +275,15 @@ class TrtBackend(Backend):
         ctx = self.context(name, profile)
         dims = {"B": n, "S": s, "T": self.rows}
         past_len = feed["past_len"]
-        for j in self._commit_offsets(io):
+        for j in self.offsets[name]:
             feed = feed | {f"past_len_minus{j}": (past_len - j).astype(np.int32)}
         wanted = {t.name for t in io.data_inputs} | {k for k in feed if k.startswith("past_len")}
         staged = {k: self.buffers[k].stage(v) for k, v in feed.items() if k in wanted and v is not None}
         key = (name, n, s)
+        self._bind((name, profile), ctx, io, dims, mtp_family)  # replays too: the context's shapes as at capture
         if graph and key in self.graphs:
-            self._bind((name, profile), ctx, io, dims, mtp_family)  # the context's shapes as at capture
             self.device.launch(self.graphs[key])
         else:
-            self._bind((name, profile), ctx, io, dims, mtp_family)
             capture = graph and self.cuda_graphs and key in self.warm
             if capture:
                 self.device.begin_capture()
@@ -300,8 +298,7 @@ class TrtBackend(Backend):
                 self._enqueue(ctx, io, staged, dims, mtp_family, fetch)
                 self.warm.add(key)
         self.device.sync()
-        specs = {t.name: t for t in io.outputs}
-        return {k: self.buffers[k].read(HOST_DTYPES[specs[k].dtype], plan.shape(specs[k], dims)) for k in fetch}
+        return {k: self.buffers[k].read(HOST_DTYPES[io.specs[k].dtype], plan.shape(io.specs[k], dims)) for k in fetch}
 
     def _chunked(self, name: str, n: int, feed: dict, split: tuple[str, ...], fetch: list[str], concat: set[str],
                  mtp_family: str = "mtp0") -> dict[str, np.ndarray]:
