@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_trt.exporters.lowering import Dims, Mask, MlaGenerationAttentionOp, accept_op, attend, flag_after
-from mtp_trt.exporters.model import MLA, MLP, DecoderLayer, DeepseekV3, MoE, as_fp32
-from mtp_trt.exporters.moe import moe_forward
+from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, MoE, as_fp32
+from mtp_trt.exporters.moe import moe_forward, swiglu
 
 Tensor = torch.Tensor
 
@@ -69,12 +69,6 @@ def linear_cat(x: Tensor, *layers: nn.Linear) -> Tensor:
     """Several linear layers on the same input as one matmul (outputs concatenated in order)."""
     bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
     return F.linear(x, torch.cat([m.weight for m in layers]), bias)
-
-
-def mlp(m: MLP, x: Tensor) -> Tensor:
-    """SwiGLU with gate and up in one matmul."""
-    g, u = linear_cat(x, m.gate_proj, m.up_proj).split(m.gate_proj.out_features, -1)
-    return m.down_proj(F.silu(g) * u)
 
 
 def folded_mla(attn: MLA) -> tuple[Tensor | None, Tensor | None]:
@@ -134,7 +128,7 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
         o = attn.o_proj(dims.view(o, nh * cfg.v_head_dim))
     h = h + o
     x = layer.post_attention_layernorm(h)
-    ffn = moe_forward(layer.mlp, x, dims.b, dims.s, group.moe) if isinstance(layer.mlp, MoE) else mlp(layer.mlp, x)
+    ffn = moe_forward(layer.mlp, x, dims.b, dims.s, group.moe) if isinstance(layer.mlp, MoE) else swiglu(layer.mlp, x)
     return h + ffn, latent
 
 
