@@ -26,6 +26,7 @@ from mtp_trt.exporters.graphs import MtpGraph, StepGraph, TargetGraph, VanillaSt
 from mtp_trt.exporters.lowering import LOWERINGS
 from mtp_trt.exporters.moe import FORMS as MOE_FORMS
 from mtp_trt.exporters.loader import load_checkpoint
+from mtp_trt.exporters.tree import TreeStepGraph
 from mtp_trt.tokenizer import load_tokenizer
 from mtp_trt.validate import check_memory, check_mtp_modules, check_output_dir
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
@@ -89,6 +90,19 @@ def vanilla_step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> 
     outputs += t_out[6:] + [commit_spec(f"mtp_kv_{k}", dtype, cfg, lowering, nextn + k + 1) for k in range(nextn)]
     fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
     return [fix(t) for t in inputs], [fix(t) for t in outputs]
+
+
+def tree_io(cfg: ModelConfig, dtype: str, lowering: str, tree: tuple[int, int, int]) -> tuple[list[dict], list[dict]]:
+    """TreeStepGraph (exporters/tree.py) of depth D, top-k and budget N: N + 1 tokens in (the root, then the tree),
+    the path's D + 1 rows out; the next tree's tokens and parents replace the chain's drafts."""
+    d, _, n = tree
+    inputs, outputs = step_io(cfg, dtype, lowering, d)
+    fix = lambda spec: {**spec, "shape": [n + 1 if x == d + 1 and spec["name"] == "input_ids" else x  # noqa: E731
+                                          for x in spec["shape"]]}
+    inputs = [fix(inputs[0]), _spec("tree_parents", "int32", ["B", n]), *inputs[1:]]
+    tree = [_spec("tree_tokens", "int32", ["B", n]), _spec("tree_parents_out", "int32", ["B", n])]
+    outputs = [o for o in outputs if o["name"] != "drafts"]
+    return inputs, outputs[:3] + tree + outputs[3:]
 
 
 def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
@@ -248,17 +262,40 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
     return cfg, nextn, max_seq_len
 
 
+def tree_shapes(trees: str | None, nextn: int, mtp_mode: str, lowering: str) -> tuple:
+    """The tree step graphs an export carries (see export)."""
+    from mtp_trt import tree
+
+    if trees is None:
+        ok = mtp_mode == "eagle" and lowering == "onnx"
+        return tuple(t for t in tree.DEFAULT_TREES if ok and t.depth <= nextn)
+    shapes = tree.parse_trees(trees)
+    if shapes and mtp_mode != "eagle":
+        raise MtpTrtError("--trees: tree drafting runs in eagle mode (one MTP module drafts every level); "
+                          "export with --mtp-mode eagle")
+    if shapes and lowering != "onnx":
+        raise MtpTrtError("--trees: tree step graphs are exported in the onnx lowering only (the plugin attention "
+                          "has no tree mask input yet); export with --lowering onnx")
+    deep = [t.spec for t in shapes if t.depth > nextn]
+    if deep:
+        raise MtpTrtError(f"--trees {','.join(deep)}: a tree's depth must be at most --nextn ({nextn})")
+    return shapes
+
+
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
            dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int | None = None,
-           progress: Progress = lambda msg: None, moe_form: str | None = None) -> Path:
+           progress: Progress = lambda msg: None, moe_form: str | None = None, trees: str | None = None) -> Path:
     """Export a checkpoint; returns the output directory.  See the module docstring.  moe_form: one of
     exporters/moe.py FORMS for every graph (benchmarks compare them), or "tensorrt" (standard operators only:
     gather in the few-token step graphs, static elsewhere, as the plugin lowering does; for plugin-free
-    TensorRT engines of an onnx-lowering export), instead of the lowering's choice."""
+    TensorRT engines of an onnx-lowering export), instead of the lowering's choice.  trees: the tree step graphs
+    to export, 'D:k:N,...' (mtp_trt/tree.py; default: tree.DEFAULT_TREES up to depth nextn, in eagle mode and the
+    onnx lowering only)."""
     if moe_form not in (None, "tensorrt", *MOE_FORMS):
         raise MtpTrtError(f"--moe-form: unknown form {moe_form!r}; expected tensorrt, {', '.join(MOE_FORMS)}")
     ckpt, out = Path(ckpt), Path(out)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
+    shapes = tree_shapes(trees, nextn, mtp_mode, lowering)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
     progress(f"loading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
     tdtype = TORCH_DTYPES[dtype]
@@ -279,6 +316,8 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
             else:
                 jobs.append((f"step_{n}", StepGraph(model, n, lowering, think_ids), step_io(cfg, dtype, lowering, n),
                              target_kv + ["mtp_kv"] * (n > 0)))
+        jobs += [(t.graph, TreeStepGraph(model, t.depth, t.topk, t.budget, lowering, think_ids),
+                  tree_io(cfg, dtype, lowering, (t.depth, t.topk, t.budget)), target_kv + ["mtp_kv"]) for t in shapes]
         graphs = {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
@@ -298,7 +337,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
             "config": read_json(ckpt / "config.json"), "nextn": nextn, "mtp_mode": mtp_mode,
             "dtype": dtype, "lowering": lowering, "moe_form": moe_form or "auto", "max_batch": max_batch,
-            "max_seq_len": max_seq_len,
+            "max_seq_len": max_seq_len, "trees": [t.spec for t in shapes],
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
             "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,
             "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe",

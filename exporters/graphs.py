@@ -54,12 +54,16 @@ class Rope:
 class Group:
     """What every block of a group (the target's layers; one MTP depth) shares, computed once: dims, RoPE
     tables at the group's positions write_pos + 0..S-1 [B, S, Dr] (and broadcast over heads) and, in the onnx
-    lowering, the attention Mask (the plugin attention node takes write_pos instead)."""
+    lowering, the attention Mask (the plugin attention node takes write_pos instead).  A tree's nodes sit at
+    their own `positions` [B, S] (the root's position plus their depth) instead."""
 
-    def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static"):
+    def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static",
+                 positions: Tensor | None = None):
         self.rope, self.dims, self.write_pos, self.mask = rope, dims, write_pos, mask
         self.moe = moe  # the MoE form (exporters/moe.py FORMS)
-        self.positions = write_pos[:, None].long() + torch.arange(dims.s)[None, :]  # [B, S]
+        if positions is None:
+            positions = write_pos[:, None].long() + torch.arange(dims.s)[None, :]
+        self.positions = positions  # [B, S]
         self.cos, self.sin = rope.at(self.positions)
         self.cos_h, self.sin_h = self.cos[:, :, None], self.sin[:, :, None]  # [B, S, 1, Dr]
 
@@ -172,12 +176,14 @@ class _Graph(nn.Module):
         self.moe = "ort" if lowering == "onnx" else "gather" if self.few_tokens else "static"
 
     def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
-              extra: tuple[Tensor, Tensor] | None = None) -> Group:
-        """The block group of S rows per sequence at write_pos + 0..S-1 over `cache` (valid_len valid rows)."""
+              extra: tuple[Tensor, Tensor] | None = None, new_visible: Tensor | None = None,
+              positions: Tensor | None = None) -> Group:
+        """The block group of S rows per sequence at write_pos + 0..S-1 (or `positions`) over `cache` (valid_len
+        valid rows); extra / new_visible: see Mask."""
         dims = Dims(b, s)
         heads = self.model.cfg.num_attention_heads
-        mask = Mask(dims, heads, valid_len, cache.shape[1], extra) if self.lowering == "onnx" else None
-        return Group(self.rope, dims, write_pos, mask, self.moe)
+        mask = Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible) if self.lowering == "onnx" else None
+        return Group(self.rope, dims, write_pos, mask, self.moe, positions)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:
         """The main model over the S rows at past_len (one block group) -> (group, hidden, logits, new rows)."""

@@ -36,18 +36,26 @@ class Mask:
     """The onnx lowering's attention visibility as additive float32 biases (0 visible, -inf hidden), built
     once per block group, for query rows r = s*H + h: past [B, 1, T] over the cache buffer's T rows (valid:
     < valid_len), new [B or 1, S*H, R + S] over `extra_rows` [B, R, Dl+Dr] (rows of this step that are not
-    in the buffer, visible where extra_visible [B, R]) and, causally, the S new rows."""
+    in the buffer, visible where extra_visible [B, R], or per query token [B, S, R]) and the S new rows:
+    causally, or where new_visible [B, S, S] says (tree attention: each node sees its ancestors and itself)."""
 
-    def __init__(self, dims: Dims, heads: int, valid_len: Tensor, t, extra: tuple[Tensor, Tensor] | None = None):
+    def __init__(self, dims: Dims, heads: int, valid_len: Tensor, t, extra: tuple[Tensor, Tensor] | None = None,
+                 new_visible: Tensor | None = None):
         s = dims.s
         self.dims, self.t = dims, t
         self.extra_rows = None if extra is None else extra[0]
         self.past = _bias(torch.arange(t) < valid_len[:, None])[:, None, :]
         token = torch.arange(s * heads) // heads  # query row -> its token
-        causal = (torch.arange(s)[None, :] <= token[:, None])[None]  # [1, S*H, S]
+        if new_visible is None:
+            new = (torch.arange(s)[None, :] <= token[:, None])[None]  # [1, S*H, S]
+            new = new if extra is None else new.expand(dims.b, -1, -1)
+        else:
+            new = new_visible[:, token]
         if extra is not None:
-            causal = torch.cat([extra[1][:, None, :].expand(-1, s * heads, -1), causal.expand(dims.b, -1, -1)], -1)
-        self.new = _bias(causal)
+            seen = extra[1]
+            seen = seen[:, None, :].expand(-1, s * heads, -1) if seen.dim() == 2 else seen[:, token]
+            new = torch.cat([seen, new], -1)
+        self.new = _bias(new)
 
 
 def _bias(visible: Tensor) -> Tensor:

@@ -64,6 +64,14 @@ class Backend(ABC):
         (vanilla, K > 1) carry_out."""
         raise NotImplementedError
 
+    def tree_step(self, graph: str, n: int, input_ids: np.ndarray, tree_parents: np.ndarray, past_len: np.ndarray,
+                  thinking: np.ndarray, relaxed_topk: int, relaxed_delta: float) -> dict[str, np.ndarray]:
+        """One greedy tree step (tree graph `graph`, exporters/tree.py): input_ids [n, N+1] (last, then the tree),
+        tree_parents [n, N].  Commits the accepted path's rows.  Returns accepted_tokens, num_accepted,
+        thinking_out and the next tree: tree_tokens, tree_parents_out."""
+        raise MtpTrtError(f"{self.manifest.root}: tree drafting runs on ONNX Runtime only (this backend has no "
+                          f"tree step); use --tree-topk 1")
+
     @abstractmethod
     def swap_slots(self, i: int, j: int) -> None:
         """Exchange the cached rows of slots i and j (used when a sequence finishes)."""
@@ -226,10 +234,22 @@ class OrtBackend(Backend):
         return self.plans[name]
 
     def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, carry=None):
-        name = f"step_{input_ids.shape[1] - 1}"
+        return self._run_step(f"step_{input_ids.shape[1] - 1}", n, input_ids, past_len, thinking, relaxed_topk,
+                              relaxed_delta, carry=carry)
+
+    def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta):
+        if graph not in self.manifest.graphs:
+            raise MtpTrtError(f"{self.manifest.root}: the export has no tree graph {graph} (trees: "
+                              f"{', '.join(self.manifest.raw.get('trees') or []) or 'none'}); export with --trees "
+                              f"{graph[5:].replace('_', ':')}")
+        return self._run_step(graph, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta,
+                              tree_parents=tree_parents)
+
+    def _run_step(self, name, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, **extra):
+        """Run step or tree graph `name` on slots 0..n-1 and commit its rows (_step_plan)."""
         inputs, names, groups = self._step_plan(name)
         feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking, "relaxed_topk":
-                np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32), "carry": carry}
+                np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32), **extra}
         feed = {k: v for k, v in feed.items() if k in inputs}
         feed |= {kv: self.caches[family][i][:n] for _, entries in groups for kv, family, i, _ in entries}
         out = dict(zip(names, self.session(name).run(names, feed)))

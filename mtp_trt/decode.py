@@ -23,6 +23,7 @@ import numpy as np
 
 from mtp_trt.backend import Backend
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
+from mtp_trt.tree import TreeShape, chain_tree
 
 
 @dataclasses.dataclass
@@ -54,6 +55,8 @@ class State:
     q_dist: np.ndarray | None  # [B, K, V] drafter distributions (sampling only)
     mtp_len: np.ndarray  # [B, depths] committed rows of each MTP cache (eagle: 1 column)
     carry: np.ndarray | None  # [B, K, D] vanilla: depth k-1's hidden at row mtp_len[:, k-1]
+    tree_tokens: np.ndarray | None = None  # [B, N] tree drafting: the next step's tree (mtp_trt/tree.py)
+    tree_parents: np.ndarray | None = None  # [B, N]
 
 
 @dataclasses.dataclass
@@ -83,6 +86,7 @@ class DecodeOptions:
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
     think_ids: tuple[int, int] = (-1, -1)
+    tree: TreeShape | None = None  # greedy eagle tree drafting of depth nextn (sampling runs the chain)
 
 
 def thinking_after(tokens, flag: int, think_ids: tuple[int, int]) -> int:
@@ -241,6 +245,23 @@ def fused_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, 
             seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.drafts[i].tolist()))
 
 
+def tree_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, opts: DecodeOptions,
+              rows: int) -> None:
+    """Greedy tree drafting: verify the tree, accept its longest path, commit it and draft the next tree in one
+    backend call (the export's tree graph, exporters/tree.py)."""
+    n = st.n
+    ids = np.concatenate([st.last[:n, None], st.tree_tokens[:n]], 1).astype(np.int32)
+    out = backend.tree_step(opts.tree.graph, n, ids, st.tree_parents[:n], st.main_len[:n], st.thinking[:n],
+                            opts.relaxed_topk, opts.relaxed_delta)
+    st.thinking[:n] = out["thinking_out"]
+    accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
+    st.tree_tokens[:n], st.tree_parents[:n] = out["tree_tokens"], out["tree_parents_out"]
+    st.mtp_len[:n, 0] = st.main_len[:n]
+    for i in range(n):
+        if seqs[st.order[i]].finish_reason is None:
+            seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.tree_tokens[i].tolist()))
+
+
 def accept(st: State, seqs: list[Sequence], tokens: np.ndarray, num: np.ndarray, stats: Stats,
            opts: DecodeOptions, rows: int) -> np.ndarray:
     """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions.
@@ -283,7 +304,7 @@ def retire(backend: Backend, st: State, seqs: list[Sequence], *extra: np.ndarray
         if i != j:
             backend.swap_slots(i, j)
             for arr in (st.order, st.main_len, st.last, st.thinking, st.drafts, st.mtp_len, st.q_dist, st.carry,
-                        *extra):
+                        st.tree_tokens, st.tree_parents, *extra):
                 if arr is not None:
                     arr[[i, j]] = arr[[j, i]]
         st.n -= 1
@@ -310,6 +331,14 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
     retire(backend, st, seqs)
     fused = opts.sampling.greedy and backend.has_step(opts.nextn)
     vanilla = backend.manifest.mtp_mode == "vanilla"
+    if opts.tree is not None and opts.sampling.greedy and opts.nextn:
+        st.tree_tokens, st.tree_parents = chain_tree(st.drafts, opts.tree.budget)
+        while st.n:
+            tree_step(backend, st, seqs, stats, opts, rows)
+            if on_step:
+                on_step(seqs)
+            retire(backend, st, seqs)
+        return seqs, stats
     while st.n:
         # vanilla's step graph needs every depth's window to start at row >= 0 (main_len >= K - 1)
         if fused and not (vanilla and st.main_len[:st.n].min() < opts.nextn - 1):

@@ -1,0 +1,192 @@
+"""Tree drafting in one graph (eagle mode, onnx lowering): verify a draft tree, accept its longest path, commit
+that path's rows, and draft the next tree with the MTP module, EAGLE-2 style.
+
+A tree of N drafts per sequence travels as two tensors: tokens [B, N] and parents [B, N], node i + 1's parent
+(0 = the root, the newest accepted token `last`; node j's parent index < j).  The verify step feeds the root
+and the nodes as one row of N + 1 tokens, each at position past_len + its depth and attending to the cache and
+its ancestors (the tree mask).  Depths and ancestors are worked out here from the parents alone, so any
+parents give a lossless step: a node is accepted only if every node on its path equals the target's argmax
+at its parent (or passes relaxed acceptance while thinking), and a node not connected to the root within D
+steps is never accepted.
+
+Drafting (depth D, top-k, budget N): MTP depth 1 runs over the accepted path (true tokens, as in the chain)
+and its row at the bonus gives the root's k children.  At each further depth the k most likely frontier
+nodes -- ranked by the sum of draft log-probabilities along their path -- are expanded by one MTP row each
+(all k in one block call, each row seeing the committed cache, depth 1's accepted rows and its own
+ancestors' rows), giving k children each.  The N most likely of all candidates are the next tree: each
+child scores at most its parent, and ties go to the lower candidate index (ONNX TopK), which is the
+parent's, so the chosen nodes always include their parents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp_trt.exporters.graphs import _Graph, main_forward, mtp_block, row_at
+from mtp_trt.exporters.lowering import flag_after
+from mtp_trt.exporters.model import DeepseekV3
+
+Tensor = torch.Tensor
+
+
+def ancestors(parents: Tensor, depth: int) -> Tensor:
+    """Ancestor-or-self matrix [B, S, S] (bool) of a tree with S = N + 1 nodes, node 0 the root, from
+    parents [B, S] (the root's own entry 0), following at most `depth` parent links."""
+    s = parents.shape[1]
+    ids = torch.arange(s)
+    cur = ids[None, :].expand_as(parents)
+    seen = cur[..., None] == ids
+    for _ in range(depth):
+        cur = parents.gather(1, cur)
+        seen = seen | (cur[..., None] == ids)
+    return seen
+
+
+def topological(parents: Tensor) -> Tensor:
+    """parents [B, N] of nodes 1..N clamped to 0..i-1 for node i, with the root's entry 0 prepended -> [B, N + 1]
+    int64 (a malformed tree stays a tree: drafting never makes one, but the verify step must not trust it)."""
+    n = parents.shape[1]
+    limit = torch.arange(n)[None, :]
+    clamped = torch.minimum(parents.long().clamp(min=0), limit)
+    return torch.cat([torch.zeros_like(clamped[:, :1]), clamped], 1)
+
+
+def accept_tree(logits: Tensor, input_ids: Tensor, anc: Tensor, thinking: Tensor, relaxed_topk: Tensor,
+                relaxed_delta: Tensor, think_ids: tuple[int, int], parents: Tensor):
+    """The longest accepted root-to-node path of a verified tree.
+
+    logits [B, S, V] at the S = N + 1 nodes, input_ids [B, S] (the root first), anc [B, S, S] (ancestors()),
+    parents [B, S].  Node i > 0 is ok if its token equals the argmax at its parent, or -- while the thinking
+    flag after its strict ancestors' tokens (the root excluded: the previous step processed it) is on and
+    relaxed_topk > 0 -- ranks among the parent's top relaxed_topk with p >= p(top-1) - relaxed_delta.  A node is
+    accepted when it and all its ancestors are ok and the root is among them; the deepest accepted node wins
+    (the lowest index among equals).
+    -> best [B] (node index), depth of every node [B, S], accepted_tokens [B, D+1]-shaped later, thinking_out."""
+    lg = logits.float()
+    target = lg.argmax(-1).to(torch.int32)  # [B, S]
+    at_parent = lg.gather(1, parents[..., None].expand_as(lg))  # each node's parent's logits [B, S, V]
+    drafts = input_ids
+    ok = drafts == target.gather(1, parents)
+    depth = anc.to(torch.int32).sum(-1) - 1  # [B, S]
+    # the thinking flag before each node: after its strict ancestors' tokens, the root excluded
+    ids = torch.arange(anc.shape[1])
+    strict = anc & (ids[:, None] != ids[None, :])[None] & (ids > 0)
+    weight = torch.pow(2.0, depth.float())  # exact: depths are small
+    starts = (strict.float() * ((drafts == think_ids[0]).float() * weight)[:, None, :]).sum(-1)
+    ends = (strict.float() * ((drafts == think_ids[1]).float() * weight)[:, None, :]).sum(-1)
+    seen = (starts + ends) > 0
+    flag = (seen & (starts > ends)) | (~seen & (thinking[:, None] != 0))  # [B, S]
+    l_d = at_parent.gather(-1, drafts.long()[..., None])  # [B, S, 1]
+    vocab = torch.arange(lg.shape[-1], dtype=torch.int32)
+    rank = ((at_parent > l_d) | ((at_parent == l_d) & (vocab < drafts[..., None]))).to(torch.int32).sum(-1)
+    probs = at_parent.softmax(-1)
+    p_d = probs.gather(-1, drafts.long()[..., None])[..., 0]
+    ok = ok | ((rank < relaxed_topk) & (p_d >= probs.amax(-1) - relaxed_delta) & flag)
+    ok = ok | (torch.arange(anc.shape[1]) == 0)[None]  # the root
+    accepted = ~(anc & ~ok[:, None, :]).any(-1) & anc[..., 0]  # [B, S]
+    best = torch.where(accepted, depth, torch.full_like(depth, -1)).argmax(-1)  # [B] (first maximum)
+    bonus = target.gather(1, best[:, None])  # [B, 1]
+    before = flag.gather(1, best[:, None])
+    after_best = torch.where(best[:, None] == 0, (thinking[:, None] != 0).to(torch.int32),  # (no bool Where in ORT)
+                             flag_after(before, drafts.gather(1, best[:, None]), *think_ids).to(torch.int32))
+    thinking_out = flag_after(after_best != 0, bonus, *think_ids)[:, 0].to(torch.int32)
+    return best, depth, bonus, thinking_out
+
+
+class TreeStepGraph(_Graph):
+    """One greedy tree step in one call (see the module docstring): verify the tree, accept, commit the path's
+    rows, draft the next tree.  Eagle mode (one MTP module), onnx lowering.
+
+    inputs : input_ids [B, N+1] int32 (the root `last`, then the nodes), tree_parents [B, N] int32, past_len [B],
+             thinking [B], relaxed_topk [], relaxed_delta [], kv_0 .. kv_{L-1}, mtp_kv [B, T, Dl+Dr]
+    outputs: accepted_tokens [B, D+1] (the path's drafts, the bonus, then -1), num_accepted [B], thinking_out [B],
+             tree_tokens [B, N], tree_parents [B, N] (the next tree), new_kv_0 .. new_kv_{L-1} [B, D+1, Dl+Dr]
+             (the path's rows in order: the runtime commits them at past_len like a chain's), mtp_new_kv
+             [B, D+1, Dl+Dr] (MTP depth 1's rows over the path)."""
+
+    few_tokens = True
+
+    def __init__(self, model: DeepseekV3, depth: int, topk: int, budget: int, lowering: str,
+                 think_ids: tuple[int, int]):
+        super().__init__(model, lowering, think_ids)
+        self.depth, self.topk, self.budget = depth, topk, budget
+
+    def verify(self, input_ids, tree_parents, past_len, caches):
+        """The main model over the tree -> (hidden [B, S, D], logits [B, S, V], new rows, anc, parents)."""
+        parents = topological(tree_parents)
+        anc = ancestors(parents, self.depth)
+        depth = anc.to(torch.int64).sum(-1) - 1
+        b, s = input_ids.shape
+        group = self.group(b, s, past_len, past_len, caches[0], new_visible=anc,
+                           positions=past_len[:, None].long() + depth)
+        h, logits, rows = main_forward(self.model, group, input_ids, caches, self.lowering)
+        return h, logits, rows, anc, parents
+
+    def forward(self, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
+        layers, d_max = len(self.model.model.layers), self.depth
+        b = input_ids.shape[0]
+        h, logits, rows, anc, parents = self.verify(input_ids, tree_parents, past_len, caches[:layers])
+        best, depth, bonus, thinking_out = accept_tree(logits, input_ids, anc, thinking, relaxed_topk, relaxed_delta,
+                                                       self.think_ids, parents)
+        num = depth.gather(1, best[:, None])[:, 0]  # [B] drafts accepted
+        # the path: the ancestor of `best` at each depth 0..D (past the end: the root, rows never committed)
+        on_path = anc.gather(1, best[:, None, None].expand(-1, 1, anc.shape[2]))[:, 0]  # [B, S]
+        levels = torch.arange(d_max + 1)
+        pick = on_path[:, None, :] & (depth[:, None, :] == levels[None, :, None])  # [B, D+1, S]
+        path = (pick.long() * torch.arange(anc.shape[2])).sum(-1)  # [B, D+1]
+        col = levels[None, :]
+        later = torch.cat([input_ids.gather(1, path)[:, 1:], bonus], 1)  # the token after each path node
+        accepted = torch.where(col < num[:, None], later,
+                               torch.where(col == num[:, None], bonus, torch.full_like(bonus, -1)))
+        width = rows[0].shape[-1]
+        commits = [r.gather(1, path[..., None].expand(-1, -1, width)) for r in rows]
+        h_path = h.gather(1, path[..., None].expand(-1, -1, h.shape[-1]))
+        tokens, parents_out, mtp_rows = self.draft(h_path, accepted.clamp(min=0), num, past_len, caches[layers], b)
+        return (accepted, num.to(torch.int32), thinking_out, tokens, parents_out, *commits, mtp_rows)
+
+    def draft(self, h_path, tokens, num, past_len, cache, b):
+        """MTP depth 1 over the path, then the tree (module docstring) -> (tree_tokens, tree_parents) [B, N] and
+        depth 1's new rows [B, D+1, Dl+Dr]."""
+        m, k, d_max, width = self.model, self.topk, self.depth, self.model.cfg.hidden_size
+        group1 = self.group(b, d_max + 1, past_len, past_len, cache)
+        h1, rows1 = mtp_block(m, 0, h_path, tokens, group1, cache, self.lowering)
+        h_row = row_at(h1, num.long(), width)  # [B, 1, D] at the bonus
+        score, token = self.log_probs(h_row).topk(k, -1)  # [B, 1, k]
+        scores, toks = [score[:, 0]], [token[:, 0]]
+        parents = [torch.full((b, k), -1, dtype=torch.int64)]  # candidate index of each candidate's parent
+        f_score, f_tok, f_idx = score[:, 0], token[:, 0], torch.arange(k)[None, :].expand(b, -1)  # frontier [B, k]
+        f_hid = h_row.expand(-1, k, -1)
+        seen1 = torch.arange(d_max + 1)[None, :] <= num[:, None]  # depth 1's accepted rows [B, D+1]
+        extra_rows, f_seen = rows1, seen1[:, None, :].expand(-1, k, -1)  # [B, R, C], [B, k, R]
+        eye = (torch.arange(k)[:, None] == torch.arange(k)[None, :])[None].expand(b, -1, -1)  # (no bool EyeLike in ORT)
+        count = k
+        for d in range(2, d_max + 1):
+            pos = (past_len.long() + num.long() + d - 1)[:, None].expand(-1, k)  # each frontier node's MTP row
+            group = self.group(b, k, past_len, past_len, cache, (extra_rows, f_seen), eye, pos)
+            h_d, rows_d = mtp_block(m, 0, f_hid, f_tok, group, cache, self.lowering)
+            s, t = self.log_probs(h_d).topk(k, -1)  # [B, k, k]
+            child_score = (f_score[..., None] + s).reshape(b, k * k)
+            scores.append(child_score)
+            toks.append(t.reshape(b, k * k))
+            parents.append(f_idx[..., None].expand(-1, -1, k).reshape(b, k * k))
+            if d == d_max:
+                break
+            extra_rows = torch.cat([extra_rows, rows_d], 1)
+            f_seen = torch.cat([f_seen, eye], -1)  # each expanded row sees what its node saw, and itself
+            f_score, sel = child_score.topk(k, -1)  # the next frontier [B, k] (indices into the children)
+            row = sel // k  # the frontier row that made each
+            f_tok = toks[-1].gather(1, sel)
+            f_idx = count + sel
+            f_hid = h_d.gather(1, row[..., None].expand(-1, -1, width))
+            f_seen = f_seen.gather(1, row[..., None].expand(-1, -1, f_seen.shape[-1]))
+            count += k * k
+        scores, toks, parents = torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(parents, 1)
+        chosen = scores.topk(self.budget, -1).indices.sort(-1).values  # [B, N], candidate order
+        parent = parents.gather(1, chosen)  # candidate index or -1
+        match = (parent[..., None] == chosen[:, None, :]).long()  # [B, N, N]
+        node = torch.where(parent < 0, torch.zeros_like(parent), match.argmax(-1) + 1)
+        return toks.gather(1, chosen).to(torch.int32), node.to(torch.int32), rows1
+
+    def log_probs(self, h: Tensor) -> Tensor:
+        """The MTP module's log-probabilities [B, S, V] (fp32) from its output hidden states h [B, S, D]."""
+        return self.model.lm_head(self.model.mtp[0].shared_head.norm(h)).float().log_softmax(-1)
