@@ -153,6 +153,9 @@ def export(
     moe_form: str = typer.Option("auto", help="MoE layers: auto (onnx lowering: ONNX Runtime's MoE node; plugin: "
                                               "TensorRT's forms), tensorrt (standard operators, for plugin-free "
                                               "TensorRT engines), static, gather or ort in every graph."),
+    trees: str = typer.Option(None, help="Tree step graphs DEPTH:TOPK:BUDGET,... for `run --tree-topk` (eagle, "
+                                         "onnx lowering; default: the trees `mtp-trt bench` found best, up to "
+                                         "--nextn; none for none)."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
     from mtp_trt.exporters.export import export as run_export
@@ -160,7 +163,7 @@ def export(
     with StageDisplay(f"export {checkpoint}") as show:
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
                           max_batch=max_batch, max_seq_len=max_seq_len, progress=show,
-                          moe_form=None if moe_form == "auto" else moe_form)
+                          moe_form=None if moe_form == "auto" else moe_form, trees=trees)
     typer.echo(f"wrote {path}")
 
 
@@ -227,6 +230,10 @@ def run(
     seed: int = typer.Option(0, help="Random seed for sampling."),
     relaxed_topk: int = typer.Option(0, help="Relaxed acceptance while thinking: top-N (0 = strict)."),
     relaxed_delta: float = typer.Option(0.0, help="Relaxed acceptance: p(draft) >= p(top-1) - delta."),
+    tree_topk: int = typer.Option(None, help="Draft a tree of depth --nextn, expanding the k likeliest nodes per "
+                                             "level by k children (eagle, greedy; 1 = the chain; see --trees)."),
+    tree_budget: int = typer.Option(None, help="Tree nodes verified per step (default: the export's tree for "
+                                               "this depth and top-k)."),
     stop: list[str] = typer.Option(None, help="Stop string; repeat for several."),
     config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -273,7 +280,10 @@ def run(
                              bos=bos, verify=verify)
     manifest = runner.manifest
     opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
-                          relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta)
+                          relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, tree_topk=tree_topk,
+                          tree_budget=tree_budget)
+    if opts.tree is not None and not opts.sampling.greedy:
+        typer.secho("note: sampling drafts a chain (tree drafting is greedy only)", fg="yellow", err=True)
     encoded = [runner.encode(p) for p in prompts]
     ids = runner.fit(encoded, opts.nextn, truncate)  # a prompt too long is refused before any output
     stream = not json_out and len(prompts) == 1
@@ -306,9 +316,10 @@ def run(
             typer.secho(f"note: {r.message}", fg="yellow", err=True)
     s = report.summary()
     rates = " ".join(f"{a:.2f}" for a in s["acceptance_rate_per_position"]) or "-"
+    tree = f" tree {s['tree']} (depth:top-k:budget)" if s.get("tree") else ""
     typer.secho(f"\n{s['new_tokens']} new tokens in {s['seconds']:.2f} s ({s['tokens_per_second']:.1f} tokens/s), "
-                f"{manifest.mtp_mode} nextn={s['nextn']}: {s['mean_accepted_tokens_per_step']:.2f} tokens per step, "
-                f"acceptance per draft position: {rates}", fg="green", err=True)
+                f"{manifest.mtp_mode} nextn={s['nextn']}{tree}: {s['mean_accepted_tokens_per_step']:.2f} tokens per "
+                f"step, acceptance per draft {'depth' if tree else 'position'}: {rates}", fg="green", err=True)
 
 
 @app.command()

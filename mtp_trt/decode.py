@@ -35,7 +35,8 @@ class Sequence:
     finish_reason: str | None = None
     message: str = ""
     steps: int = 0  # verify steps run for this sequence
-    draft_log: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)  # (q, drafts) per step
+    # (q, drafts) per step; a tree step logs (q, its tokens then its parents)
+    draft_log: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
     @property
     def generated(self) -> list[int]:
@@ -259,7 +260,8 @@ def tree_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, o
     st.mtp_len[:n, 0] = st.main_len[:n]
     for i in range(n):
         if seqs[st.order[i]].finish_reason is None:
-            seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.tree_tokens[i].tolist()))
+            seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.tree_tokens[i].tolist() +
+                                                st.tree_parents[i].tolist()))
 
 
 def accept(st: State, seqs: list[Sequence], tokens: np.ndarray, num: np.ndarray, stats: Stats,

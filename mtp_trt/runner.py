@@ -129,6 +129,7 @@ class RunReport:
     stats: Stats
     seconds: float
     nextn: int
+    tree: str | None = None  # DEPTH:TOPK:BUDGET when a tree was drafted
 
     @property
     def new_tokens(self) -> int:
@@ -141,7 +142,7 @@ class RunReport:
     def summary(self) -> dict:
         return {"new_tokens": self.new_tokens, "seconds": round(self.seconds, 4),
                 "tokens_per_second": round(self.tokens_per_second, 2), "nextn": self.nextn,
-                "steps": self.stats.steps, "mean_accepted_tokens_per_step": round(self.stats.mean_accepted, 4),
+                "tree": self.tree, "steps": self.stats.steps, "mean_accepted_tokens_per_step": round(self.stats.mean_accepted, 4),
                 "acceptance_rate_per_position": [round(a, 4) for a in self.stats.acceptance_rate]}
 
 
@@ -161,12 +162,40 @@ class Runner:
             verify_export(manifest)  # remembered: a stat per file unless one changed since it was last hashed
         self.backend = backend or OrtBackend(manifest, threads=threads)
 
-    def options(self, nextn: int | None, **kwargs) -> DecodeOptions:
+    def options(self, nextn: int | None, tree_topk: int | None = None, tree_budget: int | None = None,
+                **kwargs) -> DecodeOptions:
+        """Decode options for this export; tree_topk >= 2 drafts a tree of depth nextn (mtp_trt/tree.py)."""
         m = self.manifest
         nextn = m.nextn if nextn is None else nextn
         if not 0 <= nextn <= m.nextn:
             raise MtpTrtError(f"--nextn must be in 0..{m.nextn} for this export ({m.root}), got {nextn}")
-        return DecodeOptions(nextn=nextn, eos_ids=m.eos_ids, think_ids=m.think_ids, **kwargs)
+        opts = DecodeOptions(nextn=nextn, eos_ids=m.eos_ids, think_ids=m.think_ids, **kwargs)
+        tree = self.tree(nextn, tree_topk, tree_budget)
+        return opts if tree is None else dataclasses.replace(opts, tree=tree)
+
+    def tree(self, nextn: int, topk: int | None, budget: int | None):
+        """The tree shape --tree-topk / --tree-budget ask for, among the export's tree graphs (None: the chain)."""
+        from mtp_trt.tree import tree_shape
+
+        if topk is None or topk == 1:
+            if budget is not None:
+                raise MtpTrtError("--tree-budget needs --tree-topk >= 2 (top-k 1 is the chain)")
+            return None
+        m = self.manifest
+        if m.mtp_mode != "eagle":
+            raise MtpTrtError(f"--tree-topk: tree drafting runs in eagle mode, but {m.root} is a {m.mtp_mode}-mode "
+                              f"export; use --mtp-mode eagle")
+        have = [t for t in m.raw.get("trees") or [] if t.startswith(f"{nextn}:{topk}:")]
+        tree_shape(nextn, topk, 1)  # depth and top-k in range
+        if budget is None and have:
+            budget = int(have[0].split(":")[2])
+        shape = tree_shape(nextn, topk, budget) if budget is not None else None
+        if shape is None or shape.spec not in have:
+            listed = ", ".join(m.raw.get("trees") or []) or "none"
+            raise MtpTrtError(f"{m.root}: the export has no tree of depth (--nextn) {nextn}, top-k {topk}"
+                              f"{'' if budget is None else f', budget {budget}'} (its trees, DEPTH:TOPK:BUDGET: "
+                              f"{listed}); export one with --trees {nextn}:{topk}:{budget or 2 * topk}")
+        return shape
 
     def encode(self, text: str) -> list[int]:
         """Prompt ids, with BOS first as the checkpoint's tokenizer (or --bos/--no-bos) says: mtp_trt.tokenizer."""
@@ -230,4 +259,5 @@ class Runner:
                 if x in text:
                     text = text[: text.index(x)]
             results.append(Result(p, text, s.generated, s.finish_reason or "length", s.message))
-        return RunReport(results, stats, seconds, opts.nextn)
+        tree = opts.tree.spec if opts.tree is not None and opts.sampling.greedy and opts.nextn else None
+        return RunReport(results, stats, seconds, opts.nextn, tree)

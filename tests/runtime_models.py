@@ -75,5 +75,5 @@ def make_random(path: Path, nextn: int = 2, seed: int = 0, **overrides) -> Path:
 
 
 def export_both(ckpt: Path, root: Path, nextn: int) -> dict[str, Path]:
-    return {mode: export(ckpt, root / mode, nextn=nextn, mtp_mode=mode, max_seq_len=256)
+    return {mode: export(ckpt, root / mode, nextn=nextn, mtp_mode=mode, max_seq_len=256, trees="none")
             for mode in ("eagle", "vanilla")}
