@@ -42,13 +42,15 @@ class Backend(ABC):
         """Run MTP graph `graph` over MTP cache `cache` on slots 0..n-1 and commit its rows.
         Returns hidden_out, draft_tokens, draft_probs (+ draft_logits)."""
 
-    def prepare(self, nextn: int, greedy: bool) -> None:
+    def prepare(self, nextn: int, greedy: bool, tree: str | None = None) -> None:
         """Load everything a decode with these options runs (called before it, so that timings exclude it)."""
 
-    def graphs_for(self, nextn: int, greedy: bool) -> list[str]:
+    def graphs_for(self, nextn: int, greedy: bool, tree: str | None = None) -> list[str]:
         """The graphs a decode with these options runs: the target (prefill), the MTP graphs (the first
-        drafts; every step's when not fused) and the step graph when there is one."""
+        drafts; every step's when not fused), the step graph when there is one, or the tree graph `tree`."""
         graphs = ["target", *dict.fromkeys(self.manifest.mtp_graphs[:nextn])]
+        if tree and greedy and nextn:
+            return graphs + [tree]
         return graphs + ([f"step_{nextn}"] if greedy and self.has_step(nextn) else [])
 
     def has_step(self, nextn: int) -> bool:
@@ -169,9 +171,10 @@ class OrtBackend(Backend):
             options.add_initializer(name, self.shared[key])
         return options
 
-    def prepare(self, nextn, greedy):
-        for name in self.graphs_for(nextn, greedy):
-            self.session(name)
+    def prepare(self, nextn, greedy, tree=None):
+        for name in self.graphs_for(nextn, greedy, tree):
+            if name in self.manifest.graphs:  # a missing tree graph is tree_step's error
+                self.session(name)
 
     def allocate(self, batch: int, rows: int) -> None:
         m = self.manifest

@@ -122,14 +122,18 @@ def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, rep
         jobs = {}
         for (engine, mode), runner in runners.items():
             prompts = runner.fit([runner.encode(p) for p in texts], runner.manifest.nextn)  # or one clear error
-            for nextn in range(runner.manifest.nextn + 1):
-                opts = runner.options(nextn, max_new_tokens=max_new_tokens)
-                runner.backend.prepare(nextn, True)
-                jobs[(engine, mode, nextn)] = lambda r=runner, p=prompts, o=opts: generate(r.backend, p, o)
+            configs = [(nextn, None) for nextn in range(runner.manifest.nextn + 1)]
+            if mode == "eagle" and engine == "mtp-trt/onnxruntime":  # tree drafting runs on ONNX Runtime
+                configs += [(int(t.split(":")[0]), t) for t in runner.manifest.raw.get("trees") or []]
+            for nextn, tree in configs:
+                topk, budget = (None, None) if tree is None else map(int, tree.split(":")[1:])
+                opts = runner.options(nextn, max_new_tokens=max_new_tokens, tree_topk=topk, tree_budget=budget)
+                runner.backend.prepare(nextn, True, opts.tree.graph if opts.tree else None)
+                jobs[(engine, mode, nextn, tree)] = lambda r=runner, p=prompts, o=opts: generate(r.backend, p, o)
         if hf:
-            jobs[("transformers.generate", "-", 0)] = hf(texts, max_new_tokens)
+            jobs[("transformers.generate", "-", 0, None)] = hf(texts, max_new_tokens)
         baseline = {}  # (engine, mode) -> nextn 0's tokens: every nextn must produce the same (greedy is lossless)
-        for (engine, mode, nextn), (rounds, result) in _round_robin(jobs, repeats).items():
+        for (engine, mode, nextn, tree), (rounds, result) in _round_robin(jobs, repeats).items():
             seconds = statistics.median(rounds)
             if engine == "transformers.generate":
                 tokens = batch * max_new_tokens
@@ -141,20 +145,23 @@ def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, rep
             seqs, stats = result
             tokens = sum(len(s.generated) for s in seqs)
             generated = baseline.setdefault((engine, mode), [s.generated for s in seqs])
-            rows.append({"engine": engine, "mode": mode, "batch": batch, "nextn": nextn,
+            rows.append({"engine": engine, "mode": mode, "batch": batch, "nextn": nextn, "tree": tree,
                          "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
                          "round_seconds": rounds,
                          "mean_accepted": stats.mean_accepted, "acceptance_rate": stats.acceptance_rate,
                          "same_tokens_as_nextn0": [s.generated for s in seqs] == generated})
             label = "" if engine == "mtp-trt/onnxruntime" else f"{engine[8:]} "
-            progress(f"{label}{mode:7s} batch {batch} nextn {nextn}: {tokens / seconds:8.1f} tokens/s, "
+            shape = f" tree {tree}" if tree else ""
+            progress(f"{label}{mode:7s} batch {batch} nextn {nextn}{shape}: {tokens / seconds:8.1f} tokens/s, "
                      f"{stats.mean_accepted:.2f} tokens/step")
     return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per batch and mode: nextn=0 over transformers, and the fastest nextn >= 1's speedup over nextn=0 against
-    its mean accepted tokens, whose inverse is what one of its steps costs in plain decode steps."""
+    its mean accepted tokens, whose inverse is what one of its steps costs in plain decode steps; where trees
+    ran, the fastest tree against that fastest chain (tokens/s) and against the chain of its depth (mean
+    accepted tokens per step)."""
     out = []
     for batch in sorted({r["batch"] for r in rows}):
         hf = next((r for r in rows if r["engine"] == "transformers.generate" and r["batch"] == batch), None)
@@ -164,16 +171,25 @@ def summarize(rows: list[dict]) -> list[dict]:
             if not mine:
                 continue
             base = next(r for r in mine if r["nextn"] == 0)
-            drafting = [r for r in mine if r["nextn"] > 0]
+            drafting = [r for r in mine if r["nextn"] > 0 and not r.get("tree")]
             if not drafting:
                 continue
             best = max(drafting, key=lambda r: ratio(r, base))  # the fastest nextn >= 1, even if < 1x
             speedup = ratio(best, base)
-            out.append({"batch": batch, "engine": engine, "mode": mode, "nextn0_over_transformers": ratio(base, hf) if hf else None,
-                        "best_nextn": best["nextn"], "speedup_over_nextn0": speedup,
-                        "mean_accepted": best["mean_accepted"],
-                        "speedup_over_mean_accepted": speedup / best["mean_accepted"],
-                        "step_cost_over_plain_step": best["mean_accepted"] / speedup})
+            row = {"batch": batch, "engine": engine, "mode": mode,
+                   "nextn0_over_transformers": ratio(base, hf) if hf else None,
+                   "best_nextn": best["nextn"], "speedup_over_nextn0": speedup,
+                   "mean_accepted": best["mean_accepted"],
+                   "speedup_over_mean_accepted": speedup / best["mean_accepted"],
+                   "step_cost_over_plain_step": best["mean_accepted"] / speedup}
+            trees = [r for r in mine if r.get("tree")]
+            if trees:
+                tree = max(trees, key=lambda r: ratio(r, base))
+                chain = next((r for r in drafting if r["nextn"] == tree["nextn"]), best)
+                row |= {"best_tree": tree["tree"], "tree_speedup_over_nextn0": ratio(tree, base),
+                        "tree_over_best_chain": ratio(tree, best), "tree_mean_accepted": tree["mean_accepted"],
+                        "tree_accepted_over_chain_same_depth": tree["mean_accepted"] - chain["mean_accepted"]}
+            out.append(row)
     return out
 
 
@@ -190,10 +206,12 @@ def plot(rows: list[dict], path: Path) -> bool:
     for ax, batch in zip(axes[0], batches):
         pairs = dict.fromkeys((r["engine"], r["mode"]) for r in rows if r["engine"] != "transformers.generate")
         for engine, mode in pairs:
-            pts = sorted((r["nextn"], r["tokens_per_second"]) for r in rows
-                         if (r["engine"], r["mode"]) == (engine, mode) and r["batch"] == batch)
+            mine = [r for r in rows if (r["engine"], r["mode"]) == (engine, mode) and r["batch"] == batch]
+            pts = sorted((r["nextn"], r["tokens_per_second"]) for r in mine if not r.get("tree"))
             if pts:
                 ax.plot(*zip(*pts), "o-" if mode == "eagle" else "s--", label=f"{engine} {mode}")
+            for r in (r for r in mine if r.get("tree")):
+                ax.plot(r["nextn"], r["tokens_per_second"], "^", label=f"{engine} {mode} tree {r['tree']}")
         hf = [r for r in rows if r["engine"] == "transformers.generate" and r["batch"] == batch]
         if hf:
             ax.axhline(hf[0]["tokens_per_second"], color="gray", ls=":", label="transformers generate")

@@ -336,7 +336,8 @@ def bench(
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     verify: bool = typer.Option(False, help="Hash every file of the exports again (see `mtp-trt run --verify`)."),
 ) -> None:
-    """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes against transformers' generate."""
+    """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes (and the eagle export's trees) against
+    transformers' generate."""
     import platform
 
     from mtp_trt import bench as b
@@ -378,7 +379,14 @@ def bench(
         typer.echo(f"{r['batch']:>5}  {r['engine'][8:]:<26}  {r['mode']:<7}  {hf:>19}  {r['best_nextn']:>10}  {r['speedup_over_nextn0']:6.2f}x"
                    f"  {r['mean_accepted']:13.2f}  {r['speedup_over_mean_accepted']:16.2f}"
                    f"  {r['step_cost_over_plain_step']:14.2f}x")
-    differ = [f"{r['mode']} batch {r['batch']} nextn {r['nextn']}" for r in rows if r.get("same_tokens_as_nextn0") is False]
+    for r in b.summarize(rows):
+        if r.get("best_tree"):
+            typer.echo(f"batch {r['batch']} {r['engine'][8:]} {r['mode']}: best tree {r['best_tree']} "
+                       f"(depth:top-k:budget) {r['tree_speedup_over_nextn0']:.2f}x nextn 0, "
+                       f"{r['tree_over_best_chain']:.2f}x the best chain; {r['tree_mean_accepted']:.2f} tokens/step, "
+                       f"{r['tree_accepted_over_chain_same_depth']:+.2f} over the chain of its depth")
+    differ = [f"{r['mode']} batch {r['batch']} nextn {r['nextn']}{' tree ' + r['tree'] if r.get('tree') else ''}"
+              for r in rows if r.get("same_tokens_as_nextn0") is False]
     if differ:
         typer.secho(f"warning: tokens differ from nextn 0 (greedy MTP must be lossless): {', '.join(differ)}",
                     fg="red", err=True)

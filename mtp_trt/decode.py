@@ -315,7 +315,7 @@ def retire(backend: Backend, st: State, seqs: list[Sequence], *extra: np.ndarray
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,
              on_step=None) -> tuple[list[Sequence], Stats]:
     """Decode a batch of prompts.  `on_step(seqs)` is called after every verify step (for streaming)."""
-    backend.prepare(opts.nextn, opts.sampling.greedy)
+    backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree.graph if opts.tree else None)
     rng = np.random.default_rng(seed)
     seqs = [Sequence(prompt=list(p)) for p in prompts]
     rows = min(backend.manifest.max_seq_len,

@@ -248,7 +248,8 @@ class Runner:
                     shown[i] = len(text)
 
         ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate)
-        self.backend.prepare(opts.nextn, opts.sampling.greedy)  # graph loading is not decoding time
+        self.backend.prepare(opts.nextn, opts.sampling.greedy,  # graph loading is not decoding time
+                             opts.tree.graph if opts.tree else None)
         t0 = time.perf_counter()
         seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)
         seconds = time.perf_counter() - t0

@@ -100,12 +100,15 @@ def test_bench_times_every_configuration_and_writes_json_and_plot(ckpt, tmp_path
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads(out.read_text())
     mine = [x for x in data["runs"] if x["engine"] == "mtp-trt/onnxruntime"]
-    assert sorted((x["mode"], x["batch"], x["nextn"]) for x in mine) == sorted(
-        (m, b, n) for m in ("eagle", "vanilla") for b in (1, 2) for n in range(3))
+    assert sorted((x["mode"], x["batch"], x["nextn"], x["tree"] or "") for x in mine) == sorted(
+        [(m, b, n, "") for m in ("eagle", "vanilla") for b in (1, 2) for n in range(3)]
+        + [("eagle", b, 2, "2:2:4") for b in (1, 2)])  # the eagle export's default tree up to depth 2
     assert all(x["same_tokens_as_nextn0"] and x["tokens_per_second"] > 0 for x in mine)
     assert all(1 <= x["mean_accepted"] <= x["nextn"] + 1 for x in mine)
     assert {x["batch"] for x in data["runs"] if x["engine"] == "transformers.generate"} == {1, 2}
     assert len(data["summary"]) == 4 and all(s["nextn0_over_transformers"] > 0 for s in data["summary"])
+    assert {s["mode"]: s.get("best_tree") for s in data["summary"]} == {"eagle": "2:2:4", "vanilla": None}
+    assert "best tree 2:2:4" in r.stdout
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
@@ -122,6 +125,20 @@ def test_bench_summary_judges_the_fastest_drafting_nextn():
     assert (s["best_nextn"], s["nextn0_over_transformers"]) == (1, 5.0)
     assert s["speedup_over_nextn0"] == pytest.approx(0.9) and s["speedup_over_mean_accepted"] == pytest.approx(0.5)
     assert s["step_cost_over_plain_step"] == pytest.approx(2.0)  # a step of nextn 1 costs two plain steps
+
+
+def test_bench_summary_sets_the_best_tree_against_the_chains():
+    from mtp_trt.bench import summarize
+
+    def row(nextn, tps, accepted, tree=None):
+        return {"engine": "mtp-trt/onnxruntime", "mode": "eagle", "batch": 1, "nextn": nextn, "tree": tree,
+                "tokens_per_second": tps, "mean_accepted": accepted}
+    rows = [row(0, 100.0, 1.0), row(1, 120.0, 1.8), row(3, 110.0, 2.8), row(3, 132.0, 3.3, "3:2:6"),
+            row(3, 125.0, 3.4, "3:3:8")]
+    (s,) = summarize(rows)
+    assert (s["best_nextn"], s["best_tree"]) == (1, "3:2:6")  # the chains' best is judged without the trees
+    assert s["tree_over_best_chain"] == pytest.approx(1.1) and s["tree_speedup_over_nextn0"] == pytest.approx(1.32)
+    assert s["tree_accepted_over_chain_same_depth"] == pytest.approx(0.5)  # against nextn 3's chain
 
 
 def test_bench_ratios_pair_the_runs_of_each_round():

@@ -88,6 +88,25 @@ def test_greedy_decode_equals_onnxruntime(setup, greedy, lowering, graphs):
         assert (launches > 0) == graphs, "the fused steps replay captured graphs exactly when asked"
 
 
+def test_tree_decoding_on_onnx_lowering_engines(setup, greedy):
+    """Tree drafting (eagle, the export's default tree) on plugin-free engines: the tree step's tensors bound and
+    its path rows committed by the runtime give ONNX Runtime's greedy tokens, with and without CUDA graphs; the
+    plugin lowering has no tree engines and says so in one error."""
+    from mtp_trt.tree import TreeShape
+
+    ref, engines = setup
+    if ref.mtp_mode != "eagle":
+        pytest.skip("tree drafting is eagle mode only")
+    tree = TreeShape(2, 2, 4)
+    for graphs in (True, False):
+        backend = fake_backend(engines["onnx"], ref, cuda_graphs=graphs)
+        got, stats = _tokens(backend, PROMPTS, _opts(K, tree=tree))
+        assert got == greedy[0] and stats.mean_accepted > 1
+        assert (backend.device.counts["graph_launches"] > 0) == graphs
+    with pytest.raises(MtpTrtError, match="no tree_2_2_4.engine .*--lowering onnx"):
+        _tokens(fake_backend(engines["plugin"], ref), PROMPTS, _opts(K, tree=tree))
+
+
 def test_relaxed_acceptance_and_sampling_equal_onnxruntime(setup):
     ref, engines = setup
     think = THINK[0]
