@@ -102,7 +102,10 @@ def tree_io(cfg: ModelConfig, dtype: str, lowering: str, tree: tuple[int, int, i
     inputs = [fix(inputs[0]), _spec("tree_parents", "int32", ["B", n]), *inputs[1:]]
     tree = [_spec("tree_tokens", "int32", ["B", n]), _spec("tree_parents_out", "int32", ["B", n])]
     outputs = [o for o in outputs if o["name"] != "drafts"]
-    return inputs, outputs[:3] + tree + outputs[3:]
+    outputs = outputs[:3] + tree + outputs[3:]
+    if lowering == "plugin":  # the verified nodes' rows sit at past_len + node: the runtime commits the path's
+        outputs += [_spec(f"path_kv_{i}", dtype, ["B", d + 1, cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
+    return inputs, outputs
 
 
 def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
@@ -267,15 +270,12 @@ def tree_shapes(trees: str | None, nextn: int, mtp_mode: str, lowering: str) -> 
     from mtp_trt import tree
 
     if trees is None:
-        ok = mtp_mode == "eagle" and lowering == "onnx"
+        ok = mtp_mode == "eagle"
         return tuple(t for t in tree.DEFAULT_TREES if ok and t.depth <= nextn)
     shapes = tree.parse_trees(trees)
     if shapes and mtp_mode != "eagle":
         raise MtpTrtError("--trees: tree drafting runs in eagle mode (one MTP module drafts every level); "
                           "export with --mtp-mode eagle")
-    if shapes and lowering != "onnx":
-        raise MtpTrtError("--trees: tree step graphs are exported in the onnx lowering only (the plugin attention "
-                          "has no tree mask input yet); export with --lowering onnx")
     deep = [t.spec for t in shapes if t.depth > nextn]
     if deep:
         raise MtpTrtError(f"--trees {','.join(deep)}: a tree's depth must be at most --nextn ({nextn})")
@@ -289,8 +289,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     exporters/moe.py FORMS for every graph (benchmarks compare them), or "tensorrt" (standard operators only:
     gather in the few-token step graphs, static elsewhere, as the plugin lowering does; for plugin-free
     TensorRT engines of an onnx-lowering export), instead of the lowering's choice.  trees: the tree step graphs
-    to export, 'D:k:N,...' (mtp_trt/tree.py; default: tree.DEFAULT_TREES up to depth nextn, in eagle mode and the
-    onnx lowering only)."""
+    to export, 'D:k:N,...' (mtp_trt/tree.py; default: tree.DEFAULT_TREES up to depth nextn, in eagle mode only)."""
     if moe_form not in (None, "tensorrt", *MOE_FORMS):
         raise MtpTrtError(f"--moe-form: unknown form {moe_form!r}; expected tensorrt, {', '.join(MOE_FORMS)}")
     ckpt, out = Path(ckpt), Path(out)
@@ -326,6 +325,8 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
             kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
             graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,
                             "kv_outputs": kv_outputs}
+            if name.startswith("tree_") and lowering == "plugin":  # rows the runtime writes after the engine
+                graphs[name]["commits"] = {f"kv_{i}": f"path_kv_{i}" for i in range(cfg.num_hidden_layers)}
         progress(f"sharing the weights of {len(graphs)} graphs")
         weights = share_weights(tmp, [g["file"] for g in graphs.values()])
         for g in graphs.values():

@@ -58,8 +58,9 @@ class Group:
     their own `positions` [B, S] (the root's position plus their depth) instead."""
 
     def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static",
-                 positions: Tensor | None = None):
+                 positions: Tensor | None = None, tree_mask: Tensor | None = None):
         self.rope, self.dims, self.write_pos, self.mask = rope, dims, write_pos, mask
+        self.tree_mask = tree_mask  # plugin lowering: which new rows each new row sees [B, S, S] (None: causal)
         self.moe = moe  # the MoE form (exporters/moe.py FORMS)
         if positions is None:
             positions = write_pos[:, None].long() + torch.arange(dims.s)[None, :]
@@ -98,10 +99,11 @@ def folded_mla(attn: MLA) -> tuple[Tensor | None, Tensor | None]:
     return wq, wo
 
 
-def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, lowering: str
-                  ) -> tuple[Tensor, Tensor]:
+def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, lowering: str,
+                  new_rows: list | None = None) -> tuple[Tensor, Tensor]:
     """One decoder block with absorbed MLA over the persistent cache.  -> (h [B, S, D], commit): the new rows
-    [B, S, Dl+Dr] in the onnx lowering, the cache with them written [B, T, Dl+Dr] in the plugin lowering."""
+    [B, S, Dl+Dr] in the onnx lowering, the cache with them written [B, T, Dl+Dr] in the plugin lowering.
+    `new_rows`, if given, gets the new rows appended (either lowering)."""
     attn: MLA = layer.self_attn
     cfg, dims, rope = attn.cfg, group.dims, group.rope
     nh, dn, dr, dl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -121,8 +123,11 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
         q_lat = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # q_nope absorbed through W^UK
     q_abs = torch.cat([q_lat, rope(q_pe, group.cos_h, group.sin_h)], -1)  # [B, S, H, Dl+Dr]
     latent = torch.cat([attn.kv_a_layernorm(c_kv), rope(k_pe, group.cos, group.sin)], -1)  # [B, S, Dl+Dr]
+    if new_rows is not None:
+        new_rows.append(latent)
     if lowering == "plugin":
-        o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl, cfg.softmax_scale)
+        o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl, cfg.softmax_scale,
+                                                       group.tree_mask)
     else:
         o_lat = attend(dims.rows(q_abs, dl + dr), latent, cache, group.mask, dl, cfg.softmax_scale)  # [B, S*H, Dl]
     if wo is not None:
@@ -137,15 +142,16 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
 
 
 # ----------------------------------------------------------------------------------------- graphs
-def main_forward(m: DeepseekV3, group: Group, input_ids, caches, lowering: str):
-    """The main model: (hidden [B, S, D] after the final norm, logits [B, S, V] fp32, commit per layer)."""
+def main_forward(m: DeepseekV3, group: Group, input_ids, caches, lowering: str, new_rows: list | None = None):
+    """The main model: (hidden [B, S, D] after the final norm, logits [B, S, V] fp32, commit per layer);
+    `new_rows`: see block_forward."""
     h = m.model.embed_tokens(input_ids)
-    new_rows = []
+    commits = []
     for layer, cache in zip(m.model.layers, caches):
-        h, rows = block_forward(layer, h, group, cache, lowering)
-        new_rows.append(rows)
+        h, commit = block_forward(layer, h, group, cache, lowering, new_rows)
+        commits.append(commit)
     h = m.model.norm(h)
-    return h, m.lm_head(h).float(), new_rows
+    return h, m.lm_head(h).float(), commits
 
 
 def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, group: Group, cache, lowering: str):
@@ -182,8 +188,10 @@ class _Graph(nn.Module):
         valid rows); extra / new_visible: see Mask."""
         dims = Dims(b, s)
         heads = self.model.cfg.num_attention_heads
-        mask = Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible) if self.lowering == "onnx" else None
-        return Group(self.rope, dims, write_pos, mask, self.moe, positions)
+        if self.lowering == "onnx":
+            return Group(self.rope, dims, write_pos, Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible),
+                         self.moe, positions)
+        return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:
         """The main model over the S rows at past_len (one block group) -> (group, hidden, logits, new rows)."""

@@ -80,11 +80,12 @@ def attend(q: Tensor, new_rows: Tensor, cache: Tensor, mask: Mask, kv_lora_rank:
 
 
 def mla_attention_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_len: Tensor, kv_lora_rank: int,
-                             scale: float) -> Tensor:
+                             scale: float, tree_mask: Tensor | None = None) -> Tensor:
     """The MlaGenerationAttention contract on its own: q [B, S, H, Dl+Dr] (absorbed), new_rows [B, S, Dl+Dr],
-    cache [B, T, Dl+Dr] with past_len [B] valid rows -> [B, S, H, Dl]."""
+    cache [B, T, Dl+Dr] with past_len [B] valid rows, tree_mask [B, S, S] (bool: which new rows each new row
+    sees; None: causal) -> [B, S, H, Dl]."""
     b, s, h, c = q.shape
-    mask = Mask(Dims(b, s), h, past_len, cache.shape[1])
+    mask = Mask(Dims(b, s), h, past_len, cache.shape[1], new_visible=tree_mask)
     return attend(q.reshape(b, s * h, c), new_rows, cache, mask, kv_lora_rank, scale).reshape(b, s, h, -1)
 
 
@@ -97,17 +98,19 @@ def commit_rows(cache: Tensor, new_rows: Tensor, past_len: Tensor) -> Tensor:
 
 class MlaGenerationAttentionOp(torch.autograd.Function):
     """Plugin lowering: one `mtp_trt::MlaGenerationAttention` node -> (out, kv_cache_out), the second output
-    aliased to the cache input (the plugin writes the new rows in place).  When traced it computes the
-    decomposed form and the committed cache, so later nodes that take kv_cache_out see the same values."""
+    aliased to the cache input (the plugin writes the new rows in place); with a tree_mask [B, S, S] (bool) a
+    fifth input.  When traced it computes the decomposed form and the committed cache, so later nodes that take
+    kv_cache_out see the same values."""
 
     @staticmethod
-    def forward(ctx, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
-        out = mla_attention_decomposed(q, new_rows, cache, past_len, kv_lora_rank, scale)
+    def forward(ctx, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float, tree_mask=None):
+        out = mla_attention_decomposed(q, new_rows, cache, past_len, kv_lora_rank, scale, tree_mask)
         return out, commit_rows(cache, new_rows, past_len)
 
     @staticmethod
-    def symbolic(g, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float):
-        return g.op("mtp_trt::MlaGenerationAttention", q, new_rows, cache, past_len, kv_lora_rank_i=kv_lora_rank,
+    def symbolic(g, q, new_rows, cache, past_len, kv_lora_rank: int, scale: float, tree_mask=None):
+        inputs = (q, new_rows, cache, past_len) + (() if tree_mask is None else (tree_mask,))
+        return g.op("mtp_trt::MlaGenerationAttention", *inputs, kv_lora_rank_i=kv_lora_rank,
                     softmax_scale_f=scale, plugin_version_s=str(ops.VERSION), outputs=2)
 
 

@@ -11,9 +11,9 @@ steps is never accepted.
 
 Drafting (depth D, top-k, budget N): MTP depth 1 runs over the accepted path (true tokens, as in the chain)
 and its row at the bonus gives the root's k children.  At each further depth the k most likely frontier
-nodes -- ranked by the sum of draft log-probabilities along their path -- are expanded by one MTP row each
-(all k in one block call, each row seeing the committed cache, depth 1's accepted rows and its own
-ancestors' rows), giving k children each.  The N most likely of all candidates are the next tree: each
+nodes -- ranked by the sum of draft log-probabilities along their path -- are expanded by the MTP module
+(all k in one block call, each node's row seeing the committed cache, depth 1's accepted rows and its own
+ancestors' rows: see TreeStepGraph.draft), giving k children each.  The N most likely of all candidates are the next tree: each
 child scores at most its parent, and ties go to the lower candidate index (ONNX TopK), which is the
 parent's, so the chosen nodes always include their parents.
 """
@@ -112,20 +112,22 @@ class TreeStepGraph(_Graph):
         self.depth, self.topk, self.budget = depth, topk, budget
 
     def verify(self, input_ids, tree_parents, past_len, caches):
-        """The main model over the tree -> (hidden [B, S, D], logits [B, S, V], new rows, anc, parents)."""
+        """The main model over the tree -> (hidden [B, S, D], logits [B, S, V], commits, new rows, anc, parents); the
+        commits are each layer's S new rows (onnx) or its cache with them written at past_len + node (plugin)."""
         parents = topological(tree_parents)
         anc = ancestors(parents, self.depth)
         depth = anc.to(torch.int64).sum(-1) - 1
         b, s = input_ids.shape
         group = self.group(b, s, past_len, past_len, caches[0], new_visible=anc,
                            positions=past_len[:, None].long() + depth)
-        h, logits, rows = main_forward(self.model, group, input_ids, caches, self.lowering)
-        return h, logits, rows, anc, parents
+        new_rows: list[Tensor] = []
+        h, logits, commits = main_forward(self.model, group, input_ids, caches, self.lowering, new_rows)
+        return h, logits, commits, new_rows, anc, parents
 
     def forward(self, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
         layers, d_max = len(self.model.model.layers), self.depth
         b = input_ids.shape[0]
-        h, logits, rows, anc, parents = self.verify(input_ids, tree_parents, past_len, caches[:layers])
+        h, logits, commits, rows, anc, parents = self.verify(input_ids, tree_parents, past_len, caches[:layers])
         best, depth, bonus, thinking_out = accept_tree(logits, input_ids, anc, thinking, relaxed_topk, relaxed_delta,
                                                        self.think_ids, parents)
         num = depth.gather(1, best[:, None])[:, 0]  # [B] drafts accepted
@@ -139,53 +141,69 @@ class TreeStepGraph(_Graph):
         accepted = torch.where(col < num[:, None], later,
                                torch.where(col == num[:, None], bonus, torch.full_like(bonus, -1)))
         width = rows[0].shape[-1]
-        commits = [r.gather(1, path[..., None].expand(-1, -1, width)) for r in rows]
+        plugin = self.lowering == "plugin"
+        path_rows = [r.gather(1, path[..., None].expand(-1, -1, width)) for r in rows]  # the runtime commits them
         h_path = h.gather(1, path[..., None].expand(-1, -1, h.shape[-1]))
-        tokens, parents_out, mtp_rows = self.draft(h_path, accepted.clamp(min=0), num, past_len, caches[layers], b)
-        return (accepted, num.to(torch.int32), thinking_out, tokens, parents_out, *commits, mtp_rows)
+        tokens, parents_out, mtp = self.draft(h_path, accepted.clamp(min=0), num, past_len, caches[layers], b)
+        outs = (accepted, num.to(torch.int32), thinking_out, tokens, parents_out)
+        return outs + ((*commits, mtp, *path_rows) if plugin else (*path_rows, mtp))
 
     def draft(self, h_path, tokens, num, past_len, cache, b):
         """MTP depth 1 over the path, then the tree (module docstring) -> (tree_tokens, tree_parents) [B, N] and
-        depth 1's new rows [B, D+1, Dl+Dr]."""
+        the MTP cache's commit: depth 1's new rows [B, D+1, Dl+Dr] (onnx) or the cache (plugin).
+
+        Each level's expansion runs, for each of the k frontier nodes, the rows of its whole path below the root
+        (depth 1 .. d-1; S = k (d-1) rows, each path causal within itself and blind to the others) at positions
+        past_len + num + 1 .., over the committed cache and depth 1's accepted rows: a node's row sees exactly
+        its ancestors' rows, with no cache rows to track between levels (the plugin attention's mask covers the
+        new rows only).  A path's earlier rows repeat the previous level's computation."""
         m, k, d_max, width = self.model, self.topk, self.depth, self.model.cfg.hidden_size
+        plugin = self.lowering == "plugin"
         group1 = self.group(b, d_max + 1, past_len, past_len, cache)
-        h1, rows1 = mtp_block(m, 0, h_path, tokens, group1, cache, self.lowering)
+        h1, commit1 = mtp_block(m, 0, h_path, tokens, group1, cache, self.lowering)
         h_row = row_at(h1, num.long(), width)  # [B, 1, D] at the bonus
         score, token = self.log_probs(h_row).topk(k, -1)  # [B, 1, k]
         scores, toks = [score[:, 0]], [token[:, 0]]
         parents = [torch.full((b, k), -1, dtype=torch.int64)]  # candidate index of each candidate's parent
-        f_score, f_tok, f_idx = score[:, 0], token[:, 0], torch.arange(k)[None, :].expand(b, -1)  # frontier [B, k]
-        f_hid = h_row.expand(-1, k, -1)
-        seen1 = torch.arange(d_max + 1)[None, :] <= num[:, None]  # depth 1's accepted rows [B, D+1]
-        extra_rows, f_seen = rows1, seen1[:, None, :].expand(-1, k, -1)  # [B, R, C], [B, k, R]
-        eye = (torch.arange(k)[:, None] == torch.arange(k)[None, :])[None].expand(b, -1, -1)  # (no bool EyeLike in ORT)
-        count = k
+        f_score, f_idx = score[:, 0], torch.arange(k)[None, :].expand(b, -1)  # the frontier [B, k]
+        f_tok, f_hid = token[:, 0, :, None], h_row[:, None].expand(-1, k, -1, -1)  # its paths [B, k, L], [B, k, L, D]
+        write = (past_len + num + 1).to(torch.int32)  # the first row after depth 1's accepted rows
+        seen1 = torch.arange(d_max + 1)[None, :] <= num[:, None]  # depth 1's accepted rows [B, D+1] (onnx)
+        mtp_cache, count = commit1 if plugin else cache, k
         for d in range(2, d_max + 1):
-            pos = (past_len.long() + num.long() + d - 1)[:, None].expand(-1, k)  # each frontier node's MTP row
-            group = self.group(b, k, past_len, past_len, cache, (extra_rows, f_seen), eye, pos)
-            h_d, rows_d = mtp_block(m, 0, f_hid, f_tok, group, cache, self.lowering)
-            s, t = self.log_probs(h_d).topk(k, -1)  # [B, k, k]
+            length = d - 1
+            row_path, row_e = torch.arange(k * length) // length, torch.arange(k * length) % length
+            visible = (row_path[:, None] == row_path[None, :]) & (row_e[None, :] <= row_e[:, None])
+            pos = write[:, None].long() + row_e[None, :]  # [B, k L]
+            group = self.group(b, k * length, write, past_len, mtp_cache, None if plugin else (commit1, seen1),
+                               visible[None].expand(b, -1, -1), pos)
+            h_d, cache_d = mtp_block(m, 0, f_hid.reshape(b, k * length, width), f_tok.reshape(b, k * length), group,
+                                     mtp_cache, self.lowering)
+            h_last = h_d.reshape(b, k, length, width)[:, :, length - 1]  # each frontier node's own row [B, k, D]
+            s, t = self.log_probs(h_last).topk(k, -1)  # [B, k, k]
             child_score = (f_score[..., None] + s).reshape(b, k * k)
             scores.append(child_score)
             toks.append(t.reshape(b, k * k))
             parents.append(f_idx[..., None].expand(-1, -1, k).reshape(b, k * k))
+            if plugin:
+                mtp_cache = cache_d
             if d == d_max:
                 break
-            extra_rows = torch.cat([extra_rows, rows_d], 1)
-            f_seen = torch.cat([f_seen, eye], -1)  # each expanded row sees what its node saw, and itself
             f_score, sel = child_score.topk(k, -1)  # the next frontier [B, k] (indices into the children)
-            row = sel // k  # the frontier row that made each
-            f_tok = toks[-1].gather(1, sel)
+            row = sel // k  # the frontier node that made each
+
+            def pick(x):
+                return x.gather(1, row.view(b, k, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
+            f_tok = torch.cat([pick(f_tok), toks[-1].gather(1, sel)[..., None]], 2)
+            f_hid = torch.cat([pick(f_hid), pick(h_last[:, :, None])], 2)
             f_idx = count + sel
-            f_hid = h_d.gather(1, row[..., None].expand(-1, -1, width))
-            f_seen = f_seen.gather(1, row[..., None].expand(-1, -1, f_seen.shape[-1]))
             count += k * k
         scores, toks, parents = torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(parents, 1)
         chosen = scores.topk(self.budget, -1).indices.sort(-1).values  # [B, N], candidate order
         parent = parents.gather(1, chosen)  # candidate index or -1
         match = (parent[..., None] == chosen[:, None, :]).long()  # [B, N, N]
         node = torch.where(parent < 0, torch.zeros_like(parent), match.argmax(-1) + 1)
-        return toks.gather(1, chosen).to(torch.int32), node.to(torch.int32), rows1
+        return toks.gather(1, chosen).to(torch.int32), node.to(torch.int32), mtp_cache if plugin else commit1
 
     def log_probs(self, h: Tensor) -> Tensor:
         """The MTP module's log-probabilities [B, S, V] (fp32) from its output hidden states h [B, S, D]."""

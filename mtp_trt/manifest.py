@@ -135,6 +135,15 @@ class GraphSpec:
     outputs: list[TensorSpec]
     kv_inputs: list[str]  # the persistent cache inputs, one per layer of this graph
     kv_outputs: list[str]  # same order: onnx lowering, the new rows to write back; plugin, the aliased cache outputs
+    # plugin lowering's tree graphs: cache input -> an output of rows the runtime writes at past_len after the call
+    commits: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, name: str, g: dict) -> GraphSpec:
+        """One entry of the manifest's "graphs" (KeyError / TypeError where it is malformed)."""
+        return cls(name=name, file=g["file"], sha256=g["sha256"], inputs=[TensorSpec(**t) for t in g["inputs"]],
+                   outputs=[TensorSpec(**t) for t in g["outputs"]], kv_inputs=g["kv_inputs"],
+                   kv_outputs=g["kv_outputs"], commits=g.get("commits", {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,12 +173,7 @@ class Manifest:
         path = root / "manifest.json"
         raw = read_manifest_json(path, FORMAT, FORMAT_VERSION, "export", "mtp-trt export")
         try:
-            graphs = {}
-            for name, g in raw["graphs"].items():
-                graphs[name] = GraphSpec(
-                    name=name, file=g["file"], sha256=g["sha256"],
-                    inputs=[TensorSpec(**t) for t in g["inputs"]], outputs=[TensorSpec(**t) for t in g["outputs"]],
-                    kv_inputs=g["kv_inputs"], kv_outputs=g["kv_outputs"])
+            graphs = {name: GraphSpec.from_dict(name, g) for name, g in raw["graphs"].items()}
             m = cls(root=root, raw=raw, config=ModelConfig.from_dict(raw["config"], source=f"{path} (config)"),
                     nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
                     max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,

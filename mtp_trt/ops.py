@@ -13,7 +13,9 @@ DOMAIN = "mtp_trt"
 # Every node also carries the string attribute `plugin_version` = str(VERSION): TensorRT's ONNX parser looks the
 # plugin creator up by (op type, that attribute, default "1"; namespace "").  It is not a plugin field.
 PLUGIN_VERSION_ATTRIBUTE = "plugin_version"
-VERSION = 2  # 2: MlaGenerationAttention returns its cache as an output aliased to the cache input
+# 2: MlaGenerationAttention returns its cache as an output aliased to the cache input; 3: and takes an optional
+# tree mask (tree drafting)
+VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,13 +25,15 @@ class OpSpec:
     inputs: tuple[tuple[str, str], ...]  # (name, "dtype [shape]: meaning")
     attributes: tuple[tuple[str, str], ...]  # (name, "type: meaning")
     outputs: tuple[tuple[str, str], ...]
+    optional: int = 0  # the last `optional` inputs may be left out
 
 
 MLA_GENERATION_ATTENTION = OpSpec(
     name="MlaGenerationAttention",
     doc="MLA attention over the compressed latent cache (absorbed form). Writes the S new latent rows into "
         "the cache at rows past_len[b] .. past_len[b]+S-1, then attends query s of sequence b over rows "
-        "0 .. past_len[b]+s (causal among the new rows).  V is the first Dl values of each row.  The write is "
+        "0 .. past_len[b]+s (causal among the new rows; with tree_mask, the rows 0 .. past_len[b]-1 and the new "
+        "rows j where tree_mask[b, s, j]).  V is the first Dl values of each row.  The write is "
         "in place: output kv_cache_out is aliased to input kv_cache (TensorRT's aliased plugin I/O, "
         "IPluginV3OneBuildV2.get_aliased_input(1) == 2): both are bound to the same buffer.",
     inputs=(
@@ -37,6 +41,7 @@ MLA_GENERATION_ATTENTION = OpSpec(
         ("new_rows", "same dtype [B, S, Dl+Dr]: normed c_kv then roped k_pe of the new tokens"),
         ("kv_cache", "same dtype [B, T, Dl+Dr]: the persistent latent cache of this layer (written in place)"),
         ("past_len", "int32 [B]: valid cached rows of each sequence before this step"),
+        ("tree_mask", "bool [B, S, S] (optional): new row j visible to new row s (tree attention; absent: causal)"),
     ),
     attributes=(
         ("kv_lora_rank", "int: Dl"),
@@ -44,6 +49,7 @@ MLA_GENERATION_ATTENTION = OpSpec(
     ),
     outputs=(("out", "same dtype [B, S, H, Dl]: softmax(scale q.row) @ row[:Dl]"),
              ("kv_cache_out", "same dtype [B, T, Dl+Dr]: kv_cache with the new rows written (aliased to input 2)")),
+    optional=1,
 )
 ALIASES = {"MlaGenerationAttention": {1: 2}, "MtpAccept": {}}  # op -> {output index: aliased input index}
 

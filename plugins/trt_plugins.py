@@ -11,8 +11,8 @@ workspace sizes.  `enqueue` (GPU only) launches the CUDA kernels of plugins/kern
 ctypes library of plugins/cuda_lib.py (prebuilt and shipped, see cuda_lib.load_library), loaded when a
 plugin is created for the runtime phase (engine deserialization), never inside enqueue:
 
-* MlaGenerationAttention -> mtp_mla_decode with new_rows (the KV commit, written in place) and mask
-  NULL (causal); split-KV workspace from the TensorRT workspace.  The write is legal: output 1,
+* MlaGenerationAttention -> mtp_mla_decode with new_rows (the KV commit, written in place) and the
+  optional fifth input, the tree mask (absent: NULL, causal); split-KV workspace from the TensorRT workspace.  The write is legal: output 1,
   kv_cache_out, is declared aliased to input 2 (IPluginV3OneBuildV2.get_aliased_input, builder
   preview feature ALIASED_PLUGIN_IO_10_03), so TensorRT gives both the same buffer.
 * MtpAccept -> mtp_accept_relaxed_dev (kernel ABI 3; relaxed_topk <= 0 is strict), reading the
@@ -176,8 +176,10 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
         @_reported
         def get_output_shapes(self, inputs, shape_inputs, exprs):
             q, rows, cache = inputs[0], inputs[1], inputs[2]
-            if (len(inputs), len(q), len(rows), len(cache), len(inputs[3])) != (4, 4, 3, 3, 1):
-                raise ValueError("expected q [B, S, H, D], new_rows [B, S, D], kv_cache [B, T, D], past_len [B]")
+            if len(inputs) not in (4, 5) or (len(q), len(rows), len(cache), len(inputs[3])) != (4, 3, 3, 1) or \
+                    (len(inputs) == 5 and len(inputs[4]) != 3):
+                raise ValueError("expected q [B, S, H, D], new_rows [B, S, D], kv_cache [B, T, D], past_len [B] "
+                                 "and optionally tree_mask [B, S, S]")
             dl = self.values["kv_lora_rank"]
             for name, d in (("q", q[3]), ("new_rows", rows[2]), ("kv_cache", cache[2])):
                 if d.is_constant() and d.get_constant_value() <= dl:
@@ -193,6 +195,8 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
                 return d.type in floats
             if pos == 3:
                 return d.type == trt.int32
+            if pos == 4 and num_inputs == 5:
+                return d.type == trt.bool  # the tree mask: one byte per entry, as the kernel reads it
             return d.type == in_out[0].desc.type  # new_rows, kv_cache, out, kv_cache_out
 
         @_reported
@@ -212,7 +216,8 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
             if ws != mla_workspace_size(B, S, H, dl, splits):  # the reserved size was computed with the latter
                 raise RuntimeError(f"the kernel library's split-KV workspace ({ws} bytes) differs from "
                                    f"plugins/trt_plugins.py's formula; update mla_workspace_size")
-            lib.mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], outputs[1], inputs[3], inputs[1], None,
+            mask = inputs[4] if len(input_desc) == 5 else None  # the tree mask, else causal
+            lib.mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], outputs[1], inputs[3], inputs[1], mask,
                            outputs[0], workspace if ws else None, ws, B, S, H, dl, D - dl, T,
                            self.values["softmax_scale"], splits, 0, stream)
 

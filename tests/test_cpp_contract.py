@@ -40,8 +40,9 @@ def parse_contract(text: str) -> dict:
         aliases = [int(x) for x in re.search(r"kAliasedInput\[\] = \{(.*?)\};", body).group(1).split(",")]
         enums = {k: re.findall(r"k\w+ = (\d+)", re.search(rf"enum {k} \{{(.*?)\}};", body).group(1))
                  for k in ("Input", "Output")}
+        optional = int(re.search(r"kOptionalInputs = (\d+);", body).group(1))
         out["ops"][name] = {"inputs": strings["kInputs"], "outputs": strings["kOutputs"], "fields": fields,
-                            "aliases": aliases, "enums": enums}
+                            "aliases": aliases, "enums": enums, "optional": optional}
     return out
 
 
@@ -62,6 +63,7 @@ def test_ops_match_ops_py(contract):
     for name, spec in ops.OPS.items():
         got = contract["ops"][name]
         assert got["inputs"] == [n for n, _ in spec.inputs], name
+        assert got["optional"] == spec.optional, name
         assert got["outputs"] == [n for n, _ in spec.outputs], name
         want_fields = [(n, FIELD_TYPES[doc.split(":")[0]]) for n, doc in spec.attributes]
         assert got["fields"] == want_fields, name

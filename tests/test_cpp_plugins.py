@@ -73,14 +73,14 @@ def test_creators_and_fields_match_python(api):
     bad = trt.PluginFieldCollection([trt.PluginField("kv_lora_rank", np.array([0], np.int32), trt.PluginFieldType.INT32),
                                      trt.PluginField("softmax_scale", np.array([1.0], np.float32),
                                                      trt.PluginFieldType.FLOAT32)])
-    assert reg.get_creator("MlaGenerationAttention", "2", "").create_plugin("x", bad, trt.TensorRTPhase.BUILD) is None
+    assert reg.get_creator("MlaGenerationAttention", str(ops.VERSION), "").create_plugin("x", bad, trt.TensorRTPhase.BUILD) is None
 
 
-def _model(op: str, dtype=TensorProto.FLOAT16):
+def _model(op: str, dtype=TensorProto.FLOAT16, tree_mask: bool = False):
     v = helper.make_tensor_value_info
     if op == "MlaGenerationAttention":
         ins = [v("q", dtype, ["B", "S", 4, 40]), v("new_rows", dtype, ["B", "S", 40]), v("kv", dtype, ["B", "T", 40]),
-               v("past_len", TensorProto.INT32, ["B"])]
+               v("past_len", TensorProto.INT32, ["B"])] + [v("tree_mask", TensorProto.BOOL, ["B", "S", "S"])] * tree_mask
         outs = [v("out", dtype, ["B", "S", 4, 32]), v("kv_out", dtype, ["B", "T", 40])]
     else:
         ins = [v("logits", TensorProto.FLOAT, ["B", "S", 96]), v("input_ids", TensorProto.INT32, ["B", "S"]),
@@ -98,7 +98,8 @@ def _model(op: str, dtype=TensorProto.FLOAT16):
 SHAPES = {"q": [(1, 1, 4, 40), (2, 3, 4, 40), (4, 3, 4, 40)], "new_rows": [(1, 1, 40), (2, 3, 40), (4, 3, 40)],
           "kv": [(1, 1, 40), (2, 64, 40), (4, 2048, 40)], "past_len": [(1,), (2,), (4,)],
           "logits": [(1, 1, 96), (2, 3, 96), (4, 3, 96)], "input_ids": [(1, 1), (2, 3), (4, 3)],
-          "thinking": [(1,), (2,), (4,)], "relaxed_topk": [(), (), ()], "relaxed_delta": [(), (), ()]}
+          "thinking": [(1,), (2,), (4,)], "relaxed_topk": [(), (), ()], "relaxed_delta": [(), (), ()],
+          "tree_mask": [(1, 1, 1), (2, 3, 3), (4, 3, 3)]}
 
 
 def _build(api, model: onnx.ModelProto, impl: str):
@@ -166,6 +167,17 @@ def test_engines_cross_implementations(api, op):
     aliases = {"kv_out": "kv"} if op == "MlaGenerationAttention" else {}
     _check_engine(api, eng_cpp, aliases, impl="python")
     _check_engine(api, eng_py, aliases, impl="cpp")
+
+
+def test_tree_masked_attention_builds_with_either_implementation(api):
+    """The optional fifth input, the tree mask (bool [B, S, S]), is accepted by both implementations' format and
+    shape checks and gives the same outputs and aliasing as the four-input node."""
+    model = _model("MlaGenerationAttention", TensorProto.FLOAT, tree_mask=True)
+    outs_cpp, eng_cpp = _build(api, model, "cpp")
+    outs_py, eng_py = _build(api, model, "python")
+    assert outs_cpp == outs_py == [("out", (-1, -1, 4, 32), api.trt.float32), ("kv_out", (-1, -1, 40), api.trt.float32)]
+    _check_engine(api, eng_cpp, {"kv_out": "kv"}, impl="python")
+    _check_engine(api, eng_py, {"kv_out": "kv"}, impl="cpp")
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def test_manifest_records_the_contract(exported):
     m = exported
     assert m.nextn == 2 and m.lowering == "onnx" and m.think_ids == THINK
     assert set(m.graphs) == {"target", "mtp_0", "step_0", "step_1", "step_2"} | (
-        {"mtp_1"} if m.mtp_mode == "vanilla" else set())
+        {"mtp_1"} if m.mtp_mode == "vanilla" else {"tree_2_2_4"})  # eagle: the default tree up to depth 2
     assert m.mtp_graphs == (["mtp_0", "mtp_0"] if m.mtp_mode == "eagle" else ["mtp_0", "mtp_1"])
     for g in m.graphs.values():
         model = onnx.load(m.root / g.file)
@@ -213,6 +213,9 @@ def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path, mod
     cfg = m.config
     attention_nodes = {"target": cfg.num_hidden_layers} | {f"step_{n}": cfg.num_hidden_layers + n
                                                             for n in range(m.nextn + 1)}
+    trees = m.raw["trees"] if mode == "eagle" else []
+    assert trees == (["2:2:4"] if mode == "eagle" else [])  # the default tree up to depth 2
+    attention_nodes |= {f"tree_{t.replace(':', '_')}": cfg.num_hidden_layers + int(t[0]) for t in trees}
     for name, g in m.graphs.items():
         model = onnx.load(m.root / g.file)
         onnx.checker.check_model(model)
@@ -222,10 +225,12 @@ def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path, mod
         accept = [n for n in custom if n.op_type == "MtpAccept"]
         assert len(attn) == attention_nodes.get(name, 1)
         assert len(accept) == (1 if name == "target" or name.startswith("step_") and name != "step_0" else 0)
+        # (a tree's acceptance is standard operators; its attention nodes take the tree mask, an optional input)
         assert {n.op_type for n in custom} <= set(OPS)
         for node in custom:
             spec = OPS[node.op_type]
-            assert len(node.input) == len(spec.inputs) and len(node.output) == len(spec.outputs)
+            assert len(spec.inputs) - spec.optional <= len(node.input) <= len(spec.inputs)
+            assert len(node.output) == len(spec.outputs)
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert set(attrs) == {a for a, _ in spec.attributes} | {ops.PLUGIN_VERSION_ATTRIBUTE}
             assert attrs[ops.PLUGIN_VERSION_ATTRIBUTE] == str(ops.VERSION).encode()

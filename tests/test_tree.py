@@ -163,7 +163,7 @@ def test_tree_positions_and_mask_match_cache_free_recomputation(setup):
     ids, parents, past_len, caches, expected, paths, depth = _verify_case(model, 0)
     deep = [[len(p) <= depth for p in rows] for rows in paths]  # nodes within the graph's depth
     with torch.no_grad():
-        _, logits, _, anc, _ = graph.verify(ids, parents, past_len, caches)
+        _, logits, _, _, anc, _ = graph.verify(ids, parents, past_len, caches)
     for b in range(2):
         for node in range(ids.shape[1]):
             if deep[b][node]:
@@ -221,6 +221,31 @@ def test_tree_acceptance_matches_a_walk_over_the_tree(setup, seed, relaxed):
             if relaxed[0] == 0:
                 target = expected[b].argmax(-1).numpy()
                 assert accept_tree_reference(target, ids[b, 1:].numpy(), parents[b].numpy(), depth) == (d, [0] + path)
+
+
+def test_plugin_lowering_computes_the_same_step(setup):
+    """The plugin lowering's tree step (tree mask into the attention node; expansions over the MTP cache it
+    writes in place; the path's rows as outputs for the runtime to commit) computes what the onnx lowering's does:
+    traced, each attention node runs its decomposed form, so the two modules are compared in PyTorch."""
+    model = setup[0]
+    ids, parents, past_len, caches, _, _, _ = _verify_case(model, 5)
+    mtp = torch.randn(2, 32, model.cfg.latent_dim) * 0.1
+    mtp[0, 6:], mtp[1, 4:] = 0.0, 0.0  # rows past past_len: never read before they are written
+    args = (ids, parents, past_len, torch.zeros(2, dtype=torch.int32), torch.tensor(0, dtype=torch.int32),
+            torch.tensor(0.0))
+    layers = model.cfg.num_hidden_layers
+    for shape in (TreeShape(3, 2, 6), TreeShape(3, 3, 8), TreeShape(2, 3, 5)):
+        with torch.no_grad():
+            onnx_out = TreeStepGraph(model, *vars(shape).values(), "onnx", THINK)(*args, *caches, mtp)
+            plug_out = TreeStepGraph(model, *vars(shape).values(), "plugin", THINK)(*args, *caches, mtp)
+        for a, b in zip(onnx_out[:5], plug_out[:5]):  # accepted, num, thinking, tree tokens, tree parents
+            assert torch.equal(a, b)
+        for a, b in zip(onnx_out[5:5 + layers], plug_out[6 + layers:]):  # the path's rows
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        num = plug_out[1]
+        for b in range(2):  # the MTP cache: depth 1's accepted rows written in place = onnx's rows to commit
+            p, n = int(past_len[b]), int(num[b]) + 1
+            torch.testing.assert_close(plug_out[5 + layers][b, p:p + n], onnx_out[-1][b, :n], atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ the drafted trees
@@ -311,11 +336,27 @@ def test_export_refuses_trees_it_cannot_run(setup, tmp_path):
     ckpt = setup[1].manifest.raw["checkpoint"]
     with pytest.raises(MtpTrtError, match="eagle mode"):
         export(ckpt, tmp_path / "v", nextn=2, mtp_mode="vanilla", trees="2:2:4")
-    with pytest.raises(MtpTrtError, match="onnx lowering only"):
-        export(ckpt, tmp_path / "p", nextn=2, lowering="plugin", trees="2:2:4")
     with pytest.raises(MtpTrtError, match="at most --nextn"):
         export(ckpt, tmp_path / "d", nextn=2, trees="3:2:4")
     assert not any(tmp_path.iterdir())
+
+
+def test_plugin_lowering_tree_graph(setup, tmp_path):
+    """The plugin lowering's tree graph: every attention node of the tree's rows takes the tree mask (bool [B, S, S])
+    as its fifth input; the path's rows are outputs that the manifest names as the runtime's commits."""
+    import onnx
+
+    ckpt = setup[1].manifest.raw["checkpoint"]
+    m = Manifest.load(export(ckpt, tmp_path / "p", nextn=2, lowering="plugin", max_seq_len=64, trees="2:2:4"))
+    g = m.graphs["tree_2_2_4"]
+    layers = m.config.num_hidden_layers
+    assert g.commits == {f"kv_{i}": f"path_kv_{i}" for i in range(layers)}
+    assert g.kv_outputs == [f"kv_{i}_out" for i in range(layers)] + ["mtp_kv_out"]
+    model = onnx.load(m.root / g.file, load_external_data=False)
+    attn = [n for n in model.graph.node if n.op_type == "MlaGenerationAttention"]
+    assert len(attn) == layers + 2  # the verify's layers, MTP depth 1, one expansion
+    assert [len(n.input) for n in attn] == [5] * layers + [4, 5]  # depth 1 over the path is causal
+    assert not [n for n in model.graph.node if n.op_type == "MtpAccept"]  # tree acceptance is standard operators
 
 
 def test_runner_picks_the_exported_tree(setup):

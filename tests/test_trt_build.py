@@ -429,7 +429,10 @@ def test_demo_checkpoint_builds_engines(tmp_path):
     m = em.EngineManifest.load(out, verify_hashes=True)
     cfg = ModelConfig.from_file(demo_model())
     k = cfg.num_nextn_predict_layers
-    assert set(m.engines) == {"target", "mtp_0"} | {f"step_{n}" for n in range(k + 1)}
+    trees = {"tree_2_2_4": 2, "tree_3_2_6": 3, "tree_3_3_8": 3}  # the default trees (tree.DEFAULT_TREES): depth
+    assert set(m.engines) == {"target", "mtp_0"} | {f"step_{n}" for n in range(k + 1)} | set(trees)
+    for name, depth in trees.items():  # the tree mask goes into the plugin; acceptance is standard operators
+        assert m.engines[name].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers + depth}
     assert m.engines["target"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers, "MtpAccept": 1}
     assert m.engines["step_0"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers}
     assert m.engines["mtp_0"].plugin_layers == {"MlaGenerationAttention": 1}

@@ -88,23 +88,25 @@ def test_greedy_decode_equals_onnxruntime(setup, greedy, lowering, graphs):
         assert (launches > 0) == graphs, "the fused steps replay captured graphs exactly when asked"
 
 
-def test_tree_decoding_on_onnx_lowering_engines(setup, greedy):
-    """Tree drafting (eagle, the export's default tree) on plugin-free engines: the tree step's tensors bound and
-    its path rows committed by the runtime give ONNX Runtime's greedy tokens, with and without CUDA graphs; the
-    plugin lowering has no tree engines and says so in one error."""
+@pytest.mark.parametrize("lowering", ["plugin", "onnx"])
+def test_tree_decoding_equals_onnxruntime(setup, greedy, lowering):
+    """Tree drafting (eagle, the export's default tree): the tree step's tensors bound and its accepted path's
+    rows committed by the runtime (both lowerings: the plugin engine's stand-in leaves garbage where it wrote
+    the tree's nodes, so a missing commit shows) give ONNX Runtime's greedy tokens, with and without CUDA graphs; a
+    tree the engines lack is one error."""
     from mtp_trt.tree import TreeShape
 
     ref, engines = setup
     if ref.mtp_mode != "eagle":
         pytest.skip("tree drafting is eagle mode only")
-    tree = TreeShape(2, 2, 4)
     for graphs in (True, False):
-        backend = fake_backend(engines["onnx"], ref, cuda_graphs=graphs)
-        got, stats = _tokens(backend, PROMPTS, _opts(K, tree=tree))
+        backend = fake_backend(engines[lowering], ref, cuda_graphs=graphs)
+        got, stats = _tokens(backend, PROMPTS, _opts(K, tree=TreeShape(2, 2, 4)))
         assert got == greedy[0] and stats.mean_accepted > 1
         assert (backend.device.counts["graph_launches"] > 0) == graphs
-    with pytest.raises(MtpTrtError, match="no tree_2_2_4.engine .*--lowering onnx"):
-        _tokens(fake_backend(engines["plugin"], ref), PROMPTS, _opts(K, tree=tree))
+        assert backend.kernels.calls > 0  # the path's rows were committed by the runtime
+    with pytest.raises(MtpTrtError, match="no tree_2_3_5.engine .*--trees 2:3:5"):
+        _tokens(fake_backend(engines[lowering], ref), PROMPTS, _opts(K, tree=TreeShape(2, 3, 5)))
 
 
 def test_relaxed_acceptance_and_sampling_equal_onnxruntime(setup):

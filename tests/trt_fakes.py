@@ -156,7 +156,12 @@ class FakeEngine:
             for cache, new in zip(self.ref.kv_inputs, self.ref.kv_outputs):
                 assert addresses[cache + "_out"] == addresses[cache], "aliased output not bound to its input"
                 start = feed["past_len"] + plan.cache_slot(cache).offset
-                write_rows(view(addresses[cache], shapes[cache], NP[specs[cache].dtype]), out[new], start)
+                rows = out[new]
+                if cache in self.io.commits:  # a tree step: the path's rows are an output for the runtime to commit;
+                    path = self.io.commits[cache]  # the plugin wrote the tree's nodes there, not the path: garbage
+                    view(addresses[path], rows.shape, rows.dtype)[...] = rows  # here (finite: ONNX Runtime's masked
+                    rows = np.full((rows.shape[0], feed["input_ids"].shape[1], rows.shape[2]), 1e3, rows.dtype)  # reads)
+                write_rows(view(addresses[cache], shapes[cache], NP[specs[cache].dtype]), rows, start)
 
 
 class FakeLoader:

@@ -79,15 +79,12 @@ class EngineManifest:
 def load_export_manifest(engine_dir: Path) -> Manifest:
     """The export manifest kept in the engine directory (export_manifest.json), without its ONNX files."""
     from mtp_trt.config import ModelConfig
-    from mtp_trt.manifest import GraphSpec, Manifest, TensorSpec
+    from mtp_trt.manifest import GraphSpec, Manifest
 
     path = Path(engine_dir) / EXPORT_MANIFEST
     try:
         raw = json.loads(path.read_text())
-        graphs = {n: GraphSpec(name=n, file=g["file"], sha256=g["sha256"],
-                               inputs=[TensorSpec(**t) for t in g["inputs"]],
-                               outputs=[TensorSpec(**t) for t in g["outputs"]], kv_inputs=g["kv_inputs"],
-                               kv_outputs=g["kv_outputs"]) for n, g in raw["graphs"].items()}
+        graphs = {n: GraphSpec.from_dict(n, g) for n, g in raw["graphs"].items()}
         return Manifest(root=engine_dir, raw=raw, config=ModelConfig.from_dict(raw["config"], source=str(path)),
                         nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
                         max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,

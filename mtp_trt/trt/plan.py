@@ -61,6 +61,7 @@ class EngineIO:
     kv_inputs: list[str]
     kv_outputs: list[str]  # same order: onnx lowering, the new rows to commit; plugin, aliased cache outputs
     aliases: dict[str, str]  # output -> input bound to the same buffer (plugin lowering's caches)
+    commits: dict[str, str]  # cache input -> output of rows the runtime writes into it at past_len after the call
 
     @property
     def data_inputs(self) -> list[TensorSpec]:
@@ -77,8 +78,13 @@ class EngineIO:
 
 
 def engine_io(graph: GraphSpec, lowering: str) -> EngineIO:
-    aliases = dict(zip(graph.kv_outputs, graph.kv_inputs)) if lowering == "plugin" else {}
-    return EngineIO(graph.name, graph.inputs, graph.outputs, graph.kv_inputs, graph.kv_outputs, aliases)
+    """The onnx lowering commits every cache's new rows; the plugin lowering writes them in place, except the rows
+    of a tree step's accepted path (graph.commits)."""
+    if lowering == "plugin":
+        aliases, commits = dict(zip(graph.kv_outputs, graph.kv_inputs)), dict(graph.commits)
+    else:
+        aliases, commits = {}, dict(zip(graph.kv_inputs, graph.kv_outputs))
+    return EngineIO(graph.name, graph.inputs, graph.outputs, graph.kv_inputs, graph.kv_outputs, aliases, commits)
 
 
 def check_aliases(io: EngineIO, recorded: dict[str, str]) -> None:

@@ -259,7 +259,7 @@ class TrtBackend(Backend):
             dev.copy("h2d", self.buffers[name].dev, self.buffers[name].host_ptr, n)
         if not ctx.execute_async_v3(dev.stream):
             raise MtpTrtError(f"{io.name}.engine: TensorRT could not enqueue the engine (see its log)")
-        for cache, new in zip(io.kv_inputs, io.kv_outputs) if self.lowering == "onnx" else ():
+        for cache, new in io.commits.items():
             slot = plan.cache_slot(cache, mtp_family)
             s_new = plan.shape(io.specs[new], dims)[1]
             lens = self.buffers["past_len" if slot.offset == 0 else f"past_len_minus{-slot.offset}"].dev
@@ -341,9 +341,8 @@ class TrtBackend(Backend):
 
     def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta):
         if graph not in self.em.engines:
-            raise MtpTrtError(f"{self.root}: no {graph}.engine (trees are exported in the onnx lowering only: build "
-                              f"engines of an export made with --lowering onnx --moe-form tensorrt --trees "
-                              f"{graph[5:].replace('_', ':')})")
+            raise MtpTrtError(f"{self.root}: no {graph}.engine (engines.json lists {', '.join(self.em.engines)}); "
+                              f"build engines of an export made with --trees {graph[5:].replace('_', ':')}")
         feed = {"input_ids": input_ids.astype(np.int32), "tree_parents": tree_parents.astype(np.int32),
                 "past_len": past_len.astype(np.int32), "thinking": thinking.astype(np.int32),
                 "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32)}

@@ -117,10 +117,11 @@ class PluginBase : public IPluginV3, public IPluginV3OneCore, public IPluginV3On
 
    protected:
     bool bad_io(int32_t nbInputs, int32_t nbOutputs, const char* where) const {
-        if (nbInputs == ct::count(Op::kInputs) && nbOutputs == ct::count(Op::kOutputs)) return false;
+        const int most = ct::count(Op::kInputs), least = most - Op::kOptionalInputs;
+        if (nbInputs >= least && nbInputs <= most && nbOutputs == ct::count(Op::kOutputs)) return false;
         error(std::string(Op::kName) + ": " + where + ": " + std::to_string(nbInputs) + " inputs and " +
-              std::to_string(nbOutputs) + " outputs, expected " + std::to_string(ct::count(Op::kInputs)) + " and " +
-              std::to_string(ct::count(Op::kOutputs)));
+              std::to_string(nbOutputs) + " outputs, expected " + std::to_string(least) +
+              (least == most ? "" : ".." + std::to_string(most)) + " and " + std::to_string(ct::count(Op::kOutputs)));
         return true;
     }
 
@@ -137,6 +138,7 @@ struct MlaOp {
     static constexpr const auto& kOutputs = ct::mla::kOutputs;
     static constexpr const auto& kFields = ct::mla::kFields;
     static constexpr const auto& kAliasedInput = ct::mla::kAliasedInput;
+    static constexpr int kOptionalInputs = ct::mla::kOptionalInputs;
 };
 struct AcceptOp {
     static constexpr const char* kName = ct::accept::kName;
@@ -144,6 +146,7 @@ struct AcceptOp {
     static constexpr const auto& kOutputs = ct::accept::kOutputs;
     static constexpr const auto& kFields = ct::accept::kFields;
     static constexpr const auto& kAliasedInput = ct::accept::kAliasedInput;
+    static constexpr int kOptionalInputs = ct::accept::kOptionalInputs;
 };
 
 // ---- MlaGenerationAttention ---------------------------------------------------------------------
@@ -171,6 +174,10 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
                   "past_len [B]");
             return -1;
         }
+        if (nbInputs > ct::mla::kTreeMask && in[ct::mla::kTreeMask].nbDims != 3) {
+            error("MlaGenerationAttention: expected tree_mask [B, S, S]");
+            return -1;
+        }
         const IDimensionExpr* last[] = {q.d[3], rows.d[2], cache.d[2]};
         for (int k = 0; k < 3; ++k) {
             if (last[k]->isConstant() && last[k]->getConstantValue() <= dl()) {
@@ -194,6 +201,7 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
         if (d.format != TensorFormat::kLINEAR) return false;
         if (pos == ct::mla::kQ) return d.type == DataType::kFLOAT || d.type == DataType::kHALF || d.type == DataType::kBF16;
         if (pos == ct::mla::kPastLen) return d.type == DataType::kINT32;
+        if (pos == ct::mla::kTreeMask && nbInputs > ct::mla::kTreeMask) return d.type == DataType::kBOOL;
         return d.type == io[ct::mla::kQ].desc.type;  // new_rows, kv_cache, out, kv_cache_out
     }
 
@@ -221,6 +229,7 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
         mB = static_cast<int>(q.d[0]), mS = static_cast<int>(q.d[1]), mH = static_cast<int>(q.d[2]);
         mDr = static_cast<int>(q.d[3]) - dl(), mT = static_cast<int>(cache.d[1]);
         mDtype = kernel_dtype(in[ct::mla::kQ].type);
+        mTreeMask = nbInputs > ct::mla::kTreeMask;
         if (mNumSms <= 0) {
             int dev = 0;
             if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -246,7 +255,9 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
         }
         const cudaError_t e = mtp_mla_decode(
             mDtype, inputs[ct::mla::kQ], cache, static_cast<const int32_t*>(inputs[ct::mla::kPastLen]),
-            inputs[ct::mla::kNewRows], nullptr, outputs[ct::mla::kOut], mWorkspace ? workspace : nullptr, mWorkspace,
+            inputs[ct::mla::kNewRows],
+            mTreeMask ? static_cast<const uint8_t*>(inputs[ct::mla::kTreeMask]) : nullptr,  // bool: one byte, 0 / 1
+            outputs[ct::mla::kOut], mWorkspace ? workspace : nullptr, mWorkspace,
             mB, mS, mH, dl(), mDr, mT, scale(), mSplits, 0, stream);
         if (e != cudaSuccess) {
             error(std::string("MlaGenerationAttention: mtp_mla_decode: ") + cudaGetErrorString(e));
@@ -257,6 +268,7 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
 
    private:
     int mB = 0, mS = 0, mH = 0, mDr = 0, mT = 0, mSplits = 1, mNumSms = 0;
+    bool mTreeMask = false;  // a fifth input: the tree mask [B, S, S]
     size_t mWorkspace = 0;
     mtp_dtype mDtype = MTP_DTYPE_F32;
 };

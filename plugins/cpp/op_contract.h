@@ -9,8 +9,8 @@
 namespace mtp_trt {
 namespace contract {
 
-inline constexpr int kVersion = 2;                // ops.VERSION
-inline constexpr char kVersionString[] = "2";     // the plugin version string (str(ops.VERSION))
+inline constexpr int kVersion = 3;                // ops.VERSION
+inline constexpr char kVersionString[] = "3";     // the plugin version string (str(ops.VERSION))
 inline constexpr char kNamespace[] = "";          // the plugin namespace the ONNX parser looks up
 inline constexpr char kDomain[] = "mtp_trt";      // ops.DOMAIN (ONNX domain of the nodes)
 
@@ -28,17 +28,19 @@ struct Field {
 
 namespace mla {  // MlaGenerationAttention
 inline constexpr char kName[] = "MlaGenerationAttention";
-inline constexpr const char* kInputs[] = {"q", "new_rows", "kv_cache", "past_len"};
+inline constexpr const char* kInputs[] = {"q", "new_rows", "kv_cache", "past_len", "tree_mask"};
+inline constexpr int kOptionalInputs = 1;  // tree_mask may be left out (then causal)
 inline constexpr const char* kOutputs[] = {"out", "kv_cache_out"};
 inline constexpr Field kFields[] = {{"kv_lora_rank", FieldType::kInt32}, {"softmax_scale", FieldType::kFloat32}};
 inline constexpr int kAliasedInput[] = {-1, 2};  // per output: the input it is aliased to, -1 none
-enum Input { kQ = 0, kNewRows = 1, kKvCache = 2, kPastLen = 3 };
+enum Input { kQ = 0, kNewRows = 1, kKvCache = 2, kPastLen = 3, kTreeMask = 4 };
 enum Output { kOut = 0, kKvCacheOut = 1 };
 }  // namespace mla
 
 namespace accept {  // MtpAccept
 inline constexpr char kName[] = "MtpAccept";
 inline constexpr const char* kInputs[] = {"logits", "input_ids", "thinking", "relaxed_topk", "relaxed_delta"};
+inline constexpr int kOptionalInputs = 0;
 inline constexpr const char* kOutputs[] = {"accepted_tokens", "num_accepted", "thinking_out"};
 inline constexpr Field kFields[] = {{"think_start_id", FieldType::kInt32}, {"think_end_id", FieldType::kInt32}};
 inline constexpr int kAliasedInput[] = {-1, -1, -1};
