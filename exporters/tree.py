@@ -1,4 +1,4 @@
-"""Tree drafting in one graph (eagle mode, onnx lowering): verify a draft tree, accept its longest path, commit
+"""Tree drafting in one graph (eagle mode, both lowerings): verify a draft tree, accept its longest path, commit
 that path's rows, and draft the next tree with the MTP module, EAGLE-2 style.
 
 A tree of N drafts per sequence travels as two tensors: tokens [B, N] and parents [B, N], node i + 1's parent
@@ -13,9 +13,9 @@ Drafting (depth D, top-k, budget N): MTP depth 1 runs over the accepted path (tr
 and its row at the bonus gives the root's k children.  At each further depth the k most likely frontier
 nodes -- ranked by the sum of draft log-probabilities along their path -- are expanded by the MTP module
 (all k in one block call, each node's row seeing the committed cache, depth 1's accepted rows and its own
-ancestors' rows: see TreeStepGraph.draft), giving k children each.  The N most likely of all candidates are the next tree: each
-child scores at most its parent, and ties go to the lower candidate index (ONNX TopK), which is the
-parent's, so the chosen nodes always include their parents.
+ancestors' rows: see TreeStepGraph.draft), giving k children each.  The N most likely of all candidates are
+the next tree: each child scores at most its parent, and ties go to the lower candidate index (ONNX TopK),
+which is the parent's, so the chosen nodes always include their parents.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def accept_tree(logits: Tensor, input_ids: Tensor, anc: Tensor, thinking: Tensor
     relaxed_topk > 0 -- ranks among the parent's top relaxed_topk with p >= p(top-1) - relaxed_delta.  A node is
     accepted when it and all its ancestors are ok and the root is among them; the deepest accepted node wins
     (the lowest index among equals).
-    -> best [B] (node index), depth of every node [B, S], accepted_tokens [B, D+1]-shaped later, thinking_out."""
+    -> (best [B]: the deepest accepted node, depth [B, S] of every node, bonus [B, 1]: the target's argmax at
+    best, thinking_out [B] int32: the flag after the path's tokens and the bonus)."""
     lg = logits.float()
     target = lg.argmax(-1).to(torch.int32)  # [B, S]
     at_parent = lg.gather(1, parents[..., None].expand_as(lg))  # each node's parent's logits [B, S, V]

@@ -246,9 +246,9 @@ def test_verification_is_remembered_until_a_file_changes(exp, tmp_path, monkeypa
     shutil.copytree(exp, root)
     m = Manifest.load(root)
     first = verify_export(m)
-    assert first["hashed"] == first["files"] == 6  # target, mtp_0, step_0..2, weights.bin
+    assert first["hashed"] == first["files"] == 7  # target, mtp_0, step_0..2, tree_2_2_4, weights.bin
     assert verify_export(m)["hashed"] == 0
-    assert verify_export(m, force=True)["hashed"] == 6
+    assert verify_export(m, force=True)["hashed"] == 7
     w = root / "weights.bin"
     st = w.stat()
     data = bytearray(w.read_bytes())

@@ -371,3 +371,27 @@ def test_runner_picks_the_exported_tree(setup):
     with pytest.raises(MtpTrtError, match="needs --tree-topk"):
         runner.options(3, tree_budget=6)
     assert tree_shape(3, 2, 6).graph in be.manifest.graphs
+
+
+def test_demo_tree_decoding_equals_transformers_generate(tmp_path):
+    """The bundled demo checkpoint: tree decoding of its export (depth 3, top-k 3, budget 8) gives the tokens
+    of transformers' DeepseekV3ForCausalLM greedy `generate`, and accepts more per step than the chain."""
+    transformers = pytest.importorskip("transformers")
+    from mtp_trt.runner import Runner, demo_model
+
+    demo = demo_model()
+    runner = Runner(Manifest.load(export(demo, tmp_path / "demo", nextn=3, max_seq_len=256, trees="3:3:8")))
+    ids = [runner.encode("def read_lines(path):\n    \"\"\"Return the lines of a file."),
+           runner.encode("class Stack:\n    def __init__(self):\n")]
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()
+    new = 40
+    want = []
+    for x in ids:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([x]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+        want.append(out[0, len(x):].tolist())
+    seqs, tree = generate(runner.backend, ids, runner.options(3, tree_topk=3, max_new_tokens=new))
+    assert [s.generated for s in seqs] == want
+    _, chain = generate(runner.backend, ids, runner.options(3, max_new_tokens=new))
+    assert tree.mean_accepted > chain.mean_accepted
