@@ -82,8 +82,8 @@ def main():
         prof_backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None)
         base = prof_backend.session_options
 
-        def profiled(file):
-            o = base(file)
+        def profiled(file, *args):
+            o = base(file, *args)
             if file == manifest.graphs[step].file:
                 o.enable_profiling = True
                 o.profile_file_prefix = str(Path(tmp) / "ort")

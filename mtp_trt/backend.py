@@ -96,12 +96,18 @@ class OrtBackend(Backend):
     weights.bin is memory-mapped once, read-only, and every session is handed the same memory for each of
     its weights (`SessionOptions.add_initializer` with an OrtValue over the mapping, made once per tensor),
     with ONNX Runtime's pre-packing of MatMul weights turned off (a pre-packed copy is per session, and
-    ONNX Runtime's Python API cannot share one).  Without it every session holds its own pre-packed copy,
-    which is faster: ~1.1x per decode step at 85M parameters (374 MB, memory-bound), 1.2-1.7x on the demo
-    (23 MB, cache-resident, where packing on every call costs most).  share_weights=None (default) shares
-    from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
+    ONNX Runtime's Python API cannot share one) -- except in the graphs named by `prepack` (prefixes; default
+    the step graphs, which run on every greedy decode step): those pre-pack a private copy of their dense
+    MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS reads a pre-packed
+    matrix ~2-3x faster than an unpacked one at one token (benchmarks/profile_step.py), and a greedy decode
+    runs one step graph, so this costs one copy of the dense weights (+69 MB at 85M parameters, 18% of
+    them) for 1.2x per step.  Without sharing every session holds its own pre-packed copy: ~1.1x faster
+    than sharing at 85M, 1.2-1.7x on the demo (23 MB, cache-resident, where packing on every call costs
+    most).  share_weights=None (default) shares from SHARE_WEIGHTS_BYTES of weights up, where the copies
+    cost more than the packing saves."""
 
-    def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None):
+    def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
+                 prepack: tuple[str, ...] = ("step_",)):
         import onnxruntime as ort
 
         if manifest.lowering != "onnx":
@@ -117,6 +123,7 @@ class OrtBackend(Backend):
         if share_weights is None:
             share_weights = weights.get("bytes", 0) >= SHARE_WEIGHTS_BYTES
         self.tables = weights.get("initializers") if share_weights else None
+        self.prepack = prepack  # graphs (name prefixes) that pre-pack a private copy even when sharing
         self.mapped: np.ndarray | None = None  # weights.bin, mapped on first use
         self.shared: dict[tuple, object] = {}  # (offset, ONNX type, dims) -> its OrtValue over the mapping
         self.sessions: dict[str, ort.InferenceSession] = {}  # created on first use: a run needs only some
@@ -132,15 +139,16 @@ class OrtBackend(Backend):
             g = self.manifest.graphs[name]
             path = self.manifest.root / g.file
             try:
-                options = self.session_options(g.file)
+                options = self.session_options(g.file, name.startswith(self.prepack))
                 self.sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
             except Exception as e:  # ORT's message is a long C++ trace: keep its first line
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise MtpTrtError(f"{path}: ONNX Runtime cannot load this graph ({first[:300]})") from None
         return self.sessions[name]
 
-    def session_options(self, file: str):
-        """The options of one graph's session: threads, no spinning and, when sharing, its weights."""
+    def session_options(self, file: str, prepack: bool = False):
+        """The options of one graph's session: threads, no spinning and, when sharing, its weights (without
+        pre-packing unless `prepack`)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -148,7 +156,8 @@ class OrtBackend(Backend):
         options.add_session_config_entry("session.force_spinning_stop", "1")
         if self.tables is None or file not in self.tables:
             return options
-        options.add_session_config_entry("session.disable_prepacking", "1")
+        if not prepack:
+            options.add_session_config_entry("session.disable_prepacking", "1")
         if self.mapped is None:
             self.mapped = np.memmap(self.manifest.root / self.manifest.raw["weights"]["file"], np.uint8, mode="r")
         for name, offset, length, onnx_type, dims in self.tables[file]:
