@@ -90,7 +90,10 @@ class OrtBackend(Backend):
 
     A decode step runs several sessions in turn (target, MTP graphs).  Each session's pool stops spinning
     when its run ends (`session.force_spinning_stop`): otherwise its idle threads spin on and fight the next
-    session's for the cores (measured 2-4x slower on 2 cores).
+    session's for the cores (measured 2-4x slower on 2 cores).  Nor do they spin between the kernels of a
+    run (`session.intra_op.allow_spinning` 0): on a busy machine a spinning thread takes the core from the
+    one doing the work (85M checkpoint, 2 threads, other processes running: 1.4-1.7x faster without; the
+    demo: 2.7x), while the best runs of each are the same within 5% (benchmarks/shared_weights.py).
 
     One copy of the weights per process (`share_weights`; where the export lists its initializers):
     weights.bin is memory-mapped once, read-only, and every session is handed the same memory for each of
@@ -124,6 +127,7 @@ class OrtBackend(Backend):
             share_weights = weights.get("bytes", 0) >= SHARE_WEIGHTS_BYTES
         self.tables = weights.get("initializers") if share_weights else None
         self.prepack = prepack  # graphs (name prefixes) that pre-pack a private copy even when sharing
+        self.spin = False  # whether ONNX Runtime's threads spin between the kernels of a run (below)
         self.mapped: np.ndarray | None = None  # weights.bin, mapped on first use
         self.shared: dict[tuple, object] = {}  # (offset, ONNX type, dims) -> its OrtValue over the mapping
         self.sessions: dict[str, ort.InferenceSession] = {}  # created on first use: a run needs only some
@@ -154,6 +158,7 @@ class OrtBackend(Backend):
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.threads
         options.add_session_config_entry("session.force_spinning_stop", "1")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         if self.tables is None or file not in self.tables:
             return options
         if not prepack:
