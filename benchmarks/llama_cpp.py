@@ -17,13 +17,19 @@ Each engine configuration runs in a process of its own (a worker: llama.cpp, or 
 that its peak RSS (VmHWM) is its own; the parent runs one timed decode per worker in turn, round-robin,
 while the others wait, and prints medians of two rates: decode tokens/s = (new tokens - 1) / the time after the
 first token (the prompt's pass excluded: for mtp-trt, the time of a one-token generation subtracted), and
-new tokens / the whole generation's time (prompt included, as benchmarks/real_size.py reports).
+new tokens / the whole generation's time (prompt included, as benchmarks/real_size.py reports); and the best
+round's decode rate (the quietest moment of a shared machine).  Both engines run without busy-waiting
+threads: OrtBackend's default, and OMP_WAIT_POLICY=PASSIVE for llama.cpp's OpenMP build (unless set
+otherwise in the environment; on this busy 2-core VM it made llama.cpp's 2-thread decoding ~2x faster).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import statistics
 import subprocess
 import sys
@@ -82,6 +88,45 @@ def convert_child(src: str, ckpt: str, out: str) -> dict:
     return {"seconds": time.perf_counter() - t0}
 
 
+def active_bytes(ckpt: Path) -> int:
+    """f32 bytes of the main model's weights one decoded token reads: every layer's tensors, the routed experts
+    at k/E, the head; neither the embedding (one row) nor the MTP layers."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    with open(ckpt / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    total = 0.0
+    for name, t in header.items():
+        if name == "__metadata__" or "embed_tokens" in name:
+            continue
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer and int(layer.group(1)) >= cfg["num_hidden_layers"]:
+            continue
+        n = 4 * math.prod(t["shape"])
+        total += n * cfg["num_experts_per_tok"] / cfg["n_routed_experts"] if ".mlp.experts." in name else n
+    return int(total)
+
+
+def margins_child(ckpt: str, ids: list[int], runs: dict[str, list[int]]) -> dict:
+    """(in a child process) transformers' greedy tokens on `ckpt`: where each engine's tokens first differ from
+    them, and transformers' top-2 logit margin there (a near tie that float rounding can flip)."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    n = max(len(v) for v in runs.values())
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1:]
+    report = {}
+    for name, toks in runs.items():
+        d = next((i for i, (x, y) in enumerate(zip(toks, out)) if x != y), None)
+        top = logits[d].topk(2).values.tolist() if d is not None else None
+        report[name] = {"first_difference": d, "top2_margin": None if top is None else top[0] - top[1]}
+    return report
+
+
 def prompt_ids(tokenizer_json: Path) -> list[int]:
     from tokenizers import Tokenizer
 
@@ -92,27 +137,34 @@ class LlamaWorker:
     """llama.cpp through llama-cpp-python: the prompt in one eval, then one eval per token, argmax of the logits."""
 
     def __init__(self, gguf: str, ids: list[int], tokens: int, threads: int):
-        try:
+        here = str(Path(__file__).resolve().parent)
+        saved, sys.path[:] = sys.path[:], [p for p in sys.path if str(Path(p or ".").resolve()) != here]
+        try:  # the package, not this script of the same name
             from llama_cpp import Llama
         except ImportError:
             raise SystemExit(f"{sys.executable}: llama_cpp is not installed; `pip install llama-cpp-python` "
                              f"(or pass --llama-python with a Python that has it)") from None
+        finally:
+            sys.path[:] = saved
         import numpy as np
 
-        self.np, self.ids, self.tokens = np, ids, tokens
+        self.ids, self.tokens = ids, tokens
         self.llm = Llama(gguf, n_ctx=len(ids) + tokens + 16, n_batch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
+        n_vocab = self.llm.n_vocab()
+        # eval() computes the last position's logits but no longer copies them to .scores: read llama.cpp's
+        self.argmax = lambda: int(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(n_vocab,)).argmax())
 
     def __call__(self) -> list[int]:
-        llm, np = self.llm, self.np
+        llm = self.llm
         t0 = time.perf_counter()
         llm.reset()
         llm.eval(self.ids)
-        out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        out = [self.argmax()]
         self.first = time.perf_counter() - t0  # prompt + first token
         while len(out) < self.tokens:
             llm.eval(out[-1:])
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            out.append(self.argmax())
         return out
 
 
@@ -158,7 +210,8 @@ def worker(kind: str, *args) -> None:
 class Worker:
     def __init__(self, python: str, kind: str, *args):
         cmd = [python, __file__, "--worker", json.dumps([kind, *args])]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        env = os.environ | {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.ready = self.ask(None)
 
     def ask(self, line: str | None) -> dict:
@@ -216,6 +269,8 @@ def main():
     ap.add_argument("--llama-python", default=sys.executable, help="a Python with llama_cpp installed")
     ap.add_argument("--nextn", type=int, nargs="+", default=None,
                     help="mtp-trt configurations (default: 0 1 2 3 on the demo, 0 on the others)")
+    ap.add_argument("--transformers", action="store_true",
+                    help="also compare every engine's tokens with transformers' greedy decoding (slow at 304m)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -227,7 +282,7 @@ def main():
         return
     if a.child:
         name, *args = json.loads(a.child)
-        print(json.dumps({"convert": convert_child, "export_demo": export_demo_child}[name](*args)))
+        print(json.dumps({"convert": convert_child, "export_demo": export_demo_child, "margins": margins_child}[name](*args)))
         return
     if not a.sdist.is_file():
         raise SystemExit(f"--sdist {a.sdist}: no such file (llama-cpp-python's .tar.gz source distribution)")
@@ -245,19 +300,35 @@ def main():
                 runs[k].append(w.ask("run"))
         rss = {k: w.close() for k, w in workers.items()}
         rate = {k: (a.tokens / statistics.median(r["seconds"] for r in rs),  # whole generation
-                    (a.tokens - 1) / statistics.median(r["seconds"] - r["first"] for r in rs))  # after the first token
+                    (a.tokens - 1) / statistics.median(r["seconds"] - r["first"] for r in rs),  # after the first token
+                    (a.tokens - 1) / min(r["seconds"] - r["first"] for r in rs))  # the best round's
                 for k, rs in runs.items()}
         ref = runs["llama.cpp"][-1]["generated"]
+        ckpt = DEMO if size == "demo" else make_checkpoint(size)
+        streamed = active_bytes(ckpt)
+        print(f"{size}: {streamed / 1e6:.1f} MB of f32 weights read per decoded token (active parameters)")
         for k, rs in runs.items():
             same = rs[-1]["generated"] == ref
+            first_diff = next((i for i, (x, y) in enumerate(zip(rs[-1]["generated"], ref)) if x != y), None)
             row = {"size": size, "engine": k, "tokens_per_second": rate[k][0], "decode_tokens_per_second": rate[k][1],
-                   "peak_rss_mb": rss[k], "same_tokens_as_llama_cpp": same, "mean_accepted": rs[-1].get("mean_accepted"),
+                   "best_decode_tokens_per_second": rate[k][2],
+                   "peak_rss_mb": rss[k], "same_tokens_as_llama_cpp": same, "first_difference": first_diff, "mean_accepted": rs[-1].get("mean_accepted"),
                    "runs": [{x: r[x] for x in ("seconds", "first")} for r in rs]}
             report.append(row)
+            row["weights_gb_per_s"] = streamed * rate[k][1] / 1e9 / (row["mean_accepted"] or 1.0)
             print(f"{size:5s} {k:17s} decode {rate[k][1]:7.1f} tokens/s ({rate[k][1] / rate['llama.cpp'][1]:.2f}x "
-                  f"llama.cpp), with the prompt {rate[k][0]:7.1f} ({rate[k][0] / rate['llama.cpp'][0]:.2f}x); peak RSS "
+                  f"llama.cpp; weights at {row['weights_gb_per_s']:.1f} GB/s; best round {rate[k][2]:.1f}, "
+                  f"{rate[k][2] / rate['llama.cpp'][2]:.2f}x), with the prompt {rate[k][0]:7.1f} ({rate[k][0] / rate['llama.cpp'][0]:.2f}x); peak RSS "
                   f"{rss[k]:6.0f} MB ({rss[k] / rss['llama.cpp']:.2f}x); greedy tokens = llama.cpp's: {same}"
+                  + (f" (first difference at new token {first_diff})" if not same else "")
                   + (f"; accepted/step {row['mean_accepted']:.2f}" if row["mean_accepted"] else ""), flush=True)
+        if a.transformers:
+            engines = {k: rs[-1]["generated"] for k, rs in runs.items()}
+            for k, v in child_script("margins", str(ckpt), ids, engines).items():
+                print(f"{size:5s} {k:17s} vs transformers' greedy tokens: " + (
+                    "equal" if v["first_difference"] is None else
+                    f"first difference at new token {v['first_difference']}, where transformers' top-2 logits are "
+                    f"{v['top2_margin']:.1e} apart"), flush=True)
     print(json.dumps(report))
 
 
