@@ -91,9 +91,10 @@ class OrtBackend(Backend):
     A decode step runs several sessions in turn (target, MTP graphs).  Each session's pool stops spinning
     when its run ends (`session.force_spinning_stop`): otherwise its idle threads spin on and fight the next
     session's for the cores (measured 2-4x slower on 2 cores).  Nor do they spin between the kernels of a
-    run (`session.intra_op.allow_spinning` 0): on a busy machine a spinning thread takes the core from the
-    one doing the work (85M checkpoint, 2 threads, other processes running: 1.4-1.7x faster without; the
-    demo: 2.7x), while the best runs of each are the same within 5% (benchmarks/shared_weights.py).
+    run (`session.intra_op.allow_spinning` 0; `spin = True` restores it): on a busy machine a spinning
+    thread takes the core from the one doing the work (85M checkpoint, 2 threads on 2 shared cores, medians:
+    80 against 45 tokens/s; the demo 2.7x), which costs up to 1.2x at the quietest moments (best runs 93
+    against 112 tokens/s; benchmarks/shared_weights.py).
 
     One copy of the weights per process (`share_weights`; where the export lists its initializers):
     weights.bin is memory-mapped once, read-only, and every session is handed the same memory for each of
@@ -101,13 +102,13 @@ class OrtBackend(Backend):
     with ONNX Runtime's pre-packing of MatMul weights turned off (a pre-packed copy is per session, and
     ONNX Runtime's Python API cannot share one) -- except in the graphs named by `prepack` (prefixes; default
     the step graphs, which run on every greedy decode step): those pre-pack a private copy of their dense
-    MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS reads a pre-packed
-    matrix ~2-3x faster than an unpacked one at one token (benchmarks/profile_step.py), and a greedy decode
-    runs one step graph, so this costs one copy of the dense weights (+69 MB at 85M parameters, 18% of
-    them) for 1.2x per step.  Without sharing every session holds its own pre-packed copy: ~1.1x faster
-    than sharing at 85M, 1.2-1.7x on the demo (23 MB, cache-resident, where packing on every call costs
-    most).  share_weights=None (default) shares from SHARE_WEIGHTS_BYTES of weights up, where the copies
-    cost more than the packing saves."""
+    MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS streams a pre-packed
+    matrix 2-3x faster than an unpacked one at one token, and packs an unpacked one on every call at two
+    or more; a greedy decode runs one step graph, so one copy of its dense weights (+69 MB at 85M
+    parameters, +229 MB at 304M) buys 1.05-1.1x per step at nextn 0 and 1.55x at nextn 1 (85M;
+    benchmarks/shared_weights.py).  Without sharing every session holds its own pre-packed copy: 1.2-1.7x
+    faster than sharing everything on the demo (23 MB, cache-resident).  share_weights=None (default)
+    shares from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
                  prepack: tuple[str, ...] = ("step_",)):
