@@ -5,7 +5,8 @@ Needs llama-cpp-python (any Python: --llama-python) and its source distribution 
 (convert_hf_to_gguf.py, conversion/, gguf-py/ under vendor/llama.cpp):
 
   python benchmarks/llama_cpp.py --sdist /work/llama/sdist/llama_cpp_python-0.3.36.tar.gz \
-      --llama-python /work/venvs/llama/bin/python [--sizes demo 85m 304m] [--tokens 64] [--rounds 5]
+      --llama-python /work/venvs/llama/bin/python [--sizes demo 85m 304m] [--tokens 64] [--rounds 5] \
+      [--threads 2] [--nextn 0 1 2 3] [--transformers]
 
 Checkpoints: the demo (samples/demo-model) and benchmarks/real_size.py's random 85m / 304m (made on the fly).
 Everything converted or exported goes under $MTP_TRT_CACHE_DIR/bench-real-size (never into git).  The
