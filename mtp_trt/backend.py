@@ -103,8 +103,8 @@ class OrtBackend(Backend):
     ONNX Runtime's Python API cannot share one) -- except in the graphs named by `prepack` (prefixes; default
     the step graphs, which run on every greedy decode step): those pre-pack a private copy of their dense
     MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS streams a pre-packed
-    matrix 2-3x faster than an unpacked one at one token, and packs an unpacked one on every call at two
-    or more; a greedy decode runs one step graph, so one copy of its dense weights (+69 MB at 85M
+    matrix 1.3-1.4x faster than an unpacked one at one token and 2x at two, where it packs the unpacked
+    one on every call (benchmarks/shared_weights.py --chain); a greedy decode runs one step graph, so one copy of its dense weights (+69 MB at 85M
     parameters, +229 MB at 304M) buys 1.05-1.1x per step at nextn 0 and 1.55x at nextn 1 (85M;
     benchmarks/shared_weights.py).  Without sharing every session holds its own pre-packed copy: 1.2-1.7x
     faster than sharing everything on the demo (23 MB, cache-resident).  share_weights=None (default)
