@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 PROMPT = list(range(3, 60))
 
 
@@ -82,8 +84,8 @@ def main():
         prof_backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None)
         base = prof_backend.session_options
 
-        def profiled(file):
-            o = base(file)
+        def profiled(file, *args):
+            o = base(file, *args)
             if file == manifest.graphs[step].file:
                 o.enable_profiling = True
                 o.profile_file_prefix = str(Path(tmp) / "ort")
@@ -95,10 +97,22 @@ def main():
         events = json.loads(Path(path).read_text())
     nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
     runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
-    by_type, count = collections.Counter(), collections.Counter()
+    by_type, count, weight_bytes = collections.Counter(), collections.Counter(), collections.Counter()
     per_run_nodes = collections.Counter()
+    cfg = manifest.config
+    import onnx
+
+    graph = onnx.load(str(manifest.root / manifest.graphs[step].file), load_external_data=False).graph
+    const = {t.name: 4 * int(np.prod(t.dims)) for t in graph.initializer}  # fp32 bytes
+    node_weights = {n.name: sum(const.get(i, 0) for i in n.input) for n in graph.node}
+    routed = min(1.0, (a.nextn + 1) * cfg.num_experts_per_tok / max(cfg.n_routed_experts, 1))
     for e in nodes:
-        by_type[e["args"]["op_name"]] += e["dur"]
+        op = e["args"]["op_name"]
+        by_type[op] += e["dur"]
+        # constant inputs: all of a MatMul's weights; the MoE node's experts at the share its tokens select
+        # (from the ONNX file where the node kept its name: a pre-packed weight is no longer the kernel's input)
+        size = node_weights.get(e["name"].removesuffix("_kernel_time"), int(e["args"].get("parameter_size", 0)))
+        weight_bytes[op] += size * (routed if op == "MoE" else 1)
         per_run_nodes[e["name"]] += 1
     n_runs = max(len(runs), 1)
     for name in per_run_nodes:
@@ -108,7 +122,9 @@ def main():
           f"median run {run_us[len(run_us) // 2] / 1e3:.3f} ms; kernel time by operator type (per run):")
     total_us = sum(by_type.values())
     for op, us in by_type.most_common(15):
-        print(f"  {op:24s} {us / n_runs / 1e3:8.3f} ms  {100 * us / total_us:5.1f}%")
+        rate = f"  weights {weight_bytes[op] / n_runs / 1e6:6.1f} MB at {weight_bytes[op] / us / 1e3:5.1f} GB/s" \
+            if weight_bytes[op] > 1e6 * n_runs else ""
+        print(f"  {op:24s} {us / n_runs / 1e3:8.3f} ms  {100 * us / total_us:5.1f}%{rate}")
     print(f"  {'(sum of kernels)':24s} {total_us / n_runs / 1e3:8.3f} ms")
 
 

@@ -1,5 +1,5 @@
 """Real-size random checkpoints (issue #16): decode tokens/s and peak RSS of `mtp-trt` on ONNX Runtime,
-static vs routed MoE, beside the issue's recorded llama.cpp figures.
+static vs routed MoE (llama.cpp beside it on the same checkpoints: benchmarks/llama_cpp.py).
 
 The checkpoints are made on the fly from a config (random weights, the demo's tokenizer, one MTP
 module), never shipped, and cached under $MTP_TRT_CACHE_DIR/bench-real-size:
@@ -38,8 +38,6 @@ SIZES = {
                  moe_intermediate_size=160, q_lora_rank=512, kv_lora_rank=256, num_attention_heads=16,
                  num_key_value_heads=16, n_group=8, topk_group=4, first_k_dense_replace=1, intermediate_size=3072),
 }
-# The issue's side-by-side run (llama-cpp-python 0.3.36, f32, batch 1, greedy, 2 threads); not re-run here.
-LLAMA_CPP = {"demo": (2060, 65), "85m": (184, 376), "304m": (58, 1216)}  # decode tokens/s, peak RSS MB
 PROMPT = "def _get_default_tempdir():\n    \"\"\"Calculate the default directory to use for temporary files.\n"
 
 
@@ -165,11 +163,8 @@ def main():
                        "weights_bin_mb": weights_mb[p], **exports.get(form, {})}
                 row.pop("generated")
                 report.append(row)
-                ref = LLAMA_CPP[size]
-                print(f"{size:5s} moe={form:7s} nextn {n}: {row['tokens_per_second']:7.1f} tokens/s "
-                      f"({row['tokens_per_second'] / ref[0]:.2f}x llama.cpp's recorded {ref[0]}), peak RSS "
-                      f"{rss:6.0f} MB ({rss / ref[1]:.2f}x llama.cpp's {ref[1]}); weights.bin {weights_mb[p]:.0f} MB",
-                      flush=True)
+                print(f"{size:5s} moe={form:7s} nextn {n}: {row['tokens_per_second']:7.1f} tokens/s, peak RSS "
+                      f"{rss:6.0f} MB; weights.bin {weights_mb[p]:.0f} MB", flush=True)
         gens = {json.dumps(timed[f"{p}|{n}"]["generated"]) for p in paths for n in a.nextn}
         print(f"{size}: every export and nextn generated the same tokens: {len(gens) == 1}", flush=True)
     print(json.dumps(report))

@@ -100,18 +100,28 @@ class OrtBackend(Backend):
 
     A decode step runs several sessions in turn (target, MTP graphs).  Each session's pool stops spinning
     when its run ends (`session.force_spinning_stop`): otherwise its idle threads spin on and fight the next
-    session's for the cores (measured 2-4x slower on 2 cores).
+    session's for the cores (measured 2-4x slower on 2 cores).  Nor do they spin between the kernels of a
+    run (`session.intra_op.allow_spinning` 0; `spin = True` restores it): on a busy machine a spinning
+    thread takes the core from the one doing the work (85M checkpoint, 2 threads on 2 shared cores, medians:
+    80 against 45 tokens/s; the demo 2.7x), which costs up to 1.2x at the quietest moments (best runs 93
+    against 112 tokens/s; benchmarks/shared_weights.py).
 
     One copy of the weights per process (`share_weights`; where the export lists its initializers):
     weights.bin is memory-mapped once, read-only, and every session is handed the same memory for each of
     its weights (`SessionOptions.add_initializer` with an OrtValue over the mapping, made once per tensor),
     with ONNX Runtime's pre-packing of MatMul weights turned off (a pre-packed copy is per session, and
-    ONNX Runtime's Python API cannot share one).  Without it every session holds its own pre-packed copy,
-    which is faster: ~1.1x per decode step at 85M parameters (374 MB, memory-bound), 1.2-1.7x on the demo
-    (23 MB, cache-resident, where packing on every call costs most).  share_weights=None (default) shares
-    from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
+    ONNX Runtime's Python API cannot share one) -- except in the graphs named by `prepack` (prefixes; default
+    the step graphs, which run on every greedy decode step): those pre-pack a private copy of their dense
+    MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS streams a pre-packed
+    matrix 1.3-1.4x faster than an unpacked one at one token and 2x at two, where it packs the unpacked
+    one on every call (benchmarks/shared_weights.py --chain); a greedy decode runs one step graph, so one copy of its dense weights (+69 MB at 85M
+    parameters, +229 MB at 304M) buys 1.05-1.1x per step at nextn 0 and 1.55x at nextn 1 (85M;
+    benchmarks/shared_weights.py).  Without sharing every session holds its own pre-packed copy: 1.2-1.7x
+    faster than sharing everything on the demo (23 MB, cache-resident).  share_weights=None (default)
+    shares from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
 
-    def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None):
+    def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
+                 prepack: tuple[str, ...] = ("step_",)):
         import onnxruntime as ort
 
         if manifest.lowering != "onnx":
@@ -127,6 +137,8 @@ class OrtBackend(Backend):
         if share_weights is None:
             share_weights = weights.get("bytes", 0) >= SHARE_WEIGHTS_BYTES
         self.tables = weights.get("initializers") if share_weights else None
+        self.prepack = prepack  # graphs (name prefixes) that pre-pack a private copy even when sharing
+        self.spin = False  # whether ONNX Runtime's threads spin between the kernels of a run (below)
         self.mapped: np.ndarray | None = None  # weights.bin, mapped on first use
         self.shared: dict[tuple, object] = {}  # (offset, ONNX type, dims) -> its OrtValue over the mapping
         self.sessions: dict[str, ort.InferenceSession] = {}  # created on first use: a run needs only some
@@ -142,23 +154,26 @@ class OrtBackend(Backend):
             g = self.manifest.graphs[name]
             path = self.manifest.root / g.file
             try:
-                options = self.session_options(g.file)
+                options = self.session_options(g.file, name.startswith(self.prepack))
                 self.sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
             except Exception as e:  # ORT's message is a long C++ trace: keep its first line
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise MtpTrtError(f"{path}: ONNX Runtime cannot load this graph ({first[:300]})") from None
         return self.sessions[name]
 
-    def session_options(self, file: str):
-        """The options of one graph's session: threads, no spinning and, when sharing, its weights."""
+    def session_options(self, file: str, prepack: bool = False):
+        """The options of one graph's session: threads, no spinning and, when sharing, its weights (without
+        pre-packing unless `prepack`)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.threads
         options.add_session_config_entry("session.force_spinning_stop", "1")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         if self.tables is None or file not in self.tables:
             return options
-        options.add_session_config_entry("session.disable_prepacking", "1")
+        if not prepack:
+            options.add_session_config_entry("session.disable_prepacking", "1")
         if self.mapped is None:
             self.mapped = np.memmap(self.manifest.root / self.manifest.raw["weights"]["file"], np.uint8, mode="r")
         for name, offset, length, onnx_type, dims in self.tables[file]:

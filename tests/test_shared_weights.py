@@ -76,7 +76,8 @@ def test_default_shares_from_the_threshold_up(big_export, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_shared_weights_decode_the_same_tokens(tmp_path, mode):
-    """Every graph a decode runs (target, MTP graphs, step graphs), shared or not: the same greedy tokens."""
+    """Every graph a decode runs (target, MTP graphs, step graphs), shared (step graphs pre-packed or not) or
+    not: the same greedy tokens."""
     from mtp_trt.decode import DecodeOptions, generate
 
     ckpt = make_random(tmp_path / "ckpt", nextn=2)
@@ -84,5 +85,6 @@ def test_shared_weights_decode_the_same_tokens(tmp_path, mode):
     prompts = [[5, 17, 33, 2, 8, 41, 7], [60, 3]]
     for nextn in range(3):
         opts = DecodeOptions(nextn=nextn, max_new_tokens=12)
-        runs = [generate(backend.OrtBackend(manifest, share_weights=s), prompts, opts)[0] for s in (True, False)]
-        assert [q.generated for q in runs[0]] == [q.generated for q in runs[1]]
+        variants = [dict(share_weights=True), dict(share_weights=True, prepack=()), dict(share_weights=False)]
+        runs = [generate(backend.OrtBackend(manifest, **v), prompts, opts)[0] for v in variants]
+        assert [q.generated for q in runs[0]] == [q.generated for q in runs[1]] == [q.generated for q in runs[2]]
