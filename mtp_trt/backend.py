@@ -111,7 +111,7 @@ class OrtBackend(Backend):
     its weights (`SessionOptions.add_initializer` with an OrtValue over the mapping, made once per tensor),
     with ONNX Runtime's pre-packing of MatMul weights turned off (a pre-packed copy is per session, and
     ONNX Runtime's Python API cannot share one) -- except in the graphs named by `prepack` (prefixes; default
-    the step graphs, which run on every greedy decode step): those pre-pack a private copy of their dense
+    the step and tree graphs, one of which runs on every greedy decode step): those pre-pack a private copy of their dense
     MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS streams a pre-packed
     matrix 1.3-1.4x faster than an unpacked one at one token and 2x at two, where it packs the unpacked
     one on every call (benchmarks/shared_weights.py --chain); a greedy decode runs one step graph, so one copy of its dense weights (+69 MB at 85M
@@ -121,7 +121,7 @@ class OrtBackend(Backend):
     shares from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
-                 prepack: tuple[str, ...] = ("step_",)):
+                 prepack: tuple[str, ...] = ("step_", "tree_")):
         import onnxruntime as ort
 
         if manifest.lowering != "onnx":
