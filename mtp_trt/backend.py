@@ -111,11 +111,12 @@ class OrtBackend(Backend):
     its weights (`SessionOptions.add_initializer` with an OrtValue over the mapping, made once per tensor),
     with ONNX Runtime's pre-packing of MatMul weights turned off (a pre-packed copy is per session, and
     ONNX Runtime's Python API cannot share one) -- except in the graphs named by `prepack` (prefixes; default
-    the step and tree graphs, one of which runs on every greedy decode step): those pre-pack a private copy of their dense
-    MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS streams a pre-packed
-    matrix 1.3-1.4x faster than an unpacked one at one token and 2x at two, where it packs the unpacked
-    one on every call (benchmarks/shared_weights.py --chain); a greedy decode runs one step graph, so one copy of its dense weights (+69 MB at 85M
-    parameters, +229 MB at 304M) buys 1.05-1.1x per step at nextn 0 and 1.55x at nextn 1 (85M;
+    the step and tree graphs, one of which runs on every greedy decode step): those pre-pack a private copy
+    of their dense MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS
+    streams a pre-packed matrix 1.3-1.4x faster than an unpacked one at one token and 2x at two, where it
+    packs the unpacked one on every call (benchmarks/shared_weights.py --chain); a greedy decode runs one
+    step graph, so one copy of its dense weights (+69 MB at 85M parameters, +229 MB at 304M) buys 1.05-1.1x
+    per step at nextn 0 and 1.55x at nextn 1 (85M;
     benchmarks/shared_weights.py).  Without sharing every session holds its own pre-packed copy: 1.2-1.7x
     faster than sharing everything on the demo (23 MB, cache-resident).  share_weights=None (default)
     shares from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
