@@ -41,7 +41,7 @@ def main():
     from mtp_trt.exporters import streaming
 
     stage, peaks, seconds, t0 = ["start"], {}, {}, time.perf_counter()
-    started = [t0]
+    started, graph = [t0], ["-"]
 
     def sample():
         while stage[0] != "done":
@@ -55,9 +55,9 @@ def main():
         stage[0] = name
         return before
 
-    def staged(name, fn):  # each call of fn counts to stage `name`
+    def staged(name, fn):  # each call of fn counts to the stage "<graph>: name"
         def wrapped(*args, **kwargs):
-            before = enter(name)
+            before = enter(f"{graph[0]}: {name}")
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -67,22 +67,25 @@ def main():
     def progress(msg):
         print(f"{time.perf_counter() - t0:7.1f} s  RSS {status_mb('VmRSS'):7.0f} MB  peak so far "
               f"{status_mb('VmHWM'):7.0f} MB  {msg}", flush=True)
-        enter(msg.split(" ")[0] + (" " + msg.split(" ")[1] if msg.startswith("exporting") else ""))
+        words = msg.split(" ")
+        graph[0] = words[1] if words[0] == "exporting" else "-"
+        enter(" ".join(words[:2]) if words[0] == "exporting" else words[0])
 
-    export_mod._trace = staged("  tracing (torch.onnx.export)", export_mod._trace)
-    export_mod.fold_graph = staged("  folding", export_mod.fold_graph)
-    streaming.WeightStore.put = staged("  writing weights", streaming.WeightStore.put)
-    onnx.checker.check_model = staged("  checking", onnx.checker.check_model)
-    onnx.shape_inference.infer_shapes_path = staged("  checking", onnx.shape_inference.infer_shapes_path)
+    export_mod._trace = staged("tracing (torch.onnx.export)", export_mod._trace)
+    export_mod.fold_graph = staged("folding", export_mod.fold_graph)
+    streaming.WeightStore.put = staged("writing weights", streaming.WeightStore.put)
+    onnx.checker.check_model = staged("checking", onnx.checker.check_model)
+    onnx.shape_inference.infer_shapes_path = staged("checking", onnx.shape_inference.infer_shapes_path)
     threading.Thread(target=sample, daemon=True).start()
     start_rss = status_mb("VmRSS")
     export_mod.export(ckpt, a.out, nextn=a.nextn, max_seq_len=a.max_seq_len, progress=progress)
     wall = time.perf_counter() - t0
     enter("done")
     weights = (Path(a.out) / "weights.bin").stat().st_size / 2**20
-    print("\nstage                                  peak RSS MB   seconds")
+    print("\nstage                                         peak RSS MB   seconds")
     for name, peak in peaks.items():
-        print(f"{name:38s} {peak:11.0f} {seconds.get(name, 0):9.1f}")
+        if seconds.get(name, 0) >= 0.05:
+            print(f"{name:45s} {peak:11.0f} {seconds[name]:9.1f}")
     print(f"\nweights.bin {weights:.0f} MB; RSS before the export {start_rss:.0f} MB; peak RSS (VmHWM) "
           f"{status_mb('VmHWM'):.0f} MB; wall {wall:.1f} s")
 

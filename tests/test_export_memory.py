@@ -117,3 +117,19 @@ def test_fold_graph_folds_only_what_reads_parameters_or_constants():
     real = torch.arange(6.0).reshape(2, 3)
     from mtp_trt.exporters.streaming import evaluate
     assert torch.equal(evaluate(values["w2"], {"w": real}.__getitem__), real)
+
+
+@pytest.mark.parametrize("cut", ["data", "header"])
+def test_truncated_checkpoint_is_one_error_naming_the_file(tmp_path, cut):
+    """A checkpoint cut short (in its tensor data or in its header) fails before anything is written, with
+    one error naming the file; no output directory is left."""
+    from mtp_trt.errors import MtpTrtError
+
+    ckpt = make_random(tmp_path / "ckpt", nextn=1)
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-100] if cut == "data" else data[:50])
+    with pytest.raises(MtpTrtError, match=r"model.safetensors: cannot read safetensors header"
+                       + (": .*truncated" if cut == "data" else "")):
+        export(ckpt, tmp_path / "out", nextn=1, max_seq_len=32)
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
