@@ -33,7 +33,7 @@ from mtp_trt.exporters.moe import FORMS as MOE_FORMS
 from mtp_trt.exporters.loader import CheckpointTensors, checkpoint_names
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
-                                         placeholder_model, return_freed_memory)
+                                         placeholder_model, freed_memory_returned)
 from mtp_trt.tokenizer import load_tokenizer
 from mtp_trt.validate import check_mtp_modules, check_output_dir
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
@@ -169,8 +169,8 @@ def _trace(module: torch.nn.Module, io: tuple[list[dict], list[dict]], cfg: Mode
 
 
 def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], path: Path, cfg: ModelConfig,
-                  dtype: torch.dtype, lowering: str, params: dict[str, torch.Tensor], tensors: CheckpointTensors,
-                  store: WeightStore) -> list:
+                  dtype: torch.dtype, lowering: str, params: dict[str, torch.Tensor],
+                  read: Callable[[str], torch.Tensor], store: WeightStore) -> list:
     """Trace, fold (streaming.fold_graph), write the weights it reads into `store`, save, check.  Initializers
     and Constant values of at least INLINE_BYTES go to weights.bin, at page-aligned offsets; smaller ones (shapes,
     indices) stay in the graph file.  -> the manifest's table for this file: [name, offset, bytes, ONNX data
@@ -188,7 +188,7 @@ def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], pa
 
     for name in needed:
         v = values[name]
-        compute = lambda v=v: evaluate(v, tensors.get)  # noqa: E731
+        compute = lambda v=v: evaluate(v, read)  # noqa: E731
         small = v.tensor.numel() * v.tensor.element_size() < INLINE_BYTES
         graph.initializer.append(initializer(name, compute()) if small else external(name, v.key, compute))
     for node in [n for n in graph.node if n.op_type == "Constant" and n.attribute[0].name == "value"]:
@@ -288,10 +288,10 @@ def check_export_memory(cfg: ModelConfig, bytes_per_value: int, what: str) -> No
 
 
 def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype, max_seq_len: int
-                  ) -> tuple[DeepseekV3, dict[str, torch.Tensor], CheckpointTensors]:
-    """The model to trace, on placeholder weights (streaming.py), its parameters by graph input name (meta), and
-    the checkpoint's tensors to read as the graphs' weights are written (every name, dtype and shape checked
-    now, from the headers)."""
+                  ) -> tuple[DeepseekV3, dict[str, torch.Tensor], Callable[[str], torch.Tensor]]:
+    """The model to trace, on placeholder weights (streaming.py); its parameters by graph input name (meta); and
+    a reader of each by graph input name from the checkpoint, for when the graphs' weights are written (every
+    name, dtype and shape is checked now, from the headers)."""
     with torch.device("meta"):
         model = DeepseekV3(cfg, nextn=modules, max_positions=1).to(dtype)
     names = {id(p): name for name, p in checkpoint_names(model).items()}
@@ -302,17 +302,7 @@ def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype
     params = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
     model = placeholder_model(model)
     model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)
-    return model, {f"model.{n}": t for n, t in params.items()}, _Renamed(tensors, by_input)
-
-
-class _Renamed:
-    """CheckpointTensors read by graph input names."""
-
-    def __init__(self, tensors: CheckpointTensors, names: dict[str, str]):
-        self.tensors, self.names = tensors, names
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.tensors.get(self.names[name])
+    return model, {f"model.{n}": t for n, t in params.items()}, lambda name: tensors.get(by_input[name])
 
 
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
@@ -329,11 +319,17 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
     progress(f"reading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
     tdtype = TORCH_DTYPES[dtype]
-    return_freed_memory()
-    model, params, tensors = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)
+    with freed_memory_returned():
+        return _export(ckpt, out, cfg, nextn, modules, mtp_mode, dtype, tdtype, lowering, max_batch, max_seq_len,
+                       progress, moe_form)
+
+
+def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, mtp_mode: str, dtype: str,
+            tdtype: torch.dtype, lowering: str, max_batch: int, max_seq_len: int, progress: Progress,
+            moe_form: str | None) -> Path:
+    model, params, read = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)
     think_ids, tokenizer = special_token_ids(ckpt)
-    with atomic_directory(out) as tmp:
-        store = WeightStore(tmp / WEIGHTS_FILE, WEIGHTS_ALIGN)
+    with atomic_directory(out) as tmp, WeightStore(tmp / WEIGHTS_FILE, WEIGHTS_ALIGN) as store:
         jobs = [("target", TargetGraph(model, lowering, think_ids), target_io(cfg, dtype, lowering),
                  [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
         jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
@@ -352,7 +348,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
             module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
-            table = _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, tensors,
+            table = _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, read,
                                   store)
             tables[f"{name}.onnx"] = table
             kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]

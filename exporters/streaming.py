@@ -21,6 +21,7 @@ embedding), plus the traced graphs; not the model's size, so a checkpoint larger
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 from collections.abc import Callable
@@ -40,18 +41,29 @@ TORCH_TYPES = {v: k for k, v in ONNX_TYPES.items()}
 
 # ------------------------------------------------------------------------------------ memory
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for its own sliding threshold (64-bit)
 
 
-def return_freed_memory() -> None:
-    """Have glibc's malloc give tensors of 1 MiB and more their own mappings, returned to the system when freed
-    (the default threshold grows up to 32 MiB once such a block is freed, after which freed tensors stay in the
-    heap: tracing a large model's graphs then keeps hundreds of MB it no longer uses).  No-op elsewhere."""
+@contextlib.contextmanager
+def freed_memory_returned():
+    """While it lasts, glibc's malloc gives blocks of 1 MiB and more their own mappings, returned to the system
+    when freed.  (By default the threshold slides up to 32 MiB once such a block is freed, after which freed
+    tensors stay in the heap: tracing a large model's graphs then keeps hundreds of MB it no longer uses.)
+    Afterwards the threshold is fixed at that 32 MiB ceiling, where the sliding one ends up, and the heap is
+    trimmed.  No-op without glibc."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
     except (OSError, AttributeError):
-        pass
+        libc = None
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+            libc.malloc_trim(0)
 
 
 # ------------------------------------------------------------------------------------ placeholders
@@ -360,6 +372,12 @@ class WeightStore:
 
     def close(self) -> None:
         self.file.close()
+
+    def __enter__(self) -> WeightStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tensors(self) -> int:

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import onnx
@@ -77,7 +78,8 @@ def test_streamed_initializers_equal_torchs_own_folding(tmp_path):
     args = tuple(export_mod._example(s, cfg_model.cfg, torch.float32) for s in io[0])
     axes = {s["name"]: {i: d for i, d in enumerate(s["shape"]) if isinstance(d, str)} for s in io[0] + io[1]}
     ref_path = tmp_path / "ref.onnx"
-    with torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
         think_ids = export_mod.special_token_ids(ckpt)[0]
         torch.onnx.export(TargetGraph(cfg_model, "onnx", think_ids).eval(), args, str(ref_path), dynamo=False,
                           opset_version=export_mod.OPSET, do_constant_folding=True,
