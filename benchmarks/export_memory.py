@@ -12,6 +12,8 @@ the traced graphs) plus a few times the largest layer's tensors, not the model's
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,10 +32,10 @@ def main():
     ap.add_argument("--max-seq-len", type=int, default=1024)
     a = ap.parse_args()
     ckpt = a.checkpoint
-    if not Path(ckpt).is_dir():
-        import real_size
-
-        ckpt = real_size.make_checkpoint(ckpt)
+    if not Path(ckpt).is_dir():  # made (or found in the cache) by a process of its own: it holds the model
+        code = f"import real_size; print(real_size.make_checkpoint({ckpt!r}))"
+        ckpt = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, check=True,
+                              capture_output=True, text=True).stdout.strip().splitlines()[-1]
 
     import onnx
 
