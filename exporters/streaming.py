@@ -1,7 +1,8 @@
 """Exporting without holding the model: graphs traced on placeholder weights, weights streamed to weights.bin.
 
-The export's peak memory is a few times the largest tensor it writes (a MoE layer's stacked experts, the
-embedding), plus the traced graphs; not the model's size, so a checkpoint larger than memory exports.
+The export's peak memory is a fixed overhead (Python, torch, one traced graph) plus a few times a layer's
+largest tensors (a MoE layer's stacked experts, computed once while tracing and once while writing; the
+embedding): not the model's size, so a checkpoint larger than memory exports.
 
 1. `placeholder_model`: the reference model with every parameter a view of one anonymous zero mapping the
    size of the largest parameter.  Reading it maps the kernel's zero page, so tracing holds no weights,
