@@ -1,21 +1,26 @@
 """`mtp-trt export`: checkpoint -> target.onnx + MTP graph(s) + manifest.json, written atomically.
 
-Pipeline: check the request, load the checkpoint, trace each graph (TorchScript ONNX exporter,
-opset 18, dynamic B / S / T), check it (onnx.checker, shape inference), move the weights of all
-graphs into one shared weights.bin, hash the files, write the manifest and the tokenizer files, then
-rename the finished temporary directory into place.  A failure or an interrupt leaves nothing at the
-output path.
+Pipeline: check the request and every checkpoint tensor's name, dtype and shape (from the headers);
+trace each graph on placeholder weights (TorchScript ONNX exporter, opset 18, dynamic B / S / T; the
+weights as inputs), fold it as torch would and stream the weights it reads into the one weights.bin
+shared by all graphs, each distinct tensor once (exporters/streaming.py: the model is never held, so
+the peak memory is a few times the largest tensor, not the model's size); check each graph
+(onnx.checker, strict shape inference), hash the files, write the manifest and the tokenizer files,
+then rename the finished temporary directory into place.  A failure or an interrupt leaves nothing
+at the output path.
 """
 
 from __future__ import annotations
 
-import hashlib
+import io as io_module
 import json
+import os
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import torch
 
 from mtp_trt import ops
@@ -25,16 +30,18 @@ from mtp_trt.fsutil import atomic_directory, read_json
 from mtp_trt.exporters.graphs import MtpGraph, StepGraph, TargetGraph, VanillaStepGraph
 from mtp_trt.exporters.lowering import LOWERINGS
 from mtp_trt.exporters.moe import FORMS as MOE_FORMS
-from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.exporters.tree import TreeStepGraph
+from mtp_trt.exporters.loader import CheckpointTensors, checkpoint_names
+from mtp_trt.exporters.model import DeepseekV3, rope_tables
+from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
+                                         placeholder_model, freed_memory_returned)
 from mtp_trt.tokenizer import load_tokenizer
-from mtp_trt.validate import check_memory, check_mtp_modules, check_output_dir
+from mtp_trt.validate import check_mtp_modules, check_output_dir
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OPSET = 18
 DEFAULT_MAX_SEQ_LEN = 4096
-EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 WEIGHTS_FILE, INLINE_BYTES, WEIGHTS_ALIGN = "weights.bin", 1024, 4096
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 Progress = Callable[[str], None]
@@ -134,71 +141,86 @@ def _example(spec: dict, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, dtype=dtype)
 
 
-def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], path: Path, cfg: ModelConfig,
-                  dtype: torch.dtype, lowering: str) -> None:
-    import onnx
+class _WeightsAsInputs(torch.nn.Module):
+    """A graph module whose parameters are passed as trailing inputs: torch then sees no parameter values at all
+    (its ONNX shape inference would copy each), only inputs of fixed shapes.  (torch.func.functional_call does
+    this swap too, but refuses to run under the tracer.)"""
 
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.inner = [module]  # a list: not a submodule, so this wrapper has no parameters of its own
+        named = dict(module.named_parameters())  # shared parameters once, under their first name
+        self.names = list(named)
+        index = {id(p): i for i, p in enumerate(named.values())}
+        self.slots = [(m, key, index[id(p)]) for m in module.modules() for key, p in m._parameters.items()
+                      if p is not None]
+
+    def forward(self, *args):
+        n = len(args) - len(self.names)
+        weights, saved = args[n:], [m._parameters[key] for m, key, _ in self.slots]
+        try:
+            for m, key, i in self.slots:
+                m._parameters[key] = weights[i]
+            return self.inner[0](*args[:n])
+        finally:
+            for (m, key, _), p in zip(self.slots, saved):
+                m._parameters[key] = p
+
+
+def _trace(module: torch.nn.Module, io: tuple[list[dict], list[dict]], cfg: ModelConfig, dtype: torch.dtype,
+           lowering: str) -> onnx.ModelProto:
+    """The graph as torch.onnx traces it on the placeholder weights: parameters as inputs named as the
+    module's parameters, nothing folded (streaming.fold_graph folds)."""
     inputs, outputs = io
-    args = tuple(_example(s, cfg, dtype) for s in inputs)
+    wrapper = _WeightsAsInputs(module)
+    args = tuple(_example(s, cfg, dtype) for s in inputs) + tuple(p for _, p in module.named_parameters())
     axes = {s["name"]: {i: d for i, d in enumerate(s["shape"]) if isinstance(d, str)} for s in inputs + outputs}
+    buf = io_module.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
-        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=OPSET, do_constant_folding=True,
-                          input_names=[s["name"] for s in inputs], output_names=[s["name"] for s in outputs],
-                          dynamic_axes=axes, custom_opsets={ops.DOMAIN: ops.VERSION} if lowering == "plugin" else None)
-    model = onnx.load(str(path))
-    if model.ByteSize() > EXTERNAL_DATA_BYTES or path.stat().st_size > EXTERNAL_DATA_BYTES:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data")
+        torch.onnx.export(wrapper, args, buf, dynamo=False, opset_version=OPSET, do_constant_folding=False,
+                          input_names=[s["name"] for s in inputs] + wrapper.names,
+                          output_names=[s["name"] for s in outputs], dynamic_axes=axes,
+                          custom_opsets={ops.DOMAIN: ops.VERSION} if lowering == "plugin" else None)
+    return onnx.load_from_string(buf.getvalue())
+
+
+def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], path: Path, cfg: ModelConfig,
+                  dtype: torch.dtype, lowering: str, params: dict[str, torch.Tensor],
+                  read: Callable[[str], torch.Tensor], store: WeightStore) -> list:
+    """Trace, fold (streaming.fold_graph), write the weights it reads into `store`, save, check.  Initializers
+    and Constant values of at least INLINE_BYTES go to weights.bin, at page-aligned offsets; smaller ones (shapes,
+    indices) stay in the graph file.  -> the manifest's table for this file: [name, offset, bytes, ONNX data
+    type, dims] of each tensor it reads from weights.bin (OrtBackend maps weights.bin once for all sessions)."""
+    model = _trace(module, io, cfg, dtype, lowering)
+    needed, values = fold_graph(model, params)
+    graph, table = model.graph, []
+    if [i.name for i in graph.input] != [s["name"] for s in io[0]]:  # every parameter recognized as one
+        raise RuntimeError(f"{path.name}: graph inputs {[i.name for i in graph.input]} after folding")
+
+    def external(name: str, key, compute) -> onnx.TensorProto:
+        entry = store.put(key, compute)
+        table.append([name, *entry])
+        return external_initializer(name, WEIGHTS_FILE, *entry)
+
+    for name in needed:
+        v = values[name]
+        compute = lambda v=v: evaluate(v, read)  # noqa: E731
+        small = v.tensor.numel() * v.tensor.element_size() < INLINE_BYTES
+        graph.initializer.append(initializer(name, compute()) if small else external(name, v.key, compute))
+    for node in [n for n in graph.node if n.op_type == "Constant" and n.attribute[0].name == "value"]:
+        if len(node.attribute[0].t.raw_data) >= INLINE_BYTES:  # a large constant becomes an initializer
+            v = values[node.output[0]]
+            graph.initializer.append(external(node.output[0], v.key, lambda v=v: v.tensor))
+            graph.node.remove(node)
+    path.write_bytes(model.SerializeToString())
     onnx.checker.check_model(str(path))
-    inferred = path.with_suffix(".inferred")  # strict shape inference as a check; the graph is kept as exported
+    inferred = path.with_suffix(".inferred")  # strict shape inference as a check; the graph is kept as written
     try:
         onnx.shape_inference.infer_shapes_path(str(path), str(inferred), check_type=True, strict_mode=True)
     finally:
         inferred.unlink(missing_ok=True)
-
-
-def share_weights(root: Path, files: list[str]) -> dict:
-    """Move the graphs' weights into one `weights.bin` (ONNX external data), each distinct tensor stored
-    once: the step graphs repeat the main model's weights, so this divides the export's size by about the
-    number of graphs.  Initializers and Constant nodes of at least INLINE_BYTES move, at page-aligned
-    offsets; smaller ones (shapes, indices) stay in the graph files.  -> the manifest's "weights" entry, with
-    `initializers`: per graph file, [name, offset, bytes, ONNX data type, dims] of each tensor it reads there
-    (the runtime maps weights.bin once and hands every session the same memory: OrtBackend)."""
-    import onnx
-    from onnx.external_data_helper import set_external_data
-
-    stored: dict[bytes, tuple[int, int]] = {}
-    tables: dict[str, list] = {}
-    with open(root / WEIGHTS_FILE, "wb") as out:
-        for f in files:
-            table = tables.setdefault(f, [])
-            path = root / f
-            model = onnx.load(str(path))  # with a huge graph's own external data
-            graph = model.graph
-            for node in [n for n in graph.node if n.op_type == "Constant" and n.attribute[0].name == "value"]:
-                if len(node.attribute[0].t.raw_data) >= INLINE_BYTES:  # a large constant becomes an initializer
-                    tensor = graph.initializer.add()
-                    tensor.CopyFrom(node.attribute[0].t)
-                    tensor.name = node.output[0]
-                    graph.node.remove(node)
-            for t in graph.initializer:
-                if len(t.raw_data) < INLINE_BYTES:
-                    continue
-                key = hashlib.sha256(t.raw_data).digest() + bytes([t.data_type])
-                if key not in stored:
-                    out.write(b"\0" * (-out.tell() % WEIGHTS_ALIGN))
-                    stored[key] = (out.tell(), len(t.raw_data))
-                    out.write(t.raw_data)
-                set_external_data(t, location=WEIGHTS_FILE, offset=stored[key][0], length=stored[key][1])
-                table.append([t.name, *stored[key], t.data_type, list(t.dims)])
-                t.data_location = onnx.TensorProto.EXTERNAL
-                t.ClearField("raw_data")
-            path.write_bytes(model.SerializeToString())
-            (root / (f + ".data")).unlink(missing_ok=True)  # a huge graph's own data file, now in weights.bin
-            onnx.checker.check_model(str(path))
-    return {"file": WEIGHTS_FILE, "sha256": sha256(root / WEIGHTS_FILE), "bytes": (root / WEIGHTS_FILE).stat().st_size,
-            "tensors": len(stored), "initializers": tables}
+    return table
 
 
 def special_token_ids(ckpt: Path) -> tuple[tuple[int, int], str | None]:
@@ -260,8 +282,7 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
     if (ckpt / "tokenizer.json").is_file():
         load_tokenizer(ckpt / "tokenizer.json")  # a broken one fails now, not at `mtp-trt run`
     eos_token_ids(ckpt, cfg)
-    check_memory(cfg, nextn if mtp_mode == "vanilla" else min(nextn, 1), TORCH_DTYPES[dtype].itemsize,
-                 str(ckpt / "config.json"))
+    check_export_memory(cfg, TORCH_DTYPES[dtype].itemsize, str(ckpt / "config.json"))
     return cfg, nextn, max_seq_len
 
 
@@ -282,6 +303,42 @@ def tree_shapes(trees: str | None, nextn: int, mtp_mode: str, lowering: str) -> 
     return shapes
 
 
+def check_export_memory(cfg: ModelConfig, bytes_per_value: int, what: str) -> None:
+    """Refuse a model whose largest tensors cannot be held: the export streams the weights (streaming.py), holding
+    at most about three copies of its largest tensor at once (the embedding, a MoE layer's stacked experts or
+    a dense MLP's gate and up projections), whatever the model's total size."""
+    largest = max(cfg.vocab_size * cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size,
+                  2 * (cfg.n_routed_experts or 0) * cfg.moe_intermediate_size * cfg.hidden_size)
+    need = 3 * largest * bytes_per_value
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > total:
+        raise MtpTrtError(f"{what}: exporting needs about {need / 2**30:,.1f} GiB at once for its largest tensors "
+                          f"(vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size}, intermediate sizes "
+                          f"{cfg.intermediate_size} / {cfg.moe_intermediate_size}), more than this machine's "
+                          f"{total / 2**30:,.1f} GiB of memory")
+
+
+def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype, max_seq_len: int
+                  ) -> tuple[DeepseekV3, dict[str, torch.Tensor], Callable[[str], torch.Tensor]]:
+    """The model to trace, on placeholder weights (streaming.py); its parameters by graph input name (meta); and
+    a reader of each by graph input name from the checkpoint, for when the graphs' weights are written (every
+    name, dtype and shape is checked now, from the headers)."""
+    with torch.device("meta"):
+        model = DeepseekV3(cfg, nextn=modules, max_positions=1).to(dtype)
+    names = {id(p): name for name, p in checkpoint_names(model).items()}
+    tensors = CheckpointTensors(ckpt, {name: tuple(p.shape) for name, p in checkpoint_names(model).items()}, dtype,
+                                cfg.fp8_block_size or (128, 128))
+    # graph input name (the graph modules hold the model as `model`) -> checkpoint name, via the parameter
+    by_input = {f"model.{name}": names[id(p)] for name, p in model.named_parameters()}
+    params = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
+    model = placeholder_model(model)
+    model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)
+    return model, {f"model.{n}": t for n, t in params.items()}, lambda name: tensors.get(by_input[name])
+
+
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
            dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int | None = None,
            progress: Progress = lambda msg: None, moe_form: str | None = None, trees: str | None = None) -> Path:
@@ -296,11 +353,19 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
     shapes = tree_shapes(trees, nextn, mtp_mode, lowering)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
-    progress(f"loading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
+    progress(f"reading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
     tdtype = TORCH_DTYPES[dtype]
-    model = load_checkpoint(ckpt, nextn=modules, dtype=tdtype, max_positions=max_seq_len)
+    with freed_memory_returned():
+        return _export(ckpt, out, cfg, nextn, modules, mtp_mode, dtype, tdtype, lowering, max_batch, max_seq_len,
+                       progress, moe_form, shapes)
+
+
+def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, mtp_mode: str, dtype: str,
+            tdtype: torch.dtype, lowering: str, max_batch: int, max_seq_len: int, progress: Progress,
+            moe_form: str | None, shapes: tuple) -> Path:
+    model, params, read = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)
     think_ids, tokenizer = special_token_ids(ckpt)
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out) as tmp, WeightStore(tmp / WEIGHTS_FILE, WEIGHTS_ALIGN) as store:
         jobs = [("target", TargetGraph(model, lowering, think_ids), target_io(cfg, dtype, lowering),
                  [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
         jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
@@ -317,18 +382,22 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                              target_kv + ["mtp_kv"] * (n > 0)))
         jobs += [(t.graph, TreeStepGraph(model, t.depth, t.topk, t.budget, lowering, think_ids),
                   tree_io(cfg, dtype, lowering, (t.depth, t.topk, t.budget)), target_kv + ["mtp_kv"]) for t in shapes]
-        graphs = {}
+        graphs, tables = {}, {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
             module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
-            _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering)
+            table = _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, read,
+                                  store)
+            tables[f"{name}.onnx"] = table
             kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
             graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,
                             "kv_outputs": kv_outputs}
             if name.startswith("tree_") and lowering == "plugin":  # rows the runtime writes after the engine
                 graphs[name]["commits"] = {f"kv_{i}": f"path_kv_{i}" for i in range(cfg.num_hidden_layers)}
-        progress(f"sharing the weights of {len(graphs)} graphs")
-        weights = share_weights(tmp, [g["file"] for g in graphs.values()])
+        progress(f"hashing {WEIGHTS_FILE}")
+        store.close()
+        weights = {"file": WEIGHTS_FILE, "sha256": sha256(tmp / WEIGHTS_FILE), "bytes": (tmp / WEIGHTS_FILE).stat().st_size,
+                   "tensors": store.tensors, "initializers": tables}
         for g in graphs.values():
             g["sha256"] = sha256(tmp / g["file"])
         for f in TOKENIZER_FILES:

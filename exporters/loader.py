@@ -5,16 +5,17 @@ A checkpoint directory holds `config.json` and either `model.safetensors` or sha
 `model.layers.{num_hidden_layers + k}.*`, with its copies of the shared embedding and output head
 (`embed_tokens`, `shared_head.head`) skipped.  FP8 weights (`float8_e4m3fn` with a float32
 `weight_scale_inv` per 128x128 block, as in the official V3/R1 checkpoints) are dequantized as they
-are read.  Tensors are read one at a time straight into the model's preallocated parameters, so the
-peak memory is the model's size plus one tensor.
+are read.  Tensors are read one at a time, by plain file reads (no memory map), checked against the
+config from the files' headers first (CheckpointTensors): `load_checkpoint` copies each into the
+model's preallocated parameters (peak: the model plus one tensor); the exporter asks for each tensor
+when it writes what depends on it, holding no model at all (exporters/streaming.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -26,17 +27,28 @@ from mtp_trt.exporters.model import DeepseekV3, rope_tables
 
 Tensor = torch.Tensor
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+             "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 # ----------------------------------------------------------------------------------------- FP8
 def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = (128, 128)) -> Tensor:
     """weight [O, I] fp8, scale_inv [ceil(O/bo), ceil(I/bi)] -> float32 [O, I] = weight * scale per block."""
     (o, i), (bo, bi) = weight.shape, block
-    want = (-(-o // bo), -(-i // bi))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for a {o}x{i} weight")
+    problem = _scale_shape_problem(weight.shape, scale_inv.shape, block)
+    if problem:
+        raise ValueError(problem)
     scale = scale_inv.float().repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
     return weight.float() * scale
+
+
+def _scale_shape_problem(weight_shape, scale_shape, block: tuple[int, int]) -> str | None:
+    (o, i), (bo, bi) = weight_shape, block
+    want = (-(-o // bo), -(-i // bi))
+    if tuple(scale_shape) != want:
+        return f"scale_inv has shape {tuple(scale_shape)}, expected {want} for a {o}x{i} weight"
+    return None
 
 
 def quantize_fp8(weight: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Tensor, Tensor]:
@@ -79,39 +91,102 @@ def _shard_map(ckpt: Path) -> dict[str, Path]:
                 raise MtpTrtError(f"{index}: names shard '{f.name}', which is not in {ckpt}")
         return files
     if single.is_file():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(single, "pt") as f:
-                return {name: single for name in f.keys()}
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise MtpTrtError(f"{single}: cannot read safetensors header: {e}") from None
+        return {name: single for name in _header(single)}
     raise MtpTrtError(f"{ckpt}: no model.safetensors or model.safetensors.index.json")
 
 
-def _read_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, Tensor, Path]]:
-    """Yield (name, tensor, file) one at a time, file by file; fp8 tensors dequantized with their scale."""
-    from safetensors import safe_open
+def _header(path: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """A safetensors file's table: name -> (dtype, shape, first byte, end byte) in the file, checked against
+    the file's size (a truncated file is named here, not when its last tensor is read)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            raw = json.loads(f.read(n))
+        table = {}
+        for name, e in raw.items():
+            if name == "__metadata__":
+                continue
+            dtype, shape, (begin, end) = ST_DTYPES[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not (isinstance(begin, int) and end - begin == nbytes and 0 <= begin and 8 + n + end <= size):
+                raise ValueError(f"tensor '{name}': bytes {begin}..{end} do not hold {shape} {e['dtype']} "
+                                 f"within the file ({size} bytes; truncated?)")
+            table[name] = (dtype, shape, 8 + n + begin, 8 + n + end)
+        return table
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        what = f"unknown dtype {e}" if isinstance(e, KeyError) else e
+        raise MtpTrtError(f"{path}: cannot read safetensors header: {what}") from None
 
-    with ExitStack() as stack:
-        handles = {}
 
-        def handle(path: Path):
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, "pt"))
-            return handles[path]
+def _read(path: Path, entry: tuple[torch.dtype, list[int], int, int]) -> Tensor:
+    """One tensor by plain reads into fresh memory (no memory map: nothing stays resident once it is dropped)."""
+    dtype, shape, begin, end = entry
+    buf = torch.empty(end - begin, dtype=torch.uint8)
+    view, done = memoryview(buf.numpy()), 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(begin)
+            while done < len(view):
+                got = f.readinto(view[done:])
+                if not got:
+                    raise OSError(f"file ends at byte {begin + done} (truncated?)")
+                done += got
+    except OSError as e:
+        raise MtpTrtError(f"{path}: cannot read tensor bytes {begin}..{end}: {e}") from None
+    return buf.view(dtype).reshape(shape)
 
-        for name in sorted(names, key=lambda n: (str(files[n]), n)):
+
+class CheckpointTensors:
+    """A checkpoint's tensors by the model's names, each read when asked for (one at a time: the caller holds
+    what it keeps), fp8 dequantized with its block scales and cast to `dtype`.  Every name, dtype and shape is
+    checked against `expected` (name -> shape) from the headers alone, before anything is read."""
+
+    def __init__(self, ckpt: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                 block: tuple[int, int] = (128, 128)):
+        self.ckpt, self.dtype, self.block = ckpt, dtype, block
+        files = _shard_map(ckpt)
+        missing = [name for name in expected if name not in files]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise MtpTrtError(f"{ckpt}: missing tensor(s) {shown}")
+        headers: dict[Path, dict] = {}
+        self.entries: dict[str, tuple] = {}  # name -> (file, entry, (file, scale entry) or None)
+
+        def entry(name: str):
             path = files[name]
-            t = handle(path).get_tensor(name)
-            if t.dtype in FP8_DTYPES:
-                scale_name = name + "_scale_inv"
-                if scale_name not in files:
-                    raise MtpTrtError(f"{path}: FP8 tensor '{name}' has no '{scale_name}'")
-                scale = handle(files[scale_name]).get_tensor(scale_name)
-                yield name, (t, scale), path
-            else:
-                yield name, t, path
+            if path not in headers:
+                headers[path] = _header(path)
+            if name not in headers[path]:
+                raise MtpTrtError(f"{path}: has no tensor '{name}' (the checkpoint's index puts it there)")
+            return path, headers[path][name]
+
+        for name, shape in expected.items():
+            path, e = entry(name)
+            scale = None
+            if e[0] in FP8_DTYPES:
+                if name + "_scale_inv" not in files:
+                    raise MtpTrtError(f"{path}: FP8 tensor '{name}' has no '{name}_scale_inv'")
+                scale = entry(name + "_scale_inv")
+                problem = _scale_shape_problem(e[1], scale[1][1], block)
+                if problem:
+                    raise MtpTrtError(f"{path}: tensor '{name}_scale_inv': {problem}")
+            elif not e[0].is_floating_point:
+                raise MtpTrtError(f"{path}: tensor '{name}' has dtype {str(e[0]).removeprefix('torch.')}, "
+                                  f"expected a floating-point type (fp32, fp16, bf16 or fp8)")
+            if tuple(e[1]) != tuple(shape):
+                raise MtpTrtError(f"{path}: tensor '{name}' has shape {list(e[1])}, expected {list(shape)} "
+                                  f"from {ckpt / 'config.json'}")
+            self.entries[name] = (path, e, scale)
+
+    def get(self, name: str) -> Tensor:
+        path, e, scale = self.entries[name]
+        t = _read(path, e)
+        if scale is not None:
+            t = dequantize_fp8(t, _read(*scale), self.block)
+        return t.to(self.dtype)
 
 
 # ------------------------------------------------------------------------------------- load
@@ -126,9 +201,11 @@ def load_checkpoint(ckpt: str | Path, nextn: int | None = None, dtype: torch.dty
     if not 0 <= nextn <= cfg.num_nextn_predict_layers:
         raise MtpTrtError(f"{ckpt / 'config.json'}: asked for {nextn} MTP modules but num_nextn_predict_layers "
                           f"is {cfg.num_nextn_predict_layers}")
-    files = _shard_map(ckpt)
     with torch.device("meta"):
         model = DeepseekV3(cfg, nextn=nextn, max_positions=1).to(dtype)
+    params = checkpoint_names(model)
+    tensors = CheckpointTensors(ckpt, {name: tuple(p.shape) for name, p in params.items()}, dtype,
+                                cfg.fp8_block_size or (128, 128))
     try:
         model = model.to_empty(device="cpu")
         cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings)
@@ -136,29 +213,9 @@ def load_checkpoint(ckpt: str | Path, nextn: int | None = None, dtype: torch.dty
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise MtpTrtError(f"{ckpt / 'config.json'}: cannot allocate the model ({first[:200]})") from None
     model.rope_cos, model.rope_sin = cos, sin
-
-    params = checkpoint_names(model)
-    missing = [name for name in params if name not in files]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise MtpTrtError(f"{ckpt}: missing tensor(s) {shown}")
-    block = cfg.fp8_block_size or (128, 128)
     with torch.no_grad():
-        for name, t, path in _read_tensors(files, list(params)):
-            p = params[name]
-            if isinstance(t, tuple):
-                w, scale = t
-                try:
-                    t = dequantize_fp8(w, scale, block)
-                except ValueError as e:
-                    raise MtpTrtError(f"{path}: tensor '{name}_scale_inv': {e}") from None
-            elif not t.is_floating_point():
-                raise MtpTrtError(f"{path}: tensor '{name}' has dtype {str(t.dtype).removeprefix('torch.')}, "
-                                  f"expected a floating-point type (fp32, fp16, bf16 or fp8)")
-            if tuple(t.shape) != tuple(p.shape):
-                raise MtpTrtError(f"{path}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)} "
-                                  f"from {ckpt / 'config.json'}")
-            p.copy_(t)
+        for name, p in checkpoint_names(model).items():
+            p.copy_(tensors.get(name))
     return model.eval()
 
 
