@@ -100,11 +100,12 @@ class OrtBackend(Backend):
 
     A decode step runs several sessions in turn (target, MTP graphs).  Each session's pool stops spinning
     when its run ends (`session.force_spinning_stop`): otherwise its idle threads spin on and fight the next
-    session's for the cores (measured 2-4x slower on 2 cores).  Nor do they spin between the kernels of a
-    run (`session.intra_op.allow_spinning` 0; `spin = True` restores it): on a busy machine a spinning
-    thread takes the core from the one doing the work (85M checkpoint, 2 threads on 2 shared cores, medians:
-    80 against 45 tokens/s; the demo 2.7x), which costs up to 1.2x at the quietest moments (best runs 93
-    against 112 tokens/s; benchmarks/shared_weights.py).
+    session's for the cores (measured 2-4x slower on 2 cores).  Between the kernels of a run they spin, as
+    ONNX Runtime's threads do by default (`spin`; `session.intra_op.allow_spinning`): on a quiet machine
+    that is 1.7x faster on the demo (1068 against 615 tokens/s at nextn 0, 2 threads) and up to 1.2x at
+    85M; on a machine busy with other work a spinning thread takes the core from the one doing the work,
+    and spin=False is faster there (85M, 2 threads on 2 cores shared with test runs: 80 against 45
+    tokens/s; benchmarks/shared_weights.py).
 
     One copy of the weights per process (`share_weights`; where the export lists its initializers):
     weights.bin is memory-mapped once, read-only, and every session is handed the same memory for each of
@@ -122,7 +123,7 @@ class OrtBackend(Backend):
     shares from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
-                 prepack: tuple[str, ...] = ("step_", "tree_")):
+                 prepack: tuple[str, ...] = ("step_", "tree_"), spin: bool = True):
         import onnxruntime as ort
 
         if manifest.lowering != "onnx":
@@ -139,7 +140,7 @@ class OrtBackend(Backend):
             share_weights = weights.get("bytes", 0) >= SHARE_WEIGHTS_BYTES
         self.tables = weights.get("initializers") if share_weights else None
         self.prepack = prepack  # graphs (name prefixes) that pre-pack a private copy even when sharing
-        self.spin = False  # whether ONNX Runtime's threads spin between the kernels of a run (below)
+        self.spin = spin  # whether ONNX Runtime's threads spin between the kernels of a run (above)
         self.mapped: np.ndarray | None = None  # weights.bin, mapped on first use
         self.shared: dict[tuple, object] = {}  # (offset, ONNX type, dims) -> its OrtValue over the mapping
         self.sessions: dict[str, ort.InferenceSession] = {}  # created on first use: a run needs only some
@@ -163,7 +164,7 @@ class OrtBackend(Backend):
         return self.sessions[name]
 
     def session_options(self, file: str, prepack: bool = False):
-        """The options of one graph's session: threads, no spinning and, when sharing, its weights (without
+        """The options of one graph's session: threads, spinning and, when sharing, its weights (without
         pre-packing unless `prepack`)."""
         import onnxruntime as ort
 
