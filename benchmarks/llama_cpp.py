@@ -20,8 +20,8 @@ while the others wait, and prints medians of two rates: decode tokens/s = (new t
 first token (the prompt's pass excluded: for mtp-trt, the time of a one-token generation subtracted), and
 new tokens / the whole generation's time (prompt included, as benchmarks/real_size.py reports); and the best
 round's decode rate (the quietest moment of a shared machine).  Both engines run without busy-waiting
-threads: OrtBackend's default, and OMP_WAIT_POLICY=PASSIVE for llama.cpp's OpenMP build (unless set
-otherwise in the environment; on this busy 2-core VM it made llama.cpp's 2-thread decoding ~2x faster).
+threads with --no-spin (OrtBackend(spin=False), OMP_WAIT_POLICY=PASSIVE for llama.cpp's OpenMP build: on a busy
+2-core VM it made llama.cpp's 2-thread decoding ~2x faster); by default both spin, as each does on its own.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class MtpWorker:
         from mtp_trt.decode import DecodeOptions, generate
         from mtp_trt.manifest import Manifest
 
-        backend = OrtBackend(Manifest.load(export), threads=threads)
+        backend = OrtBackend(Manifest.load(export), threads=threads, spin=os.environ.get("MTP_TRT_SPIN", "1") == "1")
         opts = DecodeOptions(nextn=nextn, max_new_tokens=tokens)  # no EOS: always `tokens` new tokens
         first = DecodeOptions(nextn=nextn, max_new_tokens=1)
         self.run = lambda: generate(backend, [ids], opts)
@@ -209,9 +209,9 @@ def worker(kind: str, *args) -> None:
 
 
 class Worker:
-    def __init__(self, python: str, kind: str, *args):
+    def __init__(self, python: str, kind: str, *args, spin: bool = True):
         cmd = [python, __file__, "--worker", json.dumps([kind, *args])]
-        env = os.environ | {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        env = os.environ | ({} if spin else {"OMP_WAIT_POLICY": "PASSIVE", "MTP_TRT_SPIN": "0"})
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.ready = self.ask(None)
 
@@ -275,6 +275,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-spin", action="store_true", help="neither engine's threads busy-wait (a busy machine)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -292,9 +293,10 @@ def main():
         nextns = a.nextn or ([0, 1, 2, 3] if size == "demo" else [0])
         gguf, export = prepare(size, a.sdist, max(nextns))
         ids = prompt_ids(export / "tokenizer.json")
-        workers = {"llama.cpp": Worker(a.llama_python, "llama", str(gguf), ids, a.tokens, a.threads)}
-        workers |= {f"mtp-trt nextn {n}": Worker(sys.executable, "mtp", str(export), ids, a.tokens, a.threads, n)
-                    for n in nextns}
+        spin = not a.no_spin
+        workers = {"llama.cpp": Worker(a.llama_python, "llama", str(gguf), ids, a.tokens, a.threads, spin=spin)}
+        workers |= {f"mtp-trt nextn {n}": Worker(sys.executable, "mtp", str(export), ids, a.tokens, a.threads, n,
+                                                spin=spin) for n in nextns}
         runs = {k: [] for k in workers}
         for _ in range(a.rounds):
             for k, w in workers.items():
