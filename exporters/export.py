@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io as io_module
 import json
-import os
 import shutil
 import warnings
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
                                          placeholder_model, freed_memory_returned)
 from mtp_trt.tokenizer import load_tokenizer
-from mtp_trt.validate import check_mtp_modules, check_output_dir
+from mtp_trt.validate import check_export_memory, check_mtp_modules, check_output_dir
 from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -301,24 +300,6 @@ def tree_shapes(trees: str | None, nextn: int, mtp_mode: str, lowering: str) -> 
     if deep:
         raise MtpTrtError(f"--trees {','.join(deep)}: a tree's depth must be at most --nextn ({nextn})")
     return shapes
-
-
-def check_export_memory(cfg: ModelConfig, bytes_per_value: int, what: str) -> None:
-    """Refuse a model whose largest tensors cannot be held: the export streams the weights (streaming.py), holding
-    at most about three copies of its largest tensor at once (the embedding, a MoE layer's stacked experts or
-    a dense MLP's gate and up projections), whatever the model's total size."""
-    largest = max(cfg.vocab_size * cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size,
-                  2 * (cfg.n_routed_experts or 0) * cfg.moe_intermediate_size * cfg.hidden_size)
-    need = 3 * largest * bytes_per_value
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > total:
-        raise MtpTrtError(f"{what}: exporting needs about {need / 2**30:,.1f} GiB at once for its largest tensors "
-                          f"(vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size}, intermediate sizes "
-                          f"{cfg.intermediate_size} / {cfg.moe_intermediate_size}), more than this machine's "
-                          f"{total / 2**30:,.1f} GiB of memory")
 
 
 def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype, max_seq_len: int

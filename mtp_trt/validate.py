@@ -206,14 +206,19 @@ def check_mtp_modules(ckpt: Path, cfg) -> None:
                           f"(model.layers.{cfg.num_hidden_layers}..); fix the config or the checkpoint")
 
 
-def check_memory(cfg, nextn: int, bytes_per_value: int, what: str) -> None:
-    """Refuse a model that cannot fit in this machine's memory, before trying to allocate it."""
-    need = cfg.approx_parameters(nextn) * bytes_per_value
+def check_export_memory(cfg, bytes_per_value: int, what: str) -> None:
+    """Refuse a model whose largest tensors cannot be held: the export streams the weights (streaming.py), holding
+    at most about three copies of its largest tensor at once (the embedding, a MoE layer's stacked experts or
+    a dense MLP's gate and up projections), whatever the model's total size."""
+    largest = max(cfg.vocab_size * cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size,
+                  2 * (cfg.n_routed_experts or 0) * cfg.moe_intermediate_size * cfg.hidden_size)
+    need = 3 * largest * bytes_per_value
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
     if need > total:
-        raise MtpTrtError(f"{what}: the model needs about {need / 2**30:,.1f} GiB of weights (vocab_size "
-                          f"{cfg.vocab_size}, hidden_size {cfg.hidden_size}, {cfg.num_hidden_layers} layers), more "
-                          f"than this machine's {total / 2**30:,.1f} GiB of memory")
+        raise MtpTrtError(f"{what}: exporting needs about {need / 2**30:,.1f} GiB at once for its largest tensors "
+                          f"(vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size}, intermediate sizes "
+                          f"{cfg.intermediate_size} / {cfg.moe_intermediate_size}), more than this machine's "
+                          f"{total / 2**30:,.1f} GiB of memory")
