@@ -1,6 +1,7 @@
 """`mtp-trt bench`: tokens/s of MTP speculative decoding for nextn 0..K in both modes, at several batch
 sizes, beside Hugging Face transformers' greedy `generate` on the same checkpoint, in one run.
 
+Batch 1 decodes each of the 8 prompts alone, in turn; batch b > 1 decodes b prompts together.
 Figures are medians over repeats, and the configurations of one batch size are timed round-robin; ratios
 are medians of per-round ratios, so they compare runs made moments apart (these machines are shared and
 noisy).
@@ -13,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mtp_trt.decode import generate
+from mtp_trt.decode import Stats, generate
 from mtp_trt.runner import Runner, demo_model, resolve_export
 
 # Code prompts in the demo model's domain (the Python standard library's style).
@@ -114,11 +115,24 @@ def run_engines(engine_dir: Path, batches: list[int], max_new_tokens: int, repea
     return time_runners(runners, hf, batches, max_new_tokens, repeats, progress)
 
 
+def one_at_a_time(backend, prompts: list[list[int]], opts) -> tuple[list, Stats]:
+    """Batch 1 over several prompts: each decoded alone, in turn -> (the sequences, their figures together)."""
+    seqs, total = [], None
+    for p in prompts:
+        s, stats = generate(backend, [p], opts)
+        seqs += s
+        total = stats if total is None else total + stats
+    return seqs, total
+
+
 def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, repeats: int, progress) -> list[dict]:
-    """{(engine label, mode): Runner} and transformers' generate (or None), timed round-robin per batch size."""
+    """{(engine label, mode): Runner} and transformers' generate (or None), timed round-robin per batch size.
+    Batch 1 decodes every prompt of PROMPTS alone, one after another (one prompt's acceptance is not
+    typical); batch b > 1 decodes b prompts together."""
     rows = []
     for batch in batches:
-        texts = (PROMPTS * batch)[:batch]
+        texts = PROMPTS if batch == 1 else (PROMPTS * batch)[:batch]
+        decode = one_at_a_time if batch == 1 else generate
         jobs = {}
         for (engine, mode), runner in runners.items():
             prompts = runner.fit([runner.encode(p) for p in texts], runner.manifest.nextn)  # or one clear error
@@ -129,14 +143,15 @@ def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, rep
                 topk, budget = (None, None) if tree is None else map(int, tree.split(":")[1:])
                 opts = runner.options(nextn, max_new_tokens=max_new_tokens, tree_topk=topk, tree_budget=budget)
                 runner.backend.prepare(nextn, True, opts.tree.graph if opts.tree else None)
-                jobs[(engine, mode, nextn, tree)] = lambda r=runner, p=prompts, o=opts: generate(r.backend, p, o)
+                jobs[(engine, mode, nextn, tree)] = lambda r=runner, p=prompts, o=opts: decode(r.backend, p, o)
         if hf:
-            jobs[("transformers.generate", "-", 0, None)] = hf(texts, max_new_tokens)
+            calls = [hf([t], max_new_tokens) for t in texts] if batch == 1 else [hf(texts, max_new_tokens)]
+            jobs[("transformers.generate", "-", 0, None)] = lambda calls=calls: [run() for run in calls]
         baseline = {}  # (engine, mode) -> nextn 0's tokens: every nextn must produce the same (greedy is lossless)
         for (engine, mode, nextn, tree), (rounds, result) in _round_robin(jobs, repeats).items():
             seconds = statistics.median(rounds)
             if engine == "transformers.generate":
-                tokens = batch * max_new_tokens
+                tokens = len(texts) * max_new_tokens
                 rows.append({"engine": engine, "mode": mode, "batch": batch, "nextn": 0,
                              "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
                              "round_seconds": rounds})

@@ -77,6 +77,12 @@ class Stats:
     def acceptance_rate(self) -> list[float]:
         return [float(a / p) if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
 
+    def __add__(self, other: Stats) -> Stats:
+        """The figures of two decodes with the same nextn taken together."""
+        return Stats(self.steps + other.steps, self.seq_steps + other.seq_steps,
+                     self.accepted_tokens + other.accepted_tokens, self.proposed + other.proposed,
+                     self.accepted + other.accepted)
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
