@@ -51,24 +51,23 @@ def topological(parents: Tensor) -> Tensor:
     return torch.cat([torch.zeros_like(clamped[:, :1]), clamped], 1)
 
 
-def accept_tree(logits: Tensor, input_ids: Tensor, anc: Tensor, thinking: Tensor, relaxed_topk: Tensor,
-                relaxed_delta: Tensor, think_ids: tuple[int, int], parents: Tensor):
+def accept_tree(logits: Tensor, input_ids: Tensor, anc: Tensor, depth: Tensor, thinking: Tensor,
+                relaxed_topk: Tensor, relaxed_delta: Tensor, think_ids: tuple[int, int], parents: Tensor):
     """The longest accepted root-to-node path of a verified tree.
 
     logits [B, S, V] at the S = N + 1 nodes, input_ids [B, S] (the root first), anc [B, S, S] (ancestors()),
-    parents [B, S].  Node i > 0 is ok if its token equals the argmax at its parent, or -- while the thinking
+    depth [B, S] (each node's ancestors but itself), parents [B, S].  Node i > 0 is ok if its token equals the argmax at its parent, or -- while the thinking
     flag after its strict ancestors' tokens (the root excluded: the previous step processed it) is on and
     relaxed_topk > 0 -- ranks among the parent's top relaxed_topk with p >= p(top-1) - relaxed_delta.  A node is
     accepted when it and all its ancestors are ok and the root is among them; the deepest accepted node wins
     (the lowest index among equals).
-    -> (best [B]: the deepest accepted node, depth [B, S] of every node, bonus [B, 1]: the target's argmax at
-    best, thinking_out [B] int32: the flag after the path's tokens and the bonus)."""
+    -> (best [B]: the deepest accepted node, bonus [B, 1]: the target's argmax at best, thinking_out [B] int32:
+    the flag after the path's tokens and the bonus)."""
     lg = logits.float()
     target = lg.argmax(-1).to(torch.int32)  # [B, S]
     at_parent = lg.gather(1, parents[..., None].expand_as(lg))  # each node's parent's logits [B, S, V]
     drafts = input_ids
     ok = drafts == target.gather(1, parents)
-    depth = anc.to(torch.int32).sum(-1) - 1  # [B, S]
     # the thinking flag before each node: after its strict ancestors' tokens, the root excluded
     ids = torch.arange(anc.shape[1])
     strict = anc & (ids[:, None] != ids[None, :])[None] & (ids > 0)
@@ -91,19 +90,22 @@ def accept_tree(logits: Tensor, input_ids: Tensor, anc: Tensor, thinking: Tensor
     after_best = torch.where(best[:, None] == 0, (thinking[:, None] != 0).to(torch.int32),  # (no bool Where in ORT)
                              flag_after(before, drafts.gather(1, best[:, None]), *think_ids).to(torch.int32))
     thinking_out = flag_after(after_best != 0, bonus, *think_ids)[:, 0].to(torch.int32)
-    return best, depth, bonus, thinking_out
+    return best, bonus, thinking_out
 
 
 class TreeStepGraph(_Graph):
     """One greedy tree step in one call (see the module docstring): verify the tree, accept, commit the path's
-    rows, draft the next tree.  Eagle mode (one MTP module), onnx lowering.
+    rows, draft the next tree.  Eagle mode (one MTP module), both lowerings.
 
     inputs : input_ids [B, N+1] int32 (the root `last`, then the nodes), tree_parents [B, N] int32, past_len [B],
              thinking [B], relaxed_topk [], relaxed_delta [], kv_0 .. kv_{L-1}, mtp_kv [B, T, Dl+Dr]
     outputs: accepted_tokens [B, D+1] (the path's drafts, the bonus, then -1), num_accepted [B], thinking_out [B],
-             tree_tokens [B, N], tree_parents [B, N] (the next tree), new_kv_0 .. new_kv_{L-1} [B, D+1, Dl+Dr]
-             (the path's rows in order: the runtime commits them at past_len like a chain's), mtp_new_kv
-             [B, D+1, Dl+Dr] (MTP depth 1's rows over the path)."""
+             tree_tokens [B, N], tree_parents_out [B, N] (the next tree), then in the onnx lowering new_kv_0 ..
+             new_kv_{L-1} [B, D+1, Dl+Dr] (the path's rows in order: the runtime commits them at past_len like a
+             chain's) and mtp_new_kv [B, D+1, Dl+Dr] (MTP depth 1's rows over the path); in the plugin lowering
+             kv_0_out .. kv_{L-1}_out and mtp_kv_out (aliased: the attention nodes wrote the tree's rows at
+             past_len + node) and path_kv_0 .. path_kv_{L-1} [B, D+1, Dl+Dr] (the path's rows, for the runtime to
+             commit at past_len: the graph's `commits`)."""
 
     few_tokens = True
 
@@ -113,8 +115,9 @@ class TreeStepGraph(_Graph):
         self.depth, self.topk, self.budget = depth, topk, budget
 
     def verify(self, input_ids, tree_parents, past_len, caches):
-        """The main model over the tree -> (hidden [B, S, D], logits [B, S, V], commits, new rows, anc, parents); the
-        commits are each layer's S new rows (onnx) or its cache with them written at past_len + node (plugin)."""
+        """The main model over the tree -> (hidden [B, S, D], logits [B, S, V], commits, new rows, anc, depth,
+        parents); the commits are each layer's S new rows (onnx) or its cache with them written at past_len + node
+        (plugin)."""
         parents = topological(tree_parents)
         anc = ancestors(parents, self.depth)
         depth = anc.to(torch.int64).sum(-1) - 1
@@ -123,14 +126,15 @@ class TreeStepGraph(_Graph):
                            positions=past_len[:, None].long() + depth)
         new_rows: list[Tensor] = []
         h, logits, commits = main_forward(self.model, group, input_ids, caches, self.lowering, new_rows)
-        return h, logits, commits, new_rows, anc, parents
+        return h, logits, commits, new_rows, anc, depth, parents
 
     def forward(self, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
         layers, d_max = len(self.model.model.layers), self.depth
         b = input_ids.shape[0]
-        h, logits, commits, rows, anc, parents = self.verify(input_ids, tree_parents, past_len, caches[:layers])
-        best, depth, bonus, thinking_out = accept_tree(logits, input_ids, anc, thinking, relaxed_topk, relaxed_delta,
-                                                       self.think_ids, parents)
+        h, logits, commits, rows, anc, depth, parents = self.verify(input_ids, tree_parents, past_len,
+                                                                    caches[:layers])
+        best, bonus, thinking_out = accept_tree(logits, input_ids, anc, depth, thinking, relaxed_topk, relaxed_delta,
+                                                self.think_ids, parents)
         num = depth.gather(1, best[:, None])[:, 0]  # [B] drafts accepted
         # the path: the ancestor of `best` at each depth 0..D (past the end: the root, rows never committed)
         on_path = anc.gather(1, best[:, None, None].expand(-1, 1, anc.shape[2]))[:, 0]  # [B, S]

@@ -47,9 +47,10 @@ class Backend(ABC):
 
     def graphs_for(self, nextn: int, greedy: bool, tree: str | None = None) -> list[str]:
         """The graphs a decode with these options runs: the target (prefill), the MTP graphs (the first
-        drafts; every step's when not fused), the step graph when there is one, or the tree graph `tree`."""
+        drafts; every step's when not fused), the step graph when there is one, or the tree graph `tree`
+        (DecodeOptions.tree_graph)."""
         graphs = ["target", *dict.fromkeys(self.manifest.mtp_graphs[:nextn])]
-        if tree and greedy and nextn:
+        if tree:
             return graphs + [tree]
         return graphs + ([f"step_{nextn}"] if greedy and self.has_step(nextn) else [])
 
@@ -71,8 +72,7 @@ class Backend(ABC):
         """One greedy tree step (tree graph `graph`, exporters/tree.py): input_ids [n, N+1] (last, then the tree),
         tree_parents [n, N].  Commits the accepted path's rows.  Returns accepted_tokens, num_accepted,
         thinking_out and the next tree: tree_tokens, tree_parents_out."""
-        raise MtpTrtError(f"{self.manifest.root}: tree drafting runs on ONNX Runtime only (this backend has no "
-                          f"tree step); use --tree-topk 1")
+        raise MtpTrtError(f"{self.manifest.root}: this backend has no tree step; use --tree-topk 1")
 
     @abstractmethod
     def swap_slots(self, i: int, j: int) -> None:
@@ -189,9 +189,12 @@ class OrtBackend(Backend):
         return options
 
     def prepare(self, nextn, greedy, tree=None):
+        if tree and tree not in self.manifest.graphs:
+            raise MtpTrtError(f"{self.manifest.root}: the export has no tree graph {tree} (trees: "
+                              f"{', '.join(self.manifest.raw.get('trees') or []) or 'none'}); export with --trees "
+                              f"{tree[5:].replace('_', ':')}")
         for name in self.graphs_for(nextn, greedy, tree):
-            if name in self.manifest.graphs:  # a missing tree graph is tree_step's error
-                self.session(name)
+            self.session(name)
 
     def allocate(self, batch: int, rows: int) -> None:
         m = self.manifest
@@ -258,10 +261,6 @@ class OrtBackend(Backend):
                               relaxed_delta, carry=carry)
 
     def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta):
-        if graph not in self.manifest.graphs:
-            raise MtpTrtError(f"{self.manifest.root}: the export has no tree graph {graph} (trees: "
-                              f"{', '.join(self.manifest.raw.get('trees') or []) or 'none'}); export with --trees "
-                              f"{graph[5:].replace('_', ':')}")
         return self._run_step(graph, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta,
                               tree_parents=tree_parents)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mtp_trt.decode import Stats, generate
 from mtp_trt.runner import Runner, demo_model, resolve_export
+from mtp_trt.tree import parse_trees
 
 # Code prompts in the demo model's domain (the Python standard library's style).
 PROMPTS = [
@@ -136,14 +137,14 @@ def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, rep
         jobs = {}
         for (engine, mode), runner in runners.items():
             prompts = runner.fit([runner.encode(p) for p in texts], runner.manifest.nextn)  # or one clear error
-            configs = [(nextn, None) for nextn in range(runner.manifest.nextn + 1)]
-            if mode == "eagle" and engine == "mtp-trt/onnxruntime":  # tree drafting runs on ONNX Runtime
-                configs += [(int(t.split(":")[0]), t) for t in runner.manifest.raw.get("trees") or []]
+            trees = parse_trees(",".join(runner.manifest.raw.get("trees") or []))
+            configs = [(nextn, None) for nextn in range(runner.manifest.nextn + 1)] + [(t.depth, t) for t in trees]
             for nextn, tree in configs:
-                topk, budget = (None, None) if tree is None else map(int, tree.split(":")[1:])
-                opts = runner.options(nextn, max_new_tokens=max_new_tokens, tree_topk=topk, tree_budget=budget)
-                runner.backend.prepare(nextn, True, opts.tree.graph if opts.tree else None)
-                jobs[(engine, mode, nextn, tree)] = lambda r=runner, p=prompts, o=opts: decode(r.backend, p, o)
+                opts = runner.options(nextn, max_new_tokens=max_new_tokens, tree_topk=tree and tree.topk,
+                                      tree_budget=tree and tree.budget)
+                runner.backend.prepare(nextn, True, opts.tree_graph)
+                key = (engine, mode, nextn, tree and tree.spec)
+                jobs[key] = lambda r=runner, p=prompts, o=opts: decode(r.backend, p, o)
         if hf:
             calls = [hf([t], max_new_tokens) for t in texts] if batch == 1 else [hf(texts, max_new_tokens)]
             jobs[("transformers.generate", "-", 0, None)] = lambda calls=calls: [run() for run in calls]

@@ -95,6 +95,11 @@ class DecodeOptions:
     think_ids: tuple[int, int] = (-1, -1)
     tree: TreeShape | None = None  # greedy eagle tree drafting of depth nextn (sampling runs the chain)
 
+    @property
+    def tree_graph(self) -> str | None:
+        """The tree graph this decode runs: `tree`'s when greedy with nextn > 0 (sampling drafts the chain)."""
+        return self.tree.graph if self.tree is not None and self.sampling.greedy and self.nextn else None
+
 
 def thinking_after(tokens, flag: int, think_ids: tuple[int, int]) -> int:
     """The thinking flag after `tokens`: on at <think>, off at </think>."""
@@ -258,12 +263,11 @@ def tree_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, o
     backend call (the export's tree graph, exporters/tree.py)."""
     n = st.n
     ids = np.concatenate([st.last[:n, None], st.tree_tokens[:n]], 1).astype(np.int32)
-    out = backend.tree_step(opts.tree.graph, n, ids, st.tree_parents[:n], st.main_len[:n], st.thinking[:n],
+    out = backend.tree_step(opts.tree_graph, n, ids, st.tree_parents[:n], st.main_len[:n], st.thinking[:n],
                             opts.relaxed_topk, opts.relaxed_delta)
     st.thinking[:n] = out["thinking_out"]
     accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
     st.tree_tokens[:n], st.tree_parents[:n] = out["tree_tokens"], out["tree_parents_out"]
-    st.mtp_len[:n, 0] = st.main_len[:n]
     for i in range(n):
         if seqs[st.order[i]].finish_reason is None:
             seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.tree_tokens[i].tolist() +
@@ -321,7 +325,7 @@ def retire(backend: Backend, st: State, seqs: list[Sequence], *extra: np.ndarray
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,
              on_step=None) -> tuple[list[Sequence], Stats]:
     """Decode a batch of prompts.  `on_step(seqs)` is called after every verify step (for streaming)."""
-    backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree.graph if opts.tree else None)
+    backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)
     rng = np.random.default_rng(seed)
     seqs = [Sequence(prompt=list(p)) for p in prompts]
     rows = min(backend.manifest.max_seq_len,
@@ -339,18 +343,12 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
     retire(backend, st, seqs)
     fused = opts.sampling.greedy and backend.has_step(opts.nextn)
     vanilla = backend.manifest.mtp_mode == "vanilla"
-    if opts.tree is not None and opts.sampling.greedy and opts.nextn:
+    if opts.tree_graph:
         st.tree_tokens, st.tree_parents = chain_tree(st.drafts, opts.tree.budget)
-        while st.n:
-            tree_step(backend, st, seqs, stats, opts, rows)
-            if on_step:
-                on_step(seqs)
-            retire(backend, st, seqs)
-        return seqs, stats
     while st.n:
         # vanilla's step graph needs every depth's window to start at row >= 0 (main_len >= K - 1)
-        if fused and not (vanilla and st.main_len[:st.n].min() < opts.nextn - 1):
-            fused_step(backend, st, seqs, stats, opts, rows)
+        if opts.tree_graph or fused and not (vanilla and st.main_len[:st.n].min() < opts.nextn - 1):
+            (tree_step if opts.tree_graph else fused_step)(backend, st, seqs, stats, opts, rows)
             if on_step:
                 on_step(seqs)
             retire(backend, st, seqs)

@@ -142,7 +142,8 @@ class RunReport:
     def summary(self) -> dict:
         return {"new_tokens": self.new_tokens, "seconds": round(self.seconds, 4),
                 "tokens_per_second": round(self.tokens_per_second, 2), "nextn": self.nextn,
-                "tree": self.tree, "steps": self.stats.steps, "mean_accepted_tokens_per_step": round(self.stats.mean_accepted, 4),
+                "tree": self.tree, "steps": self.stats.steps,
+                "mean_accepted_tokens_per_step": round(self.stats.mean_accepted, 4),
                 "acceptance_rate_per_position": [round(a, 4) for a in self.stats.acceptance_rate]}
 
 
@@ -248,8 +249,7 @@ class Runner:
                     shown[i] = len(text)
 
         ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate)
-        self.backend.prepare(opts.nextn, opts.sampling.greedy,  # graph loading is not decoding time
-                             opts.tree.graph if opts.tree else None)
+        self.backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)  # loading is not decoding time
         t0 = time.perf_counter()
         seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)
         seconds = time.perf_counter() - t0
@@ -260,5 +260,4 @@ class Runner:
                 if x in text:
                     text = text[: text.index(x)]
             results.append(Result(p, text, s.generated, s.finish_reason or "length", s.message))
-        tree = opts.tree.spec if opts.tree is not None and opts.sampling.greedy and opts.nextn else None
-        return RunReport(results, stats, seconds, opts.nextn, tree)
+        return RunReport(results, stats, seconds, opts.nextn, opts.tree.spec if opts.tree_graph else None)

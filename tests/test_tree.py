@@ -163,7 +163,7 @@ def test_tree_positions_and_mask_match_cache_free_recomputation(setup):
     ids, parents, past_len, caches, expected, paths, depth = _verify_case(model, 0)
     deep = [[len(p) <= depth for p in rows] for rows in paths]  # nodes within the graph's depth
     with torch.no_grad():
-        _, logits, _, _, anc, _ = graph.verify(ids, parents, past_len, caches)
+        _, logits, _, _, anc, _, _ = graph.verify(ids, parents, past_len, caches)
     for b in range(2):
         for node in range(ids.shape[1]):
             if deep[b][node]:

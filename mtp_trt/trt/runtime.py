@@ -177,9 +177,11 @@ class TrtBackend(Backend):
         return self.contexts[key]
 
     def prepare(self, nextn, greedy, tree=None):
+        if tree and tree not in self.em.engines:
+            raise MtpTrtError(f"{self.root}: no {tree}.engine (engines.json lists {', '.join(self.em.engines)}); "
+                              f"build engines of an export made with --trees {tree[5:].replace('_', ':')}")
         for name in self.graphs_for(nextn, greedy, tree):
-            if name != tree or name in self.em.engines:  # a missing tree engine is tree_step's error
-                self.engine(name)
+            self.engine(name)
 
     # ---------------------------------------------------------------------------- allocation
     def allocate(self, batch: int, rows: int) -> None:
@@ -340,9 +342,6 @@ class TrtBackend(Backend):
         return self._call(name, n, feed, [k for k in STEP_OUTPUTS if k in outputs], graph=True)
 
     def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta):
-        if graph not in self.em.engines:
-            raise MtpTrtError(f"{self.root}: no {graph}.engine (engines.json lists {', '.join(self.em.engines)}); "
-                              f"build engines of an export made with --trees {graph[5:].replace('_', ':')}")
         feed = {"input_ids": input_ids.astype(np.int32), "tree_parents": tree_parents.astype(np.int32),
                 "past_len": past_len.astype(np.int32), "thinking": thinking.astype(np.int32),
                 "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32)}
