@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from mtp_trt.manifest import EXPORTER_REVISION
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "samples" / "demo-model"
 SIZES = {
@@ -148,7 +150,7 @@ def main():
         ckpt = child("checkpoint", size)  # in a child: this process stays small (its memory is not measured)
         paths, exports = [], {}
         for form in a.forms:
-            out = cache_dir() / f"export-{size}-{form}"
+            out = cache_dir() / f"export-{size}-{form}-r{EXPORTER_REVISION}"  # a new revision re-exports
             if not (out / "manifest.json").is_file():
                 exports[form] = child("export", str(ckpt), str(out), form)
                 print(f"{size} {form}: exported in {exports[form]['export_seconds']:.0f} s, "

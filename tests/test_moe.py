@@ -14,7 +14,7 @@ import torch
 from hf_models import BASE, CONFIGS, make_hf_model, save_hf_model
 from mtp_trt.config import ModelConfig
 from mtp_trt.exporters.model import MoE
-from mtp_trt.exporters.moe import FORMS, moe_forward
+from mtp_trt.exporters.moe import FORMS, moe_forward, routed_ort, swiglu
 
 TOL = 1e-5
 SHAPES = [(1, 1), (2, 1), (1, 4), (3, 5), (2, 40)]  # decode, batched decode, step graphs, prefill
@@ -90,6 +90,38 @@ def test_every_form_equals_the_reference_moe(layer, tmp_path):
             got = torch.from_numpy(sess.run(None, {"x": x.numpy()})[0])
             torch.testing.assert_close(got, ref, atol=TOL, rtol=TOL, msg=lambda m: f"ORT {form} {b}x{s}: {m}")
         assert routed_share(moe, x) > 0.1
+
+
+class SplitLayer(torch.nn.Module):
+    def __init__(self, moe: MoE, parts: int):
+        super().__init__()
+        self.moe, self.parts = moe, parts
+
+    def forward(self, x):
+        w, idx = self.moe.gate(x)
+        return routed_ort(self.moe, x, w, idx, *x.shape[:2], parts=self.parts) + swiglu(self.moe.shared_experts, x)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 8, 16])
+def test_experts_split_in_parts_give_the_same_output(parts, tmp_path):
+    """The `ort` form hands the MoE node each expert as `parts` experts over blocks of its units (default 4,
+    tested above): any split of the 16 units gives the reference output, on ONNX Runtime."""
+    import onnxruntime as ort
+
+    moe = make_moe(8, 2, 4, 2, "sigmoid", True, 1)
+    path = tmp_path / "split.onnx"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(SplitLayer(moe, parts), (torch.randn(2, 3, 48),), str(path), dynamo=False,
+                          opset_version=18, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "B", 1: "S"}, "y": {0: "B", 1: "S"}})
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for b, s in SHAPES:
+        x = torch.randn(b, s, 48, generator=torch.Generator().manual_seed(b * 7 + s))
+        with torch.no_grad():
+            ref = moe(x)
+        got = torch.from_numpy(sess.run(None, {"x": x.numpy()})[0])
+        torch.testing.assert_close(got, ref, atol=TOL, rtol=TOL, msg=lambda m: f"parts {parts} {b}x{s}: {m}")
 
 
 @pytest.mark.parametrize("layer", [(8, 3, 1, 1, "sigmoid", True, 1), (16, 3, 4, 2, "sigmoid", True, 0),
