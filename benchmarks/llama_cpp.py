@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_size import DEMO, EXPORTER_REVISION, PROMPT, cache_dir, child, make_checkpoint, peak_rss_mb  # noqa: E402
+from real_size import DEMO, PROMPT, cache_dir, child, make_checkpoint, peak_rss_mb, revision  # noqa: E402
 
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
@@ -238,7 +238,7 @@ def prepare(size: str, sdist: Path, nextn: int) -> tuple[Path, Path]:
         src = converter_dir(sdist)
         print(f"{size}: converting to {gguf} ...", flush=True)
         child_script("convert", str(src), str(ckpt), str(gguf))
-    rev = f"r{EXPORTER_REVISION}"  # a new exporter revision re-exports
+    rev = revision()
     export = cache_dir() / (f"export-{size}-n{nextn}-{rev}" if size == "demo" else f"export-{size}-default-{rev}")
     if not (export / "manifest.json").is_file():
         print(f"{size}: exporting to {export} ...", flush=True)

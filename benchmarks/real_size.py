@@ -28,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-from mtp_trt.manifest import EXPORTER_REVISION
-
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "samples" / "demo-model"
 SIZES = {
@@ -45,6 +43,14 @@ PROMPT = "def _get_default_tempdir():\n    \"\"\"Calculate the default directory
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MTP_TRT_CACHE_DIR", Path.home() / ".cache" / "mtp-trt")) / "bench-real-size"
+
+
+def revision() -> str:
+    """'r<exporter revision>', in the names of cached exports: a new revision re-exports.  (Imported here:
+    llama.cpp's workers run in a Python without mtp_trt.)"""
+    from mtp_trt.manifest import EXPORTER_REVISION
+
+    return f"r{EXPORTER_REVISION}"
 
 
 def peak_rss_mb() -> float:
@@ -150,7 +156,7 @@ def main():
         ckpt = child("checkpoint", size)  # in a child: this process stays small (its memory is not measured)
         paths, exports = [], {}
         for form in a.forms:
-            out = cache_dir() / f"export-{size}-{form}-r{EXPORTER_REVISION}"  # a new revision re-exports
+            out = cache_dir() / f"export-{size}-{form}-{revision()}"
             if not (out / "manifest.json").is_file():
                 exports[form] = child("export", str(ckpt), str(out), form)
                 print(f"{size} {form}: exported in {exports[form]['export_seconds']:.0f} s, "
