@@ -30,9 +30,10 @@ FORMAT_VERSION = 1
 # 4: step_0, plain decoding without acceptance, in both modes; 5: vanilla step graphs; 6: weights.bin;
 # 7: plugin lowering's cache outputs aliased to the cache inputs; 8: routed MoE; 9: streamed export -- graphs
 # folded by the exporter, so equal initializers are no longer merged behind Identity nodes: same outputs;
-# 10: tree step graphs, MlaGenerationAttention's optional tree mask),
+# 10: tree step graphs, MlaGenerationAttention's optional tree mask; 11: the tree step's glue as small
+# matrix products (fewer kernels, same outputs)),
 # so exports cached by `mtp-trt run` are redone rather than reused.
-EXPORTER_REVISION = 10
+EXPORTER_REVISION = 11
 MTP_MODES = ("eagle", "vanilla")
 DTYPES = ("fp32", "fp16", "bf16")
 NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}
