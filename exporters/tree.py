@@ -141,7 +141,7 @@ def _accept(logits: Tensor, input_ids: Tensor, t: TreeMatrices, thinking: Tensor
     w = w[:, None]
     zero = torch.zeros((), dtype=ft)
     v = torch.where(drafts == start, w, torch.where(drafts == end, -w, zero))  # [B, S, 1]
-    x = torch.matmul(t.strict.to(ft), v) + thinking.bool().to(ft)[:, None, None]
+    x = torch.matmul(t.strict.to(ft), v) + thinking.bool().to(ft).reshape(-1, 1, 1)
     before, after = x > 0, x + v  # after: > 0 where on
     # relaxed acceptance at the parent (as accept_decomposed's, per node)
     l_d = at_parent.gather(-1, drafts)
@@ -248,9 +248,10 @@ class TreeStepGraph(_Graph):
         h_row = torch.matmul(at_num.to(h1.dtype), h1)  # [B, 1, D] at the bonus
         score, token = self.log_probs(h_row).topk(k, -1)  # [B, 1, k]
         scores, toks = [score.reshape(-1, k)], [token.reshape(-1, k)]
-        fixed = [-1] * k  # each candidate's parent candidate, while they are constants
-        dynamic: list[Tensor] = []  # then [B, k*k] per level
-        f_score, f_idx = score.reshape(-1, k), None  # the frontier [B, k] (f_idx None: candidates 0..k-1)
+        fixed = [-1] * k  # each candidate's parent candidate, while they are constants (depths 1 and 2)
+        sels: list[Tensor] = []  # deeper: per level, the frontier that made its children [B, k] (indices into
+        offsets: list[int] = []  # the previous level's children, which start at candidate offsets[i])
+        f_score = score.reshape(-1, k)  # the frontier [B, k]
         f_tok, f_hid = token.reshape(-1, k, 1), h_row[:, None].expand(-1, k, -1, -1)  # its paths [B, k, L], [B, k, L, D]
         num_i = num.reshape(-1).to(torch.int32)
         write = past_len + num_i + 1  # the first row after depth 1's accepted rows
@@ -271,10 +272,8 @@ class TreeStepGraph(_Graph):
             child_score = (f_score[..., None] + s).reshape(-1, k * k)
             scores.append(child_score)
             toks.append(t.reshape(-1, k * k))
-            if f_idx is None:
+            if d == 2:
                 fixed += [i for i in range(k) for _ in range(k)]
-            else:
-                dynamic.append(f_idx[..., None].expand(-1, -1, k).reshape(-1, k * k))
             if plugin:
                 mtp_cache = cache_d
             if d == d_max:
@@ -284,15 +283,18 @@ class TreeStepGraph(_Graph):
             f_tok = torch.cat([f_tok.gather(1, row.expand(-1, -1, length)), toks[-1].gather(1, sel)[..., None]], 2)
             f_hid = torch.cat([f_hid, h_last[:, :, None]], 2).reshape(-1, k, (length + 1) * width)
             f_hid = f_hid.gather(1, row.expand(-1, -1, (length + 1) * width)).reshape(-1, k, length + 1, width)
-            f_idx = count + sel
+            sels.append(sel)
+            offsets.append(count)
             count += k * k
         scores, toks = torch.cat(scores, 1), torch.cat(toks, 1)
-        chosen = scores.topk(self.budget, -1).indices.sort(-1).values  # [B, N], candidate order
-        if not dynamic:
-            parent = torch.tensor(fixed)[chosen]  # parent candidate (or -1)
-        else:
-            parent = torch.tensor(fixed)[chosen.clamp(max=len(fixed) - 1)]
-            deep = torch.cat(dynamic, 1).gather(1, (chosen - len(fixed)).clamp(min=0))
+        chosen = scores.topk(self.budget, -1).indices.topk(self.budget, -1, largest=False).values  # [B, N] sorted
+        # each chosen candidate's parent candidate (or -1): a constant up to depth 2; deeper, the offset of the
+        # previous level's children (a constant) plus the index of the frontier node that made it (sels)
+        base = fixed + [offsets[i] for i in range(len(sels)) for _ in range(k * k)]
+        parent = torch.tensor(base)[chosen]
+        if sels:
+            where = [0] * len(fixed) + [i * k + j // k for i in range(len(sels)) for j in range(k * k)]
+            deep = parent + torch.cat(sels, 1).gather(1, torch.tensor(where)[chosen])
             parent = torch.where(chosen < len(fixed), parent, deep)
         # the parent is chosen too, and chosen is sorted: its node index is the number of chosen candidates <= it
         node = (chosen[:, None, :] <= parent[..., None]).sum(-1, dtype=torch.int32)
