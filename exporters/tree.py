@@ -252,7 +252,8 @@ class TreeStepGraph(_Graph):
         sels: list[Tensor] = []  # deeper: per level, the frontier that made its children [B, k] (indices into
         offsets: list[int] = []  # the previous level's children, which start at candidate offsets[i])
         f_score = score.reshape(-1, k)  # the frontier [B, k]
-        f_tok, f_hid = token.reshape(-1, k, 1), h_row[:, None].expand(-1, k, -1, -1)  # its paths [B, k, L], [B, k, L, D]
+        # the frontier's paths: tokens [B, k, L] and hidden states [B, k, L*D] (rows flattened), L = d - 1
+        f_tok, f_hid = token.reshape(-1, k, 1), h_row.expand(-1, k, -1)
         num_i = num.reshape(-1).to(torch.int32)
         write = past_len + num_i + 1  # the first row after depth 1's accepted rows
         seen1 = torch.arange(d_max + 1, dtype=torch.float32) <= num.reshape(-1, 1)  # depth 1's accepted rows (onnx)
@@ -265,9 +266,10 @@ class TreeStepGraph(_Graph):
             pos = write[:, None].long() + row_e[None, :]  # [B, k L]
             group = self.group(b, k * length, write, past_len, mtp_cache, None if plugin else (commit1, seen1),
                                visible & batch, pos)
-            h_d, cache_d = mtp_block(m, 0, f_hid.reshape(-1, k * length, width), f_tok.reshape(-1, k * length),
-                                     group, mtp_cache, self.lowering)
-            h_last = h_d.reshape(-1, k, length, width)[:, :, length - 1]  # each frontier node's own row [B, k, D]
+            rows_h = f_hid if length == 1 else f_hid.reshape(-1, k * length, width)
+            rows_t = toks[0] if length == 1 else f_tok.reshape(-1, k * length)
+            h_d, cache_d = mtp_block(m, 0, rows_h, rows_t, group, mtp_cache, self.lowering)
+            h_last = h_d if length == 1 else h_d[:, length - 1::length]  # each frontier node's own row [B, k, D]
             s, t = self.log_probs(h_last).topk(k, -1)  # [B, k, k]
             child_score = (f_score[..., None] + s).reshape(-1, k * k)
             scores.append(child_score)
@@ -281,8 +283,7 @@ class TreeStepGraph(_Graph):
             f_score, sel = child_score.topk(k, -1)  # the next frontier [B, k] (indices into the children)
             row = (sel // k)[..., None]  # the frontier node that made each [B, k, 1]
             f_tok = torch.cat([f_tok.gather(1, row.expand(-1, -1, length)), toks[-1].gather(1, sel)[..., None]], 2)
-            f_hid = torch.cat([f_hid, h_last[:, :, None]], 2).reshape(-1, k, (length + 1) * width)
-            f_hid = f_hid.gather(1, row.expand(-1, -1, (length + 1) * width)).reshape(-1, k, length + 1, width)
+            f_hid = torch.cat([f_hid, h_last], 2).gather(1, row.expand(-1, -1, (length + 1) * width))
             sels.append(sel)
             offsets.append(count)
             count += k * k
