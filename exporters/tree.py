@@ -106,7 +106,7 @@ def accept_tree(logits: Tensor, input_ids: Tensor, anc: Tensor, depth: Tensor, t
     -> (best [B]: the deepest accepted node, bonus [B, 1]: the target's argmax at best, thinking_out [B] int32:
     the flag after the path's tokens and the bonus)."""
     a = _accept(logits, input_ids, _tree_of(anc, depth, parents), thinking, relaxed_topk, relaxed_delta, think_ids)
-    return a.best.reshape(-1), a.bonus.reshape(-1, 1), a.thinking_out.reshape(-1)
+    return a.best.reshape(-1), a.bonus.reshape(-1, 1).to(torch.int32), a.thinking_out.reshape(-1)
 
 
 class _Accepted:
