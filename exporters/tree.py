@@ -16,6 +16,12 @@ nodes -- ranked by the sum of draft log-probabilities along their path -- are ex
 ancestors' rows: see TreeStepGraph.draft), giving k children each.  The N most likely of all candidates are
 the next tree: each child scores at most its parent, and ties go to the lower candidate index (ONNX TopK),
 which is the parent's, so the chosen nodes always include their parents.
+
+Cost: every graph node is a kernel launch, and on small models the step is bound by their number, so the glue
+is written as few nodes: the tree as small 0/1 float matrices (TreeMatrices) whose products give ancestors,
+each node's parent's logits, the thinking flags and acceptance in one node each, one-hot products pick the
+accepted path's rows, tokens and hidden states at once, and static sizes (S, V, D, k, N) are Python constants
+(int() of a traced size), not shape computations.
 """
 
 from __future__ import annotations
@@ -23,8 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtp_trt.exporters.graphs import _Graph, main_forward, mtp_block, row_at
-from mtp_trt.exporters.lowering import flag_after
+from mtp_trt.exporters.graphs import _Graph, main_forward, mtp_block
 from mtp_trt.exporters.model import DeepseekV3
 
 Tensor = torch.Tensor
