@@ -125,7 +125,8 @@ class _Accepted:
 def _accept(logits: Tensor, input_ids: Tensor, t: TreeMatrices, thinking: Tensor, relaxed_topk: Tensor,
             relaxed_delta: Tensor, think_ids: tuple[int, int]) -> _Accepted:
     """accept_tree on the tree's matrices, every per-node quantity a column [B, S, 1]:
-      - each node's parent's logits as one product p0 @ logits (the root's row is zero: it is never checked);
+      - each node's parent's logits as one product p0 @ logits (the root's row is zero: it is never checked),
+        and strict and relaxed acceptance as one comparison of the draft's rank there;
       - the thinking flag before node i from one product strict @ v, v_j = +-2^j at a <think> / </think> node j
         (0 elsewhere and at the root): node indices grow along a path, so the sign of the sum is the latest
         marker's (the powers of two dominate all lower ones), and the flag coming in (thinking) is added as 1,
@@ -138,7 +139,6 @@ def _accept(logits: Tensor, input_ids: Tensor, t: TreeMatrices, thinking: Tensor
     target = lg.argmax(-1, keepdim=True)  # [B, S, 1]
     at_parent = torch.matmul(t.p0, lg)  # [B, S, V]
     drafts = input_ids.long()[..., None]  # [B, S, 1]
-    ok = drafts == at_parent.argmax(-1, keepdim=True)
     # the thinking flag before each node (strict ancestors, root excluded) and after it (itself included)
     start, end = think_ids
     w = 2.0 ** torch.arange(s, dtype=ft)
@@ -148,13 +148,16 @@ def _accept(logits: Tensor, input_ids: Tensor, t: TreeMatrices, thinking: Tensor
     v = torch.where(drafts == start, w, torch.where(drafts == end, -w, zero))  # [B, S, 1]
     x = torch.matmul(t.strict.to(ft), v) + thinking.bool().to(ft).reshape(-1, 1, 1)
     before, after = x > 0, x + v  # after: > 0 where on
-    # relaxed acceptance at the parent (as accept_decomposed's, per node)
+    # acceptance at the parent: the draft's rank there, ties to the lower token id (as accept_decomposed's relaxed
+    # rank, per node); rank 0 is the argmax (its first maximum, as ArgMax's), so strict and relaxed acceptance are
+    # one comparison: rank < relaxed_topk (at least 1) where relaxed acceptance applies, else rank < 1
     l_d = at_parent.gather(-1, drafts)
     ids = torch.arange(vocab)
     rank = ((at_parent > l_d) | ((at_parent == l_d) & (ids < drafts))).sum(-1, keepdim=True, dtype=torch.int32)
     probs = at_parent.softmax(-1)
     p_d = probs.gather(-1, drafts)
-    ok = ok | ((rank < relaxed_topk) & (p_d >= probs.amax(-1, keepdim=True) - relaxed_delta) & before)
+    relaxed = (p_d >= probs.amax(-1, keepdim=True) - relaxed_delta) & before
+    ok = rank < torch.where(relaxed, torch.maximum(relaxed_topk, torch.ones((), dtype=relaxed_topk.dtype)), 1)
     big = float(s + 1)
     c = torch.where(ok, torch.tensor([-big] + [0.0] * (s - 1))[:, None],
                     torch.tensor([-big] + [1.0] * (s - 1))[:, None])  # the root: -K whatever ok says
