@@ -30,7 +30,8 @@ FORMAT_VERSION = 1
 # 4: step_0, plain decoding without acceptance, in both modes; 5: vanilla step graphs; 6: weights.bin;
 # 7: plugin lowering's cache outputs aliased to the cache inputs; 8: routed MoE; 9: streamed export -- graphs
 # folded by the exporter, so equal initializers are no longer merged behind Identity nodes: same outputs;
-# 10: tree step graphs, MlaGenerationAttention's optional tree mask; 11: the MoE node's experts split in parts),
+# 10: tree step graphs, MlaGenerationAttention's optional tree mask; 11: the MoE node's experts split in parts,
+# the tree step's glue as small matrix products),
 # so exports cached by `mtp-trt run` are redone rather than reused.
 EXPORTER_REVISION = 11
 MTP_MODES = ("eagle", "vanilla")
