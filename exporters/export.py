@@ -16,6 +16,7 @@ import io as io_module
 import json
 import shutil
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -124,11 +125,13 @@ def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], lis
 
 
 def _example(spec: dict, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
-    """A small example input (B=2, S=3, T=8) for tracing."""
+    """A small example input (B=2, S=3, T=8) for tracing, the same on every export (seeded by its name: the
+    traced values steer nothing, but an export that differs run to run would be hard to compare)."""
     dims = {"B": 2, "S": 3, "T": 8}
     shape = [dims.get(d, d) for d in spec["shape"]]  # fixed dims (the step graph's K + 1) stay as they are
+    gen = torch.Generator().manual_seed(zlib.crc32(spec["name"].encode()))
     if spec["name"] in ("input_ids", "next_tokens"):
-        return torch.randint(0, cfg.vocab_size, shape, dtype=torch.int32)
+        return torch.randint(0, cfg.vocab_size, shape, dtype=torch.int32, generator=gen)
     if spec["name"] == "past_len":
         return torch.tensor([5, 2], dtype=torch.int32)
     if spec["name"] == "relaxed_topk":
@@ -137,7 +140,7 @@ def _example(spec: dict, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(0.5, dtype=torch.float32)
     if spec["dtype"] == "int32":
         return torch.zeros(shape, dtype=torch.int32)
-    return torch.randn(shape, dtype=dtype)
+    return torch.randn(shape, dtype=dtype, generator=gen)
 
 
 class _WeightsAsInputs(torch.nn.Module):

@@ -305,6 +305,8 @@ def test_graphs_share_one_weights_file(ckpt, tmp_path):
     assert sum(map(len, distinct)) <= m.raw["weights"]["bytes"] < sizes / 2  # stored once, not per graph
     sess = ort.InferenceSession(str(m.root / "step_1.onnx"), providers=["CPUExecutionProvider"])
     assert [o.name for o in sess.get_outputs()][:2] == ["accepted_tokens", "num_accepted"]
+    again = export(ckpt, tmp_path / "again", nextn=1, max_seq_len=64)  # the same files, byte for byte
+    assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in m.root.iterdir()}
     with open(m.root / "weights.bin", "r+b") as f:
         f.seek(5000)
         f.write(b"x")
