@@ -7,6 +7,8 @@ plugin lowering computes the same step; the exported graphs' contract."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from mtp_trt.decode import DecodeOptions, generate
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.export import export
 from mtp_trt.exporters.generate import greedy_generate
-from mtp_trt.exporters.loader import load_checkpoint
+from mtp_trt.exporters.loader import load_checkpoint, save_checkpoint
 from mtp_trt.exporters.tree_vanilla import VanillaTreeStepGraph
 from mtp_trt.manifest import Manifest
 from mtp_trt.tree import TreeShape, accept_tree_reference, parse_trees
@@ -28,10 +30,25 @@ PROMPTS_V = PROMPTS + [[44]]  # one token: shorter than depth 3 - 1, so the firs
 NEW = 24
 
 
+def make_hidden_reading(root, nextn: int = K, scale: float = 0.1):
+    """The self-drafting checkpoint (runtime_models.py), but each MTP module's eh_proj also reads its hidden input
+    (random [I | W]): drafts still often right, and every hidden state the tree step passes along -- the carry,
+    the windows, the expansions' paths -- changes the drafts, so the drafted-tree test sees a wrong one."""
+    ckpt = make_self_drafting(root / "self", nextn=nextn)
+    model = load_checkpoint(ckpt)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for mtp in model.mtp:
+            d = mtp.eh_proj.weight.shape[0]
+            mtp.eh_proj.weight[:, d:] = torch.randn(d, d) * scale / d ** 0.5
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return save_checkpoint(model, root / "ckpt", cfg, {"tokenizer.json": ckpt / "tokenizer.json"})
+
+
 @pytest.fixture(scope="module")
 def vanilla(tmp_path_factory):
     root = tmp_path_factory.mktemp("vtree")
-    ckpt = make_self_drafting(root / "ckpt", nextn=K)
+    ckpt = make_hidden_reading(root)
     path = export(ckpt, root / "vanilla", nextn=K, mtp_mode="vanilla", max_seq_len=256, trees=TREES)
     model = load_checkpoint(ckpt)
     reference = [greedy_generate(model, p, NEW, eos_ids=(EOS,)) for p in PROMPTS_V]
