@@ -336,7 +336,7 @@ def bench(
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     verify: bool = typer.Option(False, help="Hash every file of the exports again (see `mtp-trt run --verify`)."),
 ) -> None:
-    """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes (and the eagle export's trees) against
+    """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes (and each export's trees) against
     transformers' generate."""
     import platform
 
