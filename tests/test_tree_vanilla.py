@@ -256,6 +256,23 @@ def test_runner_picks_the_vanilla_tree(vanilla):
     assert seqs[0].generated == reference[0]
 
 
+def test_cli_run_drafts_a_vanilla_tree(vanilla):
+    """`mtp-trt run --tree-topk/--tree-budget` on a vanilla export: the chain's text, the tree in the report."""
+    import subprocess
+
+    exp = vanilla[1].manifest.root
+    runs = {}
+    for topk, budget in ((1, None), (3, None), (2, 6)):
+        args = ["mtp-trt", "run", str(exp), "-p", "ab(cd)", "--max-new-tokens", "16", "--nextn", "3", "--json",
+                "--threads", "1", "--tree-topk", str(topk)] + (["--tree-budget", str(budget)] if budget else [])
+        r = subprocess.run(args, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        runs[(topk, budget)] = json.loads(r.stdout)
+    texts = {k: [x["text"] for x in v["results"]] for k, v in runs.items()}
+    assert len({tuple(t) for t in texts.values()}) == 1
+    assert [runs[k]["summary"]["tree"] for k in runs] == [None, "3:3:12", "3:2:6"]
+
+
 def test_demo_vanilla_tree_decoding_equals_transformers_generate(tmp_path):
     """The bundled demo checkpoint (3 MTP modules) exported in vanilla mode: tree decoding (depth 3, top-k 3,
     budget 8) gives transformers' greedy `generate` tokens and accepts more per step than the vanilla chain."""
