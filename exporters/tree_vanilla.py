@@ -105,37 +105,20 @@ class VanillaTreeStepGraph(TreeStepGraph):
         b, win = h_path.shape[0], d_max + 1
         plugin = self.lowering == "plugin"
         n = num.long()
-        q = past_len.long() + n  # [B]
-        wj = torch.arange(win)
-        seen = (wj[None, :] <= n[:, None])  # window rows holding accepted tokens [B, W]
+        q = past_len.long() + n  # [B]: the bonus's row
         hidden, mtp_commits, carry_out = h_path, [], []
-        scores = toks = parents = None
-        f_score = f_idx = f_tok = f_hid = None
-        count = 0
+        scores = toks = parents = f_score = f_idx = f_tok = f_hid = None  # (set by level 1)
+        count = 0  # candidates before the current level's
         for level in range(1, d_max + 1):
-            cache = mtp_caches[level - 1]
-            start = past_len + 1 - level  # [B] int32: the window's first row
-            if level > 1:
-                hidden = torch.cat([carry[:, level - 2:level - 1], hidden[:, :win - 1]], 1)
-            length, paths = level - 1, (k if level > 1 else 0)
-            s = win + paths * length
-            w_pos = start[:, None].long() + wj[None, :]  # [B, W]
+            cache, start = mtp_caches[level - 1], past_len + 1 - level  # start [B]: the window's first row
             if level == 1:
-                group = self.group(b, s, start, start, cache)
-                x_hid, x_tok = hidden, tokens
-            else:
-                e = torch.arange(paths * length)
-                row_path, row_e = e // length, e % length
-                own = (row_path[:, None] == row_path[None, :]) & (row_e[None, :] <= row_e[:, None])  # [P L, P L]
-                causal = wj[None, :] <= wj[:, None]  # [W, W]
-                top = torch.cat([causal, torch.zeros(win, paths * length, dtype=torch.bool)], 1)[None].expand(b, -1, -1)
-                bottom = torch.cat([seen[:, None, :].expand(-1, paths * length, -1), own[None].expand(b, -1, -1)], 2)
-                visible = torch.cat([top, bottom], 1)  # [B, S, S]
-                x_pos = q[:, None] + 2 - level + row_e[None, :]  # [B, P L]: row q + 2 - level + i
-                pos = torch.cat([w_pos, x_pos], 1)
-                group = self.group(b, s, start, start, cache, None, visible, pos)
-                x_hid = torch.cat([hidden, f_hid.reshape(b, paths * length, width)], 1)
-                x_tok = torch.cat([tokens, f_tok.reshape(b, paths * length).to(tokens.dtype)], 1)
+                group, x_hid, x_tok = self.group(b, win, start, start, cache), hidden, tokens
+            else:  # the window (the carry, then module level-1's window rows 0 .. D-1), then the frontier's paths
+                hidden = torch.cat([carry[:, level - 2:level - 1], hidden[:, :win - 1]], 1)
+                visible, pos = self.layout(win, k, level - 1, start, q, n)
+                group = self.group(b, visible.shape[1], start, start, cache, None, visible, pos)
+                x_hid = torch.cat([hidden, f_hid.reshape(b, -1, width)], 1)
+                x_tok = torch.cat([tokens, f_tok.reshape(b, -1).to(tokens.dtype)], 1)
             h_out, commit = mtp_block(m, level - 1, x_hid, x_tok, group, cache, self.lowering)
             h_win = h_out[:, :win]
             mtp_commits.append(commit if plugin else commit[:, :win])
@@ -150,6 +133,7 @@ class VanillaTreeStepGraph(TreeStepGraph):
                 f_tok, f_hid = token[:, 0, :, None], w_row[:, None].expand(-1, k, -1, -1)  # [B, k, 1], [B, k, 1, H]
                 hidden, count = h_win, k
                 continue
+            length = level - 1
             h_x = h_out[:, win:].reshape(b, k, length, width)  # each frontier path's rows
             s_c, t_c = self.level_log_probs(level - 1, h_x[:, :, length - 1]).topk(k, -1)  # [B, k, k]
             child_score = (f_score[..., None] + s_c).reshape(b, k * k)
@@ -170,6 +154,21 @@ class VanillaTreeStepGraph(TreeStepGraph):
             count += k * k
         tree_tokens, tree_parents = choose(scores, toks, parents, self.budget)
         return tree_tokens, tree_parents, (torch.cat(carry_out, 1) if carry_out else None), mtp_commits
+
+    @staticmethod
+    def layout(win: int, paths: int, length: int, start: Tensor, q: Tensor, num: Tensor) -> tuple[Tensor, Tensor]:
+        """Which rows each row of a module's call sees, and where the rows sit: `win` window rows (causal, at
+        start + j), then `paths` paths of `length` rows (row i of a path at q + 1 - length + i, seeing the window's
+        rows 0 .. num and its own path's rows 0 .. i).  start, q, num [B] -> visible [B, S, S] bool, positions
+        [B, S] int64 (S = win + paths * length)."""
+        b, rows = start.shape[0], paths * length
+        wj, e = torch.arange(win), torch.arange(rows)
+        own = (e[:, None] // length == e[None, :] // length) & (e[None, :] % length <= e[:, None] % length)
+        top = torch.cat([wj[None, :] <= wj[:, None], torch.zeros(win, rows, dtype=torch.bool)], 1)  # [W, S]
+        seen = (wj[None, :] <= num[:, None])[:, None, :].expand(-1, rows, -1)  # the window's accepted rows
+        visible = torch.cat([top[None].expand(b, -1, -1), torch.cat([seen, own[None].expand(b, -1, -1)], 2)], 1)
+        pos = torch.cat([start[:, None].long() + wj[None, :], q[:, None] + 1 - length + e[None, :] % length], 1)
+        return visible, pos
 
     def level_log_probs(self, module: int, h: Tensor) -> Tensor:
         """MTP module `module`'s (0-based) log-probabilities [B, ..., V] (fp32) from its output hidden h."""
