@@ -31,6 +31,7 @@ from mtp_trt.exporters.graphs import MtpGraph, StepGraph, TargetGraph, VanillaSt
 from mtp_trt.exporters.lowering import LOWERINGS
 from mtp_trt.exporters.moe import FORMS as MOE_FORMS
 from mtp_trt.exporters.tree import TreeStepGraph
+from mtp_trt.exporters.tree_vanilla import VanillaTreeStepGraph
 from mtp_trt.exporters.loader import CheckpointTensors, checkpoint_names
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
@@ -99,11 +100,19 @@ def vanilla_step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> 
     return [fix(t) for t in inputs], [fix(t) for t in outputs]
 
 
-def tree_io(cfg: ModelConfig, dtype: str, lowering: str, tree: tuple[int, int, int]) -> tuple[list[dict], list[dict]]:
-    """TreeStepGraph (exporters/tree.py) of depth D, top-k and budget N: N + 1 tokens in (the root, then the tree),
-    the path's D + 1 rows out; the next tree's tokens and parents replace the chain's drafts."""
+def tree_io(cfg: ModelConfig, dtype: str, lowering: str, tree: tuple[int, int, int],
+            mtp_mode: str = "eagle") -> tuple[list[dict], list[dict]]:
+    """TreeStepGraph (exporters/tree.py) or VanillaTreeStepGraph (exporters/tree_vanilla.py) of depth D, top-k and
+    budget N: N + 1 tokens in (the root, then the tree), the path's D + 1 rows out; the next tree's tokens and
+    parents replace the chain's drafts.  Vanilla: the vanilla step's caches and carry, each module's D + 1 window
+    rows out."""
     d, _, n = tree
-    inputs, outputs = step_io(cfg, dtype, lowering, d)
+    if mtp_mode == "vanilla":
+        inputs, outputs = vanilla_step_io(cfg, dtype, lowering, d)
+        outputs = [{**o, "shape": ["B", d + 1, o["shape"][2]]} if o["name"].startswith("mtp_new_kv_") else o
+                   for o in outputs]
+    else:
+        inputs, outputs = step_io(cfg, dtype, lowering, d)
     fix = lambda spec: {**spec, "shape": [n + 1 if x == d + 1 and spec["name"] == "input_ids" else x  # noqa: E731
                                           for x in spec["shape"]]}
     inputs = [fix(inputs[0]), _spec("tree_parents", "int32", ["B", n]), *inputs[1:]]
@@ -293,12 +302,8 @@ def tree_shapes(trees: str | None, nextn: int, mtp_mode: str, lowering: str) -> 
     from mtp_trt import tree
 
     if trees is None:
-        ok = mtp_mode == "eagle"
-        return tuple(t for t in tree.DEFAULT_TREES if ok and t.depth <= nextn)
+        return tuple(t for t in tree.DEFAULT_TREES if t.depth <= nextn)
     shapes = tree.parse_trees(trees)
-    if shapes and mtp_mode != "eagle":
-        raise MtpTrtError("--trees: tree drafting runs in eagle mode (one MTP module drafts every level); "
-                          "export with --mtp-mode eagle")
     deep = [t.spec for t in shapes if t.depth > nextn]
     if deep:
         raise MtpTrtError(f"--trees {','.join(deep)}: a tree's depth must be at most --nextn ({nextn})")
@@ -330,7 +335,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     exporters/moe.py FORMS for every graph (benchmarks compare them), or "tensorrt" (standard operators only:
     gather in the few-token step graphs, static elsewhere, as the plugin lowering does; for plugin-free
     TensorRT engines of an onnx-lowering export), instead of the lowering's choice.  trees: the tree step graphs
-    to export, 'D:k:N,...' (mtp_trt/tree.py; default: tree.DEFAULT_TREES up to depth nextn, in eagle mode only)."""
+    to export, 'D:k:N,...' (mtp_trt/tree.py; default: tree.DEFAULT_TREES up to depth nextn)."""
     if moe_form not in (None, "tensorrt", *MOE_FORMS):
         raise MtpTrtError(f"--moe-form: unknown form {moe_form!r}; expected tensorrt, {', '.join(MOE_FORMS)}")
     ckpt, out = Path(ckpt), Path(out)
@@ -364,8 +369,11 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
             else:
                 jobs.append((f"step_{n}", StepGraph(model, n, lowering, think_ids), step_io(cfg, dtype, lowering, n),
                              target_kv + ["mtp_kv"] * (n > 0)))
-        jobs += [(t.graph, TreeStepGraph(model, t.depth, t.topk, t.budget, lowering, think_ids),
-                  tree_io(cfg, dtype, lowering, (t.depth, t.topk, t.budget)), target_kv + ["mtp_kv"]) for t in shapes]
+        tree_graph = VanillaTreeStepGraph if mtp_mode == "vanilla" else TreeStepGraph
+        jobs += [(t.graph, tree_graph(model, t.depth, t.topk, t.budget, lowering, think_ids),
+                  tree_io(cfg, dtype, lowering, (t.depth, t.topk, t.budget), mtp_mode),
+                  target_kv + (["mtp_kv"] if mtp_mode == "eagle" else [f"mtp_kv_{k}" for k in range(t.depth)]))
+                 for t in shapes]
         graphs, tables = {}, {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")

@@ -68,10 +68,13 @@ class Backend(ABC):
         raise NotImplementedError
 
     def tree_step(self, graph: str, n: int, input_ids: np.ndarray, tree_parents: np.ndarray, past_len: np.ndarray,
-                  thinking: np.ndarray, relaxed_topk: int, relaxed_delta: float) -> dict[str, np.ndarray]:
-        """One greedy tree step (tree graph `graph`, exporters/tree.py): input_ids [n, N+1] (last, then the tree),
-        tree_parents [n, N].  Commits the accepted path's rows.  Returns accepted_tokens, num_accepted,
-        thinking_out and the next tree: tree_tokens, tree_parents_out."""
+                  thinking: np.ndarray, relaxed_topk: int, relaxed_delta: float,
+                  carry: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """One greedy tree step (tree graph `graph`, exporters/tree.py, exporters/tree_vanilla.py): input_ids
+        [n, N+1] (last, then the tree), tree_parents [n, N], carry [n, D-1, H] (vanilla, D > 1: as `step`).
+        Commits the accepted path's rows (and vanilla's window rows of every module).  Returns accepted_tokens,
+        num_accepted, thinking_out, the next tree: tree_tokens, tree_parents_out, and (vanilla, D > 1)
+        carry_out."""
         raise MtpTrtError(f"{self.manifest.root}: this backend has no tree step; use --tree-topk 1")
 
     @abstractmethod
@@ -260,9 +263,10 @@ class OrtBackend(Backend):
         return self._run_step(f"step_{input_ids.shape[1] - 1}", n, input_ids, past_len, thinking, relaxed_topk,
                               relaxed_delta, carry=carry)
 
-    def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta):
+    def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta,
+                  carry=None):
         return self._run_step(graph, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta,
-                              tree_parents=tree_parents)
+                              tree_parents=tree_parents, carry=carry)
 
     def _run_step(self, name, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, **extra):
         """Run step or tree graph `name` on slots 0..n-1 and commit its rows (_step_plan)."""

@@ -153,8 +153,8 @@ def export(
     moe_form: str = typer.Option("auto", help="MoE layers: auto (onnx lowering: ONNX Runtime's MoE node; plugin: "
                                               "TensorRT's forms), tensorrt (standard operators, for plugin-free "
                                               "TensorRT engines), static, gather or ort in every graph."),
-    trees: str = typer.Option(None, help="Tree step graphs DEPTH:TOPK:BUDGET,... for `run --tree-topk` (eagle, "
-                                         "onnx lowering; default: the trees `mtp-trt bench` found best, up to "
+    trees: str = typer.Option(None, help="Tree step graphs DEPTH:TOPK:BUDGET,... for `run --tree-topk` (either "
+                                         "mode; default: the trees `mtp-trt bench` found best, up to "
                                          "--nextn; none for none)."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
@@ -231,7 +231,7 @@ def run(
     relaxed_topk: int = typer.Option(0, help="Relaxed acceptance while thinking: top-N (0 = strict)."),
     relaxed_delta: float = typer.Option(0.0, help="Relaxed acceptance: p(draft) >= p(top-1) - delta."),
     tree_topk: int = typer.Option(None, help="Draft a tree of depth --nextn, expanding the k likeliest nodes per "
-                                             "level by k children (eagle, greedy; 1 = the chain; see --trees)."),
+                                             "level by k children (greedy; 1 = the chain; see --trees)."),
     tree_budget: int = typer.Option(None, help="Tree nodes verified per step (default: the export's tree for "
                                                "this depth and top-k)."),
     stop: list[str] = typer.Option(None, help="Stop string; repeat for several."),
@@ -336,7 +336,7 @@ def bench(
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     verify: bool = typer.Option(False, help="Hash every file of the exports again (see `mtp-trt run --verify`)."),
 ) -> None:
-    """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes (and the eagle export's trees) against
+    """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes (and each export's trees) against
     transformers' generate."""
     import platform
 

@@ -93,7 +93,7 @@ class DecodeOptions:
     max_new_tokens: int = 128
     eos_ids: tuple[int, ...] = ()
     think_ids: tuple[int, int] = (-1, -1)
-    tree: TreeShape | None = None  # greedy eagle tree drafting of depth nextn (sampling runs the chain)
+    tree: TreeShape | None = None  # greedy tree drafting of depth nextn, either mode (sampling runs the chain)
 
     @property
     def tree_graph(self) -> str | None:
@@ -260,14 +260,18 @@ def fused_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, 
 def tree_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, opts: DecodeOptions,
               rows: int) -> None:
     """Greedy tree drafting: verify the tree, accept its longest path, commit it and draft the next tree in one
-    backend call (the export's tree graph, exporters/tree.py)."""
-    n = st.n
+    backend call (the export's tree graph, exporters/tree.py; vanilla: exporters/tree_vanilla.py, which passes
+    and keeps the carry as fused_step)."""
+    n, k = st.n, opts.nextn
     ids = np.concatenate([st.last[:n, None], st.tree_tokens[:n]], 1).astype(np.int32)
+    carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
     out = backend.tree_step(opts.tree_graph, n, ids, st.tree_parents[:n], st.main_len[:n], st.thinking[:n],
-                            opts.relaxed_topk, opts.relaxed_delta)
+                            opts.relaxed_topk, opts.relaxed_delta, carry)
     st.thinking[:n] = out["thinking_out"]
     accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
     st.tree_tokens[:n], st.tree_parents[:n] = out["tree_tokens"], out["tree_parents_out"]
+    if "carry_out" in out:
+        st.carry[:n, 1:] = out["carry_out"]
     for i in range(n):
         if seqs[st.order[i]].finish_reason is None:
             seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.tree_tokens[i].tolist() +
@@ -346,8 +350,9 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
     if opts.tree_graph:
         st.tree_tokens, st.tree_parents = chain_tree(st.drafts, opts.tree.budget)
     while st.n:
-        # vanilla's step graph needs every depth's window to start at row >= 0 (main_len >= K - 1)
-        if opts.tree_graph or fused and not (vanilla and st.main_len[:st.n].min() < opts.nextn - 1):
+        # vanilla's step and tree graphs need every depth's window to start at row >= 0 (main_len >= K - 1)
+        early = vanilla and st.main_len[:st.n].min() < opts.nextn - 1
+        if not early and (opts.tree_graph or fused):
             (tree_step if opts.tree_graph else fused_step)(backend, st, seqs, stats, opts, rows)
             if on_step:
                 on_step(seqs)
@@ -360,4 +365,6 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
         retire(backend, st, seqs, hidden, start)
         if opts.nextn and st.n:
             draft(backend, st, seqs, hidden[:st.n], start[:st.n], opts, rng)
+            if opts.tree_graph:  # the chain's drafts are the next tree step's tree
+                st.tree_tokens, st.tree_parents = chain_tree(st.drafts, opts.tree.budget)
     return seqs, stats

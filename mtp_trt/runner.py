@@ -183,9 +183,6 @@ class Runner:
                 raise MtpTrtError("--tree-budget needs --tree-topk >= 2 (top-k 1 is the chain)")
             return None
         m = self.manifest
-        if m.mtp_mode != "eagle":
-            raise MtpTrtError(f"--tree-topk: tree drafting runs in eagle mode, but {m.root} is a {m.mtp_mode}-mode "
-                              f"export; use --mtp-mode eagle")
         have = [t for t in m.raw.get("trees") or [] if t.startswith(f"{nextn}:{topk}:")]
         tree_shape(nextn, topk, 1)  # depth and top-k in range
         if budget is None and have:

@@ -35,7 +35,7 @@ class TreeShape:
         return self.topk + (self.depth - 1) * self.topk ** 2
 
 
-# The trees an eagle-mode export carries by default (each one step graph), as DEPTH:TOPK:BUDGET; chosen by
+# The trees an export carries by default, in either mode (each one step graph), as DEPTH:TOPK:BUDGET; chosen by
 # `mtp-trt bench` on the demo checkpoint (README).
 DEFAULT_TREES = (TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 3, 8))
 

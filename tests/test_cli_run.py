@@ -102,12 +102,12 @@ def test_bench_times_every_configuration_and_writes_json_and_plot(ckpt, tmp_path
     mine = [x for x in data["runs"] if x["engine"] == "mtp-trt/onnxruntime"]
     assert sorted((x["mode"], x["batch"], x["nextn"], x["tree"] or "") for x in mine) == sorted(
         [(m, b, n, "") for m in ("eagle", "vanilla") for b in (1, 2) for n in range(3)]
-        + [("eagle", b, 2, "2:2:4") for b in (1, 2)])  # the eagle export's default tree up to depth 2
+        + [(m, b, 2, "2:2:4") for m in ("eagle", "vanilla") for b in (1, 2)])  # the default tree up to depth 2
     assert all(x["same_tokens_as_nextn0"] and x["tokens_per_second"] > 0 for x in mine)
     assert all(1 <= x["mean_accepted"] <= x["nextn"] + 1 for x in mine)
     assert {x["batch"] for x in data["runs"] if x["engine"] == "transformers.generate"} == {1, 2}
     assert len(data["summary"]) == 4 and all(s["nextn0_over_transformers"] > 0 for s in data["summary"])
-    assert {s["mode"]: s.get("best_tree") for s in data["summary"]} == {"eagle": "2:2:4", "vanilla": None}
+    assert {s["mode"]: s.get("best_tree") for s in data["summary"]} == {"eagle": "2:2:4", "vanilla": "2:2:4"}
     assert "best tree 2:2:4" in r.stdout
     assert (tmp_path / "bench.png").stat().st_size > 0
 

@@ -54,8 +54,8 @@ def _run(sess, feed):
 def test_manifest_records_the_contract(exported):
     m = exported
     assert m.nextn == 2 and m.lowering == "onnx" and m.think_ids == THINK
-    assert set(m.graphs) == {"target", "mtp_0", "step_0", "step_1", "step_2"} | (
-        {"mtp_1"} if m.mtp_mode == "vanilla" else {"tree_2_2_4"})  # eagle: the default tree up to depth 2
+    assert set(m.graphs) == {"target", "mtp_0", "step_0", "step_1", "step_2", "tree_2_2_4"} | (
+        {"mtp_1"} if m.mtp_mode == "vanilla" else set())  # the default tree up to depth 2
     assert m.mtp_graphs == (["mtp_0", "mtp_0"] if m.mtp_mode == "eagle" else ["mtp_0", "mtp_1"])
     for g in m.graphs.values():
         model = onnx.load(m.root / g.file)
@@ -213,9 +213,9 @@ def test_plugin_lowering_nodes_carry_the_documented_contract(ckpt, tmp_path, mod
     cfg = m.config
     attention_nodes = {"target": cfg.num_hidden_layers} | {f"step_{n}": cfg.num_hidden_layers + n
                                                             for n in range(m.nextn + 1)}
-    trees = m.raw["trees"] if mode == "eagle" else []
-    assert trees == (["2:2:4"] if mode == "eagle" else [])  # the default tree up to depth 2
-    attention_nodes |= {f"tree_{t.replace(':', '_')}": cfg.num_hidden_layers + int(t[0]) for t in trees}
+    trees = m.raw["trees"]
+    assert trees == ["2:2:4"]  # the default tree up to depth 2 (eagle: depth 1 and one expansion; vanilla: modules
+    attention_nodes |= {f"tree_{t.replace(':', '_')}": cfg.num_hidden_layers + int(t[0]) for t in trees}  # 1, 2)
     for name, g in m.graphs.items():
         model = onnx.load(m.root / g.file)
         onnx.checker.check_model(model)

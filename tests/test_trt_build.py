@@ -42,7 +42,8 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(ckpt, tmp_path_factory):
-    """Vanilla mode, K = 2: target.onnx, mtp_0.onnx and mtp_1.onnx in the plugin lowering."""
+    """Vanilla mode, K = 2: target.onnx, mtp_0.onnx, mtp_1.onnx, the step graphs and the default tree 2:2:4 in the
+    plugin lowering."""
     return export(ckpt, tmp_path_factory.mktemp("exp") / "plugin", nextn=2, mtp_mode="vanilla", lowering="plugin",
                   max_batch=4, max_seq_len=64)
 
@@ -93,7 +94,7 @@ def test_engine_manifest_records_the_build(engines, exported):
     assert pre["S"][2] == 64 and pre["B"][2] == 4
     assert m.profiles[0]["inputs"]["target"]["kv_0"] == [[1, 1, 40], [4, 64, 40], [4, 64, 40]]
     assert {(p["name"], p["version"], p["namespace"]) for p in m.plugins} == {(n, str(ops.VERSION), "") for n in ops.OPS}
-    assert set(m.engines) == {"target", "mtp_0", "mtp_1", "step_0", "step_1", "step_2"}
+    assert set(m.engines) == {"target", "mtp_0", "mtp_1", "step_0", "step_1", "step_2", "tree_2_2_4"}
     for name, e in m.engines.items():
         assert e.file == f"{name}.engine" and e.bytes == (engines / e.file).stat().st_size > 100_000
         assert e.sha256 == sha256(engines / e.file)
@@ -116,6 +117,7 @@ def test_every_custom_node_became_its_plugin(engines, exported):
             assert op.encode() in data
     assert m.engines["target"].plugin_layers == {"MlaGenerationAttention": 3, "MtpAccept": 1}
     assert m.engines["mtp_1"].plugin_layers == {"MlaGenerationAttention": 1}
+    assert m.engines["tree_2_2_4"].plugin_layers == {"MlaGenerationAttention": 3 + 2}  # the verify's, modules 1 and 2
 
 
 def _node_model(op: str, inputs, outputs, **attrs):

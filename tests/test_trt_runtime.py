@@ -90,19 +90,22 @@ def test_greedy_decode_equals_onnxruntime(setup, greedy, lowering, graphs):
 
 @pytest.mark.parametrize("lowering", ["plugin", "onnx"])
 def test_tree_decoding_equals_onnxruntime(setup, greedy, lowering):
-    """Tree drafting (eagle, the export's default tree): the tree step's tensors bound and its accepted path's
+    """Tree drafting (both modes, the export's default tree): the tree step's tensors bound (vanilla: the carry and
+    one cache per module, committed at past_len + 1 - k in the onnx lowering: the same trees drafted as on ONNX
+    Runtime) and its accepted path's
     rows committed by the runtime (both lowerings: the plugin engine's stand-in leaves garbage where it wrote
     the tree's nodes, so a missing commit shows) give ONNX Runtime's greedy tokens, with and without CUDA graphs; a
     tree the engines lack is one error."""
     from mtp_trt.tree import TreeShape
 
     ref, engines = setup
-    if ref.mtp_mode != "eagle":
-        pytest.skip("tree drafting is eagle mode only")
+    opts = _opts(K, tree=TreeShape(2, 2, 4))
+    trees = [s.draft_log for s in generate(OrtBackend(ref), PROMPTS, opts)[0]]
     for graphs in (True, False):
         backend = fake_backend(engines[lowering], ref, cuda_graphs=graphs)
-        got, stats = _tokens(backend, PROMPTS, _opts(K, tree=TreeShape(2, 2, 4)))
-        assert got == greedy[0] and stats.mean_accepted > 1
+        seqs, stats = generate(backend, PROMPTS, opts)
+        assert [s.generated for s in seqs] == greedy[0] and stats.mean_accepted > 1
+        assert [s.draft_log for s in seqs] == trees  # the same trees: every MTP cache row where ONNX Runtime has it
         assert (backend.device.counts["graph_launches"] > 0) == graphs
         assert backend.kernels.calls > 0  # the path's rows were committed by the runtime
     with pytest.raises(MtpTrtError, match="no tree_2_3_5.engine .*--trees 2:3:5"):

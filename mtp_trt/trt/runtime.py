@@ -35,7 +35,7 @@ HOST_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16, "int32
 DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
 MTP_OUTPUTS = ["hidden_out", "draft_tokens", "draft_probs"]
 STEP_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "drafts", "carry_out"]
-TREE_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "tree_tokens", "tree_parents_out"]
+TREE_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "tree_tokens", "tree_parents_out", "carry_out"]
 
 
 class EngineLoader:
@@ -341,11 +341,14 @@ class TrtBackend(Backend):
         outputs = {t.name for t in self.ios[name].outputs}
         return self._call(name, n, feed, [k for k in STEP_OUTPUTS if k in outputs], graph=True)
 
-    def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta):
+    def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta,
+                  carry=None):
         feed = {"input_ids": input_ids.astype(np.int32), "tree_parents": tree_parents.astype(np.int32),
                 "past_len": past_len.astype(np.int32), "thinking": thinking.astype(np.int32),
-                "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32)}
-        return self._call(graph, n, feed, TREE_OUTPUTS, graph=True)
+                "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32),
+                "carry": carry}
+        outputs = {t.name for t in self.ios[graph].outputs}
+        return self._call(graph, n, feed, [k for k in TREE_OUTPUTS if k in outputs], graph=True)
 
     def swap_slots(self, i, j):
         for bufs in self.caches.values():
