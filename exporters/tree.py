@@ -169,6 +169,26 @@ def _accept(logits: Tensor, input_ids: Tensor, t: TreeMatrices, thinking: Tensor
     return _Accepted(best, bonus, t.depth_col.gather(1, best), thinking_out)
 
 
+def choose(scores: list[Tensor], toks: list[Tensor], fixed: list[int], sels: list[Tensor], offsets: list[int],
+           k: int, budget: int) -> tuple[Tensor, Tensor]:
+    """The next tree: the budget's likeliest of every level's candidates (scores, tokens [B, c] per level, numbered
+    level by level) -> tree_tokens, tree_parents [B, N] int32, in candidate order (so parents come first).  Each
+    candidate's parent candidate (or -1) is a constant up to depth 2 (`fixed`); deeper, the offset of the
+    previous level's children (`offsets`, constants) plus the frontier node that made it (`sels` [B, k] per
+    level: indices into those children)."""
+    scores, toks = torch.cat(scores, 1), torch.cat(toks, 1)
+    chosen = scores.topk(budget, -1).indices.topk(budget, -1, largest=False).values  # [B, N] sorted
+    base = fixed + [offsets[i] for i in range(len(sels)) for _ in range(k * k)]
+    parent = torch.tensor(base)[chosen]
+    if sels:
+        where = [0] * len(fixed) + [i * k + j // k for i in range(len(sels)) for j in range(k * k)]
+        deep = parent + torch.cat(sels, 1).gather(1, torch.tensor(where)[chosen])
+        parent = torch.where(chosen < len(fixed), parent, deep)
+    # the parent is chosen too, and chosen is sorted: its node index is the number of chosen candidates <= it
+    node = (chosen[:, None, :] <= parent[..., None]).sum(-1, dtype=torch.int32)
+    return toks.gather(1, chosen).to(torch.int32), node
+
+
 class TreeStepGraph(_Graph):
     """One greedy tree step in one call (see the module docstring): verify the tree, accept, commit the path's
     rows, draft the next tree.  Eagle mode (one MTP module), both lowerings.
@@ -206,13 +226,24 @@ class TreeStepGraph(_Graph):
         return h, logits, commits, new_rows, anc, depth, topological(tree_parents)
 
     def forward(self, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
-        layers, d_max = len(self.model.model.layers), self.depth
-        b, s = input_ids.shape[0], int(input_ids.shape[1])
+        layers = len(self.model.model.layers)
         h, logits, commits, rows, anc, _, _ = self.verify(input_ids, tree_parents, past_len, caches[:layers])
+        a, accepted, path_rows, h_path = self.accept_path(logits, input_ids, anc, rows, h, thinking, relaxed_topk,
+                                                          relaxed_delta)
+        tokens, parents_out, mtp = self.draft(h_path, accepted.clamp(min=0), a.num, past_len, caches[layers],
+                                              input_ids.shape[0])
+        outs = (accepted, a.num.reshape(-1).to(torch.int32), a.thinking_out.reshape(-1), tokens, parents_out)
+        plugin = self.lowering == "plugin"
+        return outs + ((*commits, mtp, *path_rows) if plugin else (*path_rows, mtp))
+
+    def accept_path(self, logits, input_ids, anc, rows, h, thinking, relaxed_topk, relaxed_delta):
+        """Acceptance on verify's outputs and the accepted path -> (_Accepted, accepted_tokens [B, D+1] int32: the
+        path's drafts, the bonus, then -1; the path's rows [B, D+1, Dl+Dr] per layer; its hidden states
+        [B, D+1, D]).  One-hot rows [B, D+1, S] pick best's ancestor at each depth 0..num (past num: the root,
+        rows never committed), applied to every per-node tensor at once by one product."""
+        layers, d_max, s = len(rows), self.depth, int(input_ids.shape[1])
         t: TreeMatrices = anc._tree_matrices
         a = _accept(logits, input_ids, t, thinking, relaxed_topk, relaxed_delta, self.think_ids)
-        # the path: one-hot rows [B, D+1, S] picking best's ancestor at each depth 0..num (past num: the root,
-        # rows never committed), applied to every per-node tensor at once by one product
         on_path = torch.matmul((torch.arange(s) == a.best).float(), t.anc)  # [B, 1, S]: best's ancestors
         levels = torch.arange(d_max + 1, dtype=torch.float32)[:, None]  # [D+1, 1]
         level = torch.where(levels <= a.num, levels, 0.0)  # [B, D+1, 1]
@@ -223,17 +254,11 @@ class TreeStepGraph(_Graph):
         parts = [*rows, h] + ([ids_f] if exact_ids else [])
         picked = torch.matmul(pick.to(dtype), torch.cat(parts, -1)).split(
             [width] * layers + [int(h.shape[-1])] + ([1] if exact_ids else []), -1)
-        path_rows, h_path = list(picked[:layers]), picked[layers]
         tok = picked[-1] if exact_ids else torch.matmul(pick, ids_f)  # [B, D+1, 1] the path's tokens
         bonus = a.bonus.float()
         later = torch.cat([tok[:, 1:], bonus], 1)  # the token after each path node
         accepted = torch.where(levels < a.num, later, torch.where(levels == a.num, bonus, -1.0))
-        accepted = accepted.to(torch.int32)[..., 0]  # [B, D+1]
-        num = a.num.reshape(-1)  # [B] float
-        tokens, parents_out, mtp = self.draft(h_path, accepted.clamp(min=0), a.num, past_len, caches[layers], b)
-        outs = (accepted, num.to(torch.int32), a.thinking_out.reshape(-1), tokens, parents_out)
-        plugin = self.lowering == "plugin"
-        return outs + ((*commits, mtp, *path_rows) if plugin else (*path_rows, mtp))
+        return a, accepted.to(torch.int32)[..., 0], list(picked[:layers]), picked[layers]
 
     def draft(self, h_path, tokens, num, past_len, cache, b):
         """MTP depth 1 over the path, then the tree (module docstring) -> (tree_tokens, tree_parents) [B, N] and
@@ -295,19 +320,7 @@ class TreeStepGraph(_Graph):
             sels.append(sel)
             offsets.append(count)
             count += k * k
-        scores, toks = torch.cat(scores, 1), torch.cat(toks, 1)
-        chosen = scores.topk(self.budget, -1).indices.topk(self.budget, -1, largest=False).values  # [B, N] sorted
-        # each chosen candidate's parent candidate (or -1): a constant up to depth 2; deeper, the offset of the
-        # previous level's children (a constant) plus the index of the frontier node that made it (sels)
-        base = fixed + [offsets[i] for i in range(len(sels)) for _ in range(k * k)]
-        parent = torch.tensor(base)[chosen]
-        if sels:
-            where = [0] * len(fixed) + [i * k + j // k for i in range(len(sels)) for j in range(k * k)]
-            deep = parent + torch.cat(sels, 1).gather(1, torch.tensor(where)[chosen])
-            parent = torch.where(chosen < len(fixed), parent, deep)
-        # the parent is chosen too, and chosen is sorted: its node index is the number of chosen candidates <= it
-        node = (chosen[:, None, :] <= parent[..., None]).sum(-1, dtype=torch.int32)
-        return toks.gather(1, chosen).to(torch.int32), node, mtp_cache if plugin else commit1
+        return (*choose(scores, toks, fixed, sels, offsets, k, self.budget), mtp_cache if plugin else commit1)
 
     def log_probs(self, h: Tensor) -> Tensor:
         """The MTP module's log-probabilities [B, S, V] (fp32) from its output hidden states h [B, S, D]."""

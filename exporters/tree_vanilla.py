@@ -30,36 +30,9 @@ from __future__ import annotations
 import torch
 
 from mtp_trt.exporters.graphs import mtp_block, row_at
-from mtp_trt.exporters.tree import TreeStepGraph, accept_tree
+from mtp_trt.exporters.tree import TreeStepGraph, choose
 
 Tensor = torch.Tensor
-
-
-def accepted_path(anc: Tensor, depth: Tensor, best: Tensor, bonus: Tensor, input_ids: Tensor, d_max: int):
-    """The accepted path of a verified tree: anc [B, S, S], depth [B, S], best [B], bonus [B, 1], input_ids [B, S]
-    -> (num [B] drafts accepted, path [B, D+1] node index at each depth (past the end: the root), accepted_tokens
-    [B, D+1]: the path's drafts, the bonus, then -1)."""
-    num = depth.gather(1, best[:, None])[:, 0]
-    on_path = anc.gather(1, best[:, None, None].expand(-1, 1, anc.shape[2]))[:, 0]  # [B, S]
-    levels = torch.arange(d_max + 1)
-    pick = on_path[:, None, :] & (depth[:, None, :] == levels[None, :, None])  # [B, D+1, S]
-    path = (pick.long() * torch.arange(anc.shape[2])).sum(-1)  # [B, D+1]
-    col = levels[None, :]
-    later = torch.cat([input_ids.gather(1, path)[:, 1:], bonus], 1)  # the token after each path node
-    accepted = torch.where(col < num[:, None], later,
-                           torch.where(col == num[:, None], bonus, torch.full_like(bonus, -1)))
-    return num, path, accepted
-
-
-def choose(scores: list[Tensor], toks: list[Tensor], parents: list[Tensor], budget: int) -> tuple[Tensor, Tensor]:
-    """The next tree from every level's candidates (scores, tokens, parent candidate index or -1; each [B, c]):
-    the budget's likeliest, in candidate order, parents as node indices -> tree_tokens, tree_parents [B, N] int32."""
-    scores, toks, parents = torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(parents, 1)
-    chosen = scores.topk(budget, -1).indices.sort(-1).values  # [B, N], candidate order
-    parent = parents.gather(1, chosen)  # candidate index or -1
-    match = (parent[..., None] == chosen[:, None, :]).long()  # [B, N, N]
-    node = torch.where(parent < 0, torch.zeros_like(parent), match.argmax(-1) + 1)
-    return toks.gather(1, chosen).to(torch.int32), node.to(torch.int32)
 
 
 class VanillaTreeStepGraph(TreeStepGraph):
@@ -82,16 +55,14 @@ class VanillaTreeStepGraph(TreeStepGraph):
         layers, d_max = len(self.model.model.layers), self.depth
         caches, mtp_caches = rest[:layers], rest[layers:layers + d_max]
         carry = rest[layers + d_max] if d_max > 1 else None
-        h, logits, commits, rows, anc, depth, parents = self.verify(input_ids, tree_parents, past_len, caches)
-        best, bonus, thinking_out = accept_tree(logits, input_ids, anc, depth, thinking, relaxed_topk, relaxed_delta,
-                                                self.think_ids, parents)
-        num, path, accepted = accepted_path(anc, depth, best, bonus, input_ids, d_max)
-        width = rows[0].shape[-1]
-        path_rows = [r.gather(1, path[..., None].expand(-1, -1, width)) for r in rows]  # the runtime commits them
-        h_path = h.gather(1, path[..., None].expand(-1, -1, h.shape[-1]))
-        tokens, parents_out, carry_out, mtp_commits = self.draft_vanilla(h_path, accepted.clamp(min=0), num, past_len,
-                                                                         mtp_caches, carry)
-        outs = (accepted, num.to(torch.int32), thinking_out, tokens, parents_out) + ((carry_out,) if d_max > 1 else ())
+        h, logits, commits, rows, anc, _, _ = self.verify(input_ids, tree_parents, past_len, caches)
+        a, accepted, path_rows, h_path = self.accept_path(logits, input_ids, anc, rows, h, thinking, relaxed_topk,
+                                                          relaxed_delta)
+        num = a.num.reshape(-1)  # [B] float
+        tokens, parents_out, carry_out, mtp_commits = self.draft_vanilla(h_path, accepted.clamp(min=0), num.long(),
+                                                                         past_len, mtp_caches, carry)
+        outs = (accepted, num.to(torch.int32), a.thinking_out.reshape(-1), tokens, parents_out)
+        outs += (carry_out,) if d_max > 1 else ()
         if self.lowering == "plugin":
             return outs + (*commits, *mtp_commits, *path_rows)
         return outs + (*path_rows, *mtp_commits)
@@ -107,8 +78,8 @@ class VanillaTreeStepGraph(TreeStepGraph):
         n = num.long()
         q = past_len.long() + n  # [B]: the bonus's row
         hidden, mtp_commits, carry_out = h_path, [], []
-        scores = toks = parents = f_score = f_idx = f_tok = f_hid = None  # (set by level 1)
-        count = 0  # candidates before the current level's
+        scores = toks = f_score = f_tok = f_hid = None  # (set by level 1)
+        fixed, sels, offsets, count = [-1] * k, [], [], k  # candidates' parents (choose) and their count
         for level in range(1, d_max + 1):
             cache, start = mtp_caches[level - 1], past_len + 1 - level  # start [B]: the window's first row
             if level == 1:
@@ -127,11 +98,9 @@ class VanillaTreeStepGraph(TreeStepGraph):
                 carry_out.append(w_row)
             if level == 1:
                 score, token = self.level_log_probs(0, w_row).topk(k, -1)  # [B, 1, k]
-                scores, toks = [score[:, 0]], [token[:, 0]]
-                parents = [torch.full((b, k), -1, dtype=torch.int64)]
-                f_score, f_idx = score[:, 0], torch.arange(k)[None, :].expand(b, -1)
+                scores, toks, f_score = [score[:, 0]], [token[:, 0]], score[:, 0]
                 f_tok, f_hid = token[:, 0, :, None], w_row[:, None].expand(-1, k, -1, -1)  # [B, k, 1], [B, k, 1, H]
-                hidden, count = h_win, k
+                hidden = h_win
                 continue
             length = level - 1
             h_x = h_out[:, win:].reshape(b, k, length, width)  # each frontier path's rows
@@ -139,7 +108,8 @@ class VanillaTreeStepGraph(TreeStepGraph):
             child_score = (f_score[..., None] + s_c).reshape(b, k * k)
             scores.append(child_score)
             toks.append(t_c.reshape(b, k * k))
-            parents.append(f_idx[..., None].expand(-1, -1, k).reshape(b, k * k))
+            if level == 2:
+                fixed += [i for i in range(k) for _ in range(k)]
             hidden = h_win
             if level == d_max:
                 break
@@ -150,9 +120,10 @@ class VanillaTreeStepGraph(TreeStepGraph):
                 return x.gather(1, row.view(b, k, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
             f_tok = torch.cat([pick(f_tok), toks[-1].gather(1, sel)[..., None]], 2)
             f_hid = torch.cat([w_row[:, None].expand(-1, k, -1, -1), pick(h_x)], 2)  # module `level`'s hidden rows
-            f_idx = count + sel
+            sels.append(sel)
+            offsets.append(count)
             count += k * k
-        tree_tokens, tree_parents = choose(scores, toks, parents, self.budget)
+        tree_tokens, tree_parents = choose(scores, toks, fixed, sels, offsets, k, self.budget)
         return tree_tokens, tree_parents, (torch.cat(carry_out, 1) if carry_out else None), mtp_commits
 
     @staticmethod
