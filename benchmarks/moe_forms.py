@@ -1,5 +1,8 @@
-"""Time one MoE layer in each form (exporters/moe.py) on ONNX Runtime, interleaved, medians: which form pays
-at which token count.  python benchmarks/moe_forms.py [--hidden 768 --experts 16 --topk 2 --inter 256]"""
+"""Time one MoE layer in each form (exporters/moe.py) on ONNX Runtime, interleaved, medians over 16 different
+inputs per token count (each routes its tokens differently): which form pays at which token count.
+`ort:P` is the MoE node with each expert split in P parts (`ort` is the exporter's default, moe.PARTS).
+
+  python benchmarks/moe_forms.py [--hidden 768 --experts 16 --topk 2 --inter 256] [--forms static ort ort:1 gather]"""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 
 from mtp_trt.config import ModelConfig
 from mtp_trt.exporters.model import MoE
-from mtp_trt.exporters.moe import moe_forward
+from mtp_trt.exporters.moe import moe_forward, routed_ort, swiglu
 
 
 class Layer(torch.nn.Module):
@@ -25,7 +28,10 @@ class Layer(torch.nn.Module):
 
     def forward(self, x):
         b, s = x.shape[:2]
-        return moe_forward(self.moe, x, b, s, self.form)
+        if ":" not in self.form:
+            return moe_forward(self.moe, x, b, s, self.form)
+        w, idx = self.moe.gate(x)  # ort:P
+        return routed_ort(self.moe, x, w, idx, b, s, int(self.form.split(":")[1])) + swiglu(self.moe.shared_experts, x)
 
 
 def main():
@@ -36,8 +42,8 @@ def main():
     ap.add_argument("--inter", type=int, default=256)
     ap.add_argument("--groups", type=int, nargs=2, default=(1, 1))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 32, 128, 512])
-    ap.add_argument("--forms", nargs="+", default=["static", "ort", "gather"])
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--forms", nargs="+", default=["static", "ort", "ort:1", "gather"])
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     import onnxruntime as ort
@@ -65,17 +71,18 @@ def main():
                               opset_version=18, input_names=["x"], output_names=["y"],
                               dynamic_axes={"x": {0: "B", 1: "S"}, "y": {0: "B", 1: "S"}})
             sessions[form] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    print(f"D={a.hidden} E={a.experts} k={a.topk} I={a.inter}: ms per MoE layer (median of {a.repeats})")
-    print("tokens " + " ".join(f"{f:>9}" for f in a.forms) + "   max|diff| vs static")
+    print(f"D={a.hidden} E={a.experts} k={a.topk} I={a.inter}: ms per MoE layer (median of {a.repeats} x 16 inputs)")
+    print("tokens " + " ".join(f"{f:>9}" for f in a.forms) + "   max|diff| vs the first")
     for n in a.tokens:
-        x = np.random.default_rng(n).standard_normal((1, n, a.hidden)).astype(np.float32)
+        xs = [np.random.default_rng([n, i]).standard_normal((1, n, a.hidden)).astype(np.float32) for i in range(16)]
         times = {f: [] for f in a.forms}
-        outs = {f: s.run(None, {"x": x})[0] for f, s in sessions.items()}
+        outs = {f: s.run(None, {"x": xs[0]})[0] for f, s in sessions.items()}
         for _ in range(a.repeats):
-            for f, s in sessions.items():
-                t0 = time.perf_counter()
-                s.run(None, {"x": x})
-                times[f].append(time.perf_counter() - t0)
+            for x in xs:
+                for f, s in sessions.items():
+                    t0 = time.perf_counter()
+                    s.run(None, {"x": x})
+                    times[f].append(time.perf_counter() - t0)
         diff = {f: float(np.abs(outs[f] - outs[a.forms[0]]).max()) for f in a.forms}
         print(f"{n:6d} " + " ".join(f"{1e3 * statistics.median(times[f]):9.3f}" for f in a.forms)
               + "   " + " ".join(f"{d:.1e}" for d in diff.values()))
