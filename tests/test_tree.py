@@ -41,22 +41,31 @@ def opts(tree: TreeShape | None, **kw) -> DecodeOptions:
     return DecodeOptions(nextn=tree.depth if tree else K, max_new_tokens=NEW, eos_ids=(EOS,), tree=tree, **kw)
 
 
-@pytest.mark.parametrize("spec", TREES.split(","))
-def test_greedy_tree_equals_plain_greedy(setup, spec):
-    model, be, reference = setup
-    tree = parse_trees(spec)[0]
-    seqs, stats = generate(be, PROMPTS, opts(tree))
+def check_greedy_tree(be, prompts, reference, tree: TreeShape, options) -> None:
+    """Tree decoding of `prompts` gives the reference's tokens, with part of each tree accepted, alone or in a
+    batch (both modes' tests)."""
+    seqs, stats = generate(be, prompts, options(tree))
     assert [s.generated for s in seqs] == reference
     assert 1.3 < stats.mean_accepted <= tree.depth + 1, "trees must be partly accepted for this test to bite"
-    alone, _ = generate(be, [PROMPTS[1]], opts(tree))  # the batch does not change a sequence's output
+    alone, _ = generate(be, [prompts[1]], options(tree))  # the batch does not change a sequence's output
     assert alone[0].generated == reference[1]
 
 
-def test_trees_accept_more_than_the_chain(setup):
-    _, be, _ = setup
-    _, chain = generate(be, PROMPTS, opts(None))
-    _, tree = generate(be, PROMPTS, opts(TreeShape(3, 3, 12)))
+def check_accepts_more(be, options) -> None:
+    """A 3:3:12 tree accepts more tokens per step than the chain of depth 3 (both modes' tests)."""
+    _, chain = generate(be, PROMPTS, options(None))
+    _, tree = generate(be, PROMPTS, options(TreeShape(3, 3, 12)))
     assert tree.mean_accepted > chain.mean_accepted
+
+
+@pytest.mark.parametrize("spec", TREES.split(","))
+def test_greedy_tree_equals_plain_greedy(setup, spec):
+    _, be, reference = setup
+    check_greedy_tree(be, PROMPTS, reference, parse_trees(spec)[0], opts)
+
+
+def test_trees_accept_more_than_the_chain(setup):
+    check_accepts_more(setup[1], opts)
 
 
 class RandomTrees:
@@ -254,7 +263,6 @@ def _reference_tree(model, tokens, q, shape: TreeShape):
     0..q, then for a node, rows appended along its path (previous row's output hidden, the node's token);
     k children per expanded node, the k likeliest nodes of a level expanded, the N likeliest candidates kept
     (ties: the lower candidate index), in candidate order.  -> [(token, parent node)]."""
-    k = shape.topk
     with torch.no_grad():
         _, h, _ = model(torch.tensor([tokens[:q + 1]]))
         seq = torch.tensor([tokens[1:q + 2]])
@@ -268,22 +276,28 @@ def _reference_tree(model, tokens, q, shape: TreeShape):
                 logits, out_h, _ = model.mtp_forward(0, rows_h[None], rows_t[None])
             return logits[0, -1].log_softmax(-1)
 
-        cands = []  # (score, token, parent candidate index, path)
-        lp = expand([])
-        s, t = lp.topk(k)
-        frontier = []
-        for i in range(k):
-            cands.append((float(s[i]), int(t[i]), -1, [int(t[i])]))
-            frontier.append(len(cands) - 1)
-        for _ in range(2, shape.depth + 1):
-            children = []
-            for f in frontier:
-                lp = expand(cands[f][3])
-                s, t = lp.topk(k)
-                for i in range(k):
-                    cands.append((cands[f][0] + float(s[i]), int(t[i]), f, cands[f][3] + [int(t[i])]))
-                    children.append(len(cands) - 1)
-            frontier = sorted(children, key=lambda c: (-cands[c][0], c))[:k]
+        return eagle2_reference(expand, shape)
+
+
+def eagle2_reference(expand, shape: TreeShape) -> list[tuple[int, int]]:
+    """EAGLE-2's expansion over `expand(path)` (a node's draft path -> its children's log-probs [V]): k children per
+    expanded node, the k likeliest of a level's children expanded next, the N likeliest candidates kept (ties:
+    the lower candidate index), in candidate order -> [(token, parent node)] (both modes' references)."""
+    k = shape.topk
+    cands = []  # (score, token, parent candidate index, path)
+    s, t = expand([]).topk(k)
+    frontier = []
+    for i in range(k):
+        cands.append((float(s[i]), int(t[i]), -1, [int(t[i])]))
+        frontier.append(len(cands) - 1)
+    for _ in range(2, shape.depth + 1):
+        children = []
+        for f in frontier:
+            s, t = expand(cands[f][3]).topk(k)
+            for i in range(k):
+                cands.append((cands[f][0] + float(s[i]), int(t[i]), f, cands[f][3] + [int(t[i])]))
+                children.append(len(cands) - 1)
+        frontier = sorted(children, key=lambda c: (-cands[c][0], c))[:k]
     chosen = sorted(sorted(range(len(cands)), key=lambda c: (-cands[c][0], c))[:shape.budget])
     return [(cands[c][1], 0 if cands[c][2] < 0 else chosen.index(cands[c][2]) + 1) for c in chosen]
 
@@ -371,14 +385,17 @@ def test_runner_picks_the_exported_tree(setup):
     assert tree_shape(3, 2, 6).graph in be.manifest.graphs
 
 
-def test_demo_tree_decoding_equals_transformers_generate(tmp_path):
-    """The bundled demo checkpoint: tree decoding of its export (depth 3, top-k 3, budget 8) gives the tokens
-    of transformers' DeepseekV3ForCausalLM greedy `generate`, and accepts more per step than the chain."""
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_demo_tree_decoding_equals_transformers_generate(tmp_path, mode):
+    """The bundled demo checkpoint (3 MTP modules): tree decoding of its export in either mode (depth 3, top-k 3,
+    budget 8) gives the tokens of transformers' DeepseekV3ForCausalLM greedy `generate`, and accepts more per
+    step than the chain."""
     transformers = pytest.importorskip("transformers")
     from mtp_trt.runner import Runner, demo_model
 
     demo = demo_model()
-    runner = Runner(Manifest.load(export(demo, tmp_path / "demo", nextn=3, max_seq_len=256, trees="3:3:8")))
+    runner = Runner(Manifest.load(export(demo, tmp_path / "demo", nextn=3, mtp_mode=mode, max_seq_len=256,
+                                         trees="3:3:8")))
     ids = [runner.encode("def read_lines(path):\n    \"\"\"Return the lines of a file."),
            runner.encode("class Stack:\n    def __init__(self):\n")]
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()

@@ -1,5 +1,5 @@
 """Tree drafting in vanilla mode (issue 15; exporters/tree_vanilla.py): greedy vanilla tree decoding equals plain
-greedy decoding (PyTorch reference, transformers) for several trees, batches of different prompts (one shorter
+greedy decoding (PyTorch reference; transformers in test_tree.py) for several trees, batches of different prompts (one shorter
 than the tree's depth: the loop drafts the chain until every window starts at row >= 0) and random or planted
 trees; acceptance (strict and relaxed) matches the reference walk over the tree; the drafted trees equal a
 cache-free PyTorch recomputation of vanilla EAGLE-2 expansion (every MTP module over whole sequences); the
@@ -22,7 +22,8 @@ from mtp_trt.exporters.tree_vanilla import VanillaTreeStepGraph
 from mtp_trt.manifest import Manifest
 from mtp_trt.tree import TreeShape, accept_tree_reference, parse_trees
 from runtime_models import EOS, THINK, make_self_drafting
-from test_tree import PROMPTS, PlantedTrees, RandomTrees, _relaxed_reference, _verify_case
+from test_tree import (PROMPTS, PlantedTrees, RandomTrees, _relaxed_reference, _verify_case, check_accepts_more,
+                       check_greedy_tree, eagle2_reference)
 
 K = 3
 TREES = "3:2:6,3:3:12,2:3:5,2:2:3,1:2:2"
@@ -62,19 +63,11 @@ def opts(tree: TreeShape | None, nextn: int = K, **kw) -> DecodeOptions:
 @pytest.mark.parametrize("spec", TREES.split(","))
 def test_greedy_vanilla_tree_equals_plain_greedy(vanilla, spec):
     _, be, reference = vanilla
-    tree = parse_trees(spec)[0]
-    seqs, stats = generate(be, PROMPTS_V, opts(tree))
-    assert [s.generated for s in seqs] == reference
-    assert 1.3 < stats.mean_accepted <= tree.depth + 1, "trees must be partly accepted for this test to bite"
-    alone, _ = generate(be, [PROMPTS_V[1]], opts(tree))  # the batch does not change a sequence's output
-    assert alone[0].generated == reference[1]
+    check_greedy_tree(be, PROMPTS_V, reference, parse_trees(spec)[0], opts)
 
 
 def test_vanilla_trees_accept_more_than_the_chain(vanilla):
-    _, be, _ = vanilla
-    _, chain = generate(be, PROMPTS, opts(None))
-    _, tree = generate(be, PROMPTS, opts(TreeShape(3, 3, 12)))
-    assert tree.mean_accepted > chain.mean_accepted
+    check_accepts_more(vanilla[1], opts)
 
 
 def test_random_and_planted_trees_are_lossless(vanilla):
@@ -169,7 +162,6 @@ def _reference_vanilla_tree(model, tokens, q, shape: TreeShape):
     sequence tokens[:q + 2] + P (row i: module j-1's hidden at row i, the token at i + j; module 0 the main model);
     k children per expanded node, the k likeliest of a level's children expanded next, the N likeliest candidates
     kept (ties: the lower candidate index), in candidate order.  -> [(token, parent node)]."""
-    k = shape.topk
     with torch.no_grad():
         _, h0, _ = model(torch.tensor([tokens[:q + 1]]))
 
@@ -179,22 +171,7 @@ def _reference_vanilla_tree(model, tokens, q, shape: TreeShape):
                 logits, h, _ = model.mtp_forward(j - 1, h, torch.tensor([ext[j:q + j + 1]]))
             return logits[0, -1].log_softmax(-1)
 
-        cands = []  # (score, token, parent candidate index, path)
-        s, t = expand([]).topk(k)
-        frontier = []
-        for i in range(k):
-            cands.append((float(s[i]), int(t[i]), -1, [int(t[i])]))
-            frontier.append(len(cands) - 1)
-        for _ in range(2, shape.depth + 1):
-            children = []
-            for f in frontier:
-                s, t = expand(cands[f][3]).topk(k)
-                for i in range(k):
-                    cands.append((cands[f][0] + float(s[i]), int(t[i]), f, cands[f][3] + [int(t[i])]))
-                    children.append(len(cands) - 1)
-            frontier = sorted(children, key=lambda c: (-cands[c][0], c))[:k]
-    chosen = sorted(sorted(range(len(cands)), key=lambda c: (-cands[c][0], c))[:shape.budget])
-    return [(cands[c][1], 0 if cands[c][2] < 0 else chosen.index(cands[c][2]) + 1) for c in chosen]
+        return eagle2_reference(expand, shape)
 
 
 @pytest.mark.parametrize("spec", ["3:2:6", "2:3:5", "3:3:12"])
@@ -271,28 +248,3 @@ def test_cli_run_drafts_a_vanilla_tree(vanilla):
     texts = {k: [x["text"] for x in v["results"]] for k, v in runs.items()}
     assert len({tuple(t) for t in texts.values()}) == 1
     assert [runs[k]["summary"]["tree"] for k in runs] == [None, "3:3:12", "3:2:6"]
-
-
-def test_demo_vanilla_tree_decoding_equals_transformers_generate(tmp_path):
-    """The bundled demo checkpoint (3 MTP modules) exported in vanilla mode: tree decoding (depth 3, top-k 3,
-    budget 8) gives transformers' greedy `generate` tokens and accepts more per step than the vanilla chain."""
-    transformers = pytest.importorskip("transformers")
-    from mtp_trt.runner import Runner, demo_model
-
-    demo = demo_model()
-    runner = Runner(Manifest.load(export(demo, tmp_path / "demo", nextn=3, mtp_mode="vanilla", max_seq_len=256,
-                                         trees="3:3:8")))
-    ids = [runner.encode("def read_lines(path):\n    \"\"\"Return the lines of a file."),
-           runner.encode("class Stack:\n    def __init__(self):\n")]
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()
-    new = 40
-    want = []
-    for x in ids:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([x]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                              pad_token_id=0)
-        want.append(out[0, len(x):].tolist())
-    seqs, tree = generate(runner.backend, ids, runner.options(3, tree_topk=3, max_new_tokens=new))
-    assert [s.generated for s in seqs] == want
-    _, chain = generate(runner.backend, ids, runner.options(3, max_new_tokens=new))
-    assert tree.mean_accepted > chain.mean_accepted
