@@ -297,7 +297,7 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
     return cfg, nextn, max_seq_len
 
 
-def tree_shapes(trees: str | None, nextn: int, mtp_mode: str, lowering: str) -> tuple:
+def tree_shapes(trees: str | None, nextn: int) -> tuple:
     """The tree step graphs an export carries (see export)."""
     from mtp_trt import tree
 
@@ -340,7 +340,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
         raise MtpTrtError(f"--moe-form: unknown form {moe_form!r}; expected tensorrt, {', '.join(MOE_FORMS)}")
     ckpt, out = Path(ckpt), Path(out)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
-    shapes = tree_shapes(trees, nextn, mtp_mode, lowering)
+    shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
     progress(f"reading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
     tdtype = TORCH_DTYPES[dtype]

@@ -237,45 +237,31 @@ def verify(backend: Backend, st: State, opts: DecodeOptions, rng) -> tuple[np.nd
 
 def fused_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, opts: DecodeOptions,
                rows: int) -> None:
-    """Greedy: verify, accept and draft in one backend call (the export's `step_K` graph).  Vanilla passes
-    and keeps the carried hidden states of depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds
-    rows < main_len + 1 - k, as after the separate graphs."""
-    n, k = st.n, opts.nextn
-    ids = np.concatenate([st.last[:n, None], st.drafts[:n]], 1).astype(np.int32)
+    """Greedy: verify, accept and draft in one backend call: the export's `step_K` graph, or with
+    opts.tree_graph its tree graph (verify the tree, accept its longest path, commit it, draft the next tree:
+    exporters/tree.py, exporters/tree_vanilla.py).  Vanilla passes and keeps the carried hidden states of
+    depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds rows < main_len + 1 - k, as after the
+    separate graphs."""
+    n, k, tree = st.n, opts.nextn, opts.tree_graph
+    ids = np.concatenate([st.last[:n, None], (st.tree_tokens if tree else st.drafts)[:n]], 1).astype(np.int32)
     carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
-    out = backend.step(n, ids, st.main_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
+    rest = (st.main_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
+    out = backend.tree_step(tree, n, ids, st.tree_parents[:n], *rest) if tree else backend.step(n, ids, *rest)
     st.thinking[:n] = out["thinking_out"]
     accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
     if not k:
         return
-    st.drafts[:n] = out["drafts"]
-    st.mtp_len[:n] = st.main_len[:n, None] + 1 - np.arange(1, st.mtp_len.shape[1] + 1)
+    if tree:
+        st.tree_tokens[:n], st.tree_parents[:n] = out["tree_tokens"], out["tree_parents_out"]
+    else:
+        st.drafts[:n] = out["drafts"]
+        st.mtp_len[:n] = st.main_len[:n, None] + 1 - np.arange(1, st.mtp_len.shape[1] + 1)
     if "carry_out" in out:
         st.carry[:n, 1:] = out["carry_out"]
     for i in range(n):
-        if seqs[st.order[i]].finish_reason is None:
-            seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.drafts[i].tolist()))
-
-
-def tree_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, opts: DecodeOptions,
-              rows: int) -> None:
-    """Greedy tree drafting: verify the tree, accept its longest path, commit it and draft the next tree in one
-    backend call (the export's tree graph, exporters/tree.py; vanilla: exporters/tree_vanilla.py, which passes
-    and keeps the carry as fused_step)."""
-    n, k = st.n, opts.nextn
-    ids = np.concatenate([st.last[:n, None], st.tree_tokens[:n]], 1).astype(np.int32)
-    carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
-    out = backend.tree_step(opts.tree_graph, n, ids, st.tree_parents[:n], st.main_len[:n], st.thinking[:n],
-                            opts.relaxed_topk, opts.relaxed_delta, carry)
-    st.thinking[:n] = out["thinking_out"]
-    accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
-    st.tree_tokens[:n], st.tree_parents[:n] = out["tree_tokens"], out["tree_parents_out"]
-    if "carry_out" in out:
-        st.carry[:n, 1:] = out["carry_out"]
-    for i in range(n):
-        if seqs[st.order[i]].finish_reason is None:
-            seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, st.tree_tokens[i].tolist() +
-                                                st.tree_parents[i].tolist()))
+        if seqs[st.order[i]].finish_reason is None:  # a tree step logs its tokens, then its parents
+            drafts = st.tree_tokens[i].tolist() + st.tree_parents[i].tolist() if tree else st.drafts[i].tolist()
+            seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, drafts))
 
 
 def accept(st: State, seqs: list[Sequence], tokens: np.ndarray, num: np.ndarray, stats: Stats,
@@ -353,7 +339,7 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
         # vanilla's step and tree graphs need every depth's window to start at row >= 0 (main_len >= K - 1)
         early = vanilla and st.main_len[:st.n].min() < opts.nextn - 1
         if not early and (opts.tree_graph or fused):
-            (tree_step if opts.tree_graph else fused_step)(backend, st, seqs, stats, opts, rows)
+            fused_step(backend, st, seqs, stats, opts, rows)
             if on_step:
                 on_step(seqs)
             retire(backend, st, seqs)

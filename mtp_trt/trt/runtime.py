@@ -34,8 +34,9 @@ from mtp_trt.trt import plan
 HOST_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16, "int32": np.int32}  # bf16: raw bits
 DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
 MTP_OUTPUTS = ["hidden_out", "draft_tokens", "draft_probs"]
-STEP_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "drafts", "carry_out"]
-TREE_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "tree_tokens", "tree_parents_out", "carry_out"]
+# what a step or tree engine returns to the decode loop (those of them the engine has)
+STEP_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "drafts", "tree_tokens", "tree_parents_out",
+                "carry_out"]
 
 
 class EngineLoader:
@@ -334,21 +335,21 @@ class TrtBackend(Backend):
         return f"step_{nextn}" in self.em.engines
 
     def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, carry=None):
-        name = f"step_{input_ids.shape[1] - 1}"
-        feed = {"input_ids": input_ids.astype(np.int32), "past_len": past_len.astype(np.int32),
-                "thinking": thinking.astype(np.int32), "relaxed_topk": np.array(relaxed_topk, np.int32),
-                "relaxed_delta": np.array(relaxed_delta, np.float32), "carry": carry}
-        outputs = {t.name for t in self.ios[name].outputs}
-        return self._call(name, n, feed, [k for k in STEP_OUTPUTS if k in outputs], graph=True)
+        return self._run_step(f"step_{input_ids.shape[1] - 1}", n, input_ids, past_len, thinking, relaxed_topk,
+                              relaxed_delta, carry=carry)
 
     def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta,
                   carry=None):
-        feed = {"input_ids": input_ids.astype(np.int32), "tree_parents": tree_parents.astype(np.int32),
-                "past_len": past_len.astype(np.int32), "thinking": thinking.astype(np.int32),
-                "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32),
-                "carry": carry}
-        outputs = {t.name for t in self.ios[graph].outputs}
-        return self._call(graph, n, feed, [k for k in TREE_OUTPUTS if k in outputs], graph=True)
+        return self._run_step(graph, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta,
+                              tree_parents=tree_parents.astype(np.int32), carry=carry)
+
+    def _run_step(self, name, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, **extra):
+        """Run step or tree engine `name` on slots 0..n-1 (its commits included) -> its STEP_OUTPUTS."""
+        feed = {"input_ids": input_ids.astype(np.int32), "past_len": past_len.astype(np.int32),
+                "thinking": thinking.astype(np.int32), "relaxed_topk": np.array(relaxed_topk, np.int32),
+                "relaxed_delta": np.array(relaxed_delta, np.float32), **extra}
+        outputs = {t.name for t in self.ios[name].outputs}
+        return self._call(name, n, feed, [k for k in STEP_OUTPUTS if k in outputs], graph=True)
 
     def swap_slots(self, i, j):
         for bufs in self.caches.values():
