@@ -30,8 +30,7 @@ class Layer(torch.nn.Module):
         b, s = x.shape[:2]
         if ":" not in self.form:
             return moe_forward(self.moe, x, b, s, self.form)
-        w, idx = self.moe.gate(x)  # ort:P
-        return routed_ort(self.moe, x, w, idx, b, s, int(self.form.split(":")[1])) + swiglu(self.moe.shared_experts, x)
+        return routed_ort(self.moe, x, b, s, int(self.form.split(":")[1])) + swiglu(self.moe.shared_experts, x)  # ort:P
 
 
 def main():

@@ -378,6 +378,7 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
             module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
+            module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
             table = _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, read,
                                   store)
             tables[f"{name}.onnx"] = table

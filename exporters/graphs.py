@@ -21,6 +21,7 @@ from torch import nn
 from mtp_trt.exporters.lowering import Dims, Mask, MlaGenerationAttentionOp, accept_op, attend, flag_after
 from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, MoE, as_fp32
 from mtp_trt.exporters.moe import moe_forward, swiglu
+from mtp_trt.exporters.ort_ops import RotaryOp, add_norm
 
 Tensor = torch.Tensor
 
@@ -34,6 +35,8 @@ class Rope:
     def __init__(self, model: DeepseekV3):
         dtype = model.model.embed_tokens.weight.dtype
         cos, sin = model.rope_cos.to(dtype), model.rope_sin.to(dtype)  # [P, Dr/2], cast as model.rope does
+        self.tables = (model.rope_cos.float().numpy(), model.rope_sin.float().numpy(), dtype)  # (exporters/ort_ops.py)
+        self.interleave = model.cfg.rope_interleave
         half = cos.shape[-1]
         if model.cfg.rope_interleave:  # pairs (2i, 2i+1)
             self.cos = torch.stack([cos, cos], -1).flatten(-2)
@@ -50,23 +53,39 @@ class Rope:
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x * cos + x[..., self.swap] * sin
 
+    def fused(self, x: Tensor, positions: Tensor, heads: int) -> Tensor:
+        """x [B, S, heads*Dr] roped at positions [B, S] in one ONNX Runtime RotaryEmbedding node."""
+        return RotaryOp.apply(x, positions, self.tables, heads, int(self.interleave))
+
 
 class Group:
     """What every block of a group (the target's layers; one MTP depth) shares, computed once: dims, RoPE
     tables at the group's positions write_pos + 0..S-1 [B, S, Dr] (and broadcast over heads) and, in the onnx
     lowering, the attention Mask (the plugin attention node takes write_pos instead).  A tree's nodes sit at
-    their own `positions` [B, S] (the root's position plus their depth) instead."""
+    their own `positions` [B, S] (the root's position plus their depth) instead.  `fused`: ONNX Runtime's
+    fused operators (exporters/ort_ops.py) for RoPE and the residual adds with their norms."""
 
     def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static",
-                 positions: Tensor | None = None, tree_mask: Tensor | None = None):
-        self.rope, self.dims, self.write_pos, self.mask = rope, dims, write_pos, mask
+                 positions: Tensor | None = None, tree_mask: Tensor | None = None, fused: bool = False):
+        self.rope, self.dims, self.write_pos, self.mask, self.fused = rope, dims, write_pos, mask, fused
         self.tree_mask = tree_mask  # plugin lowering: which new rows each new row sees [B, S, S] (None: causal)
         self.moe = moe  # the MoE form (exporters/moe.py FORMS)
         if positions is None:
             positions = write_pos[:, None].long() + torch.arange(dims.s)[None, :]
         self.positions = positions  # [B, S]
-        self.cos, self.sin = rope.at(self.positions)
-        self.cos_h, self.sin_h = self.cos[:, :, None], self.sin[:, :, None]  # [B, S, 1, Dr]
+        if not fused:
+            self.cos, self.sin = rope.at(self.positions)
+            self.cos_h, self.sin_h = self.cos[:, :, None], self.sin[:, :, None]  # [B, S, 1, Dr]
+
+    def rope_heads(self, x: Tensor, heads: int) -> Tensor:
+        """x [B, S, H = heads, Dr] roped at the group's positions (heads: a Python int, not a traced size)."""
+        if self.fused:
+            return self.dims.view(self.rope.fused(x.flatten(2), self.positions, heads), heads, -1)
+        return self.rope(x, self.cos_h, self.sin_h)
+
+    def rope_rows(self, x: Tensor) -> Tensor:
+        """x [B, S, Dr] (one head: k_pe) roped at the group's positions."""
+        return self.rope.fused(x, self.positions, 1) if self.fused else self.rope(x, self.cos, self.sin)
 
 
 # ----------------------------------------------------------------------------------------- blocks
@@ -104,10 +123,18 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
     """One decoder block with absorbed MLA over the persistent cache.  -> (h [B, S, D], commit): the new rows
     [B, S, Dl+Dr] in the onnx lowering, the cache with them written [B, T, Dl+Dr] in the plugin lowering.
     `new_rows`, if given, gets the new rows appended (either lowering)."""
+    h, ffn, commit = block_parts(layer, h, None, group, cache, lowering, new_rows)
+    return h + ffn, commit
+
+
+def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Group, cache: Tensor, lowering: str,
+                new_rows: list | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """block_forward on h + delta (the previous block's FFN branch, not yet added, so that the add and this
+    block's input norm can be one node), its own FFN branch returned unadded: -> (h, ffn, commit)."""
     attn: MLA = layer.self_attn
-    cfg, dims, rope = attn.cfg, group.dims, group.rope
+    cfg, dims = attn.cfg, group.dims
     nh, dn, dr, dl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    x = layer.input_layernorm(h)
+    x, h = add_norm(h, delta, layer.input_layernorm, group.fused)
     if cfg.q_lora_rank is None:
         c_q, (c_kv, k_pe) = x, attn.kv_a_proj_with_mqa(x).split([dl, dr], -1)
     else:  # W^DQ and W^DKV in one matmul
@@ -115,14 +142,21 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
         c_q = attn.q_a_layernorm(c_q)
     wq, wo = folded_mla(attn)
     w_uk, w_uv = attn.w_uk_uv()  # [H, Dn, Dl], [H, Dv, Dl] (unused where folded)
-    if wq is not None:
-        q_lat, q_pe = dims.view(F.linear(c_q, wq), nh, dl + dr).split([dl, dr], -1)
-    else:  # per-head matmuls broadcast over B and S (MatMul rather than Einsum: ONNX's Einsum has no bf16)
-        q = attn.q_proj(c_q) if cfg.q_lora_rank is None else attn.q_b_proj(c_q)
-        q_nope, q_pe = dims.view(q, nh, dn + dr).split([dn, dr], -1)  # [B, S, H, Dn], [B, S, H, Dr]
-        q_lat = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # q_nope absorbed through W^UK
-    q_abs = torch.cat([q_lat, rope(q_pe, group.cos_h, group.sin_h)], -1)  # [B, S, H, Dl+Dr]
-    latent = torch.cat([attn.kv_a_layernorm(c_kv), rope(k_pe, group.cos, group.sin)], -1)  # [B, S, Dl+Dr]
+    if wq is not None and group.fused:  # rows reordered: every head's latent rows, then every head's rope rows
+        w = wq.view(nh, dl + dr, -1)
+        q_lat, q_pe = F.linear(c_q, torch.cat([w[:, :dl].flatten(0, 1), w[:, dl:].flatten(0, 1)])).split(
+            [nh * dl, nh * dr], -1)  # [B, S, H*Dl], [B, S, H*Dr]: RoPE on q_pe as it comes
+        q_abs = torch.cat([dims.view(q_lat, nh, dl), dims.view(group.rope.fused(q_pe, group.positions, nh), nh, dr)],
+                          -1)
+    else:
+        if wq is not None:
+            q_lat, q_pe = dims.view(F.linear(c_q, wq), nh, dl + dr).split([dl, dr], -1)
+        else:  # per-head matmuls broadcast over B and S (MatMul rather than Einsum: ONNX's Einsum has no bf16)
+            q = attn.q_proj(c_q) if cfg.q_lora_rank is None else attn.q_b_proj(c_q)
+            q_nope, q_pe = dims.view(q, nh, dn + dr).split([dn, dr], -1)  # [B, S, H, Dn], [B, S, H, Dr]
+            q_lat = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # q_nope absorbed through W^UK
+        q_abs = torch.cat([q_lat, group.rope_heads(q_pe, nh)], -1)  # [B, S, H, Dl+Dr]
+    latent = torch.cat([attn.kv_a_layernorm(c_kv), group.rope_rows(k_pe)], -1)  # [B, S, Dl+Dr]
     if new_rows is not None:
         new_rows.append(latent)
     if lowering == "plugin":
@@ -135,22 +169,21 @@ def block_forward(layer: DecoderLayer, h: Tensor, group: Group, cache: Tensor, l
     else:
         o = torch.matmul(dims.view(o_lat, nh, 1, dl), w_uv.transpose(1, 2))  # W^UV: [B, S, H, 1, Dv]
         o = attn.o_proj(dims.view(o, nh * cfg.v_head_dim))
-    h = h + o
-    x = layer.post_attention_layernorm(h)
+    x, h = add_norm(h, o, layer.post_attention_layernorm, group.fused)
     ffn = moe_forward(layer.mlp, x, dims.b, dims.s, group.moe) if isinstance(layer.mlp, MoE) else swiglu(layer.mlp, x)
-    return h + ffn, latent
+    return h, ffn, latent
 
 
 # ----------------------------------------------------------------------------------------- graphs
 def main_forward(m: DeepseekV3, group: Group, input_ids, caches, lowering: str, new_rows: list | None = None):
     """The main model: (hidden [B, S, D] after the final norm, logits [B, S, V] fp32, commit per layer);
     `new_rows`: see block_forward."""
-    h = m.model.embed_tokens(input_ids)
+    h, ffn = m.model.embed_tokens(input_ids), None
     commits = []
     for layer, cache in zip(m.model.layers, caches):
-        h, commit = block_forward(layer, h, group, cache, lowering, new_rows)
+        h, ffn, commit = block_parts(layer, h, ffn, group, cache, lowering, new_rows)
         commits.append(commit)
-    h = m.model.norm(h)
+    h = add_norm(h, ffn, m.model.norm, group.fused)[0]
     return h, m.lm_head(h).float(), commits
 
 
@@ -180,6 +213,7 @@ class _Graph(nn.Module):
         super().__init__()
         self.model, self.lowering, self.think_ids, self.rope = model, lowering, think_ids, Rope(model)
         self.moe = "ort" if lowering == "onnx" else "gather" if self.few_tokens else "static"
+        self.fused = lowering == "onnx"  # ONNX Runtime's fused operators (exporters/ort_ops.py); off for TensorRT
 
     def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
               extra: tuple[Tensor, Tensor] | None = None, new_visible: Tensor | None = None,
@@ -190,7 +224,7 @@ class _Graph(nn.Module):
         heads = self.model.cfg.num_attention_heads
         if self.lowering == "onnx":
             return Group(self.rope, dims, write_pos, Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible),
-                         self.moe, positions)
+                         self.moe, positions, fused=self.fused)
         return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:

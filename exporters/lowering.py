@@ -37,7 +37,8 @@ class Mask:
     once per block group, for query rows r = s*H + h: past [B, 1, T] over the cache buffer's T rows (valid:
     < valid_len), new [B or 1, S*H, R + S] over `extra_rows` [B, R, Dl+Dr] (rows of this step that are not
     in the buffer, visible where extra_visible [B, R], or per query token [B, S, R]) and the S new rows:
-    causally, or where new_visible [B, S, S] says (tree attention: each node sees its ancestors and itself)."""
+    causally, or where new_visible [B, S, S] says (tree attention: each node sees its ancestors and itself).
+    With one new row and no extra rows `new` is None: the row sees itself, and no add is needed."""
 
     def __init__(self, dims: Dims, heads: int, valid_len: Tensor, t, extra: tuple[Tensor, Tensor] | None = None,
                  new_visible: Tensor | None = None):
@@ -46,6 +47,9 @@ class Mask:
         self.extra_rows = None if extra is None else extra[0]
         self.past = _bias(torch.arange(t) < valid_len[:, None])[:, None, :]
         token = torch.arange(s * heads) // heads  # query row -> its token
+        if s == 1 and extra is None and new_visible is None:
+            self.new = None  # one new row, which sees itself: nothing to add
+            return
         if new_visible is None:
             new = (torch.arange(s)[None, :] <= token[:, None])[None]  # [1, S*H, S]
             new = new if extra is None else new.expand(dims.b, -1, -1)
@@ -72,7 +76,8 @@ def attend(q: Tensor, new_rows: Tensor, cache: Tensor, mask: Mask, kv_lora_rank:
     rows = new_rows if mask.extra_rows is None else torch.cat([mask.extra_rows, new_rows], 1)
     qf, kc, kn = as_fp32(q), as_fp32(cache), as_fp32(rows)
     s_past = torch.matmul(qf, kc.transpose(1, 2)) * scale + mask.past  # [B, S*H, T]
-    s_new = torch.matmul(qf, kn.transpose(1, 2)) * scale + mask.new  # [B, S*H, R + S]
+    s_new = torch.matmul(qf, kn.transpose(1, 2)) * scale  # [B, S*H, R + S]
+    s_new = s_new if mask.new is None else s_new + mask.new
     p = torch.cat([s_past, s_new], -1).softmax(-1)
     p_past, p_new = p[..., :mask.t], p[..., mask.t:]  # (slices at the shared T: no per-layer shape ops)
     out = torch.matmul(p_past, kc) + torch.matmul(p_new, kn)  # [B, S*H, Dl+Dr]

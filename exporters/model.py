@@ -216,6 +216,15 @@ class Gate(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [..., D] -> weights [..., k] (fp32), expert indices [..., k]."""
         cfg = self.cfg
+        scores, idx = self.select(x)
+        weights = scores.gather(-1, idx)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights if cfg.routed_scaling_factor == 1.0 else weights * cfg.routed_scaling_factor, idx
+
+    def select(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [..., D] -> scores s [..., E] (fp32), the selected experts [..., k]."""
+        cfg = self.cfg
         logits = F.linear(as_fp32(x), as_fp32(self.weight))  # [..., E]
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores + as_fp32(self.e_score_correction_bias) if cfg.topk_method == "noaux_tc" else scores
@@ -227,11 +236,7 @@ class Gate(nn.Module):
             top = group_scores.topk(cfg.topk_group, -1)[1]  # [..., topk_group]
             keep = (top[..., None] == torch.arange(cfg.n_group)).any(-2)  # [..., G] (one-hot: traces to ONNX)
             choice = choice.masked_fill(~keep[..., group_of], float("-inf"))
-        idx = choice.topk(cfg.num_experts_per_tok, -1)[1]
-        weights = scores.gather(-1, idx)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights if cfg.routed_scaling_factor == 1.0 else weights * cfg.routed_scaling_factor, idx
+        return scores, choice.topk(cfg.num_experts_per_tok, -1)[1]
 
 
 class MoE(nn.Module):

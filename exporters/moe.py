@@ -9,8 +9,10 @@ differ only in how the selected experts' SwiGLUs are computed from its (weights 
   all E experts' weights whatever k is: E/k times the needed bytes in decode.
 * `ort` (onnx lowering): one ONNX Runtime `com.microsoft::MoE` node, whose CPU kernel groups tokens by
   expert and reads only the selected experts' weights, in place (no copies).  Our router's choice is
-  handed to it as router logits log(w) at the selected experts and -inf elsewhere: the node's softmax
-  then gives w / sum(w) on exactly those k experts, and the output is scaled back by sum(w).
+  handed to it as router logits log(s) at the selected experts (s their scores) and -inf elsewhere: the
+  node's softmax then gives s / sum(s) on exactly those k experts -- norm_topk_prob's normalization, done by
+  the node -- and the output is scaled by routed_scaling_factor (and sum(s) where the weights are not
+  normalized).
   The kernel hands each thread a contiguous block of experts and runs an expert's matmuls on one thread,
   so one token's k experts often land on one thread while the other idles.  Each expert is therefore
   given to it as PARTS experts over consecutive blocks of its intermediate units, part-major (part p of
@@ -60,13 +62,11 @@ def stacked(moe: MoE) -> tuple[Tensor, Tensor]:
 
 def moe_forward(moe: MoE, x: Tensor, b, s, form: str) -> Tensor:
     """DeepSeekMoE on x [B, S, D] (B, S: the graph's traced sizes) -> [B, S, D], in one of FORMS."""
-    weights, idx = moe.gate(x)  # [B, S, k] fp32, [B, S, k]
-    if form == "static":
-        y = routed_static(moe, x, weights, idx, b, s)
-    elif form == "ort":
-        y = routed_ort(moe, x, weights, idx, b, s)
-    elif form == "gather":
-        y = routed_gather(moe, x, weights, idx)
+    if form == "ort":
+        y = routed_ort(moe, x, b, s)
+    elif form in ("static", "gather"):
+        weights, idx = moe.gate(x)  # [B, S, k] fp32, [B, S, k]
+        y = routed_static(moe, x, weights, idx, b, s) if form == "static" else routed_gather(moe, x, weights, idx)
     else:
         raise ValueError(f"unknown MoE form {form!r}; expected one of {FORMS}")
     return y + swiglu(moe.shared_experts, x) if hasattr(moe, "shared_experts") else y
@@ -122,18 +122,25 @@ def split_experts(fc1: Tensor, fc2: Tensor, parts: int) -> tuple[Tensor, Tensor]
     return fc1, fc2
 
 
-def routed_ort(moe: MoE, x: Tensor, weights: Tensor, idx: Tensor, b, s, parts: int | None = None) -> Tensor:
-    """The `ort` form: the router's choice as logits log(w) at idx, -inf elsewhere, repeated for each of the
-    `parts` parts of every expert (default: the largest divisor of I up to PARTS), so that the node's softmax
-    top-(k*parts) gives w / (parts * sum(w)) on exactly the selected experts' parts; scaled back."""
+def routed_ort(moe: MoE, x: Tensor, b, s, parts: int | None = None) -> Tensor:
+    """The `ort` form: the router's choice idx with scores s_i as logits log(s_i) at idx, -inf elsewhere, repeated
+    for each of the `parts` parts of every expert (default: the largest divisor of I up to PARTS), so that the
+    node's softmax top-(k*parts) gives s_i / (parts * sum(s_idx)) on exactly the selected experts' parts:
+    norm_topk_prob's weights over parts, so the output is scaled back by a constant (parts times
+    routed_scaling_factor; without norm_topk_prob, times sum(s_idx) too).  Equal to the reference's weights
+    s_i / (sum + 1e-20) but for that 1e-20."""
     cfg = moe.gate.cfg
     parts = parts or max(p for p in range(1, PARTS + 1) if cfg.moe_intermediate_size % p == 0)
     fc1, fc2 = split_experts(*stacked(moe), parts)
     n, d = cfg.n_routed_experts, cfg.hidden_size  # Python ints: constant reshapes, no shape nodes per layer
-    router = torch.full((n,), float("-inf")).expand(b, s, n).scatter(-1, idx, weights.log())  # [B, S, E]
+    scores, idx = moe.gate.select(x)
+    chosen = scores.gather(-1, idx)  # [B, S, k]
+    router = torch.full((n,), float("-inf")).expand(b, s, n).scatter(-1, idx, chosen.log())  # [B, S, E]
     router = torch.cat([router] * parts, -1)
     bias = torch.zeros(fc1.shape[:2], dtype=fc1.dtype)
     y = OrtMoEOp.apply(x.reshape(-1, d), router.reshape(-1, n * parts).to(x.dtype), fc1, bias, fc2,
-                       cfg.num_experts_per_tok * parts)
-    return y.reshape(b, s, d) * (weights.sum(-1, keepdim=True) * parts).to(x.dtype)
-
+                       cfg.num_experts_per_tok * parts).reshape(b, s, d)
+    scale = parts * cfg.routed_scaling_factor
+    if not cfg.norm_topk_prob:
+        return y * (chosen.sum(-1, keepdim=True) * scale).to(x.dtype)
+    return y if scale == 1.0 else y * scale

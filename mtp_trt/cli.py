@@ -150,9 +150,10 @@ def export(
     max_batch: int = typer.Option(8, help="Largest batch the runtime will allocate caches for."),
     max_seq_len: int = typer.Option(None, help="Cache rows per sequence (default: min(4096, max_position_embeddings))."),
     lowering: str = typer.Option("onnx", help="onnx (standard operators) or plugin (mtp_trt custom nodes for TensorRT)."),
-    moe_form: str = typer.Option("auto", help="MoE layers: auto (onnx lowering: ONNX Runtime's MoE node; plugin: "
-                                              "TensorRT's forms), tensorrt (standard operators, for plugin-free "
-                                              "TensorRT engines), static, gather or ort in every graph."),
+    moe_form: str = typer.Option("auto", help="MoE layers: auto (onnx lowering: ONNX Runtime's MoE node and its "
+                                              "fused RoPE and add+norm nodes; plugin: TensorRT's forms), tensorrt "
+                                              "(standard operators only, for plugin-free TensorRT engines), static, "
+                                              "gather or ort in every graph."),
     trees: str = typer.Option(None, help="Tree step graphs DEPTH:TOPK:BUDGET,... for `run --tree-topk` (either "
                                          "mode; default: the trees `mtp-trt bench` found best, up to "
                                          "--nextn; none for none)."),

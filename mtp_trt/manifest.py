@@ -33,7 +33,7 @@ FORMAT_VERSION = 1
 # 10: tree step graphs, MlaGenerationAttention's optional tree mask; 11: the MoE node's experts split in parts,
 # the tree step's glue as small matrix products),
 # so exports cached by `mtp-trt run` are redone rather than reused.
-EXPORTER_REVISION = 11
+EXPORTER_REVISION = 12
 MTP_MODES = ("eagle", "vanilla")
 DTYPES = ("fp32", "fp16", "bf16")
 NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}

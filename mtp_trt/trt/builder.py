@@ -50,9 +50,10 @@ def custom_nodes(model, file: str) -> collections.Counter:
     for node in model.graph.node:
         if node.domain in ("", "ai.onnx"):
             continue
-        if node.domain == "com.microsoft" and node.op_type == "MoE":
-            raise MtpTrtError(f"{file}: node {node.name!r} is ONNX Runtime's com.microsoft::MoE, which TensorRT has no "
-                              f"layer for; export with --moe-form tensorrt (standard operators) or --lowering plugin")
+        if node.domain == "com.microsoft":  # MoE, RotaryEmbedding, SkipSimplifiedLayerNormalization
+            raise MtpTrtError(f"{file}: node {node.name!r} is ONNX Runtime's com.microsoft::{node.op_type}, which "
+                              f"TensorRT has no layer for; export with --moe-form tensorrt (standard operators only) "
+                              f"or --lowering plugin")
         if node.domain != ops.DOMAIN or node.op_type not in ops.OPS:
             known = ", ".join(f"{ops.DOMAIN}::{n}" for n in ops.OPS)
             raise MtpTrtError(f"{file}: node {node.name!r} is the custom op {node.domain}::{node.op_type}, which has "
