@@ -107,9 +107,10 @@ class OrtMoEOp(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, x, router, fc1, fc1_bias, fc2, k: int):
-        return g.op("com.microsoft::MoE", x, router, fc1, fc1_bias, fc2, k_i=k, activation_type_s="swiglu",
-                    swiglu_fusion_i=1, activation_alpha_f=1.0, activation_beta_f=0.0, swiglu_limit_f=SWIGLU_LIMIT,
-                    normalize_routing_weights_i=0)
+        y = g.op("com.microsoft::MoE", x, router, fc1, fc1_bias, fc2, k_i=k, activation_type_s="swiglu",
+                 swiglu_fusion_i=1, activation_alpha_f=1.0, activation_beta_f=0.0, swiglu_limit_f=SWIGLU_LIMIT,
+                 normalize_routing_weights_i=0)
+        return y.setType(x.type())  # (the exporter's shape inference does not know the op)
 
 
 def split_experts(fc1: Tensor, fc2: Tensor, parts: int) -> tuple[Tensor, Tensor]:

@@ -33,8 +33,8 @@ class RotaryOp(torch.autograd.Function):
     def symbolic(g, x, positions, tables: tuple, heads: int, interleave: int):
         *tables, dtype = tables
         cos, sin = (g.op("Constant", value_t=torch.from_numpy(t).to(dtype)) for t in tables)
-        return g.op("com.microsoft::RotaryEmbedding", x, positions, cos, sin, interleaved_i=interleave,
-                    num_heads_i=heads)
+        y = g.op("com.microsoft::RotaryEmbedding", x, positions, cos, sin, interleaved_i=interleave, num_heads_i=heads)
+        return y.setType(x.type())  # (the exporter's shape inference does not know the op)
 
 
 class SkipRmsNormOp(torch.autograd.Function):
@@ -51,7 +51,7 @@ class SkipRmsNormOp(torch.autograd.Function):
     def symbolic(g, h, delta, weight, eps: float):
         y, _, _, s = g.op("com.microsoft::SkipSimplifiedLayerNormalization", h, delta, weight, epsilon_f=eps,
                           outputs=4)
-        return y, s
+        return y.setType(h.type()), s.setType(h.type())  # (the exporter's shape inference does not know the op)
 
 
 def add_norm(h: Tensor, delta: Tensor | None, norm: RMSNorm, fused: bool) -> tuple[Tensor, Tensor]:
