@@ -46,10 +46,10 @@ class Mask:
         self.dims, self.t = dims, t
         self.extra_rows = None if extra is None else extra[0]
         self.past = _bias(torch.arange(t) < valid_len[:, None])[:, None, :]
-        token = torch.arange(s * heads) // heads  # query row -> its token
         if s == 1 and extra is None and new_visible is None:
             self.new = None  # one new row, which sees itself: nothing to add
             return
+        token = torch.arange(s * heads) // heads  # query row -> its token
         if new_visible is None:
             new = (torch.arange(s)[None, :] <= token[:, None])[None]  # [1, S*H, S]
             new = new if extra is None else new.expand(dims.b, -1, -1)

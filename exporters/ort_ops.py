@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp_trt.exporters.model import RMSNorm, apply_rope
+from mtp_trt.exporters.model import RMSNorm, apply_rope, rms_norm
 
 Tensor = torch.Tensor
 
@@ -43,9 +43,7 @@ class SkipRmsNormOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, delta, weight, eps: float):
         s = h + delta
-        xf = s.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(s.dtype), s
+        return rms_norm(s, weight, eps), s
 
     @staticmethod
     def symbolic(g, h, delta, weight, eps: float):
