@@ -1,0 +1,324 @@
+// kernels.cpp -- the CPU kernels of kernels.h: an AVX2/FMA path (chosen at run time where the CPU has it) and
+// a portable scalar path with the same results up to float rounding.
+#include "kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+namespace mtp_ort {
+namespace {
+
+// The AVX2/FMA kernels where the CPU has them, unless MTP_ORT_PORTABLE is set (tests compare both paths).
+bool use_avx2() {
+    static const bool ok =
+        !std::getenv("MTP_ORT_PORTABLE") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return ok;
+}
+
+// ------------------------------------------------------------------------------------------- scalar
+void rows_dot_scalar(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k,
+                     float* y, size_t ldy) {
+    for (size_t i = 0; i < m; ++i)
+        for (size_t j = 0; j < n; ++j) {
+            float s = 0.f;
+            for (size_t t = 0; t < k; ++t) s += x[i * ldx + t] * w[j * ldw + t];
+            y[i * ldy + j] = s;
+        }
+}
+
+void rows_axpy_scalar(const float* p, size_t m, size_t ldp, const float* v, size_t ldv, size_t n, size_t dv,
+                      float* y, size_t ldy) {
+    for (size_t i = 0; i < m; ++i)
+        for (size_t t = 0; t < n; ++t) {
+            const float a = p[i * ldp + t];
+            for (size_t d = 0; d < dv; ++d) y[i * ldy + d] += a * v[t * ldv + d];
+        }
+}
+
+// --------------------------------------------------------------------------------------- AVX2 + FMA
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// R weight rows against one activation row: R independent accumulators hide the FMA latency.
+template <int R>
+AVX2 void dot_1xr(const float* x, const float* w, size_t ldw, size_t k, float* y) {
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    size_t t = 0;
+    for (; t + 8 <= k; t += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + t);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * ldw + t), xv, acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        float s = hsum(acc[r]);
+        for (size_t u = t; u < k; ++u) s += x[u] * w[r * ldw + u];
+        y[r] = s;
+    }
+}
+
+// 4 weight rows against two activation rows (8 accumulators): each weight vector loaded once for both rows.
+AVX2 void dot_2x4(const float* x0, const float* x1, const float* w, size_t ldw, size_t k, float* y0, float* y1) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    size_t t = 0;
+    for (; t + 8 <= k; t += 8) {
+        const __m256 u = _mm256_loadu_ps(x0 + t), v = _mm256_loadu_ps(x1 + t);
+        const __m256 w0 = _mm256_loadu_ps(w + t), w1 = _mm256_loadu_ps(w + ldw + t);
+        const __m256 w2 = _mm256_loadu_ps(w + 2 * ldw + t), w3 = _mm256_loadu_ps(w + 3 * ldw + t);
+        a0 = _mm256_fmadd_ps(w0, u, a0), b0 = _mm256_fmadd_ps(w0, v, b0);
+        a1 = _mm256_fmadd_ps(w1, u, a1), b1 = _mm256_fmadd_ps(w1, v, b1);
+        a2 = _mm256_fmadd_ps(w2, u, a2), b2 = _mm256_fmadd_ps(w2, v, b2);
+        a3 = _mm256_fmadd_ps(w3, u, a3), b3 = _mm256_fmadd_ps(w3, v, b3);
+    }
+    float sa[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)}, sb[4] = {hsum(b0), hsum(b1), hsum(b2), hsum(b3)};
+    for (int r = 0; r < 4; ++r) {
+        for (size_t u = t; u < k; ++u) sa[r] += x0[u] * w[r * ldw + u], sb[r] += x1[u] * w[r * ldw + u];
+        y0[r] = sa[r], y1[r] = sb[r];
+    }
+}
+
+AVX2 void rows_dot_avx2(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k,
+                        float* y, size_t ldy) {
+    size_t j = 0;
+    if (m == 1) {
+        for (; j + 8 <= n; j += 8) dot_1xr<8>(x, w + j * ldw, ldw, k, y + j);
+        for (; j + 4 <= n; j += 4) dot_1xr<4>(x, w + j * ldw, ldw, k, y + j);
+        for (; j < n; ++j) dot_1xr<1>(x, w + j * ldw, ldw, k, y + j);
+        return;
+    }
+    // Weight rows in blocks of 4, the activation rows in pairs inside: the block stays in L1 while every
+    // pair passes over it.
+    for (; j + 4 <= n; j += 4) {
+        size_t i = 0;
+        for (; i + 2 <= m; i += 2)
+            dot_2x4(x + i * ldx, x + (i + 1) * ldx, w + j * ldw, ldw, k, y + i * ldy + j, y + (i + 1) * ldy + j);
+        if (i < m) dot_1xr<4>(x + i * ldx, w + j * ldw, ldw, k, y + i * ldy + j);
+    }
+    for (; j < n; ++j)
+        for (size_t i = 0; i < m; ++i) dot_1xr<1>(x + i * ldx, w + j * ldw, ldw, k, y + i * ldy + j);
+}
+
+// y rows += p-weighted sums of v rows: two output rows by 32 columns in 8 accumulators per pass over v.
+AVX2 void rows_axpy_avx2(const float* p, size_t m, size_t ldp, const float* v, size_t ldv, size_t n, size_t dv,
+                         float* y, size_t ldy) {
+    const size_t d32 = dv & ~size_t(31);
+    for (size_t i = 0; i < m; i += 2) {
+        const bool two = i + 1 < m;
+        const float* p0 = p + i * ldp;
+        const float* p1 = two ? p0 + ldp : p0;
+        float* y0 = y + i * ldy;
+        float* y1 = two ? y0 + ldy : nullptr;
+        for (size_t d = 0; d < d32; d += 32) {
+            __m256 a[4], b[4];
+            for (int q = 0; q < 4; ++q) {
+                a[q] = _mm256_loadu_ps(y0 + d + 8 * q);
+                b[q] = two ? _mm256_loadu_ps(y1 + d + 8 * q) : _mm256_setzero_ps();
+            }
+            for (size_t t = 0; t < n; ++t) {
+                const float* vt = v + t * ldv + d;
+                const __m256 s0 = _mm256_broadcast_ss(p0 + t), s1 = _mm256_broadcast_ss(p1 + t);
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; ++q) {
+                    const __m256 vv = _mm256_loadu_ps(vt + 8 * q);
+                    a[q] = _mm256_fmadd_ps(s0, vv, a[q]);
+                    b[q] = _mm256_fmadd_ps(s1, vv, b[q]);
+                }
+            }
+            for (int q = 0; q < 4; ++q) {
+                _mm256_storeu_ps(y0 + d + 8 * q, a[q]);
+                if (two) _mm256_storeu_ps(y1 + d + 8 * q, b[q]);
+            }
+        }
+        if (d32 < dv) {
+            for (size_t r = i; r < std::min(i + 2, m); ++r)
+                for (size_t t = 0; t < n; ++t)
+                    for (size_t d = d32; d < dv; ++d) y[r * ldy + d] += p[r * ldp + t] * v[t * ldv + d];
+        }
+    }
+}
+
+// exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (relative error ~2e-7);
+// below -87.3 the result is 0 (as the softmax's masked entries need), above 88.7 +inf.
+AVX2 inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.72283f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  // ln2 in two parts (Cody-Waite)
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 e = _mm256_set1_ps(1.f / 720);
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 120));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 24));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f / 6));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.f));
+    // 2^n, split in two factors so that n = 128 (x near 88.7) does not overflow the exponent field
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i half = _mm256_srai_epi32(ni, 1);
+    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256 p2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_andnot_ps(under, _mm256_mul_ps(_mm256_mul_ps(e, p1), p2));
+}
+
+// In place: x = exp(x - max), returning the sum.
+AVX2 float exp_shift_sum_avx2(float* x, size_t n, float max) {
+    const __m256 mv = _mm256_set1_ps(max);
+    __m256 acc = _mm256_setzero_ps();
+    size_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), mv));
+        _mm256_storeu_ps(x + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float s = hsum(acc);
+    for (; t < n; ++t) s += (x[t] = std::exp(x[t] - max));
+    return s;
+}
+
+AVX2 void swiglu_pairs_avx2(const float* h, size_t m, size_t ldh, size_t units, float* a, size_t lda) {
+    // de-interleave 8 (gate, up) pairs: permute each 8-float half so gates land low, ups high
+    const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (size_t i = 0; i < m; ++i) {
+        const float* hi = h + i * ldh;
+        float* ai = a + i * lda;
+        size_t j = 0;
+        for (; j + 8 <= units; j += 8) {
+            const __m256 x0 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(hi + 2 * j), perm);
+            const __m256 x1 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(hi + 2 * j + 8), perm);
+            const __m256 g = _mm256_permute2f128_ps(x0, x1, 0x20), u = _mm256_permute2f128_ps(x0, x1, 0x31);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+            _mm256_storeu_ps(ai + j, _mm256_mul_ps(silu, u));
+        }
+        for (; j < units; ++j) {
+            const float g = hi[2 * j];
+            ai[j] = g / (1.f + std::exp(-g)) * hi[2 * j + 1];
+        }
+    }
+}
+
+float exp_shift_sum(float* x, size_t n, float max) {
+    if (use_avx2()) return exp_shift_sum_avx2(x, n, max);
+    float s = 0.f;
+    for (size_t t = 0; t < n; ++t) s += (x[t] = std::exp(x[t] - max));
+    return s;
+}
+
+// Top k of v[0..n) by value, ties to the lower index (stable): idx [k].
+void top_k(const float* v, size_t n, size_t k, int32_t* idx) {
+    for (size_t r = 0; r < k; ++r) {
+        int32_t best = -1;
+        for (size_t e = 0; e < n; ++e) {
+            bool taken = false;
+            for (size_t q = 0; q < r; ++q) taken |= idx[q] == int32_t(e);
+            if (!taken && (best < 0 || v[e] > v[best])) best = int32_t(e);
+        }
+        idx[r] = best;
+    }
+}
+
+}  // namespace
+
+void rows_dot(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k, float* y,
+              size_t ldy) {
+    if (use_avx2()) return rows_dot_avx2(x, m, ldx, w, ldw, n, k, y, ldy);
+    rows_dot_scalar(x, m, ldx, w, ldw, n, k, y, ldy);
+}
+
+void rows_axpy(const float* p, size_t m, size_t ldp, const float* v, size_t ldv, size_t n, size_t dv, float* y,
+               size_t ldy) {
+    if (use_avx2()) return rows_axpy_avx2(p, m, ldp, v, ldv, n, dv, y, ldy);
+    rows_axpy_scalar(p, m, ldp, v, ldv, n, dv, y, ldy);
+}
+
+void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* cache,
+                      size_t n_cache, const float* rows, size_t n_rows, const uint8_t* visible, float* scores,
+                      float* out, size_t ldo) {
+    const size_t l = n_cache + n_rows;
+    rows_dot(q, heads, c, cache, c, n_cache, c, scores, l);
+    rows_dot(q, heads, c, rows, c, n_rows, c, scores + n_cache, l);
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (size_t h = 0; h < heads; ++h) {
+        float* s = scores + h * l;
+        float mx = ninf;
+        for (size_t t = 0; t < l; ++t) {
+            s[t] = (t < n_cache || !visible || visible[t - n_cache]) ? s[t] * scale : ninf;
+            mx = std::max(mx, s[t]);
+        }
+        const float inv = 1.f / exp_shift_sum(s, l, mx);  // the query's own row is always visible: mx finite
+        for (size_t t = 0; t < l; ++t) s[t] *= inv;
+        std::fill(out + h * ldo, out + h * ldo + dl, 0.f);
+    }
+    rows_axpy(scores, heads, l, cache, c, n_cache, dl, out, ldo);
+    rows_axpy(scores + n_cache, heads, l, rows, c, n_rows, dl, out, ldo);
+}
+
+void swiglu_pairs(const float* h, size_t m, size_t ldh, size_t units, float* a, size_t lda) {
+    if (use_avx2()) return swiglu_pairs_avx2(h, m, ldh, units, a, lda);
+    for (size_t i = 0; i < m; ++i)
+        for (size_t j = 0; j < units; ++j) {
+            const float g = h[i * ldh + 2 * j];
+            a[i * lda + j] = g / (1.f + std::exp(-g)) * h[i * ldh + 2 * j + 1];
+        }
+}
+
+void route_token(const float* logits, size_t n_experts, bool softmax_scoring, const float* bias, size_t n_group,
+                 size_t topk_group, bool group_top2, size_t k, bool norm_topk_prob, float scaling, float* scratch,
+                 int32_t* idx, float* weight) {
+    float* s = scratch;               // scores [E]
+    float* choice = scratch + n_experts;  // [E]
+    if (softmax_scoring) {
+        const float mx = *std::max_element(logits, logits + n_experts);
+        float sum = 0.f;
+        for (size_t e = 0; e < n_experts; ++e) sum += (s[e] = std::exp(logits[e] - mx));
+        for (size_t e = 0; e < n_experts; ++e) s[e] /= sum;
+    } else {
+        for (size_t e = 0; e < n_experts; ++e) s[e] = 1.f / (1.f + std::exp(-logits[e]));
+    }
+    for (size_t e = 0; e < n_experts; ++e) choice[e] = bias ? s[e] + bias[e] : s[e];
+    if (n_group > 1) {
+        const size_t per = n_experts / n_group;
+        float* gscore = scratch + 2 * n_experts;  // [G]
+        for (size_t g = 0; g < n_group; ++g) {
+            float b1 = -std::numeric_limits<float>::infinity(), b2 = b1;
+            for (size_t e = g * per; e < (g + 1) * per; ++e) {
+                const float v = choice[e];
+                if (v > b1) b2 = b1, b1 = v;
+                else if (v > b2) b2 = v;
+            }
+            gscore[g] = group_top2 ? b1 + b2 : b1;
+        }
+        int32_t kept[64];
+        top_k(gscore, n_group, topk_group, kept);
+        for (size_t g = 0; g < n_group; ++g) {
+            bool keep = false;
+            for (size_t q = 0; q < topk_group; ++q) keep |= kept[q] == int32_t(g);
+            if (!keep)
+                for (size_t e = g * per; e < (g + 1) * per; ++e) choice[e] = -std::numeric_limits<float>::infinity();
+        }
+    }
+    top_k(choice, n_experts, k, idx);
+    float sum = 0.f;
+    for (size_t r = 0; r < k; ++r) sum += (weight[r] = s[idx[r]]);
+    for (size_t r = 0; r < k; ++r) {  // the reference's order: normalized, then scaled
+        if (norm_topk_prob) weight[r] /= sum + 1e-20f;
+        if (scaling != 1.f) weight[r] *= scaling;
+    }
+}
+
+}  // namespace mtp_ort

@@ -1,0 +1,48 @@
+// kernels.h -- the CPU kernels behind mtp-trt's ONNX Runtime operators (mtp_ort_ops.cpp), as plain functions
+// over float arrays: no ONNX Runtime types, so they can be read, tested and timed on their own.  Each has a
+// NumPy reference in plugins/ort_reference.py and a test in tests/test_ort_ops.py.
+//
+// Every product here is a set of dot products between contiguous rows: activations x [M, K] against weights
+// w [N, K] in nn.Linear's [out, in] layout, the layout the checkpoint and weights.bin store.  Decoding has
+// few rows (M = 1..a few), so the kernels stream each weight row once and keep the rows of x in registers or
+// L1: memory-bound matrix-vector products, with no packed copy of the weights (ONNX Runtime's MatMul packs
+// a private copy per session; these read the one shared mapping of weights.bin).
+#ifndef MTP_ORT_KERNELS_H
+#define MTP_ORT_KERNELS_H
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mtp_ort {
+
+// y[i * ldy + j] = sum_k x[i * ldx + k] * w[j * ldw + k]   for i < m, j < n.
+void rows_dot(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k, float* y,
+              size_t ldy);
+
+// y[i * ldy + d] += sum_t p[i * ldp + t] * v[t * ldv + d]   for i < m, d < dv  (t < n).
+void rows_axpy(const float* p, size_t m, size_t ldp, const float* v, size_t ldv, size_t n, size_t dv, float* y,
+               size_t ldy);
+
+// Absorbed MLA attention of one query token: q [H, C] (C = latent + rope dims) against the visible key rows
+// (n_cache rows of `cache` then the rows of `rows` for which visible[r] != 0; visible == nullptr: all
+// n_rows), values the first dl dims of the same rows.  scores: scratch of H * (n_cache + n_rows) floats.
+// out [H, dl] (ldo apart).
+void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* cache,
+                      size_t n_cache, const float* rows, size_t n_rows, const uint8_t* visible, float* scores,
+                      float* out, size_t ldo);
+
+// SwiGLU on interleaved gate/up pairs: a[i * lda + j] = silu(h[i * ldh + 2j]) * h[i * ldh + 2j + 1], j < units.
+void swiglu_pairs(const float* h, size_t m, size_t ldh, size_t units, float* a, size_t lda);
+
+// DeepSeek-V3's router (V3 §2.1.2) for one token: scores s = sigmoid(logits) (or softmax), choice = s + bias
+// (bias may be nullptr), restricted to the top `topk_group` of `n_group` groups (group score: the sum of its
+// two best choices if group_top2, else its best; n_group <= 1: no groups), then the top k of choice.  Ties go
+// to the lower index, as ONNX's TopK.  idx [k] the experts, weight [k] their gates: s at idx, divided by
+// (sum + 1e-20) if norm_topk_prob, times scaling.  scratch: 2 * n_experts + n_group floats.
+void route_token(const float* logits, size_t n_experts, bool softmax_scoring, const float* bias, size_t n_group,
+                 size_t topk_group, bool group_top2, size_t k, bool norm_topk_prob, float scaling, float* scratch,
+                 int32_t* idx, float* weight);
+
+}  // namespace mtp_ort
+
+#endif  // MTP_ORT_KERNELS_H

@@ -1,0 +1,428 @@
+// mtp_ort_ops.cpp -- mtp-trt's CPU operators for ONNX Runtime: a custom-op library (domain "mtp_trt.cpu") that
+// SessionOptions.register_custom_ops_library loads (plugins/ort_lib.py builds and finds it).  The onnx lowering
+// uses them in the decode-step graphs (exporters/ort_ops.py), where few rows pass through each layer:
+//
+//   MoE(x [..., D], gate [E, D], bias [E]?, fc1 [E, 2I, D], fc2 [E, D, I], shared_fc1 [2Is, D]?, shared_fc2 [D, Is]?)
+//                                                                   -> [..., D]       (DeepSeekMoE, router included)
+//   MlaAttention(q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C], valid_len [B] int32,
+//                visible [B|1, S, R] bool?)                         -> [B, S, H*Dl]   (absorbed MLA, C = Dl + Dr)
+//
+// fc1 holds each expert's gate and up rows interleaved (row 2j = gate_j, 2j + 1 = up_j); all weights are in
+// nn.Linear's [out, in] layout and are read in place.  Attributes and semantics: docs/architecture.md ("CPU
+// operators").  The arithmetic is in kernels.cpp; this file checks shapes, splits the work over ONNX Runtime's
+// intra-op threads (KernelContext_ParallelFor) and reports bad input as an ONNX Runtime error naming the op,
+// input and shape.
+#include <onnxruntime_c_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace mtp_ort {
+namespace {
+
+constexpr uint32_t kApiVersion = 18;  // ONNX Runtime >= 1.18 (KernelContext_ParallelFor: 1.17)
+constexpr char kDomain[] = "mtp_trt.cpu";
+
+#define MTP_RETURN_IF(expr)                       \
+    do {                                          \
+        if (OrtStatus* status_ = (expr)) return status_; \
+    } while (0)
+
+// A tensor of the kernel context: data and shape (absent: an optional input left out).
+struct View {
+    bool present = false;
+    ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    void* data = nullptr;
+    std::vector<int64_t> shape;
+
+    const float* f() const { return static_cast<const float*>(data); }
+    int64_t dim(int i) const { return shape[i < 0 ? int(shape.size()) + i : i]; }
+    int64_t size() const {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        return n;
+    }
+    std::string str() const {
+        std::string s = "[";
+        for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+        return s + "]";
+    }
+};
+
+// One Compute call: inputs, outputs, errors and the intra-op thread pool.
+struct Call {
+    const OrtApi* api;
+    OrtKernelContext* ctx;
+    const char* op;
+
+    OrtStatus* error(const std::string& what) const {
+        return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string("mtp_trt.cpu::") + op + ": " + what).c_str());
+    }
+
+    OrtStatus* input(size_t i, View& v) const {
+        const OrtValue* value = nullptr;
+        MTP_RETURN_IF(api->KernelContext_GetInput(ctx, i, &value));
+        if (!value) return nullptr;
+        OrtTensorTypeAndShapeInfo* info = nullptr;
+        MTP_RETURN_IF(api->GetTensorTypeAndShape(value, &info));
+        size_t rank = 0;
+        OrtStatus* s = api->GetTensorElementType(info, &v.type);
+        if (!s) s = api->GetDimensionsCount(info, &rank);
+        if (!s) v.shape.resize(rank), s = api->GetDimensions(info, v.shape.data(), rank);
+        api->ReleaseTensorTypeAndShapeInfo(info);
+        if (s) return s;
+        v.present = true;
+        return api->GetTensorMutableData(const_cast<OrtValue*>(value), &v.data);
+    }
+
+    OrtStatus* output(size_t i, const std::vector<int64_t>& shape, float** data) const {
+        OrtValue* value = nullptr;
+        MTP_RETURN_IF(api->KernelContext_GetOutput(ctx, i, shape.data(), shape.size(), &value));
+        return api->GetTensorMutableData(value, reinterpret_cast<void**>(data));
+    }
+
+    // f(i) for i < n on ONNX Runtime's intra-op threads (the calling thread takes part).
+    template <class F>
+    OrtStatus* parallel(size_t n, F& f) const {
+        if (n <= 1) {
+            if (n) f(size_t(0));
+            return nullptr;
+        }
+        return api->KernelContext_ParallelFor(
+            ctx, [](void* fn, size_t i) { (*static_cast<F*>(fn))(i); }, n, 0, &f);
+    }
+};
+
+// Reusable per-thread scratch (no allocation once the largest step has run).
+float* scratch(size_t n) {
+    thread_local std::vector<float> buf;
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+}
+
+OrtStatus* attr_int(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t* out) {
+    return api->KernelInfoGetAttribute_int64(info, name, out);
+}
+OrtStatus* attr_float(const OrtApi* api, const OrtKernelInfo* info, const char* name, float* out) {
+    return api->KernelInfoGetAttribute_float(info, name, out);
+}
+
+// Work items of `rows` weight rows: at most `max_items`, each a multiple of `align` rows.
+size_t chunk_rows(size_t rows, size_t min_rows, size_t max_items, size_t align) {
+    size_t items = std::max<size_t>(1, std::min(max_items, rows / std::max<size_t>(min_rows, 1)));
+    size_t per = (rows + items - 1) / items;
+    return (per + align - 1) / align * align;
+}
+
+OrtStatus* need_float(const Call& c, const View& v, const char* name, size_t rank) {
+    if (v.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+        return c.error(std::string(name) + " must be float32");
+    if (rank && v.shape.size() != rank)
+        return c.error(std::string(name) + " must have rank " + std::to_string(rank) + ", got " + v.str());
+    return nullptr;
+}
+
+// ----------------------------------------------------------------------------- SwiGLU experts (MoE)
+// One expert's work in a call: its tokens (rows of x), their gates, and its weights.
+struct Expert {
+    const float* fc1;  // [2I, D]
+    const float* fc2;  // [D, I]
+    size_t units;      // I
+    std::vector<int32_t> tokens;
+    std::vector<float> gates;
+    float* xs = nullptr;  // the tokens' rows of x, contiguous [M, D]
+    float* act = nullptr;  // SwiGLU activations [M, I]
+};
+
+// y [N, D] = sum over experts of gate * down(silu(gate_rows x) * up_rows x), in two parallel passes:
+// (1) every expert's fc1 rows in chunks (gate/up pairs kept together) -> activations, (2) the output
+// columns in chunks, each over every expert's fc2 rows of those columns (threads write disjoint columns).
+OrtStatus* run_experts(const Call& c, std::vector<Expert>& experts, const float* x, size_t n_tokens, size_t d,
+                       float* y) {
+    size_t floats = 0;
+    for (const Expert& e : experts) floats += e.tokens.size() * (d + e.units);
+    std::vector<float> buf(floats);  // per call: small (tokens x (D + I) per selected expert)
+    float* p = buf.data();
+    for (Expert& e : experts) {
+        const size_t m = e.tokens.size();
+        e.xs = p, p += m * d;
+        e.act = p, p += m * e.units;
+        for (size_t r = 0; r < m; ++r) std::memcpy(e.xs + r * d, x + size_t(e.tokens[r]) * d, d * sizeof(float));
+    }
+    struct Item {
+        Expert* e;
+        size_t u0, u1;  // units
+    };
+    std::vector<Item> items;
+    for (Expert& e : experts) {
+        const size_t per = chunk_rows(e.units, 16, 8, 8);
+        for (size_t u = 0; u < e.units; u += per) items.push_back({&e, u, std::min(e.units, u + per)});
+    }
+    auto up = [&](size_t i) {
+        const Item& it = items[i];
+        const Expert& e = *it.e;
+        const size_t m = e.tokens.size(), rows = 2 * (it.u1 - it.u0);
+        float* h = scratch(m * rows);
+        rows_dot(e.xs, m, d, e.fc1 + 2 * it.u0 * d, d, rows, d, h, rows);
+        swiglu_pairs(h, m, rows, it.u1 - it.u0, e.act + it.u0, e.units);
+    };
+    MTP_RETURN_IF(c.parallel(items.size(), up));
+    std::fill(y, y + n_tokens * d, 0.f);
+    const size_t per = chunk_rows(d, 32, 16, 8);
+    auto down = [&](size_t item) {
+        const size_t d0 = item * per, d1 = std::min(d, d0 + per), cols = d1 - d0;
+        for (const Expert& e : experts) {
+            const size_t m = e.tokens.size();
+            float* out = scratch(m * cols);
+            rows_dot(e.act, m, e.units, e.fc2 + d0 * e.units, e.units, cols, e.units, out, cols);
+            for (size_t r = 0; r < m; ++r) {
+                float* yr = y + size_t(e.tokens[r]) * d + d0;
+                const float g = e.gates[r];
+                for (size_t j = 0; j < cols; ++j) yr[j] += g * out[r * cols + j];
+            }
+        }
+    };
+    return c.parallel((d + per - 1) / per, down);
+}
+
+Expert all_tokens(const float* fc1, const float* fc2, size_t units, size_t n_tokens) {
+    Expert e{fc1, fc2, units, {}, {}};
+    for (size_t t = 0; t < n_tokens; ++t) e.tokens.push_back(int32_t(t)), e.gates.push_back(1.f);
+    return e;
+}
+
+OrtStatus* check_mlp(const Call& c, const View& fc1, const View& fc2, int64_t d, const char* n1, const char* n2) {
+    MTP_RETURN_IF(need_float(c, fc1, n1, 2));
+    MTP_RETURN_IF(need_float(c, fc2, n2, 2));
+    if (fc1.dim(1) != d || fc1.dim(0) % 2 || fc2.dim(0) != d || fc2.dim(1) * 2 != fc1.dim(0))
+        return c.error(std::string(n1) + " " + fc1.str() + " and " + n2 + " " + fc2.str() +
+                       " must be [2I, D] and [D, I] with D = " + std::to_string(d));
+    return nullptr;
+}
+
+// -------------------------------------------------------------------------------------------- MoE
+struct MoEKernel {
+    int64_t top_k = 0, n_group = 1, topk_group = 1, softmax = 0, group_top2 = 0, norm_topk_prob = 1;
+    float scaling = 1.f;
+
+    MoEKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
+        OrtStatus* s = attr_int(api, info, "top_k", &top_k);
+        if (!s) s = attr_int(api, info, "n_group", &n_group);
+        if (!s) s = attr_int(api, info, "topk_group", &topk_group);
+        if (!s) s = attr_int(api, info, "softmax", &softmax);
+        if (!s) s = attr_int(api, info, "group_top2", &group_top2);
+        if (!s) s = attr_int(api, info, "norm_topk_prob", &norm_topk_prob);
+        if (!s) s = attr_float(api, info, "routed_scaling_factor", &scaling);
+        *status = s;
+    }
+
+    OrtStatus* compute(const Call& c) const {
+        View x, gate, bias, fc1, fc2, sfc1, sfc2;
+        View* in[] = {&x, &gate, &bias, &fc1, &fc2, &sfc1, &sfc2};
+        for (size_t i = 0; i < 7; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+        MTP_RETURN_IF(need_float(c, x, "x", 0));
+        MTP_RETURN_IF(need_float(c, gate, "gate", 2));
+        MTP_RETURN_IF(need_float(c, fc1, "fc1", 3));
+        MTP_RETURN_IF(need_float(c, fc2, "fc2", 3));
+        const int64_t d = x.shape.empty() ? -1 : x.dim(-1), n_exp = gate.dim(0);
+        if (gate.dim(1) != d) return c.error("gate " + gate.str() + " must be [E, D] with D = " + std::to_string(d));
+        if (fc1.dim(0) != n_exp || fc2.dim(0) != n_exp || fc1.dim(2) != d || fc2.dim(1) != d ||
+            fc1.dim(1) != 2 * fc2.dim(2))
+            return c.error("fc1 " + fc1.str() + " and fc2 " + fc2.str() + " must be [E, 2I, D] and [E, D, I], E = " +
+                           std::to_string(n_exp) + ", D = " + std::to_string(d));
+        if (bias.present && (bias.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || bias.size() != n_exp))
+            return c.error("bias " + bias.str() + " must be float32 [E]");
+        if (top_k < 1 || top_k > n_exp || n_group < 1 || n_exp % n_group || topk_group < 1 || topk_group > n_group ||
+            n_group > 64 || top_k > n_exp / n_group * topk_group)
+            return c.error("top_k " + std::to_string(top_k) + ", n_group " + std::to_string(n_group) +
+                           ", topk_group " + std::to_string(topk_group) + " do not fit " + std::to_string(n_exp) +
+                           " experts");
+        if (sfc1.present != sfc2.present) return c.error("shared_fc1 and shared_fc2 come together");
+        if (sfc1.present) MTP_RETURN_IF(check_mlp(c, sfc1, sfc2, d, "shared_fc1", "shared_fc2"));
+        float* y = nullptr;
+        MTP_RETURN_IF(c.output(0, x.shape, &y));
+        const size_t n = size_t(x.size() / d), e_count = size_t(n_exp), k = size_t(top_k);
+        std::vector<float> logits(n * e_count), work(2 * e_count + size_t(n_group)), gates(n * k);
+        std::vector<int32_t> idx(n * k);
+        rows_dot(x.f(), n, size_t(d), gate.f(), size_t(d), e_count, size_t(d), logits.data(), e_count);
+        for (size_t t = 0; t < n; ++t)
+            route_token(logits.data() + t * e_count, e_count, softmax != 0, bias.present ? bias.f() : nullptr,
+                        size_t(n_group), size_t(topk_group), group_top2 != 0, k, norm_topk_prob != 0, scaling,
+                        work.data(), idx.data() + t * k, gates.data() + t * k);
+        const size_t units = size_t(fc2.dim(2));
+        std::vector<int32_t> slot(e_count, -1);  // expert -> its entry in `experts`
+        std::vector<Expert> experts;
+        experts.reserve(e_count + 1);
+        for (size_t t = 0; t < n; ++t)
+            for (size_t r = 0; r < k; ++r) {
+                const int32_t e = idx[t * k + r];
+                if (slot[e] < 0) {
+                    slot[e] = int32_t(experts.size());
+                    experts.push_back({fc1.f() + size_t(e) * 2 * units * d, fc2.f() + size_t(e) * d * units, units,
+                                       {}, {}});
+                }
+                experts[slot[e]].tokens.push_back(int32_t(t));
+                experts[slot[e]].gates.push_back(gates[t * k + r]);
+            }
+        if (sfc1.present) experts.push_back(all_tokens(sfc1.f(), sfc2.f(), size_t(sfc2.dim(1)), n));
+        return run_experts(c, experts, x.f(), n, size_t(d), y);
+    }
+};
+
+// ---------------------------------------------------------------------------------- MlaAttention
+struct MlaAttentionKernel {
+    int64_t heads = 0;
+    float scale = 1.f;
+
+    MlaAttentionKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
+        OrtStatus* s = attr_int(api, info, "heads", &heads);
+        if (!s) s = attr_float(api, info, "scale", &scale);
+        if (!s && heads < 1) s = api->CreateStatus(ORT_INVALID_ARGUMENT, "mtp_trt.cpu::MlaAttention: heads < 1");
+        *status = s;
+    }
+
+    OrtStatus* compute(const Call& c) const {
+        View q_lat, q_pe, rows, cache, valid, vis;
+        View* in[] = {&q_lat, &q_pe, &rows, &cache, &valid, &vis};
+        for (size_t i = 0; i < 6; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+        MTP_RETURN_IF(need_float(c, q_lat, "q_lat", 3));
+        MTP_RETURN_IF(need_float(c, q_pe, "q_pe", 3));
+        MTP_RETURN_IF(need_float(c, rows, "rows", 3));
+        MTP_RETURN_IF(need_float(c, cache, "cache", 3));
+        const int64_t b = q_lat.dim(0), s_len = q_lat.dim(1), h = heads, dl = q_lat.dim(2) / h,
+                      dr = q_pe.dim(2) / h, ch = dl + dr, t_len = cache.dim(1), r_len = rows.dim(1);
+        if (q_lat.dim(2) != dl * h || q_pe.dim(2) != dr * h || q_pe.dim(0) != b || q_pe.dim(1) != s_len ||
+            cache.dim(0) != b || cache.dim(2) != ch || rows.dim(0) != b || rows.dim(2) != ch || dl < 1)
+            return c.error("q_lat " + q_lat.str() + ", q_pe " + q_pe.str() + ", rows " + rows.str() + " and cache " +
+                           cache.str() + " must be [B, S, H*Dl], [B, S, H*Dr], [B, R, Dl+Dr] and [B, T, Dl+Dr] with H = " +
+                           std::to_string(h));
+        if (valid.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || valid.size() != b)
+            return c.error("valid_len " + valid.str() + " must be int32 [B]");
+        if (r_len < s_len) return c.error("rows " + rows.str() + " has fewer rows than q_lat " + q_lat.str() + " tokens");
+        if (vis.present && (vis.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL || vis.shape.size() != 3 ||
+                            (vis.dim(0) != b && vis.dim(0) != 1) || vis.dim(1) != s_len || vis.dim(2) != r_len))
+            return c.error("visible " + vis.str() + " must be bool [B or 1, S, R] = [" + std::to_string(b) + ", " +
+                           std::to_string(s_len) + ", " + std::to_string(r_len) + "]");
+        float* out = nullptr;
+        MTP_RETURN_IF(c.output(0, {b, s_len, h * dl}, &out));
+        const int32_t* lens = static_cast<const int32_t*>(valid.data);
+        const uint8_t* mask = static_cast<const uint8_t*>(vis.data);
+        const size_t tokens = size_t(b * s_len);
+        // one task per query token, its heads split further where there are few tokens (decode)
+        const size_t splits = tokens >= 4 ? 1 : std::min<size_t>(size_t(h), (4 + tokens - 1) / tokens);
+        const size_t per = (size_t(h) + splits - 1) / splits;
+        auto work = [&](size_t item) {
+            const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
+            if (h0 >= h1) return;
+            const size_t bi = tok / s_len, si = tok % s_len, nh = h1 - h0;
+            const size_t n_cache = size_t(std::clamp<int64_t>(lens[bi], 0, t_len));
+            float* q = scratch(nh * ch + nh * (n_cache + size_t(r_len)) + size_t(r_len));
+            float* sc = q + nh * ch;
+            uint8_t* causal = reinterpret_cast<uint8_t*>(sc + nh * (n_cache + size_t(r_len)));
+            for (size_t hh = 0; hh < nh; ++hh) {  // this token's queries [nh, Dl+Dr]
+                std::memcpy(q + hh * ch, q_lat.f() + (tok * h + h0 + hh) * dl, dl * sizeof(float));
+                std::memcpy(q + hh * ch + dl, q_pe.f() + (tok * h + h0 + hh) * dr, dr * sizeof(float));
+            }
+            const uint8_t* visible = causal;
+            if (mask) {
+                visible = mask + ((vis.dim(0) == 1 ? 0 : bi) * s_len + si) * r_len;
+            } else {  // causal over the new rows (the last S rows; any rows before them all seen)
+                for (int64_t r = 0; r < r_len; ++r) causal[r] = r <= int64_t(si) + r_len - s_len;
+            }
+            mla_attend_token(q, nh, size_t(ch), size_t(dl), scale, cache.f() + bi * size_t(t_len * ch), n_cache,
+                             rows.f() + bi * size_t(r_len * ch), size_t(r_len), visible, sc,
+                             out + (tok * h + h0) * dl, size_t(dl));
+        };
+        return c.parallel(tokens * splits, work);
+    }
+};
+
+// --------------------------------------------------------------------------------- registration
+struct Spec {
+    const char* name;
+    std::vector<ONNXTensorElementDataType> inputs;
+    std::vector<bool> optional;
+};
+
+template <class K>
+struct Op : OrtCustomOp {
+    Spec spec;
+
+    explicit Op(Spec s) : OrtCustomOp{}, spec(std::move(s)) {
+        version = kApiVersion;
+        GetName = [](const OrtCustomOp* op) { return static_cast<const Op*>(op)->spec.name; };
+        GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
+        GetInputTypeCount = [](const OrtCustomOp* op) { return static_cast<const Op*>(op)->spec.inputs.size(); };
+        GetInputType = [](const OrtCustomOp* op, size_t i) { return static_cast<const Op*>(op)->spec.inputs[i]; };
+        GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
+            return static_cast<const Op*>(op)->spec.optional[i] ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+        };
+        GetOutputTypeCount = [](const OrtCustomOp*) { return size_t(1); };
+        GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+        GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+        GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+        CreateKernelV2 = [](const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                            void** kernel) -> OrtStatus* {
+            OrtStatus* status = nullptr;
+            auto* k = new K(api, info, &status);
+            if (status) {
+                delete k;
+                return status;
+            }
+            *kernel = new Bound{k, api, static_cast<const Op*>(op)->spec.name};
+            return nullptr;
+        };
+        KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
+            auto* b = static_cast<Bound*>(kernel);
+            const Call call{b->api, ctx, b->name};
+            try {
+                return b->kernel->compute(call);
+            } catch (const std::exception& e) {  // (allocation failures): an error, never an abort
+                return call.error(e.what());
+            }
+        };
+        KernelDestroy = [](void* kernel) {
+            auto* b = static_cast<Bound*>(kernel);
+            delete b->kernel;
+            delete b;
+        };
+    }
+
+    struct Bound {
+        K* kernel;
+        const OrtApi* api;
+        const char* name;
+    };
+};
+
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+constexpr auto BOOL = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+
+// The ops live as long as the process: ONNX Runtime keeps pointers to them in every session that used them.
+Op<MoEKernel> g_moe({"MoE", {F32, F32, F32, F32, F32, F32, F32}, {false, false, true, false, false, true, true}});
+Op<MlaAttentionKernel> g_mla({"MlaAttention", {F32, F32, F32, F32, I32, BOOL}, {false, false, false, false, false, true}});
+
+}  // namespace
+}  // namespace mtp_ort
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                              const OrtApiBase* base) {
+    using namespace mtp_ort;
+    const OrtApi* api = base->GetApi(kApiVersion);
+    if (!api) {  // an older ONNX Runtime: report it through the oldest API (CreateStatus is in every version)
+        const OrtApi* v1 = base->GetApi(1);
+        return v1 ? v1->CreateStatus(ORT_FAIL, "mtp_trt.cpu operators need ONNX Runtime >= 1.18") : nullptr;
+    }
+    OrtCustomOpDomain* domain = nullptr;
+    MTP_RETURN_IF(api->CreateCustomOpDomain(kDomain, &domain));
+    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla})
+        MTP_RETURN_IF(api->CustomOpDomain_Add(domain, op));
+    return api->AddCustomOpDomain(options, domain);  // (the domain is kept for the process, as the ops are)
+}
+

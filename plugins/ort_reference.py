@@ -1,0 +1,88 @@
+"""NumPy references of mtp-trt's CPU operators for ONNX Runtime (plugins/ort/mtp_ort_ops.cpp, domain `mtp_trt.cpu`).
+
+Loop-level where that is clearer, float64 accumulation, NumPy only.  tests/test_ort_ops.py runs each operator in
+ONNX Runtime on random and adversarial inputs and compares it with these; the exported graphs that use them are
+compared with the PyTorch reference model and transformers elsewhere (tests/test_export.py, tests/test_moe.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(x, fc1, fc2):
+    """x [N, D], fc1 [2I, D] (gate/up rows interleaved), fc2 [D, I] -> [N, D]."""
+    h = x.astype(np.float64) @ fc1.T.astype(np.float64)
+    return (silu(h[:, 0::2]) * h[:, 1::2]) @ fc2.T.astype(np.float64)
+
+
+def top_k(v, k):
+    """Indices of the k largest of v [n], ties to the lower index (ONNX TopK)."""
+    return np.argsort(-np.asarray(v), kind="stable")[:k]
+
+
+def route(logits, k, n_group=1, topk_group=1, softmax=False, bias=None, group_top2=True, norm_topk_prob=True,
+          scaling=1.0):
+    """DeepSeek-V3's router for logits [N, E] -> (experts [N, k], gates [N, k]): scores s = sigmoid (softmax)
+    of the logits; choice = s + bias; with n_group > 1 only the experts of the top_group groups (a group's score:
+    the sum of its two best choices if group_top2, else its best) compete; the top k of choice; gates s at them,
+    divided by their sum (+1e-20) if norm_topk_prob, times scaling."""
+    logits = np.asarray(logits, np.float64)
+    n, e = logits.shape
+    idx, gates = np.zeros((n, k), np.int64), np.zeros((n, k))
+    for t in range(n):
+        if softmax:
+            s = np.exp(logits[t] - logits[t].max())
+            s /= s.sum()
+        else:
+            s = 1.0 / (1.0 + np.exp(-logits[t]))
+        choice = s + (0.0 if bias is None else np.asarray(bias, np.float64))
+        if n_group > 1:
+            groups = choice.reshape(n_group, -1)
+            best = np.sort(groups, -1)[:, ::-1]
+            score = best[:, 0] + best[:, 1] if group_top2 else best[:, 0]
+            keep = np.zeros(n_group, bool)
+            keep[top_k(score, topk_group)] = True
+            choice = np.where(np.repeat(keep, e // n_group), choice, -np.inf)
+        idx[t] = top_k(choice, k)
+        g = s[idx[t]]
+        gates[t] = (g / (g.sum() + 1e-20) if norm_topk_prob else g) * scaling
+    return idx, gates
+
+
+def moe(x, gate, bias, fc1, fc2, shared_fc1=None, shared_fc2=None, *, top_k, n_group=1, topk_group=1, softmax=False,
+        group_top2=True, norm_topk_prob=True, scaling=1.0):
+    """x [N, D], gate [E, D], bias [E] or None, fc1 [E, 2I, D], fc2 [E, D, I], shared [2Is, D], [D, Is] -> [N, D]."""
+    x = np.asarray(x, np.float64)
+    idx, gates = route(x @ gate.T.astype(np.float64), top_k, n_group, topk_group, softmax, bias, group_top2,
+                       norm_topk_prob, scaling)
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, g in zip(idx[t], gates[t]):
+            y[t] += g * swiglu(x[t:t + 1], fc1[e], fc2[e])[0]
+    return y if shared_fc1 is None else y + swiglu(x, shared_fc1, shared_fc2)
+
+
+def mla_attention(q_lat, q_pe, rows, cache, valid_len, visible=None, *, heads, scale):
+    """Absorbed MLA: q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, Dl+Dr], cache [B, T, Dl+Dr], valid_len [B],
+    visible [B or 1, S, R] bool or None (causal over the last S rows, all rows before them seen) -> [B, S, H*Dl]:
+    each head of each query token attends to the cached rows t < valid_len and the rows it sees."""
+    b, s, _ = q_lat.shape
+    r, t_len = rows.shape[1], cache.shape[1]
+    q = np.concatenate([q_lat.reshape(b, s, heads, -1), q_pe.reshape(b, s, heads, -1)], -1).astype(np.float64)
+    dl = q_lat.shape[-1] // heads
+    out = np.zeros((b, s, heads, dl))
+    for bi in range(b):
+        n = int(np.clip(valid_len[bi], 0, t_len))
+        for si in range(s):
+            seen = (np.arange(r) <= si + r - s) if visible is None else np.asarray(visible[bi % len(visible), si])
+            keys = np.concatenate([cache[bi, :n], rows[bi][seen]]).astype(np.float64)
+            for h in range(heads):
+                z = scale * keys @ q[bi, si, h]
+                p = np.exp(z - z.max())
+                out[bi, si, h] = (p / p.sum()) @ keys[:, :dl]
+    return out.reshape(b, s, heads * dl)

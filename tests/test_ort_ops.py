@@ -1,0 +1,206 @@
+"""mtp-trt's CPU operators for ONNX Runtime (plugins/ort, domain mtp_trt.cpu) against their NumPy references
+(plugins/ort_reference.py), one node at a time: MoE (router included) and MLA attention on random and adversarial
+inputs -- sizes that are not multiples of the vector width, router ties, groups, extra rows, visibility masks,
+cache lengths out of range -- the AVX2 and portable paths, any thread count giving the same bits, and bad input
+as one error naming the op and the input.
+
+Tolerances: float32 kernels against float64 references, relative to the output's largest magnitude: 2e-6 (MoE)
+and 2e-6 (attention), a few float32 ulps of accumulated rounding."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mtp_trt.plugins import ort_lib, ort_reference as ref
+
+pytestmark = pytest.mark.skipif(not ort_lib.available()[0], reason=f"mtp_trt.cpu operators: {ort_lib.available()[1]}")
+
+RTOL = 2e-6
+TYPES = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.bool_: TensorProto.BOOL}
+
+
+def run_node(op: str, inputs: dict, attrs: dict, constants: dict = (), threads: int = 2) -> np.ndarray:
+    """One mtp_trt.cpu node: `inputs` fed (name -> array, None: left out), `constants` as initializers."""
+    constants = dict(constants)
+    names = list(inputs)
+    while names and inputs[names[-1]] is None:  # trailing optional inputs are simply absent
+        names.pop()
+    fed = {n: a for n, a in inputs.items() if a is not None and n not in constants}
+    graph = helper.make_graph(
+        [helper.make_node(op, [n if inputs[n] is not None else "" for n in names], ["y"], domain=ort_lib.DOMAIN,
+                          **attrs)], "g",
+        [helper.make_tensor_value_info(n, TYPES[a.dtype.type], a.shape) for n, a in fed.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(a, n) for n, a in constants.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ort_lib.DOMAIN, 1)])
+    model.ir_version = 9
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort_lib.session(model.SerializeToString(), options).run(None, fed)[0]
+
+
+def close(y, want, rtol=RTOL):
+    scale = max(np.abs(want).max(), 1e-30)
+    err = np.abs(y - want).max() / scale
+    assert err <= rtol, f"max |diff| / max |ref| = {err:.2e} > {rtol:.0e}"
+
+
+# --------------------------------------------------------------------------------------------- MoE
+def moe_inputs(rng, n, d, e, i, shared_i, bias=True, ties=False):
+    gate = rng.standard_normal((e, d)).astype(np.float32) * 0.2
+    if ties:  # pairs of experts with the same gate row: equal scores, so the lower index must win
+        gate[1::2] = gate[0::2]
+    return dict(
+        x=rng.standard_normal((n, d)).astype(np.float32), gate=gate,
+        bias=(rng.standard_normal(e) * 0.05).astype(np.float32) if bias else np.zeros(e, np.float32),
+        fc1=(rng.standard_normal((e, 2 * i, d)) * 0.1).astype(np.float32),
+        fc2=(rng.standard_normal((e, d, i)) * 0.1).astype(np.float32),
+        shared_fc1=(rng.standard_normal((2 * shared_i, d)) * 0.1).astype(np.float32) if shared_i else None,
+        shared_fc2=(rng.standard_normal((d, shared_i)) * 0.1).astype(np.float32) if shared_i else None)
+
+
+MOE_CASES = [  # n, d, e, i, shared_i, k, n_group, topk_group, softmax, group_top2, norm, scaling
+    (1, 256, 8, 64, 64, 2, 4, 2, False, True, True, 1.0),  # the demo's shape
+    (3, 96, 16, 32, 32, 2, 1, 1, False, True, True, 2.5),
+    (7, 36, 12, 12, 0, 3, 3, 2, False, True, False, 1.0),  # widths off the vector width, no shared expert
+    (5, 64, 8, 20, 20, 2, 4, 1, True, False, True, 1.0),  # softmax scores, group best (V2's group_limited_greedy)
+    (16, 40, 32, 8, 16, 4, 8, 4, False, True, True, 2.5),  # DeepSeek-V3's routing, scaled down
+    (2, 24, 6, 4, 8, 6, 1, 1, True, False, False, 16.0),  # every expert selected
+]
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=lambda c: "n{}-d{}-e{}-i{}-k{}-g{}".format(*c[:4], c[5], c[6]))
+def test_moe_matches_reference(case):
+    n, d, e, i, shared_i, k, n_group, topk_group, softmax, top2, norm, scaling = case
+    rng = np.random.default_rng(list(case[:6]))
+    ins = moe_inputs(rng, n, d, e, i, shared_i)
+    attrs = dict(top_k=k, n_group=n_group, topk_group=topk_group, softmax=int(softmax), group_top2=int(top2),
+                 norm_topk_prob=int(norm), routed_scaling_factor=scaling)
+    y = run_node("MoE", ins, attrs, constants={n_: a for n_, a in ins.items() if n_ != "x" and a is not None})
+    close(y, ref.moe(**ins, top_k=k, n_group=n_group, topk_group=topk_group, softmax=softmax, group_top2=top2,
+                     norm_topk_prob=norm, scaling=scaling))
+
+
+@pytest.mark.parametrize("n_group", [1, 2])
+def test_moe_router_ties_go_to_the_lower_expert(n_group):
+    """Experts 2j and 2j+1 score alike for every token (and so do groups {0..3} and {4..7} of pairs); with k = 3
+    one pair is split, and its lower expert must be the one chosen.  The tied experts' weights differ, so a pick
+    of the higher index changes the output far beyond the tolerance."""
+    rng = np.random.default_rng(7)
+    ins = moe_inputs(rng, 6, 32, 8, 16, 0, bias=False, ties=True)
+    attrs = dict(top_k=3, n_group=n_group, topk_group=n_group, softmax=0, group_top2=1, norm_topk_prob=1,
+                 routed_scaling_factor=1.0)
+    y = run_node("MoE", ins, attrs, constants={n_: a for n_, a in ins.items() if n_ != "x" and a is not None})
+    idx, _ = ref.route(ins["x"].astype(np.float64) @ ins["gate"].T, 3, n_group, n_group)
+    assert all(e % 2 == 0 or e - 1 in row for row in idx.tolist() for e in row)  # a lone pick is the lower one
+    close(y, ref.moe(**ins, top_k=3, n_group=n_group, topk_group=n_group))
+
+
+# --------------------------------------------------------------------------------------- attention
+def mla_inputs(rng, b, s, h, dl, dr, t, r, mask):
+    c = dl + dr
+    visible = None
+    if mask:
+        visible = rng.random((b if mask == "batch" else 1, s, r)) < 0.5
+        visible[:, np.arange(s), r - s + np.arange(s)] = True  # a token sees its own row
+    return dict(q_lat=rng.standard_normal((b, s, h * dl)).astype(np.float32),
+                q_pe=rng.standard_normal((b, s, h * dr)).astype(np.float32),
+                rows=rng.standard_normal((b, r, c)).astype(np.float32),
+                cache=rng.standard_normal((b, t, c)).astype(np.float32),
+                valid_len=rng.integers(-2, t + 3, b).astype(np.int32),  # out of range too: clamped to [0, T]
+                visible=visible)
+
+
+MLA_CASES = [  # b, s, h, dl, dr, t, r, mask
+    (1, 1, 4, 64, 32, 100, 1, None),  # the demo's decode step
+    (2, 4, 8, 128, 64, 300, 4, None),  # verify 4 rows, 85M's shape
+    (3, 3, 1, 20, 12, 17, 3, None),  # widths off the vector width, one head
+    (2, 5, 16, 40, 8, 9, 5, "batch"),  # a tree mask per sequence
+    (2, 2, 3, 24, 8, 30, 6, "shared"),  # extra rows before the new ones, one mask for the batch
+    (1, 3, 2, 8, 8, 0, 3, None),  # an empty cache
+]
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: "b{}-s{}-h{}-dl{}-dr{}-t{}-r{}-{}".format(*c))
+def test_mla_attention_matches_reference(case):
+    b, s, h, dl, dr, t, r, mask = case
+    ins = mla_inputs(np.random.default_rng(list(case[:7])), b, s, h, dl, dr, t, r, mask)
+    scale = 0.7 / np.sqrt(dl + dr)
+    y = run_node("MlaAttention", ins, dict(heads=h, scale=scale))
+    close(y, ref.mla_attention(**ins, heads=h, scale=scale))
+
+
+def test_mla_attention_equals_the_gpu_kernels_reference():
+    """Independent cross-check: with the new rows as the rows and no extra ones, the op is the CUDA decode
+    kernel's reference (plugins/reference.py mla_decode: rows committed to the cache, then attended causally)."""
+    from mtp_trt.plugins import reference
+
+    b, s, h, dl, dr, t = 2, 3, 4, 16, 8, 20
+    ins = mla_inputs(np.random.default_rng(3), b, s, h, dl, dr, t, s, None)
+    ins["valid_len"] = np.array([5, 11], np.int32)
+    q = np.concatenate([ins["q_lat"].reshape(b, s, h, dl), ins["q_pe"].reshape(b, s, h, dr)], -1)
+    want, _ = reference.mla_decode(q, ins["cache"], ins["valid_len"], dl=dl, scale=0.3, new_rows=ins["rows"])
+    close(run_node("MlaAttention", ins, dict(heads=h, scale=0.3)), want.reshape(b, s, h * dl))
+
+
+# ------------------------------------------------------------------------------ threads and paths
+def test_any_thread_count_gives_the_same_bits():
+    """Work is split by output columns, heads and tokens, never within a sum: 1, 2 and 3 threads agree exactly."""
+    rng = np.random.default_rng(11)
+    moe = moe_inputs(rng, 5, 72, 16, 24, 24)
+    consts = {n: a for n, a in moe.items() if n != "x"}
+    attrs = dict(top_k=2, n_group=4, topk_group=2, softmax=0, group_top2=1, norm_topk_prob=1,
+                 routed_scaling_factor=2.5)
+    mla = mla_inputs(rng, 1, 2, 8, 32, 16, 50, 2, None)
+    outs = [(run_node("MoE", moe, attrs, consts, threads=n), run_node("MlaAttention", mla, dict(heads=8, scale=0.2),
+                                                                      threads=n)) for n in (1, 2, 3)]
+    for moe_y, mla_y in outs[1:]:
+        assert np.array_equal(moe_y, outs[0][0]) and np.array_equal(mla_y, outs[0][1])
+
+
+def test_portable_path_agrees_with_avx2():
+    """MTP_ORT_PORTABLE=1 runs the scalar kernels: the same results up to float rounding (a child process, since
+    the path is chosen once per process)."""
+    code = (
+        "import numpy as np, sys; sys.path.insert(0, %r); import test_ort_ops as t; "
+        "rng = np.random.default_rng(5); ins = t.moe_inputs(rng, 3, 40, 8, 12, 12); "
+        "m = t.run_node('MoE', ins, dict(top_k=2, n_group=2, topk_group=1, softmax=0, group_top2=1, norm_topk_prob=1, "
+        "routed_scaling_factor=1.0), {n: a for n, a in ins.items() if n != 'x'}); "
+        "a = t.mla_inputs(rng, 2, 3, 4, 20, 12, 30, 5, 'batch'); y = t.run_node('MlaAttention', a, dict(heads=4, scale=0.3)); "
+        "np.save(sys.argv[1], np.concatenate([m.ravel(), y.ravel()]))") % os.path.dirname(__file__)
+    outs = []
+    for portable in (False, True):
+        env = {k: v for k, v in os.environ.items() if k != "MTP_ORT_PORTABLE"} | ({"MTP_ORT_PORTABLE": "1"} if portable else {})
+        path = f"{os.environ.get('TMPDIR', '/tmp')}/ort_ops_{os.getpid()}_{int(portable)}.npy"
+        subprocess.run([sys.executable, "-c", code, path], check=True, env=env, capture_output=True)
+        outs.append(np.load(path))
+        os.remove(path)
+    close(outs[1], outs[0], 1e-6)
+
+
+# ----------------------------------------------------------------------------------------- errors
+def test_bad_shapes_are_one_error_naming_the_op_and_input():
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    mla = mla_inputs(rng, 1, 2, 4, 16, 8, 10, 2, None)
+    mla["q_pe"] = mla["q_pe"][..., :-1]  # not H * Dr wide
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"mtp_trt\.cpu::MlaAttention: q_lat"):
+        run_node("MlaAttention", mla, dict(heads=4, scale=0.1))
+    mla = mla_inputs(rng, 1, 2, 4, 16, 8, 10, 2, "batch")
+    mla["visible"] = mla["visible"][:, :, :1]
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"visible \[1, 2, 1\] must be"):
+        run_node("MlaAttention", mla, dict(heads=4, scale=0.1))
+    moe = moe_inputs(rng, 2, 16, 4, 8, 0)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"MoE: top_k 5.*4 experts"):
+        run_node("MoE", moe, dict(top_k=5, n_group=1, topk_group=1, softmax=0, group_top2=0, norm_topk_prob=1,
+                                  routed_scaling_factor=1.0), {n: a for n, a in moe.items() if n != "x" and a is not None})
