@@ -61,6 +61,10 @@ def main():
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = a.threads
     opts.add_session_config_entry("session.force_spinning_stop", "1")
+    if "cpu" in a.forms:
+        from mtp_trt.plugins import ort_lib
+
+        ort_lib.register(opts)
     sessions = {}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")

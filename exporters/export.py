@@ -330,28 +330,57 @@ def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype
 
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
            dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int | None = None,
-           progress: Progress = lambda msg: None, moe_form: str | None = None, trees: str | None = None) -> Path:
+           progress: Progress = lambda msg: None, moe_form: str | None = None, trees: str | None = None,
+           cpu_ops: bool | None = None) -> Path:
     """Export a checkpoint; returns the output directory.  See the module docstring.  moe_form: one of
     exporters/moe.py FORMS for every graph (benchmarks compare them), or "tensorrt" (standard operators only:
     gather in the few-token step graphs, static elsewhere, as the plugin lowering does; for plugin-free
     TensorRT engines of an onnx-lowering export), instead of the lowering's choice.  trees: the tree step graphs
-    to export, 'D:k:N,...' (mtp_trt/tree.py; default: tree.DEFAULT_TREES up to depth nextn)."""
+    to export, 'D:k:N,...' (mtp_trt/tree.py; default: tree.DEFAULT_TREES up to depth nextn).  cpu_ops: mtp-trt's
+    CPU operators (plugins/ort: MLA attention and MoE as one node each) in every graph; None: where they can be
+    used (onnx lowering, fp32, the lowering's MoE form) and the operator library is available here."""
     if moe_form not in (None, "tensorrt", *MOE_FORMS):
         raise MtpTrtError(f"--moe-form: unknown form {moe_form!r}; expected tensorrt, {', '.join(MOE_FORMS)}")
     ckpt, out = Path(ckpt), Path(out)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
+    cpu_ops = check_cpu_ops(cpu_ops, lowering, dtype, moe_form)
     shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
     progress(f"reading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
     tdtype = TORCH_DTYPES[dtype]
     with freed_memory_returned():
         return _export(ckpt, out, cfg, nextn, modules, mtp_mode, dtype, tdtype, lowering, max_batch, max_seq_len,
-                       progress, moe_form, shapes)
+                       progress, moe_form, shapes, cpu_ops)
+
+
+def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None) -> bool:
+    """Whether the export uses mtp-trt's CPU operators (export's `cpu_ops`); an MtpTrtError where asked for and
+    not possible."""
+    from mtp_trt.plugins import ort_lib
+
+    why = ("they run on ONNX Runtime: --lowering onnx" if lowering != "onnx" else
+           "they compute in float32: --dtype fp32" if dtype != "fp32" else
+           f"--moe-form {moe_form} asks for another MoE" if moe_form not in (None, "cpu") else
+           ort_lib.available()[1])
+    if cpu_ops is None:
+        return not why
+    if cpu_ops and why:
+        raise MtpTrtError(f"--cpu-ops: mtp-trt's CPU operators cannot be used: {why}")
+    return cpu_ops
+
+
+def configure(module, moe_form: str | None, cpu_ops: bool):
+    """A graph module (exporters/graphs.py) set up for the export's MoE form and operators; returns it."""
+    module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
+    module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
+    if cpu_ops:  # mtp-trt's CPU operators: attention and (unless another form was asked for) MoE
+        module.cpu, module.moe = True, moe_form or "cpu"
+    return module
 
 
 def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, mtp_mode: str, dtype: str,
             tdtype: torch.dtype, lowering: str, max_batch: int, max_seq_len: int, progress: Progress,
-            moe_form: str | None, shapes: tuple) -> Path:
+            moe_form: str | None, shapes: tuple, cpu_ops: bool) -> Path:
     model, params, read = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)
     think_ids, tokenizer = special_token_ids(ckpt)
     with atomic_directory(out) as tmp, WeightStore(tmp / WEIGHTS_FILE, WEIGHTS_ALIGN) as store:
@@ -377,9 +406,7 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
         graphs, tables = {}, {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
-            module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
-            module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
-            table = _export_graph(module.eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, read,
+            table = _export_graph(configure(module, moe_form, cpu_ops).eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, read,
                                   store)
             tables[f"{name}.onnx"] = table
             kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
@@ -399,7 +426,8 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
             "config": read_json(ckpt / "config.json"), "nextn": nextn, "mtp_mode": mtp_mode,
-            "dtype": dtype, "lowering": lowering, "moe_form": moe_form or "auto", "max_batch": max_batch,
+            "dtype": dtype, "lowering": lowering, "moe_form": moe_form or "auto", "cpu_ops": cpu_ops,
+            "max_batch": max_batch,
             "max_seq_len": max_seq_len, "trees": [t.spec for t in shapes],
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
             "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,

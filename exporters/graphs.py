@@ -21,7 +21,7 @@ from torch import nn
 from mtp_trt.exporters.lowering import Dims, Mask, MlaGenerationAttentionOp, accept_op, attend, flag_after
 from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, MoE, as_fp32
 from mtp_trt.exporters.moe import moe_forward, swiglu
-from mtp_trt.exporters.ort_ops import RotaryOp, add_norm
+from mtp_trt.exporters.ort_ops import CpuMlaOp, RotaryOp, add_norm
 
 Tensor = torch.Tensor
 
@@ -66,8 +66,10 @@ class Group:
     fused operators (exporters/ort_ops.py) for RoPE and the residual adds with their norms."""
 
     def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static",
-                 positions: Tensor | None = None, tree_mask: Tensor | None = None, fused: bool = False):
+                 positions: Tensor | None = None, tree_mask: Tensor | None = None, fused: bool = False,
+                 cpu: bool = False):
         self.rope, self.dims, self.write_pos, self.mask, self.fused = rope, dims, write_pos, mask, fused
+        self.cpu = cpu  # mtp-trt's CPU operators (plugins/ort) for the attention (and, by self.moe, the MoE)
         self.tree_mask = tree_mask  # plugin lowering: which new rows each new row sees [B, S, S] (None: causal)
         self.moe = moe  # the MoE form (exporters/moe.py FORMS)
         if positions is None:
@@ -146,8 +148,7 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
         w = wq.view(nh, dl + dr, -1)
         q_lat, q_pe = F.linear(c_q, torch.cat([w[:, :dl].flatten(0, 1), w[:, dl:].flatten(0, 1)])).split(
             [nh * dl, nh * dr], -1)  # [B, S, H*Dl], [B, S, H*Dr]: RoPE on q_pe as it comes
-        q_abs = torch.cat([dims.view(q_lat, nh, dl), dims.view(group.rope.fused(q_pe, group.positions, nh), nh, dr)],
-                          -1)
+        q_pe = group.rope.fused(q_pe, group.positions, nh)
     else:
         if wq is not None:
             q_lat, q_pe = dims.view(F.linear(c_q, wq), nh, dl + dr).split([dl, dr], -1)
@@ -155,17 +156,24 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
             q = attn.q_proj(c_q) if cfg.q_lora_rank is None else attn.q_b_proj(c_q)
             q_nope, q_pe = dims.view(q, nh, dn + dr).split([dn, dr], -1)  # [B, S, H, Dn], [B, S, H, Dr]
             q_lat = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # q_nope absorbed through W^UK
-        q_abs = torch.cat([q_lat, group.rope_heads(q_pe, nh)], -1)  # [B, S, H, Dl+Dr]
+        q_pe = group.rope_heads(q_pe, nh)  # q_lat [B, S, H, Dl], q_pe [B, S, H, Dr]
     latent = torch.cat([attn.kv_a_layernorm(c_kv), group.rope_rows(k_pe)], -1)  # [B, S, Dl+Dr]
     if new_rows is not None:
         new_rows.append(latent)
-    if lowering == "plugin":
-        o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl, cfg.softmax_scale,
-                                                       group.tree_mask)
+    if lowering == "onnx" and group.cpu:  # one node; o_lat [B, S, H*Dl]
+        mask = group.mask
+        rows = latent if mask.extra_rows is None else torch.cat([mask.extra_rows, latent], 1)
+        flat = [x if x.dim() == 3 else x.flatten(2) for x in (q_lat, q_pe)]  # [B, S, H*Dl], [B, S, H*Dr]
+        o_lat = CpuMlaOp.apply(*flat, rows, cache, mask.valid_len, mask.visible, nh, cfg.softmax_scale)
     else:
-        o_lat = attend(dims.rows(q_abs, dl + dr), latent, cache, group.mask, dl, cfg.softmax_scale)  # [B, S*H, Dl]
+        q_abs = torch.cat([dims.view(q_lat, nh, dl), dims.view(q_pe, nh, dr)], -1)  # [B, S, H, Dl+Dr]
+        if lowering == "plugin":
+            o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl,
+                                                           cfg.softmax_scale, group.tree_mask)
+        else:
+            o_lat = attend(dims.rows(q_abs, dl + dr), latent, cache, group.mask, dl, cfg.softmax_scale)  # [B, S*H, Dl]
     if wo is not None:
-        o = F.linear(dims.view(o_lat, nh * dl), wo, attn.o_proj.bias)
+        o = F.linear(o_lat if o_lat.shape[-1] == nh * dl else dims.view(o_lat, nh * dl), wo, attn.o_proj.bias)
     else:
         o = torch.matmul(dims.view(o_lat, nh, 1, dl), w_uv.transpose(1, 2))  # W^UV: [B, S, H, 1, Dv]
         o = attn.o_proj(dims.view(o, nh * cfg.v_head_dim))
@@ -214,6 +222,7 @@ class _Graph(nn.Module):
         self.model, self.lowering, self.think_ids, self.rope = model, lowering, think_ids, Rope(model)
         self.moe = "ort" if lowering == "onnx" else "gather" if self.few_tokens else "static"
         self.fused = lowering == "onnx"  # ONNX Runtime's fused operators (exporters/ort_ops.py); off for TensorRT
+        self.cpu = False  # mtp-trt's CPU operators (plugins/ort) for attention; export.py sets it with the MoE form
 
     def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
               extra: tuple[Tensor, Tensor] | None = None, new_visible: Tensor | None = None,
@@ -224,7 +233,7 @@ class _Graph(nn.Module):
         heads = self.model.cfg.num_attention_heads
         if self.lowering == "onnx":
             return Group(self.rope, dims, write_pos, Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible),
-                         self.moe, positions, fused=self.fused)
+                         self.moe, positions, fused=self.fused, cpu=self.cpu)
         return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:

@@ -6,6 +6,8 @@ attributes and outputs), implemented by the TensorRT plugins.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mtp_trt import ops
@@ -33,33 +35,56 @@ class Dims:
 
 
 class Mask:
-    """The onnx lowering's attention visibility as additive float32 biases (0 visible, -inf hidden), built
-    once per block group, for query rows r = s*H + h: past [B, 1, T] over the cache buffer's T rows (valid:
-    < valid_len), new [B or 1, S*H, R + S] over `extra_rows` [B, R, Dl+Dr] (rows of this step that are not
-    in the buffer, visible where extra_visible [B, R], or per query token [B, S, R]) and the S new rows:
-    causally, or where new_visible [B, S, S] says (tree attention: each node sees its ancestors and itself).
-    With one new row and no extra rows `new` is None: the row sees itself, and no add is needed."""
+    """The onnx lowering's attention visibility for a block group, built once per group when first used.  For the
+    decomposed attention (`attend`), additive float32 biases (0 visible, -inf hidden) per query row r = s*H + h:
+    `past` [B, 1, T] over the cache buffer's T rows (valid: < valid_len), `new` [B or 1, S*H, R + S] over
+    `extra_rows` [B, R, Dl+Dr] (rows of this step that are not in the buffer, visible where extra_visible [B, R],
+    or per query token [B, S, R]) and the S new rows: causally, or where new_visible [B, S, S] says (tree
+    attention: each node sees its ancestors and itself).  With one new row and no extra rows `new` is None: the
+    row sees itself, and no add is needed.  For the CPU attention node (exporters/ort_ops.py CpuMlaOp),
+    `visible` [B or 1, S, R + S] bool per query token, None where it is causal with no extra rows (the node's
+    default)."""
 
     def __init__(self, dims: Dims, heads: int, valid_len: Tensor, t, extra: tuple[Tensor, Tensor] | None = None,
                  new_visible: Tensor | None = None):
-        s = dims.s
-        self.dims, self.t = dims, t
-        self.extra_rows = None if extra is None else extra[0]
-        self.past = _bias(torch.arange(t) < valid_len[:, None])[:, None, :]
-        if s == 1 and extra is None and new_visible is None:
-            self.new = None  # one new row, which sees itself: nothing to add
-            return
+        self.dims, self.heads, self.valid_len, self.t = dims, heads, valid_len, t
+        self.extra_rows, self._extra_seen = (None, None) if extra is None else extra
+        self._new_visible = new_visible
+
+    @functools.cached_property
+    def past(self) -> Tensor:
+        return _bias(torch.arange(self.t) < self.valid_len[:, None])[:, None, :]
+
+    @functools.cached_property
+    def new(self) -> Tensor | None:
+        s, heads = self.dims.s, self.heads
+        if s == 1 and self.extra_rows is None and self._new_visible is None:
+            return None  # one new row, which sees itself: nothing to add
         token = torch.arange(s * heads) // heads  # query row -> its token
-        if new_visible is None:
+        if self._new_visible is None:
             new = (torch.arange(s)[None, :] <= token[:, None])[None]  # [1, S*H, S]
-            new = new if extra is None else new.expand(dims.b, -1, -1)
+            new = new if self.extra_rows is None else new.expand(self.dims.b, -1, -1)
         else:
-            new = new_visible[:, token]
-        if extra is not None:
-            seen = extra[1]
+            new = self._new_visible[:, token]
+        if self.extra_rows is not None:
+            seen = self._extra_seen
             seen = seen[:, None, :].expand(-1, s * heads, -1) if seen.dim() == 2 else seen[:, token]
             new = torch.cat([seen, new], -1)
-        self.new = _bias(new)
+        return _bias(new)
+
+    @functools.cached_property
+    def visible(self) -> Tensor | None:
+        s = self.dims.s
+        if self.extra_rows is None and self._new_visible is None:
+            return None
+        new = self._new_visible
+        if new is None:
+            new = (torch.arange(s)[None, :] <= torch.arange(s)[:, None])[None].expand(self.dims.b, -1, -1)
+        if self.extra_rows is None:
+            return new
+        seen = self._extra_seen
+        seen = seen[:, None, :].expand(-1, s, -1) if seen.dim() == 2 else seen
+        return torch.cat([seen, new], -1)
 
 
 def _bias(visible: Tensor) -> Tensor:

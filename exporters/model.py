@@ -229,19 +229,34 @@ class Gate(nn.Module):
 
     def select(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [..., D] -> scores s [..., E] (fp32), the selected experts [..., k]."""
+        bias = self.e_score_correction_bias if self.cfg.topk_method == "noaux_tc" else None
+        return select_experts(x, self.weight, bias, *self.routing())
+
+    def routing(self) -> tuple[int, int, int, bool, bool]:
+        """select_experts' (k, n_group, topk_group, softmax, group_top2) for this config."""
         cfg = self.cfg
-        logits = F.linear(as_fp32(x), as_fp32(self.weight))  # [..., E]
-        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
-        choice = scores + as_fp32(self.e_score_correction_bias) if cfg.topk_method == "noaux_tc" else scores
-        if cfg.n_group > 1 and cfg.topk_method != "greedy":
-            experts = torch.arange(cfg.n_routed_experts)
-            grouped = choice[..., experts.view(cfg.n_group, -1)]  # [..., G, E/G] (a gather: no reshape)
-            group_of = experts // (cfg.n_routed_experts // cfg.n_group)  # [E]
-            group_scores = grouped.topk(2, -1)[0].sum(-1) if cfg.topk_method == "noaux_tc" else grouped.amax(-1)
-            top = group_scores.topk(cfg.topk_group, -1)[1]  # [..., topk_group]
-            keep = (top[..., None] == torch.arange(cfg.n_group)).any(-2)  # [..., G] (one-hot: traces to ONNX)
-            choice = choice.masked_fill(~keep[..., group_of], float("-inf"))
-        return scores, choice.topk(cfg.num_experts_per_tok, -1)[1]
+        grouped = cfg.n_group > 1 and cfg.topk_method != "greedy"
+        return (cfg.num_experts_per_tok, cfg.n_group if grouped else 1, cfg.topk_group if grouped else 1,
+                cfg.scoring_func != "sigmoid", cfg.topk_method == "noaux_tc")
+
+
+def select_experts(x: Tensor, weight: Tensor, bias: Tensor | None, k: int, n_group: int, topk_group: int,
+                   softmax: bool, group_top2: bool) -> tuple[Tensor, Tensor]:
+    """The router's choice (Gate): scores s = sigmoid(x W^T) (softmax if `softmax`) [..., E] fp32; the top k of
+    s + bias among the experts of the top `topk_group` of `n_group` groups (a group's score: the sum of its two
+    best if group_top2, else its best) [..., k]."""
+    logits = F.linear(as_fp32(x), as_fp32(weight))  # [..., E]
+    scores = logits.softmax(-1) if softmax else logits.sigmoid()
+    choice = scores if bias is None else scores + as_fp32(bias)
+    if n_group > 1:
+        experts = torch.arange(weight.shape[0])
+        grouped = choice[..., experts.view(n_group, -1)]  # [..., G, E/G] (a gather: no reshape)
+        group_of = experts // (weight.shape[0] // n_group)  # [E]
+        group_scores = grouped.topk(2, -1)[0].sum(-1) if group_top2 else grouped.amax(-1)
+        top = group_scores.topk(topk_group, -1)[1]  # [..., topk_group]
+        keep = (top[..., None] == torch.arange(n_group)).any(-2)  # [..., G] (one-hot: traces to ONNX)
+        choice = choice.masked_fill(~keep[..., group_of], float("-inf"))
+    return scores, choice.topk(k, -1)[1]
 
 
 class MoE(nn.Module):

@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from mtp_trt.exporters.model import MLP, MoE
+from mtp_trt.exporters.ort_ops import cpu_moe
 
 Tensor = torch.Tensor
-FORMS = ("static", "ort", "gather")
+FORMS = ("static", "ort", "gather", "cpu")
 PARTS = 4  # `ort`: each routed expert as up to this many experts (threads kept busy: module docstring)
 SWIGLU_LIMIT = 3.0e38  # ORT's SwiGLU clamps its inputs at this limit: none here (silu(g) * u exactly)
 
@@ -62,6 +63,8 @@ def stacked(moe: MoE) -> tuple[Tensor, Tensor]:
 
 def moe_forward(moe: MoE, x: Tensor, b, s, form: str) -> Tensor:
     """DeepSeekMoE on x [B, S, D] (B, S: the graph's traced sizes) -> [B, S, D], in one of FORMS."""
+    if form == "cpu":  # router, routed and shared experts in one node
+        return cpu_moe(moe, x)
     if form == "ort":
         y = routed_ort(moe, x, b, s)
     elif form in ("static", "gather"):

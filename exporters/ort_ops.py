@@ -6,14 +6,20 @@ ONNX Runtime node, to cut the kernels a decode step launches (README, "Per-step 
   * RotaryEmbedding: RoPE on x [B, S, heads * Dr] at positions [B, S] from the cos/sin tables [P, Dr/2]
     (model.apply_rope's products; either pair layout) -- one node instead of a gather and two multiply-adds;
   * SkipSimplifiedLayerNormalization: a residual add and the RMSNorm after it, (norm(h + delta), h + delta) --
-    one node instead of two.
+    one node instead of two;
+and mtp-trt's own CPU operators (domain `mtp_trt.cpu`, the custom-op library of plugins/ort, registered by
+plugins/ort_lib.py), used where the export's `cpu_ops` is on (export.check_cpu_ops):
+  * MoE: DeepSeekMoE with its router and shared experts -- one node instead of ~25 router nodes and
+    com.microsoft::MoE; reads only the selected experts' rows, in place;
+  * MlaAttention: absorbed MLA over the cached and the new latent rows with their masks -- one node instead
+    of ~13.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mtp_trt.exporters.model import RMSNorm, apply_rope, rms_norm
+from mtp_trt.exporters.model import RMSNorm, apply_rope, rms_norm, select_experts
 
 Tensor = torch.Tensor
 
@@ -60,3 +66,89 @@ def add_norm(h: Tensor, delta: Tensor | None, norm: RMSNorm, fused: bool) -> tup
         return SkipRmsNormOp.apply(h, delta, norm.weight, norm.eps)
     h = h + delta
     return norm(h), h
+
+
+# --------------------------------------------------------------- mtp-trt's own CPU operators (plugins/ort)
+CPU_DOMAIN = "mtp_trt.cpu"  # plugins/ort_lib.py DOMAIN: the custom-op library's ops
+
+
+def _interleaved(gate: Tensor, up: Tensor) -> Tensor:
+    """gate, up [..., I, D] -> [..., 2I, D] with rows (gate_j, up_j) adjacent (the ops' fc1 layout)."""
+    return torch.stack([gate, up], -2).flatten(-3, -2)
+
+
+class CpuMoEOp(torch.autograd.Function):
+    """DeepSeekMoE, router included, as one `mtp_trt.cpu::MoE` node: x [.., D], gate [E, D], bias [E], fc1 [E, 2I, D]
+    (gate/up interleaved), fc2 [E, D, I], shared_fc1 [2Is, D], shared_fc2 [D, Is] (or neither) -> [.., D].
+    attrs (cpu_moe_attrs): model.select_experts' routing, then norm_topk_prob and routed_scaling_factor."""
+
+    @staticmethod
+    def forward(ctx, x, gate, bias, fc1, fc2, shared_fc1, shared_fc2, attrs: tuple):
+        *routing, norm, scaling = attrs
+        scores, idx = select_experts(x, gate, bias, *routing)
+        w = scores.gather(-1, idx)
+        w = (w / (w.sum(-1, keepdim=True) + 1e-20) if norm else w) * scaling  # Gate.forward's weights
+        y = _swiglu(x[..., None, :], fc1[idx], fc2[idx]) * w[..., None].to(x.dtype)  # [.., k, D]: each token's k
+        y = y.sum(-2)
+        return y if shared_fc1 is None else y + _swiglu(x, shared_fc1, shared_fc2)
+
+    @staticmethod
+    def symbolic(g, x, gate, bias, fc1, fc2, shared_fc1, shared_fc2, attrs: tuple):
+        top_k, n_group, topk_group, softmax, group_top2, norm, scaling = attrs
+        shared = () if shared_fc1 is None else (shared_fc1, shared_fc2)
+        y = g.op(f"{CPU_DOMAIN}::MoE", x, gate, bias, fc1, fc2, *shared, top_k_i=top_k, n_group_i=n_group,
+                 topk_group_i=topk_group, softmax_i=int(softmax), group_top2_i=int(group_top2), norm_topk_prob_i=norm,
+                 routed_scaling_factor_f=scaling)
+        return y.setType(x.type())
+
+
+def _swiglu(x: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor:
+    """x [.., D] through fc1 [.., 2I, D] (gate/up interleaved), silu(gate) * up, fc2 [.., D, I] -> [.., D]."""
+    h = (fc1 @ x[..., None])[..., 0]
+    return (fc2 @ (torch.nn.functional.silu(h[..., 0::2]) * h[..., 1::2])[..., None])[..., 0]
+
+
+def cpu_moe_attrs(gate) -> tuple:
+    """The op's attributes for a model.Gate: its routing, norm_topk_prob, routed_scaling_factor."""
+    return (*gate.routing(), int(gate.cfg.norm_topk_prob), float(gate.cfg.routed_scaling_factor))
+
+
+def cpu_moe(moe, x: Tensor) -> Tensor:
+    """The MoE layer `moe` (exporters/model.py MoE, shared experts included) on x [B, S, D] as one node."""
+    gate = moe.gate
+    bias = gate.e_score_correction_bias if gate.cfg.topk_method == "noaux_tc" else torch.zeros(gate.weight.shape[0])
+    fc1 = _interleaved(torch.stack([e.gate_proj.weight for e in moe.experts]),
+                       torch.stack([e.up_proj.weight for e in moe.experts]))
+    fc2 = torch.stack([e.down_proj.weight for e in moe.experts])
+    shared = getattr(moe, "shared_experts", None)
+    sfc1 = None if shared is None else _interleaved(shared.gate_proj.weight, shared.up_proj.weight)
+    sfc2 = None if shared is None else shared.down_proj.weight
+    return CpuMoEOp.apply(x, gate.weight, bias.float(), fc1, fc2, sfc1, sfc2, cpu_moe_attrs(gate))
+
+
+class CpuMlaOp(torch.autograd.Function):
+    """Absorbed MLA as one `mtp_trt.cpu::MlaAttention` node: q_lat [B, S, H*Dl] (queries absorbed through W^UK),
+    q_pe [B, S, H*Dr] (roped), rows [B, R, C] (C = Dl + Dr), cache [B, T, C], valid_len [B] int32 (cached rows
+    < valid_len are seen), visible [B or 1, S, R] bool (which rows each query token sees; None: causal over the
+    last S rows, the rows before them all seen) -> [B, S, H*Dl]: per head, softmax(scale * [q_lat; q_pe] . k)
+    over the seen rows k, times their first Dl dims."""
+
+    @staticmethod
+    def forward(ctx, q_lat, q_pe, rows, cache, valid_len, visible, heads: int, scale: float):
+        b, s, _ = q_lat.shape
+        r, t = rows.shape[1], cache.shape[1]
+        q = torch.cat([q_lat.unflatten(-1, (heads, -1)), q_pe.unflatten(-1, (heads, -1))], -1).float()
+        if visible is None:
+            visible = (torch.arange(r)[None, :] <= torch.arange(s)[:, None] + (r - s))[None]
+        seen = torch.cat([(torch.arange(t)[None, :] < valid_len[:, None])[:, None, :].expand(b, s, t),
+                          visible.expand(b, s, r)], -1)[:, :, None, :]  # [B, S, 1, T+R]
+        keys = torch.cat([cache, rows], 1).float()[:, None]  # [B, 1, T+R, C]
+        p = torch.where(seen, q @ keys.transpose(-1, -2) * scale, float("-inf")).softmax(-1)  # [B, S, H, T+R]
+        dl = q_lat.shape[-1] // heads
+        return (p @ keys[..., :dl]).flatten(-2).to(q_lat.dtype)
+
+    @staticmethod
+    def symbolic(g, q_lat, q_pe, rows, cache, valid_len, visible, heads: int, scale: float):
+        ins = (q_lat, q_pe, rows, cache, valid_len) + (() if visible is None else (visible,))
+        y = g.op(f"{CPU_DOMAIN}::MlaAttention", *ins, heads_i=heads, scale_f=scale)
+        return y.setType(q_lat.type())

@@ -172,6 +172,14 @@ class OrtBackend(Backend):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
+        if self.manifest.raw.get("cpu_ops"):
+            from mtp_trt.plugins import ort_lib
+
+            ok, why = ort_lib.available()
+            if not ok:
+                raise MtpTrtError(f"{self.manifest.root}: exported with mtp-trt's CPU operators, which are not "
+                                  f"available here ({why}); re-export with --no-cpu-ops")
+            ort_lib.register(options)
         options.intra_op_num_threads = self.threads
         options.add_session_config_entry("session.force_spinning_stop", "1")
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")

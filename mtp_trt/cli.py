@@ -157,6 +157,9 @@ def export(
     trees: str = typer.Option(None, help="Tree step graphs DEPTH:TOPK:BUDGET,... for `run --tree-topk` (either "
                                          "mode; default: the trees `mtp-trt bench` found best, up to "
                                          "--nextn; none for none)."),
+    cpu_ops: bool = typer.Option(None, "--cpu-ops/--no-cpu-ops", help="mtp-trt's CPU operators for ONNX Runtime "
+                                 "(MLA attention and MoE as one node each; default: where they apply and the "
+                                 "operator library is available)."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
     from mtp_trt.exporters.export import export as run_export
@@ -164,7 +167,7 @@ def export(
     with StageDisplay(f"export {checkpoint}") as show:
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
                           max_batch=max_batch, max_seq_len=max_seq_len, progress=show,
-                          moe_form=None if moe_form == "auto" else moe_form, trees=trees)
+                          moe_form=None if moe_form == "auto" else moe_form, trees=trees, cpu_ops=cpu_ops)
     typer.echo(f"wrote {path}")
 
 

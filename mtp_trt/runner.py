@@ -56,7 +56,10 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     if not (path / "config.json").is_file():
         raise MtpTrtError(f"{path}: neither an export directory (manifest.json) nor a checkpoint (config.json)")
     mode = mtp_mode or "eagle"
-    out = cache_dir("exports") / f"{path.name}-{mode}-{checkpoint_key(path, mode=mode)}"
+    from mtp_trt.plugins import ort_lib
+
+    key = checkpoint_key(path, mode=mode, cpu_ops=ort_lib.available()[0])  # (the default export uses them if it can)
+    out = cache_dir("exports") / f"{path.name}-{mode}-{key}"
     m = export_cached(path, out, mode, progress or (lambda msg: None))
     verify_export(m, force=verify)
     return m

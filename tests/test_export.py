@@ -7,7 +7,6 @@ import warnings
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ from mtp_trt.manifest import Manifest
 from mtp_trt import ops
 from mtp_trt.ops import OPS
 from mtp_trt.plugins import reference
+from mtp_trt.plugins import ort_lib
 
 # fp32 graphs vs the fp32 reference: the same math in another order (ORT's matmuls, the two-block
 # softmax); observed ~5e-6, so 1e-4 catches any real difference.
@@ -75,8 +75,8 @@ def test_onnxruntime_matches_torch_through_decode_with_rewinds(exported):
     m = exported
     model = load_checkpoint(m.raw["checkpoint"], nextn=2 if m.mtp_mode == "vanilla" else 1, max_positions=64)
     cfg, b, t = m.config, 2, 64
-    target = ort.InferenceSession(str(m.root / "target.onnx"), providers=["CPUExecutionProvider"])
-    mtps = {n: ort.InferenceSession(str(m.root / m.graphs[n].file), providers=["CPUExecutionProvider"])
+    target = ort_lib.session(str(m.root / "target.onnx"))
+    mtps = {n: ort_lib.session(str(m.root / m.graphs[n].file))
             for n in set(m.mtp_graphs)}
     g = np.random.default_rng(0)
     ort_kv = [np.zeros((b, t, cfg.latent_dim), np.float32) for _ in range(cfg.num_hidden_layers)]
@@ -171,7 +171,7 @@ def accept_graph(tmp_path_factory):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(_Accept(), args, str(path), dynamo=False, opset_version=18, input_names=names,
                           output_names=["tokens", "n", "thinking_out"], dynamic_axes=axes)
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return ort_lib.session(str(path))
 
 
 def test_in_graph_acceptance_equals_plain_loop_reference(accept_graph):
@@ -303,7 +303,7 @@ def test_graphs_share_one_weights_file(ckpt, tmp_path):
         assert (m.root / g.file).stat().st_size < 200_000
     assert len(distinct) == m.raw["weights"]["tensors"]
     assert sum(map(len, distinct)) <= m.raw["weights"]["bytes"] < sizes / 2  # stored once, not per graph
-    sess = ort.InferenceSession(str(m.root / "step_1.onnx"), providers=["CPUExecutionProvider"])
+    sess = ort_lib.session(str(m.root / "step_1.onnx"))
     assert [o.name for o in sess.get_outputs()][:2] == ["accepted_tokens", "num_accepted"]
     again = export(ckpt, tmp_path / "again", nextn=1, max_seq_len=64)  # the same files, byte for byte
     assert {p.name: p.read_bytes() for p in again.iterdir()} == {p.name: p.read_bytes() for p in m.root.iterdir()}
@@ -325,7 +325,7 @@ def test_half_precision_exports(ckpt, tmp_path, dtype, onnx_type):
     assert types["logits"] == onnx.TensorProto.FLOAT
     if dtype == "fp16":
         m = Manifest.load(export(ckpt, tmp_path / "ort16", nextn=1, dtype=dtype, max_seq_len=64))
-        sess = ort.InferenceSession(str(m.root / "target.onnx"), providers=["CPUExecutionProvider"])
+        sess = ort_lib.session(str(m.root / "target.onnx"))
         ids = np.arange(8, dtype=np.int32)[None] * 7 % 90
         feed = {"input_ids": ids, "past_len": np.zeros(1, np.int32), "thinking": np.zeros(1, np.int32),
                 "relaxed_topk": np.array(0, np.int32), "relaxed_delta": np.array(0, np.float32)}

@@ -81,7 +81,9 @@ def test_streamed_initializers_equal_torchs_own_folding(tmp_path):
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
         think_ids = export_mod.special_token_ids(ckpt)[0]
-        torch.onnx.export(TargetGraph(cfg_model, "onnx", think_ids).eval(), args, str(ref_path), dynamo=False,
+        graph = export_mod.configure(TargetGraph(cfg_model, "onnx", think_ids), None,
+                                     export_mod.check_cpu_ops(None, "onnx", "fp32", None))  # as export() does
+        torch.onnx.export(graph.eval(), args, str(ref_path), dynamo=False,
                           opset_version=export_mod.OPSET, do_constant_folding=True,
                           input_names=[s["name"] for s in io[0]], output_names=[s["name"] for s in io[1]],
                           dynamic_axes=axes)

@@ -15,6 +15,7 @@ from hf_models import BASE, CONFIGS, make_hf_model, save_hf_model
 from mtp_trt.config import ModelConfig
 from mtp_trt.exporters.model import MoE
 from mtp_trt.exporters.moe import FORMS, moe_forward, routed_ort, swiglu
+from mtp_trt.plugins import ort_lib
 
 TOL = 1e-5
 SHAPES = [(1, 1), (2, 1), (1, 4), (3, 5), (2, 40)]  # decode, batched decode, step graphs, prefill
@@ -54,7 +55,6 @@ class Layer(torch.nn.Module):
 
 def ort_sessions(moe: MoE, tmp_path, forms=FORMS) -> dict:
     """Each form exported alone (dynamic B and S, traced at B=2, S=3) and loaded in ONNX Runtime."""
-    import onnxruntime as ort
 
     sessions = {}
     for form in forms:
@@ -64,7 +64,7 @@ def ort_sessions(moe: MoE, tmp_path, forms=FORMS) -> dict:
             torch.onnx.export(Layer(moe, form), (torch.randn(2, 3, 48),), str(path), dynamo=False, opset_version=18,
                               input_names=["x"], output_names=["y"],
                               dynamic_axes={"x": {0: "B", 1: "S"}, "y": {0: "B", 1: "S"}})
-        sessions[form] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        sessions[form] = ort_lib.session(str(path))
     return sessions
 
 
@@ -105,7 +105,6 @@ class SplitLayer(torch.nn.Module):
 def test_experts_split_in_parts_give_the_same_output(parts, tmp_path):
     """The `ort` form hands the MoE node each expert as `parts` experts over blocks of its units (default 4,
     tested above): any split of the 16 units gives the reference output, on ONNX Runtime."""
-    import onnxruntime as ort
 
     moe = make_moe(8, 2, 4, 2, "sigmoid", True, 1)
     path = tmp_path / "split.onnx"
@@ -114,7 +113,7 @@ def test_experts_split_in_parts_give_the_same_output(parts, tmp_path):
         torch.onnx.export(SplitLayer(moe, parts), (torch.randn(2, 3, 48),), str(path), dynamo=False,
                           opset_version=18, input_names=["x"], output_names=["y"],
                           dynamic_axes={"x": {0: "B", 1: "S"}, "y": {0: "B", 1: "S"}})
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    sess = ort_lib.session(str(path))
     for b, s in SHAPES:
         x = torch.randn(b, s, 48, generator=torch.Generator().manual_seed(b * 7 + s))
         with torch.no_grad():

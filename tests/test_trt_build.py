@@ -21,7 +21,7 @@ from mtp_trt.exporters.export import export
 from runtime_models import make_random
 from trt_fakes import fake_backend
 from mtp_trt.manifest import FORMAT_VERSION, sha256
-from mtp_trt.plugins import trt_plugins
+from mtp_trt.plugins import ort_lib, trt_plugins
 from mtp_trt.trt import builder, check, compat, cpp_plugins
 from mtp_trt.trt import manifest as em
 
@@ -364,7 +364,6 @@ def test_check_refuses_a_modified_engine(engines, tmp_path):
 def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
     """The comparison path with a stand-in for the engines (ONNX Runtime on the onnx lowering, as the
     engines would compute): identical outputs pass, perturbed logits fail with exit code 1."""
-    import onnxruntime as ort
 
     def fake_runner(m):
         ref = em.load_export_manifest(engines)
@@ -373,8 +372,7 @@ def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
         def run(engine_path, profile, feed):
             name = engine_path.stem
             if name not in sessions:
-                sessions[name] = ort.InferenceSession(str(fake_runner.ref_root / ref.graphs[name].file),
-                                                      providers=["CPUExecutionProvider"])
+                sessions[name] = ort_lib.session(fake_runner.ref_root / ref.graphs[name].file)
             s = sessions[name]
             out = dict(zip([o.name for o in s.get_outputs()], s.run(None, feed)))
             for k in ("logits", "draft_logits"):

@@ -11,9 +11,9 @@ import collections
 import ctypes
 
 import numpy as np
-import onnxruntime as ort
 
 from mtp_trt.manifest import Manifest
+from mtp_trt.plugins import ort_lib
 from mtp_trt.trt import plan
 
 NP = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32}
@@ -142,7 +142,7 @@ class FakeEngine:
     def __init__(self, name: str, io: plan.EngineIO, reference: Manifest, device: HostDevice, lowering: str):
         self.name, self.io, self.device, self.lowering = name, io, device, lowering
         self.ref = reference.graphs[name]
-        self.session = ort.InferenceSession(str(reference.root / self.ref.file), providers=["CPUExecutionProvider"])
+        self.session = ort_lib.session(str(reference.root / self.ref.file))
 
     def run(self, shapes: dict, addresses: dict) -> None:
         specs = self.io.specs

@@ -28,6 +28,7 @@ import numpy as np
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.manifest import Manifest, sha256
 from mtp_trt.trt import manifest as em
+from mtp_trt.plugins import ort_lib
 
 EXIT_CODES = {"passed": 0, "failed": 1, "skipped": 3}
 # (atol, rtol) of float outputs by engine precision.  fp32: the same math in another order;
@@ -256,7 +257,6 @@ def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int
     m, lines = static_checks(engine_dir)
     if why := runtime_unavailable(m):
         return CheckResult("skipped", why, lines)
-    import onnxruntime as ort
 
     run_engine = engine_runner(m)
     exp = em.load_export_manifest(engine_dir)
@@ -266,7 +266,7 @@ def check(engine_dir: str | Path, reference: str | Path | None = None, seed: int
         ref = _reference(exp, Path(reference) if reference else None, Path(work), progress)
         for name, e in m.engines.items():
             graph = exp.graphs[name]
-            sess = ort.InferenceSession(str(ref.root / ref.graphs[name].file), providers=["CPUExecutionProvider"])
+            sess = ort_lib.session(str(ref.root / ref.graphs[name].file))
             for i, prof in enumerate(m.profiles):
                 d = prof["dims"]
                 dims = {"B": min(2, d["B"][2]), "S": d["S"][2] if prof["name"] == "generation" else min(16, d["S"][2]),
