@@ -26,13 +26,16 @@ from mtp_trt.tree import parse_trees
 
 def step_calls(be: OrtBackend, names: list[str], past: int, seed: int = 0) -> dict:
     """{graph: a zero-argument call of it on slot 0 at past_len = past} with random tokens and a chain-shaped
-    tree (the cost of a step does not depend on the values)."""
+    tree (the cost of a step does not depend on the values); "target_N": prefill of N tokens."""
     rng = np.random.default_rng(seed)
     vocab, zero = be.manifest.config.vocab_size, np.zeros(1, np.int32)
     pos = np.array([past], np.int32)
     calls = {}
     for name in names:
-        if name.startswith("step_"):
+        if name.startswith("target_"):  # prefill: the target graph over a prompt of N tokens at past_len 0
+            ids = rng.integers(0, vocab, (1, int(name[7:]))).astype(np.int32)
+            calls[name] = lambda ids=ids: be.target(1, ids, zero, zero, 0, 0.0, False)
+        elif name.startswith("step_"):
             ids = rng.integers(0, vocab, (1, int(name[5:]) + 1)).astype(np.int32)
             calls[name] = lambda ids=ids: be.step(1, ids, pos, zero, 0, 0.0)
         else:

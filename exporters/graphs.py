@@ -70,6 +70,7 @@ class Group:
                  cpu: bool = False):
         self.rope, self.dims, self.write_pos, self.mask, self.fused = rope, dims, write_pos, mask, fused
         self.cpu = cpu  # mtp-trt's CPU operators (plugins/ort) for the attention (and, by self.moe, the MoE)
+        assert fused or not cpu, "the CPU operators take the fused graphs' flat queries"
         self.tree_mask = tree_mask  # plugin lowering: which new rows each new row sees [B, S, S] (None: causal)
         self.moe = moe  # the MoE form (exporters/moe.py FORMS)
         if positions is None:
@@ -144,11 +145,14 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
         c_q = attn.q_a_layernorm(c_q)
     wq, wo = folded_mla(attn)
     w_uk, w_uv = attn.w_uk_uv()  # [H, Dn, Dl], [H, Dv, Dl] (unused where folded)
-    if wq is not None and group.fused:  # rows reordered: every head's latent rows, then every head's rope rows
-        w = wq.view(nh, dl + dr, -1)
-        q_lat, q_pe = F.linear(c_q, torch.cat([w[:, :dl].flatten(0, 1), w[:, dl:].flatten(0, 1)])).split(
-            [nh * dl, nh * dr], -1)  # [B, S, H*Dl], [B, S, H*Dr]: RoPE on q_pe as it comes
+    if group.fused:  # rows reordered: every head's latent (folded) or nope rows, then every head's rope rows
+        w_up = wq if wq is not None else attn.q_proj.weight if cfg.q_lora_rank is None else attn.q_b_proj.weight
+        first = dl if wq is not None else dn
+        w = w_up.view(nh, first + dr, -1)
+        q_first, q_pe = F.linear(c_q, torch.cat([w[:, :first].flatten(0, 1), w[:, first:].flatten(0, 1)])).split(
+            [nh * first, nh * dr], -1)  # [B, S, H*first], [B, S, H*Dr]: RoPE on q_pe as it comes
         q_pe = group.rope.fused(q_pe, group.positions, nh)
+        q_lat = q_first if wq is not None else dims.view(torch.matmul(dims.view(q_first, nh, 1, dn), w_uk), nh * dl)
     else:
         if wq is not None:
             q_lat, q_pe = dims.view(F.linear(c_q, wq), nh, dl + dr).split([dl, dr], -1)
@@ -163,8 +167,7 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
     if lowering == "onnx" and group.cpu:  # one node; o_lat [B, S, H*Dl]
         mask = group.mask
         rows = latent if mask.extra_rows is None else torch.cat([mask.extra_rows, latent], 1)
-        flat = [x if x.dim() == 3 else x.flatten(2) for x in (q_lat, q_pe)]  # [B, S, H*Dl], [B, S, H*Dr]
-        o_lat = CpuMlaOp.apply(*flat, rows, cache, mask.valid_len, mask.visible, nh, cfg.softmax_scale)
+        o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.valid_len, mask.visible, nh, cfg.softmax_scale)
     else:
         q_abs = torch.cat([dims.view(q_lat, nh, dl), dims.view(q_pe, nh, dr)], -1)  # [B, S, H, Dl+Dr]
         if lowering == "plugin":
