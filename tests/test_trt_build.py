@@ -263,7 +263,7 @@ def test_onnx_lowering_export_builds_plugin_free_engines(ckpt, tmp_path):
     """Standard operators only: engines any TensorRT application loads without our plugins; the runtime commits
     their new_kv outputs itself, so nothing is aliased."""
     ort = export(ckpt, tmp_path / "onnx", nextn=1, lowering="onnx", max_seq_len=32)  # ONNX Runtime's MoE node
-    with pytest.raises(MtpTrtError, match=r"target.onnx: node .* is ONNX Runtime's com.microsoft::\w+, which "
+    with pytest.raises(MtpTrtError, match=r"target.onnx: node .* is (ONNX Runtime.s com.microsoft|mtp-trt.s CPU operator mtp_trt.cpu)::\w+, which "
                                           r"TensorRT has no layer for; export with --moe-form tensorrt"):
         builder.build(ort, tmp_path / "out", target_arch=target()[0])
     _no_leftovers(tmp_path, "out")
@@ -439,3 +439,14 @@ def test_demo_checkpoint_builds_engines(tmp_path):
     for n in range(1, k + 1):
         assert m.engines[f"step_{n}"].plugin_layers == {"MlaGenerationAttention": cfg.num_hidden_layers + n,
                                                         "MtpAccept": 1}
+
+
+@pytest.mark.parametrize("domain, whose", [("com.microsoft", "ONNX Runtime's"),
+                                           (ort_lib.DOMAIN, "mtp-trt's CPU operator")])
+def test_operators_meant_for_onnx_runtime_are_one_error_with_the_export_to_use(domain, whose):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    node = helper.make_node("MoE", ["x"], ["x"], name="moe_0", domain=domain)
+    model = helper.make_model(helper.make_graph([node], "g", [x], [x]))
+    with pytest.raises(MtpTrtError, match=rf"step_0.onnx: node 'moe_0' is {whose} {domain}::MoE, which TensorRT "
+                                          r"has no layer for; export with --moe-form tensorrt"):
+        builder.custom_nodes(model, "step_0.onnx")

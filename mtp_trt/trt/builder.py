@@ -19,6 +19,7 @@ from pathlib import Path
 
 from mtp_trt import __version__, ops
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.plugins.ort_lib import DOMAIN as ORT_CPU_DOMAIN
 from mtp_trt.fsutil import atomic_directory, write_atomic
 from mtp_trt.manifest import DTYPES, GraphSpec, Manifest, sha256
 from mtp_trt.trt import manifest as em
@@ -50,8 +51,9 @@ def custom_nodes(model, file: str) -> collections.Counter:
     for node in model.graph.node:
         if node.domain in ("", "ai.onnx"):
             continue
-        if node.domain == "com.microsoft":  # MoE, RotaryEmbedding, SkipSimplifiedLayerNormalization
-            raise MtpTrtError(f"{file}: node {node.name!r} is ONNX Runtime's com.microsoft::{node.op_type}, which "
+        if node.domain in ("com.microsoft", ORT_CPU_DOMAIN):  # operators of graphs meant for ONNX Runtime
+            whose = "ONNX Runtime's" if node.domain == "com.microsoft" else "mtp-trt's CPU operator"
+            raise MtpTrtError(f"{file}: node {node.name!r} is {whose} {node.domain}::{node.op_type}, which "
                               f"TensorRT has no layer for; export with --moe-form tensorrt (standard operators only) "
                               f"or --lowering plugin")
         if node.domain != ops.DOMAIN or node.op_type not in ops.OPS:
