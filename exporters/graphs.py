@@ -164,7 +164,8 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
     latent = torch.cat([attn.kv_a_layernorm(c_kv), group.rope_rows(k_pe)], -1)  # [B, S, Dl+Dr]
     if new_rows is not None:
         new_rows.append(latent)
-    if lowering == "onnx" and group.cpu:  # one node; o_lat [B, S, H*Dl]
+    flat = lowering == "onnx" and group.cpu  # the CPU attention node: o_lat [B, S, H*Dl]
+    if flat:
         mask = group.mask
         rows = latent if mask.extra_rows is None else torch.cat([mask.extra_rows, latent], 1)
         o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.valid_len, mask.visible, nh, cfg.softmax_scale)
@@ -176,7 +177,7 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
         else:
             o_lat = attend(dims.rows(q_abs, dl + dr), latent, cache, group.mask, dl, cfg.softmax_scale)  # [B, S*H, Dl]
     if wo is not None:
-        o = F.linear(o_lat if o_lat.shape[-1] == nh * dl else dims.view(o_lat, nh * dl), wo, attn.o_proj.bias)
+        o = F.linear(o_lat if flat else dims.view(o_lat, nh * dl), wo, attn.o_proj.bias)
     else:
         o = torch.matmul(dims.view(o_lat, nh, 1, dl), w_uv.transpose(1, 2))  # W^UV: [B, S, H, 1, Dv]
         o = attn.o_proj(dims.view(o, nh * cfg.v_head_dim))

@@ -55,36 +55,30 @@ class Mask:
     def past(self) -> Tensor:
         return _bias(torch.arange(self.t) < self.valid_len[:, None])[:, None, :]
 
-    @functools.cached_property
-    def new(self) -> Tensor | None:
-        s, heads = self.dims.s, self.heads
-        if s == 1 and self.extra_rows is None and self._new_visible is None:
-            return None  # one new row, which sees itself: nothing to add
-        token = torch.arange(s * heads) // heads  # query row -> its token
-        if self._new_visible is None:
-            new = (torch.arange(s)[None, :] <= token[:, None])[None]  # [1, S*H, S]
-            new = new if self.extra_rows is None else new.expand(self.dims.b, -1, -1)
-        else:
-            new = self._new_visible[:, token]
-        if self.extra_rows is not None:
-            seen = self._extra_seen
-            seen = seen[:, None, :].expand(-1, s * heads, -1) if seen.dim() == 2 else seen[:, token]
-            new = torch.cat([seen, new], -1)
-        return _bias(new)
-
-    @functools.cached_property
-    def visible(self) -> Tensor | None:
+    def _seen(self) -> Tensor:
+        """Which rows each query token sees, [B or 1, S, R + S] bool: the extra rows, then the new rows (causally
+        or as new_visible says)."""
         s = self.dims.s
-        if self.extra_rows is None and self._new_visible is None:
-            return None
         new = self._new_visible
         if new is None:
-            new = (torch.arange(s)[None, :] <= torch.arange(s)[:, None])[None].expand(self.dims.b, -1, -1)
+            new = (torch.arange(s)[None, :] <= torch.arange(s)[:, None])[None]  # [1, S, S]
         if self.extra_rows is None:
             return new
         seen = self._extra_seen
         seen = seen[:, None, :].expand(-1, s, -1) if seen.dim() == 2 else seen
-        return torch.cat([seen, new], -1)
+        return torch.cat([seen, new.expand(self.dims.b, -1, -1)], -1)
+
+    @functools.cached_property
+    def new(self) -> Tensor | None:
+        if self.dims.s == 1 and self.extra_rows is None and self._new_visible is None:
+            return None  # one new row, which sees itself: nothing to add
+        token = torch.arange(self.dims.s * self.heads) // self.heads  # query row -> its token
+        return _bias(self._seen()[:, token])
+
+    @functools.cached_property
+    def visible(self) -> Tensor | None:
+        causal = self.extra_rows is None and self._new_visible is None  # the node's default
+        return None if causal else self._seen()
 
 
 def _bias(visible: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from mtp_trt.exporters.model import RMSNorm, apply_rope, rms_norm, select_experts
+from mtp_trt.plugins.ort_lib import DOMAIN as CPU_DOMAIN  # the custom-op library's domain
 
 Tensor = torch.Tensor
 
@@ -69,7 +70,6 @@ def add_norm(h: Tensor, delta: Tensor | None, norm: RMSNorm, fused: bool) -> tup
 
 
 # --------------------------------------------------------------- mtp-trt's own CPU operators (plugins/ort)
-CPU_DOMAIN = "mtp_trt.cpu"  # plugins/ort_lib.py DOMAIN: the custom-op library's ops
 
 
 def _interleaved(gate: Tensor, up: Tensor) -> Tensor:

@@ -122,18 +122,26 @@ def resolve_library() -> Path:
 
 
 @functools.cache
-def available() -> tuple[bool, str]:
-    """(whether the operators can be registered here, why not) -- resolved once per process."""
+def _resolved() -> tuple[Path | None, str]:
+    """resolve_library() once per process: (the library, or None and why not)."""
     try:
-        resolve_library()
+        return resolve_library(), ""
     except MtpTrtError as e:
-        return False, str(e)
-    return True, ""
+        return None, str(e)
+
+
+def available() -> tuple[bool, str]:
+    """(whether the operators can be registered here, why not)."""
+    path, why = _resolved()
+    return path is not None, why
 
 
 def register(session_options) -> None:
-    """Register the operators with an onnxruntime.SessionOptions."""
-    session_options.register_custom_ops_library(str(resolve_library()))
+    """Register the operators with an onnxruntime.SessionOptions (an MtpTrtError where none is available)."""
+    path, why = _resolved()
+    if path is None:
+        raise MtpTrtError(why)
+    session_options.register_custom_ops_library(str(path))
 
 
 def session(model, options=None):

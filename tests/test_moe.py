@@ -55,7 +55,6 @@ class Layer(torch.nn.Module):
 
 def ort_sessions(moe: MoE, tmp_path, forms=FORMS) -> dict:
     """Each form exported alone (dynamic B and S, traced at B=2, S=3) and loaded in ONNX Runtime."""
-
     sessions = {}
     for form in forms:
         path = tmp_path / f"{form}.onnx"
@@ -105,7 +104,6 @@ class SplitLayer(torch.nn.Module):
 def test_experts_split_in_parts_give_the_same_output(parts, tmp_path):
     """The `ort` form hands the MoE node each expert as `parts` experts over blocks of its units (default 4,
     tested above): any split of the 16 units gives the reference output, on ONNX Runtime."""
-
     moe = make_moe(8, 2, 4, 2, "sigmoid", True, 1)
     path = tmp_path / "split.onnx"
     with warnings.catch_warnings(), torch.no_grad():
