@@ -37,12 +37,10 @@ def step_calls(be: OrtBackend, names: list[str], past: int, seed: int = 0) -> di
     pos = np.array([past], np.int32)
     calls = {}
     for name in names:
-        if name.startswith("target_"):  # prefill: the target graph over a prompt of N tokens at past_len 0
+        if name.startswith(("target_", "verify_")):  # the target graph over N tokens: prefill or at `past`
             ids = rng.integers(0, vocab, (1, int(name[7:]))).astype(np.int32)
-            calls[name] = lambda ids=ids: be.target(1, ids, zero, zero, 0, 0.0, False)
-        elif name.startswith("verify_"):
-            ids = rng.integers(0, vocab, (1, int(name[7:]))).astype(np.int32)
-            calls[name] = lambda ids=ids: be.target(1, ids, pos, zero, 0, 0.0, False)
+            start = zero if name.startswith("target_") else pos
+            calls[name] = lambda ids=ids, start=start: be.target(1, ids, start, zero, 0, 0.0, False)
         elif name.startswith("step_"):
             ids = rng.integers(0, vocab, (1, int(name[5:]) + 1)).astype(np.int32)
             calls[name] = lambda ids=ids: be.step(1, ids, pos, zero, 0, 0.0)
@@ -65,9 +63,9 @@ def main() -> None:
     runner = Runner(m)
     be = runner.backend
     trees = list(m.raw.get("trees") or [])
-    shapes = [parse_trees(t)[0] for t in trees]
-    names = [f"step_{n}" for n in range(m.nextn + 1)] + [t.graph for t in shapes]
-    verify = sorted({r for t in shapes for r in (t.depth + 1, t.budget + 1)})
+    shapes = {t.graph: t for t in (parse_trees(spec)[0] for spec in trees)}  # tree graph -> its shape
+    names = [f"step_{n}" for n in range(m.nextn + 1)] + list(shapes)
+    verify = sorted({r for t in shapes.values() for r in (t.depth + 1, t.budget + 1)})
     names += [f"verify_{r}" for r in verify]
     be.allocate(1, args.past + 64)
     calls = step_calls(be, names, args.past)
@@ -90,7 +88,7 @@ def main() -> None:
     for n in names:
         if n.startswith("verify_"):
             continue
-        shape = None if n.startswith("step_") else parse_trees(n[5:].replace("_", ":"))[0]
+        shape = shapes.get(n)
         depth = int(n[5:]) if shape is None else shape.depth
         per_step[n] = tokens_per_step(be, ids, m, depth, shape, args.new) if args.new else float("nan")
         speed[n] = per_step[n] / cost[n]
@@ -104,7 +102,7 @@ def main() -> None:
           + " ".join(f"{r}: {cost[f'verify_{r}']:.2f}" for r in verify))
     if args.new and bound:
         chain = max((n for n in speed if n.startswith("step_")), key=speed.get)
-        gain = {n: per_step[n] - per_step[f"step_{parse_trees(n[5:].replace('_', ':'))[0].depth}"] for n in bound}
+        gain = {n: per_step[n] - per_step[f"step_{shapes[n].depth}"] for n in bound}
         print(f"best chain {chain} {speed[chain]:.2f}; trees accepting >= 0.4 more tokens per step than the chain "
               f"of their depth: " + (", ".join(f"{n} {speed[n]:.2f} (bound {bound[n]:.2f}, +{gain[n]:.2f})"
                                                for n in bound if gain[n] >= 0.4) or "none"))

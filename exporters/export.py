@@ -406,8 +406,8 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
         graphs, tables = {}, {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
-            table = _export_graph(configure(module, moe_form, cpu_ops).eval(), io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, read,
-                                  store)
+            table = _export_graph(configure(module, moe_form, cpu_ops).eval(), io, tmp / f"{name}.onnx", cfg, tdtype,
+                                  lowering, params, read, store)
             tables[f"{name}.onnx"] = table
             kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
             graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,
@@ -427,8 +427,7 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
             "config": read_json(ckpt / "config.json"), "nextn": nextn, "mtp_mode": mtp_mode,
             "dtype": dtype, "lowering": lowering, "moe_form": moe_form or "auto", "cpu_ops": cpu_ops,
-            "max_batch": max_batch,
-            "max_seq_len": max_seq_len, "trees": [t.spec for t in shapes],
+            "max_batch": max_batch, "max_seq_len": max_seq_len, "trees": [t.spec for t in shapes],
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
             "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,
             "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe",

@@ -33,8 +33,7 @@ FORMAT_VERSION = 1
 # 10: tree step graphs, MlaGenerationAttention's optional tree mask; 11: the MoE node's experts split in parts,
 # the tree step's glue as small matrix products; 12: ONNX Runtime's fused RoPE and add+norm operators;
 # 13: mtp-trt's CPU operators, the MLA attention and MoE nodes; 14: flat queries, without the unfolded path's
-# reshapes), so exports cached by `mtp-trt run` are redone
-# rather than reused.
+# reshapes), so exports cached by `mtp-trt run` are redone rather than reused.
 EXPORTER_REVISION = 14
 MTP_MODES = ("eagle", "vanilla")
 DTYPES = ("fp32", "fp16", "bf16")

@@ -364,7 +364,6 @@ def test_check_refuses_a_modified_engine(engines, tmp_path):
 def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
     """The comparison path with a stand-in for the engines (ONNX Runtime on the onnx lowering, as the
     engines would compute): identical outputs pass, perturbed logits fail with exit code 1."""
-
     def fake_runner(m):
         ref = em.load_export_manifest(engines)
         sessions = {}
