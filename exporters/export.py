@@ -23,13 +23,14 @@ from pathlib import Path
 import onnx
 import torch
 
-from mtp_trt import ops
+from mtp_trt import ops, quant
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory, read_json
 from mtp_trt.exporters.graphs import MtpGraph, StepGraph, TargetGraph, VanillaStepGraph
 from mtp_trt.exporters.lowering import LOWERINGS
 from mtp_trt.exporters.moe import FORMS as MOE_FORMS
+from mtp_trt.exporters.quantize import QuantValue, quantize_graph
 from mtp_trt.exporters.tree import TreeStepGraph
 from mtp_trt.exporters.tree_vanilla import VanillaTreeStepGraph
 from mtp_trt.exporters.loader import CheckpointTensors, checkpoint_names
@@ -198,13 +199,15 @@ def _trace(module: torch.nn.Module, io: tuple[list[dict], list[dict]], cfg: Mode
 
 def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], path: Path, cfg: ModelConfig,
                   dtype: torch.dtype, lowering: str, params: dict[str, torch.Tensor],
-                  read: Callable[[str], torch.Tensor], store: WeightStore) -> list:
+                  read: Callable[[str], torch.Tensor], store: WeightStore, scheme: quant.Scheme) -> list:
     """Trace, fold (streaming.fold_graph), write the weights it reads into `store`, save, check.  Initializers
     and Constant values of at least INLINE_BYTES go to weights.bin, at page-aligned offsets; smaller ones (shapes,
     indices) stay in the graph file.  -> the manifest's table for this file: [name, offset, bytes, ONNX data
     type, dims] of each tensor it reads from weights.bin (OrtBackend maps weights.bin once for all sessions)."""
     model = _trace(module, io, cfg, dtype, lowering)
     needed, values = fold_graph(model, params)
+    if scheme.quantized:
+        needed, values = quantize_graph(model, needed, values, scheme)
     graph, table = model.graph, []
     if [i.name for i in graph.input] != [s["name"] for s in io[0]]:  # every parameter recognized as one
         raise RuntimeError(f"{path.name}: graph inputs {[i.name for i in graph.input]} after folding")
@@ -216,7 +219,7 @@ def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], pa
 
     for name in needed:
         v = values[name]
-        compute = lambda v=v: evaluate(v, read)  # noqa: E731
+        compute = (lambda v=v: v.compute(read)) if isinstance(v, QuantValue) else lambda v=v: evaluate(v, read)  # noqa: E731
         small = v.tensor.numel() * v.tensor.element_size() < INLINE_BYTES
         graph.initializer.append(initializer(name, compute()) if small else external(name, v.key, compute))
     for node in [n for n in graph.node if n.op_type == "Constant" and n.attribute[0].name == "value"]:
@@ -331,37 +334,49 @@ def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
            dtype: str = "fp32", lowering: str = "onnx", max_batch: int = 8, max_seq_len: int | None = None,
            progress: Progress = lambda msg: None, moe_form: str | None = None, trees: str | None = None,
-           cpu_ops: bool | None = None) -> Path:
+           cpu_ops: bool | None = None, quant_scheme: str = "none", group_size: int | None = None) -> Path:
     """Export a checkpoint; returns the output directory.  See the module docstring.  moe_form: one of
     exporters/moe.py FORMS for every graph (benchmarks compare them), or "tensorrt" (standard operators only:
     gather in the few-token step graphs, static elsewhere, as the plugin lowering does; for plugin-free
     TensorRT engines of an onnx-lowering export), instead of the lowering's choice.  trees: the tree step graphs
     to export, 'D:k:N,...' (mtp_trt/tree.py; default: tree.DEFAULT_TREES up to depth nextn).  cpu_ops: mtp-trt's
     CPU operators (plugins/ort: MLA attention and MoE as one node each) in every graph; None: where they can be
-    used (onnx lowering, fp32, the lowering's MoE form) and the operator library is available here."""
+    used (onnx lowering, fp32, the lowering's MoE form) and the operator library is available here.
+    quant_scheme, group_size: block-quantized weights (mtp_trt/quant.py, exporters/quantize.py), which run on those
+    operators."""
     if moe_form not in (None, "tensorrt", *MOE_FORMS):
         raise MtpTrtError(f"--moe-form: unknown form {moe_form!r}; expected tensorrt, {', '.join(MOE_FORMS)}")
     ckpt, out = Path(ckpt), Path(out)
+    scheme = quant.scheme(quant_scheme, group_size)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
-    cpu_ops = check_cpu_ops(cpu_ops, lowering, dtype, moe_form)
+    cpu_ops = check_cpu_ops(cpu_ops, lowering, dtype, moe_form, scheme)
     shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
     progress(f"reading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
     tdtype = TORCH_DTYPES[dtype]
     with freed_memory_returned():
         return _export(ckpt, out, cfg, nextn, modules, mtp_mode, dtype, tdtype, lowering, max_batch, max_seq_len,
-                       progress, moe_form, shapes, cpu_ops)
+                       progress, moe_form, shapes, cpu_ops, scheme)
 
 
-def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None) -> bool:
+def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None,
+                  scheme: quant.Scheme = quant.Scheme()) -> bool:
     """Whether the export uses mtp-trt's CPU operators (export's `cpu_ops`); an MtpTrtError where asked for and
-    not possible."""
+    not possible.  Quantized weights need them."""
     from mtp_trt.plugins import ort_lib
 
     why = ("they run on ONNX Runtime: --lowering onnx" if lowering != "onnx" else
            "they compute in float32: --dtype fp32" if dtype != "fp32" else
            f"--moe-form {moe_form} asks for another MoE" if moe_form not in (None, "cpu") else
            ort_lib.available()[1])
+    if scheme.quantized:
+        if cpu_ops is False:
+            raise MtpTrtError(f"--quant {scheme.name}: quantized weights run on mtp-trt's CPU operators; drop "
+                              f"--no-cpu-ops")
+        if why:
+            raise MtpTrtError(f"--quant {scheme.name}: quantized weights run on mtp-trt's CPU operators, which cannot "
+                              f"be used here: {why}")
+        return True
     if cpu_ops is None:
         return not why
     if cpu_ops and why:
@@ -380,7 +395,7 @@ def configure(module, moe_form: str | None, cpu_ops: bool):
 
 def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, mtp_mode: str, dtype: str,
             tdtype: torch.dtype, lowering: str, max_batch: int, max_seq_len: int, progress: Progress,
-            moe_form: str | None, shapes: tuple, cpu_ops: bool) -> Path:
+            moe_form: str | None, shapes: tuple, cpu_ops: bool, scheme: quant.Scheme) -> Path:
     model, params, read = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)
     think_ids, tokenizer = special_token_ids(ckpt)
     with atomic_directory(out) as tmp, WeightStore(tmp / WEIGHTS_FILE, WEIGHTS_ALIGN) as store:
@@ -407,7 +422,7 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
             table = _export_graph(configure(module, moe_form, cpu_ops).eval(), io, tmp / f"{name}.onnx", cfg, tdtype,
-                                  lowering, params, read, store)
+                                  lowering, params, read, store, scheme)
             tables[f"{name}.onnx"] = table
             kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
             graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,
@@ -427,6 +442,7 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
             "config": read_json(ckpt / "config.json"), "nextn": nextn, "mtp_mode": mtp_mode,
             "dtype": dtype, "lowering": lowering, "moe_form": moe_form or "auto", "cpu_ops": cpu_ops,
+            "quant": scheme.as_dict(),
             "max_batch": max_batch, "max_seq_len": max_seq_len, "trees": [t.spec for t in shapes],
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
             "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,

@@ -11,8 +11,9 @@ bytes:
 * scales  float32 [N, blocks].
 
 Scales: int8 takes the block's largest magnitude over 127.  int4 has only 16 levels, so the scale is the
-one of a few candidates s = m / t (m the block's value of largest magnitude, sign kept; t from -8 to -6.5:
-t = -8 maps m onto the extra negative level) that gives the smallest squared error over the block.
+one of a few candidates s = m / t (m the block's value of largest magnitude, sign kept; t from -8 to -6 in
+quarter steps; t = -8 maps m onto the extra negative level) that gives the smallest squared error over the
+block.  The integer divisors make quantization idempotent: weights already on the grid keep their values.
 
 Everything here is NumPy: the exporter quantizes each tensor as it is read, the tests use it as the
 reference, and the runtime needs no torch.
@@ -30,7 +31,7 @@ SCHEMES = ("none", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_BLOCK_SIZE = 32
-INT4_DIVISORS = (-8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5)
+INT4_DIVISORS = (-8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, -6.25, -6.0)
 ROWS_PER_CHUNK = 4096  # rows quantized at a time: bounds the temporaries of the int4 scale search
 
 

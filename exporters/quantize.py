@@ -1,0 +1,155 @@
+"""`export --quant`: the graphs with block-quantized weights (mtp_trt/quant.py's format), rewritten after folding.
+
+Once a graph is traced and folded (streaming.fold_graph), every weight it reads is a recipe over checkpoint
+tensors.  `quantize_graph` rewrites the nodes that read large weights:
+
+* MatMul(x, W^T), W [N, K] a linear layer's weight (attention projections, dense MLPs, shared experts' and
+  MTP modules' layers, `eh_proj`, the output head)  ->  `mtp_trt.cpu::QMatMul(x, data, scales)`;
+* `mtp_trt.cpu::MoE` (router, routed and shared experts)  ->  `mtp_trt.cpu::QMoE`, the experts quantized, the
+  router in float;
+* Gather(embed_tokens, ids)  ->  `com.microsoft::GatherBlockQuantized` (where the hidden size is a multiple of
+  the block size).
+
+Kept in float: the router, norms, biases, and products computed in the graph from several weights (small
+models' W^UK / W^UV folded into the projections, exporters/graphs.py folded_mla).  The output head takes int8
+whatever the scheme (HEAD_SCHEME): it decides every token, and int8 costs little of its time.
+
+The rewrite works on recipes: each quantized tensor is computed when weights.bin is written, from its
+weight's recipe (one tensor at a time, so the export still never holds the model), and stored once however
+many graphs read it (its key is the weight's recipe key and the scheme).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from mtp_trt import quant
+from mtp_trt.exporters.streaming import _Value, evaluate
+from mtp_trt.plugins.ort_lib import DOMAIN as CPU_DOMAIN
+
+MS_DOMAIN = "com.microsoft"
+MIN_ELEMENTS = 4096  # smaller weights stay in float (nothing to gain)
+KEEP_FLOAT = ("mlp.gate.weight",)  # the router: its scores pick the experts
+HEAD_WEIGHTS = ("lm_head.weight", "embed_tokens.weight")  # a MatMul over either is the output head (tied or not)
+
+
+def head_scheme(s: quant.Scheme) -> quant.Scheme:
+    """The output head's scheme under `s` (module docstring)."""
+    return quant.Scheme("int8", s.block_size)
+
+
+class QuantValue:
+    """One tensor of a quantized weight (its data or its scales), computed from the weight's recipe `source`
+    (transposed: W^T [K, N] as a MatMul reads it).  Leading dims `rows` are kept ([E, R, K] experts: data
+    [E, R, blocks, blob]); `flat`: data as [rows, blocks * blob] (GatherBlockQuantized's layout)."""
+
+    def __init__(self, source: _Value, scheme: quant.Scheme, part: str, rows: tuple[int, ...], k: int,
+                 transposed: bool, memo: dict, flat: bool = False):
+        self.source, self.scheme, self.part, self.rows, self.k, self.transposed = source, scheme, part, rows, k, transposed
+        self.memo = memo  # the last weight quantized (its data and scales are written one after the other)
+        h = hashlib.sha256(source.key + f"\0quant\0{scheme.tag}\0{int(transposed)}".encode())
+        self.weights = True
+        self.source_key = h.digest()
+        self.key = hashlib.sha256(self.source_key + f"{part}\0{int(flat)}".encode()).digest()
+        data_shape, scale_shape = scheme.shapes(int(np.prod(rows)), k)
+        shape = (*rows, *data_shape[1:]) if part == "data" else (*rows, *scale_shape[1:])
+        shape = (*rows, int(np.prod(data_shape[1:]))) if flat and part == "data" else shape
+        self.tensor = torch.empty(shape, dtype=torch.uint8 if part == "data" else torch.float32, device="meta")
+
+    def compute(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        if self.memo.get("key") != self.source_key:
+            w = evaluate(self.source, read).float()
+            w = w.T if self.transposed else w
+            data, scales = quant.quantize(w.reshape(-1, self.k).contiguous().numpy(), self.scheme)
+            self.memo.clear()
+            self.memo.update(key=self.source_key, data=data, scales=scales)
+        return torch.from_numpy(self.memo[self.part]).reshape(self.tensor.shape)
+
+
+def _params(v: _Value) -> set[str]:
+    """The checkpoint parameters (graph input names) a recipe reads."""
+    if v.param is not None:
+        return {v.param}
+    out: set[str] = set()
+    for i in v.inputs:
+        out |= _params(i)
+    return out
+
+
+def _quantizable(v: _Value | None, min_elements: int = MIN_ELEMENTS) -> bool:
+    return (v is not None and v.weights and v.tensor.dtype == torch.float32 and v.tensor.numel() >= min_elements
+            and not any(p.endswith(KEEP_FLOAT) for p in _params(v)))
+
+
+def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, scheme: quant.Scheme
+                   ) -> tuple[list[str], dict]:
+    """Rewrite `model` (folded; `needed`, `values` as fold_graph returned them) in place for `scheme` (module
+    docstring).  -> (the initializer names it now reads, name -> _Value or QuantValue to compute each)."""
+    graph, memo = model.graph, {}
+    values = dict(values)
+    nodes = []
+
+    def add(name: str, source: _Value, s: quant.Scheme, rows: tuple[int, ...], k: int, transposed: bool,
+            flat: bool = False) -> list[str]:
+        out = []
+        for part in ("data", "scales"):
+            q = QuantValue(source, s, part, rows, k, transposed, memo, flat)
+            qname = f"{name}.q{s.bits}g{s.block_size}{'t' * transposed}.{part}"
+            values[qname] = q
+            out.append(qname)
+        return out
+
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.domain == "" and _quantizable(values.get(node.input[1])) \
+                and values[node.input[1]].tensor.dim() == 2:
+            k, n = values[node.input[1]].tensor.shape
+            head = any(p.endswith(HEAD_WEIGHTS) for p in _params(values[node.input[1]]))
+            s = head_scheme(scheme) if head else scheme
+            data, scales = add(node.input[1], values[node.input[1]], s, (n,), k, transposed=True)
+            nodes.append(helper.make_node("QMatMul", [node.input[0], data, scales], list(node.output), name=node.name,
+                                          domain=CPU_DOMAIN, K=k, N=n, bits=s.bits, block_size=s.block_size))
+        elif node.op_type == "MoE" and node.domain == CPU_DOMAIN:
+            nodes.append(_qmoe(node, values, scheme, add))
+        elif node.op_type == "Gather" and node.domain == "" and _quantizable(values.get(node.input[0])) \
+                and values[node.input[0]].tensor.dim() == 2 and values[node.input[0]].tensor.shape[1] % scheme.block_size == 0:
+            v, attrs = values[node.input[0]], {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            if attrs.get("axis", 0) != 0:
+                nodes.append(node)
+                continue
+            rows, k = v.tensor.shape
+            data, scales = add(node.input[0], v, scheme, (rows,), k, transposed=False, flat=True)
+            nodes.append(helper.make_node("GatherBlockQuantized", [data, node.input[1], scales], list(node.output),
+                                          name=node.name, domain=MS_DOMAIN, gather_axis=0, quantize_axis=1,
+                                          block_size=scheme.block_size, bits=scheme.bits))
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    read = {name for n in graph.node for name in n.input}
+    kept = [name for name in needed if name in read]
+    new = [name for name in values if isinstance(values[name], QuantValue) and name in read and name not in kept]
+    return kept + new, values
+
+
+def _qmoe(node: onnx.NodeProto, values: dict, scheme: quant.Scheme, add) -> onnx.NodeProto:
+    """mtp_trt.cpu::MoE -> QMoE: each expert matrix input (fc1 [E, 2I, D], fc2 [E, D, I], shared [2Is, D] and
+    [D, Is]) as its quantized data and scales."""
+    ins = list(node.input)
+    out = ins[:3]
+    for name in ins[3:]:
+        v = values.get(name)
+        if name == "" or v is None:
+            raise ValueError(f"{node.name}: MoE input {name!r} is not a weight")
+        *rows, k = v.tensor.shape
+        out += add(name, v, scheme, tuple(rows), k, transposed=False)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return helper.make_node("QMoE", out, list(node.output), name=node.name, domain=CPU_DOMAIN, bits=scheme.bits,
+                            block_size=scheme.block_size, **attrs)

@@ -1,0 +1,90 @@
+"""Test helpers for quantized exports: checkpoints whose weights quantize without loss, and a quantized graph
+turned back into a float one (each quantized node replaced by its float twin over the dequantized weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from mtp_trt import quant
+from mtp_trt.exporters.loader import load_checkpoint, save_checkpoint
+from runtime_models import write_char_tokenizer
+
+
+def prerounded(src: Path, out: Path, scheme: quant.Scheme) -> Path:
+    """A copy of checkpoint `src` whose 2-D weights are already on `scheme`'s grid (the output head on int8's,
+    the exporter's choice; the router untouched): exporting it with `scheme` loses nothing more, so the
+    quantized export must compute what the PyTorch reference computes on these weights."""
+    import json
+
+    model = load_checkpoint(src)
+    head = quant.Scheme("int8", scheme.block_size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() != 2 or name.endswith("mlp.gate.weight"):
+                continue
+            s = head if name.endswith("lm_head.weight") else scheme
+            data, scales = quant.quantize(p.numpy(), s)
+            p.copy_(torch.from_numpy(quant.dequantize(data, scales, p.shape[1], s.bits)))
+    save_checkpoint(model, out, json.loads((src / "config.json").read_text()))
+    write_char_tokenizer(out / "tokenizer.json")
+    return out
+
+
+def dequantized_graph(path: Path) -> bytes:
+    """The graph at `path` with QMatMul -> MatMul over W^T, QMoE -> MoE over float experts and
+    GatherBlockQuantized -> Gather over the float table, each weight dequantized from the export's bytes
+    (mtp_trt.quant.dequantize): what the quantized graph computes, but for its activations' int8 rounding."""
+    model = onnx.load(str(path))
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    arrays = {name: numpy_helper.to_array(i) for name, i in inits.items()}
+    new_inits, nodes = [], []
+
+    def float_weight(data_name: str, scales_name: str, k: int, bits: int, transpose: bool) -> str:
+        data, scales = arrays[data_name], arrays[scales_name]
+        rows = data.shape[:-2]
+        w = quant.dequantize(data.reshape(-1, *data.shape[-2:]), scales.reshape(-1, scales.shape[-1]), k, bits)
+        w = w.reshape(*rows, k)
+        name = f"{data_name}.float"
+        new_inits.append(numpy_helper.from_array(np.ascontiguousarray(w.T if transpose else w), name))
+        return name
+
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "QMatMul":
+            w = float_weight(node.input[1], node.input[2], attrs["K"], attrs["bits"], transpose=True)
+            nodes.append(helper.make_node("MatMul", [node.input[0], w], list(node.output), name=node.name))
+        elif node.op_type == "QMoE":
+            ins = list(node.input[:3])
+            for data, scales in zip(node.input[3::2], node.input[4::2]):
+                ins.append(float_weight(data, scales, _unpadded(node, data, arrays), attrs["bits"], False))
+            kept = {k: v for k, v in attrs.items() if k not in ("bits", "block_size")}
+            nodes.append(helper.make_node("MoE", ins, list(node.output), name=node.name, domain=node.domain, **kept))
+        elif node.op_type == "GatherBlockQuantized":
+            data = arrays[node.input[0]]
+            rows, k = data.shape[0], data.shape[1] * 8 // attrs["bits"]
+            arrays[node.input[0]] = data.reshape(rows, k // attrs["block_size"], -1)
+            w = float_weight(node.input[0], node.input[2], k, attrs["bits"], transpose=False)
+            nodes.append(helper.make_node("Gather", [w, node.input[1]], list(node.output), name=node.name, axis=0))
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(new_inits)
+    return model.SerializeToString()
+
+
+def _unpadded(node: onnx.NodeProto, data: str, arrays: dict) -> int:
+    """An expert matrix's K: fc1's and shared fc1's is x's width D (= fc2's rows), fc2's is fc1's rows / 2."""
+    ins = list(node.input)
+    fc2 = arrays[ins[5]]
+    d = fc2.shape[-3]
+    if data in (ins[3], ins[7] if len(ins) > 7 else None):
+        return d
+    fc1 = arrays[ins[3] if data == ins[5] else ins[7]]
+    return fc1.shape[-3] // 2

@@ -1,0 +1,167 @@
+"""Quantized weights (`--quant`): the format against a plain per-block reference; a quantized export computes what
+the PyTorch reference computes on the same (dequantized) weights; greedy MTP decoding of a quantized export
+equals plain greedy decoding of the same export; bad settings fail in one line."""
+
+import numpy as np
+import pytest
+import torch
+
+from mtp_trt import quant
+from mtp_trt.backend import OrtBackend
+from mtp_trt.decode import DecodeOptions, generate
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.exporters.export import export
+from mtp_trt.exporters.loader import load_checkpoint
+from mtp_trt.manifest import Manifest
+from mtp_trt.plugins import ort_lib
+from quant_graphs import dequantized_graph, prerounded
+from runtime_models import EOS, make_random, make_self_drafting
+
+pytestmark = pytest.mark.skipif(not ort_lib.available()[0], reason="mtp-trt's CPU operators are not available here")
+
+
+# ------------------------------------------------------------------------------------------- format
+def reference_quantize(w: np.ndarray, bits: int, bs: int):
+    """The format written out block by block (float64 scale search), independent of mtp_trt.quant's vectorized
+    code: -> (levels q [N, blocks, bs] as signed ints, scales [N, blocks])."""
+    n, k = w.shape
+    nb = -(-k // bs)
+    q, s = np.zeros((n, nb, bs), np.int64), np.zeros((n, nb), np.float32)
+    hi = (1 << (bits - 1)) - 1
+    for r in range(n):
+        for b in range(nb):
+            blk = np.zeros(bs, np.float32)
+            part = w[r, b * bs:(b + 1) * bs]
+            blk[:len(part)] = part
+            if bits == 8:
+                cands = [np.float32(np.abs(blk).max() / np.float32(hi))]
+            else:
+                m = blk[np.abs(blk).argmax()]
+                cands = [np.float32(m / np.float32(t)) for t in quant.INT4_DIVISORS]
+            best = None
+            for c in cands:
+                levels = np.clip(np.rint(blk / (c if c else np.float32(1))), -hi - 1, hi)
+                err = float(np.square(levels * c - blk).sum())
+                if best is None or err < best[0]:
+                    best = (err, c, levels)
+            s[r, b], q[r, b] = best[1], best[2]
+    return q, s
+
+
+def unpack(data: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 8:
+        return data.astype(np.int64) - 128
+    out = np.empty((*data.shape[:-1], data.shape[-1] * 2), np.int64)
+    out[..., 0::2], out[..., 1::2] = data & 0xF, data >> 4
+    return out - 8
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bs", quant.BLOCK_SIZES)
+@pytest.mark.parametrize("k", [16, 96, 100, 257])
+def test_quantize_matches_the_blockwise_reference(bits, bs, k):
+    rng = np.random.default_rng(k * bs + bits)
+    w = (rng.standard_normal((5, k)) * rng.uniform(0.01, 3, (5, 1))).astype(np.float32)
+    w[1] = 0  # an all-zero row: scale 0, levels 0
+    w[2, :min(k, 20)] *= 40  # one block dominated by outliers
+    s = quant.Scheme("int8" if bits == 8 else "int4", bs)
+    data, scales = quant.quantize(w, s)
+    assert data.dtype == np.uint8 and scales.dtype == np.float32
+    assert data.shape == (5, -(-k // bs), bs * bits // 8) and scales.shape == (5, -(-k // bs))
+    q, ref_scales = reference_quantize(w, bits, bs)
+    np.testing.assert_array_equal(unpack(data, bits), q)
+    np.testing.assert_array_equal(scales, ref_scales)
+    back = quant.dequantize(data, scales, k, bits)
+    assert back.shape == w.shape
+    np.testing.assert_array_equal(back, (q * scales[..., None]).reshape(5, -1)[:, :k].astype(np.float32))
+    step = np.repeat(np.abs(scales), bs, 1)[:, :k]
+    assert np.all(np.abs(back - w) <= step * (0.5 if bits == 8 else 1.0) + 1e-6)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_requantizing_quantized_weights_is_lossless(name):
+    """What tests/quant_graphs.prerounded relies on: weights already on the grid come back unchanged (up to the
+    rounding of a scale recomputed from them: one float ulp)."""
+    s = quant.Scheme(name, 32)
+    w = np.random.default_rng(1).standard_normal((64, 200)).astype(np.float32)
+    once = quant.dequantize(*quant.quantize(w, s), 200, s.bits)
+    np.testing.assert_allclose(quant.dequantize(*quant.quantize(once, s), 200, s.bits), once, rtol=3e-7, atol=0)
+
+
+@pytest.mark.parametrize("name, size, message", [
+    ("int3", None, "--quant: unknown scheme 'int3'; expected one of none, int8, int4"),
+    ("int4", 48, "--group-size: must be one of 16, 32, 64, 128, 256, got 48"),
+    ("int8", 0, "--group-size: must be one of"),
+])
+def test_bad_settings_name_the_flag(name, size, message):
+    with pytest.raises(MtpTrtError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        quant.scheme(name, size)
+
+
+# ------------------------------------------------------------------------------------------- exports
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_random(tmp_path_factory.mktemp("q") / "model", nextn=1)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_export_computes_the_reference_on_the_dequantized_weights(ckpt, tmp_path, name):
+    """Prefill logits of a quantized export of a checkpoint already on the grid: with its quantized nodes
+    replaced by float ones over the dequantized bytes, equal to the PyTorch reference (fp32 tolerance: the
+    rewrite places every weight right); as exported (int8 activations), close to it."""
+    scheme = quant.Scheme(name, 32)
+    rounded = prerounded(ckpt, tmp_path / "rounded", scheme)
+    out = export(rounded, tmp_path / "exp", nextn=1, max_seq_len=64, trees="none", quant_scheme=name,
+                 group_size=32)
+    m = Manifest.load(out)
+    assert m.raw["quant"]["scheme"] == name and m.raw["quant"]["block_size"] == 32
+    model = load_checkpoint(rounded, max_positions=64)
+    cfg, b, t = m.config, 2, 64
+    ids = np.random.default_rng(0).integers(0, 90, (b, 9)).astype(np.int32)
+    feed = {"input_ids": ids, "past_len": np.zeros(b, np.int32), "thinking": np.zeros(b, np.int32),
+            "relaxed_topk": np.array(0, np.int32), "relaxed_delta": np.array(0, np.float32)}
+    feed |= {f"kv_{i}": np.zeros((b, t, cfg.latent_dim), np.float32) for i in range(cfg.num_hidden_layers)}
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids).long())[0].numpy()
+    exact = ort_lib.session(dequantized_graph(out / "target.onnx")).run(["logits"], feed)[0]
+    np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=1e-4)
+    quantized = ort_lib.session(str(out / "target.onnx")).run(["logits"], feed)[0]
+    np.testing.assert_allclose(quantized, ref, atol=0.05 * np.abs(ref).max())
+    assert (quantized.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+
+def test_quantized_weights_are_smaller(ckpt, tmp_path):
+    sizes = {name: Manifest.load(export(ckpt, tmp_path / name, nextn=1, max_seq_len=64, trees="none",
+                                        quant_scheme=name)).raw["weights"]["bytes"] for name in quant.SCHEMES}
+    assert sizes["int4"] < sizes["int8"] < sizes["none"]
+
+
+@pytest.fixture(scope="module")
+def drafting(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qdecode")
+    return make_self_drafting(root / "ckpt", nextn=3), root
+
+
+PROMPTS = [[5, 17, 33, 2, 8, 41, 7, 19], [60, 3], [11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(drafting, name, mode):
+    ckpt, root = drafting
+    out = export(ckpt, root / f"{mode}-{name}", nextn=3, mtp_mode=mode, max_seq_len=128, trees="none",
+                 quant_scheme=name)
+    backend = OrtBackend(Manifest.load(out))
+    plain, _ = generate(backend, PROMPTS, DecodeOptions(nextn=0, max_new_tokens=20, eos_ids=(EOS,)))
+    for nextn in (1, 2, 3):
+        seqs, stats = generate(backend, PROMPTS, DecodeOptions(nextn=nextn, max_new_tokens=20, eos_ids=(EOS,)))
+        assert [s.generated for s in seqs] == [s.generated for s in plain]
+        assert stats.mean_accepted > 1.2, "drafts must be partly accepted for this test to bite"
+
+
+def test_quantized_export_needs_the_cpu_operators(ckpt, tmp_path):
+    with pytest.raises(MtpTrtError, match="--quant int4: quantized weights run on mtp-trt's CPU operators; drop"):
+        export(ckpt, tmp_path / "a", quant_scheme="int4", cpu_ops=False)
+    with pytest.raises(MtpTrtError, match="--quant int8: .*--lowering onnx"):
+        export(ckpt, tmp_path / "b", quant_scheme="int8", lowering="plugin")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
