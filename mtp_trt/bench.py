@@ -84,11 +84,13 @@ def _transformers_generate(checkpoint: Path, device: str = "cpu"):
 
 
 def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repeats: int, transformers: bool = True,
-        progress=print, threads: int | None = None) -> list[dict]:
-    """tokens/s of every (mode, nextn) on ONNX Runtime and of transformers' greedy `generate` (the main model,
-    same prompts); per batch size, all of them are timed round-robin (see _round_robin)."""
+        progress=print, threads: int | None = None, scheme=None) -> list[dict]:
+    """tokens/s of every (mode, nextn) on ONNX Runtime (the weights quantized as `scheme` says) and of
+    transformers' greedy `generate` (the main model, same prompts); per batch size, all of them are timed
+    round-robin (see _round_robin)."""
     ckpt = Path(model) if model else demo_model()
-    runners = {("mtp-trt/onnxruntime", mode): Runner(resolve_export(ckpt, mode, progress=progress), threads=threads)
+    runners = {("mtp-trt/onnxruntime", mode): Runner(resolve_export(ckpt, mode, progress=progress, scheme=scheme),
+                                                     threads=threads)
                for mode in ("eagle", "vanilla")}
     return time_runners(runners, _transformers_generate(ckpt) if transformers else None, batches, max_new_tokens,
                         repeats, progress)

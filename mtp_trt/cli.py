@@ -160,6 +160,9 @@ def export(
     cpu_ops: bool = typer.Option(None, "--cpu-ops/--no-cpu-ops", help="mtp-trt's CPU operators for ONNX Runtime "
                                  "(MLA attention and MoE as one node each; default: where they apply and the "
                                  "operator library is available)."),
+    quant: str = typer.Option("none", help="Weights: none, int8 or int4 (block-quantized, for mtp-trt's CPU "
+                                           "operators; the output head stays int8)."),
+    group_size: int = typer.Option(32, help="Weights per quantization block along a row: 16, 32, 64, 128 or 256."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
     from mtp_trt.exporters.export import export as run_export
@@ -167,7 +170,8 @@ def export(
     with StageDisplay(f"export {checkpoint}") as show:
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
                           max_batch=max_batch, max_seq_len=max_seq_len, progress=show,
-                          moe_form=None if moe_form == "auto" else moe_form, trees=trees, cpu_ops=cpu_ops)
+                          moe_form=None if moe_form == "auto" else moe_form, trees=trees, cpu_ops=cpu_ops,
+                          quant_scheme=quant, group_size=group_size)
     typer.echo(f"wrote {path}")
 
 
@@ -249,6 +253,9 @@ def run(
                                               "(default: refuse it)."),
     verify: bool = typer.Option(False, help="Hash every file of the export or engines again (default: only files "
                                             "whose size, mtime or inode changed since they were last verified)."),
+    quant: str = typer.Option(None, help="Quantize a checkpoint's weights: none, int8 or int4 (exported once per "
+                                         "setting into the cache; default none)."),
+    group_size: int = typer.Option(None, help="Weights per quantization block (with --quant; default 32)."),
 ) -> None:
     """Generate text with MTP speculative decoding (TensorRT engines on a GPU, or ONNX Runtime on the CPU)."""
     import json
@@ -281,7 +288,7 @@ def run(
     v.check_threads(threads)
     with StageDisplay("preparing the model") as show:
         runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show,
-                             bos=bos, verify=verify)
+                             bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size))
     manifest = runner.manifest
     opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
                           relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, tree_topk=tree_topk,
@@ -339,12 +346,16 @@ def bench(
     plot_path: Path = typer.Option(Path("bench.png"), "--plot", help="Where to write the PNG plot."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     verify: bool = typer.Option(False, help="Hash every file of the exports again (see `mtp-trt run --verify`)."),
+    quant: str = typer.Option(None, help="Quantize a checkpoint's weights: none, int8 or int4 (exported once per "
+                                         "setting into the cache; default none)."),
+    group_size: int = typer.Option(None, help="Weights per quantization block (with --quant; default 32)."),
 ) -> None:
     """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes (and each export's trees) against
     transformers' generate."""
     import platform
 
     from mtp_trt import bench as b
+    from mtp_trt import quant as quant_mod
     from mtp_trt import validate as v
     from mtp_trt.backend import default_threads
     from mtp_trt.runner import demo_model, resolve_export
@@ -356,6 +367,7 @@ def bench(
     v.check_threads(threads)
     v.check_writable_file(json_path, "--json")  # before the benchmark, not after it
     v.check_writable_file(plot_path, "--plot")
+    scheme = v.quant_scheme(quant, group_size)
     ckpt = model or demo_model()
     engines = (ckpt / "engines.json").is_file()
     if (ckpt / "manifest.json").is_file():
@@ -364,15 +376,19 @@ def bench(
     if engines:
         from mtp_trt.runner import verify_engines
 
+        if scheme is not None:
+            raise MtpTrtError(f"{ckpt}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(ckpt, force=verify)
         rows = b.run_engines(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo,
                              threads=threads or None)
     else:
         with StageDisplay("preparing exports") as show:
             for mode in ("eagle", "vanilla"):
-                resolve_export(ckpt, mode, progress=show, verify=verify)
-        rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None)
-    meta = {"checkpoint": str(ckpt), "max_new_tokens": max_new_tokens, "repeats": repeats,
+                resolve_export(ckpt, mode, progress=show, verify=verify, scheme=scheme)
+        rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None,
+                     scheme=scheme)
+    meta = {"checkpoint": str(ckpt), "quant": (scheme or quant_mod.Scheme()).as_dict(), "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count(),
             "onnxruntime_threads": threads or default_threads()}
     b.write_json(rows, json_path, meta)

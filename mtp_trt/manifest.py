@@ -22,6 +22,7 @@ from typing import Any
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import cache_dir, read_json, write_atomic
+from mtp_trt.quant import Scheme, scheme
 
 FORMAT = "mtp-trt-export"
 FORMAT_VERSION = 1
@@ -189,6 +190,16 @@ class Manifest:
         return m
 
     @property
+    def quant(self) -> Scheme:
+        """The weights' quantization (mtp_trt/quant.py; exports without the field: none)."""
+        raw = self.raw.get("quant", {"scheme": "none"})
+        try:
+            return scheme(raw["scheme"], raw.get("block_size"))
+        except (MtpTrtError, TypeError, KeyError) as e:
+            raise MtpTrtError(f"{self.root / 'manifest.json'}: field 'quant' is {raw!r}, not a quantization this "
+                              f"mtp-trt reads ({e}); export again") from None
+
+    @property
     def files(self) -> list[tuple[str, str]]:
         """(file, sha256) of every graph and of the shared weights.bin (older exports: none)."""
         weights = self.raw.get("weights")
@@ -228,6 +239,7 @@ def _check_consistency(path: Path, m: Manifest) -> None:
     for name, _ in m.files:
         if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
             raise bad("graphs", f"names file {name!r}, which is not a plain file name in the export directory")
+    m.quant  # noqa: B018 (an unreadable 'quant' field fails here, naming it)
     for g in m.graphs.values():
         for t in g.inputs:
             if t.name in g.kv_inputs and t.dtype != m.dtype:

@@ -20,6 +20,7 @@ from mtp_trt.decode import DecodeOptions, Sequence, Stats, generate
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import cache_dir
 from mtp_trt.manifest import EXPORTER_REVISION, Manifest, verify_export
+from mtp_trt.quant import Scheme
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO_ROOT / "samples" / "demo-model"
@@ -42,15 +43,22 @@ def checkpoint_key(ckpt: Path, **options) -> str:
     return h.hexdigest()[:16]
 
 
-def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None, verify: bool = False) -> Manifest:
-    """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules.  Either
-    is checked against its manifest's hashes (once per change of its files; every time with `verify`)."""
+def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None, verify: bool = False,
+                   scheme: Scheme | None = None) -> Manifest:
+    """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules and the
+    weights quantized as `scheme` says (default: not).  Either is checked against its manifest's hashes (once
+    per change of its files; every time with `verify`)."""
     path = Path(model) if model else demo_model()
     if (path / "manifest.json").is_file():
         m = Manifest.load(path)
         if mtp_mode and mtp_mode != m.mtp_mode:
             raise MtpTrtError(f"{path}: exported in {m.mtp_mode} mode, but --mtp-mode {mtp_mode} was asked; "
                               f"export again with --mtp-mode {mtp_mode} (or pass the checkpoint)")
+        have = m.quant
+        if scheme is not None and scheme != have:
+            raise MtpTrtError(f"{path}: exported with --quant {have.name}"
+                              f"{f' --group-size {have.block_size}' if have.quantized else ''}, but --quant "
+                              f"{scheme.name} was asked; export again (or pass the checkpoint)")
         verify_export(m, force=verify)
         return m
     if not (path / "config.json").is_file():
@@ -58,14 +66,16 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     mode = mtp_mode or "eagle"
     from mtp_trt.plugins import ort_lib
 
-    key = checkpoint_key(path, mode=mode, cpu_ops=ort_lib.available()[0])  # (the default export uses them if it can)
-    out = cache_dir("exports") / f"{path.name}-{mode}-{key}"
-    m = export_cached(path, out, mode, progress or (lambda msg: None))
+    scheme = scheme or Scheme()
+    key = checkpoint_key(path, mode=mode, cpu_ops=ort_lib.available()[0],  # (the default export uses them if it can)
+                         **({"quant": scheme.tag} if scheme.quantized else {}))
+    out = cache_dir("exports") / f"{path.name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
+    m = export_cached(path, out, mode, progress or (lambda msg: None), scheme)
     verify_export(m, force=verify)
     return m
 
 
-def export_cached(ckpt: Path, out: Path, mode: str, progress) -> Manifest:
+def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = Scheme()) -> Manifest:
     """Export `ckpt` into the cache entry `out` unless it is there.  Any number of processes may ask at once:
     one exports (under a lock file in cache_dir("locks")), the others wait and reuse its result.  Partial
     directories left by killed processes are removed first (never a live one's: fsutil)."""
@@ -86,7 +96,8 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress) -> Manifest:
             if not (out / "manifest.json").is_file():
                 from mtp_trt.exporters.export import export  # torch: only on first use
 
-                export(ckpt, out, mtp_mode=mode, progress=progress)
+                export(ckpt, out, mtp_mode=mode, progress=progress, quant_scheme=scheme.name,
+                       group_size=scheme.block_size)
     return Manifest.load(out)
 
 
@@ -100,10 +111,12 @@ def verify_engines(engine_dir: Path, force: bool = False) -> dict:
 
 
 def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: int | None = None,
-                cuda_graphs: bool = True, progress=None, bos: bool | None = None, verify: bool = False) -> Runner:
+                cuda_graphs: bool = True, progress=None, bos: bool | None = None, verify: bool = False,
+                scheme: Scheme | None = None) -> Runner:
     """A Runner for an engine directory (engines.json: TensorRT on the GPU, mtp_trt/trt/runtime.py), an export
     directory or a checkpoint (ONNX Runtime on the CPU).  The files are checked against their manifest's hashes
-    (once per change of the files; every time with `verify`); `bos`: see mtp_trt.tokenizer."""
+    (once per change of the files; every time with `verify`); `bos`: see mtp_trt.tokenizer; `scheme`: the
+    quantization a checkpoint is exported with (resolve_export)."""
     path = Path(model) if model else demo_model()
     if (path / "engines.json").is_file():
         from mtp_trt.trt import manifest as em
@@ -112,9 +125,12 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
         m = em.load_export_manifest(path)
         if mtp_mode and mtp_mode != m.mtp_mode:
             raise MtpTrtError(f"{path}: engines of a {m.mtp_mode}-mode export, but --mtp-mode {mtp_mode} was asked")
+        if scheme is not None:
+            raise MtpTrtError(f"{path}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(path, force=verify)
         return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs), bos=bos)
-    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify), threads=threads, bos=bos)
+    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme), threads=threads,
+                  bos=bos)
 
 
 @dataclasses.dataclass

@@ -222,3 +222,15 @@ def check_export_memory(cfg, bytes_per_value: int, what: str) -> None:
                           f"(vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size}, intermediate sizes "
                           f"{cfg.intermediate_size} / {cfg.moe_intermediate_size}), more than this machine's "
                           f"{total / 2**30:,.1f} GiB of memory")
+
+
+def quant_scheme(name: str | None, group_size: int | None):
+    """`run`/`bench`'s --quant and --group-size: a checked mtp_trt.quant.Scheme, or None where neither was given
+    (a checkpoint is then exported unquantized; an export is used as it is)."""
+    from mtp_trt import quant
+
+    if name is None:
+        if group_size is not None:
+            raise MtpTrtError("--group-size needs --quant int8 or --quant int4")
+        return None
+    return quant.scheme(name, group_size)
