@@ -348,6 +348,20 @@ def evaluate(value: _Value, read: Callable[[str], Tensor], memo: dict | None = N
 
 
 # ------------------------------------------------------------------------------------- weights.bin
+class Packed:
+    """A tensor of an ONNX type torch has no dtype for (INT4: two values a byte): its bytes, type and dims."""
+
+    def __init__(self, data: Tensor, onnx_type: int, dims: list[int]):
+        self.data, self.onnx_type, self.dims = data, onnx_type, dims
+
+
+def _typed(t: Tensor | Packed) -> tuple[memoryview, int, list[int]]:
+    """(raw bytes, ONNX data type, dims) of a tensor to store."""
+    if isinstance(t, Packed):
+        return _raw(t.data), t.onnx_type, t.dims
+    return _raw(t), ONNX_TYPES[t.dtype], list(t.shape)
+
+
 class WeightStore:
     """weights.bin, written once for all the graphs of an export: each distinct tensor (by content) once,
     at a page-aligned offset; each recipe (a _Value's key) computed once."""
@@ -358,17 +372,16 @@ class WeightStore:
         self.by_content: dict[bytes, tuple[int, int]] = {}
         self.by_key: dict[bytes, tuple[int, int, int, list[int]]] = {}
 
-    def put(self, key: bytes, compute: Callable[[], Tensor]) -> tuple[int, int, int, list[int]]:
+    def put(self, key: bytes, compute: Callable[[], Tensor | Packed]) -> tuple[int, int, int, list[int]]:
         """-> (offset, bytes, ONNX data type, dims) of the tensor `compute` gives, stored once."""
         if key not in self.by_key:
-            t = compute()
-            raw = _raw(t)
-            digest = hashlib.sha256(raw).digest() + bytes([ONNX_TYPES[t.dtype]])
+            raw, onnx_type, dims = _typed(compute())
+            digest = hashlib.sha256(raw).digest() + bytes([onnx_type])
             if digest not in self.by_content:
                 self.file.write(b"\0" * (-self.file.tell() % self.align))
                 self.by_content[digest] = (self.file.tell(), len(raw))
                 self.file.write(raw)
-            self.by_key[key] = (*self.by_content[digest], ONNX_TYPES[t.dtype], list(t.shape))
+            self.by_key[key] = (*self.by_content[digest], onnx_type, dims)
         return self.by_key[key]
 
     def close(self) -> None:
@@ -385,10 +398,11 @@ class WeightStore:
         return len(self.by_content)
 
 
-def initializer(name: str, t: Tensor) -> onnx.TensorProto:
+def initializer(name: str, t: Tensor | Packed) -> onnx.TensorProto:
     """An inline initializer (raw_data)."""
-    proto = onnx.TensorProto(name=name, data_type=ONNX_TYPES[t.dtype], dims=list(t.shape))
-    proto.raw_data = bytes(_raw(t))
+    raw, onnx_type, dims = _typed(t)
+    proto = onnx.TensorProto(name=name, data_type=onnx_type, dims=dims)
+    proto.raw_data = bytes(raw)
     return proto
 
 
