@@ -36,7 +36,7 @@ import torch
 from onnx import helper
 
 from mtp_trt import quant
-from mtp_trt.exporters.streaming import Packed, _Value, evaluate
+from mtp_trt.exporters.streaming import Packed, _Value, evaluate, evaluate_row
 from mtp_trt.plugins.ort_lib import DOMAIN as CPU_DOMAIN
 
 MS_DOMAIN = "com.microsoft"
@@ -83,12 +83,25 @@ class QuantValue:
                                   else (k * n // 2,), dtype=meta_dtype, device="meta")
         self.shape = shape
 
-    def compute(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor | Packed:
-        if self.memo.get("key") != self.source_key:
+    def _quantize(self, read: Callable[[str], torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        """quant.quantize of the weight's rows [N, K]; stacked experts ([E, R, K]) one expert at a time."""
+        if len(self.rows) < 2:
             w = evaluate(self.source, read).float()
             w = w.T if self.transposed else w
-            data, scales = quant.quantize(w.reshape(-1, self.k).contiguous().numpy(), self.scheme)
+            return quant.quantize(w.reshape(-1, self.k).contiguous().numpy(), self.scheme)
+        data_shape, scale_shape = self.scheme.shapes(int(np.prod(self.rows[1:])), self.k)
+        data = np.empty((self.rows[0], *data_shape), np.uint8)
+        scales = np.empty((self.rows[0], *scale_shape), np.float32)
+        memo: dict = {}  # whatever cannot be taken row by row, evaluated once
+        for e in range(self.rows[0]):
+            w = evaluate_row(self.source, e, read, memo).float().reshape(-1, self.k)
+            data[e], scales[e] = quant.quantize(w.contiguous().numpy(), self.scheme)
+        return data.reshape(-1, *data_shape[1:]), scales.reshape(-1, scale_shape[1])
+
+    def compute(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor | Packed:
+        if self.memo.get("key") != self.source_key:
             self.memo.clear()
+            data, scales = self._quantize(read)
             self.memo.update(key=self.source_key, data=data, scales=scales)
         out = self.memo[self.part]
         if self.layout != "dq":
