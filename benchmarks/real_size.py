@@ -1,4 +1,4 @@
-"""Real-size random checkpoints (issue #16): decode tokens/s and peak RSS of `mtp-trt` on ONNX Runtime,
+"""Real-size random checkpoints: decode tokens/s and peak RSS of `mtp-trt` on ONNX Runtime,
 static vs routed MoE (llama.cpp beside it on the same checkpoints: benchmarks/llama_cpp.py).
 
 The checkpoints are made on the fly from a config (random weights, the demo's tokenizer, one MTP
