@@ -1,15 +1,17 @@
-"""mtp-trt beside llama.cpp on the same checkpoints (issue #16): HF -> GGUF f32 with llama.cpp's own converter,
+"""mtp-trt beside llama.cpp on the same checkpoints: HF -> GGUF f32 with llama.cpp's own converter,
 greedy tokens compared, decode tokens/s interleaved and peak RSS, batch 1, same threads.  Not run in CI.
 
 Needs llama-cpp-python (any Python: --llama-python) and its source distribution for the converter
 (convert_hf_to_gguf.py, conversion/, gguf-py/ under vendor/llama.cpp):
 
-  python benchmarks/llama_cpp.py --sdist /work/llama/sdist/llama_cpp_python-0.3.36.tar.gz \
-      --llama-python /work/venvs/llama/bin/python [--sizes demo 85m 304m] [--tokens 64] [--rounds 5] \
+  python -m venv LLAMA_VENV && LLAMA_VENV/bin/pip install llama-cpp-python==0.3.36
+  pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d SDIST_DIR
+  python benchmarks/llama_cpp.py --sdist SDIST_DIR/llama_cpp_python-0.3.36.tar.gz \
+      --llama-python LLAMA_VENV/bin/python [--sizes demo 85m 304m] [--tokens 64] [--rounds 5] \
       [--threads 2] [--nextn 0 1 2 3] [--transformers]
 
 Checkpoints: the demo (samples/demo-model) and benchmarks/real_size.py's random 85m / 304m (made on the fly).
-Everything converted or exported goes under $MTP_TRT_CACHE_DIR/bench-real-size (never into git).  The
+Everything converted or exported goes under mtp-trt's cache directory, in bench-real-size (never into git).  The
 converter needs the demo tokenizer's pre-tokenizer registered: it is byte-level BPE with GPT-2's split
 regex, so this script answers "gpt-2" for its hash (llama.cpp only sees token ids here anyway: both engines
 get the same prompt ids, starting with BOS, as llama.cpp expects).
@@ -21,7 +23,7 @@ first token (the prompt's pass excluded: for mtp-trt, the time of a one-token ge
 new tokens / the whole generation's time (prompt included, as benchmarks/real_size.py reports); and the best
 round's decode rate (the quietest moment of a shared machine).  Both engines run without busy-waiting
 threads with --no-spin (OrtBackend(spin=False), OMP_WAIT_POLICY=PASSIVE for llama.cpp's OpenMP build: on a busy
-2-core VM it made llama.cpp's 2-thread decoding ~2x faster); by default both spin, as each does on its own.
+2-core CPU it made llama.cpp's 2-thread decoding ~2x faster); by default both spin, as each does on its own.
 """
 
 from __future__ import annotations
@@ -267,7 +269,8 @@ def child_script(*args) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["demo", "85m", "304m"], choices=["demo", "85m", "304m"])
-    ap.add_argument("--sdist", type=Path, default=Path("/work/llama/sdist/llama_cpp_python-0.3.36.tar.gz"))
+    ap.add_argument("--sdist", type=Path, required=True,
+                    help="llama-cpp-python's source distribution (pip download --no-binary :all:), for its converter")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python with llama_cpp installed")
     ap.add_argument("--nextn", type=int, nargs="+", default=None,
                     help="mtp-trt configurations (default: 0 1 2 3 on the demo, 0 on the others)")

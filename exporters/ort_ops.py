@@ -2,7 +2,7 @@
 meant for ONNX Runtime only (the default; `--moe-form tensorrt` keeps standard operators, for TensorRT).
 
 Each is a torch.autograd.Function that computes the reference's arithmetic when traced and exports as one
-ONNX Runtime node, to cut the kernels a decode step launches (README, "Per-step overhead"):
+ONNX Runtime node, to cut the kernels a decode step launches (docs/benchmarks.md):
   * RotaryEmbedding: RoPE on x [B, S, heads * Dr] at positions [B, S] from the cos/sin tables [P, Dr/2]
     (model.apply_rope's products; either pair layout) -- one node instead of a gather and two multiply-adds;
   * SkipSimplifiedLayerNormalization: a residual add and the RMSNorm after it, (norm(h + delta), h + delta) --

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import cache_dir
 
 DOMAIN = "mtp_trt.cpu"
 SOURCE_DIR = Path(__file__).resolve().parent / "ort"
@@ -111,8 +112,7 @@ def resolve_library() -> Path:
     ok, why = prebuilt_current()
     if ok:
         return PREBUILT_LIB
-    cached = Path(os.environ.get("MTP_TRT_CACHE_DIR", Path.home() / ".cache" / "mtp-trt")) / "ort-ops" / \
-        f"libmtp_ort_ops-{source_hash()}.so"
+    cached = cache_dir("ort-ops", f"libmtp_ort_ops-{source_hash()}.so")
     if cached.is_file():
         return cached
     try:
