@@ -24,7 +24,7 @@ from mtp_trt.errors import MtpTrtError
 
 DOMAIN = "mtp_trt.cpu"
 SOURCE_DIR = Path(__file__).resolve().parent / "ort"
-SOURCES = ("kernels.h", "kernels.cpp", "mtp_ort_ops.cpp")
+SOURCES = ("kernels.h", "qkernels_impl.h", "kernels.cpp", "mtp_ort_ops.cpp")
 PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
 PREBUILT_LIB, PREBUILT_INFO = PREBUILT_DIR / "libmtp_ort_ops.so", PREBUILT_DIR / "libmtp_ort_ops.json"
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")

@@ -1,5 +1,6 @@
 // kernels.cpp -- the CPU kernels of kernels.h: an AVX2/FMA path (chosen at run time where the CPU has it) and
-// a portable scalar path with the same results up to float rounding.
+// a portable scalar path with the same results up to float rounding; the quantized products also have a
+// VNNI path (qkernels_impl.h).
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 namespace mtp_ort {
@@ -319,6 +321,223 @@ void route_token(const float* logits, size_t n_experts, bool softmax_scoring, co
         if (norm_topk_prob) weight[r] /= sum + 1e-20f;
         if (scaling != 1.f) weight[r] *= scaling;
     }
+}
+
+
+// ------------------------------------------------------------------------------ quantized products
+namespace {
+
+// One activation row quantized for a weight format (quantize_rows): n32 blocks of 32 values,
+//   q      int8  [n32 * 32]  for 4-bit weights each block's even elements, then its odd ones
+//   corr   int32 [n32 * 8]   -z * (the sum of q over a weight block), in the lane the block's products fill
+//   scale  float [n32]
+// rows `bytes` apart.  The layout and the kernels below (qkernels_impl.h) belong together.
+struct QAct {
+    size_t n32, corr_at, scale_at, bytes;
+    explicit QAct(const QWeights& w)
+        : n32((w.blocks() * w.block + 31) / 32), corr_at(32 * n32), scale_at(64 * n32),
+          bytes((68 * n32 + 63) / 64 * 64) {}
+};
+
+constexpr int kRows = 4;  // weight rows per tile
+constexpr int kMaxC = 4;  // activation rows per tile
+
+enum class QPath { scalar, avx2, avx_vnni, avx512_vnni };
+
+QPath qpath() {
+    static const QPath path = [] {
+        if (!use_avx2()) return QPath::scalar;
+        if (!std::getenv("MTP_ORT_NO_VNNI")) {
+            if (!std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512vnni") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+                return QPath::avx512_vnni;
+            if (__builtin_cpu_supports("avxvnni")) return QPath::avx_vnni;
+        }
+        return QPath::avx2;
+    }();
+    return path;
+}
+
+// The zero-point correction of one block (sums of q over its first and second 16 values) in the lanes of
+// the weight blocks' products: one block of >= 32 values in lane 0; two blocks of 16 in lanes 0 and 4
+// (8 bits: 16 bytes each) or 0 and 2 (4 bits: the even-then-odd order puts a's bytes in lanes 0, 1, 4, 5).
+void store_corr(int32_t s0, int32_t s1, const QWeights& w, int32_t* corr) {
+    const int32_t z = 1 << (w.bits - 1);
+    std::fill(corr, corr + 8, 0);
+    if (w.block > 16) {
+        corr[0] = -z * (s0 + s1);
+    } else {
+        corr[0] = -z * s0;
+        corr[w.bits == 4 ? 2 : 4] = -z * s1;
+    }
+}
+
+// Block kb of a row of k values: scale = max|x| / 127, q = round-half-even(x / scale), zeros past k.
+void quantize_block_scalar(const float* x, size_t k, size_t kb, const QWeights& w, const QAct& a, uint8_t* row) {
+    float v[32];
+    for (size_t t = 0; t < 32; ++t) v[t] = kb * 32 + t < k ? x[kb * 32 + t] : 0.f;
+    float amax = 0.f;
+    for (float f : v) amax = std::max(amax, std::fabs(f));
+    const float s = amax / 127.f;
+    int8_t q[32];
+    int32_t sum[2] = {0, 0};
+    for (size_t t = 0; t < 32; ++t) {
+        q[t] = s > 0.f ? int8_t(std::clamp(std::nearbyint(v[t] / s), -127.f, 127.f)) : int8_t(0);
+        sum[t / 16] += q[t];
+    }
+    int8_t* out = reinterpret_cast<int8_t*>(row) + 32 * kb;
+    for (size_t t = 0; t < 32; ++t) out[w.bits == 4 ? (t % 2) * 16 + t / 2 : t] = q[t];
+    store_corr(sum[0], sum[1], w, reinterpret_cast<int32_t*>(row + a.corr_at) + 8 * kb);
+    reinterpret_cast<float*>(row + a.scale_at)[kb] = s;
+}
+
+AVX2 inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// quantize_block_scalar's bytes, 32 values at a time (the same divisions and roundings).
+AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeights& w, const QAct& a,
+                              uint8_t* row) {
+    float pad[32];
+    const float* src = x + 32 * kb;
+    if (32 * kb + 32 > k) {
+        std::fill(pad, pad + 32, 0.f);
+        if (32 * kb < k) std::copy(src, x + k, pad);
+        src = pad;
+    }
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+        v[t] = _mm256_loadu_ps(src + 8 * t);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[t]));
+    }
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+    const float s = _mm256_cvtss_f32(m) / 127.f;
+    reinterpret_cast<float*>(row + a.scale_at)[kb] = s;
+    int32_t* corr = reinterpret_cast<int32_t*>(row + a.corr_at) + 8 * kb;
+    __m256i* out = reinterpret_cast<__m256i*>(row + 32 * kb);
+    if (!(s > 0.f)) {
+        _mm256_storeu_si256(out, _mm256_setzero_si256());
+        return store_corr(0, 0, w, corr);
+    }
+    const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    __m256i q[4];
+    for (int t = 0; t < 4; ++t) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[t], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[t] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    store_corr(hsum_epi32(_mm256_add_epi32(q[0], q[1])), hsum_epi32(_mm256_add_epi32(q[2], q[3])), w, corr);
+    // packs interleave the 128-bit lanes: dwords come out as 0 2 4 6 1 3 5 7 of the natural order
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (w.bits == 4) {  // even elements then odd ones: within each 16-byte lane, then across the lanes
+        const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4,
+                                                    6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, evens_odds), 0xD8);
+    }
+    _mm256_storeu_si256(out, p);
+}
+
+// The integer dot product of elements [16 g, 16 g + 16) of activation block kb with the weights.
+int32_t group_dot_scalar(const int8_t* xq, const uint8_t* wr, size_t kb, int g, int bits) {
+    int32_t dot = 0;
+    const int z = 1 << (bits - 1);
+    for (size_t e = 16 * g; e < 16 * size_t(g) + 16; ++e) {
+        if (bits == 4) {
+            const uint8_t byte = wr[16 * kb + e / 2];
+            dot += xq[32 * kb + (e % 2) * 16 + e / 2] * (int(e % 2 ? byte >> 4 : byte & 15) - z);
+        } else {
+            dot += xq[32 * kb + e] * (int(wr[32 * kb + e]) - z);
+        }
+    }
+    return dot;
+}
+
+void qrows_dot_scalar(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
+    const QAct a(w);
+    const size_t kp = w.blocks() * w.block;
+    for (size_t i = 0; i < m; ++i) {
+        const uint8_t* row = qx + i * a.bytes;
+        const int8_t* xq = reinterpret_cast<const int8_t*>(row);
+        const float* xs = reinterpret_cast<const float*>(row + a.scale_at);
+        for (size_t j = 0; j < n; ++j) {
+            const uint8_t* wr = w.data + j * w.row_bytes();
+            const float* ws = w.scales + j * w.blocks();
+            float acc = 0.f;
+            for (size_t kb = 0; kb < a.n32; ++kb) {
+                const int32_t d0 = group_dot_scalar(xq, wr, kb, 0, w.bits);
+                const int32_t d1 = 32 * kb + 16 < kp ? group_dot_scalar(xq, wr, kb, 1, w.bits) : 0;
+                if (w.block == 16) {
+                    acc += float(d0) * xs[kb] * ws[2 * kb];
+                    if (32 * kb + 16 < kp) acc += float(d1) * xs[kb] * ws[2 * kb + 1];
+                } else {
+                    acc += float(d0 + d1) * xs[kb] * ws[32 * kb / w.block];
+                }
+            }
+            y[i * ldy + j] = acc;
+        }
+    }
+}
+
+// The vector paths: qkernels_impl.h once per instruction set.
+#define QK AVX2
+#define QK_VNNI 0
+namespace q_avx2 {
+#include "qkernels_impl.h"
+}  // namespace q_avx2
+#undef QK
+#undef QK_VNNI
+
+#define QK __attribute__((target("avx2,fma,avxvnni")))
+#define QK_VNNI 1
+#define QK_DPBUSD _mm256_dpbusd_avx_epi32
+namespace q_avx_vnni {
+#include "qkernels_impl.h"
+}  // namespace q_avx_vnni
+#undef QK
+#undef QK_DPBUSD
+
+// (256-bit vectors still, but EVEX: 32 registers for the tiles)
+#define QK __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define QK_DPBUSD _mm256_dpbusd_epi32
+namespace q_avx512_vnni {
+#include "qkernels_impl.h"
+}  // namespace q_avx512_vnni
+#undef QK
+#undef QK_VNNI
+#undef QK_DPBUSD
+
+}  // namespace
+
+size_t qrow_bytes(const QWeights& w) { return QAct(w).bytes; }
+
+void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint8_t* qx) {
+    const QAct a(w);
+    const bool vec = qpath() != QPath::scalar;
+    for (size_t i = 0; i < m; ++i)
+        for (size_t kb = 0; kb < a.n32; ++kb) {
+            if (vec) quantize_block_avx2(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+            else quantize_block_scalar(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+        }
+}
+
+void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
+    switch (qpath()) {
+        case QPath::avx512_vnni: return q_avx512_vnni::qrows_dot(qx, m, w, n, y, ldy);
+        case QPath::avx_vnni: return q_avx_vnni::qrows_dot(qx, m, w, n, y, ldy);
+        case QPath::avx2: return q_avx2::qrows_dot(qx, m, w, n, y, ldy);
+        default: return qrows_dot_scalar(qx, m, w, n, y, ldy);
+    }
+}
+
+const char* qpath_name() {
+    static const char* names[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni"};
+    return names[int(qpath())];
 }
 
 }  // namespace mtp_ort
