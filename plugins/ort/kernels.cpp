@@ -327,20 +327,28 @@ void route_token(const float* logits, size_t n_experts, bool softmax_scoring, co
 // ------------------------------------------------------------------------------ quantized products
 namespace {
 
-// One activation row quantized for a weight format (quantize_rows): n32 blocks of 32 values,
-//   q      int8  [n32 * 32]  for 4-bit weights each block's even elements, then its odd ones
-//   corr   int32 [n32 * 8]   -z * (the sum of q over a weight block), in the lane the block's products fill
-//   scale  float [n32]
-// rows `bytes` apart.  The layout and the kernels below (qkernels_impl.h) belong together.
+// One activation row quantized for a weight format (quantize_rows), in groups of 4 blocks of 32 values (the
+// row zero-padded to whole groups).  A lane is 4 bytes of a weight row (8 values at 4 bits, 4 at 8 bits): the
+// vector kernels' int32 products come out one per lane (qkernels_impl.h).
+//   q      int8  [groups * 128]  8 bits: in x's order; 4 bits: each group's even elements, block by block, then
+//                                its odd ones -- the order of a weight vector's low nibbles, then its high ones
+//   corr   int32 [lanes]         -z * (the sum of q over each weight block's values in an activation block), in
+//                                the first lane of those values (z = 2^(bits-1)); 0 elsewhere
+//   scale  float [lanes]         each lane's activation block's scale
+// rows `bytes` apart.  The layout and the kernels belong together.
 struct QAct {
-    size_t n32, corr_at, scale_at, bytes;
+    size_t groups, lanes, corr_at, scale_at, bytes;
     explicit QAct(const QWeights& w)
-        : n32((w.blocks() * w.block + 31) / 32), corr_at(32 * n32), scale_at(64 * n32),
-          bytes((68 * n32 + 63) / 64 * 64) {}
+        : groups((w.blocks() * w.block + 127) / 128), lanes(groups * 4 * size_t(w.bits)), corr_at(128 * groups),
+          scale_at(corr_at + 4 * lanes), bytes(scale_at + 4 * lanes) {}
+    size_t blocks() const { return 4 * groups; }
+    // where element e < 32 of activation block kb goes in q
+    static size_t at(size_t kb, size_t e, int bits) {
+        return bits == 8 ? 32 * kb + e : kb / 4 * 128 + (e % 2) * 64 + kb % 4 * 16 + e / 2;
+    }
 };
 
 constexpr int kRows = 4;  // weight rows per tile
-constexpr int kMaxC = 4;  // activation rows per tile
 
 enum class QPath { scalar, avx2, avx_vnni, avx512_vnni };
 
@@ -349,7 +357,8 @@ QPath qpath() {
         if (!use_avx2()) return QPath::scalar;
         if (!std::getenv("MTP_ORT_NO_VNNI")) {
             if (!std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512vnni") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512dq"))
                 return QPath::avx512_vnni;
             if (__builtin_cpu_supports("avxvnni")) return QPath::avx_vnni;
         }
@@ -358,18 +367,19 @@ QPath qpath() {
     return path;
 }
 
-// The zero-point correction of one block (sums of q over its first and second 16 values) in the lanes of
-// the weight blocks' products: one block of >= 32 values in lane 0; two blocks of 16 in lanes 0 and 4
-// (8 bits: 16 bytes each) or 0 and 2 (4 bits: the even-then-odd order puts a's bytes in lanes 0, 1, 4, 5).
-void store_corr(int32_t s0, int32_t s1, const QWeights& w, int32_t* corr) {
+// Block kb's lanes (`bits` of them): its scale, and the zero-point correction of its 16-value halves' sums
+// s0, s1 -- one sum in the first lane for weight blocks of >= 32 values, else each half's in its first lane.
+void store_lanes(float scale, int32_t s0, int32_t s1, size_t kb, const QWeights& w, const QAct& a, uint8_t* row) {
     const int32_t z = 1 << (w.bits - 1);
-    std::fill(corr, corr + 8, 0);
+    const size_t n = size_t(w.bits), lane = kb * n;
+    int32_t* corr = reinterpret_cast<int32_t*>(row + a.corr_at) + lane;
+    std::fill(corr, corr + n, 0);
     if (w.block > 16) {
         corr[0] = -z * (s0 + s1);
     } else {
-        corr[0] = -z * s0;
-        corr[w.bits == 4 ? 2 : 4] = -z * s1;
+        corr[0] = -z * s0, corr[n / 2] = -z * s1;
     }
+    std::fill_n(reinterpret_cast<float*>(row + a.scale_at) + lane, n, scale);
 }
 
 // Block kb of a row of k values: scale = max|x| / 127, q = round-half-even(x / scale), zeros past k.
@@ -379,16 +389,13 @@ void quantize_block_scalar(const float* x, size_t k, size_t kb, const QWeights& 
     float amax = 0.f;
     for (float f : v) amax = std::max(amax, std::fabs(f));
     const float s = amax / 127.f;
-    int8_t q[32];
     int32_t sum[2] = {0, 0};
     for (size_t t = 0; t < 32; ++t) {
-        q[t] = s > 0.f ? int8_t(std::clamp(std::nearbyint(v[t] / s), -127.f, 127.f)) : int8_t(0);
-        sum[t / 16] += q[t];
+        const int8_t q = s > 0.f ? int8_t(std::clamp(std::nearbyint(v[t] / s), -127.f, 127.f)) : int8_t(0);
+        reinterpret_cast<int8_t*>(row)[QAct::at(kb, t, w.bits)] = q;
+        sum[t / 16] += q;
     }
-    int8_t* out = reinterpret_cast<int8_t*>(row) + 32 * kb;
-    for (size_t t = 0; t < 32; ++t) out[w.bits == 4 ? (t % 2) * 16 + t / 2 : t] = q[t];
-    store_corr(sum[0], sum[1], w, reinterpret_cast<int32_t*>(row + a.corr_at) + 8 * kb);
-    reinterpret_cast<float*>(row + a.scale_at)[kb] = s;
+    store_lanes(s, sum[0], sum[1], kb, w, a, row);
 }
 
 AVX2 inline int32_t hsum_epi32(__m256i v) {
@@ -418,12 +425,14 @@ AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeight
     m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
     m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
     const float s = _mm256_cvtss_f32(m) / 127.f;
-    reinterpret_cast<float*>(row + a.scale_at)[kb] = s;
-    int32_t* corr = reinterpret_cast<int32_t*>(row + a.corr_at) + 8 * kb;
-    __m256i* out = reinterpret_cast<__m256i*>(row + 32 * kb);
     if (!(s > 0.f)) {
-        _mm256_storeu_si256(out, _mm256_setzero_si256());
-        return store_corr(0, 0, w, corr);
+        if (w.bits == 8) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * kb), _mm256_setzero_si256());
+        } else {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 0, 4)), _mm_setzero_si128());
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 1, 4)), _mm_setzero_si128());
+        }
+        return store_lanes(0.f, 0, 0, kb, w, a, row);
     }
     const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
     __m256i q[4];
@@ -431,36 +440,34 @@ AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeight
         const __m256 r = _mm256_round_ps(_mm256_div_ps(v[t], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         q[t] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     }
-    store_corr(hsum_epi32(_mm256_add_epi32(q[0], q[1])), hsum_epi32(_mm256_add_epi32(q[2], q[3])), w, corr);
+    store_lanes(s, hsum_epi32(_mm256_add_epi32(q[0], q[1])), hsum_epi32(_mm256_add_epi32(q[2], q[3])), kb, w, a, row);
     // packs interleave the 128-bit lanes: dwords come out as 0 2 4 6 1 3 5 7 of the natural order
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (w.bits == 4) {  // even elements then odd ones: within each 16-byte lane, then across the lanes
-        const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4,
-                                                    6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-        p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, evens_odds), 0xD8);
-    }
-    _mm256_storeu_si256(out, p);
+    if (w.bits == 8) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * kb), p);
+    // even elements, then odd ones: within each 16-byte lane, then across the lanes
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
+                                                10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, evens_odds), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 0, 4)), _mm256_castsi256_si128(p));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 1, 4)), _mm256_extracti128_si256(p, 1));
 }
 
-// The integer dot product of elements [16 g, 16 g + 16) of activation block kb with the weights.
-int32_t group_dot_scalar(const int8_t* xq, const uint8_t* wr, size_t kb, int g, int bits) {
+// The integer dot product of elements [16 h, 16 h + 16) of activation block kb with weight row wr.
+int32_t half_dot_scalar(const int8_t* xq, const uint8_t* wr, size_t kb, size_t h, int bits) {
     int32_t dot = 0;
     const int z = 1 << (bits - 1);
-    for (size_t e = 16 * g; e < 16 * size_t(g) + 16; ++e) {
-        if (bits == 4) {
-            const uint8_t byte = wr[16 * kb + e / 2];
-            dot += xq[32 * kb + (e % 2) * 16 + e / 2] * (int(e % 2 ? byte >> 4 : byte & 15) - z);
-        } else {
-            dot += xq[32 * kb + e] * (int(wr[32 * kb + e]) - z);
-        }
+    for (size_t e = 16 * h; e < 16 * h + 16; ++e) {
+        const uint8_t byte = bits == 4 ? wr[16 * kb + e / 2] : wr[32 * kb + e];
+        const int u = bits == 8 ? byte : e % 2 ? byte >> 4 : byte & 15;
+        dot += xq[QAct::at(kb, e, bits)] * (u - z);
     }
     return dot;
 }
 
 void qrows_dot_scalar(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
     const QAct a(w);
-    const size_t kp = w.blocks() * w.block;
+    const size_t kp = w.blocks() * w.block, n32 = (kp + 31) / 32;
     for (size_t i = 0; i < m; ++i) {
         const uint8_t* row = qx + i * a.bytes;
         const int8_t* xq = reinterpret_cast<const int8_t*>(row);
@@ -469,14 +476,16 @@ void qrows_dot_scalar(const uint8_t* qx, size_t m, const QWeights& w, size_t n, 
             const uint8_t* wr = w.data + j * w.row_bytes();
             const float* ws = w.scales + j * w.blocks();
             float acc = 0.f;
-            for (size_t kb = 0; kb < a.n32; ++kb) {
-                const int32_t d0 = group_dot_scalar(xq, wr, kb, 0, w.bits);
-                const int32_t d1 = 32 * kb + 16 < kp ? group_dot_scalar(xq, wr, kb, 1, w.bits) : 0;
+            for (size_t kb = 0; kb < n32; ++kb) {
+                const bool two = 32 * kb + 16 < kp;  // (the last block of 16 may be alone)
+                const int32_t d0 = half_dot_scalar(xq, wr, kb, 0, w.bits);
+                const int32_t d1 = two ? half_dot_scalar(xq, wr, kb, 1, w.bits) : 0;
+                const float x_scale = xs[kb * size_t(w.bits)];
                 if (w.block == 16) {
-                    acc += float(d0) * xs[kb] * ws[2 * kb];
-                    if (32 * kb + 16 < kp) acc += float(d1) * xs[kb] * ws[2 * kb + 1];
+                    acc += float(d0) * x_scale * ws[2 * kb];
+                    if (two) acc += float(d1) * x_scale * ws[2 * kb + 1];
                 } else {
-                    acc += float(d0 + d1) * xs[kb] * ws[32 * kb / w.block];
+                    acc += float(d0 + d1) * x_scale * ws[32 * kb / w.block];
                 }
             }
             y[i * ldy + j] = acc;
@@ -487,6 +496,8 @@ void qrows_dot_scalar(const uint8_t* qx, size_t m, const QWeights& w, size_t n, 
 // The vector paths: qkernels_impl.h once per instruction set.
 #define QK AVX2
 #define QK_VNNI 0
+#define QK_512 0
+#define QK_MAXC 2
 namespace q_avx2 {
 #include "qkernels_impl.h"
 }  // namespace q_avx2
@@ -502,15 +513,20 @@ namespace q_avx_vnni {
 #undef QK
 #undef QK_DPBUSD
 
-// (256-bit vectors still, but EVEX: 32 registers for the tiles)
-#define QK __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
+#undef QK_512
+#define QK __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 #define QK_DPBUSD _mm256_dpbusd_epi32
+#define QK_512 1
+#undef QK_MAXC
+#define QK_MAXC 4
 namespace q_avx512_vnni {
 #include "qkernels_impl.h"
 }  // namespace q_avx512_vnni
 #undef QK
 #undef QK_VNNI
 #undef QK_DPBUSD
+#undef QK_512
+#undef QK_MAXC
 
 }  // namespace
 
@@ -520,7 +536,7 @@ void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint
     const QAct a(w);
     const bool vec = qpath() != QPath::scalar;
     for (size_t i = 0; i < m; ++i)
-        for (size_t kb = 0; kb < a.n32; ++kb) {
+        for (size_t kb = 0; kb < a.blocks(); ++kb) {
             if (vec) quantize_block_avx2(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
             else quantize_block_scalar(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
         }

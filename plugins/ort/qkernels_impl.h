@@ -2,139 +2,214 @@
 // per set, each time inside a namespace of its own and with these macros defined:
 //   QK         the attribute naming the set, on every function here (__attribute__((target(...))))
 //   QK_VNNI    1: 4-byte integer dot products by vpdpbusd;  0: by vpmaddubsw + vpmaddwd (AVX2)
-//   QK_DPBUSD  with QK_VNNI, the set's vpdpbusd intrinsic (AVX-VNNI's VEX form or AVX512-VNNI's EVEX form)
+//   QK_DPBUSD  with QK_VNNI and 256-bit vectors, the set's vpdpbusd (AVX-VNNI's VEX form or AVX512-VNNI's EVEX)
+//   QK_512     1: 512-bit vectors (AVX512-VNNI), 0: 256-bit
+//   QK_MAXC    activation rows per tile (what the set's registers hold)
 // and, from kernels.cpp, the activation row layout (QAct).  No include guard: it is meant to be included
 // several times.
 //
-// Each 32-value block of an activation row (qx) meets 32 weights in one 256-bit vector of bytes: the 8-bit
-// weights as stored; the 4-bit ones unpacked from their 16 bytes as [low nibbles | high nibbles], i.e. the
-// even elements then the odd ones, which is why quantize_rows stores 4-bit rows' blocks in that order.
-// The weights are the unsigned u = q + z (z = 2^(bits-1)), so a block's integer dot product is
-// sum(u * xq) - z * sum(xq): the second term comes precomputed with the row (QAct::corr, in the lane its
-// weight block's products fill) and starts the integer accumulator.  AVX2 has no unsigned x signed
-// product that cannot saturate for 8-bit weights (two 255 * 127 products overflow int16), so there they are
-// taken as signed q with the sign moved onto x (|q| <= 128, pairs <= 32512) and need no correction.
+// A weight row is read as it is stored, one vector of bytes at a time ("a step"); each int32 lane of the
+// products covers 4 of those bytes.  8-bit weights meet x's values in their order.  4-bit weights are split
+// into their low nibbles (even elements) and high nibbles (odd elements), two vectors whose products with the
+// two matching halves of x (QAct's order) add up lane by lane: no shuffle across the vector.  The weights are
+// the unsigned u = q + z (z = 2^(bits-1)), so a block's integer dot product is sum(u * xq) - z * sum(xq): the
+// second term comes with the row (QAct::corr, in the first lane of the block) and starts the accumulator.
+// AVX2 has no unsigned x signed product that cannot saturate for 8-bit weights (two 255 * 127 products
+// overflow int16), so there they are taken as signed q with the sign moved onto x (|q| <= 128, pairs <=
+// 32512) and need no correction.  Each lane's sum is exact; it is then scaled by its activation block's and
+// weight block's scales into float accumulators.
 
-// 32 weights of one row at p as bytes in the activation block's order (Tail: only the first 16 exist).
-template <int Bits, bool Tail>
-QK inline __m256i load_weights(const uint8_t* p) {
-    if constexpr (Bits == 4) {
-        const __m128i b = Tail ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))
-                               : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-    } else {
-        return Tail ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
-                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#if QK_512
+struct Vec {
+    using F = __m512;
+    using I = __m512i;
+    static constexpr int kLanes = 16;
+    QK static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+    QK static I load_part(const uint8_t* p, size_t bytes) {  // the first `bytes` (< 64), zeros after
+        return _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << bytes) - 1), p);
     }
-}
-
-// The weight scales of activation block kb, one per int32 lane of the block's products.  Blocks of 16 put
-// two scales (a, b) in one activation block: 8-bit lanes are [a a a a b b b b]; 4-bit lanes, the
-// even-then-odd order, [a a b b a a b b].
-template <int Bits, bool B16, bool Tail>
-QK inline __m256 load_scales(const float* s, size_t kb, int shift) {
-    if constexpr (!B16) {
-        return _mm256_broadcast_ss(s + (kb >> shift));
-    } else if constexpr (Tail) {
-        return _mm256_broadcast_ss(s + 2 * kb);  // (b's lanes hold zeros)
-    } else {
-        double pair;
-        std::memcpy(&pair, s + 2 * kb, sizeof pair);
-        const __m256 ab = _mm256_castpd_ps(_mm256_set1_pd(pair));  // a b a b a b a b
-        if constexpr (Bits == 4) return _mm256_unpacklo_ps(ab, ab);
-        return _mm256_permutevar8x32_ps(ab, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    QK static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+    QK static F loadf_part(const float* p, size_t n) { return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p); }
+    QK static F set1(float f) { return _mm512_set1_ps(f); }
+    QK static I set1_8(char b) { return _mm512_set1_epi8(b); }
+    QK static F zero() { return _mm512_setzero_ps(); }
+    QK static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+    QK static I srl32(I v, int n) { return _mm512_srli_epi32(v, n); }
+    QK static I low_nibbles(I v) { return _mm512_and_si512(v, set1_8(0x0F)); }
+    QK static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), set1_8(0x0F)); }
+    QK static F spread(I idx, F v) { return _mm512_permutexvar_ps(idx, v); }
+    QK static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
+    QK static F scale_add(I d, const float* xs, F ws, F acc) {
+        return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), loadf(xs)), ws, acc);
     }
-}
-
-// The integer products of one weight vector u with one activation block (int32 lanes, exact).
-template <int Bits>
-QK inline __m256i block_dot(__m256i u, const uint8_t* x, const QAct& a, size_t kb) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * kb));
-    const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + a.corr_at) + kb);
-#if QK_VNNI
-    return QK_DPBUSD(corr, u, xv);
+    QK static float hsum(F v) {
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+};
 #else
-    const __m256i ones = _mm256_set1_epi16(1);
-    if constexpr (Bits == 8) {
-        const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(char(0x80)));  // u - 128 as int8
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xv, q)), ones);
-    } else {
-        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones), corr);  // u <= 15: exact
+struct Vec {
+    using F = __m256;
+    using I = __m256i;
+    static constexpr int kLanes = 8;
+    QK static __m256i lanes_mask(size_t n) {  // lanes < n all ones
+        return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     }
+    QK static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    QK static I load_part(const uint8_t* p, size_t bytes) {  // (bytes: a multiple of 4 below 32)
+        return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), lanes_mask(bytes / 4));
+    }
+    QK static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+    QK static F loadf_part(const float* p, size_t n) { return _mm256_maskload_ps(p, lanes_mask(n)); }
+    QK static F set1(float f) { return _mm256_set1_ps(f); }
+    QK static I set1_8(char b) { return _mm256_set1_epi8(b); }
+    QK static F zero() { return _mm256_setzero_ps(); }
+    QK static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+    QK static I srl32(I v, int n) { return _mm256_srli_epi32(v, n); }
+    QK static I low_nibbles(I v) { return _mm256_and_si256(v, set1_8(0x0F)); }
+    QK static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), set1_8(0x0F)); }
+    QK static F spread(I idx, F v) { return _mm256_permutevar8x32_ps(v, idx); }
+#if QK_VNNI
+    QK static I dot(I acc, I u, I x) { return QK_DPBUSD(acc, u, x); }
 #endif
-}
+    QK static F scale_add(I d, const float* xs, F ws, F acc) {
+        return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), loadf(xs)), ws, acc);
+    }
+    QK static float hsum(F v) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+};
+#endif
 
-// One activation block kb for R weight rows by C activation rows.
-template <int Bits, bool B16, int R, int C, bool Tail>
-QK inline void tile_block(const uint8_t* w, size_t ldw, const float* ws, size_t ldws, const uint8_t* x, size_t ldx,
-                          const QAct& a, size_t kb, int shift, __m256 (&acc)[R][C]) {
-    __m256 xs[C];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-        xs[c] = _mm256_broadcast_ss(reinterpret_cast<const float*>(x + c * ldx + a.scale_at) + kb);
+constexpr size_t kStep = 4 * Vec::kLanes;  // weight bytes per step
+
+// Where one step's data lie: weights at byte `at` of the row; x's values (4 bits: the low-nibble half, the
+// high-nibble half 64 bytes further) and its lanes (corr, scale) in the activation row.
+struct Step {
+    size_t at, x, lane;
+    Step(size_t at_, int bits) : at(at_), x(bits == 4 ? at_ / 64 * 128 + at_ % 64 : at_), lane(at_ / 4) {}
+};
+
+// The weight scales of one step's lanes: one weight block spans `bpw` bytes; a block as wide as the vector
+// or wider is one broadcast scale, narrower ones are spread by idx (lane l takes the block of byte 4 l).
+struct Scales {
+    size_t bpw;
+    int shift;  // log2(bpw)
+    Vec::I idx;
+    QK explicit Scales(const QWeights& w)
+        : bpw(w.block * size_t(w.bits) / 8), shift(__builtin_ctzl(bpw)), idx(Vec::srl32(Vec::iota(), shift - 2)) {}
+    template <bool Part>
+    QK Vec::F at(const float* ws, size_t at, size_t bytes) const {
+        if (bpw >= kStep) return Vec::set1(ws[at >> shift]);
+        const float* first = ws + (at >> shift);
+        return Vec::spread(idx, Part ? Vec::loadf_part(first, (bytes + bpw - 1) >> shift) : Vec::loadf(first));
+    }
+};
+
+// The exact integer products of one step (weights u, or their low and high nibbles) with activation row x.
+template <int Bits>
+struct Dot {
+    Vec::I lo, hi;
+    template <bool Part>
+    QK void load(const uint8_t* w, size_t bytes) {
+        const Vec::I u = Part ? Vec::load_part(w, bytes) : Vec::load(w);
+        if constexpr (Bits == 4) {
+            lo = Vec::low_nibbles(u), hi = Vec::high_nibbles(u);
+        } else {
+#if QK_VNNI
+            lo = u;
+#else
+            lo = _mm256_xor_si256(u, Vec::set1_8(char(0x80)));  // q = u - 128 as int8
+            hi = _mm256_abs_epi8(lo);
+#endif
+        }
+    }
+    QK Vec::I with(const uint8_t* x, const QAct& a, const Step& s) const {
+        const Vec::I corr = Vec::load(x + a.corr_at + 4 * s.lane);
+#if QK_VNNI
+        if constexpr (Bits == 4) return Vec::dot(Vec::dot(corr, lo, Vec::load(x + s.x)), hi, Vec::load(x + s.x + 64));
+        return Vec::dot(corr, lo, Vec::load(x + s.x));
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        if constexpr (Bits == 4) {  // nibble x int8 pairs <= 2 * 15 * 127: two such sums still fit int16
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, Vec::load(x + s.x)),
+                                               _mm256_maddubs_epi16(hi, Vec::load(x + s.x + 64)));
+            return _mm256_add_epi32(_mm256_madd_epi16(p, ones), corr);
+        }
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_sign_epi8(Vec::load(x + s.x), lo)), ones);
+#endif
+    }
+};
+
+// One step for R weight rows by C activation rows (Part: the row's last, `bytes` < kStep bytes).
+template <int Bits, int R, int C, bool Part>
+QK inline void tile_step(const QWeights& w, size_t ldw, const Scales& sc, const uint8_t* x, size_t ldx,
+                         const QAct& a, size_t at, size_t bytes, Vec::F (&acc)[R][C]) {
+    const Step s(at, Bits);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-        const __m256i u = load_weights<Bits, Tail>(w + r * ldw + kb * 4 * Bits);
-        const __m256 s = load_scales<Bits, B16, Tail>(ws + r * ldws, kb, shift);
+        // the next tile's rows, one tile ahead: the rows are short, too short for the hardware's prefetch
+        _mm_prefetch(reinterpret_cast<const char*>(w.data + (R + r) * ldw + at), _MM_HINT_T0);
+        Dot<Bits> d;
+        d.template load<Part>(w.data + r * ldw + at, bytes);
+        const Vec::F ws = sc.template at<Part>(w.scales + r * w.blocks(), at, bytes);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
-            const __m256 d = _mm256_cvtepi32_ps(block_dot<Bits>(u, x + c * ldx, a, kb));
-            acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(d, xs[c]), s, acc[r][c]);
+            const uint8_t* xc = x + c * ldx;
+            acc[r][c] = Vec::scale_add(d.with(xc, a, s), reinterpret_cast<const float*>(xc + a.scale_at) + s.lane, ws,
+                                       acc[r][c]);
         }
     }
 }
 
-QK inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// y[c * ldy + r] for R weight rows from w and C activation rows from x: one pass over K, every weight
-// vector loaded once for all C rows.
-template <int Bits, bool B16, int R, int C>
-QK void tile(const QWeights& w, const uint8_t* x, size_t ldx, const QAct& a, float* y, size_t ldy) {
-    __m256 acc[R][C];
+// y[c * ldy + r] for R weight rows from w and C activation rows from x: one pass over the weight rows,
+// every weight vector loaded once for all C rows.
+template <int Bits, int R, int C>
+QK void tile(const QWeights& w, const Scales& sc, const uint8_t* x, size_t ldx, const QAct& a, float* y,
+             size_t ldy) {
+    Vec::F acc[R][C];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    const size_t ldw = w.row_bytes(), ldws = w.blocks(), full = w.blocks() * w.block / 32;
-    const int shift = B16 ? 0 : __builtin_ctzl(w.block / 32);
-    for (size_t kb = 0; kb < full; ++kb)
-        tile_block<Bits, B16, R, C, false>(w.data, ldw, w.scales, ldws, x, ldx, a, kb, shift, acc);
-    if (B16 && full < a.n32)  // an odd number of 16-blocks: the last one alone
-        tile_block<Bits, B16, R, C, true>(w.data, ldw, w.scales, ldws, x, ldx, a, full, shift, acc);
+        for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
+    const size_t ldw = w.row_bytes(), full = ldw / kStep * kStep;
+    for (size_t at = 0; at < full; at += kStep) tile_step<Bits, R, C, false>(w, ldw, sc, x, ldx, a, at, kStep, acc);
+    if (full < ldw) tile_step<Bits, R, C, true>(w, ldw, sc, x, ldx, a, full, ldw - full, acc);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) y[c * ldy + r] = hsum8(acc[r][c]);
+        for (int c = 0; c < C; ++c) y[c * ldy + r] = Vec::hsum(acc[r][c]);
 }
 
-// R weight rows against all m activation rows, kMaxC at a time: the R rows stay in L1 while the groups pass.
-template <int Bits, bool B16, int R>
-QK void row_tiles(const QWeights& w, const uint8_t* x, size_t m, const QAct& a, float* y, size_t ldy) {
+// R weight rows against all m activation rows, QK_MAXC at a time: the R rows stay in L1 while the groups pass.
+template <int Bits, int R>
+QK void row_tiles(const QWeights& w, const Scales& sc, const uint8_t* x, size_t m, const QAct& a, float* y,
+                  size_t ldy) {
     size_t i = 0;
-    for (; i + kMaxC <= m; i += kMaxC) tile<Bits, B16, R, kMaxC>(w, x + i * a.bytes, a.bytes, a, y + i * ldy, ldy);
+    for (; i + QK_MAXC <= m; i += QK_MAXC) tile<Bits, R, QK_MAXC>(w, sc, x + i * a.bytes, a.bytes, a, y + i * ldy, ldy);
     x += i * a.bytes, y += i * ldy;
     switch (m - i) {
-        case 1: return tile<Bits, B16, R, 1>(w, x, a.bytes, a, y, ldy);
-        case 2: return tile<Bits, B16, R, 2>(w, x, a.bytes, a, y, ldy);
-        case 3: return tile<Bits, B16, R, 3>(w, x, a.bytes, a, y, ldy);
+        case 1: return tile<Bits, R, 1>(w, sc, x, a.bytes, a, y, ldy);
+        case 2: return tile<Bits, R, 2>(w, sc, x, a.bytes, a, y, ldy);
+        case 3: return tile<Bits, R, 3>(w, sc, x, a.bytes, a, y, ldy);
         default: return;
     }
 }
 
-template <int Bits, bool B16>
+template <int Bits>
 QK void qdot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
     const QAct a(w);
+    const Scales sc(w);
     size_t j = 0;
-    for (; j + kRows <= n; j += kRows) row_tiles<Bits, B16, kRows>(w.from_row(j), x, m, a, y + j, ldy);
-    for (; j < n; ++j) row_tiles<Bits, B16, 1>(w.from_row(j), x, m, a, y + j, ldy);
+    for (; j + kRows <= n; j += kRows) row_tiles<Bits, kRows>(w.from_row(j), sc, x, m, a, y + j, ldy);
+    for (; j < n; ++j) row_tiles<Bits, 1>(w.from_row(j), sc, x, m, a, y + j, ldy);
 }
 
 QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
-    if (w.bits == 4) return w.block == 16 ? qdot<4, true>(x, m, w, n, y, ldy) : qdot<4, false>(x, m, w, n, y, ldy);
-    return w.block == 16 ? qdot<8, true>(x, m, w, n, y, ldy) : qdot<8, false>(x, m, w, n, y, ldy);
+    if (w.bits == 4) return qdot<4>(x, m, w, n, y, ldy);
+    return qdot<8>(x, m, w, n, y, ldy);
 }
