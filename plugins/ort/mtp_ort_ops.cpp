@@ -6,9 +6,15 @@
 //                                                                   -> [..., D]       (DeepSeekMoE, router included)
 //   MlaAttention(q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C], valid_len [B] int32,
 //                visible [B|1, S, R] bool?)                         -> [B, S, H*Dl]   (absorbed MLA, C = Dl + Dr)
+//   QMatMul(x [..., K], w uint8 [N, K/bs, blob], scales [N, K/bs]) -> [..., N]       (x W^T, W quantized)
+//   QMoE(x, gate, bias?, fc1 uint8 [E, 2I, D/bs, blob], fc1_scales [E, 2I, D/bs], fc2 uint8 [E, D, I/bs, blob],
+//        fc2_scales [E, D, I/bs], shared_fc1 [2Is, D/bs, blob]?, shared_fc1_scales?, shared_fc2 [D, Is/bs, blob]?,
+//        shared_fc2_scales?)                                        -> [..., D]       (MoE, experts quantized)
 //
 // fc1 holds each expert's gate and up rows interleaved (row 2j = gate_j, 2j + 1 = up_j); all weights are in
-// nn.Linear's [out, in] layout and are read in place.  Attributes and semantics: docs/architecture.md ("CPU
+// nn.Linear's [out, in] layout and are read in place.  Quantized weights are mtp_trt/quant.py's format
+// (MatMulNBits' layout: K/bs = ceil(K / block_size) blocks of blob = block_size * bits / 8 bytes, no zero
+// points); their products take int8 activations, quantized per 32 values (as MatMulNBits' accuracy_level 4).  Attributes and semantics: docs/architecture.md ("CPU
 // operators").  The arithmetic is in kernels.cpp; this file checks shapes, splits the work over ONNX Runtime's
 // intra-op threads (KernelContext_ParallelFor) and reports bad input as an ONNX Runtime error naming the op,
 // input and shape.
@@ -130,9 +136,8 @@ OrtStatus* need_float(const Call& c, const View& v, const char* name, size_t ran
 // ----------------------------------------------------------------------------- quantized weights
 // A quantized weight's two inputs (mtp_trt/quant.py): data uint8 `want` = [lead..., blocks, blob] and scales
 // float32 [lead..., blocks]; `form` names the dimensions in the error.
-OrtStatus* check_q(const Call& c, const View& q, const View& s, const char* name, const std::vector<int64_t>& want,
-                   const std::string& form) {
-    const std::string sname = std::string(name) + "_scales";
+OrtStatus* check_q(const Call& c, const View& q, const View& s, const char* name, const std::string& sname,
+                   const std::vector<int64_t>& want, const std::string& form) {
     View expect;
     expect.shape = want;
     if (q.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || q.shape != want)
@@ -190,7 +195,7 @@ struct QMatMulKernel {
         MTP_RETURN_IF(need_float(c, x, "x", 0));
         if (x.shape.empty() || x.dim(-1) != k) return c.error("x " + x.str() + " must be [..., K] with K = " + std::to_string(k));
         const QWeights fmt{nullptr, nullptr, size_t(k), size_t(block), int(bits)};
-        MTP_RETURN_IF(check_q(c, w, s, "w", {n, int64_t(fmt.blocks()), block * bits / 8},
+        MTP_RETURN_IF(check_q(c, w, s, "w", "scales", {n, int64_t(fmt.blocks()), block * bits / 8},
                               "[N, ceil(K / block_size), block_size * bits / 8]"));
         std::vector<int64_t> shape = x.shape;
         shape.back() = n;
@@ -453,9 +458,9 @@ struct QMoEKernel : Router {
         const int64_t i2 = fc1.shape.size() == 4 ? fc1.dim(1) : -1;
         if (i2 < 2 || i2 % 2)
             return c.error("fc1 " + fc1.str() + " must be uint8 [E, 2I, ceil(D / block_size), block_size * bits / 8]");
-        MTP_RETURN_IF(check_q(c, fc1, fc1s, "fc1", {n_exp, i2, blocks(d), blob},
+        MTP_RETURN_IF(check_q(c, fc1, fc1s, "fc1", "fc1_scales", {n_exp, i2, blocks(d), blob},
                               "[E, 2I, ceil(D / block_size), block_size * bits / 8]"));
-        MTP_RETURN_IF(check_q(c, fc2, fc2s, "fc2", {n_exp, d, blocks(i2 / 2), blob},
+        MTP_RETURN_IF(check_q(c, fc2, fc2s, "fc2", "fc2_scales", {n_exp, d, blocks(i2 / 2), blob},
                               "[E, D, ceil(I / block_size), block_size * bits / 8] (2I = fc1's dim 1)"));
         const View* shared[] = {&sfc1, &sfc1s, &sfc2, &sfc2s};
         const int present = int(std::count_if(shared, shared + 4, [](const View* v) { return v->present; }));
@@ -465,9 +470,9 @@ struct QMoEKernel : Router {
             if (s2 < 2 || s2 % 2)
                 return c.error("shared_fc1 " + sfc1.str() +
                                " must be uint8 [2Is, ceil(D / block_size), block_size * bits / 8]");
-            MTP_RETURN_IF(check_q(c, sfc1, sfc1s, "shared_fc1", {s2, blocks(d), blob},
+            MTP_RETURN_IF(check_q(c, sfc1, sfc1s, "shared_fc1", "shared_fc1_scales", {s2, blocks(d), blob},
                                   "[2Is, ceil(D / block_size), block_size * bits / 8]"));
-            MTP_RETURN_IF(check_q(c, sfc2, sfc2s, "shared_fc2", {d, blocks(s2 / 2), blob},
+            MTP_RETURN_IF(check_q(c, sfc2, sfc2s, "shared_fc2", "shared_fc2_scales", {d, blocks(s2 / 2), blob},
                                   "[D, ceil(Is / block_size), block_size * bits / 8] (2Is = shared_fc1's dim 0)"));
         }
         float* y = nullptr;
