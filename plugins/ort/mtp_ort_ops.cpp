@@ -223,8 +223,8 @@ struct Weight {
     const float* s = nullptr;
 };
 
-// The products of one MoE's experts: fp32 rows (bits 0) or int8 activations against quantized weights.
-// Activation rows are first `prepare`d (fp32: as they are; quantized: quantize_rows), then multiplied.
+// The products of one MoE's experts: fp32 rows (bits 0), or int8 activations (quantize_rows' layout, `row_bytes`
+// per row) against quantized weights.
 struct Matvec {
     int bits = 0;
     size_t block = 0;
@@ -233,12 +233,7 @@ struct Matvec {
         return QWeights{w.q, w.s, k, block, bits}.from_row(row0);
     }
     size_t row_bytes(size_t k) const { return bits ? qrow_bytes(format({}, k, 0)) : k * sizeof(float); }
-    OrtStatus* prepare(const Call& c, const float* x, size_t m, size_t k, uint8_t* out) const {
-        if (bits) return quantize_parallel(c, x, m, k, format({}, k, 0), out);
-        std::memcpy(out, x, m * k * sizeof(float));
-        return nullptr;
-    }
-    // out [m, rows] = the prepared rows xp [m, k] against rows [row0, row0 + rows) of w
+    // out [m, rows] = the activation rows xp [m, k] against rows [row0, row0 + rows) of w
     void dot(const uint8_t* xp, size_t m, size_t k, const Weight& w, size_t row0, size_t rows, float* out) const {
         if (bits) return qrows_dot(xp, m, format(w, k, row0), rows, out, rows);
         rows_dot(reinterpret_cast<const float*>(xp), m, k, w.f + row0 * k, k, rows, k, out, rows);
@@ -252,9 +247,9 @@ struct Expert {
     size_t units;  // I
     std::vector<int32_t> tokens;
     std::vector<float> gates;
-    uint8_t* xs = nullptr;   // the tokens' rows of x, prepared, contiguous [M, D]
+    uint8_t* xs = nullptr;   // the tokens' rows of x, contiguous [M, D] (quantized: M rows of Matvec::row_bytes)
     float* act = nullptr;    // SwiGLU activations [M, I]
-    uint8_t* as = nullptr;   // the activations prepared for fc2
+    uint8_t* as = nullptr;   // the activations as fc2 takes them (fp32: act itself)
 };
 
 // y [N, D] = sum over experts of gate * down(silu(gate_rows x) * up_rows x), in two parallel passes:
@@ -268,7 +263,7 @@ OrtStatus* run_experts(const Call& c, const Matvec& mv, std::vector<Expert>& exp
     const uint8_t* xp = reinterpret_cast<const uint8_t*>(x);
     if (mv.bits) {
         xall.resize(n_tokens * xb);
-        MTP_RETURN_IF(mv.prepare(c, x, n_tokens, d, xall.data()));
+        MTP_RETURN_IF(quantize_parallel(c, x, n_tokens, d, mv.format({}, d, 0), xall.data()));
         xp = xall.data();
     }
     size_t bytes = 0, floats = 0;  // per call: small (tokens x (D + I) per selected expert)
@@ -368,6 +363,7 @@ struct Router {
         MTP_RETURN_IF(need_float(c, x, "x", 0));
         MTP_RETURN_IF(need_float(c, gate, "gate", 2));
         *d = x.shape.empty() ? -1 : x.dim(-1);
+        if (*d < 1) return c.error("x " + x.str() + " must be [..., D] with D >= 1");
         const int64_t n_exp = gate.dim(0);
         if (gate.dim(1) != *d) return c.error("gate " + gate.str() + " must be [E, D] with D = " + std::to_string(*d));
         if (bias.present && (bias.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || bias.size() != n_exp))
