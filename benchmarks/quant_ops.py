@@ -27,7 +27,7 @@ import statistics
 import time
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from mtp_trt.plugins import ort_lib
 
@@ -56,23 +56,34 @@ def random_q(rng, n, k, bits):
     return data, scales
 
 
-def model(nodes, inputs, inits, output="y"):
+def placeholder(name, a):
+    """An initializer whose data the session gets from memory (SessionOptions.add_external_initializers): no
+    2 GB protobuf limit, no copy of the weights in the serialized graph."""
+    t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(a.dtype), dims=a.shape,
+                    data_location=TensorProto.EXTERNAL)
+    t.external_data.add(key="location", value=f"{name}.bin")
+    return t
+
+
+def model(nodes, inputs, weights: dict, output="y"):
+    """(the serialized graph, its weights): `weights` name -> array, handed to the session in memory."""
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
-                          [helper.make_tensor_value_info(output, F32, None)], inits)
+                          [helper.make_tensor_value_info(output, F32, None)],
+                          [placeholder(n, a) for n, a in weights.items()])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
                                             helper.make_opsetid(ort_lib.DOMAIN, 1)])
     m.ir_version = 9
-    return m.SerializeToString()
+    return m.SerializeToString(), weights
 
 
 def linear(form, name, x, y, n, k, rng):
     """One projection y = x W^T in `form` (fp32, ours-int4/8, ort-int4/8): (node, initializers)."""
     if form == "fp32":
-        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
-        return helper.make_node("MatMul", [x, name], [y]), [numpy_helper.from_array(w, name)]
+        w = (rng.standard_normal((k, n), np.float32) / np.float32(np.sqrt(k)))
+        return helper.make_node("MatMul", [x, name], [y]), {name: w}
     kind, bits = form.split("-int")
     data, scales = random_q(rng, n, k, int(bits))
-    inits = [numpy_helper.from_array(data, name), numpy_helper.from_array(scales, name + "_s")]
+    inits = {name: data, name + "_s": scales}
     attrs = dict(K=k, N=n, bits=int(bits), block_size=BLOCK)
     if kind == "ours":
         return helper.make_node("QMatMul", [x, name, name + "_s"], [y], domain=ort_lib.DOMAIN, **attrs), inits
@@ -83,7 +94,7 @@ def linear(form, name, x, y, n, k, rng):
 def chain(form, shapes, reps, rng):
     """reps times the projections `shapes` [(N, K), ...] one after another, each with its own weights (where a
     projection's K is narrower than the one before it, the first K columns go on: the MLP's SwiGLU halving)."""
-    nodes, inits, x, width = [], [], "x", shapes[0][1]
+    nodes, inits, x, width = [], {}, "x", shapes[0][1]
     consts = {}
     for r in range(reps):
         for i, (n, k) in enumerate(shapes):
@@ -94,19 +105,25 @@ def chain(form, shapes, reps, rng):
             y = "y" if (r == reps - 1 and i == len(shapes) - 1) else f"h{r}_{i}"
             node, w = linear(form, f"w{r}_{i}", x, y, n, k, rng)
             nodes.append(node)
-            inits += w
+            inits |= w
             x, width = y, n
-    inits += [numpy_helper.from_array(np.array([v], np.int64), name) for name, v in consts.items()]
+    inits |= {name: np.array([v], np.int64) for name, v in consts.items()}
     return model(nodes, [("x", F32)], inits)
 
 
 def session(graph, threads):
+    """A session of model()'s (graph, weights) with the operators registered; it keeps its weights alive."""
     import onnxruntime as ort
 
+    graph, weights = graph
     o = ort.SessionOptions()
     o.intra_op_num_threads = threads
     o.log_severity_level = 3
-    return ort_lib.session(graph, o)
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
+    o.add_external_initializers(list(weights), values)
+    sess = ort_lib.session(graph, o)
+    sess.weights = values
+    return sess
 
 
 def timed(sessions: dict, feeds, runs, warmup=3):
@@ -169,9 +186,9 @@ def moe_graph(form, cfg, rng):
     route = dict(top_k=k, n_group=cfg["groups"][0], topk_group=cfg["groups"][1], softmax=0, group_top2=1,
                  norm_topk_prob=1, routed_scaling_factor=1.0)
     if form == "fp32":
-        fc1 = (rng.standard_normal((e, 2 * i, d)) / np.sqrt(d)).astype(np.float32)
-        fc2 = (rng.standard_normal((e, d, i)) / np.sqrt(i)).astype(np.float32)
-        inits = [numpy_helper.from_array(a, n) for a, n in ((gate, "gate"), (fc1, "fc1"), (fc2, "fc2"))]
+        fc1 = rng.standard_normal((e, 2 * i, d), np.float32) / np.float32(np.sqrt(d))
+        fc2 = rng.standard_normal((e, d, i), np.float32) / np.float32(np.sqrt(i))
+        inits = dict(gate=gate, fc1=fc1, fc2=fc2)
         node = helper.make_node("MoE", ["x", "gate", "", "fc1", "fc2"], ["y"], domain=ort_lib.DOMAIN, **route)
         return model([node], [("x", F32)], inits)
     kind, bits = form.split("-int")
@@ -181,16 +198,13 @@ def moe_graph(form, cfg, rng):
     fc1, fc1s = np.stack([q[0] for q in q1]), np.stack([q[1] for q in q1])
     fc2, fc2s = np.stack([q[0] for q in q2]), np.stack([q[1] for q in q2])
     if kind == "ours":
-        inits = [numpy_helper.from_array(a, n) for a, n in ((gate, "gate"), (fc1, "fc1"), (fc1s, "fc1_s"),
-                                                            (fc2, "fc2"), (fc2s, "fc2_s"))]
+        inits = dict(gate=gate, fc1=fc1, fc1_s=fc1s, fc2=fc2, fc2_s=fc2s)
         node = helper.make_node("QMoE", ["x", "gate", "", "fc1", "fc1_s", "fc2", "fc2_s"], ["y"],
                                 domain=ort_lib.DOMAIN, bits=bits, block_size=BLOCK, **route)
         return model([node], [("x", F32)], inits)
     # ONNX Runtime's QMoE: weights [E, N, K * bits / 8] (our blocks flattened), scales [E, N, K / block], the
     # implicit zero point 2^(bits-1) as ours; the router's logits come from a MatMul with the gate
-    inits = [numpy_helper.from_array(gate.T.copy(), "gate_t"),
-             numpy_helper.from_array(fc1.reshape(e, 2 * i, -1), "fc1"), numpy_helper.from_array(fc1s, "fc1_s"),
-             numpy_helper.from_array(fc2.reshape(e, d, -1), "fc2"), numpy_helper.from_array(fc2s, "fc2_s")]
+    inits = dict(gate_t=gate.T.copy(), fc1=fc1.reshape(e, 2 * i, -1), fc1_s=fc1s, fc2=fc2.reshape(e, d, -1), fc2_s=fc2s)
     nodes = [helper.make_node("MatMul", ["x", "gate_t"], ["logits"]),
              helper.make_node("QMoE", ["x", "logits", "fc1", "fc1_s", "", "fc2", "fc2_s"], ["y"],
                               domain="com.microsoft", k=k, expert_weight_bits=bits, block_size=BLOCK,

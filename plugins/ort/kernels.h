@@ -1,5 +1,6 @@
 // kernels.h -- the CPU kernels behind mtp-trt's ONNX Runtime operators (mtp_ort_ops.cpp), as plain functions
-// over float arrays: no ONNX Runtime types, so they can be read, tested and timed on their own.  Each has a
+// over float arrays (and quantized weights' bytes): no ONNX Runtime types, so they can be read, tested and timed
+// on their own.  Each has a
 // NumPy reference in plugins/ort_reference.py and a test in tests/test_ort_ops.py.
 //
 // Every product here is a set of dot products between contiguous rows: activations x [M, K] against weights
