@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import os
 import statistics
 import time
 
@@ -166,16 +167,18 @@ def matmul_table(a):
 def stream_table(a):
     n = k = 2048
     print(f"\nstream: M = 1 through 2048 x 2048 projections, about {a.stream_mb} MB of weights per form (beyond "
-          f"the last-level cache), {a.threads} threads: GB/s of weight bytes, and ms per call")
+          f"the last-level cache), {a.threads} threads, median of {max(5, a.runs // 4)}: GB/s of weight bytes read, "
+          f"ms per call")
+    sessions, size = {}, {}
     for form in FORMS:
         per = n * k * (4 if form == "fp32" else int(form[-1]) / 8) + (0 if form == "fp32" else n * k / BLOCK * 4)
         reps = max(1, int(a.stream_mb * 2**20 / per))
-        sess = session(chain(form, [(n, k)], reps, np.random.default_rng(1)), a.threads)
-        x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
-        t = timed({form: sess}, {"x": x}, max(5, a.runs // 4))[form]
-        print(f"  {form:10} {reps:4} layers  {per * reps / t / 1e9:6.2f} GB/s  {t * 1e3:8.2f} ms")
-        del sess
-        gc.collect()
+        sessions[form], size[form] = session(chain(form, [(n, k)], reps, np.random.default_rng(1)), a.threads), per * reps
+    x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
+    for form, t in timed(sessions, {"x": x}, max(5, a.runs // 4)).items():
+        print(f"  {form:10} {size[form] / 2**20:6.0f} MB  {size[form] / t / 1e9:6.2f} GB/s  {t * 1e3:8.2f} ms")
+    del sessions
+    gc.collect()
 
 
 def moe_graph(form, cfg, rng):
@@ -258,7 +261,9 @@ def main():
     a = ap.parse_args()
     import onnxruntime as ort
 
-    print(f"onnxruntime {ort.__version__}; mtp_trt.cpu quantized kernels: {quant_path()}")
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(f"onnxruntime {ort.__version__}; mtp_trt.cpu quantized kernels: {quant_path()}; load average {load} "
+          f"on {os.cpu_count()} CPUs (other processes share them: medians)")
     for t in a.tables:
         {"matmul": matmul_table, "stream": stream_table, "moe": moe_table}[t](a)
 
