@@ -173,7 +173,8 @@ def stream_table(a):
     for form in FORMS:
         per = n * k * (4 if form == "fp32" else int(form[-1]) / 8) + (0 if form == "fp32" else n * k / BLOCK * 4)
         reps = max(1, int(a.stream_mb * 2**20 / per))
-        sessions[form], size[form] = session(chain(form, [(n, k)], reps, np.random.default_rng(1)), a.threads), per * reps
+        sessions[form] = session(chain(form, [(n, k)], reps, np.random.default_rng(1)), a.threads)
+        size[form] = per * reps
     x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
     for form, t in timed(sessions, {"x": x}, max(5, a.runs // 4)).items():
         print(f"  {form:10} {size[form] / 2**20:6.0f} MB  {size[form] / t / 1e9:6.2f} GB/s  {t * 1e3:8.2f} ms")

@@ -94,7 +94,8 @@ def ship(include_dir: Path | None = None) -> Path:
     """Rebuild the shipped library and its record."""
     build_library(PREBUILT_LIB, include_dir)
     version = subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    info = {"source_hash": source_hash(), "compiler": version, "target": "x86-64 Linux (AVX2/FMA, AVX-VNNI, AVX512-VNNI at run time)",
+    info = {"source_hash": source_hash(), "compiler": version,
+            "target": "x86-64 Linux (AVX2/FMA, AVX-VNNI, AVX512-VNNI at run time)",
             "note": "needs ONNX Runtime >= 1.18 (C API version 18)"}
     PREBUILT_INFO.write_text(json.dumps(info, indent=2) + "\n")
     return PREBUILT_LIB

@@ -52,7 +52,8 @@ def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads:
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in fed],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(a, n) for n, a in constants.items() if n not in fed and a is not None])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ort_lib.DOMAIN, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(ort_lib.DOMAIN, 1)])
     model.ir_version = 9
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -276,8 +277,8 @@ def test_bad_input_is_one_error_naming_the_op_and_input():
     attrs = dict(K=40, N=8, bits=4, block_size=16)
     x = rng.standard_normal((2, 40)).astype(np.float32)
     invalid = ort.capi.onnxruntime_pybind11_state.InvalidArgument
-    with pytest.raises(invalid, match=r"mtp_trt\.cpu::QMatMul: w \[8, 2, 8\] must be uint8 \[N, ceil\(K / block_size\), "
-                                      r"block_size \* bits / 8\] = \[8, 3, 8\]"):
+    with pytest.raises(invalid, match=r"mtp_trt\.cpu::QMatMul: w \[8, 2, 8\] must be uint8 "
+                                      r"\[N, ceil\(K / block_size\), block_size \* bits / 8\] = \[8, 3, 8\]"):
         session("QMatMul", attrs, dict(x=None, w=data[:, :2], scales=scales)).run(None, {"x": x})
     with pytest.raises(invalid, match=r"QMatMul: scales \[8, 2\] must be float32 \[8, 3\]"):
         session("QMatMul", attrs, dict(x=None, w=data, scales=scales[:, :2])).run(None, {"x": x})

@@ -153,11 +153,12 @@ OrtStatus* check_q(const Call& c, const View& q, const View& s, const char* name
 OrtStatus* quant_attrs(const OrtApi* api, const OrtKernelInfo* info, const char* op, int64_t* bits, int64_t* block) {
     MTP_RETURN_IF(attr_int(api, info, "bits", bits));
     MTP_RETURN_IF(attr_int(api, info, "block_size", block));
-    if ((*bits != 4 && *bits != 8) || *block < 16 || *block > 256 || (*block & (*block - 1)))
-        return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string("mtp_trt.cpu::") + op + ": bits " +
-                                                        std::to_string(*bits) + ", block_size " + std::to_string(*block) +
-                                                        ": expected bits 4 or 8 and block_size 16, 32, 64, 128 or 256")
-                                                           .c_str());
+    if ((*bits != 4 && *bits != 8) || *block < 16 || *block > 256 || (*block & (*block - 1))) {
+        const std::string what = std::string("mtp_trt.cpu::") + op + ": bits " + std::to_string(*bits) +
+                                 ", block_size " + std::to_string(*block) +
+                                 ": expected bits 4 or 8 and block_size 16, 32, 64, 128 or 256";
+        return api->CreateStatus(ORT_INVALID_ARGUMENT, what.c_str());
+    }
     return nullptr;
 }
 
@@ -193,7 +194,8 @@ struct QMatMulKernel {
         MTP_RETURN_IF(c.input(1, w));
         MTP_RETURN_IF(c.input(2, s));
         MTP_RETURN_IF(need_float(c, x, "x", 0));
-        if (x.shape.empty() || x.dim(-1) != k) return c.error("x " + x.str() + " must be [..., K] with K = " + std::to_string(k));
+        if (x.shape.empty() || x.dim(-1) != k)
+            return c.error("x " + x.str() + " must be [..., K] with K = " + std::to_string(k));
         const QWeights fmt{nullptr, nullptr, size_t(k), size_t(block), int(bits)};
         MTP_RETURN_IF(check_q(c, w, s, "w", "scales", {n, int64_t(fmt.blocks()), block * bits / 8},
                               "[N, ceil(K / block_size), block_size * bits / 8]"));
@@ -460,7 +462,8 @@ struct QMoEKernel : Router {
                               "[E, D, ceil(I / block_size), block_size * bits / 8] (2I = fc1's dim 1)"));
         const View* shared[] = {&sfc1, &sfc1s, &sfc2, &sfc2s};
         const int present = int(std::count_if(shared, shared + 4, [](const View* v) { return v->present; }));
-        if (present % 4) return c.error("shared_fc1, shared_fc1_scales, shared_fc2 and shared_fc2_scales come together");
+        if (present % 4)
+            return c.error("shared_fc1, shared_fc1_scales, shared_fc2 and shared_fc2_scales come together");
         const int64_t s2 = present && sfc1.shape.size() == 3 ? sfc1.dim(0) : -1;
         if (present) {
             if (s2 < 2 || s2 % 2)
@@ -482,7 +485,8 @@ struct QMoEKernel : Router {
                 {nullptr, q(fc2) + e * rows2 * b2 * size_t(blob), fc2s.f() + e * rows2 * b2}};
         });
         if (present)
-            experts.push_back(all_tokens({nullptr, q(sfc1), sfc1s.f()}, {nullptr, q(sfc2), sfc2s.f()}, size_t(s2 / 2), n));
+            experts.push_back(
+                all_tokens({nullptr, q(sfc1), sfc1s.f()}, {nullptr, q(sfc2), sfc2s.f()}, size_t(s2 / 2), n));
         return run_experts(c, Matvec{int(bits), size_t(block)}, experts, x.f(), n, size_t(d), y);
     }
 };
