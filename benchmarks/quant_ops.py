@@ -13,9 +13,13 @@ Tables (medians over --runs timed runs after warm-up, each run one session call)
   stream : M = 1 through a chain of 2048 x 2048 projections whose weights (--stream-mb of each form) do not fit
            in the last-level cache: GB/s of weight bytes read (the bandwidth-bound decode case).
   moe    : one MoE layer (routed experts only, so that ONNX Runtime's QMoE, which has no shared experts, does the
-           same work), microseconds per call, random router inputs (different experts per run).
-Weights are random bytes with scales that keep activations near unit size; only the speed is measured here (the
-tests check the values).
+           same work), microseconds per call, random router inputs (different experts per run).  ONNX Runtime's
+           QMoE routes by softmax top-k over a MatMul's logits, ours by the model's router (sigmoid, groups):
+           other experts, as many per token.
+Weights are random bytes with scales that keep activations near unit size, handed to the sessions in memory;
+only the speed is measured here (the tests check the values).  With other processes on the machine's cores,
+2-thread figures wait on descheduled threads: compare forms within a table (their calls alternate), and see
+--threads 1.
 """
 
 from __future__ import annotations
