@@ -219,7 +219,8 @@ def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], pa
 
     for name in needed:
         v = values[name]
-        compute = (lambda v=v: v.compute(read)) if isinstance(v, QuantValue) else lambda v=v: evaluate(v, read)  # noqa: E731
+        compute = ((lambda v=v: v.compute(read)) if isinstance(v, QuantValue)  # noqa: E731
+                   else lambda v=v: evaluate(v, read))
         small = v.tensor.numel() * v.tensor.element_size() < INLINE_BYTES
         graph.initializer.append(initializer(name, compute()) if small else external(name, v.key, compute))
     for node in [n for n in graph.node if n.op_type == "Constant" and n.attribute[0].name == "value"]:
@@ -386,8 +387,10 @@ def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str
     return cpu_ops
 
 
-def configure(module, moe_form: str | None, cpu_ops: bool):
-    """A graph module (exporters/graphs.py) set up for the export's MoE form and operators; returns it."""
+def configure(module, moe_form: str | None, cpu_ops: bool, scheme: quant.Scheme = quant.Scheme()):
+    """A graph module (exporters/graphs.py) set up for the export's MoE form, operators and quantization; returns
+    it."""
+    module.fold = not scheme.quantized  # quantized: every projection a quantized matmul (graphs._Graph.fold)
     module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
     module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
     if cpu_ops:  # mtp-trt's CPU operators: attention and (unless another form was asked for) MoE
@@ -423,8 +426,8 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
         graphs, tables = {}, {}
         for name, module, io, kv_inputs in jobs:
             progress(f"exporting {name}.onnx")
-            table = _export_graph(configure(module, moe_form, cpu_ops).eval(), io, tmp / f"{name}.onnx", cfg, tdtype,
-                                  lowering, params, read, store, scheme)
+            module = configure(module, moe_form, cpu_ops, scheme).eval()
+            table = _export_graph(module, io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, read, store, scheme)
             tables[f"{name}.onnx"] = table
             kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
             graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,

@@ -67,8 +67,9 @@ class Group:
 
     def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static",
                  positions: Tensor | None = None, tree_mask: Tensor | None = None, fused: bool = False,
-                 cpu: bool = False):
+                 cpu: bool = False, fold: bool = True):
         self.rope, self.dims, self.write_pos, self.mask, self.fused = rope, dims, write_pos, mask, fused
+        self.fold = fold  # W^UK / W^UV folded into the projections where smaller (folded_mla)
         self.cpu = cpu  # mtp-trt's CPU operators (plugins/ort) for the attention (and, by self.moe, the MoE)
         assert fused or not cpu, "the CPU operators take the fused graphs' flat queries"
         self.tree_mask = tree_mask  # plugin lowering: which new rows each new row sees [B, S, S] (None: causal)
@@ -143,7 +144,7 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
     else:  # W^DQ and W^DKV in one matmul
         c_q, c_kv, k_pe = linear_cat(x, attn.q_a_proj, attn.kv_a_proj_with_mqa).split([cfg.q_lora_rank, dl, dr], -1)
         c_q = attn.q_a_layernorm(c_q)
-    wq, wo = folded_mla(attn)
+    wq, wo = folded_mla(attn) if group.fold else (None, None)
     w_uk, w_uv = attn.w_uk_uv()  # [H, Dn, Dl], [H, Dv, Dl] (unused where folded)
     if group.fused:  # rows reordered: every head's latent (folded) or nope rows, then every head's rope rows
         w_up = wq if wq is not None else attn.q_proj.weight if cfg.q_lora_rank is None else attn.q_b_proj.weight
@@ -227,6 +228,9 @@ class _Graph(nn.Module):
         self.moe = "ort" if lowering == "onnx" else "gather" if self.few_tokens else "static"
         self.fused = lowering == "onnx"  # ONNX Runtime's fused operators (exporters/ort_ops.py); off for TensorRT
         self.cpu = False  # mtp-trt's CPU operators (plugins/ort) for attention; export.py sets it with the MoE form
+        # folded_mla where it is smaller; off for quantized weights (export.configure), whose projections are then
+        # all quantized matmuls that give every row the same bits however many rows run
+        self.fold = True
 
     def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
               extra: tuple[Tensor, Tensor] | None = None, new_visible: Tensor | None = None,
@@ -237,8 +241,8 @@ class _Graph(nn.Module):
         heads = self.model.cfg.num_attention_heads
         if self.lowering == "onnx":
             return Group(self.rope, dims, write_pos, Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible),
-                         self.moe, positions, fused=self.fused, cpu=self.cpu)
-        return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible)
+                         self.moe, positions, fused=self.fused, cpu=self.cpu, fold=self.fold)
+        return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:
         """The main model over the S rows at past_len (one block group) -> (group, hidden, logits, new rows)."""

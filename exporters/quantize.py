@@ -145,7 +145,8 @@ def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, sche
         out = []
         for part in ("data", "scales"):
             q = QuantValue(source, s, part, rows, k, transposed, memo, layout, source.tensor.dtype)
-            qname = f"{name}.q{s.bits}g{s.block_size}{'t' * transposed}{'-' + layout if layout != 'nbits' else ''}.{part}"
+            form = "t" * transposed + ("" if layout == "nbits" else "-" + layout)
+            qname = f"{name}.q{s.bits}g{s.block_size}{form}.{part}"
             values[qname] = q
             out.append(qname)
         return out
@@ -171,8 +172,8 @@ def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, sche
                 nodes.append(node)
         elif node.op_type == "MoE" and node.domain == CPU_DOMAIN:
             nodes.append(_qmoe(node, values, scheme, add))
-        elif (not tensorrt and node.op_type == "Gather" and node.domain == "" and _quantizable(values.get(node.input[0]))
-              and values[node.input[0]].tensor.shape[1] % scheme.block_size == 0
+        elif (not tensorrt and node.op_type == "Gather" and node.domain == ""
+              and _quantizable(values.get(node.input[0])) and values[node.input[0]].tensor.shape[1] % scheme.block_size == 0
               and {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("axis", 0) == 0):
             rows, k = values[node.input[0]].tensor.shape
             data, scales = add(node.input[0], values[node.input[0]], scheme, (rows,), k, transposed=False,

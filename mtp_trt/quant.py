@@ -33,7 +33,7 @@ SCHEMES = ("none", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_BLOCK_SIZE = 32
-INT4_DIVISORS = (-8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, -6.25, -6.0)
+INT4_DIVISORS = (-9.0, -8.75, -8.5, -8.25, -8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, -6.25, -6.0)
 ROWS_PER_CHUNK = 4096  # rows quantized at a time: bounds the temporaries of the int4 scale search
 _THREADS = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 

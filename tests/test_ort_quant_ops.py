@@ -168,7 +168,12 @@ def test_qmoe_matches_reference(case):
     ins = qmoe_inputs(np.random.default_rng(list(case[:5]) + list(case[12:])), n, d, e, i, shared_i, attrs["bits"],
                       attrs["block_size"])
     y = session("QMoE", attrs, ins).run(None, {"x": ins["x"]})[0]
-    close(y, qmoe_reference(ins, attrs), EXACT)
+    exact = qmoe_reference(ins, attrs)
+    # The down projection's activations are rounded to int8 from the op's float32 SwiGLU and the reference's
+    # float64 one: an activation on a rounding boundary can land on the neighbouring level, which moves its
+    # token's whole output row.  Every other row matches at EXACT; at most one row in eight may not.
+    rows = np.abs(y - exact).reshape(-1, y.shape[-1]).max(-1) / np.abs(exact).max()
+    assert (rows > EXACT).sum() <= max(1, len(rows) // 8), f"{(rows > EXACT).sum()} of {len(rows)} rows differ"
     close(y, qmoe_reference(ins, attrs, ref.qmatmul_float), QMOE_APPROX)
 
 

@@ -251,19 +251,23 @@ void rows_axpy(const float* p, size_t m, size_t ldp, const float* v, size_t ldv,
 void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* cache,
                       size_t n_cache, const float* rows, size_t n_rows, const uint8_t* visible, float* scores,
                       float* out, size_t ldo) {
-    const size_t l = n_cache + n_rows;
+    // Each head's scores padded with -inf to a multiple of 8 (mla_scores_stride): the exponentials are then summed
+    // in the same vector lanes whatever the number of keys, so a token gets the same bits whether the keys after
+    // its own (hidden) are there or not -- a verify step's rows equal a one-token step's.
+    const size_t n = n_cache + n_rows, l = mla_scores_stride(n);
     rows_dot(q, heads, c, cache, c, n_cache, c, scores, l);
     rows_dot(q, heads, c, rows, c, n_rows, c, scores + n_cache, l);
     const float ninf = -std::numeric_limits<float>::infinity();
     for (size_t h = 0; h < heads; ++h) {
         float* s = scores + h * l;
         float mx = ninf;
-        for (size_t t = 0; t < l; ++t) {
+        for (size_t t = 0; t < n; ++t) {
             s[t] = (t < n_cache || !visible || visible[t - n_cache]) ? s[t] * scale : ninf;
             mx = std::max(mx, s[t]);
         }
+        std::fill(s + n, s + l, ninf);
         const float inv = 1.f / exp_shift_sum(s, l, mx);  // the query's own row is always visible: mx finite
-        for (size_t t = 0; t < l; ++t) s[t] *= inv;
+        for (size_t t = 0; t < n; ++t) s[t] *= inv;
         std::fill(out + h * ldo, out + h * ldo + dl, 0.f);
     }
     rows_axpy(scores, heads, l, cache, c, n_cache, dl, out, ldo);

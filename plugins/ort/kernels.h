@@ -26,8 +26,10 @@ void rows_axpy(const float* p, size_t m, size_t ldp, const float* v, size_t ldv,
 
 // Absorbed MLA attention of one query token: q [H, C] (C = latent + rope dims) against the visible key rows
 // (n_cache rows of `cache` then the rows of `rows` for which visible[r] != 0; visible == nullptr: all
-// n_rows), values the first dl dims of the same rows.  scores: scratch of H * (n_cache + n_rows) floats.
+// n_rows), values the first dl dims of the same rows.  scores: scratch of
+// H * mla_scores_stride(n_cache + n_rows) floats.
 // out [H, dl] (ldo apart).
+inline size_t mla_scores_stride(size_t keys) { return (keys + 7) & ~size_t(7); }
 void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* cache,
                       size_t n_cache, const float* rows, size_t n_rows, const uint8_t* visible, float* scores,
                       float* out, size_t ldo);

@@ -538,9 +538,10 @@ struct MlaAttentionKernel {
             if (h0 >= h1) return;
             const size_t bi = tok / s_len, si = tok % s_len, nh = h1 - h0;
             const size_t n_cache = size_t(std::clamp<int64_t>(lens[bi], 0, t_len));
-            float* q = scratch(nh * ch + nh * (n_cache + size_t(r_len)) + size_t(r_len));
+            const size_t stride = mla_scores_stride(n_cache + size_t(r_len));
+            float* q = scratch(nh * ch + nh * stride + size_t(r_len));
             float* sc = q + nh * ch;
-            uint8_t* causal = reinterpret_cast<uint8_t*>(sc + nh * (n_cache + size_t(r_len)));
+            uint8_t* causal = reinterpret_cast<uint8_t*>(sc + nh * stride);
             for (size_t hh = 0; hh < nh; ++hh) {  // this token's queries [nh, Dl+Dr]
                 std::memcpy(q + hh * ch, q_lat.f() + (tok * h + h0 + hh) * dl, dl * sizeof(float));
                 std::memcpy(q + hh * ch + dl, q_pe.f() + (tok * h + h0 + hh) * dr, dr * sizeof(float));
