@@ -1,5 +1,6 @@
 """llama.cpp for the benchmarks that set it beside mtp-trt (benchmarks/llama_cpp.py, benchmarks/quant_quality.py):
-GGUF files made with llama.cpp's own tools, and llama.cpp driven through its C API as its own programs drive it.
+GGUF files made with llama.cpp's own tools, mtp-trt exports of the same checkpoints, and llama.cpp driven through
+its C API as its own programs drive it.
 
 GGUF files, cached under $MTP_TRT_CACHE_DIR/bench-real-size (real_size.cache_dir(); never in git):
 
@@ -12,6 +13,9 @@ GGUF files, cached under $MTP_TRT_CACHE_DIR/bench-real-size (real_size.cache_dir
   ftype LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_0 / _Q4_K_M), what `llama-quantize <in> <out> Q4_K_M` does, in the
   Python that has llama_cpp.  Tensors whose rows do not fit a type's block fall back to another type as
   llama-quantize decides.
+
+mtp-trt exports (`ensure_export`), cached beside them, one per --quant: the demo with all its MTP modules, the
+random 85m / 304m with nextn 1 and max_seq_len 1024 (as benchmarks/real_size.py exports them).
 
 Decoding (`LlamaEngine`), with llama-cpp-python's ctypes bindings of llama.h and none of its Python `Llama`
 class: `llama_model_load_from_file` (default model parameters: mmap), `llama_init_from_model` (context of
@@ -38,7 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from real_size import cache_dir  # noqa: E402
+from real_size import cache_dir, peak_rss_mb, revision  # noqa: E402
 
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 GGUF_TYPES = {"f32": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
@@ -181,6 +185,34 @@ def ensure_gguf(name: str, ckpt: Path, kind: str, sdist: Path, llama_python: str
     return out
 
 
+def export_path(size: str, nextn: int, quant: str, group_size: int) -> Path:
+    """The cached mtp-trt export of checkpoint `size` at `quant` (the demo: with `nextn` MTP depths; the others:
+    nextn 1)."""
+    tag = "" if quant == "none" else f"-{quant}-g{group_size}"
+    base = f"export-{size}-n{nextn}" if size == "demo" else f"export-{size}-default"
+    return cache_dir() / f"{base}{tag}-{revision()}"
+
+
+def export_child(ckpt: str, out: str, nextn: int, max_seq_len: int | None, quant: str, group_size: int) -> dict:
+    """(in a child process) one export -> its wall time and peak RSS."""
+    from mtp_trt.exporters.export import export
+
+    t0 = time.perf_counter()
+    export(ckpt, out, nextn=nextn, max_seq_len=max_seq_len, quant_scheme=quant, group_size=group_size)
+    return {"seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
+
+
+def ensure_export(size: str, ckpt: Path, nextn: int, quant: str, group_size: int, progress=print) -> Path:
+    """The mtp-trt export of `ckpt` (checkpoint `size`) at `quant`, made once (in a child of this Python)."""
+    out = export_path(size, nextn, quant, group_size)
+    if not (out / "manifest.json").is_file():
+        progress(f"{size}: exporting --quant {quant} to {out} ...")
+        args = (nextn, None) if size == "demo" else (1, 1024)
+        r = run_child(sys.executable, "export", str(ckpt), str(out), *args, quant, group_size)
+        progress(f"{size}: exported --quant {quant} in {r['seconds']:.0f} s, peak RSS {r['peak_rss_mb']:.0f} MB")
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- decoding
 class LlamaEngine:
     """One GGUF model and one context, driven through llama.h (module docstring)."""
@@ -275,7 +307,7 @@ class LlamaEngine:
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         name, *args = json.loads(sys.argv[2])
-        print(json.dumps({"convert": convert_child, "quantize": quantize_child}[name](*args)))
+        print(json.dumps({"convert": convert_child, "quantize": quantize_child, "export": export_child}[name](*args)))
         return
     raise SystemExit("a module of benchmarks/llama_cpp.py and benchmarks/quant_quality.py; run those")
 

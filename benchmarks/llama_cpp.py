@@ -47,8 +47,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_api import GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_gguf  # noqa: E402
-from real_size import DEMO, PROMPT, cache_dir, make_checkpoint, peak_rss_mb, revision  # noqa: E402
+from llama_api import GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_export, ensure_gguf  # noqa: E402
+from real_size import DEMO, PROMPT, make_checkpoint, peak_rss_mb  # noqa: E402
 
 QUANTS = ("none", "int8", "int4")
 PAIRS = (("none", "f32"), ("int8", "q8_0"), ("int4", "q4_k_m"), ("int4", "q4_0"))  # same bits: mtp-trt / llama.cpp
@@ -174,35 +174,8 @@ class Worker:
         return rss
 
 
-def export_path(size: str, nextn: int, quant: str, group_size: int) -> Path:
-    """The cached mtp-trt export of `size` at `quant` (the demo: with `nextn` MTP depths; the others: nextn 1)."""
-    tag = "" if quant == "none" else f"-{quant}-g{group_size}"
-    base = f"export-{size}-n{nextn}" if size == "demo" else f"export-{size}-default"
-    return cache_dir() / f"{base}{tag}-{revision()}"
-
-
-def export_child(ckpt: str, out: str, nextn: int, max_seq_len: int | None, quant: str, group_size: int) -> dict:
-    """(in a child process) one export -> its wall time and peak RSS."""
-    from mtp_trt.exporters.export import export
-
-    t0 = time.perf_counter()
-    export(ckpt, out, nextn=nextn, max_seq_len=max_seq_len, quant_scheme=quant, group_size=group_size)
-    return {"seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
-
-
-def ensure_export(size: str, ckpt: Path, nextn: int, quant: str, group_size: int) -> Path:
-    out = export_path(size, nextn, quant, group_size)
-    if not (out / "manifest.json").is_file():
-        print(f"{size}: exporting --quant {quant} to {out} ...", flush=True)
-        args = (nextn, None) if size == "demo" else (1, 1024)
-        r = child_script("export", str(ckpt), str(out), *args, quant, group_size)
-        print(f"{size}: exported --quant {quant} in {r['seconds']:.0f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
-              flush=True)
-    return out
-
-
 def child_script(*args) -> dict:
-    """Run this script's own `--child` entries in a fresh process of this Python (checkpoint, export, margins)."""
+    """Run this script's own `--child` entries in a fresh process of this Python (checkpoint, margins)."""
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], stdout=subprocess.PIPE, text=True)
     if res.returncode:
         raise SystemExit(f"{args[0]} failed (exit {res.returncode}); see above")
@@ -251,8 +224,7 @@ def main():
         return
     if a.child:
         name, *args = json.loads(a.child)
-        jobs = {"checkpoint": lambda size: str(make_checkpoint(size)), "export": export_child,
-                "margins": margins_child}
+        jobs = {"checkpoint": lambda size: str(make_checkpoint(size)), "margins": margins_child}
         print(json.dumps(jobs[name](*args)))
         return
     if a.tokens < 2 or a.rounds < 1:
@@ -277,7 +249,8 @@ def main():
         ckpt = DEMO if size == "demo" else Path(child_script("checkpoint", size))
         ggufs = {k: ensure_gguf(size, ckpt, k, a.sdist, a.llama_python, a.threads,
                                 lambda m: print(m, flush=True)) for k in a.gguf}
-        exports = {q: ensure_export(size, ckpt, max(nextns), q, a.group_size) for q in a.quant}
+        exports = {q: ensure_export(size, ckpt, max(nextns), q, a.group_size, lambda m: print(m, flush=True))
+                   for q in a.quant}
         ids = prompt_ids(ckpt / "tokenizer.json")
         spin = not a.no_spin
         workers = {("llama", k): Worker(a.llama_python, "llama", str(g), ids, a.tokens, a.threads, spin=spin)
