@@ -160,10 +160,12 @@ def quantize_child(src: str, out: str, kind: str, threads: int) -> dict:
 
 
 def run_child(python: str, *args) -> dict:
-    """This file's `--child` entry `args` in a fresh process of `python`; its last stdout line is JSON."""
-    res = subprocess.run([python, __file__, "--child", json.dumps(args)], stdout=subprocess.PIPE, text=True)
+    """This file's `--child` entry `args` in a fresh process of `python` (its stderr shown only if it fails);
+    its last stdout line is JSON."""
+    res = subprocess.run([python, __file__, "--child", json.dumps(args)], capture_output=True, text=True)
     if res.returncode:
-        raise SystemExit(f"{args[0]} ({python}) failed (exit {res.returncode}); see above")
+        raise SystemExit(f"{res.stderr[-3000:]}\n{args[0]} ({python}) failed (exit {res.returncode}); its stderr's "
+                         f"end is above")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
