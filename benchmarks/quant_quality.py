@@ -31,13 +31,15 @@ Figures, each quantization against its engine's unquantized model:
 One cross-engine line: mtp-trt fp32 against llama.cpp f32 (the same model in two engines: top-1 agreement,
 both perplexities).  The issue's goals are checked and printed: int8's teacher-forced top-1 agreement >=
 Q8_0's, int4's >= Q4_K_M's, and int8's MTP tokens per step within 3% of fp32's at every nextn.  The JSON
-report goes to --json (default $MTP_TRT_CACHE_DIR/bench-real-size/quant-quality.json).
+report goes to --json (default $MTP_TRT_CACHE_DIR/bench-real-size/quant-quality.json).  Nothing here is
+timed: both engines' threads wait without spinning (kinder to a shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -113,7 +115,7 @@ def mtp_run(export: Path, windows: np.ndarray, prompts: list[list[int]], tokens:
     from mtp_trt.decode import DecodeOptions
     from mtp_trt.manifest import Manifest
 
-    backend = OrtBackend(Manifest.load(export), threads=threads)
+    backend = OrtBackend(Manifest.load(export), threads=threads, spin=False)  # untimed (as the llama.cpp child)
     n, w = windows.shape
     t0 = time.perf_counter()
     backend.allocate(1, w)
@@ -169,7 +171,9 @@ def llama_runs(python: str, ggufs: dict[str, Path], windows: np.ndarray, prompts
         np.save(Path(tmp) / "windows.npy", windows)
         args = [{k: str(v) for k, v in ggufs.items()}, str(Path(tmp) / "windows.npy"), prompts, tokens, threads,
                 str(Path(tmp) / "out.npz")]
-        res = subprocess.run([python, __file__, "--llama-child", json.dumps(args)], stdout=subprocess.PIPE, text=True)
+        env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE"}  # untimed: no spinning threads on a shared machine
+        res = subprocess.run([python, __file__, "--llama-child", json.dumps(args)], stdout=subprocess.PIPE, text=True,
+                             env=env)
         if res.returncode:
             raise SystemExit(f"the llama.cpp child ({python}) failed (exit {res.returncode}); see above")
         greedy = json.loads(res.stdout.strip().splitlines()[-1])
