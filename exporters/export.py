@@ -207,7 +207,7 @@ def _export_graph(module: torch.nn.Module, io: tuple[list[dict], list[dict]], pa
     model = _trace(module, io, cfg, dtype, lowering)
     needed, values = fold_graph(model, params)
     if scheme.quantized:
-        needed, values = quantize_graph(model, needed, values, scheme)
+        needed, values = quantize_graph(model, needed, values, scheme, tensorrt=not module.fused)
     graph, table = model.graph, []
     if [i.name for i in graph.input] != [s["name"] for s in io[0]]:  # every parameter recognized as one
         raise RuntimeError(f"{path.name}: graph inputs {[i.name for i in graph.input]} after folding")
@@ -362,13 +362,15 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
 def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None,
                   scheme: quant.Scheme = quant.Scheme()) -> bool:
     """Whether the export uses mtp-trt's CPU operators (export's `cpu_ops`); an MtpTrtError where asked for and
-    not possible.  Quantized weights need them."""
+    not possible.  Quantized weights need them, unless the graphs are for TensorRT."""
     from mtp_trt.plugins import ort_lib
 
     why = ("they run on ONNX Runtime: --lowering onnx" if lowering != "onnx" else
            "they compute in float32: --dtype fp32" if dtype != "fp32" else
            f"--moe-form {moe_form} asks for another MoE" if moe_form not in (None, "cpu") else
            ort_lib.available()[1])
+    if scheme.quantized and (lowering == "plugin" or moe_form == "tensorrt"):
+        return False  # graphs for TensorRT: weights dequantized by DequantizeLinear nodes (exporters/quantize.py)
     if scheme.quantized:
         if cpu_ops is False:
             raise MtpTrtError(f"--quant {scheme.name}: quantized weights run on mtp-trt's CPU operators; drop "

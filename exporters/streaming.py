@@ -347,7 +347,52 @@ def evaluate(value: _Value, read: Callable[[str], Tensor], memo: dict | None = N
     return out
 
 
+def evaluate_row(value: _Value, i: int, read: Callable[[str], Tensor], memo: dict) -> Tensor:
+    """evaluate(value)[i] computed from the inputs' parts it needs where the recipe allows it (a stack of experts:
+    Concat along axis 0 of one-row inputs, ops that keep axis 0 and act row by row), so that a layer's stacked
+    experts can be quantized one expert at a time instead of held whole; else the whole value (kept in `memo`
+    for the other rows), then its row."""
+    node = value.node
+    if value.param is not None or node is None or not value.tensor.is_meta:  # a leaf: read when its row is needed
+        return evaluate(value, read)[i]
+    if not value.tensor.dim():
+        return evaluate(value, read, memo)[i]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    ins = value.inputs
+    kept = value.tensor.shape[0] == ins[0].tensor.shape[0] if ins and ins[0].tensor.dim() else False
+    if node.op_type == "Concat" and attrs.get("axis", 0) % value.tensor.dim() == 0 \
+            and all(v.tensor.shape[0] == 1 for v in ins):
+        return evaluate_row(ins[i], 0, read, memo)
+    if node.op_type == "Concat" and attrs.get("axis", 0) % value.tensor.dim() != 0 and all(
+            v.tensor.shape[0] == value.tensor.shape[0] for v in ins):
+        return torch.cat([evaluate_row(v, i, read, memo) for v in ins], attrs["axis"] % value.tensor.dim() - 1)
+    if node.op_type == "Unsqueeze" and _ints(ins[1].tensor) == [0]:  # row 0 of x[None] is x
+        return evaluate(ins[0], read)
+    if node.op_type == "Unsqueeze" and kept and 0 not in _ints(ins[1].tensor):
+        return evaluate_row(ins[0], i, read, memo).reshape(value.tensor.shape[1:])
+    if node.op_type in ("Reshape", "Cast") and kept:  # axis 0 kept: row i is input row i, reshaped
+        row = evaluate_row(ins[0], i, read, memo)
+        return row.reshape(value.tensor.shape[1:]).to(value.tensor.dtype)
+    if node.op_type == "Transpose" and attrs.get("perm", [None])[0] == 0:
+        return evaluate_row(ins[0], i, read, memo).permute([p - 1 for p in attrs["perm"][1:]])
+    return evaluate(value, read, memo)[i]
+
+
 # ------------------------------------------------------------------------------------- weights.bin
+class Packed:
+    """A tensor of an ONNX type torch has no dtype for (INT4: two values a byte): its bytes, type and dims."""
+
+    def __init__(self, data: Tensor, onnx_type: int, dims: list[int]):
+        self.data, self.onnx_type, self.dims = data, onnx_type, dims
+
+
+def _typed(t: Tensor | Packed) -> tuple[memoryview, int, list[int]]:
+    """(raw bytes, ONNX data type, dims) of a tensor to store."""
+    if isinstance(t, Packed):
+        return _raw(t.data), t.onnx_type, t.dims
+    return _raw(t), ONNX_TYPES[t.dtype], list(t.shape)
+
+
 class WeightStore:
     """weights.bin, written once for all the graphs of an export: each distinct tensor (by content) once,
     at a page-aligned offset; each recipe (a _Value's key) computed once."""
@@ -358,17 +403,16 @@ class WeightStore:
         self.by_content: dict[bytes, tuple[int, int]] = {}
         self.by_key: dict[bytes, tuple[int, int, int, list[int]]] = {}
 
-    def put(self, key: bytes, compute: Callable[[], Tensor]) -> tuple[int, int, int, list[int]]:
+    def put(self, key: bytes, compute: Callable[[], Tensor | Packed]) -> tuple[int, int, int, list[int]]:
         """-> (offset, bytes, ONNX data type, dims) of the tensor `compute` gives, stored once."""
         if key not in self.by_key:
-            t = compute()
-            raw = _raw(t)
-            digest = hashlib.sha256(raw).digest() + bytes([ONNX_TYPES[t.dtype]])
+            raw, onnx_type, dims = _typed(compute())
+            digest = hashlib.sha256(raw).digest() + bytes([onnx_type])
             if digest not in self.by_content:
                 self.file.write(b"\0" * (-self.file.tell() % self.align))
                 self.by_content[digest] = (self.file.tell(), len(raw))
                 self.file.write(raw)
-            self.by_key[key] = (*self.by_content[digest], ONNX_TYPES[t.dtype], list(t.shape))
+            self.by_key[key] = (*self.by_content[digest], onnx_type, dims)
         return self.by_key[key]
 
     def close(self) -> None:
@@ -385,10 +429,11 @@ class WeightStore:
         return len(self.by_content)
 
 
-def initializer(name: str, t: Tensor) -> onnx.TensorProto:
+def initializer(name: str, t: Tensor | Packed) -> onnx.TensorProto:
     """An inline initializer (raw_data)."""
-    proto = onnx.TensorProto(name=name, data_type=ONNX_TYPES[t.dtype], dims=list(t.shape))
-    proto.raw_data = bytes(_raw(t))
+    raw, onnx_type, dims = _typed(t)
+    proto = onnx.TensorProto(name=name, data_type=onnx_type, dims=dims)
+    proto.raw_data = bytes(raw)
     return proto
 
 

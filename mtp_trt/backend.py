@@ -94,7 +94,7 @@ def default_threads() -> int:
 # ~1.1x speed).
 SHARE_WEIGHTS_BYTES = 128 << 20
 # ONNX data type -> numpy dtype of the weights a session can be handed (others load the usual way)
-ONNX_NUMPY = {1: np.float32, 10: np.float16, 6: np.int32, 7: np.int64, 9: np.bool_, 11: np.float64}
+ONNX_NUMPY = {1: np.float32, 2: np.uint8, 10: np.float16, 6: np.int32, 7: np.int64, 9: np.bool_, 11: np.float64}
 
 
 class OrtBackend(Backend):
@@ -123,7 +123,8 @@ class OrtBackend(Backend):
     per step at nextn 0 and 1.55x at nextn 1 (85M;
     benchmarks/shared_weights.py).  Without sharing every session holds its own pre-packed copy: 1.2-1.7x
     faster than sharing everything on the demo (23 MB, cache-resident).  share_weights=None (default)
-    shares from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves."""
+    shares from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves, and
+    always for quantized weights (mtp-trt's quantized operators read them in place)."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
                  prepack: tuple[str, ...] = ("step_", "tree_"), spin: bool = True):
@@ -139,8 +140,8 @@ class OrtBackend(Backend):
         self.threads = threads or default_threads()
         weights = manifest.raw.get("weights")
         weights = weights if isinstance(weights, dict) else {}
-        if share_weights is None:
-            share_weights = weights.get("bytes", 0) >= SHARE_WEIGHTS_BYTES
+        if share_weights is None:  # quantized weights are read in place by mtp-trt's operators: nothing to pre-pack
+            share_weights = weights.get("bytes", 0) >= SHARE_WEIGHTS_BYTES or manifest.quant.quantized
         self.tables = weights.get("initializers") if share_weights else None
         self.prepack = prepack  # graphs (name prefixes) that pre-pack a private copy even when sharing
         self.spin = spin  # whether ONNX Runtime's threads spin between the kernels of a run (above)

@@ -133,13 +133,20 @@ def _levels(blocks: np.ndarray, scale: np.ndarray, lo: int, hi: int) -> np.ndarr
     return np.clip(np.rint(blocks / safe), lo, hi).astype(np.int8)
 
 
-def dequantize(data: np.ndarray, scales: np.ndarray, k: int, bits: int) -> np.ndarray:
-    """(data, scales) -> W [N, K] float32, the weight the quantized one stands for."""
+def levels(data: np.ndarray, k: int, bits: int) -> np.ndarray:
+    """data [N, blocks, blob] -> the signed levels q [N, K] (int16)."""
     n, nb, blob = data.shape
     if bits == 4:
         u = np.empty((n, nb, blob * 2), np.int16)
         u[..., 0::2], u[..., 1::2] = data & 0xF, data >> 4
     else:
         u = data.astype(np.int16)
-    q = (u - (1 << (bits - 1))).astype(np.float32)
-    return (q * scales[..., None]).reshape(n, -1)[:, :k]
+    return (u - (1 << (bits - 1))).reshape(n, -1)[:, :k]
+
+
+def dequantize(data: np.ndarray, scales: np.ndarray, k: int, bits: int) -> np.ndarray:
+    """(data, scales) -> W [N, K] float32, the weight the quantized one stands for."""
+    n, nb, _ = data.shape
+    q = np.zeros((n, nb * (data.shape[2] * 8 // bits)), np.float32)
+    q[:, :k] = levels(data, k, bits)
+    return (q.reshape(n, nb, -1) * scales[..., None]).reshape(n, -1)[:, :k]

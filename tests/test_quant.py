@@ -115,14 +115,9 @@ def test_quantized_export_computes_the_reference_on_the_dequantized_weights(ckpt
                  group_size=32)
     m = Manifest.load(out)
     assert m.raw["quant"]["scheme"] == name and m.raw["quant"]["block_size"] == 32
-    model = load_checkpoint(rounded, max_positions=64)
-    cfg, b, t = m.config, 2, 64
-    ids = np.random.default_rng(0).integers(0, 90, (b, 9)).astype(np.int32)
-    feed = {"input_ids": ids, "past_len": np.zeros(b, np.int32), "thinking": np.zeros(b, np.int32),
-            "relaxed_topk": np.array(0, np.int32), "relaxed_delta": np.array(0, np.float32)}
-    feed |= {f"kv_{i}": np.zeros((b, t, cfg.latent_dim), np.float32) for i in range(cfg.num_hidden_layers)}
+    ids, feed = _prefill_feed(m.config)
     with torch.no_grad():
-        ref = model(torch.from_numpy(ids).long())[0].numpy()
+        ref = load_checkpoint(rounded, max_positions=64)(torch.from_numpy(ids).long())[0].numpy()
     exact = ort_lib.session(dequantized_graph(out / "target.onnx")).run(["logits"], feed)[0]
     np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=1e-4)
     quantized = ort_lib.session(str(out / "target.onnx")).run(["logits"], feed)[0]
@@ -159,9 +154,58 @@ def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(draft
         assert stats.mean_accepted > 1.2, "drafts must be partly accepted for this test to bite"
 
 
-def test_quantized_export_needs_the_cpu_operators(ckpt, tmp_path):
+def test_quantized_export_for_onnx_runtime_needs_the_cpu_operators(ckpt, tmp_path):
     with pytest.raises(MtpTrtError, match="--quant int4: quantized weights run on mtp-trt's CPU operators; drop"):
         export(ckpt, tmp_path / "a", quant_scheme="int4", cpu_ops=False)
-    with pytest.raises(MtpTrtError, match="--quant int8: .*--lowering onnx"):
-        export(ckpt, tmp_path / "b", quant_scheme="int8", lowering="plugin")
+    with pytest.raises(MtpTrtError, match="--quant int8: .*--dtype fp32"):
+        export(ckpt, tmp_path / "b", quant_scheme="int8", dtype="fp16")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------------------------------- TensorRT
+def _prefill_feed(cfg, b=2, t=64):
+    ids = np.random.default_rng(0).integers(0, 90, (b, 9)).astype(np.int32)
+    feed = {"input_ids": ids, "past_len": np.zeros(b, np.int32), "thinking": np.zeros(b, np.int32),
+            "relaxed_topk": np.array(0, np.int32), "relaxed_delta": np.array(0, np.float32)}
+    return ids, feed | {f"kv_{i}": np.zeros((b, t, cfg.latent_dim), np.float32) for i in range(cfg.num_hidden_layers)}
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_tensorrt_form_dequantizes_to_the_reference(ckpt, tmp_path, name):
+    """Graphs for TensorRT carry each quantized weight as INT4/INT8 levels and a blocked DequantizeLinear before
+    its matmul; ONNX Runtime runs that form too (in float when told not to fuse the pair into an int8-activation
+    MatMulNBits), so on a checkpoint already on the grid its logits equal the PyTorch reference's at fp32
+    tolerance."""
+    import onnx
+    import onnxruntime as ort
+
+    scheme = quant.Scheme(name, 32)
+    rounded = prerounded(ckpt, tmp_path / "rounded", scheme)
+    out = export(rounded, tmp_path / "exp", nextn=1, max_seq_len=64, trees="none", moe_form="tensorrt",
+                 quant_scheme=name, group_size=32)
+    graph = onnx.load(str(out / "target.onnx"), load_external_data=False).graph
+    dq = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    types = {i.name: i.data_type for i in graph.initializer}
+    assert len(dq) >= 2 * Manifest.load(out).config.num_hidden_layers
+    assert {types[n.input[0]] for n in dq} <= {onnx.TensorProto.INT4, onnx.TensorProto.INT8}
+    ids, feed = _prefill_feed(Manifest.load(out).config)
+    with torch.no_grad():
+        ref = load_checkpoint(rounded, max_positions=64)(torch.from_numpy(ids).long())[0].numpy()
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")  # float activations
+    logits = ort_lib.session(str(out / "target.onnx"), options).run(["logits"], feed)[0]
+    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.trt
+def test_quantized_plugin_export_builds_engines(ckpt, tmp_path):
+    from mtp_trt.trt import builder, compat
+    from mtp_trt.trt import manifest as em
+
+    exp = export(ckpt, tmp_path / "exp", nextn=1, lowering="plugin", dtype="fp16", max_seq_len=64, trees="none",
+                 quant_scheme="int4")
+    assert Manifest.load(exp).quant == quant.Scheme("int4", 32)
+    api, cc = compat.load("auto"), compat.gpu()[0]
+    arch = "native" if cc and cc in api.buildable_archs() else "8.9"
+    m = em.EngineManifest.load(builder.build(exp, tmp_path / "engines", target_arch=arch), verify_hashes=True)
+    assert set(m.engines) == {"target", "mtp_0", "step_0", "step_1"}
