@@ -2,7 +2,7 @@
 GGUF files made with llama.cpp's own tools, mtp-trt exports of the same checkpoints, and llama.cpp driven through
 its C API as its own programs drive it.
 
-GGUF files, cached under $MTP_TRT_CACHE_DIR/bench-real-size (real_size.cache_dir(); never in git):
+GGUF files, cached in mtp-trt's cache directory, in bench-real-size (real_size.cache_dir(); never in git):
 
 * f32: llama.cpp's converter (`convert_hf_to_gguf.py`, unpacked from llama-cpp-python's source distribution)
   run on the Hugging Face checkpoint with `--outtype f32`, in the Python that runs mtp-trt (it needs torch).
@@ -90,8 +90,11 @@ def gguf_path(name: str, kind: str) -> Path:
     return cache_dir() / f"{name}-{kind}.gguf"
 
 
-def converter_dir(sdist: Path) -> Path:
+def converter_dir(sdist: Path | None) -> Path:
     """llama.cpp's converter unpacked (once) from the llama-cpp-python source distribution."""
+    if sdist is None:
+        raise SystemExit("--sdist: llama-cpp-python's source distribution is needed to convert a checkpoint to GGUF "
+                         "(pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d DIR)")
     if not sdist.is_file():
         raise SystemExit(f"--sdist {sdist}: no such file (llama-cpp-python's .tar.gz source distribution, which "
                          f"holds llama.cpp's converter)")
@@ -169,7 +172,7 @@ def run_child(python: str, *args) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def ensure_gguf(name: str, ckpt: Path, kind: str, sdist: Path, llama_python: str, threads: int = 2,
+def ensure_gguf(name: str, ckpt: Path, kind: str, sdist: Path | None, llama_python: str, threads: int = 2,
                 progress=print) -> Path:
     """The GGUF of `ckpt` in type `kind`, made (once) from its f32 GGUF, itself made (once) by the converter."""
     if kind not in GGUF_TYPES:

@@ -2,16 +2,21 @@
 interleaved, at every weight type of each side (f32, Q8_0, Q4_0, Q4_K_M GGUFs; mtp-trt --quant none, int8,
 int4).  Not run in CI.
 
-  python benchmarks/llama_cpp.py --llama-python /work/venvs/llama/bin/python \\
-      [--sdist /work/llama/sdist/llama_cpp_python-0.3.36.tar.gz] [--sizes demo 85m 304m] \\
+  python -m venv LLAMA_VENV && LLAMA_VENV/bin/pip install llama-cpp-python==0.3.36
+  pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d SDIST_DIR
+  python benchmarks/llama_cpp.py --llama-python LLAMA_VENV/bin/python \\
+      --sdist SDIST_DIR/llama_cpp_python-0.3.36.tar.gz [--sizes demo 85m 304m] \\
       [--quant none int8 int4] [--group-size 32] [--gguf f32 q8_0 q4_0 q4_k_m] \\
-      [--tokens 64] [--rounds 5] [--threads 2] [--nextn 0 1 2 3] [--no-spin] [--transformers]
+      [--tokens 64] [--rounds 5] [--threads 2] [--nextn 0 1 2 3] [--no-spin] [--transformers] [--json FILE]
+
+(--sdist, llama-cpp-python's source distribution, is needed only while a checkpoint's f32 GGUF is not yet in
+the cache: it carries llama.cpp's converter.)
 
 Checkpoints: the demo (samples/demo-model) and benchmarks/real_size.py's random 85m / 304m (made on the fly).
 GGUFs: llama.cpp's converter (f32) and llama_model_quantize (Q8_0, Q4_0, Q4_K_M), benchmarks/llama_api.py.
 mtp-trt: one export per --quant (the demo with all its MTP modules; 85m / 304m with nextn 1, max_seq_len 1024,
-as real_size.py exports them).  Everything converted or exported goes under $MTP_TRT_CACHE_DIR/bench-real-size
-(never into git).
+as real_size.py exports them).  Everything converted or exported goes under mtp-trt's cache directory, in
+bench-real-size (never into git).
 
 How llama.cpp is driven: through its C API (llama-cpp-python's ctypes bindings, not its Python `Llama` class):
 the prompt in one `llama_decode` of a `llama_batch`, then one `llama_decode` per new token, each token picked
@@ -202,7 +207,8 @@ def label(key: tuple) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["demo", "85m", "304m"], choices=["demo", "85m", "304m"])
-    ap.add_argument("--sdist", type=Path, default=Path("/work/llama/sdist/llama_cpp_python-0.3.36.tar.gz"))
+    ap.add_argument("--sdist", type=Path, help="llama-cpp-python's source distribution (pip download --no-binary "
+                    ":all:), for its converter; needed while a checkpoint's f32 GGUF is not cached")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python with llama_cpp installed")
     ap.add_argument("--quant", nargs="+", default=["none"], choices=QUANTS, help="mtp-trt weight quantizations")
     ap.add_argument("--group-size", type=int, default=32, help="mtp-trt's quantization block (default 32)")

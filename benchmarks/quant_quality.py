@@ -2,8 +2,10 @@
 fp32 export, beside llama.cpp's Q8_0 / Q4_0 / Q4_K_M against its own f32 GGUF of the same checkpoint.  Not run
 in CI.
 
-  python benchmarks/quant_quality.py --llama-python /work/venvs/llama/bin/python \\
+  python benchmarks/quant_quality.py --llama-python LLAMA_VENV/bin/python [--sdist SDIST] \\
       [--quant none int8 int4] [--group-size 32] [--gguf f32 q8_0 q4_0 q4_k_m] [--windows N] [--tokens 128]
+
+(LLAMA_VENV, SDIST: as in benchmarks/llama_cpp.py; --sdist is needed while the demo's f32 GGUF is not cached.)
 
 Held-out text: the demo model's own held-out split (samples/demo_data.py): the Python standard library files
 (of the running Python; the model was trained on 3.11.7's) whose sha1(relative path) % 100 < 5, which
@@ -29,9 +31,9 @@ Figures, each quantization against its engine's unquantized model:
   position accepted), plus whether every nextn decoded the same tokens as nextn 0 (greedy MTP is lossless).
 
 One cross-engine line: mtp-trt fp32 against llama.cpp f32 (the same model in two engines: top-1 agreement,
-both perplexities).  The issue's goals are checked and printed: int8's teacher-forced top-1 agreement >=
+both perplexities).  The quantization goals are checked and printed: int8's teacher-forced top-1 agreement >=
 Q8_0's, int4's >= Q4_K_M's, and int8's MTP tokens per step within 3% of fp32's at every nextn.  The JSON
-report goes to --json (default $MTP_TRT_CACHE_DIR/bench-real-size/quant-quality.json).  Nothing here is
+report goes to --json (default: quant-quality.json in mtp-trt's cache directory, bench-real-size).  Nothing here is
 timed: both engines' threads wait without spinning (kinder to a shared machine).
 """
 
@@ -220,13 +222,13 @@ def main():
                     help="llama.cpp types (f32, the reference, is always run); none with --no-llama")
     ap.add_argument("--no-llama", action="store_true", help="mtp-trt only")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python with llama_cpp installed")
-    ap.add_argument("--sdist", type=Path, default=Path("/work/llama/sdist/llama_cpp_python-0.3.36.tar.gz"))
+    ap.add_argument("--sdist", type=Path, help="llama-cpp-python's source distribution (llama.cpp's converter)")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--windows", type=int, default=None, help="at most this many held-out windows (default all)")
     ap.add_argument("--chunk", type=int, default=64, help="mtp-trt: tokens per target-graph call")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt (greedy, MTP)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=cache_dir() / "quant-quality.json")
+    ap.add_argument("--json", type=Path, help="where the report goes (default: quant-quality.json in the cache)")
     ap.add_argument("--llama-child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.llama_child:
@@ -296,6 +298,7 @@ def main():
     report = {"heldout_files": files, "windows": list(windows.shape), "chunk": a.chunk, "prompts": len(prompts),
               "new_tokens": a.tokens, "threads": a.threads, "rows": rows, "mtp": mtp, "cross_engine": cross,
               "goals": [{"goal": n, "met": ok, "figures": d} for n, ok, d in goals]}
+    a.json = a.json or cache_dir() / "quant-quality.json"
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(report, indent=1))
     print(f"JSON: {a.json}")

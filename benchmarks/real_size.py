@@ -1,8 +1,8 @@
-"""Real-size random checkpoints (issue #16): decode tokens/s and peak RSS of `mtp-trt` on ONNX Runtime,
+"""Real-size random checkpoints: decode tokens/s and peak RSS of `mtp-trt` on ONNX Runtime,
 static vs routed MoE (llama.cpp beside it on the same checkpoints: benchmarks/llama_cpp.py).
 
 The checkpoints are made on the fly from a config (random weights, the demo's tokenizer, one MTP
-module), never shipped, and cached under $MTP_TRT_CACHE_DIR/bench-real-size:
+module), never shipped, and cached under mtp-trt's cache directory, in bench-real-size:
 
   85m  : hidden 768, 8 layers (1 dense), 16 experts top-2 (inter 256) + 1 shared, q_lora 384, kv_lora 128,
          8 heads: 85.5M parameters in the main model, 27.4M active per token (embeddings excluded)
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,10 @@ PROMPT = "def _get_default_tempdir():\n    \"\"\"Calculate the default directory
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MTP_TRT_CACHE_DIR", Path.home() / ".cache" / "mtp-trt")) / "bench-real-size"
+    """mtp-trt's cache directory (mtp_trt.fsutil.cache_dir), bench-real-size in it."""
+    from mtp_trt.fsutil import cache_dir as mtp_trt_cache_dir
+
+    return mtp_trt_cache_dir("bench-real-size")
 
 
 def revision() -> str:

@@ -1,4 +1,4 @@
-"""What one decode step costs, chain against tree (issue #15): every step and tree graph of an export called
+"""What one decode step costs, chain against tree: every step and tree graph of an export called
 round-robin at batch 1 over a cache of realistic length, medians, each against step_0 (plain decoding) in the
 same round; then each configuration's mean accepted tokens per step over the bench prompts, and the speedup
 over step_0 those two figures predict (tokens per step / step cost).
@@ -6,7 +6,7 @@ over step_0 those two figures predict (tokens per step / step cost).
 The bound: what a tree would predict if everything it does beyond the chain of its depth were free except
 verifying its extra rows -- step_D's cost plus the target graph's extra cost for N + 1 rows against D + 1 at the
 same past_len (`verify_R`: the main model over R rows, timed in the same rounds).  A tree whose bound is below
-the best chain's predicted speedup cannot beat the chain on this machine, however cheap its drafting and glue.
+the best chain's predicted speedup cannot beat the chain on the machine measured, however cheap its drafting and glue.
 
   python benchmarks/tree_step.py EXPORT_DIR [--rounds 200] [--past 80] [--new 128]   (--new 0: costs only)
 

@@ -18,7 +18,7 @@ differ only in how the selected experts' SwiGLUs are computed from its (weights 
   given to it as PARTS experts over consecutive blocks of its intermediate units, part-major (part p of
   every expert in the p-th block): with up to PARTS threads every thread gets the same share of any
   selection.  SwiGLU is elementwise over the units, so the parts' outputs add up to the expert's
-  (split_experts).  PARTS = 4, by measurement (README): one MoE layer of the 85M / 304M checkpoints at one
+  (split_experts).  PARTS = 4, by measurement (benchmarks/moe_forms.py): one MoE layer of the 85M / 304M checkpoints at one
   token 1.19x / 1.40x faster than whole experts, prompts of 64-512 tokens 4-8% slower.
 * `gather` (standard operators, for TensorRT): each token gathers its k experts' stacked weights
   (Gather) and multiplies them in batched MatMuls: reads N*k experts' weights (through a copy), with

@@ -2,7 +2,7 @@
 meant for ONNX Runtime only (the default; `--moe-form tensorrt` keeps standard operators, for TensorRT).
 
 Each is a torch.autograd.Function that computes the reference's arithmetic when traced and exports as one
-ONNX Runtime node, to cut the kernels a decode step launches (README, "Per-step overhead"):
+ONNX Runtime node, to cut the kernels a decode step launches (docs/benchmarks.md):
   * RotaryEmbedding: RoPE on x [B, S, heads * Dr] at positions [B, S] from the cos/sin tables [P, Dr/2]
     (model.apply_rope's products; either pair layout) -- one node instead of a gather and two multiply-adds;
   * SkipSimplifiedLayerNormalization: a residual add and the RMSNorm after it, (norm(h + delta), h + delta) --
@@ -77,6 +77,46 @@ def _interleaved(gate: Tensor, up: Tensor) -> Tensor:
     return torch.stack([gate, up], -2).flatten(-3, -2)
 
 
+def _unsqueeze(g, x, axis: int):
+    return g.op("Unsqueeze", x, g.op("Constant", value_t=torch.tensor([axis])))
+
+
+class StackedExperts(torch.autograd.Function):
+    """torch.stack of the experts' weights -> [E, R, D] that, when traced, writes nothing: the export traces on
+    placeholder weights, whose stack would be real memory (a DeepSeek-V2-Lite layer's: 2.2 GB) for values nobody
+    reads, since the graph records only this op's ONNX form (Unsqueeze and Concat over the weights: the recipe
+    streaming.fold_graph folds)."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        if torch.jit.is_tracing():
+            return torch.empty((len(weights), *weights[0].shape), dtype=weights[0].dtype)  # never written
+        return torch.stack(weights)
+
+    @staticmethod
+    def symbolic(g, *weights):
+        return g.op("Concat", *[_unsqueeze(g, w, 0) for w in weights], axis_i=0)
+
+
+class InterleavedExperts(torch.autograd.Function):
+    """StackedExperts of the gates then the ups given: [E, 2I, D], rows (gate_j, up_j) adjacent (_interleaved)."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        e, (rows, d) = len(weights) // 2, weights[0].shape
+        if torch.jit.is_tracing():
+            return torch.empty((e, 2 * rows, d), dtype=weights[0].dtype)  # never written
+        return torch.stack([_interleaved(a, b) for a, b in zip(weights[:e], weights[e:])])
+
+    @staticmethod
+    def symbolic(g, *weights):
+        e = len(weights) // 2
+        shape = g.op("Constant", value_t=torch.tensor([-1, weights[0].type().sizes()[1]]))
+        pairs = [g.op("Reshape", g.op("Concat", _unsqueeze(g, a, 1), _unsqueeze(g, b, 1), axis_i=1), shape)
+                 for a, b in zip(weights[:e], weights[e:])]
+        return g.op("Concat", *[_unsqueeze(g, w, 0) for w in pairs], axis_i=0)
+
+
 class CpuMoEOp(torch.autograd.Function):
     """DeepSeekMoE, router included, as one `mtp_trt.cpu::MoE` node: x [.., D], gate [E, D], bias [E], fc1 [E, 2I, D]
     (gate/up interleaved), fc2 [E, D, I], shared_fc1 [2Is, D], shared_fc2 [D, Is] (or neither) -> [.., D].
@@ -88,8 +128,12 @@ class CpuMoEOp(torch.autograd.Function):
         scores, idx = select_experts(x, gate, bias, *routing)
         w = scores.gather(-1, idx)
         w = (w / (w.sum(-1, keepdim=True) + 1e-20) if norm else w) * scaling  # Gate.forward's weights
-        y = _swiglu(x[..., None, :], fc1[idx], fc2[idx]) * w[..., None].to(x.dtype)  # [.., k, D]: each token's k
-        y = y.sum(-2)
+        flat, idx, w = x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1])
+        y = torch.zeros_like(flat)
+        for e in idx.unique().tolist():  # expert by expert (never every token's experts gathered at once)
+            token, slot = torch.where(idx == e)
+            y.index_add_(0, token, _swiglu(flat[token], fc1[e], fc2[e]) * w[token, slot, None].to(x.dtype))
+        y = y.reshape(x.shape)
         return y if shared_fc1 is None else y + _swiglu(x, shared_fc1, shared_fc2)
 
     @staticmethod
@@ -117,9 +161,8 @@ def cpu_moe(moe, x: Tensor) -> Tensor:
     """The MoE layer `moe` (exporters/model.py MoE, shared experts included) on x [B, S, D] as one node."""
     gate = moe.gate
     bias = gate.e_score_correction_bias if gate.cfg.topk_method == "noaux_tc" else torch.zeros(gate.weight.shape[0])
-    fc1 = _interleaved(torch.stack([e.gate_proj.weight for e in moe.experts]),
-                       torch.stack([e.up_proj.weight for e in moe.experts]))
-    fc2 = torch.stack([e.down_proj.weight for e in moe.experts])
+    fc1 = InterleavedExperts.apply(*(e.gate_proj.weight for e in moe.experts), *(e.up_proj.weight for e in moe.experts))
+    fc2 = StackedExperts.apply(*(e.down_proj.weight for e in moe.experts))
     shared = getattr(moe, "shared_experts", None)
     sfc1 = None if shared is None else _interleaved(shared.gate_proj.weight, shared.up_proj.weight)
     sfc2 = None if shared is None else shared.down_proj.weight

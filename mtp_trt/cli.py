@@ -58,11 +58,14 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 
 @app.command()
 @clear_errors
-def inspect(checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json).")) -> None:
+def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoint directory (config.json; "
+                                                         "default: the bundled demo model).")) -> None:
     """Summarize a checkpoint's architecture: layers, MoE, MTP modules and the latent KV cache size."""
     from mtp_trt.config import ModelConfig
+    from mtp_trt.runner import demo_model
     from mtp_trt.validate import stored_mtp_modules
 
+    checkpoint = checkpoint or demo_model()
     cfg = ModelConfig.from_file(checkpoint)
     ckpt = checkpoint if checkpoint.is_dir() else checkpoint.parent
     stored = stored_mtp_modules(ckpt, cfg.num_hidden_layers)
@@ -142,7 +145,7 @@ class StageDisplay:
 @app.command()
 @clear_errors
 def export(
-    checkpoint: Path = typer.Argument(..., help="Hugging Face checkpoint directory."),
+    checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoint directory (default: the bundled demo model)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (new or empty)."),
     nextn: int = typer.Option(None, help="Draft tokens per step K (default: the checkpoint's MTP layer count)."),
     mtp_mode: str = typer.Option("eagle", help="eagle (one MTP module reused K times) or vanilla (K modules)."),
@@ -166,7 +169,9 @@ def export(
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
     from mtp_trt.exporters.export import export as run_export
+    from mtp_trt.runner import demo_model
 
+    checkpoint = checkpoint or demo_model()
     with StageDisplay(f"export {checkpoint}") as show:
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
                           max_batch=max_batch, max_seq_len=max_seq_len, progress=show,

@@ -26,15 +26,8 @@ from mtp_trt.quant import Scheme, scheme
 
 FORMAT = "mtp-trt-export"
 FORMAT_VERSION = 1
-# Bumped whenever the exporter writes different graphs for the same checkpoint (2: one step graph per nextn;
-# 3: fewer glue nodes: shared shapes and masks, gather RoPE, fused projections, folded MLA weights;
-# 4: step_0, plain decoding without acceptance, in both modes; 5: vanilla step graphs; 6: weights.bin;
-# 7: plugin lowering's cache outputs aliased to the cache inputs; 8: routed MoE; 9: streamed export -- graphs
-# folded by the exporter, so equal initializers are no longer merged behind Identity nodes: same outputs;
-# 10: tree step graphs, MlaGenerationAttention's optional tree mask; 11: the MoE node's experts split in parts,
-# the tree step's glue as small matrix products; 12: ONNX Runtime's fused RoPE and add+norm operators;
-# 13: mtp-trt's CPU operators, the MLA attention and MoE nodes; 14: flat queries, without the unfolded path's
-# reshapes), so exports cached by `mtp-trt run` are redone rather than reused.
+# Bumped whenever the exporter writes different graphs for the same checkpoint (CHANGELOG.md, "Exporter
+# revisions", says what each changed), so exports cached by `mtp-trt run` are redone rather than reused.
 EXPORTER_REVISION = 14
 MTP_MODES = ("eagle", "vanilla")
 DTYPES = ("fp32", "fp16", "bf16")

@@ -21,6 +21,8 @@ reference, and the runtime needs no torch.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +35,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_BLOCK_SIZE = 32
 INT4_DIVISORS = (-8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, -6.25, -6.0)
 ROWS_PER_CHUNK = 4096  # rows quantized at a time: bounds the temporaries of the int4 scale search
+_THREADS = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
 
 @dataclass(frozen=True)
@@ -91,46 +94,60 @@ def quantize(w: np.ndarray, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
     n, k = w.shape
     data_shape, scale_shape = s.shapes(n, k)
     data, scales = np.empty(data_shape, np.uint8), np.empty(scale_shape, np.float32)
-    for r in range(0, n, ROWS_PER_CHUNK):
-        data[r:r + ROWS_PER_CHUNK], scales[r:r + ROWS_PER_CHUNK] = _quantize_rows(w[r:r + ROWS_PER_CHUNK], s)
+    step = max(64, min(ROWS_PER_CHUNK, -(-n // _THREADS)))
+
+    def part(r: int) -> None:
+        data[r:r + step], scales[r:r + step] = _quantize_rows(w[r:r + step], s)
+
+    if n <= step:
+        part(0)
+    else:  # NumPy's loops release the GIL: row chunks on every core
+        with ThreadPoolExecutor(_THREADS) as pool:
+            list(pool.map(part, range(0, n, step)))
     return data, scales
 
 
 def _quantize_rows(w: np.ndarray, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
     n, k = w.shape
     nb, bs = s.blocks(k), s.block_size
-    blocks = np.zeros((n, nb * bs), np.float32)
-    blocks[:, :k] = w
-    blocks = blocks.reshape(n, nb, bs)
+    if k == nb * bs:
+        blocks = np.asarray(w, np.float32).reshape(n, nb, bs)
+    else:
+        blocks = np.zeros((n, nb * bs), np.float32)
+        blocks[:, :k] = w
+        blocks = blocks.reshape(n, nb, bs)
     lo, hi = -(1 << (s.bits - 1)), (1 << (s.bits - 1)) - 1
+    q, err = np.empty_like(blocks), np.empty_like(blocks)
     if s.bits == 8:
-        scale = np.abs(blocks).max(-1) / hi
-        q = _levels(blocks, scale, lo, hi)
+        scale = np.abs(blocks).max(-1) / np.float32(hi)
     else:
         pos = np.abs(blocks).argmax(-1)[..., None]
         m = np.take_along_axis(blocks, pos, -1)[..., 0]  # the value of largest magnitude, signed
-        best_err, scale, q = None, None, None
+        best = None
         for t in INT4_DIVISORS:
             cand = m / np.float32(t)
-            qc = _levels(blocks, cand, lo, hi)
-            err = np.square(qc * cand[..., None] - blocks).sum(-1)
-            if best_err is None:
-                best_err, scale, q = err, cand, qc
+            _levels(blocks, cand, lo, hi, q)
+            np.multiply(q, cand[..., None], out=err)
+            np.subtract(err, blocks, out=err)
+            e = np.einsum("ijk,ijk->ij", err, err)  # the block's squared error
+            if best is None:
+                best, scale = e, cand
             else:
-                better = err < best_err
-                best_err = np.where(better, err, best_err)
-                scale = np.where(better, cand, scale)
-                q = np.where(better[..., None], qc, q)
-    u = (q.astype(np.int16) - lo).astype(np.uint8)  # + 2^(bits-1)
+                better = e < best
+                best, scale = np.where(better, e, best), np.where(better, cand, scale)
+    _levels(blocks, scale, lo, hi, q)
+    u = (q - lo).astype(np.uint8)  # + 2^(bits-1)
     if s.bits == 4:
         u = u[..., 0::2] | (u[..., 1::2] << 4)
     return u, scale.astype(np.float32)
 
 
-def _levels(blocks: np.ndarray, scale: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """round(blocks / scale) clipped to [lo, hi] (an all-zero block: 0)."""
+def _levels(blocks: np.ndarray, scale: np.ndarray, lo: int, hi: int, out: np.ndarray) -> np.ndarray:
+    """out = round(blocks / scale) clipped to [lo, hi] (an all-zero block: 0), as floats."""
     safe = np.where(scale == 0, np.float32(1), scale)[..., None]
-    return np.clip(np.rint(blocks / safe), lo, hi).astype(np.int8)
+    np.divide(blocks, safe, out=out)
+    np.rint(out, out=out)
+    return np.clip(out, lo, hi, out=out)
 
 
 def levels(data: np.ndarray, k: int, bits: int) -> np.ndarray:

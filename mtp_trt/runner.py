@@ -2,7 +2,7 @@
 tokenize, decode.
 
 A checkpoint is exported on first use into a cache directory keyed by the checkpoint's contents and
-the export options (under `mtp_trt.fsutil.cache_dir()`, default ~/.cache/mtp-trt), so later runs start at once.
+the export options (under `mtp_trt.fsutil.cache_dir("exports")`), so later runs start at once.
 """
 
 from __future__ import annotations
@@ -22,15 +22,19 @@ from mtp_trt.fsutil import cache_dir
 from mtp_trt.manifest import EXPORTER_REVISION, Manifest, verify_export
 from mtp_trt.quant import Scheme
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_MODEL = REPO_ROOT / "samples" / "demo-model"
+# The bundled demo checkpoint: package data in an installed wheel (mtp_trt/demo_model), samples/demo-model in a
+# source tree (an editable install); MTP_TRT_DEMO_MODEL overrides both.
+DEMO_MODEL_DIRS = (Path(__file__).resolve().parent / "demo_model",
+                   Path(__file__).resolve().parent.parent / "samples" / "demo-model")
 
 
 def demo_model() -> Path:
-    path = Path(os.environ.get("MTP_TRT_DEMO_MODEL", DEMO_MODEL))
-    if not (path / "config.json").is_file():
-        raise MtpTrtError(f"{path}: the bundled demo checkpoint is missing (set MTP_TRT_DEMO_MODEL or pass a model)")
-    return path
+    env = os.environ.get("MTP_TRT_DEMO_MODEL")
+    for path in [Path(env)] if env else DEMO_MODEL_DIRS:
+        if (path / "config.json").is_file():
+            return path
+    where = env or " or ".join(str(p) for p in DEMO_MODEL_DIRS)
+    raise MtpTrtError(f"{where}: the bundled demo checkpoint is missing (set MTP_TRT_DEMO_MODEL or pass a model)")
 
 
 def checkpoint_key(ckpt: Path, **options) -> str:

@@ -36,7 +36,7 @@ class TreeShape:
 
 
 # The trees an export carries by default, in either mode (each one step graph), as DEPTH:TOPK:BUDGET; chosen by
-# `mtp-trt bench` on the demo checkpoint (README).
+# `mtp-trt bench` on the demo checkpoint (docs/benchmarks.md).
 DEFAULT_TREES = (TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 3, 8))
 
 

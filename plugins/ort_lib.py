@@ -21,10 +21,11 @@ import tempfile
 from pathlib import Path
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import cache_dir
 
 DOMAIN = "mtp_trt.cpu"
 SOURCE_DIR = Path(__file__).resolve().parent / "ort"
-SOURCES = ("kernels.h", "kernels.cpp", "mtp_ort_ops.cpp")
+SOURCES = ("kernels.h", "qkernels_impl.h", "kernels.cpp", "mtp_ort_ops.cpp")
 PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
 PREBUILT_LIB, PREBUILT_INFO = PREBUILT_DIR / "libmtp_ort_ops.so", PREBUILT_DIR / "libmtp_ort_ops.json"
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -94,7 +95,8 @@ def ship(include_dir: Path | None = None) -> Path:
     """Rebuild the shipped library and its record."""
     build_library(PREBUILT_LIB, include_dir)
     version = subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    info = {"source_hash": source_hash(), "compiler": version, "target": "x86-64 Linux (AVX2/FMA at run time)",
+    info = {"source_hash": source_hash(), "compiler": version,
+            "target": "x86-64 Linux (AVX2/FMA, AVX-VNNI, AVX512-VNNI at run time)",
             "note": "needs ONNX Runtime >= 1.18 (C API version 18)"}
     PREBUILT_INFO.write_text(json.dumps(info, indent=2) + "\n")
     return PREBUILT_LIB
@@ -111,8 +113,7 @@ def resolve_library() -> Path:
     ok, why = prebuilt_current()
     if ok:
         return PREBUILT_LIB
-    cached = Path(os.environ.get("MTP_TRT_CACHE_DIR", Path.home() / ".cache" / "mtp-trt")) / "ort-ops" / \
-        f"libmtp_ort_ops-{source_hash()}.so"
+    cached = cache_dir("ort-ops", f"libmtp_ort_ops-{source_hash()}.so")
     if cached.is_file():
         return cached
     try:

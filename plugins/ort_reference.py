@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mtp_trt.quant import dequantize
+
 
 def silu(x):
     return x / (1.0 + np.exp(-x))
@@ -65,6 +67,79 @@ def moe(x, gate, bias, fc1, fc2, shared_fc1=None, shared_fc2=None, *, top_k, n_g
         for e, g in zip(idx[t], gates[t]):
             y[t] += g * swiglu(x[t:t + 1], fc1[e], fc2[e])[0]
     return y if shared_fc1 is None else y + swiglu(x, shared_fc1, shared_fc2)
+
+
+# ------------------------------------------------------------------------------------ quantized weights
+ACT_BLOCK = 32  # activation values per int8 scale
+
+
+def quantize_activations(x, k_padded):
+    """x [M, K] float32 -> (q int8 [M, K32], scales float32 [M, K32 / 32]), K zero-padded to k_padded and then
+    to K32, a multiple of 32: per 32 values scale = max|x| / 127 and q = round-half-even(x / scale), in float32
+    (a zero block: scale 0, q 0)."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    k32 = -(-k_padded // ACT_BLOCK) * ACT_BLOCK
+    blocks = np.zeros((m, k32), np.float32)
+    blocks[:, :k] = x
+    blocks = blocks.reshape(m, -1, ACT_BLOCK)
+    scale = np.abs(blocks).max(-1) / np.float32(127)
+    safe = np.where(scale > 0, scale, np.float32(1))[..., None]
+    q = np.where(scale[..., None] > 0, np.clip(np.rint(blocks / safe), -127, 127), 0).astype(np.int8)
+    return q.reshape(m, k32), scale.astype(np.float32)
+
+
+def weight_levels(data, k_padded, bits):
+    """The stored integers q [N, K_padded] of a quantized weight (mtp_trt.quant's format)."""
+    return dequantize(data, np.ones(data.shape[:2], np.float32), k_padded, bits).astype(np.int64)
+
+
+def qmatmul(x, data, scales, *, k, bits, block_size):
+    """The QMatMul op: x [M, K] float32, data uint8 [N, K/bs, bs*bits/8], scales [N, K/bs] -> [M, N] (float64):
+    x quantized as quantize_activations, then per 16 values (each inside one activation block and one weight
+    block) the exact integer dot product times both scales, summed."""
+    n, nb, _ = data.shape
+    kp = nb * block_size
+    xq, xs = quantize_activations(x, kp)
+    wq = weight_levels(data, kp, bits)  # [N, Kp]
+    groups = kp // 16
+    xg = xq[:, :kp].astype(np.int64).reshape(len(xq), groups, 16)
+    dots = np.einsum("mgi,ngi->mng", xg, wq.reshape(n, groups, 16))  # exact, int64
+    g = np.arange(groups)
+    scale = xs[:, g * 16 // ACT_BLOCK].astype(np.float64)[:, None, :] * \
+        scales[:, g * 16 // block_size].astype(np.float64)[None, :, :]
+    return (dots * scale).sum(-1)
+
+
+def qmatmul_float(x, data, scales, *, k, bits, block_size):
+    """x times the dequantized weight, in float64 (what the quantized product approximates)."""
+    return np.asarray(x, np.float64) @ dequantize(data, scales, k, bits).T.astype(np.float64)
+
+
+def qswiglu(x, fc1, fc2, *, bits, block_size, product=qmatmul):
+    """swiglu with quantized weights fc1 = (data, scales) [2I, D], fc2 [D, I]: each product by `product`, the
+    SwiGLU activations rounded to float32 before they are quantized (as the op's)."""
+    d = x.shape[-1]
+    h = product(x, *fc1, k=d, bits=bits, block_size=block_size)
+    a = (silu(h[:, 0::2]) * h[:, 1::2]).astype(np.float32)
+    return product(a, *fc2, k=a.shape[-1], bits=bits, block_size=block_size)
+
+
+def qmoe(x, gate, bias, fc1, fc1_scales, fc2, fc2_scales, shared_fc1=None, shared_fc1_scales=None, shared_fc2=None,
+         shared_fc2_scales=None, *, top_k, bits, block_size, n_group=1, topk_group=1, softmax=False, group_top2=True,
+         norm_topk_prob=True, scaling=1.0, product=qmatmul):
+    """The QMoE op: moe's routing (fp32 router) with each expert's SwiGLU by qswiglu -> [N, D]."""
+    x = np.asarray(x, np.float32)
+    idx, gates = route(x.astype(np.float64) @ gate.T.astype(np.float64), top_k, n_group, topk_group, softmax, bias,
+                       group_top2, norm_topk_prob, scaling)
+    q = dict(bits=bits, block_size=block_size, product=product)
+    y = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for e, g in zip(idx[t], gates[t]):
+            y[t] += g * qswiglu(x[t:t + 1], (fc1[e], fc1_scales[e]), (fc2[e], fc2_scales[e]), **q)[0]
+    if shared_fc1 is not None:
+        y += qswiglu(x, (shared_fc1, shared_fc1_scales), (shared_fc2, shared_fc2_scales), **q)
+    return y
 
 
 def mla_attention(q_lat, q_pe, rows, cache, valid_len, visible=None, *, heads, scale):

@@ -136,7 +136,7 @@ than bit for bit), then
 
 **Main head: held-out loss {tf['main']['ce']:.3f} nats/token (perplexity {2.718281828 ** tf['main']['ce']:.2f}), top-1 accuracy {pct(tf['main']['top1'])}.**
 {bpc}
-The project's targets (issue 3) are main-head top-1 >= 50% and MTP depth-1 top-1 >= 40%; this checkpoint
+The project's targets are main-head top-1 >= 50% and MTP depth-1 top-1 >= 40%; this checkpoint
 {verdict}.
 
 MTP modules, teacher-forced as in training (true tokens as inputs).  *vanilla*: module k drafts depth k
@@ -160,7 +160,7 @@ Check these figures: `python samples/eval_demo.py --model samples/demo-model --w
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(Path(__file__).resolve().parent / "demo-model"))
-    p.add_argument("--machine", default=f"a 2-core {platform.machine()} CPU VM (AMD EPYC, AVX-512 BF16), 24 GiB RAM")
+    p.add_argument("--machine", default=f"a 2-core {platform.machine()} CPU (AMD EPYC, AVX-512 BF16), 24 GiB RAM")
     p.add_argument("--note", default="", help="a sentence on the run's conditions (e.g. whether the machine was idle)")
     a = p.parse_args(argv)
     d = Path(a.model)

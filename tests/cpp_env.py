@@ -1,7 +1,7 @@
 """Where the C++ tests find TensorRT's headers, the CUDA headers and g++ (helpers, not tests).
 
 TensorRT's headers: $TENSORRT_INCLUDE_DIR, $TensorRT_ROOT/include, then the usual install paths.
-None of this machine's TensorRT Python wheels ships them; CI has none, so the C++ tests skip there
+None of TensorRT's Python wheels ships them; CI has none, so the C++ tests skip there
 with the reason.
 """
 

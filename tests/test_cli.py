@@ -57,3 +57,59 @@ def test_bad_command_line_syntax_is_one_line():
     assert r.returncode == 2 and "Usage: mtp-trt" in r.stdout
     r = subprocess.run(["mtp-trt", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("mtp-trt ")
+
+
+def test_inspect_defaults_to_the_demo_model():
+    r = _run("from mtp_trt.cli import app\nsys.argv = ['mtp-trt', 'inspect']\napp()")
+    assert r.returncode == 0, r.stderr
+    assert "MTP modules" in r.stdout and "96 values per token" in r.stdout
+
+
+def test_missing_demo_model_is_one_line(tmp_path):
+    import os
+
+    env = {**os.environ, "MTP_TRT_DEMO_MODEL": str(tmp_path / "nowhere")}
+    r = subprocess.run(["mtp-trt", "inspect"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "nowhere: the bundled demo checkpoint is missing" in r.stderr
+
+
+def test_one_cache_directory(monkeypatch, tmp_path):
+    """$MTP_TRT_CACHE_DIR, else $XDG_CACHE_HOME/mtp-trt, else ~/.cache/mtp-trt; whatever computes a cache path
+    asks mtp_trt.fsutil.cache_dir."""
+    from pathlib import Path
+
+    from mtp_trt.fsutil import cache_dir
+    from mtp_trt.plugins import ort_lib
+
+    monkeypatch.delenv("MTP_TRT_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir("exports") == tmp_path / "home" / ".cache" / "mtp-trt" / "exports"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "mtp-trt"
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir("locks", "x.lock") == tmp_path / "mine" / "locks" / "x.lock"
+
+    # The CPU operators built from the sources (no prebuilt library) land in the same directory.
+    monkeypatch.setattr(ort_lib, "prebuilt_current", lambda: (False, "test"))
+    monkeypatch.setattr(ort_lib, "build_library", lambda path, include_dir=None: path)
+    assert ort_lib.resolve_library().parent == tmp_path / "mine" / "ort-ops"
+
+    root = Path(__file__).resolve().parents[1]
+    computed = [str(p.relative_to(root)) for d in ("mtp_trt", "exporters", "plugins", "benchmarks", "samples")
+                for p in (root / d).rglob("*.py") if "XDG_CACHE_HOME" in p.read_text() or '".cache"' in p.read_text()]
+    assert computed == ["mtp_trt/fsutil.py"], computed
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run installs and tests exactly as the README's set-up says."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme.split("## Set-up", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.strip()]
+    ci = [line for line in (root / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#") and not line.startswith(("set ", "cd ", "export "))]
+    assert commands == ci and len(commands) == 2

@@ -1,4 +1,4 @@
-"""The shipped demo checkpoint (samples/demo-model) and its training script (issue 3).
+"""The shipped demo checkpoint (samples/demo-model) and its training script.
 
 Fast checks only: nothing here retrains the shipped model.  The smoke run of the training script
 uses --tiny (a 0.3M-parameter model on 10 files, a few seconds)."""

@@ -1,4 +1,4 @@
-"""Exporting streams the weights (issue #16, item 4): the export's peak memory grows by a small part of the
+"""Exporting streams the weights: the export's peak memory grows by a small part of the
 checkpoint's size, not by several times it, so a checkpoint larger than memory exports.
 
 The checkpoint is random and made on the fly: 12 layers of 32 experts, ~300 MB of fp32 weights spread over

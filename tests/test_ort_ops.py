@@ -23,7 +23,8 @@ from mtp_trt.plugins import ort_lib, ort_reference as ref
 pytestmark = pytest.mark.skipif(not ort_lib.available()[0], reason=f"mtp_trt.cpu operators: {ort_lib.available()[1]}")
 
 RTOL = 2e-6
-TYPES = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.bool_: TensorProto.BOOL}
+TYPES = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.bool_: TensorProto.BOOL,
+         np.uint8: TensorProto.UINT8}
 
 
 def run_node(op: str, inputs: dict, attrs: dict, constants: dict = (), threads: int = 2) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Bad and unusual input (issue #14), as a user or an adversary gives it to the `mtp-trt` commands: each case
+"""Bad and unusual input, as a user or an adversary gives it to the `mtp-trt` commands: each case
 ends in one `error:` line naming the file, field, flag or value, exit status 2, and leaves no file or
 directory behind.  Then integrity (tampered exports), concurrent exports into one cache entry, interrupted
 exports, and the BOS convention.

@@ -1,4 +1,4 @@
-"""Tree drafting (issue 15): greedy tree decoding equals plain greedy decoding (PyTorch reference, transformers)
+"""Tree drafting: greedy tree decoding equals plain greedy decoding (PyTorch reference, transformers)
 for several trees, batches and random trees; the tree step's positions and mask match a cache-free PyTorch
 recomputation of every node; acceptance (strict and relaxed) matches a reference walk over the tree; the
 drafted trees equal a cache-free PyTorch recomputation of EAGLE-2's expansion; sampling runs the chain."""

@@ -1,4 +1,4 @@
-"""Tree drafting in vanilla mode (issue 15; exporters/tree_vanilla.py): greedy vanilla tree decoding equals plain
+"""Tree drafting in vanilla mode (exporters/tree_vanilla.py): greedy vanilla tree decoding equals plain
 greedy decoding (PyTorch reference; transformers in test_tree.py) for several trees, batches of different prompts (one shorter
 than the tree's depth: the loop drafts the chain until every window starts at row >= 0) and random or planted
 trees; acceptance (strict and relaxed) matches the reference walk over the tree; the drafted trees equal a

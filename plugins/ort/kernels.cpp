@@ -1,5 +1,6 @@
 // kernels.cpp -- the CPU kernels of kernels.h: an AVX2/FMA path (chosen at run time where the CPU has it) and
-// a portable scalar path with the same results up to float rounding.
+// a portable scalar path with the same results up to float rounding; the quantized products also have a
+// VNNI path (qkernels_impl.h).
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 namespace mtp_ort {
@@ -319,6 +321,239 @@ void route_token(const float* logits, size_t n_experts, bool softmax_scoring, co
         if (norm_topk_prob) weight[r] /= sum + 1e-20f;
         if (scaling != 1.f) weight[r] *= scaling;
     }
+}
+
+
+// ------------------------------------------------------------------------------ quantized products
+namespace {
+
+// One activation row quantized for a weight format (quantize_rows), in groups of 4 blocks of 32 values (the
+// row zero-padded to whole groups).  A lane is 4 bytes of a weight row (8 values at 4 bits, 4 at 8 bits): the
+// vector kernels' int32 products come out one per lane (qkernels_impl.h).
+//   q      int8  [groups * 128]  8 bits: in x's order; 4 bits: each group's even elements, block by block, then
+//                                its odd ones -- the order of a weight vector's low nibbles, then its high ones
+//   corr   int32 [lanes]         -z * (the sum of q over each weight block's values in an activation block), in
+//                                the first lane of those values (z = 2^(bits-1)); 0 elsewhere
+//   scale  float [lanes]         each lane's activation block's scale
+// rows `bytes` apart.  The layout and the kernels belong together.
+struct QAct {
+    size_t groups, lanes, corr_at, scale_at, bytes;
+    explicit QAct(const QWeights& w)
+        : groups((w.blocks() * w.block + 127) / 128), lanes(groups * 4 * size_t(w.bits)), corr_at(128 * groups),
+          scale_at(corr_at + 4 * lanes), bytes(scale_at + 4 * lanes) {}
+    size_t blocks() const { return 4 * groups; }
+    // where element e < 32 of activation block kb goes in q
+    static size_t at(size_t kb, size_t e, int bits) {
+        return bits == 8 ? 32 * kb + e : kb / 4 * 128 + (e % 2) * 64 + kb % 4 * 16 + e / 2;
+    }
+};
+
+constexpr int kRows = 4;  // weight rows per tile
+
+enum class QPath { scalar, avx2, avx_vnni, avx512_vnni };
+
+QPath qpath() {
+    static const QPath path = [] {
+        if (!use_avx2()) return QPath::scalar;
+        if (!std::getenv("MTP_ORT_NO_VNNI")) {
+            if (!std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512vnni") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512dq"))
+                return QPath::avx512_vnni;
+            if (__builtin_cpu_supports("avxvnni")) return QPath::avx_vnni;
+        }
+        return QPath::avx2;
+    }();
+    return path;
+}
+
+// Block kb's lanes (`bits` of them): its scale, and the zero-point correction of its 16-value halves' sums
+// s0, s1 -- one sum in the first lane for weight blocks of >= 32 values, else each half's in its first lane.
+void store_lanes(float scale, int32_t s0, int32_t s1, size_t kb, const QWeights& w, const QAct& a, uint8_t* row) {
+    const int32_t z = 1 << (w.bits - 1);
+    const size_t n = size_t(w.bits), lane = kb * n;
+    int32_t* corr = reinterpret_cast<int32_t*>(row + a.corr_at) + lane;
+    std::fill(corr, corr + n, 0);
+    if (w.block > 16) {
+        corr[0] = -z * (s0 + s1);
+    } else {
+        corr[0] = -z * s0, corr[n / 2] = -z * s1;
+    }
+    std::fill_n(reinterpret_cast<float*>(row + a.scale_at) + lane, n, scale);
+}
+
+// Block kb of a row of k values: scale = max|x| / 127, q = round-half-even(x / scale), zeros past k.
+void quantize_block_scalar(const float* x, size_t k, size_t kb, const QWeights& w, const QAct& a, uint8_t* row) {
+    float v[32];
+    for (size_t t = 0; t < 32; ++t) v[t] = kb * 32 + t < k ? x[kb * 32 + t] : 0.f;
+    float amax = 0.f;
+    for (float f : v) amax = std::max(amax, std::fabs(f));
+    const float s = amax / 127.f;
+    int32_t sum[2] = {0, 0};
+    for (size_t t = 0; t < 32; ++t) {
+        const int8_t q = s > 0.f ? int8_t(std::clamp(std::nearbyint(v[t] / s), -127.f, 127.f)) : int8_t(0);
+        reinterpret_cast<int8_t*>(row)[QAct::at(kb, t, w.bits)] = q;
+        sum[t / 16] += q;
+    }
+    store_lanes(s, sum[0], sum[1], kb, w, a, row);
+}
+
+AVX2 inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// quantize_block_scalar's bytes, 32 values at a time (the same divisions and roundings).
+AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeights& w, const QAct& a,
+                              uint8_t* row) {
+    float pad[32];
+    const float* src = x + 32 * kb;
+    if (32 * kb + 32 > k) {
+        std::fill(pad, pad + 32, 0.f);
+        if (32 * kb < k) std::copy(src, x + k, pad);
+        src = pad;
+    }
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+        v[t] = _mm256_loadu_ps(src + 8 * t);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[t]));
+    }
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+    const float s = _mm256_cvtss_f32(m) / 127.f;
+    if (!(s > 0.f)) {
+        if (w.bits == 8) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * kb), _mm256_setzero_si256());
+        } else {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 0, 4)), _mm_setzero_si128());
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 1, 4)), _mm_setzero_si128());
+        }
+        return store_lanes(0.f, 0, 0, kb, w, a, row);
+    }
+    const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    __m256i q[4];
+    for (int t = 0; t < 4; ++t) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[t], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[t] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    store_lanes(s, hsum_epi32(_mm256_add_epi32(q[0], q[1])), hsum_epi32(_mm256_add_epi32(q[2], q[3])), kb, w, a, row);
+    // packs interleave the 128-bit lanes: dwords come out as 0 2 4 6 1 3 5 7 of the natural order
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (w.bits == 8) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * kb), p);
+    // even elements, then odd ones: within each 16-byte lane, then across the lanes
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
+                                                10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p, evens_odds), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 0, 4)), _mm256_castsi256_si128(p));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 1, 4)), _mm256_extracti128_si256(p, 1));
+}
+
+// The integer dot product of elements [16 h, 16 h + 16) of activation block kb with weight row wr.
+int32_t half_dot_scalar(const int8_t* xq, const uint8_t* wr, size_t kb, size_t h, int bits) {
+    int32_t dot = 0;
+    const int z = 1 << (bits - 1);
+    for (size_t e = 16 * h; e < 16 * h + 16; ++e) {
+        const uint8_t byte = bits == 4 ? wr[16 * kb + e / 2] : wr[32 * kb + e];
+        const int u = bits == 8 ? byte : e % 2 ? byte >> 4 : byte & 15;
+        dot += xq[QAct::at(kb, e, bits)] * (u - z);
+    }
+    return dot;
+}
+
+void qrows_dot_scalar(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
+    const QAct a(w);
+    const size_t kp = w.blocks() * w.block, n32 = (kp + 31) / 32;
+    for (size_t i = 0; i < m; ++i) {
+        const uint8_t* row = qx + i * a.bytes;
+        const int8_t* xq = reinterpret_cast<const int8_t*>(row);
+        const float* xs = reinterpret_cast<const float*>(row + a.scale_at);
+        for (size_t j = 0; j < n; ++j) {
+            const uint8_t* wr = w.data + j * w.row_bytes();
+            const float* ws = w.scales + j * w.blocks();
+            float acc = 0.f;
+            for (size_t kb = 0; kb < n32; ++kb) {
+                const bool two = 32 * kb + 16 < kp;  // (the last block of 16 may be alone)
+                const int32_t d0 = half_dot_scalar(xq, wr, kb, 0, w.bits);
+                const int32_t d1 = two ? half_dot_scalar(xq, wr, kb, 1, w.bits) : 0;
+                const float x_scale = xs[kb * size_t(w.bits)];
+                if (w.block == 16) {
+                    acc += float(d0) * x_scale * ws[2 * kb];
+                    if (two) acc += float(d1) * x_scale * ws[2 * kb + 1];
+                } else {
+                    acc += float(d0 + d1) * x_scale * ws[32 * kb / w.block];
+                }
+            }
+            y[i * ldy + j] = acc;
+        }
+    }
+}
+
+// The vector paths: qkernels_impl.h once per instruction set.
+#define QK AVX2
+#define QK_VNNI 0
+#define QK_512 0
+#define QK_MAXC 2
+namespace q_avx2 {
+#include "qkernels_impl.h"
+}  // namespace q_avx2
+#undef QK
+#undef QK_VNNI
+
+#define QK __attribute__((target("avx2,fma,avxvnni")))
+#define QK_VNNI 1
+#define QK_DPBUSD _mm256_dpbusd_avx_epi32
+namespace q_avx_vnni {
+#include "qkernels_impl.h"
+}  // namespace q_avx_vnni
+#undef QK
+#undef QK_DPBUSD
+
+#undef QK_512
+#define QK __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+#define QK_DPBUSD _mm256_dpbusd_epi32
+#define QK_512 1
+#undef QK_MAXC
+#define QK_MAXC 4
+namespace q_avx512_vnni {
+#include "qkernels_impl.h"
+}  // namespace q_avx512_vnni
+#undef QK
+#undef QK_VNNI
+#undef QK_DPBUSD
+#undef QK_512
+#undef QK_MAXC
+
+}  // namespace
+
+size_t qrow_bytes(const QWeights& w) { return QAct(w).bytes; }
+
+void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint8_t* qx) {
+    const QAct a(w);
+    const bool vec = qpath() != QPath::scalar;
+    for (size_t i = 0; i < m; ++i)
+        for (size_t kb = 0; kb < a.blocks(); ++kb) {
+            if (vec) quantize_block_avx2(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+            else quantize_block_scalar(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+        }
+}
+
+void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
+    switch (qpath()) {
+        case QPath::avx512_vnni: return q_avx512_vnni::qrows_dot(qx, m, w, n, y, ldy);
+        case QPath::avx_vnni: return q_avx_vnni::qrows_dot(qx, m, w, n, y, ldy);
+        case QPath::avx2: return q_avx2::qrows_dot(qx, m, w, n, y, ldy);
+        default: return qrows_dot_scalar(qx, m, w, n, y, ldy);
+    }
+}
+
+const char* qpath_name() {
+    static const char* names[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni"};
+    return names[int(qpath())];
 }
 
 }  // namespace mtp_ort

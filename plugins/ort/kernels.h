@@ -1,5 +1,6 @@
 // kernels.h -- the CPU kernels behind mtp-trt's ONNX Runtime operators (mtp_ort_ops.cpp), as plain functions
-// over float arrays: no ONNX Runtime types, so they can be read, tested and timed on their own.  Each has a
+// over float arrays (and quantized weights' bytes): no ONNX Runtime types, so they can be read, tested and timed
+// on their own.  Each has a
 // NumPy reference in plugins/ort_reference.py and a test in tests/test_ort_ops.py.
 //
 // Every product here is a set of dot products between contiguous rows: activations x [M, K] against weights
@@ -42,6 +43,37 @@ void swiglu_pairs(const float* h, size_t m, size_t ldh, size_t units, float* a, 
 void route_token(const float* logits, size_t n_experts, bool softmax_scoring, const float* bias, size_t n_group,
                  size_t topk_group, bool group_top2, size_t k, bool norm_topk_prob, float scaling, float* scratch,
                  int32_t* idx, float* weight);
+
+// ------------------------------------------------------------------------------ quantized weights
+// A weight W [N, K] in mtp_trt/quant.py's format (ONNX Runtime's MatMulNBits layout): each row's K values
+// zero-padded to `blocks()` blocks of `block` values, a block stored as block * bits / 8 bytes of q + 2^(bits-1)
+// (4 bits: element 2i in the low nibble, 2i + 1 in the high one) with one float scale.
+struct QWeights {
+    const uint8_t* data;   // [N, blocks, block * bits / 8]
+    const float* scales;   // [N, blocks]
+    size_t k;              // the unpadded K
+    size_t block;          // 16, 32, 64, 128 or 256
+    int bits;              // 4 or 8
+
+    size_t blocks() const { return (k + block - 1) / block; }
+    size_t row_bytes() const { return blocks() * block * size_t(bits) / 8; }
+    QWeights from_row(size_t j) const { return {data + j * row_bytes(), scales + j * blocks(), k, block, bits}; }
+};
+
+// Activation rows quantized to int8 for the products with one weight format: per 32 values, scale =
+// max|x| / 127 and q = round-half-even(x / scale) (a zero block: scale 0, q 0), K zero-padded to the
+// weight's padded K.  A row takes qrow_bytes(w) bytes, laid out as qrows_dot wants them (kernels.cpp).
+size_t qrow_bytes(const QWeights& w);
+void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint8_t* qx);
+
+// y[i * ldy + j] = sum over blocks of (x's scale * w's scale * sum(xq * wq)) for i < m rows of qx
+// (qrow_bytes(w) apart) and j < n rows of w; each block's sum of integer products is exact.
+void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy);
+
+// The instruction set of the quantized products: "scalar", "avx2", "avx-vnni" or "avx512-vnni" (chosen once
+// per process from the CPU; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_VNNI=1 AVX2, MTP_ORT_NO_AVX512=1
+// AVX-VNNI where the CPU has it).
+const char* qpath_name();
 
 }  // namespace mtp_ort
 

@@ -6,9 +6,15 @@
 //                                                                   -> [..., D]       (DeepSeekMoE, router included)
 //   MlaAttention(q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C], valid_len [B] int32,
 //                visible [B|1, S, R] bool?)                         -> [B, S, H*Dl]   (absorbed MLA, C = Dl + Dr)
+//   QMatMul(x [..., K], w uint8 [N, K/bs, blob], scales [N, K/bs]) -> [..., N]       (x W^T, W quantized)
+//   QMoE(x, gate, bias?, fc1 uint8 [E, 2I, D/bs, blob], fc1_scales [E, 2I, D/bs], fc2 uint8 [E, D, I/bs, blob],
+//        fc2_scales [E, D, I/bs], shared_fc1 [2Is, D/bs, blob]?, shared_fc1_scales?, shared_fc2 [D, Is/bs, blob]?,
+//        shared_fc2_scales?)                                        -> [..., D]       (MoE, experts quantized)
 //
 // fc1 holds each expert's gate and up rows interleaved (row 2j = gate_j, 2j + 1 = up_j); all weights are in
-// nn.Linear's [out, in] layout and are read in place.  Attributes and semantics: docs/architecture.md ("CPU
+// nn.Linear's [out, in] layout and are read in place.  Quantized weights are mtp_trt/quant.py's format
+// (MatMulNBits' layout: K/bs = ceil(K / block_size) blocks of blob = block_size * bits / 8 bytes, no zero
+// points); their products take int8 activations, quantized per 32 values (as MatMulNBits' accuracy_level 4).  Attributes and semantics: docs/architecture.md ("CPU
 // operators").  The arithmetic is in kernels.cpp; this file checks shapes, splits the work over ONNX Runtime's
 // intra-op threads (KernelContext_ParallelFor) and reports bad input as an ONNX Runtime error naming the op,
 // input and shape.
@@ -127,32 +133,157 @@ OrtStatus* need_float(const Call& c, const View& v, const char* name, size_t ran
     return nullptr;
 }
 
+// ----------------------------------------------------------------------------- quantized weights
+// A quantized weight's two inputs (mtp_trt/quant.py): data uint8 `want` = [lead..., blocks, blob] and scales
+// float32 [lead..., blocks]; `form` names the dimensions in the error.
+OrtStatus* check_q(const Call& c, const View& q, const View& s, const char* name, const std::string& sname,
+                   const std::vector<int64_t>& want, const std::string& form) {
+    View expect;
+    expect.shape = want;
+    if (q.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || q.shape != want)
+        return c.error(std::string(name) + " " + q.str() + " must be uint8 " + form + " = " + expect.str());
+    expect.shape.pop_back();
+    if (s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || s.shape != expect.shape)
+        return c.error(sname + " " + s.str() + " must be float32 " + expect.str() + " (as " + name + " " + q.str() +
+                       " without its last dimension)");
+    return nullptr;
+}
+
+// The quantization attributes: bits and block_size (QMatMul, QMoE).
+OrtStatus* quant_attrs(const OrtApi* api, const OrtKernelInfo* info, const char* op, int64_t* bits, int64_t* block) {
+    MTP_RETURN_IF(attr_int(api, info, "bits", bits));
+    MTP_RETURN_IF(attr_int(api, info, "block_size", block));
+    if ((*bits != 4 && *bits != 8) || *block < 16 || *block > 256 || (*block & (*block - 1))) {
+        const std::string what = std::string("mtp_trt.cpu::") + op + ": bits " + std::to_string(*bits) +
+                                 ", block_size " + std::to_string(*block) +
+                                 ": expected bits 4 or 8 and block_size 16, 32, 64, 128 or 256";
+        return api->CreateStatus(ORT_INVALID_ARGUMENT, what.c_str());
+    }
+    return nullptr;
+}
+
+// x rows quantized for w's format into qx (m * qrow_bytes(w) bytes), in parallel where there are many.
+OrtStatus* quantize_parallel(const Call& c, const float* x, size_t m, size_t ldx, const QWeights& w, uint8_t* qx) {
+    constexpr size_t per = 8;
+    if (m < 2 * per) return quantize_rows(x, m, ldx, w, qx), nullptr;
+    const size_t bytes = qrow_bytes(w);
+    auto part = [&](size_t i) {
+        const size_t r0 = i * per, rows = std::min(per, m - r0);
+        quantize_rows(x + r0 * ldx, rows, ldx, w, qx + r0 * bytes);
+    };
+    return c.parallel((m + per - 1) / per, part);
+}
+
+// ------------------------------------------------------------------------------------------ QMatMul
+struct QMatMulKernel {
+    int64_t k = 0, n = 0, bits = 0, block = 0;
+
+    QMatMulKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
+        OrtStatus* s = attr_int(api, info, "K", &k);
+        if (!s) s = attr_int(api, info, "N", &n);
+        if (!s) s = quant_attrs(api, info, "QMatMul", &bits, &block);
+        if (!s && (k < 1 || n < 1))
+            s = api->CreateStatus(ORT_INVALID_ARGUMENT, ("mtp_trt.cpu::QMatMul: K " + std::to_string(k) + ", N " +
+                                                         std::to_string(n) + ": both must be >= 1").c_str());
+        *status = s;
+    }
+
+    OrtStatus* compute(const Call& c) const {
+        View x, w, s;
+        MTP_RETURN_IF(c.input(0, x));
+        MTP_RETURN_IF(c.input(1, w));
+        MTP_RETURN_IF(c.input(2, s));
+        MTP_RETURN_IF(need_float(c, x, "x", 0));
+        if (x.shape.empty() || x.dim(-1) != k)
+            return c.error("x " + x.str() + " must be [..., K] with K = " + std::to_string(k));
+        const QWeights fmt{nullptr, nullptr, size_t(k), size_t(block), int(bits)};
+        MTP_RETURN_IF(check_q(c, w, s, "w", "scales", {n, int64_t(fmt.blocks()), block * bits / 8},
+                              "[N, ceil(K / block_size), block_size * bits / 8]"));
+        std::vector<int64_t> shape = x.shape;
+        shape.back() = n;
+        float* y = nullptr;
+        MTP_RETURN_IF(c.output(0, shape, &y));
+        const size_t m = size_t(x.size() / k), rows = size_t(n);
+        if (!m) return nullptr;
+        const QWeights q{static_cast<const uint8_t*>(w.data), s.f(), fmt.k, fmt.block, fmt.bits};
+        std::vector<uint8_t> qx(m * qrow_bytes(q));
+        MTP_RETURN_IF(quantize_parallel(c, x.f(), m, size_t(k), q, qx.data()));
+        const size_t per = chunk_rows(rows, 16, 16, 4);  // (4: the kernels' tile rows)
+        auto part = [&](size_t i) {
+            const size_t j0 = i * per, j1 = std::min(rows, j0 + per);
+            qrows_dot(qx.data(), m, q.from_row(j0), j1 - j0, y + j0, rows);
+        };
+        return c.parallel((rows + per - 1) / per, part);
+    }
+};
+
 // ----------------------------------------------------------------------------- SwiGLU experts (MoE)
+// One weight matrix [N, K] of an expert: fp32 rows (MoE), or quantized blocks and their scales (QMoE).
+struct Weight {
+    const float* f = nullptr;
+    const uint8_t* q = nullptr;
+    const float* s = nullptr;
+};
+
+// The products of one MoE's experts: fp32 rows (bits 0), or int8 activations (quantize_rows' layout, `row_bytes`
+// per row) against quantized weights.
+struct Matvec {
+    int bits = 0;
+    size_t block = 0;
+
+    QWeights format(const Weight& w, size_t k, size_t row0) const {
+        return QWeights{w.q, w.s, k, block, bits}.from_row(row0);
+    }
+    size_t row_bytes(size_t k) const { return bits ? qrow_bytes(format({}, k, 0)) : k * sizeof(float); }
+    // out [m, rows] = the activation rows xp [m, k] against rows [row0, row0 + rows) of w
+    void dot(const uint8_t* xp, size_t m, size_t k, const Weight& w, size_t row0, size_t rows, float* out) const {
+        if (bits) return qrows_dot(xp, m, format(w, k, row0), rows, out, rows);
+        rows_dot(reinterpret_cast<const float*>(xp), m, k, w.f + row0 * k, k, rows, k, out, rows);
+    }
+};
+
 // One expert's work in a call: its tokens (rows of x), their gates, and its weights.
 struct Expert {
-    const float* fc1;  // [2I, D]
-    const float* fc2;  // [D, I]
-    size_t units;      // I
+    Weight fc1;    // [2I, D]
+    Weight fc2;    // [D, I]
+    size_t units;  // I
     std::vector<int32_t> tokens;
     std::vector<float> gates;
-    float* xs = nullptr;  // the tokens' rows of x, contiguous [M, D]
-    float* act = nullptr;  // SwiGLU activations [M, I]
+    uint8_t* xs = nullptr;   // the tokens' rows of x, contiguous [M, D] (quantized: M rows of Matvec::row_bytes)
+    float* act = nullptr;    // SwiGLU activations [M, I]
+    uint8_t* as = nullptr;   // the activations as fc2 takes them (fp32: act itself)
 };
 
 // y [N, D] = sum over experts of gate * down(silu(gate_rows x) * up_rows x), in two parallel passes:
 // (1) every expert's fc1 rows in chunks (gate/up pairs kept together) -> activations, (2) the output
 // columns in chunks, each over every expert's fc2 rows of those columns (threads write disjoint columns).
-OrtStatus* run_experts(const Call& c, std::vector<Expert>& experts, const float* x, size_t n_tokens, size_t d,
-                       float* y) {
-    size_t floats = 0;
-    for (const Expert& e : experts) floats += e.tokens.size() * (d + e.units);
-    std::vector<float> buf(floats);  // per call: small (tokens x (D + I) per selected expert)
-    float* p = buf.data();
+// Quantized experts quantize x once for all of them, and each expert's activations between the passes.
+OrtStatus* run_experts(const Call& c, const Matvec& mv, std::vector<Expert>& experts, const float* x,
+                       size_t n_tokens, size_t d, float* y) {
+    const size_t xb = mv.row_bytes(d);
+    std::vector<uint8_t> xall;
+    const uint8_t* xp = reinterpret_cast<const uint8_t*>(x);
+    if (mv.bits) {
+        xall.resize(n_tokens * xb);
+        MTP_RETURN_IF(quantize_parallel(c, x, n_tokens, d, mv.format({}, d, 0), xall.data()));
+        xp = xall.data();
+    }
+    size_t bytes = 0, floats = 0;  // per call: small (tokens x (D + I) per selected expert)
+    for (const Expert& e : experts) {
+        bytes += e.tokens.size() * (xb + (mv.bits ? mv.row_bytes(e.units) : 0));
+        floats += e.tokens.size() * e.units;
+    }
+    std::vector<uint8_t> buf(bytes);
+    std::vector<float> acts(floats);
+    uint8_t* p = buf.data();
+    float* pa = acts.data();
     for (Expert& e : experts) {
         const size_t m = e.tokens.size();
-        e.xs = p, p += m * d;
-        e.act = p, p += m * e.units;
-        for (size_t r = 0; r < m; ++r) std::memcpy(e.xs + r * d, x + size_t(e.tokens[r]) * d, d * sizeof(float));
+        e.xs = p, p += m * xb;
+        e.act = pa, pa += m * e.units;
+        e.as = mv.bits ? p : reinterpret_cast<uint8_t*>(e.act);
+        p += mv.bits ? m * mv.row_bytes(e.units) : 0;
+        for (size_t r = 0; r < m; ++r) std::memcpy(e.xs + r * xb, xp + size_t(e.tokens[r]) * xb, xb);
     }
     struct Item {
         Expert* e;
@@ -168,10 +299,17 @@ OrtStatus* run_experts(const Call& c, std::vector<Expert>& experts, const float*
         const Expert& e = *it.e;
         const size_t m = e.tokens.size(), rows = 2 * (it.u1 - it.u0);
         float* h = scratch(m * rows);
-        rows_dot(e.xs, m, d, e.fc1 + 2 * it.u0 * d, d, rows, d, h, rows);
+        mv.dot(e.xs, m, d, e.fc1, 2 * it.u0, rows, h);
         swiglu_pairs(h, m, rows, it.u1 - it.u0, e.act + it.u0, e.units);
     };
     MTP_RETURN_IF(c.parallel(items.size(), up));
+    if (mv.bits) {
+        auto quantize = [&](size_t i) {
+            const Expert& e = experts[i];
+            quantize_rows(e.act, e.tokens.size(), e.units, mv.format({}, e.units, 0), e.as);
+        };
+        MTP_RETURN_IF(c.parallel(experts.size(), quantize));
+    }
     std::fill(y, y + n_tokens * d, 0.f);
     const size_t per = chunk_rows(d, 32, 16, 8);
     auto down = [&](size_t item) {
@@ -179,7 +317,7 @@ OrtStatus* run_experts(const Call& c, std::vector<Expert>& experts, const float*
         for (const Expert& e : experts) {
             const size_t m = e.tokens.size();
             float* out = scratch(m * cols);
-            rows_dot(e.act, m, e.units, e.fc2 + d0 * e.units, e.units, cols, e.units, out, cols);
+            mv.dot(e.as, m, e.units, e.fc2, d0, cols, out);
             for (size_t r = 0; r < m; ++r) {
                 float* yr = y + size_t(e.tokens[r]) * d + d0;
                 const float g = e.gates[r];
@@ -190,7 +328,7 @@ OrtStatus* run_experts(const Call& c, std::vector<Expert>& experts, const float*
     return c.parallel((d + per - 1) / per, down);
 }
 
-Expert all_tokens(const float* fc1, const float* fc2, size_t units, size_t n_tokens) {
+Expert all_tokens(Weight fc1, Weight fc2, size_t units, size_t n_tokens) {
     Expert e{fc1, fc2, units, {}, {}};
     for (size_t t = 0; t < n_tokens; ++t) e.tokens.push_back(int32_t(t)), e.gates.push_back(1.f);
     return e;
@@ -205,12 +343,13 @@ OrtStatus* check_mlp(const Call& c, const View& fc1, const View& fc2, int64_t d,
     return nullptr;
 }
 
-// -------------------------------------------------------------------------------------------- MoE
-struct MoEKernel {
+// ---------------------------------------------------------------------------------- MoE, QMoE
+// The router's attributes and the routing: x's tokens -> the selected experts, each with its tokens and gates.
+struct Router {
     int64_t top_k = 0, n_group = 1, topk_group = 1, softmax = 0, group_top2 = 0, norm_topk_prob = 1;
     float scaling = 1.f;
 
-    MoEKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
+    Router(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
         OrtStatus* s = attr_int(api, info, "top_k", &top_k);
         if (!s) s = attr_int(api, info, "n_group", &n_group);
         if (!s) s = attr_int(api, info, "topk_group", &topk_group);
@@ -221,20 +360,14 @@ struct MoEKernel {
         *status = s;
     }
 
-    OrtStatus* compute(const Call& c) const {
-        View x, gate, bias, fc1, fc2, sfc1, sfc2;
-        View* in[] = {&x, &gate, &bias, &fc1, &fc2, &sfc1, &sfc2};
-        for (size_t i = 0; i < 7; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+    // x [..., D] and the router's inputs; d: D.
+    OrtStatus* check(const Call& c, const View& x, const View& gate, const View& bias, int64_t* d) const {
         MTP_RETURN_IF(need_float(c, x, "x", 0));
         MTP_RETURN_IF(need_float(c, gate, "gate", 2));
-        MTP_RETURN_IF(need_float(c, fc1, "fc1", 3));
-        MTP_RETURN_IF(need_float(c, fc2, "fc2", 3));
-        const int64_t d = x.shape.empty() ? -1 : x.dim(-1), n_exp = gate.dim(0);
-        if (gate.dim(1) != d) return c.error("gate " + gate.str() + " must be [E, D] with D = " + std::to_string(d));
-        if (fc1.dim(0) != n_exp || fc2.dim(0) != n_exp || fc1.dim(2) != d || fc2.dim(1) != d ||
-            fc1.dim(1) != 2 * fc2.dim(2))
-            return c.error("fc1 " + fc1.str() + " and fc2 " + fc2.str() + " must be [E, 2I, D] and [E, D, I], E = " +
-                           std::to_string(n_exp) + ", D = " + std::to_string(d));
+        *d = x.shape.empty() ? -1 : x.dim(-1);
+        if (*d < 1) return c.error("x " + x.str() + " must be [..., D] with D >= 1");
+        const int64_t n_exp = gate.dim(0);
+        if (gate.dim(1) != *d) return c.error("gate " + gate.str() + " must be [E, D] with D = " + std::to_string(*d));
         if (bias.present && (bias.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || bias.size() != n_exp))
             return c.error("bias " + bias.str() + " must be float32 [E]");
         if (top_k < 1 || top_k > n_exp || n_group < 1 || n_exp % n_group || topk_group < 1 || topk_group > n_group ||
@@ -242,19 +375,20 @@ struct MoEKernel {
             return c.error("top_k " + std::to_string(top_k) + ", n_group " + std::to_string(n_group) +
                            ", topk_group " + std::to_string(topk_group) + " do not fit " + std::to_string(n_exp) +
                            " experts");
-        if (sfc1.present != sfc2.present) return c.error("shared_fc1 and shared_fc2 come together");
-        if (sfc1.present) MTP_RETURN_IF(check_mlp(c, sfc1, sfc2, d, "shared_fc1", "shared_fc2"));
-        float* y = nullptr;
-        MTP_RETURN_IF(c.output(0, x.shape, &y));
-        const size_t n = size_t(x.size() / d), e_count = size_t(n_exp), k = size_t(top_k);
+        return nullptr;
+    }
+
+    // The selected experts in order of first use; weights(e) gives expert e's (fc1, fc2).
+    template <class W>
+    std::vector<Expert> route(const View& x, const View& gate, const View& bias, size_t units, W weights) const {
+        const size_t d = size_t(x.dim(-1)), n = size_t(x.size()) / d, e_count = size_t(gate.dim(0)), k = size_t(top_k);
         std::vector<float> logits(n * e_count), work(2 * e_count + size_t(n_group)), gates(n * k);
         std::vector<int32_t> idx(n * k);
-        rows_dot(x.f(), n, size_t(d), gate.f(), size_t(d), e_count, size_t(d), logits.data(), e_count);
+        rows_dot(x.f(), n, d, gate.f(), d, e_count, d, logits.data(), e_count);
         for (size_t t = 0; t < n; ++t)
             route_token(logits.data() + t * e_count, e_count, softmax != 0, bias.present ? bias.f() : nullptr,
                         size_t(n_group), size_t(topk_group), group_top2 != 0, k, norm_topk_prob != 0, scaling,
                         work.data(), idx.data() + t * k, gates.data() + t * k);
-        const size_t units = size_t(fc2.dim(2));
         std::vector<int32_t> slot(e_count, -1);  // expert -> its entry in `experts`
         std::vector<Expert> experts;
         experts.reserve(e_count + 1);
@@ -263,14 +397,97 @@ struct MoEKernel {
                 const int32_t e = idx[t * k + r];
                 if (slot[e] < 0) {
                     slot[e] = int32_t(experts.size());
-                    experts.push_back({fc1.f() + size_t(e) * 2 * units * d, fc2.f() + size_t(e) * d * units, units,
-                                       {}, {}});
+                    const auto [fc1, fc2] = weights(size_t(e));
+                    experts.push_back({fc1, fc2, units, {}, {}});
                 }
                 experts[slot[e]].tokens.push_back(int32_t(t));
                 experts[slot[e]].gates.push_back(gates[t * k + r]);
             }
-        if (sfc1.present) experts.push_back(all_tokens(sfc1.f(), sfc2.f(), size_t(sfc2.dim(1)), n));
-        return run_experts(c, experts, x.f(), n, size_t(d), y);
+        return experts;
+    }
+};
+
+struct MoEKernel : Router {
+    using Router::Router;
+
+    OrtStatus* compute(const Call& c) const {
+        View x, gate, bias, fc1, fc2, sfc1, sfc2;
+        View* in[] = {&x, &gate, &bias, &fc1, &fc2, &sfc1, &sfc2};
+        for (size_t i = 0; i < 7; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+        int64_t d = 0;
+        MTP_RETURN_IF(check(c, x, gate, bias, &d));
+        MTP_RETURN_IF(need_float(c, fc1, "fc1", 3));
+        MTP_RETURN_IF(need_float(c, fc2, "fc2", 3));
+        const int64_t n_exp = gate.dim(0);
+        if (fc1.dim(0) != n_exp || fc2.dim(0) != n_exp || fc1.dim(2) != d || fc2.dim(1) != d ||
+            fc1.dim(1) != 2 * fc2.dim(2))
+            return c.error("fc1 " + fc1.str() + " and fc2 " + fc2.str() + " must be [E, 2I, D] and [E, D, I], E = " +
+                           std::to_string(n_exp) + ", D = " + std::to_string(d));
+        if (sfc1.present != sfc2.present) return c.error("shared_fc1 and shared_fc2 come together");
+        if (sfc1.present) MTP_RETURN_IF(check_mlp(c, sfc1, sfc2, d, "shared_fc1", "shared_fc2"));
+        float* y = nullptr;
+        MTP_RETURN_IF(c.output(0, x.shape, &y));
+        const size_t n = size_t(x.size() / d), units = size_t(fc2.dim(2)), ud = units * size_t(d);
+        std::vector<Expert> experts = route(x, gate, bias, units, [&](size_t e) {
+            return std::pair<Weight, Weight>{{fc1.f() + e * 2 * ud}, {fc2.f() + e * ud}};
+        });
+        if (sfc1.present) experts.push_back(all_tokens({sfc1.f()}, {sfc2.f()}, size_t(sfc2.dim(1)), n));
+        return run_experts(c, Matvec{}, experts, x.f(), n, size_t(d), y);
+    }
+};
+
+// MoE with quantized expert weights: inputs x, gate, bias?, fc1, fc1_scales, fc2, fc2_scales, shared_fc1?,
+// shared_fc1_scales?, shared_fc2?, shared_fc2_scales?.
+struct QMoEKernel : Router {
+    int64_t bits = 0, block = 0;
+
+    QMoEKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) : Router(api, info, status) {
+        if (!*status) *status = quant_attrs(api, info, "QMoE", &bits, &block);
+    }
+
+    OrtStatus* compute(const Call& c) const {
+        View x, gate, bias, fc1, fc1s, fc2, fc2s, sfc1, sfc1s, sfc2, sfc2s;
+        View* in[] = {&x, &gate, &bias, &fc1, &fc1s, &fc2, &fc2s, &sfc1, &sfc1s, &sfc2, &sfc2s};
+        for (size_t i = 0; i < 11; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+        int64_t d = 0;
+        MTP_RETURN_IF(check(c, x, gate, bias, &d));
+        const int64_t n_exp = gate.dim(0), blob = block * bits / 8;
+        auto blocks = [&](int64_t k) { return (k + block - 1) / block; };
+        const int64_t i2 = fc1.shape.size() == 4 ? fc1.dim(1) : -1;
+        if (i2 < 2 || i2 % 2)
+            return c.error("fc1 " + fc1.str() + " must be uint8 [E, 2I, ceil(D / block_size), block_size * bits / 8]");
+        MTP_RETURN_IF(check_q(c, fc1, fc1s, "fc1", "fc1_scales", {n_exp, i2, blocks(d), blob},
+                              "[E, 2I, ceil(D / block_size), block_size * bits / 8]"));
+        MTP_RETURN_IF(check_q(c, fc2, fc2s, "fc2", "fc2_scales", {n_exp, d, blocks(i2 / 2), blob},
+                              "[E, D, ceil(I / block_size), block_size * bits / 8] (2I = fc1's dim 1)"));
+        const View* shared[] = {&sfc1, &sfc1s, &sfc2, &sfc2s};
+        const int present = int(std::count_if(shared, shared + 4, [](const View* v) { return v->present; }));
+        if (present % 4)
+            return c.error("shared_fc1, shared_fc1_scales, shared_fc2 and shared_fc2_scales come together");
+        const int64_t s2 = present && sfc1.shape.size() == 3 ? sfc1.dim(0) : -1;
+        if (present) {
+            if (s2 < 2 || s2 % 2)
+                return c.error("shared_fc1 " + sfc1.str() +
+                               " must be uint8 [2Is, ceil(D / block_size), block_size * bits / 8]");
+            MTP_RETURN_IF(check_q(c, sfc1, sfc1s, "shared_fc1", "shared_fc1_scales", {s2, blocks(d), blob},
+                                  "[2Is, ceil(D / block_size), block_size * bits / 8]"));
+            MTP_RETURN_IF(check_q(c, sfc2, sfc2s, "shared_fc2", "shared_fc2_scales", {d, blocks(s2 / 2), blob},
+                                  "[D, ceil(Is / block_size), block_size * bits / 8] (2Is = shared_fc1's dim 0)"));
+        }
+        float* y = nullptr;
+        MTP_RETURN_IF(c.output(0, x.shape, &y));
+        const size_t n = size_t(x.size() / d), units = size_t(i2 / 2);
+        const size_t b1 = size_t(blocks(d)), b2 = size_t(blocks(i2 / 2)), rows1 = size_t(i2), rows2 = size_t(d);
+        auto q = [](const View& v) { return static_cast<const uint8_t*>(v.data); };
+        std::vector<Expert> experts = route(x, gate, bias, units, [&](size_t e) {
+            return std::pair<Weight, Weight>{
+                {nullptr, q(fc1) + e * rows1 * b1 * size_t(blob), fc1s.f() + e * rows1 * b1},
+                {nullptr, q(fc2) + e * rows2 * b2 * size_t(blob), fc2s.f() + e * rows2 * b2}};
+        });
+        if (present)
+            experts.push_back(
+                all_tokens({nullptr, q(sfc1), sfc1s.f()}, {nullptr, q(sfc2), sfc2s.f()}, size_t(s2 / 2), n));
+        return run_experts(c, Matvec{int(bits), size_t(block)}, experts, x.f(), n, size_t(d), y);
     }
 };
 
@@ -403,10 +620,14 @@ struct Op : OrtCustomOp {
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 constexpr auto BOOL = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+constexpr auto U8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
 
 // The ops live as long as the process: ONNX Runtime keeps pointers to them in every session that used them.
 Op<MoEKernel> g_moe({"MoE", {F32, F32, F32, F32, F32, F32, F32}, {false, false, true, false, false, true, true}});
 Op<MlaAttentionKernel> g_mla({"MlaAttention", {F32, F32, F32, F32, I32, BOOL}, {false, false, false, false, false, true}});
+Op<QMatMulKernel> g_qmatmul({"QMatMul", {F32, U8, F32}, {false, false, false}});
+Op<QMoEKernel> g_qmoe({"QMoE", {F32, F32, F32, U8, F32, U8, F32, U8, F32, U8, F32},
+                       {false, false, true, false, false, false, false, true, true, true, true}});
 
 }  // namespace
 }  // namespace mtp_ort
@@ -421,8 +642,12 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     }
     OrtCustomOpDomain* domain = nullptr;
     MTP_RETURN_IF(api->CreateCustomOpDomain(kDomain, &domain));
-    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla})
+    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla, &g_qmatmul, &g_qmoe})
         MTP_RETURN_IF(api->CustomOpDomain_Add(domain, op));
     return api->AddCustomOpDomain(options, domain);  // (the domain is kept for the process, as the ops are)
 }
 
+
+// The instruction set of the quantized products in this process ("scalar", "avx2", "avx-vnni", "avx512-vnni"):
+// for tests and benchmarks, through ctypes.
+extern "C" __attribute__((visibility("default"))) const char* MtpOrtQuantPath() { return mtp_ort::qpath_name(); }

@@ -7,8 +7,8 @@ their wait retires them) and tensor-core fragment-consistency bugs without a GPU
 the hardware's mma fragment layout itself, performance, or races that a real GPU would expose;
 test_gpu_kernels.py does that where a GPU is present.
 
-Needs g++ and the CUDA headers; skipped otherwise.  The emulated library is cached under
-~/.cache/mtp_trt/emu (keyed by the sources' hash); the first build takes ~20 s.
+Needs g++ and the CUDA headers; skipped otherwise.  The emulated library is cached in
+the cache directory's emu/ (mtp_trt.fsutil.cache_dir; keyed by the sources' hash); the first build takes ~20 s.
 """
 
 from __future__ import annotations

@@ -1,0 +1,215 @@
+// qkernels_impl.h -- qrows_dot (kernels.h) for one x86 instruction set.  kernels.cpp includes this file once
+// per set, each time inside a namespace of its own and with these macros defined:
+//   QK         the attribute naming the set, on every function here (__attribute__((target(...))))
+//   QK_VNNI    1: 4-byte integer dot products by vpdpbusd;  0: by vpmaddubsw + vpmaddwd (AVX2)
+//   QK_DPBUSD  with QK_VNNI and 256-bit vectors, the set's vpdpbusd (AVX-VNNI's VEX form or AVX512-VNNI's EVEX)
+//   QK_512     1: 512-bit vectors (AVX512-VNNI), 0: 256-bit
+//   QK_MAXC    activation rows per tile (what the set's registers hold)
+// and, from kernels.cpp, the activation row layout (QAct).  No include guard: it is meant to be included
+// several times.
+//
+// A weight row is read as it is stored, one vector of bytes at a time ("a step"); each int32 lane of the
+// products covers 4 of those bytes.  8-bit weights meet x's values in their order.  4-bit weights are split
+// into their low nibbles (even elements) and high nibbles (odd elements), two vectors whose products with the
+// two matching halves of x (QAct's order) add up lane by lane: no shuffle across the vector.  The weights are
+// the unsigned u = q + z (z = 2^(bits-1)), so a block's integer dot product is sum(u * xq) - z * sum(xq): the
+// second term comes with the row (QAct::corr, in the first lane of the block) and starts the accumulator.
+// AVX2 has no unsigned x signed product that cannot saturate for 8-bit weights (two 255 * 127 products
+// overflow int16), so there they are taken as signed q with the sign moved onto x (|q| <= 128, pairs <=
+// 32512) and need no correction.  Each lane's sum is exact; it is then scaled by its activation block's and
+// weight block's scales into float accumulators.
+
+#if QK_512
+struct Vec {
+    using F = __m512;
+    using I = __m512i;
+    static constexpr int kLanes = 16;
+    QK static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+    QK static I load_part(const uint8_t* p, size_t bytes) {  // the first `bytes` (< 64), zeros after
+        return _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << bytes) - 1), p);
+    }
+    QK static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+    QK static F loadf_part(const float* p, size_t n) { return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p); }
+    QK static F set1(float f) { return _mm512_set1_ps(f); }
+    QK static I set1_8(char b) { return _mm512_set1_epi8(b); }
+    QK static F zero() { return _mm512_setzero_ps(); }
+    QK static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+    QK static I srl32(I v, int n) { return _mm512_srli_epi32(v, n); }
+    QK static I low_nibbles(I v) { return _mm512_and_si512(v, set1_8(0x0F)); }
+    QK static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), set1_8(0x0F)); }
+    QK static F spread(I idx, F v) { return _mm512_permutexvar_ps(idx, v); }
+    QK static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
+    QK static F scale_add(I d, const float* xs, F ws, F acc) {
+        return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), loadf(xs)), ws, acc);
+    }
+    QK static float hsum(F v) {
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+};
+#else
+struct Vec {
+    using F = __m256;
+    using I = __m256i;
+    static constexpr int kLanes = 8;
+    QK static __m256i lanes_mask(size_t n) {  // lanes < n all ones
+        return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    }
+    QK static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    QK static I load_part(const uint8_t* p, size_t bytes) {  // (bytes: a multiple of 4 below 32)
+        return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), lanes_mask(bytes / 4));
+    }
+    QK static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+    QK static F loadf_part(const float* p, size_t n) { return _mm256_maskload_ps(p, lanes_mask(n)); }
+    QK static F set1(float f) { return _mm256_set1_ps(f); }
+    QK static I set1_8(char b) { return _mm256_set1_epi8(b); }
+    QK static F zero() { return _mm256_setzero_ps(); }
+    QK static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+    QK static I srl32(I v, int n) { return _mm256_srli_epi32(v, n); }
+    QK static I low_nibbles(I v) { return _mm256_and_si256(v, set1_8(0x0F)); }
+    QK static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), set1_8(0x0F)); }
+    QK static F spread(I idx, F v) { return _mm256_permutevar8x32_ps(v, idx); }
+#if QK_VNNI
+    QK static I dot(I acc, I u, I x) { return QK_DPBUSD(acc, u, x); }
+#endif
+    QK static F scale_add(I d, const float* xs, F ws, F acc) {
+        return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), loadf(xs)), ws, acc);
+    }
+    QK static float hsum(F v) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+};
+#endif
+
+constexpr size_t kStep = 4 * Vec::kLanes;  // weight bytes per step
+
+// Where one step's data lie: weights at byte `at` of the row; x's values (4 bits: the low-nibble half, the
+// high-nibble half 64 bytes further) and its lanes (corr, scale) in the activation row.
+struct Step {
+    size_t at, x, lane;
+    Step(size_t at_, int bits) : at(at_), x(bits == 4 ? at_ / 64 * 128 + at_ % 64 : at_), lane(at_ / 4) {}
+};
+
+// The weight scales of one step's lanes: one weight block spans `bpw` bytes; a block as wide as the vector
+// or wider is one broadcast scale, narrower ones are spread by idx (lane l takes the block of byte 4 l).
+struct Scales {
+    size_t bpw;
+    int shift;  // log2(bpw)
+    Vec::I idx;
+    QK explicit Scales(const QWeights& w)
+        : bpw(w.block * size_t(w.bits) / 8), shift(__builtin_ctzl(bpw)), idx(Vec::srl32(Vec::iota(), shift - 2)) {}
+    template <bool Part>
+    QK Vec::F at(const float* ws, size_t at, size_t bytes) const {
+        if (bpw >= kStep) return Vec::set1(ws[at >> shift]);
+        const float* first = ws + (at >> shift);
+        return Vec::spread(idx, Part ? Vec::loadf_part(first, (bytes + bpw - 1) >> shift) : Vec::loadf(first));
+    }
+};
+
+// The exact integer products of one step (weights u, or their low and high nibbles) with activation row x.
+template <int Bits>
+struct Dot {
+    Vec::I lo, hi;
+    template <bool Part>
+    QK void load(const uint8_t* w, size_t bytes) {
+        const Vec::I u = Part ? Vec::load_part(w, bytes) : Vec::load(w);
+        if constexpr (Bits == 4) {
+            lo = Vec::low_nibbles(u), hi = Vec::high_nibbles(u);
+        } else {
+#if QK_VNNI
+            lo = u;
+#else
+            lo = _mm256_xor_si256(u, Vec::set1_8(char(0x80)));  // q = u - 128 as int8
+            hi = _mm256_abs_epi8(lo);
+#endif
+        }
+    }
+    QK Vec::I with(const uint8_t* x, const QAct& a, const Step& s) const {
+        const Vec::I corr = Vec::load(x + a.corr_at + 4 * s.lane);
+#if QK_VNNI
+        if constexpr (Bits == 4) return Vec::dot(Vec::dot(corr, lo, Vec::load(x + s.x)), hi, Vec::load(x + s.x + 64));
+        return Vec::dot(corr, lo, Vec::load(x + s.x));
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        if constexpr (Bits == 4) {  // nibble x int8 pairs <= 2 * 15 * 127: two such sums still fit int16
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, Vec::load(x + s.x)),
+                                               _mm256_maddubs_epi16(hi, Vec::load(x + s.x + 64)));
+            return _mm256_add_epi32(_mm256_madd_epi16(p, ones), corr);
+        }
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_sign_epi8(Vec::load(x + s.x), lo)), ones);
+#endif
+    }
+};
+
+// One step for R weight rows by C activation rows (Part: the row's last, `bytes` < kStep bytes).
+template <int Bits, int R, int C, bool Part>
+QK inline void tile_step(const QWeights& w, size_t ldw, const Scales& sc, const uint8_t* x, size_t ldx,
+                         const QAct& a, size_t at, size_t bytes, Vec::F (&acc)[R][C]) {
+    const Step s(at, Bits);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        // the next tile's rows, one tile ahead: the rows are short, too short for the hardware's prefetch
+        _mm_prefetch(reinterpret_cast<const char*>(w.data + (R + r) * ldw + at), _MM_HINT_T0);
+        Dot<Bits> d;
+        d.template load<Part>(w.data + r * ldw + at, bytes);
+        const Vec::F ws = sc.template at<Part>(w.scales + r * w.blocks(), at, bytes);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* xc = x + c * ldx;
+            acc[r][c] = Vec::scale_add(d.with(xc, a, s), reinterpret_cast<const float*>(xc + a.scale_at) + s.lane, ws,
+                                       acc[r][c]);
+        }
+    }
+}
+
+// y[c * ldy + r] for R weight rows from w and C activation rows from x: one pass over the weight rows,
+// every weight vector loaded once for all C rows.
+template <int Bits, int R, int C>
+QK void tile(const QWeights& w, const Scales& sc, const uint8_t* x, size_t ldx, const QAct& a, float* y,
+             size_t ldy) {
+    Vec::F acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
+    const size_t ldw = w.row_bytes(), full = ldw / kStep * kStep;
+    for (size_t at = 0; at < full; at += kStep) tile_step<Bits, R, C, false>(w, ldw, sc, x, ldx, a, at, kStep, acc);
+    if (full < ldw) tile_step<Bits, R, C, true>(w, ldw, sc, x, ldx, a, full, ldw - full, acc);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) y[c * ldy + r] = Vec::hsum(acc[r][c]);
+}
+
+// R weight rows against all m activation rows, QK_MAXC at a time: the R rows stay in L1 while the groups pass.
+template <int Bits, int R>
+QK void row_tiles(const QWeights& w, const Scales& sc, const uint8_t* x, size_t m, const QAct& a, float* y,
+                  size_t ldy) {
+    size_t i = 0;
+    for (; i + QK_MAXC <= m; i += QK_MAXC) tile<Bits, R, QK_MAXC>(w, sc, x + i * a.bytes, a.bytes, a, y + i * ldy, ldy);
+    x += i * a.bytes, y += i * ldy;
+    switch (m - i) {
+        case 1: return tile<Bits, R, 1>(w, sc, x, a.bytes, a, y, ldy);
+        case 2: return tile<Bits, R, 2>(w, sc, x, a.bytes, a, y, ldy);
+        case 3: return tile<Bits, R, 3>(w, sc, x, a.bytes, a, y, ldy);
+        default: return;
+    }
+}
+
+template <int Bits>
+QK void qdot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
+    const QAct a(w);
+    const Scales sc(w);
+    size_t j = 0;
+    for (; j + kRows <= n; j += kRows) row_tiles<Bits, kRows>(w.from_row(j), sc, x, m, a, y + j, ldy);
+    for (; j < n; ++j) row_tiles<Bits, 1>(w.from_row(j), sc, x, m, a, y + j, ldy);
+}
+
+QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
+    if (w.bits == 4) return qdot<4>(x, m, w, n, y, ldy);
+    return qdot<8>(x, m, w, n, y, ldy);
+}

@@ -1,0 +1,305 @@
+"""mtp-trt's quantized-weight CPU operators (plugins/ort, domain mtp_trt.cpu: QMatMul, QMoE) against their NumPy
+references (plugins/ort_reference.py), one node at a time: 4- and 8-bit weights in every block size, K not a
+multiple of the block, 1 to 64 rows, weight bytes over their whole range (the int8 products that saturate
+int16 pairs), constant and all-zero activation blocks, shared experts on and off, grouped routing; every
+instruction set the CPU has (scalar, AVX2, AVX-VNNI, AVX512-VNNI), any thread count giving the same bits, and
+bad input as one error naming the op and the input.
+
+Tolerances, relative to the output's largest magnitude:
+* against the reference that quantizes the activations as the op does (ort_reference.quantize_activations; the
+  integer products exact, the scales applied in float64): 1e-5, the float32 sums of the scaled blocks (QMoE's
+  SwiGLU activations are quantized again from float32 in the op and from float64 in the reference: an
+  activation within rounding of a level boundary could take the neighbouring level, a difference of ~1e-3;
+  none does on these inputs, on any path);
+* against the float64 product with the dequantized weights, what int8 activations approximate: 1e-2 (QMatMul)
+  and 3e-2 (QMoE, two products)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mtp_trt.plugins import ort_lib, ort_reference as ref
+from mtp_trt.quant import Scheme, quantize
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_ort_ops import close, moe_inputs  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not ort_lib.available()[0], reason=f"mtp_trt.cpu operators: {ort_lib.available()[1]}")
+
+EXACT = 1e-5
+APPROX, QMOE_APPROX = 1e-2, 3e-2
+BLOCKS = (16, 32, 64, 128, 256)
+ROWS = (1, 2, 3, 7, 64)
+
+
+def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads: int = 2):
+    """A session of one mtp_trt.cpu node whose inputs are `constants` (name -> array, None: left out) as
+    initializers and the float32 inputs `fed`, of any shape."""
+    names = list(constants)
+    while names and constants[names[-1]] is None:
+        names.pop()
+    graph = helper.make_graph(
+        [helper.make_node(op, [n if n in fed or constants[n] is not None else "" for n in names], ["y"],
+                          domain=ort_lib.DOMAIN, **attrs)], "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in fed],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(a, n) for n, a in constants.items() if n not in fed and a is not None])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(ort_lib.DOMAIN, 1)])
+    model.ir_version = 9
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort_lib.session(model.SerializeToString(), options)
+
+
+def random_weight(rng, n, k, bits, block):
+    """(data, scales) of a [N, K] weight: bytes over the format's whole range, scales of both signs; the first
+    block of row 0 all at the lowest level and of row 1 all at the highest (the largest integer products)."""
+    nb = -(-k // block)
+    data = rng.integers(0, 256, (n, nb, block * bits // 8), dtype=np.uint8)
+    data[0, 0], data[1 % n, 0] = 0, 255
+    scales = (rng.uniform(-1, 1, (n, nb)) / (np.sqrt(k) * (4 if bits == 4 else 64))).astype(np.float32)
+    return data, scales
+
+
+def activations(rng, m, k):
+    """x [M, K] with a zero block (row 1), a constant block (row 2: all +3, q = 127) and a tiny row (row 3)."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    if m > 1:
+        x[1, :32] = 0
+    if m > 2:
+        x[2, :32] = 3
+    if m > 3:
+        x[3] *= 1e-30
+    return x
+
+
+def qmatmul_case(block):
+    """K for a block size: a few blocks, the last one partial; for 16 an odd number of blocks."""
+    return {16: 291, 32: 301, 64: 300, 128: 389, 256: 773}[block]
+
+
+# ----------------------------------------------------------------------------------------- QMatMul
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qmatmul_matches_reference(bits, block):
+    k, n = qmatmul_case(block), 37
+    rng = np.random.default_rng([bits, block])
+    data, scales = random_weight(rng, n, k, bits, block)
+    sess = session("QMatMul", dict(K=k, N=n, bits=bits, block_size=block), dict(x=None, w=data, scales=scales))
+    for m in ROWS:
+        x = activations(rng, m, k)
+        y = sess.run(None, {"x": x})[0]
+        q = dict(k=k, bits=bits, block_size=block)
+        close(y, ref.qmatmul(x, data, scales, **q), EXACT)
+        close(y, ref.qmatmul_float(x, data, scales, **q), APPROX)
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)  # leading dimensions kept
+    y = sess.run(None, {"x": x})[0]
+    assert y.shape == (2, 3, n)
+    close(y.reshape(6, n), ref.qmatmul(x.reshape(6, k), data, scales, **q), EXACT)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qmatmul_of_a_quantized_linear(bits):
+    """Weights from mtp_trt.quant.quantize (the exporter's), decode-sized: the op is x W^T up to the weights'
+    and the activations' quantization."""
+    rng = np.random.default_rng(bits)
+    k, n = 1024, 256
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    data, scales = quantize(w, Scheme(f"int{bits}", 32))
+    sess = session("QMatMul", dict(K=k, N=n, bits=bits, block_size=32), dict(x=None, w=data, scales=scales))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = sess.run(None, {"x": x})[0]
+    close(y, ref.qmatmul(x, data, scales, k=k, bits=bits, block_size=32), EXACT)
+    close(y, x.astype(np.float64) @ w.T, 0.02 if bits == 8 else 0.15)
+
+
+# -------------------------------------------------------------------------------------------- QMoE
+def qmoe_inputs(rng, n, d, e, i, shared_i, bits, block):
+    """moe_inputs with the experts' weights quantized (quant.quantize, so the weights are realistic)."""
+    ins = moe_inputs(rng, n, d, e, i, shared_i)
+    s = Scheme(f"int{bits}", block)
+    out = dict(x=ins["x"], gate=ins["gate"], bias=ins["bias"])
+    for name in ("fc1", "fc2"):
+        q = [quantize(w, s) for w in ins[name]]
+        out[name], out[name + "_scales"] = np.stack([a for a, _ in q]), np.stack([b for _, b in q])
+    for name in ("shared_fc1", "shared_fc2"):
+        out[name], out[name + "_scales"] = quantize(ins[name], s) if shared_i else (None, None)
+    return out
+
+
+QMOE_CASES = [  # n, d, e, i, shared_i, k, n_group, topk_group, softmax, group_top2, norm, scaling, bits, block
+    (1, 256, 8, 64, 64, 2, 4, 2, False, True, True, 1.0, 4, 32),  # the demo's shape
+    (2, 96, 16, 32, 32, 2, 1, 1, False, True, True, 2.5, 8, 16),
+    (7, 72, 12, 24, 0, 3, 3, 2, False, True, False, 1.0, 4, 64),  # K padded (72, 24), no shared expert
+    (3, 80, 8, 40, 48, 2, 4, 1, True, False, True, 1.0, 8, 128),  # softmax scores, group best
+    (16, 48, 32, 16, 16, 4, 8, 4, False, True, True, 2.5, 4, 16),  # DeepSeek-V3's routing, scaled down
+    (64, 64, 8, 32, 32, 2, 2, 1, False, True, True, 1.0, 4, 256),  # a prompt's rows
+    (2, 40, 6, 20, 12, 6, 1, 1, True, False, False, 16.0, 8, 32),  # every expert selected
+]
+
+
+def qmoe_attrs(case):
+    _, _, _, _, _, k, n_group, topk_group, softmax, top2, norm, scaling, bits, block = case
+    return dict(top_k=k, n_group=n_group, topk_group=topk_group, softmax=int(softmax), group_top2=int(top2),
+                norm_topk_prob=int(norm), routed_scaling_factor=scaling, bits=bits, block_size=block)
+
+
+def qmoe_reference(ins, attrs, product=ref.qmatmul):
+    a = dict(attrs)
+    return ref.qmoe(**ins, top_k=a["top_k"], bits=a["bits"], block_size=a["block_size"], n_group=a["n_group"],
+                    topk_group=a["topk_group"], softmax=bool(a["softmax"]), group_top2=bool(a["group_top2"]),
+                    norm_topk_prob=bool(a["norm_topk_prob"]), scaling=a["routed_scaling_factor"], product=product)
+
+
+@pytest.mark.parametrize("case", QMOE_CASES,
+                         ids=lambda c: "n{}-d{}-e{}-i{}-s{}-k{}-g{}-int{}-b{}".format(*c[:7], *c[12:]))
+def test_qmoe_matches_reference(case):
+    n, d, e, i, shared_i = case[:5]
+    attrs = qmoe_attrs(case)
+    ins = qmoe_inputs(np.random.default_rng(list(case[:5]) + list(case[12:])), n, d, e, i, shared_i, attrs["bits"],
+                      attrs["block_size"])
+    y = session("QMoE", attrs, ins).run(None, {"x": ins["x"]})[0]
+    close(y, qmoe_reference(ins, attrs), EXACT)
+    close(y, qmoe_reference(ins, attrs, ref.qmatmul_float), QMOE_APPROX)
+
+
+# ------------------------------------------------------------------------------ threads and paths
+def test_any_thread_count_gives_the_same_bits():
+    """Work is split by output rows (QMatMul) and by units and columns (QMoE), never within a sum: 1, 2 and 3
+    threads agree exactly."""
+    rng = np.random.default_rng(4)
+    data, scales = random_weight(rng, 70, 200, 4, 32)
+    x = rng.standard_normal((64, 200)).astype(np.float32)
+    case = QMOE_CASES[4]
+    ins = qmoe_inputs(rng, *case[:5], 8, 16)
+    attrs = qmoe_attrs(case) | dict(bits=8, block_size=16)
+    outs = []
+    for threads in (1, 2, 3):
+        mm = session("QMatMul", dict(K=200, N=70, bits=4, block_size=32), dict(x=None, w=data, scales=scales),
+                     threads=threads)
+        moe = session("QMoE", attrs, ins, threads=threads)
+        outs.append([mm.run(None, {"x": x[:1]})[0], mm.run(None, {"x": x})[0], moe.run(None, {"x": ins["x"]})[0]])
+    for out in outs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(out, outs[0]))
+
+
+PATHS = {  # the path, the environment that forces it, the CPU flags it needs
+    "avx512-vnni": ({}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
+    "avx-vnni": ({"MTP_ORT_NO_AVX512": "1"}, ("avx_vnni",)),
+    "avx2": ({"MTP_ORT_NO_VNNI": "1"}, ("avx2", "fma")),
+    "scalar": ({"MTP_ORT_PORTABLE": "1"}, ()),
+}
+PATH_CHILD = """
+import ctypes, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import test_ort_quant_ops as t
+from mtp_trt.plugins import ort_lib
+lib = ctypes.CDLL(str(ort_lib.resolve_library()))
+lib.MtpOrtQuantPath.restype = ctypes.c_char_p
+outs = {{"path": np.array(lib.MtpOrtQuantPath().decode())}}
+for name, y in t.path_outputs():
+    outs[name] = y
+np.savez(sys.argv[1], **outs)
+"""
+
+
+def path_inputs():
+    rng = np.random.default_rng(9)
+    for bits in (4, 8):
+        for block in (16, 32, 256):
+            k = qmatmul_case(block)
+            yield f"mm{bits}-{block}", (k, bits, block), random_weight(rng, 37, k, bits, block), \
+                activations(rng, 7, k)
+    yield "moe", QMOE_CASES[4], None, None
+
+
+def path_outputs():
+    """The ops' outputs on fixed inputs: QMatMul over bits, blocks and 1, 3 and 7 rows; one QMoE."""
+    for name, case, w, x in path_inputs():
+        if w is not None:
+            k, bits, block = case
+            sess = session("QMatMul", dict(K=k, N=37, bits=bits, block_size=block), dict(x=None, w=w[0], scales=w[1]))
+            for m in (1, 3, 7):
+                yield f"{name}-m{m}", sess.run(None, {"x": x[:m]})[0]
+        else:
+            attrs = qmoe_attrs(case)
+            ins = qmoe_inputs(np.random.default_rng(1), *case[:5], attrs["bits"], attrs["block_size"])
+            yield name, session("QMoE", attrs, ins).run(None, {"x": ins["x"]})[0]
+
+
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_every_instruction_set_matches_the_reference(path, tmp_path):
+    """Each path the CPU has, forced by its environment variable in a child process (the path is chosen once
+    per process), against the reference at the exact tolerance: the same integer products everywhere."""
+    env_vars, flags = PATHS[path]
+    if not set(flags) <= cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(set(flags) - cpu_flags()))}")
+    env = {k: v for k, v in os.environ.items() if k not in ("MTP_ORT_PORTABLE", "MTP_ORT_NO_VNNI", "MTP_ORT_NO_AVX512")}
+    out = tmp_path / "out.npz"
+    run = subprocess.run([sys.executable, "-c", PATH_CHILD.format(tests=os.path.dirname(__file__)), str(out)],
+                         env=env | env_vars, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = np.load(out)
+    assert str(got["path"]) == path
+    for name, case, w, x in path_inputs():
+        if w is not None:
+            k, bits, block = case
+            for m in (1, 3, 7):
+                close(got[f"{name}-m{m}"], ref.qmatmul(x[:m], *w, k=k, bits=bits, block_size=block), EXACT)
+        else:
+            attrs = qmoe_attrs(case)
+            ins = qmoe_inputs(np.random.default_rng(1), *case[:5], attrs["bits"], attrs["block_size"])
+            close(got[name], qmoe_reference(ins, attrs), EXACT)
+
+
+# ----------------------------------------------------------------------------------------- errors
+def test_bad_input_is_one_error_naming_the_op_and_input():
+    rng = np.random.default_rng(0)
+    data, scales = random_weight(rng, 8, 40, 4, 16)  # 3 blocks of 16
+    attrs = dict(K=40, N=8, bits=4, block_size=16)
+    x = rng.standard_normal((2, 40)).astype(np.float32)
+    invalid = ort.capi.onnxruntime_pybind11_state.InvalidArgument
+    with pytest.raises(invalid, match=r"mtp_trt\.cpu::QMatMul: w \[8, 2, 8\] must be uint8 "
+                                      r"\[N, ceil\(K / block_size\), block_size \* bits / 8\] = \[8, 3, 8\]"):
+        session("QMatMul", attrs, dict(x=None, w=data[:, :2], scales=scales)).run(None, {"x": x})
+    with pytest.raises(invalid, match=r"QMatMul: scales \[8, 2\] must be float32 \[8, 3\]"):
+        session("QMatMul", attrs, dict(x=None, w=data, scales=scales[:, :2])).run(None, {"x": x})
+    with pytest.raises(invalid, match=r"QMatMul: x \[2, 39\] must be \[\.\.\., K\] with K = 40"):
+        session("QMatMul", attrs, dict(x=None, w=data, scales=scales)).run(None, {"x": x[:, :39]})
+    with pytest.raises(Exception, match=r"QMatMul: bits 3, block_size 16: expected bits 4 or 8"):
+        session("QMatMul", attrs | dict(bits=3), dict(x=None, w=data, scales=scales))
+    with pytest.raises(Exception, match=r"QMatMul: bits 4, block_size 48: expected"):
+        session("QMatMul", attrs | dict(block_size=48), dict(x=None, w=data, scales=scales))
+
+    case = QMOE_CASES[2]
+    attrs = qmoe_attrs(case)
+    ins = qmoe_inputs(rng, *case[:4], 8, attrs["bits"], attrs["block_size"])
+    bad = ins | dict(fc2=ins["fc2"][:, :, :, :-1])
+    with pytest.raises(invalid, match=r"QMoE: fc2 \[12, 72, 1, 31\] must be uint8 \[E, D, ceil\(I / block_size\), "
+                                      r"block_size \* bits / 8\] .* = \[12, 72, 1, 32\]"):
+        session("QMoE", attrs, bad).run(None, {"x": ins["x"]})
+    bad = ins | dict(shared_fc2=None, shared_fc2_scales=None)
+    with pytest.raises(invalid, match=r"QMoE: shared_fc1, shared_fc1_scales, shared_fc2 and shared_fc2_scales come "
+                                      r"together"):
+        session("QMoE", attrs, bad).run(None, {"x": ins["x"]})
+    with pytest.raises(invalid, match=r"QMoE: fc1_scales \[12, 48, 2\] must be float32 \[12, 48, 3\]"):
+        session("QMoE", attrs | dict(block_size=32), ins | dict(fc1=np.zeros((12, 48, 3, 16), np.uint8))).run(
+            None, {"x": ins["x"]})
