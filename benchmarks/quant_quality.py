@@ -28,7 +28,8 @@ Figures, each quantization against its engine's unquantized model:
 * MTP acceptance (mtp-trt only: llama.cpp has no MTP decoding of this model): mtp_trt.decode.generate in
   eagle mode at nextn 1..3 over the same prompts, one at a time: mean tokens per verify step, and per draft
   position the fraction of steps that accepted at least that many drafts (and that fraction given the previous
-  position accepted), plus whether every nextn decoded the same tokens as nextn 0 (greedy MTP is lossless).
+  position accepted), plus whether every nextn decoded the same tokens as nextn 0 (greedy MTP is lossless;
+  where not, which prompt and from which new token).
 
 One cross-engine line: mtp-trt fp32 against llama.cpp f32 (the same model in two engines: top-1 agreement,
 both perplexities).  The quantization goals are checked and printed: int8's teacher-forced top-1 agreement >=
@@ -96,6 +97,10 @@ def nll_and_argmax(logits: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.
     return nll, logits.argmax(1).astype(np.int32)
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def compare(ref: dict, other: dict) -> dict:
     """The figures of run `other` against reference run `ref` (both from mtp_run / llama_run)."""
     n = sum(len(g) for g in ref["greedy"])
@@ -139,7 +144,9 @@ def mtp_run(export: Path, windows: np.ndarray, prompts: list[list[int]], tokens:
         rate = st.acceptance_rate
         mtp[k] = {"tokens_per_step": st.mean_accepted, "position_rates": rate,
                   "position_rates_given_previous": [r / p if p else 0.0 for r, p in zip(rate, [1.0] + rate[:-1])],
-                  "same_tokens_as_nextn0": [list(s.generated) for s in seqs] == greedy}
+                  "same_tokens_as_nextn0": [list(s.generated) for s in seqs] == greedy,
+                  "differences_from_nextn0": [[i, d] for i, (s, g) in enumerate(zip(seqs, greedy))
+                                              if (d := first_difference(list(s.generated), g)) is not None]}
     per_step = ", ".join(f"nextn {k} {v['tokens_per_step']:.2f}" for k, v in mtp.items())
     progress(f"  {export.name}: teacher-forced {n} x {w} tokens in {tf_seconds:.1f} s; {per_step} tokens/step")
     return {"argmax": argmax.ravel(), "nll": nll.ravel(), "greedy": greedy, "mtp": mtp}
@@ -184,6 +191,10 @@ def llama_runs(python: str, ggufs: dict[str, Path], windows: np.ndarray, prompts
 
 
 # ------------------------------------------------------------------------------------------------------ report
+def diffs(where: list[list[int]]) -> str:
+    return ", ".join(f"prompt {p} from new token {i}" for p, i in where)
+
+
 def print_report(rows: list[dict], mtp: dict, cross: dict | None, goals: list[tuple[str, bool | None, str]]) -> None:
     print("\n| engine | weights | against | teacher-forced top-1 agreement | perplexity | greedy tokens before "
           "first divergence | identical greedy sequences |")
@@ -203,7 +214,7 @@ def print_report(rows: list[dict], mtp: dict, cross: dict | None, goals: list[tu
                 print(f"| {q} | {k} | {v['tokens_per_step']:.3f} | {rel} | "
                       f"{', '.join(f'{100 * x:.1f}%' for x in v['position_rates'])} | "
                       f"{', '.join(f'{100 * x:.1f}%' for x in v['position_rates_given_previous'])} | "
-                      f"{'yes' if v['same_tokens_as_nextn0'] else 'NO'} |")
+                      f"{'yes' if v['same_tokens_as_nextn0'] else 'NO: ' + diffs(v['differences_from_nextn0'])} |")
     if cross:
         print(f"\nmtp-trt fp32 vs llama.cpp f32 (same checkpoint, two engines): teacher-forced top-1 agreement "
               f"{100 * cross['top1_agreement']:.2f}%, perplexity {cross['mtp_perplexity']:.4f} vs "
