@@ -191,8 +191,9 @@ def check_llama_python(python: str) -> None:
     res = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
                          text=True, cwd="/")
     if res.returncode:
-        raise SystemExit(f"--llama-python {python}: cannot import llama_cpp ({res.stderr.strip().splitlines()[-1:]}"
-                         f"); pass a Python with llama-cpp-python installed")
+        why = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"--llama-python {python}: cannot import llama_cpp ({why}); pass a Python with "
+                         f"llama-cpp-python installed")
 
 
 def round_ratio(a: list[dict], b: list[dict], tokens: int) -> float:
