@@ -221,7 +221,7 @@ def moe_graph(form, cfg, rng):
     return model(nodes, [("x", F32)], inits)
 
 
-MOE_FORMS = ("fp32", "ort-int4", "ours-int4", "ort-int8", "ours-int8")
+MOE_FORMS = FORMS
 
 
 def moe_table(a):

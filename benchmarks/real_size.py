@@ -127,9 +127,10 @@ def rss_child(path: str, nextn: int, tokens: int, threads: int | None) -> dict:
     return {"peak_rss_mb": peak_rss_mb()}
 
 
-def child(*args) -> dict:
-    """Run this script's `--child` entry in a fresh process; its last stdout line is JSON."""
-    cmd = [sys.executable, __file__, "--child", json.dumps(args)]
+def child(*args, script: str = __file__) -> dict:
+    """Run `script`'s `--child` entry (this script's by default) in a fresh process; its last stdout line is
+    JSON."""
+    cmd = [sys.executable, script, "--child", json.dumps(args)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_size  # noqa: E402
 from real_size import DEMO, cache_dir, decode_fn, peak_rss_mb  # noqa: E402
 
 V2_LITE = dict(
@@ -117,14 +118,8 @@ def decode_child(path: str, nextn: int, tokens: int, rounds: int, threads: int) 
 
 
 def child(*args) -> dict:
-    """Run this script's `--child` entry in a fresh process (its memory is its own); its last line is JSON."""
-    import subprocess
-
-    cmd = [sys.executable, __file__, "--child", json.dumps(args)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    """This script's `--child` entry in a fresh process (its memory is its own)."""
+    return real_size.child(*args, script=__file__)
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ the `gather` form's experts and the embedding stay in the export's dtype.
 
 Kept in float: the router, norms, biases, and products computed in the graph from several weights (small
 models' W^UK / W^UV folded into the projections, exporters/graphs.py folded_mla).  The output head takes int8
-whatever the scheme (HEAD_SCHEME): it decides every token, and int8 costs little of its time.
+whatever the scheme (head_scheme): it decides every token, and int8 costs little of its time.
 
 The rewrite works on recipes: each quantized tensor is computed when weights.bin is written, from its
 weight's recipe (one tensor at a time, so the export still never holds the model), and stored once however

@@ -173,9 +173,10 @@ class OrtBackend(Backend):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        if self.manifest.raw.get("cpu_ops"):
-            from mtp_trt.plugins import ort_lib
+        from mtp_trt.plugins import ort_lib
 
+        ort_lib.float_dequantized_matmuls(options)
+        if self.manifest.raw.get("cpu_ops"):
             ok, why = ort_lib.available()
             if not ok:
                 raise MtpTrtError(f"{self.manifest.root}: exported with mtp-trt's CPU operators, which are not "

@@ -145,6 +145,13 @@ def register(session_options) -> None:
     session_options.register_custom_ops_library(str(path))
 
 
+def float_dequantized_matmuls(options) -> None:
+    """Have ONNX Runtime compute DequantizeLinear + MatMul (the quantized graphs for TensorRT) as written, in float:
+    by default it fuses the pair into a MatMulNBits that rounds the activations to int8, which TensorRT's
+    weight-only kernels do not."""
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+
+
 def session(model, options=None):
     """An ONNX Runtime CPU session of a graph (a path, or the serialized model as bytes), with the operators
     registered where they are available (a graph that uses them and cannot have them fails in ONNX Runtime,
@@ -152,6 +159,7 @@ def session(model, options=None):
     import onnxruntime as ort
 
     options = options or ort.SessionOptions()
+    float_dequantized_matmuls(options)
     if available()[0]:
         register(options)
     return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options,

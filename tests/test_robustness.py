@@ -190,6 +190,18 @@ CASES = [
     ("bench-json-unwritable", lambda c: ["bench", c.ckpt, "--json", "/proc/bench.json"], 2,
      "--json /proc/bench.json: not writable"),
     ("bench-json-no-dir", lambda c: ["bench", c.ckpt, "--json", c.tmp / "no" / "b.json"], 2, "does not exist"),
+    ("quant-unknown", lambda c: ["run", c.ckpt, "-p", "x", "--quant", "int3"], 2,
+     "--quant: unknown scheme 'int3'; expected one of none, int8, int4"),
+    ("group-size-48", lambda c: ["export", c.ckpt, "-o", c.tmp / "out", "--quant", "int4", "--group-size", "48"], 2,
+     "--group-size: must be one of 16, 32, 64, 128, 256, got 48"),
+    ("group-size-without-quant", lambda c: ["run", c.ckpt, "-p", "x", "--group-size", "64"], 2,
+     "--group-size needs --quant int8 or --quant int4"),
+    ("quant-of-an-export", lambda c: ["run", c.exp, "-p", "x", "--quant", "int8"], 2,
+     "exported with --quant none, but --quant int8 was asked"),
+    ("quant-without-cpu-ops", lambda c: ["export", c.ckpt, "-o", c.tmp / "out", "--quant", "int4", "--no-cpu-ops"],
+     2, "--quant int4: quantized weights run on mtp-trt's CPU operators; drop --no-cpu-ops"),
+    ("manifest-quant-int5", lambda c: ["run", c.export(quant={"scheme": "int5"}), "-p", "x"], 2,
+     "field 'quant' is {'scheme': 'int5'}, not a quantization this mtp-trt reads"),
 ]
 
 

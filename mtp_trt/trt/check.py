@@ -172,12 +172,18 @@ def _reference(exp: Manifest, reference: Path | None, workdir: Path,
         from mtp_trt.exporters.export import export
 
         progress(f"exporting the onnx-lowering reference of {ckpt}")
+        q = exp.quant  # quantized engines: the same quantized weights, in the form TensorRT reads (DequantizeLinear)
         ref = Manifest.load(export(ckpt, workdir / "reference", nextn=exp.nextn, mtp_mode=exp.mtp_mode, dtype="fp32",
-                                   lowering="onnx", max_batch=exp.max_batch, max_seq_len=exp.max_seq_len))
+                                   lowering="onnx", max_batch=exp.max_batch, max_seq_len=exp.max_seq_len,
+                                   moe_form="tensorrt" if q.quantized else None, quant_scheme=q.name,
+                                   group_size=q.block_size))
     if ref.lowering != "onnx":
         raise MtpTrtError(f"--reference {ref.root}: needs the onnx lowering (ONNX Runtime cannot run plugin nodes)")
     if ref.raw["config"] != exp.raw["config"] or ref.nextn != exp.nextn or ref.mtp_mode != exp.mtp_mode:
         raise MtpTrtError(f"--reference {ref.root}: not an export of the same checkpoint, K and MTP mode")
+    if ref.quant != exp.quant:
+        raise MtpTrtError(f"--reference {ref.root}: weights quantized as {ref.quant.tag}, the engines' as "
+                          f"{exp.quant.tag}; export the reference with the same --quant and --group-size")
     return ref
 
 
