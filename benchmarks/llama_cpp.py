@@ -1,29 +1,41 @@
-"""mtp-trt beside llama.cpp on the same checkpoints: HF -> GGUF f32 with llama.cpp's own converter,
-greedy tokens compared, decode tokens/s interleaved and peak RSS, batch 1, same threads.  Not run in CI.
-
-Needs llama-cpp-python (any Python: --llama-python) and its source distribution for the converter
-(convert_hf_to_gguf.py, conversion/, gguf-py/ under vendor/llama.cpp):
+"""mtp-trt beside llama.cpp on the same checkpoints: decode tokens/s and peak RSS, batch 1, greedy, same threads,
+interleaved, at every weight type of each side (f32, Q8_0, Q4_0, Q4_K_M GGUFs; mtp-trt --quant none, int8,
+int4).  Not run in CI.
 
   python -m venv LLAMA_VENV && LLAMA_VENV/bin/pip install llama-cpp-python==0.3.36
   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d SDIST_DIR
-  python benchmarks/llama_cpp.py --sdist SDIST_DIR/llama_cpp_python-0.3.36.tar.gz \
-      --llama-python LLAMA_VENV/bin/python [--sizes demo 85m 304m] [--tokens 64] [--rounds 5] \
-      [--threads 2] [--nextn 0 1 2 3] [--transformers]
+  python benchmarks/llama_cpp.py --llama-python LLAMA_VENV/bin/python \\
+      --sdist SDIST_DIR/llama_cpp_python-0.3.36.tar.gz [--sizes demo 85m 304m] \\
+      [--quant none int8 int4] [--group-size 32] [--gguf f32 q8_0 q4_0 q4_k_m] \\
+      [--tokens 64] [--rounds 5] [--threads 2] [--nextn 0 1 2 3] [--no-spin] [--transformers] [--json FILE]
+
+(--sdist, llama-cpp-python's source distribution, is needed only while a checkpoint's f32 GGUF is not yet in
+the cache: it carries llama.cpp's converter.)
 
 Checkpoints: the demo (samples/demo-model) and benchmarks/real_size.py's random 85m / 304m (made on the fly).
-Everything converted or exported goes under mtp-trt's cache directory, in bench-real-size (never into git).  The
-converter needs the demo tokenizer's pre-tokenizer registered: it is byte-level BPE with GPT-2's split
-regex, so this script answers "gpt-2" for its hash (llama.cpp only sees token ids here anyway: both engines
-get the same prompt ids, starting with BOS, as llama.cpp expects).
+GGUFs: llama.cpp's converter (f32) and llama_model_quantize (Q8_0, Q4_0, Q4_K_M), benchmarks/llama_api.py.
+mtp-trt: one export per --quant (the demo with all its MTP modules; 85m / 304m with nextn 1, max_seq_len 1024,
+as real_size.py exports them).  Everything converted or exported goes under mtp-trt's cache directory, in
+bench-real-size (never into git).
 
-Each engine configuration runs in a process of its own (a worker: llama.cpp, or mtp-trt at one nextn), so
-that its peak RSS (VmHWM) is its own; the parent runs one timed decode per worker in turn, round-robin,
-while the others wait, and prints medians of two rates: decode tokens/s = (new tokens - 1) / the time after the
-first token (the prompt's pass excluded: for mtp-trt, the time of a one-token generation subtracted), and
-new tokens / the whole generation's time (prompt included, as benchmarks/real_size.py reports); and the best
-round's decode rate (the quietest moment of a shared machine).  Both engines run without busy-waiting
-threads with --no-spin (OrtBackend(spin=False), OMP_WAIT_POLICY=PASSIVE for llama.cpp's OpenMP build: on a busy
-2-core CPU it made llama.cpp's 2-thread decoding ~2x faster); by default both spin, as each does on its own.
+How llama.cpp is driven: through its C API (llama-cpp-python's ctypes bindings, not its Python `Llama` class):
+the prompt in one `llama_decode` of a `llama_batch`, then one `llama_decode` per new token, each token picked
+by llama.cpp's own sampler chain holding only the greedy sampler (`llama_sampler_chain_init`,
+`llama_sampler_init_greedy`, `llama_sampler_sample(chain, ctx, -1)`), as llama-cli and llama-server decode:
+no Python reads the logits (benchmarks/llama_api.py, LlamaEngine).  Both engines get the same prompt ids,
+starting with BOS, and make `--tokens` new tokens (no stop at end-of-text).
+
+Each configuration runs in a worker process of its own (a GGUF type on llama.cpp, or an mtp-trt export at
+one nextn), so that its peak RSS (VmHWM, after loading and decoding) is its own; the parent asks each worker
+in turn, round-robin, for one timed generation while the others wait.  Decode tokens/s = (new tokens - 1) /
+the time after the first token (the prompt's pass excluded: for mtp-trt, the time of a one-token generation
+subtracted); medians over rounds, the best round's beside them, and "with prompt" = new tokens / the whole
+generation's time.  A ratio of two configurations is the median of their per-round ratios (configurations
+timed moments apart; the machine is shared).  The table pairs each mtp-trt quantization with llama.cpp at
+the same bits: none / f32, int8 / Q8_0, int4 / Q4_K_M and int4 / Q4_0, at nextn 0 and, on the demo (the only
+checkpoint whose MTP modules are trained), at the fastest nextn.  --no-spin: neither engine's threads
+busy-wait (OrtBackend(spin=False); OMP_WAIT_POLICY=PASSIVE for llama.cpp's OpenMP threads), for a machine
+busy with other work; by default both spin, as each does on its own.
 """
 
 from __future__ import annotations
@@ -36,59 +48,15 @@ import re
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_size import DEMO, PROMPT, cache_dir, child, make_checkpoint, peak_rss_mb, revision  # noqa: E402
+from llama_api import GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_export, ensure_gguf  # noqa: E402
+from real_size import DEMO, PROMPT, make_checkpoint, peak_rss_mb  # noqa: E402
 
-CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-
-
-def converter_dir(sdist: Path) -> Path:
-    """llama.cpp's converter unpacked (once) from the llama-cpp-python source distribution."""
-    out = cache_dir() / f"llama-convert-{sdist.name.removesuffix('.tar.gz')}"
-    if (out / "convert_hf_to_gguf.py").is_file():
-        return out
-    with tarfile.open(sdist) as tar:
-        members = []
-        for m in tar.getmembers():
-            rel = m.name.partition("/vendor/llama.cpp/")[2]
-            if rel and rel.startswith(CONVERTER_PARTS) and (m.isfile() or m.isdir()):
-                m.name = rel
-                members.append(m)
-        if not any(m.name == "convert_hf_to_gguf.py" for m in members):
-            raise SystemExit(f"{sdist}: no vendor/llama.cpp/convert_hf_to_gguf.py inside; expected "
-                             f"llama-cpp-python's source distribution")
-        tar.extractall(out, members=members, filter="data")
-    return out
-
-
-def convert_child(src: str, ckpt: str, out: str) -> dict:
-    """(in a child process) llama.cpp's convert_hf_to_gguf.py on `ckpt`, f32, the BPE pre-tokenizer registered."""
-    import runpy
-
-    sys.path[:0] = [src, str(Path(src) / "gguf-py")]
-    import conversion.base as base
-
-    plain = base.TextModel.get_vocab_base_pre
-
-    def vocab_pre(self, tokenizer):
-        try:
-            return plain(self, tokenizer)
-        except NotImplementedError:  # the demo's tokenizer: byte-level BPE, GPT-2's regex
-            return "gpt-2"
-
-    base.TextModel.get_vocab_base_pre = vocab_pre
-    sys.argv = ["convert_hf_to_gguf.py", ckpt, "--outtype", "f32", "--outfile", out]
-    t0 = time.perf_counter()
-    stdout, sys.stdout = sys.stdout, sys.stderr  # the converter's output must not mix with our JSON line
-    try:
-        runpy.run_path(str(Path(src) / "convert_hf_to_gguf.py"), run_name="__main__")
-    finally:
-        sys.stdout = stdout
-    return {"seconds": time.perf_counter() - t0}
+QUANTS = ("none", "int8", "int4")
+PAIRS = (("none", "f32"), ("int8", "q8_0"), ("int4", "q4_k_m"), ("int4", "q4_0"))  # same bits: mtp-trt / llama.cpp
 
 
 def active_bytes(ckpt: Path) -> int:
@@ -137,37 +105,15 @@ def prompt_ids(tokenizer_json: Path) -> list[int]:
 
 
 class LlamaWorker:
-    """llama.cpp through llama-cpp-python: the prompt in one eval, then one eval per token, argmax of the logits."""
+    """llama.cpp through its C API: llama_decode and its greedy sampler chain (llama_api.LlamaEngine)."""
 
     def __init__(self, gguf: str, ids: list[int], tokens: int, threads: int):
-        here = str(Path(__file__).resolve().parent)
-        saved, sys.path[:] = sys.path[:], [p for p in sys.path if str(Path(p or ".").resolve()) != here]
-        try:  # the package, not this script of the same name
-            from llama_cpp import Llama
-        except ImportError:
-            raise SystemExit(f"{sys.executable}: llama_cpp is not installed; `pip install llama-cpp-python` "
-                             f"(or pass --llama-python with a Python that has it)") from None
-        finally:
-            sys.path[:] = saved
-        import numpy as np
-
         self.ids, self.tokens = ids, tokens
-        self.llm = Llama(gguf, n_ctx=len(ids) + tokens + 16, n_batch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
-        n_vocab = self.llm.n_vocab()
-        # eval() computes the last position's logits but no longer copies them to .scores: read llama.cpp's
-        self.argmax = lambda: int(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(n_vocab,)).argmax())
+        self.engine = LlamaEngine(gguf, n_ctx=len(ids) + tokens + 16, threads=threads)
 
     def __call__(self) -> list[int]:
-        llm = self.llm
-        t0 = time.perf_counter()
-        llm.reset()
-        llm.eval(self.ids)
-        out = [self.argmax()]
-        self.first = time.perf_counter() - t0  # prompt + first token
-        while len(out) < self.tokens:
-            llm.eval(out[-1:])
-            out.append(self.argmax())
+        out = self.engine.generate(self.ids, self.tokens)
+        self.first = self.engine.first  # prompt + first token
         return out
 
 
@@ -202,6 +148,7 @@ def worker(kind: str, *args) -> None:
         if line.strip() == "run":
             t0 = time.perf_counter()
             out = fn()
+            # one whole generation's seconds (mtp-trt's call also ran the one-token generation first)
             seconds = time.perf_counter() - t0 - (fn.first if kind == "mtp" else 0.0)
             extra = {"mean_accepted": fn.stats.mean_accepted} if kind == "mtp" else {}
             print(json.dumps({"seconds": seconds, "first": fn.first, "generated": out, **extra}), flush=True)
@@ -223,7 +170,7 @@ class Worker:
             self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
         if not reply:
-            raise SystemExit(f"worker {self.proc.args[-1][:80]} died (exit {self.proc.wait()}); see its stderr above")
+            raise SystemExit(f"worker {self.proc.args[-1][:100]} died (exit {self.proc.wait()}); see its stderr above")
         return json.loads(reply)
 
     def close(self) -> float:
@@ -232,46 +179,41 @@ class Worker:
         return rss
 
 
-def prepare(size: str, sdist: Path, nextn: int) -> tuple[Path, Path]:
-    """(GGUF, export) of one size, made once and kept in the cache."""
-    ckpt = DEMO if size == "demo" else Path(child("checkpoint", size))
-    gguf = cache_dir() / f"{size}-f32.gguf"
-    if not gguf.is_file():
-        src = converter_dir(sdist)
-        print(f"{size}: converting to {gguf} ...", flush=True)
-        child_script("convert", str(src), str(ckpt), str(gguf))
-    rev = revision()
-    export = cache_dir() / (f"export-{size}-n{nextn}-{rev}" if size == "demo" else f"export-{size}-default-{rev}")
-    if not (export / "manifest.json").is_file():
-        print(f"{size}: exporting to {export} ...", flush=True)
-        if size == "demo":
-            child_script("export_demo", str(ckpt), str(export), nextn)
-        else:
-            child("export", str(ckpt), str(export), "default")
-    return gguf, export
-
-
-def export_demo_child(ckpt: str, out: str, nextn: int) -> dict:
-    from mtp_trt.exporters.export import export
-
-    export(ckpt, out, nextn=nextn)
-    return {}
-
-
 def child_script(*args) -> dict:
-    """Run this script's own `--child` entries in a fresh process (the converter and the demo export)."""
+    """Run this script's own `--child` entries in a fresh process of this Python (checkpoint, margins)."""
     res = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], stdout=subprocess.PIPE, text=True)
     if res.returncode:
         raise SystemExit(f"{args[0]} failed (exit {res.returncode}); see above")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def check_llama_python(python: str) -> None:
+    res = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
+                         text=True, cwd="/")
+    if res.returncode:
+        why = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"--llama-python {python}: cannot import llama_cpp ({why}); pass a Python with "
+                         f"llama-cpp-python installed")
+
+
+def round_ratio(a: list[dict], b: list[dict], tokens: int) -> float:
+    """Decode tokens/s of runs `a` over runs `b`: the median of the per-round ratios."""
+    return statistics.median((y["seconds"] - y["first"]) / (x["seconds"] - x["first"]) for x, y in zip(a, b))
+
+
+def label(key: tuple) -> str:
+    return f"llama.cpp {GGUF_LABELS[key[1]]}" if key[0] == "llama" else f"mtp-trt {key[1]} nextn {key[2]}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["demo", "85m", "304m"], choices=["demo", "85m", "304m"])
-    ap.add_argument("--sdist", type=Path, required=True,
-                    help="llama-cpp-python's source distribution (pip download --no-binary :all:), for its converter")
+    ap.add_argument("--sdist", type=Path, help="llama-cpp-python's source distribution (pip download --no-binary "
+                    ":all:), for its converter; needed while a checkpoint's f32 GGUF is not cached")
     ap.add_argument("--llama-python", default=sys.executable, help="a Python with llama_cpp installed")
+    ap.add_argument("--quant", nargs="+", default=["none"], choices=QUANTS, help="mtp-trt weight quantizations")
+    ap.add_argument("--group-size", type=int, default=32, help="mtp-trt's quantization block (default 32)")
+    ap.add_argument("--gguf", nargs="+", default=["f32"], choices=list(GGUF_TYPES), help="llama.cpp GGUF types")
     ap.add_argument("--nextn", type=int, nargs="+", default=None,
                     help="mtp-trt configurations (default: 0 1 2 3 on the demo, 0 on the others)")
     ap.add_argument("--transformers", action="store_true",
@@ -280,6 +222,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-spin", action="store_true", help="neither engine's threads busy-wait (a busy machine)")
+    ap.add_argument("--json", type=Path, help="also write the report here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -288,55 +231,115 @@ def main():
         return
     if a.child:
         name, *args = json.loads(a.child)
-        print(json.dumps({"convert": convert_child, "export_demo": export_demo_child, "margins": margins_child}[name](*args)))
+        jobs = {"checkpoint": lambda size: str(make_checkpoint(size)), "margins": margins_child}
+        print(json.dumps(jobs[name](*args)))
         return
-    if not a.sdist.is_file():
-        raise SystemExit(f"--sdist {a.sdist}: no such file (llama-cpp-python's .tar.gz source distribution)")
-    report = []
+    if a.tokens < 2 or a.rounds < 1:
+        raise SystemExit("--tokens must be >= 2 and --rounds >= 1")
+    if any(q != "none" for q in a.quant):
+        from mtp_trt.errors import MtpTrtError
+        from mtp_trt.plugins import ort_lib
+        from mtp_trt.quant import scheme
+
+        try:
+            scheme("int8", a.group_size, "--group-size")
+        except MtpTrtError as e:
+            raise SystemExit(str(e)) from None
+        ok, why = ort_lib.available()
+        if not ok:
+            raise SystemExit(f"--quant {' '.join(a.quant)}: quantized exports run on mtp-trt's CPU operators, "
+                             f"which are not available here ({why})")
+    check_llama_python(a.llama_python)
+    report, tables = [], []
     for size in a.sizes:
         nextns = a.nextn or ([0, 1, 2, 3] if size == "demo" else [0])
-        gguf, export = prepare(size, a.sdist, max(nextns))
-        ids = prompt_ids(export / "tokenizer.json")
+        ckpt = DEMO if size == "demo" else Path(child_script("checkpoint", size))
+        ggufs = {k: ensure_gguf(size, ckpt, k, a.sdist, a.llama_python, a.threads,
+                                lambda m: print(m, flush=True)) for k in a.gguf}
+        exports = {q: ensure_export(size, ckpt, max(nextns), q, a.group_size, lambda m: print(m, flush=True))
+                   for q in a.quant}
+        ids = prompt_ids(ckpt / "tokenizer.json")
         spin = not a.no_spin
-        workers = {"llama.cpp": Worker(a.llama_python, "llama", str(gguf), ids, a.tokens, a.threads, spin=spin)}
-        workers |= {f"mtp-trt nextn {n}": Worker(sys.executable, "mtp", str(export), ids, a.tokens, a.threads, n,
-                                                spin=spin) for n in nextns}
+        workers = {("llama", k): Worker(a.llama_python, "llama", str(g), ids, a.tokens, a.threads, spin=spin)
+                   for k, g in ggufs.items()}
+        workers |= {("mtp", q, n): Worker(sys.executable, "mtp", str(e), ids, a.tokens, a.threads, n, spin=spin)
+                    for q, e in exports.items() for n in nextns}
         runs = {k: [] for k in workers}
         for _ in range(a.rounds):
             for k, w in workers.items():
                 runs[k].append(w.ask("run"))
         rss = {k: w.close() for k, w in workers.items()}
-        rate = {k: (a.tokens / statistics.median(r["seconds"] for r in rs),  # whole generation
-                    (a.tokens - 1) / statistics.median(r["seconds"] - r["first"] for r in rs),  # after the first token
-                    (a.tokens - 1) / min(r["seconds"] - r["first"] for r in rs))  # the best round's
+        rate = {k: {"decode": (a.tokens - 1) / statistics.median(r["seconds"] - r["first"] for r in rs),
+                    "best": (a.tokens - 1) / min(r["seconds"] - r["first"] for r in rs),
+                    "with_prompt": a.tokens / statistics.median(r["seconds"] for r in rs)}
                 for k, rs in runs.items()}
-        ref = runs["llama.cpp"][-1]["generated"]
-        ckpt = DEMO if size == "demo" else make_checkpoint(size)
+        ref_key = ("llama", "f32") if ("llama", "f32") in runs else next(iter(runs))
+        ref = runs[ref_key][-1]["generated"]
         streamed = active_bytes(ckpt)
-        print(f"{size}: {streamed / 1e6:.1f} MB of f32 weights read per decoded token (active parameters)")
+        print(f"\n{size}: {streamed / 1e6:.1f} MB of f32 weights read per decoded token (active parameters); "
+              f"{a.rounds} rounds, {a.tokens} new tokens, {a.threads} threads")
         for k, rs in runs.items():
-            same = rs[-1]["generated"] == ref
-            first_diff = next((i for i, (x, y) in enumerate(zip(rs[-1]["generated"], ref)) if x != y), None)
-            row = {"size": size, "engine": k, "tokens_per_second": rate[k][0], "decode_tokens_per_second": rate[k][1],
-                   "best_decode_tokens_per_second": rate[k][2],
-                   "peak_rss_mb": rss[k], "same_tokens_as_llama_cpp": same, "first_difference": first_diff, "mean_accepted": rs[-1].get("mean_accepted"),
+            gen = rs[-1]["generated"]
+            first_diff = next((i for i, (x, y) in enumerate(zip(gen, ref)) if x != y), None)
+            row = {"size": size, "engine": label(k), "kind": k[0], "weights": k[1],
+                   "nextn": k[2] if k[0] == "mtp" else None, "decode_tokens_per_second": rate[k]["decode"],
+                   "best_decode_tokens_per_second": rate[k]["best"], "tokens_per_second": rate[k]["with_prompt"],
+                   "peak_rss_mb": rss[k], "first_difference_from": label(ref_key), "first_difference": first_diff,
+                   "mean_accepted": rs[-1].get("mean_accepted"),
                    "runs": [{x: r[x] for x in ("seconds", "first")} for r in rs]}
             report.append(row)
-            row["weights_gb_per_s"] = streamed * rate[k][1] / 1e9 / (row["mean_accepted"] or 1.0)
-            print(f"{size:5s} {k:17s} decode {rate[k][1]:7.1f} tokens/s ({rate[k][1] / rate['llama.cpp'][1]:.2f}x "
-                  f"llama.cpp; weights at {row['weights_gb_per_s']:.1f} GB/s; best round {rate[k][2]:.1f}, "
-                  f"{rate[k][2] / rate['llama.cpp'][2]:.2f}x), with the prompt {rate[k][0]:7.1f} ({rate[k][0] / rate['llama.cpp'][0]:.2f}x); peak RSS "
-                  f"{rss[k]:6.0f} MB ({rss[k] / rss['llama.cpp']:.2f}x); greedy tokens = llama.cpp's: {same}"
-                  + (f" (first difference at new token {first_diff})" if not same else "")
-                  + (f"; accepted/step {row['mean_accepted']:.2f}" if row["mean_accepted"] else ""), flush=True)
+            print(f"{size:5s} {label(k):26s} decode {rate[k]['decode']:8.1f} tokens/s (best round "
+                  f"{rate[k]['best']:8.1f}; with the prompt {rate[k]['with_prompt']:8.1f}), peak RSS {rss[k]:6.0f} MB"
+                  + (f", {row['mean_accepted']:.2f} tokens/step" if k[0] == "mtp" and k[2] else "")
+                  + ("" if k == ref_key else f"; tokens = {label(ref_key)}'s: "
+                     + ("yes" if first_diff is None else f"no (first difference at new token {first_diff})")),
+                  flush=True)
+        for q, g in PAIRS:
+            if ("llama", g) not in runs or q not in exports:
+                continue
+            configs = [("nextn 0", ("mtp", q, 0))] if 0 in nextns else []
+            drafting = [("mtp", q, n) for n in nextns if n > 0]
+            if size == "demo" and drafting:
+                best = max(drafting, key=lambda k: rate[k]["decode"])
+                configs.append((f"best nextn ({best[2]})", best))
+            for what, k in configs:
+                tables.append({"size": size, "pair": f"{q} / {GGUF_LABELS[g]}", "config": what,
+                               "mtp_tokens_per_second": rate[k]["decode"],
+                               "llama_tokens_per_second": rate[("llama", g)]["decode"],
+                               "speed_ratio": round_ratio(runs[k], runs[("llama", g)], a.tokens),
+                               "mtp_rss_mb": rss[k], "llama_rss_mb": rss[("llama", g)],
+                               "rss_ratio": rss[k] / rss[("llama", g)]})
         if a.transformers:
-            engines = {k: rs[-1]["generated"] for k, rs in runs.items()}
+            engines = {label(k): rs[-1]["generated"] for k, rs in runs.items()}
             for k, v in child_script("margins", str(ckpt), ids, engines).items():
-                print(f"{size:5s} {k:17s} vs transformers' greedy tokens: " + (
+                print(f"{size:5s} {k:26s} vs transformers' greedy tokens: " + (
                     "equal" if v["first_difference"] is None else
                     f"first difference at new token {v['first_difference']}, where transformers' top-2 logits are "
                     f"{v['top2_margin']:.1e} apart"), flush=True)
-    print(json.dumps(report))
+    print_tables(report, tables)
+    out = {"report": report, "pairs": tables}
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
+
+
+def print_tables(report: list[dict], tables: list[dict]) -> None:
+    print("\n| checkpoint | engine | decode tokens/s (median) | best round | peak RSS MB | tokens/step |")
+    print("|---|---|---|---|---|---|")
+    for r in report:
+        acc = f"{r['mean_accepted']:.2f}" if r["nextn"] else ""
+        print(f"| {r['size']} | {r['engine']} | {r['decode_tokens_per_second']:.1f} | "
+              f"{r['best_decode_tokens_per_second']:.1f} | {r['peak_rss_mb']:.0f} | {acc} |")
+    if tables:
+        print("\n| checkpoint | mtp-trt / llama.cpp | mtp-trt config | mtp-trt tokens/s | llama.cpp tokens/s | "
+              "speed ratio | mtp-trt RSS MB | llama.cpp RSS MB | RSS ratio |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for t in tables:
+            print(f"| {t['size']} | {t['pair']} | {t['config']} | {t['mtp_tokens_per_second']:.1f} | "
+                  f"{t['llama_tokens_per_second']:.1f} | {t['speed_ratio']:.2f}x | {t['mtp_rss_mb']:.0f} | "
+                  f"{t['llama_rss_mb']:.0f} | {t['rss_ratio']:.2f}x |")
+    print("(speed ratio: median of per-round ratios of decode tokens/s; RSS ratio: peak RSS, mtp-trt over "
+          "llama.cpp)", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,321 @@
+"""llama.cpp for the benchmarks that set it beside mtp-trt (benchmarks/llama_cpp.py, benchmarks/quant_quality.py):
+GGUF files made with llama.cpp's own tools, mtp-trt exports of the same checkpoints, and llama.cpp driven through
+its C API as its own programs drive it.
+
+GGUF files, cached in mtp-trt's cache directory, in bench-real-size (real_size.cache_dir(); never in git):
+
+* f32: llama.cpp's converter (`convert_hf_to_gguf.py`, unpacked from llama-cpp-python's source distribution)
+  run on the Hugging Face checkpoint with `--outtype f32`, in the Python that runs mtp-trt (it needs torch).
+  The demo tokenizer's pre-tokenizer is unknown to the converter: it is byte-level BPE with GPT-2's split
+  regex, so the converter is told "gpt-2" for it (llama.cpp only sees token ids here: both engines get the
+  same prompt ids, starting with BOS).
+* q8_0, q4_0, q4_k_m: `llama_model_quantize` from the f32 GGUF (`llama_model_quantize_default_params`,
+  ftype LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_0 / _Q4_K_M), what `llama-quantize <in> <out> Q4_K_M` does, in the
+  Python that has llama_cpp.  Tensors whose rows do not fit a type's block fall back to another type as
+  llama-quantize decides.
+
+mtp-trt exports (`ensure_export`), cached beside them, one per --quant: the demo with all its MTP modules, the
+random 85m / 304m with nextn 1 and max_seq_len 1024 (as benchmarks/real_size.py exports them).
+
+Decoding (`LlamaEngine`), with llama-cpp-python's ctypes bindings of llama.h and none of its Python `Llama`
+class: `llama_model_load_from_file` (default model parameters: mmap), `llama_init_from_model` (context of
+`n_ctx` rows, `n_threads` = `n_threads_batch` = threads, the rest llama.cpp's defaults), one `llama_batch`
+from `llama_batch_init` filled in place (token, position, sequence 0, whether its logits are wanted) as
+llama-server fills its batches, `llama_decode`, and a sampler chain (`llama_sampler_chain_init`) holding
+only `llama_sampler_init_greedy`, read with `llama_sampler_sample(chain, ctx, -1)` after each decode, as
+llama-cli and llama-server sample.  A generation: the memory cleared (`llama_memory_clear`), the prompt in
+one decode (logits of its last token only), then one decode per new token.  No Python touches the logits
+on that path.  Teacher-forced logits (`logits`): one decode of a whole window with every position's logits
+asked for, read with `llama_get_logits`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from real_size import cache_dir, peak_rss_mb, revision  # noqa: E402
+
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+GGUF_TYPES = {"f32": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+              "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+GGUF_LABELS = {"f32": "f32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+
+
+def import_llama():
+    """The llama_cpp package (not benchmarks/llama_cpp.py, which its directory on sys.path would shadow it
+    with), or SystemExit saying how to get it."""
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+    mod = sys.modules.get("llama_cpp")
+    if mod is not None and not hasattr(mod, "llama_decode"):
+        del sys.modules["llama_cpp"]
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise SystemExit(f"{sys.executable}: the llama_cpp package cannot be imported ({e}); `pip install "
+                         f"llama-cpp-python`, or pass --llama-python with a Python that has it") from None
+    finally:
+        sys.path[:] = saved
+    missing = [f for f in ("llama_decode", "llama_sampler_chain_init", "llama_model_quantize", "llama_memory_clear",
+                           "llama_batch_init", "llama_get_logits") if not hasattr(llama_cpp, f)]
+    if missing:
+        raise SystemExit(f"llama_cpp {getattr(llama_cpp, '__version__', '?')} at {llama_cpp.__file__} lacks "
+                         f"{', '.join(missing)}; these benchmarks need llama-cpp-python >= 0.3.10")
+    return llama_cpp
+
+
+def quiet(ll):
+    """llama.cpp's log reduced to its errors (on stderr); returns the callback, to be kept alive."""
+    def on_log(level: int, text: bytes, user_data) -> None:
+        if level == 4:  # GGML_LOG_LEVEL_ERROR
+            sys.stderr.write(text.decode(errors="replace"))
+
+    cb = ll.llama_log_callback(on_log)
+    ll.llama_log_set(cb, ctypes.c_void_p(0))
+    return cb
+
+
+# ------------------------------------------------------------------------------------------------- GGUF files
+def gguf_path(name: str, kind: str) -> Path:
+    """The cached GGUF of checkpoint `name` ("demo", "85m", ...) in type `kind` (GGUF_TYPES)."""
+    return cache_dir() / f"{name}-{kind}.gguf"
+
+
+def converter_dir(sdist: Path | None) -> Path:
+    """llama.cpp's converter unpacked (once) from the llama-cpp-python source distribution."""
+    if sdist is None:
+        raise SystemExit("--sdist: llama-cpp-python's source distribution is needed to convert a checkpoint to GGUF "
+                         "(pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d DIR)")
+    if not sdist.is_file():
+        raise SystemExit(f"--sdist {sdist}: no such file (llama-cpp-python's .tar.gz source distribution, which "
+                         f"holds llama.cpp's converter)")
+    out = cache_dir() / f"llama-convert-{sdist.name.removesuffix('.tar.gz')}"
+    if (out / "convert_hf_to_gguf.py").is_file():
+        return out
+    with tarfile.open(sdist) as tar:
+        members = []
+        for m in tar.getmembers():
+            rel = m.name.partition("/vendor/llama.cpp/")[2]
+            if rel and rel.startswith(CONVERTER_PARTS) and (m.isfile() or m.isdir()):
+                m.name = rel
+                members.append(m)
+        if not any(m.name == "convert_hf_to_gguf.py" for m in members):
+            raise SystemExit(f"{sdist}: no vendor/llama.cpp/convert_hf_to_gguf.py inside; expected "
+                             f"llama-cpp-python's source distribution")
+        tar.extractall(out, members=members, filter="data")
+    return out
+
+
+def convert_child(src: str, ckpt: str, out: str) -> dict:
+    """(in a child process) llama.cpp's convert_hf_to_gguf.py on `ckpt`, f32, the BPE pre-tokenizer registered."""
+    import runpy
+
+    sys.path[:0] = [src, str(Path(src) / "gguf-py")]
+    import conversion.base as base
+
+    plain = base.TextModel.get_vocab_base_pre
+
+    def vocab_pre(self, tokenizer):
+        try:
+            return plain(self, tokenizer)
+        except NotImplementedError:  # the demo's tokenizer: byte-level BPE, GPT-2's regex
+            return "gpt-2"
+
+    base.TextModel.get_vocab_base_pre = vocab_pre
+    tmp = f"{out}.partial"
+    sys.argv = ["convert_hf_to_gguf.py", ckpt, "--outtype", "f32", "--outfile", tmp]
+    t0 = time.perf_counter()
+    stdout, sys.stdout = sys.stdout, sys.stderr  # the converter's output must not mix with our JSON line
+    try:
+        runpy.run_path(str(Path(src) / "convert_hf_to_gguf.py"), run_name="__main__")
+    finally:
+        sys.stdout = stdout
+    os.replace(tmp, out)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def quantize_child(src: str, out: str, kind: str, threads: int) -> dict:
+    """(in a child process, a Python with llama_cpp) the f32 GGUF `src` quantized to `kind` with
+    llama_model_quantize, as llama-quantize does."""
+    ll = import_llama()
+    log = quiet(ll)
+    ll.llama_backend_init()
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = getattr(ll, GGUF_TYPES[kind])
+    params.nthread = threads
+    tmp = f"{out}.partial"
+    t0 = time.perf_counter()
+    rc = ll.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize({src} -> {kind}) returned {rc}")
+    os.replace(tmp, out)
+    del log
+    return {"seconds": time.perf_counter() - t0}
+
+
+def run_child(python: str, *args) -> dict:
+    """This file's `--child` entry `args` in a fresh process of `python` (its stderr shown only if it fails);
+    its last stdout line is JSON."""
+    res = subprocess.run([python, __file__, "--child", json.dumps(args)], capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"{res.stderr[-3000:]}\n{args[0]} ({python}) failed (exit {res.returncode}); its stderr's "
+                         f"end is above")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def ensure_gguf(name: str, ckpt: Path, kind: str, sdist: Path | None, llama_python: str, threads: int = 2,
+                progress=print) -> Path:
+    """The GGUF of `ckpt` in type `kind`, made (once) from its f32 GGUF, itself made (once) by the converter."""
+    if kind not in GGUF_TYPES:
+        raise SystemExit(f"--gguf {kind}: unknown type; expected one of {', '.join(GGUF_TYPES)}")
+    f32 = gguf_path(name, "f32")
+    if not f32.is_file():
+        src = converter_dir(sdist)
+        progress(f"{name}: converting {ckpt} to {f32} ...")
+        run_child(sys.executable, "convert", str(src), str(ckpt), str(f32))
+    out = gguf_path(name, kind)
+    if not out.is_file():
+        progress(f"{name}: quantizing to {out} ...")
+        t = run_child(llama_python, "quantize", str(f32), str(out), kind, threads)
+        progress(f"{name}: {GGUF_LABELS[kind]} made in {t['seconds']:.1f} s, {out.stat().st_size / 1e6:.1f} MB")
+    return out
+
+
+def export_path(size: str, nextn: int, quant: str, group_size: int) -> Path:
+    """The cached mtp-trt export of checkpoint `size` at `quant` (the demo: with `nextn` MTP depths; the others:
+    nextn 1)."""
+    tag = "" if quant == "none" else f"-{quant}-g{group_size}"
+    base = f"export-{size}-n{nextn}" if size == "demo" else f"export-{size}-default"
+    return cache_dir() / f"{base}{tag}-{revision()}"
+
+
+def export_child(ckpt: str, out: str, nextn: int, max_seq_len: int | None, quant: str, group_size: int) -> dict:
+    """(in a child process) one export -> its wall time and peak RSS."""
+    from mtp_trt.exporters.export import export
+
+    t0 = time.perf_counter()
+    export(ckpt, out, nextn=nextn, max_seq_len=max_seq_len, quant_scheme=quant, group_size=group_size)
+    return {"seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
+
+
+def ensure_export(size: str, ckpt: Path, nextn: int, quant: str, group_size: int, progress=print) -> Path:
+    """The mtp-trt export of `ckpt` (checkpoint `size`) at `quant`, made once (in a child of this Python)."""
+    out = export_path(size, nextn, quant, group_size)
+    if not (out / "manifest.json").is_file():
+        progress(f"{size}: exporting --quant {quant} to {out} ...")
+        args = (nextn, None) if size == "demo" else (1, 1024)
+        r = run_child(sys.executable, "export", str(ckpt), str(out), *args, quant, group_size)
+        progress(f"{size}: exported --quant {quant} in {r['seconds']:.0f} s, peak RSS {r['peak_rss_mb']:.0f} MB")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- decoding
+class LlamaEngine:
+    """One GGUF model and one context, driven through llama.h (module docstring)."""
+
+    def __init__(self, gguf: str | Path, n_ctx: int, threads: int, n_batch: int | None = None):
+        ll = self.ll = import_llama()
+        self._log = quiet(ll)  # kept: llama.cpp holds the pointer
+        ll.llama_backend_init()
+        self.model = ll.llama_model_load_from_file(str(gguf).encode(), ll.llama_model_default_params())
+        if not self.model:
+            raise SystemExit(f"{gguf}: llama.cpp cannot load this GGUF")
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch or n_ctx
+        cp.n_ubatch = min(cp.n_batch, max(cp.n_ubatch, 512))
+        cp.n_threads = cp.n_threads_batch = threads
+        self.ctx = ll.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise SystemExit(f"{gguf}: llama_init_from_model failed (n_ctx {n_ctx})")
+        self.n_ctx, self.n_batch = n_ctx, cp.n_batch
+        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
+        self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self.sampler = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        ll.llama_sampler_chain_add(self.sampler, ll.llama_sampler_init_greedy())
+        self.first = 0.0  # seconds of the last generation's prompt and first token
+
+    def _fill(self, tokens, start: int, all_logits: bool) -> None:
+        """The batch: `tokens` at positions start.., sequence 0, logits of the last one (or of every one)."""
+        b, n = self.batch, len(tokens)
+        if n > self.n_batch:
+            raise ValueError(f"{n} tokens in one batch; the context takes {self.n_batch}")
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = start + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = all_logits or i == n - 1
+        b.n_tokens = n
+
+    def _decode(self) -> None:
+        rc = self.ll.llama_decode(self.ctx, self.batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def reset(self) -> None:
+        self.ll.llama_memory_clear(self.ll.llama_get_memory(self.ctx), True)
+        self.ll.llama_sampler_reset(self.sampler)
+
+    def generate(self, ids: list[int], new_tokens: int) -> list[int]:
+        """Greedy: `new_tokens` tokens after the prompt `ids` (no stop on end-of-generation tokens).  Sets
+        self.first to the seconds the prompt and the first token took."""
+        ll, ctx, smpl, b = self.ll, self.ctx, self.sampler, self.batch
+        if len(ids) + new_tokens > self.n_ctx:
+            raise ValueError(f"{len(ids)} + {new_tokens} tokens; the context holds {self.n_ctx}")
+        t0 = time.perf_counter()
+        self.reset()
+        self._fill(ids, 0, False)
+        self._decode()
+        out = [ll.llama_sampler_sample(smpl, ctx, -1)]
+        self.first = time.perf_counter() - t0
+        pos = len(ids)
+        b.n_tokens = 1
+        b.n_seq_id[0] = 1
+        b.seq_id[0][0] = 0
+        b.logits[0] = True
+        while len(out) < new_tokens:
+            b.token[0] = out[-1]
+            b.pos[0] = pos
+            self._decode()
+            out.append(ll.llama_sampler_sample(smpl, ctx, -1))
+            pos += 1
+        return out
+
+    def logits(self, ids: list[int]):
+        """Teacher-forced logits [len(ids), n_vocab] (float32 NumPy) of a window, from an empty memory."""
+        import numpy as np
+
+        self.reset()
+        self._fill(ids, 0, True)
+        self._decode()
+        ptr = self.ll.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(len(ids), self.n_vocab)).copy()
+
+    def close(self) -> None:
+        ll = self.ll
+        ll.llama_sampler_free(self.sampler)
+        ll.llama_batch_free(self.batch)
+        ll.llama_free(self.ctx)
+        ll.llama_model_free(self.model)
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        name, *args = json.loads(sys.argv[2])
+        print(json.dumps({"convert": convert_child, "quantize": quantize_child, "export": export_child}[name](*args)))
+        return
+    raise SystemExit("a module of benchmarks/llama_cpp.py and benchmarks/quant_quality.py; run those")
+
+
+if __name__ == "__main__":
+    main()
