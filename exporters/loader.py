@@ -253,6 +253,8 @@ def load_checkpoint(ckpt: str | Path, nextn: int | None = None, dtype: torch.dty
     tensors = checkpoint_tensors(ckpt, cfg, model, dtype)
     try:
         model = model.to_empty(device="cpu")
+        if cfg.tie_word_embeddings:  # to_empty gives every module its own tensors: tie the head again
+            model.lm_head.weight = model.model.embed_tokens.weight
         cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings)
     except (RuntimeError, MemoryError) as e:  # torch's allocator: a config far beyond this machine's memory
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
