@@ -91,6 +91,9 @@ def resolve_family(d: dict[str, Any], source: str = "config") -> Family:
     if len(set(found)) > 1:
         raise MtpTrtError(f"{source}: field 'architectures' names {', '.join(archs)}, which are different "
                           f"families; expected one of {supported_architectures()}")
+    if found and model_type in by_type and by_type[model_type] is not found[0]:
+        raise MtpTrtError(f"{source}: field 'model_type' is '{model_type}', a {by_type[model_type].architecture} "
+                          f"type, but 'architectures' names {found[0].architecture}; the two must agree")
     family = found[0] if found else DEEPSEEK_V3
     dsa = [f for f in DSA_FIELDS if d.get(f) is not None]
     if dsa:
