@@ -81,7 +81,8 @@ def resolve_family(d: dict[str, Any], source: str = "config") -> Family:
         found.append(by_arch[arch])
     if model_type in refused_type:
         arch, (_, models, missing) = refused_type[model_type]
-        named = f"architecture {archs[0]} with model_type '{model_type}'" if archs else             f"model_type '{model_type}' ({models}, {arch})"
+        named = (f"architecture {archs[0]} with model_type '{model_type}'" if archs
+                 else f"model_type '{model_type}' ({models}, {arch})")
         raise _refusal(source, named, missing)
     if not found and model_type is not None:
         if model_type not in by_type:
@@ -384,9 +385,10 @@ class ModelConfig:
             if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
                 raise bad("num_experts_per_tok", f"must be in 1..{self.n_routed_experts}, got {self.num_experts_per_tok}")
             per_group = self.n_routed_experts // self.n_group
-            if self.topk_method != "greedy" and self.num_experts_per_tok > self.topk_group * per_group:
-                raise bad("num_experts_per_tok", f"is {self.num_experts_per_tok}, more than the {self.topk_group * per_group} "
-                                                 f"experts of the topk_group={self.topk_group} groups routing keeps")
+            kept = self.topk_group * per_group
+            if self.topk_method != "greedy" and self.num_experts_per_tok > kept:
+                raise bad("num_experts_per_tok", f"is {self.num_experts_per_tok}, more than the {kept} experts of the "
+                                                 f"topk_group={self.topk_group} groups routing keeps")
             if self.topk_method == "noaux_tc" and self.n_group > 1 and per_group < 2:
                 raise bad("n_group", "leaves fewer than 2 experts per group; noaux_tc scores groups by their top 2")
             if self.topk_method == "noaux_tc" and self.scoring_func != "sigmoid":
@@ -405,7 +407,8 @@ def _mlp_layer_types(d: dict[str, Any], get, bad, n_routed: int | None) -> tuple
     else:
         types = tuple(raw)
     if "sparse" in types and not n_routed:
-        raise bad("mlp_layer_types", "names sparse (MoE) layers, but n_routed_experts is 0")
+        default = " (by default: all but the first)" if raw is None else ""
+        raise bad("mlp_layer_types", f"names sparse (MoE) layers{default}, but n_routed_experts is 0")
     if d.get("first_k_dense_replace") is not None:
         k, freq = get("first_k_dense_replace", int), get("moe_layer_freq", int, 1) or 1
         rule = tuple("sparse" if i >= k and i % freq == 0 else "dense" for i in range(n))

@@ -260,7 +260,8 @@ def test_documented_skips_are_accepted(hf_ckpt, tmp_path):
     for nextn in (0, 1, 2):
         assert load_checkpoint(d, nextn=nextn).nextn == nextn
     edit_config(d, num_nextn_predict_layers=1)  # layer n + 1 is now beyond what the config declares
-    with pytest.raises(MtpTrtError, match=rf"c: {len(mtp) // 2} tensor\(s\) .* does not use: model.layers.{n + 1}.eh_proj"):
+    unused = rf"c: {len(mtp) // 2} tensor\(s\) .* does not use: model.layers.{n + 1}.eh_proj"
+    with pytest.raises(MtpTrtError, match=unused):
         load_checkpoint(d, nextn=0)
     (tmp_path / "tied").mkdir()
     tied = _with_tensors(hf_ckpt, tmp_path / "tied", config={"tie_word_embeddings": True})  # lm_head stored, unused
