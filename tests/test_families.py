@@ -104,6 +104,10 @@ def test_config_maps_onto_the_family(case):
     assert [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)] == [
         type(layer.mlp).__name__.endswith(("MoE", "Moe")) for layer in hf.model.layers]
     assert cfg.v_head_dim == hf.config.v_head_dim and cfg.qk_nope_head_dim == hf.config.qk_nope_head_dim
+    r = subprocess.run(["mtp-trt", "inspect", str(ckpt)], capture_output=True, text=True)
+    models = {"DeepseekV3ForCausalLM": "DeepSeek-V3/R1, Kimi-K2", "DeepseekV2ForCausalLM": "DeepSeek-V2",
+              "Glm4MoeLiteForCausalLM": "GLM-4.7-Flash"}[arch]
+    assert r.returncode == 0 and r.stdout.startswith(f"architecture  {arch} ({models})\n"), r.stderr + r.stdout
 
 
 def test_prefill_logits_match_transformers(case):
