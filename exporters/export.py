@@ -33,7 +33,7 @@ from mtp_trt.exporters.moe import FORMS as MOE_FORMS
 from mtp_trt.exporters.quantize import QuantValue, quantize_graph
 from mtp_trt.exporters.tree import TreeStepGraph
 from mtp_trt.exporters.tree_vanilla import VanillaTreeStepGraph
-from mtp_trt.exporters.loader import CheckpointTensors, checkpoint_names
+from mtp_trt.exporters.loader import checkpoint_names, checkpoint_tensors
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
                                          placeholder_model, freed_memory_returned)
@@ -322,8 +322,7 @@ def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype
     with torch.device("meta"):
         model = DeepseekV3(cfg, nextn=modules, max_positions=1).to(dtype)
     names = {id(p): name for name, p in checkpoint_names(model).items()}
-    tensors = CheckpointTensors(ckpt, {name: tuple(p.shape) for name, p in checkpoint_names(model).items()}, dtype,
-                                cfg.fp8_block_size or (128, 128))
+    tensors = checkpoint_tensors(ckpt, cfg, model, dtype)
     # graph input name (the graph modules hold the model as `model`) -> checkpoint name, via the parameter
     by_input = {f"model.{name}": names[id(p)] for name, p in model.named_parameters()}
     params = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}

@@ -2,8 +2,12 @@
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`.  Tensor names are DeepSeek's; MTP module k (0-based) is stored as
-`model.layers.{num_hidden_layers + k}.*`, with its copies of the shared embedding and output head
-(`embed_tokens`, `shared_head.head`) skipped.  FP8 weights (`float8_e4m3fn` with a float32
+`model.layers.{num_hidden_layers + k}.*`.  Every tensor in the checkpoint is either read or one of the
+documented skips (`skipped_tensor`): an MTP layer's copies of the shared embedding and output head
+(`embed_tokens`, `shared_head.head`), the MTP layers beyond the modules loaded (up to
+num_nextn_predict_layers), `lm_head.weight` when tie_word_embeddings, and `rotary_emb.inv_freq`
+buffers; any other tensor is an error naming it (never dropped: it would be a part of the model that
+mtp-trt does not compute, such as DeepSeek-V3.2's indexer).  FP8 weights (`float8_e4m3fn` with a float32
 `weight_scale_inv` per 128x128 block, as in the official V3/R1 checkpoints) are dequantized as they
 are read.  Tensors are read one at a time, by plain file reads (no memory map), checked against the
 config from the files' headers first (CheckpointTensors): `load_checkpoint` copies each into the
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,6 +80,24 @@ def checkpoint_names(model: DeepseekV3) -> dict[str, Tensor]:
             name = f"model.layers.{n + int(k)}.{rest}"
         out[name] = p
     return out
+
+
+def skipped_tensor(cfg: ModelConfig, modules: int) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor the model does not read is a documented skip (module docstring) for a model
+    with `modules` MTP modules loaded."""
+    n, declared = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    layer = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+    def skip(name: str) -> bool:
+        if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            return True
+        m = layer.fullmatch(name)
+        k = int(m[1]) - n if m else -1
+        if not 0 <= k < declared:
+            return False
+        return k >= modules or m[2].startswith(("embed_tokens.", "shared_head.head."))
+
+    return skip
 
 
 def _shard_map(ckpt: Path) -> dict[str, Path]:
@@ -139,19 +163,25 @@ def _read(path: Path, entry: tuple[torch.dtype, list[int], int, int]) -> Tensor:
     return buf.view(dtype).reshape(shape)
 
 
+def _some(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 class CheckpointTensors:
     """A checkpoint's tensors by the model's names, each read when asked for (one at a time: the caller holds
     what it keeps), fp8 dequantized with its block scales and cast to `dtype`.  Every name, dtype and shape is
-    checked against `expected` (name -> shape) from the headers alone, before anything is read."""
+    checked against `expected` (name -> shape) from the headers alone, before anything is read; so is every
+    tensor `expected` does not name: it must be an FP8 weight's scale or a documented skip (`skip`, from
+    skipped_tensor), else it is an error naming it."""
 
     def __init__(self, ckpt: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                 block: tuple[int, int] = (128, 128)):
+                 block: tuple[int, int] = (128, 128), skip: Callable[[str], bool] = lambda name: False,
+                 architecture: str = "the model"):
         self.ckpt, self.dtype, self.block = ckpt, dtype, block
         files = _shard_map(ckpt)
         missing = [name for name in expected if name not in files]
         if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise MtpTrtError(f"{ckpt}: missing tensor(s) {shown}")
+            raise MtpTrtError(f"{ckpt}: missing tensor(s) {_some(missing)}")
         headers: dict[Path, dict] = {}
         self.entries: dict[str, tuple] = {}  # name -> (file, entry, (file, scale entry) or None)
 
@@ -180,6 +210,11 @@ class CheckpointTensors:
                 raise MtpTrtError(f"{path}: tensor '{name}' has shape {list(e[1])}, expected {list(shape)} "
                                   f"from {ckpt / 'config.json'}")
             self.entries[name] = (path, e, scale)
+        read = set(expected) | {name + "_scale_inv" for name, (_, _, scale) in self.entries.items() if scale}
+        unused = sorted((name for name in files if name not in read and not skip(name)), key=_natural)
+        if unused:
+            raise MtpTrtError(f"{ckpt}: {len(unused)} tensor(s) that {architecture} as mtp-trt reads it does not "
+                              f"use: {_some(unused, 3)}; refusing rather than ignoring them")
 
     def get(self, name: str) -> Tensor:
         path, e, scale = self.entries[name]
@@ -189,10 +224,22 @@ class CheckpointTensors:
         return t.to(self.dtype)
 
 
+def _natural(name: str) -> list:
+    """Sort key: layer numbers as numbers (model.layers.2 before model.layers.10)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def checkpoint_tensors(ckpt: Path, cfg: ModelConfig, model: DeepseekV3, dtype: torch.dtype) -> CheckpointTensors:
+    """The checkpoint's tensors for `model` (its MTP modules included), every other tensor a documented skip."""
+    return CheckpointTensors(ckpt, {name: tuple(p.shape) for name, p in checkpoint_names(model).items()}, dtype,
+                             cfg.fp8_block_size or (128, 128), skipped_tensor(cfg, model.nextn), cfg.architecture)
+
+
 # ------------------------------------------------------------------------------------- load
 def load_checkpoint(ckpt: str | Path, nextn: int | None = None, dtype: torch.dtype = torch.float32,
                     max_positions: int | None = None) -> DeepseekV3:
-    """Load a Hugging Face DeepSeek-V3 checkpoint with `nextn` MTP modules (default: all it declares)."""
+    """Load a Hugging Face checkpoint of a supported architecture (mtp_trt/config.py) with `nextn` MTP modules
+    (default: all it declares)."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise MtpTrtError(f"{ckpt}: checkpoint directory not found")
@@ -203,11 +250,11 @@ def load_checkpoint(ckpt: str | Path, nextn: int | None = None, dtype: torch.dty
                           f"is {cfg.num_nextn_predict_layers}")
     with torch.device("meta"):
         model = DeepseekV3(cfg, nextn=nextn, max_positions=1).to(dtype)
-    params = checkpoint_names(model)
-    tensors = CheckpointTensors(ckpt, {name: tuple(p.shape) for name, p in params.items()}, dtype,
-                                cfg.fp8_block_size or (128, 128))
+    tensors = checkpoint_tensors(ckpt, cfg, model, dtype)
     try:
         model = model.to_empty(device="cpu")
+        if cfg.tie_word_embeddings:  # to_empty gives every module its own tensors: tie the head again
+            model.lm_head.weight = model.model.embed_tokens.weight
         cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings)
     except (RuntimeError, MemoryError) as e:  # torch's allocator: a config far beyond this machine's memory
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

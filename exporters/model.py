@@ -1,5 +1,8 @@
 """DeepSeek-V3 and its Multi-Token Prediction (MTP) modules: the PyTorch reference model.
 
+Every supported architecture (mtp_trt/config.py FAMILIES: DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash) is this
+model with its config mapped onto ModelConfig's fields.
+
 Read top-down, in dependency order: RMSNorm, RoPE, MLA (Multi-head Latent Attention), MLP, Gate,
 MoE, DecoderLayer, MTPLayer, DeepseekV3.  Module and parameter names are the checkpoint's
 (Hugging Face / DeepSeek), so `state_dict()` keys are tensor names; the DeepSeek-V3 paper's symbols
@@ -32,6 +35,9 @@ from torch import nn
 from mtp_trt.config import ModelConfig
 
 Tensor = torch.Tensor
+# q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps whatever rms_norm_eps says, as transformers'
+# DeepSeek-V2/V3 and GLM-4.7-Flash classes and DeepSeek's reference code build them.
+LATENT_NORM_EPS = 1e-6
 
 
 def as_fp32(x: Tensor) -> Tensor:
@@ -121,10 +127,10 @@ class MLA(nn.Module):
             self.q_proj = nn.Linear(d, h * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, cfg.latent_dim, bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
 
@@ -285,7 +291,7 @@ class MoE(nn.Module):
 
 # -------------------------------------------------------------------------------------- blocks
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += MLA(norm(h)); h += FFN(norm(h)), FFN dense or MoE by DeepSeek's layer rule."""
+    """Pre-norm block: h += MLA(norm(h)); h += FFN(norm(h)), FFN dense or MoE as ModelConfig.is_moe_layer says."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()

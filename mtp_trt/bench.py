@@ -55,15 +55,19 @@ def ratio(a: dict, b: dict) -> float:
 
 
 def _transformers_generate(checkpoint: Path, device: str = "cpu"):
-    """A greedy-generate function of transformers' DeepseekV3ForCausalLM (main model) for a batch of prompts."""
+    """A greedy-generate function of transformers' class for the checkpoint's architecture (main model) for a batch
+    of prompts."""
     import torch
+    import transformers
     from tokenizers import Tokenizer
-    from transformers import DeepseekV3ForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from mtp_trt.config import ModelConfig
 
     hf_logging.set_verbosity_error()  # the MTP layers are "unexpected" weights to transformers: expected here
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval().to(device)
+    model_class = getattr(transformers, ModelConfig.from_file(checkpoint).architecture)
+    model = model_class.from_pretrained(checkpoint, dtype=torch.float32).eval().to(device)
     pad = model.config.pad_token_id or 0
 
     def make(prompts: list[str], max_new_tokens: int):

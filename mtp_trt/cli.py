@@ -60,8 +60,8 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 @clear_errors
 def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoint directory (config.json; "
                                                          "default: the bundled demo model).")) -> None:
-    """Summarize a checkpoint's architecture: layers, MoE, MTP modules and the latent KV cache size."""
-    from mtp_trt.config import ModelConfig
+    """Summarize a checkpoint's architecture (its family), layers, MoE, MTP modules and the latent KV cache size."""
+    from mtp_trt.config import FAMILIES, ModelConfig
     from mtp_trt.runner import demo_model
     from mtp_trt.validate import stored_mtp_modules
 
@@ -72,7 +72,9 @@ def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoin
     mtp = str(cfg.num_nextn_predict_layers) if stored in (None, cfg.num_nextn_predict_layers) else \
         f"{cfg.num_nextn_predict_layers} in config.json, but {stored} stored in the weights"
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    family = next(f for f in FAMILIES if f.architecture == cfg.architecture)
     rows = [
+        ("architecture", f"{family.architecture} ({family.models})"),
         ("layers", f"{cfg.num_hidden_layers} ({len(moe)} MoE, {cfg.num_hidden_layers - len(moe)} dense)"),
         ("hidden size", str(cfg.hidden_size)),
         ("attention", f"MLA, {cfg.num_attention_heads} heads, q LoRA {cfg.q_lora_rank}, kv LoRA {cfg.kv_lora_rank}, "

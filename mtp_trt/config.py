@@ -1,4 +1,10 @@
-"""DeepSeek-V3 model configuration: `config.json` parsed and checked, with no torch import.
+"""Model configuration: `config.json` parsed, mapped onto the reference model and checked, with no torch import.
+
+A checkpoint is either supported or refused.  `architectures` (else `model_type`; a config naming neither is
+read as DeepSeek-V3's) picks one of FAMILIES, whose fields are mapped onto the reference model
+(`exporters/model.py`, DeepSeek-V3's architecture) as transformers' class for that architecture computes them;
+REFUSED architectures, configs with DeepSeek Sparse Attention fields and anything else end in one MtpTrtError
+naming the file, the architecture, what is missing and the supported architectures.
 
 Field names are the Hugging Face / DeepSeek ones.  Both spellings of RoPE scaling are accepted:
 the official checkpoints' `rope_theta` + `rope_scaling: {"type": "yarn", ...}` and transformers 5's
@@ -20,6 +26,81 @@ TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 ROPE_TYPES = ("default", "yarn")
 HIDDEN_ACTS = ("silu",)
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the graphs
+MLP_LAYER_TYPES = ("dense", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A supported architecture (transformers' class name), the model_types that name it, and its models."""
+
+    architecture: str
+    model_types: tuple[str, ...]
+    models: str
+
+
+DEEPSEEK_V3 = Family("DeepseekV3ForCausalLM", ("deepseek_v3", "kimi_k2"), "DeepSeek-V3/R1, Kimi-K2")
+DEEPSEEK_V2 = Family("DeepseekV2ForCausalLM", ("deepseek_v2",), "DeepSeek-V2")
+GLM4_MOE_LITE = Family("Glm4MoeLiteForCausalLM", ("glm4_moe_lite",), "GLM-4.7-Flash")
+FAMILIES = (DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE)
+
+DSA_MISSING = "DeepSeek Sparse Attention (the lightning indexer) is not supported yet"
+DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
+# architecture -> (its model_types, its models, what mtp-trt lacks to run it)
+REFUSED = {
+    "DeepseekV32ForCausalLM": (("deepseek_v32",), "DeepSeek-V3.2", DSA_MISSING),
+    "GlmMoeDsaForCausalLM": (("glm_moe_dsa",), "GLM-5", DSA_MISSING),
+}
+
+
+def supported_architectures() -> str:
+    return ", ".join(f"{f.architecture} ({f.models})" for f in FAMILIES)
+
+
+def _refusal(source: str, what: str, missing: str) -> MtpTrtError:
+    return MtpTrtError(f"{source}: {what} is not supported: {missing}; supported architectures: "
+                       f"{supported_architectures()}")
+
+
+def resolve_family(d: dict[str, Any], source: str = "config") -> Family:
+    """The supported family a config.json describes, from `architectures`, else `model_type`, else DeepSeek-V3
+    (a config naming neither); anything else, or DeepSeek Sparse Attention fields, is refused in one line."""
+    archs, model_type = d.get("architectures"), d.get("model_type")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise MtpTrtError(f"{source}: field 'architectures' must be a list of class names, got {archs!r}")
+    if model_type is not None and not isinstance(model_type, str):
+        raise MtpTrtError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
+    by_arch = {f.architecture: f for f in FAMILIES}
+    by_type = {t: f for f in FAMILIES for t in f.model_types}
+    refused_type = {t: (a, r) for a, r in REFUSED.items() for t in r[0]}
+    found: list[Family] = []
+    for arch in archs or []:
+        if arch in REFUSED:
+            raise _refusal(source, f"architecture {arch} ({REFUSED[arch][1]})", REFUSED[arch][2])
+        if arch not in by_arch:
+            raise _refusal(source, f"architecture {arch}", "mtp-trt has no mapping of it onto its reference model")
+        found.append(by_arch[arch])
+    if model_type in refused_type:
+        arch, (_, models, missing) = refused_type[model_type]
+        named = (f"architecture {archs[0]} with model_type '{model_type}'" if archs
+                 else f"model_type '{model_type}' ({models}, {arch})")
+        raise _refusal(source, named, missing)
+    if not found and model_type is not None:
+        if model_type not in by_type:
+            raise _refusal(source, f"model_type '{model_type}' (and no 'architectures')",
+                           "mtp-trt has no mapping of it onto its reference model")
+        found.append(by_type[model_type])
+    if len(set(found)) > 1:
+        raise MtpTrtError(f"{source}: field 'architectures' names {', '.join(archs)}, which are different "
+                          f"families; expected one of {supported_architectures()}")
+    if found and model_type in by_type and by_type[model_type] is not found[0]:
+        raise MtpTrtError(f"{source}: field 'model_type' is '{model_type}', a {by_type[model_type].architecture} "
+                          f"type, but 'architectures' names {found[0].architecture}; the two must agree")
+    family = found[0] if found else DEEPSEEK_V3
+    dsa = [f for f in DSA_FIELDS if d.get(f) is not None]
+    if dsa:
+        raise _refusal(source, f"architecture {family.architecture} with field '{dsa[0]}' (DeepSeek Sparse "
+                               f"Attention)", DSA_MISSING)
+    return family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +137,8 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a DeepSeek-V3 model and its MTP modules."""
+    """A supported checkpoint's architecture, as the reference model (DeepSeek-V3's) computes it, and its MTP
+    modules.  `architecture` names the family it was read as (FAMILIES)."""
 
     vocab_size: int
     hidden_size: int
@@ -80,6 +162,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
+    mlp_layer_types: tuple[str, ...] | None = None  # per main layer "dense"/"sparse"; None: DeepSeek's rule
     num_nextn_predict_layers: int = 0
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
@@ -91,6 +174,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     fp8_block_size: tuple[int, int] | None = None  # set when weights are FP8 block-quantized
+    architecture: str = DEEPSEEK_V3.architecture
 
     # ----------------------------------------------------------------------------------- derived
     @property
@@ -107,10 +191,13 @@ class ModelConfig:
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        """DeepSeek's rule; MTP layers use their index N + k, as in the official checkpoints."""
-        return bool(self.n_routed_experts) and layer_id >= self.first_k_dense_replace and (
-            layer_id % self.moe_layer_freq == 0
-        )
+        """`mlp_layer_types` where the family has it (MTP layers, at N + k: MoE), else DeepSeek's rule, MTP layers
+        by their index N + k as in the official checkpoints."""
+        if not self.n_routed_experts:
+            return False
+        if self.mlp_layer_types is not None:
+            return layer_id >= self.num_hidden_layers or self.mlp_layer_types[layer_id] == "sparse"
+        return layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -171,8 +258,41 @@ class ModelConfig:
                 raise bad(field, f"has unknown value {v!r}; expected one of {', '.join(allowed)}")
             return v
 
+        family = resolve_family(d, source)
+        arch = family.architecture
+
+        def implied(field: str, value: Any, why: str) -> Any:
+            """A field the family's transformers class does not read: absent, or the value the class implies."""
+            v = d.get(field)
+            if v is not None and v != value:
+                raise bad(field, f"is {v!r}, but {arch} {why}; expected {value!r} or no such field")
+            return value
+
         n_routed = get("n_routed_experts", int, 0) or None
         rope = _parse_rope(d, source, get, bad)
+        if get("mlp_bias", bool, False):
+            raise bad("mlp_bias", "is true; biases on the MLP projections are not supported")
+        layer_types = None
+        if family is DEEPSEEK_V2:
+            scoring = implied("scoring_func", "softmax", "always scores experts with softmax")
+            topk_method = choice("topk_method", ("greedy", "group_limited_greedy"), "greedy")
+            norm_topk = get("norm_topk_prob", bool, False)
+            if norm_topk:
+                raise bad("norm_topk_prob", f"is true, which {arch} does not support: transformers never "
+                                            "normalizes its top-k weights, DeepSeek-V2's code normalizes them "
+                                            "instead of scaling by routed_scaling_factor")
+            interleave = implied("rope_interleave", True, "always rotates interleaved pairs")
+        elif family is GLM4_MOE_LITE:
+            scoring = implied("scoring_func", "sigmoid", "always scores experts with sigmoid")
+            topk_method = implied("topk_method", "noaux_tc", "always routes as noaux_tc")
+            norm_topk = get("norm_topk_prob", bool, True)
+            interleave = get("rope_interleave", bool, True)
+            layer_types = _mlp_layer_types(d, get, bad, n_routed)
+        else:
+            scoring = choice("scoring_func", SCORING_FUNCS, "sigmoid")
+            topk_method = choice("topk_method", TOPK_METHODS, "noaux_tc")
+            norm_topk = get("norm_topk_prob", bool, True)
+            interleave = get("rope_interleave", bool, True)
         quant = d.get("quantization_config")
         fp8_block = None
         if quant and not isinstance(quant, dict):
@@ -202,23 +322,25 @@ class ModelConfig:
             num_experts_per_tok=get("num_experts_per_tok", int, 1),
             n_group=get("n_group", int, 1),
             topk_group=get("topk_group", int, 1),
-            topk_method=choice("topk_method", TOPK_METHODS, "noaux_tc"),
-            scoring_func=choice("scoring_func", SCORING_FUNCS, "sigmoid"),
-            norm_topk_prob=get("norm_topk_prob", bool, True),
+            topk_method=topk_method,
+            scoring_func=scoring,
+            norm_topk_prob=norm_topk,
             routed_scaling_factor=get("routed_scaling_factor", float, 1.0),
             first_k_dense_replace=get("first_k_dense_replace", int, 0),
             moe_layer_freq=get("moe_layer_freq", int, 1),
+            mlp_layer_types=layer_types,
             num_nextn_predict_layers=get("num_nextn_predict_layers", int, 0),
             hidden_act=choice("hidden_act", HIDDEN_ACTS, "silu"),
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
             max_position_embeddings=get("max_position_embeddings", int, 4096),
             rope=rope,
-            rope_interleave=get("rope_interleave", bool, True),
+            rope_interleave=interleave,
             attention_bias=get("attention_bias", bool, False),
             tie_word_embeddings=get("tie_word_embeddings", bool, False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             fp8_block_size=fp8_block,
+            architecture=arch,
         )
         cfg._check(bad)
         return cfg
@@ -263,10 +385,38 @@ class ModelConfig:
             if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
                 raise bad("num_experts_per_tok", f"must be in 1..{self.n_routed_experts}, got {self.num_experts_per_tok}")
             per_group = self.n_routed_experts // self.n_group
+            kept = self.topk_group * per_group
+            if self.topk_method != "greedy" and self.num_experts_per_tok > kept:
+                raise bad("num_experts_per_tok", f"is {self.num_experts_per_tok}, more than the {kept} experts of the "
+                                                 f"topk_group={self.topk_group} groups routing keeps")
             if self.topk_method == "noaux_tc" and self.n_group > 1 and per_group < 2:
                 raise bad("n_group", "leaves fewer than 2 experts per group; noaux_tc scores groups by their top 2")
             if self.topk_method == "noaux_tc" and self.scoring_func != "sigmoid":
                 raise bad("topk_method", "'noaux_tc' needs scoring_func 'sigmoid'")
+
+
+def _mlp_layer_types(d: dict[str, Any], get, bad, n_routed: int | None) -> tuple[str, ...]:
+    """Glm4MoeLiteForCausalLM's `mlp_layer_types` ("dense"/"sparse" per layer; transformers' default: the first
+    layer dense, the others sparse), checked against `first_k_dense_replace` where the config has both."""
+    n = get("num_hidden_layers", int)
+    raw = d.get("mlp_layer_types")
+    if raw is None:
+        types = ("dense",) + ("sparse",) * (n - 1) if n else ()
+    elif not (isinstance(raw, list) and len(raw) == n and all(t in MLP_LAYER_TYPES for t in raw)):
+        raise bad("mlp_layer_types", f"must be a list of num_hidden_layers={n} values 'dense' or 'sparse', got {raw!r}")
+    else:
+        types = tuple(raw)
+    if "sparse" in types and not n_routed:
+        default = " (by default: all but the first)" if raw is None else ""
+        raise bad("mlp_layer_types", f"names sparse (MoE) layers{default}, but n_routed_experts is 0")
+    if d.get("first_k_dense_replace") is not None:
+        k, freq = get("first_k_dense_replace", int), get("moe_layer_freq", int, 1) or 1
+        rule = tuple("sparse" if i >= k and i % freq == 0 else "dense" for i in range(n))
+        if rule != types:
+            dense = [i for i, t in enumerate(types) if t == "dense"]
+            raise bad("first_k_dense_replace", f"is {k}, but mlp_layer_types{' (by default)' if raw is None else ''} "
+                                               f"makes layers {dense} dense; the two must agree")
+    return types
 
 
 def _parse_rope(d: dict[str, Any], source: str, get, bad) -> RopeConfig:
@@ -274,6 +424,14 @@ def _parse_rope(d: dict[str, Any], source: str, get, bad) -> RopeConfig:
     field = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
     if not isinstance(params, dict):
         raise bad(field, f"must be an object, got {params!r}")
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise bad("partial_rotary_factor", f"must be 1 (RoPE on all qk_rope_head_dim dims), got {partial!r}")
+    if params.get("truncate", True) is not True:
+        raise bad(f"{field}.truncate", f"must be true (YaRN's correction range rounded to whole dims), "
+                                       f"got {params['truncate']!r}")
+    if params.get("attention_factor") is not None:
+        raise bad(f"{field}.attention_factor", "is not supported (YaRN's factor comes from mscale and mscale_all_dim)")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise bad("rope_theta", f"must be a positive number, got {theta!r}")

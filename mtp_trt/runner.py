@@ -83,11 +83,13 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
     """Export `ckpt` into the cache entry `out` unless it is there.  Any number of processes may ask at once:
     one exports (under a lock file in cache_dir("locks")), the others wait and reuse its result.  Partial
     directories left by killed processes are removed first (never a live one's: fsutil)."""
+    from mtp_trt.config import ModelConfig
     from mtp_trt.fsutil import locked, remove_stale_partials
     from mtp_trt.tokenizer import load_tokenizer
 
     remove_stale_partials(out.parent)
     if not (out / "manifest.json").is_file():
+        ModelConfig.from_file(ckpt / "config.json")  # a checkpoint mtp-trt cannot run is named first
         if not (ckpt / "tokenizer.json").is_file():  # before the export, not after it
             raise MtpTrtError(f"{ckpt}: the checkpoint has no tokenizer.json; text prompts need one")
         load_tokenizer(ckpt / "tokenizer.json")

@@ -1,4 +1,5 @@
-"""Random-weight DeepSeek-V3 checkpoints made with Hugging Face transformers: the independent reference."""
+"""Random-weight checkpoints made with Hugging Face transformers' classes (DeepSeek-V3, and any other architecture
+through make_model): the independent reference."""
 
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ CONFIGS = {
 
 def make_hf_model(name: str, seed: int = 0, **overrides):
     """A transformers DeepseekV3ForCausalLM with random weights, norms and routing biases included."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return make_model("DeepseekV3ForCausalLM", seed, **{**BASE, **CONFIGS[name], **overrides})
+
+
+def make_model(architecture: str, seed: int = 0, **config):
+    """transformers' `architecture` class (its config class: the same name ending in Config) with random weights,
+    norms and routing biases included."""
+    import transformers
 
     torch.manual_seed(seed)
-    cfg = DeepseekV3Config(**{**BASE, **CONFIGS[name], **overrides})
-    model = DeepseekV3ForCausalLM(cfg).eval()
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    model = getattr(transformers, architecture)(config_class(**config)).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight") or n.endswith("layernorm.weight"):
@@ -44,6 +51,45 @@ def make_hf_model(name: str, seed: int = 0, **overrides):
             if n.endswith("e_score_correction_bias"):
                 b.uniform_(-0.1, 0.1)
     return model
+
+
+def make_draftable(model, factor: float = 0.01):
+    """Scale every attention output (o_proj) and every MLP output but the last layer's (down_proj) by `factor`: the
+    model is then mostly its embedding and last MLP, which a copy of its last layer (append_mtp_layers) drafts well,
+    while every part still moves the logits far beyond the parity tests' tolerance."""
+    last = f"model.layers.{model.config.num_hidden_layers - 1}."
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("o_proj.weight") or ("down_proj" in n and not n.startswith(last)):
+                p.mul_(factor)
+    return model
+
+
+def append_mtp_layers(path: Path, k: int) -> Path:
+    """Give a saved checkpoint `k` MTP layers in DeepSeek-V3's convention (`model.layers.{N + i}`, as DeepSeek-V3
+    and GLM-4.x MoE checkpoints store them, with their copies of the embedding and output head), and set
+    num_nextn_predict_layers.  Each copies the last layer's block (which must be MoE, as MTP layers are) and reads
+    the embedding alone, at the embedding's scale (eh_proj = [I | 0], enorm = the embedding's RMS; shared_head.norm =
+    the final norm): a 1-layer drafter of the main model, often right."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
+    t = load_file(path / "model.safetensors")
+    last = f"model.layers.{n - 1}."
+    assert f"{last}mlp.gate.weight" in t, "the last layer must be MoE to be copied into an MTP layer"
+    for i in range(k):
+        mtp = f"model.layers.{n + i}."
+        t |= {mtp + name[len(last):]: v.clone() for name, v in t.items() if name.startswith(last)}
+        t[mtp + "eh_proj.weight"] = torch.cat([torch.eye(d), torch.zeros(d, d)], 1)
+        t[mtp + "enorm.weight"] = t["model.embed_tokens.weight"].pow(2).mean().sqrt().expand(d).clone()
+        t[mtp + "hnorm.weight"] = torch.ones(d)
+        t[mtp + "shared_head.norm.weight"] = t["model.norm.weight"].clone()
+        t[mtp + "embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+        t[mtp + "shared_head.head.weight"] = t.get("lm_head.weight", t["model.embed_tokens.weight"]).clone()
+    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
+    edit_config(path, num_nextn_predict_layers=k)
+    return path
 
 
 def save_hf_model(model, path: Path) -> Path:

@@ -215,3 +215,120 @@ def test_legacy_rope_scaling_spelling(hf_ckpt, tmp_path):
     edit_config(d, rope_parameters=None, rope_scaling=legacy, rope_theta=params["rope_theta"])
     a, b = load_checkpoint(hf_ckpt), load_checkpoint(d)
     assert a.cfg.rope == b.cfg.rope and a.cfg.softmax_scale == b.cfg.softmax_scale
+
+
+# ------------------------------------------------------------------------ tensors the model does not use
+def _with_tensors(ckpt, tmp_path, add=None, config=None):
+    """A copy of ckpt with tensors added (name -> tensor) and config.json fields changed."""
+    d = _config_only(ckpt, tmp_path)
+    save_file(load_file(ckpt / "model.safetensors") | (add or {}), d / "model.safetensors")
+    if config:
+        edit_config(d, **config)
+    return d
+
+
+def test_unused_tensor_is_an_error_naming_it(hf_ckpt, tmp_path):
+    d = _with_tensors(hf_ckpt, tmp_path, {"model.layers.2.mlp.foo.weight": torch.zeros(2),
+                                          "model.layers.10.self_attn.bar": torch.zeros(2),
+                                          "model.layers.0.input_layernorm.weight_scale_inv": torch.ones(1, 1),
+                                          "extra": torch.zeros(1)})
+    with pytest.raises(MtpTrtError) as e:
+        load_checkpoint(d)
+    assert str(e.value) == (f"{d}: 4 tensor(s) that DeepseekV3ForCausalLM as mtp-trt reads it does not use: extra, "
+                            "model.layers.0.input_layernorm.weight_scale_inv, model.layers.2.mlp.foo.weight and 1 "
+                            "more; refusing rather than ignoring them")
+
+
+def test_documented_skips_are_accepted(hf_ckpt, tmp_path):
+    """rotary inv_freq buffers, a stored copy of a tied head, and MTP layers: their copies of the embedding and
+    head, and whole layers beyond the modules loaded (up to num_nextn_predict_layers) -- but not beyond it."""
+    from mtp_trt.config import ModelConfig
+    from mtp_trt.exporters.loader import checkpoint_names
+    from mtp_trt.exporters.model import DeepseekV3
+
+    t = load_file(hf_ckpt / "model.safetensors")
+    cfg = json.loads((hf_ckpt / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    mtp = {name: torch.rand(p.shape) for name, p in checkpoint_names(
+        DeepseekV3(ModelConfig.from_dict(cfg | {"num_nextn_predict_layers": 2}))).items()
+        if name.startswith(f"model.layers.{n}.") or name.startswith(f"model.layers.{n + 1}.")}
+    for k in (n, n + 1):
+        mtp[f"model.layers.{k}.embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+        mtp[f"model.layers.{k}.shared_head.head.weight"] = t["lm_head.weight"].clone()
+    extra = mtp | {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}
+    d = _with_tensors(hf_ckpt, tmp_path, extra, {"num_nextn_predict_layers": 2})
+    for nextn in (0, 1, 2):
+        assert load_checkpoint(d, nextn=nextn).nextn == nextn
+    edit_config(d, num_nextn_predict_layers=1)  # layer n + 1 is now beyond what the config declares
+    unused = rf"c: {len(mtp) // 2} tensor\(s\) .* does not use: model.layers.{n + 1}.eh_proj"
+    with pytest.raises(MtpTrtError, match=unused):
+        load_checkpoint(d, nextn=0)
+    (tmp_path / "tied").mkdir()
+    tied = _with_tensors(hf_ckpt, tmp_path / "tied", config={"tie_word_embeddings": True})  # lm_head stored, unused
+    model = load_checkpoint(tied)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model.lm_head.weight, t["model.embed_tokens.weight"])
+
+
+# ------------------------------------------------------------------------------- families in config.json
+def _family_config(**changes):
+    from hf_models import BASE
+
+    return {k: v for k, v in {**BASE, "architectures": ["DeepseekV3ForCausalLM"], **changes}.items() if v is not None}
+
+
+V2 = dict(architectures=["DeepseekV2ForCausalLM"], topk_method=None, norm_topk_prob=None, rope_interleave=None)
+GLM = dict(architectures=["Glm4MoeLiteForCausalLM"], first_k_dense_replace=None)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (V2 | dict(scoring_func="sigmoid"), "field 'scoring_func' is 'sigmoid', but DeepseekV2ForCausalLM always scores "
+                                        "experts with softmax; expected 'softmax' or no such field"),
+    (V2 | dict(topk_method="noaux_tc"), "field 'topk_method' has unknown value 'noaux_tc'; expected one of greedy, "
+                                        "group_limited_greedy"),
+    (V2 | dict(norm_topk_prob=True), "field 'norm_topk_prob' is true, which DeepseekV2ForCausalLM does not support"),
+    (V2 | dict(rope_interleave=False), "field 'rope_interleave' is False, but DeepseekV2ForCausalLM always rotates "
+                                       "interleaved pairs"),
+    (GLM | dict(topk_method="greedy"), "field 'topk_method' is 'greedy', but Glm4MoeLiteForCausalLM always routes "
+                                       "as noaux_tc"),
+    (GLM | dict(first_k_dense_replace=2), "field 'first_k_dense_replace' is 2, but mlp_layer_types (by default) makes "
+                                          "layers [0] dense; the two must agree"),
+    (GLM | dict(mlp_layer_types=["dense", "moe", "sparse"]), "field 'mlp_layer_types' must be a list of "
+                                                             "num_hidden_layers=3 values 'dense' or 'sparse'"),
+    (GLM | dict(mlp_layer_types=["dense"] * 2 + ["sparse"], n_routed_experts=0), "field 'mlp_layer_types' names "
+                                                                                 "sparse (MoE) layers, but"),
+    (dict(partial_rotary_factor=0.5), "field 'partial_rotary_factor' must be 1 (RoPE on all qk_rope_head_dim dims)"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": False}),
+     "field 'rope_parameters.truncate' must be true"),
+    (dict(mlp_bias=True), "field 'mlp_bias' is true; biases on the MLP projections are not supported"),
+    (dict(num_experts_per_tok=5), "field 'num_experts_per_tok' is 5, more than the 4 experts of the topk_group=2 "
+                                  "groups routing keeps"),
+    (dict(architectures="DeepseekV3ForCausalLM"), "field 'architectures' must be a list of class names"),
+    (dict(architectures=["DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"]), "which are different families"),
+    (dict(model_type="glm4_moe_lite"), "field 'model_type' is 'glm4_moe_lite', a Glm4MoeLiteForCausalLM type, but "
+                                        "'architectures' names DeepseekV3ForCausalLM; the two must agree"),
+])
+def test_family_fields_are_checked(changes, message):
+    from mtp_trt.config import ModelConfig
+
+    with pytest.raises(MtpTrtError) as e:
+        ModelConfig.from_dict(_family_config(**changes), source="c.json")
+    assert str(e.value).startswith("c.json: ") and message in str(e.value), str(e.value)
+
+
+def test_family_defaults():
+    """What each family's transformers class implies where config.json says nothing."""
+    from mtp_trt.config import ModelConfig
+
+    v2 = ModelConfig.from_dict(_family_config(**V2))
+    assert (v2.architecture, v2.scoring_func, v2.topk_method, v2.norm_topk_prob, v2.rope_interleave) == (
+        "DeepseekV2ForCausalLM", "softmax", "greedy", False, True)
+    glm = ModelConfig.from_dict(_family_config(**GLM))
+    assert (glm.architecture, glm.scoring_func, glm.topk_method, glm.mlp_layer_types) == (
+        "Glm4MoeLiteForCausalLM", "sigmoid", "noaux_tc", ("dense", "sparse", "sparse"))
+    glm = ModelConfig.from_dict(_family_config(**GLM, num_nextn_predict_layers=1, mlp_layer_types=[
+        "sparse", "dense", "sparse"]))
+    assert [glm.is_moe_layer(i) for i in range(4)] == [True, False, True, True]  # MTP layer 3: MoE
+    v3 = ModelConfig.from_dict(_family_config(architectures=None))  # neither architectures nor model_type
+    assert (v3.architecture, v3.scoring_func, v3.topk_method, v3.mlp_layer_types) == (
+        "DeepseekV3ForCausalLM", "sigmoid", "noaux_tc", None)

@@ -102,6 +102,19 @@ def _int_tensor(c):
     return ["export", out, "-o", c.tmp / "out"]
 
 
+def _unused_tensor(command):
+    def make(c):
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        out = c.checkpoint()
+        tensors = load_file(out / "model.safetensors")
+        tensors["model.layers.0.self_attn.indexer.wk.weight"] = torch.zeros(8, 64)  # DeepSeek-V3.2's, say
+        save_file(tensors, out / "model.safetensors")
+        return [command, out, *(["-o", c.tmp / "out"] if command == "export" else ["-p", "x"])]
+    return make
+
+
 def _fewer_mtp_layers(c):
     return ["export", c.checkpoint(num_nextn_predict_layers=5), "-o", c.tmp / "out", "--mtp-mode", "eagle"]
 
@@ -143,6 +156,15 @@ CASES = [
     ("no-tokenizer-run", _no_tokenizer, 2, "the checkpoint has no tokenizer.json"),
     ("mtp-layers-missing", _fewer_mtp_layers, 2, "field 'num_nextn_predict_layers' is 5, but the weights hold 2"),
     ("int32-tensor", _int_tensor, 2, "tensor 'model.norm.weight' has dtype int32"),
+    ("unused-tensor-export", _unused_tensor("export"), 2, "1 tensor(s) that DeepseekV3ForCausalLM as mtp-trt reads it "
+     "does not use: model.layers.0.self_attn.indexer.wk.weight; refusing rather than ignoring them"),
+    ("unused-tensor-run", _unused_tensor("run"), 2, "does not use: model.layers.0.self_attn.indexer.wk.weight"),
+    ("architecture-unknown", lambda c: ["inspect", c.checkpoint(architectures=["FooForCausalLM"])], 2,
+     "config.json: architecture FooForCausalLM is not supported: mtp-trt has no mapping of it onto its reference "
+     "model; supported architectures: DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2), DeepseekV2ForCausalLM"),
+    ("architecture-dsa-run", lambda c: ["run", c.checkpoint(model_type="deepseek_v32"), "-p", "x"], 2,
+     "model_type 'deepseek_v32' (DeepSeek-V3.2, DeepseekV32ForCausalLM) is not supported: DeepSeek Sparse Attention "
+     "(the lightning indexer) is not supported yet"),
     ("manifest-dtype", lambda c: ["run", c.export(dtype="fp16"), "-p", "x"], 2,
      "field 'dtype' is 'fp16', but cache.dtype is 'fp32'"),
     ("manifest-nextn", lambda c: ["run", c.export(nextn=9), "-p", "x"], 2, "field 'nextn' is 9"),
