@@ -11,9 +11,9 @@ bytes:
 * scales  float32 [N, blocks].
 
 Scales: int8 takes the block's largest magnitude over 127.  int4 has only 16 levels, so the scale is the
-one of a few candidates s = m / t (m the block's value of largest magnitude, sign kept; t from -8 to -6 in
-quarter steps; t = -8 maps m onto the extra negative level) that gives the smallest squared error over the
-block.  The integer divisors make quantization idempotent: weights already on the grid keep their values.
+one of a few candidates s = m / t (m the block's value of largest magnitude, sign kept; t from -9 to -6 in
+quarter steps; t = -8 maps m onto the extra negative level, below -8 m is clipped) that gives the smallest
+squared error over the block.  The integer divisors make quantization idempotent: weights already on the grid keep their values.
 
 Everything here is NumPy: the exporter quantizes each tensor as it is read, the tests use it as the
 reference, and the runtime needs no torch.
