@@ -75,7 +75,9 @@ def test_quantize_matches_the_blockwise_reference(bits, bs, k):
     assert back.shape == w.shape
     np.testing.assert_array_equal(back, (q * scales[..., None]).reshape(5, -1)[:, :k].astype(np.float32))
     step = np.repeat(np.abs(scales), bs, 1)[:, :k]
-    assert np.all(np.abs(back - w) <= step * (0.5 if bits == 8 else 1.0) + 1e-6)
+    # int8: half a level; int4: its scale search may clip (divisors down to -9: a value of the block's largest
+    # magnitude lands up to 2 levels beyond the grid) to lower the block's squared error
+    assert np.all(np.abs(back - w) <= step * (0.5 if bits == 8 else 2.0) * (1 + 1e-6) + 1e-6)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
