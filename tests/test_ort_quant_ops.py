@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 
+import mmap
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -41,23 +43,49 @@ ROWS = (1, 2, 3, 7, 64)
 
 
 def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads: int = 2):
-    """A session of one mtp_trt.cpu node whose inputs are `constants` (name -> array, None: left out) as
-    initializers and the float32 inputs `fed`, of any shape."""
+    """A session of one mtp_trt.cpu node whose inputs are `constants` (name -> array, None: left out) and the
+    float32 inputs `fed`, of any shape.  The constants are fed too, from memory that ends where an unreadable
+    page begins (as the last tensor of weights.bin's mapping does): a kernel that reads past a weight or scale
+    array faults here instead of passing unnoticed."""
     names = list(constants)
     while names and constants[names[-1]] is None:
         names.pop()
+    given = {n: a for n, a in constants.items() if n not in fed and a is not None}
     graph = helper.make_graph(
         [helper.make_node(op, [n if n in fed or constants[n] is not None else "" for n in names], ["y"],
                           domain=ort_lib.DOMAIN, **attrs)], "g",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in fed],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(a, n) for n, a in constants.items() if n not in fed and a is not None])
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in fed]
+        + [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in given.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                     helper.make_opsetid(ort_lib.DOMAIN, 1)])
     model.ir_version = 9
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    return ort_lib.session(model.SerializeToString(), options)
+    return Guarded(ort_lib.session(model.SerializeToString(), options), given)
+
+
+class Guarded:
+    """A session fed its constants from guarded_copy's memory on every run."""
+
+    def __init__(self, sess, constants: dict):
+        self.sess, self.constants = sess, {n: guarded_copy(a) for n, a in constants.items()}
+
+    def run(self, names, feed):
+        return self.sess.run(names, feed | self.constants)
+
+
+def guarded_copy(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` whose last byte is the last of a page, the next page unreadable."""
+    page = mmap.PAGESIZE
+    size = -(-max(a.nbytes, 1) // page) * page
+    mem = mmap.mmap(-1, size + page)
+    libc = ctypes.CDLL(None)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+    assert libc.mprotect(ctypes.c_void_p(base + size), page, 0) == 0
+    out = np.frombuffer(mem, np.uint8, count=a.nbytes, offset=size - a.nbytes).view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def random_weight(rng, n, k, bits, block):

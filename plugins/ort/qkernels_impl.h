@@ -105,8 +105,9 @@ struct Scales {
     template <bool Part>
     QK Vec::F at(const float* ws, size_t at, size_t bytes) const {
         if (bpw >= kStep) return Vec::set1(ws[at >> shift]);
-        const float* first = ws + (at >> shift);
-        return Vec::spread(idx, Part ? Vec::loadf_part(first, (bytes + bpw - 1) >> shift) : Vec::loadf(first));
+        // only the step's own blocks: a full vector of scales would read past the last row's (the end of
+        // weights.bin's mapping, for the last tensor)
+        return Vec::spread(idx, Vec::loadf_part(ws + (at >> shift), ((Part ? bytes : kStep) + bpw - 1) >> shift));
     }
 };
 
