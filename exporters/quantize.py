@@ -65,7 +65,6 @@ class QuantValue:
         self.source, self.scheme, self.part, self.rows, self.k = source, scheme, part, rows, k
         self.transposed, self.memo, self.layout, self.dtype = transposed, memo, layout, dtype
         h = hashlib.sha256(source.key + f"\0quant\0{scheme.tag}\0{int(transposed)}".encode())
-        self.weights = True
         self.source_key = h.digest()  # the memo's key: both parts of one weight come from one quantization
         self.key = hashlib.sha256(self.source_key + f"{part}\0{layout}\0{dtype}".encode()).digest()
         n = int(np.prod(rows))

@@ -117,13 +117,13 @@ def _quantize_rows(w: np.ndarray, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
         blocks[:, :k] = w
         blocks = blocks.reshape(n, nb, bs)
     lo, hi = -(1 << (s.bits - 1)), (1 << (s.bits - 1)) - 1
-    q, err = np.empty_like(blocks), np.empty_like(blocks)
+    q = np.empty_like(blocks)
     if s.bits == 8:
         scale = np.abs(blocks).max(-1) / np.float32(hi)
     else:
         pos = np.abs(blocks).argmax(-1)[..., None]
         m = np.take_along_axis(blocks, pos, -1)[..., 0]  # the value of largest magnitude, signed
-        best = None
+        best, err = None, np.empty_like(blocks)
         for t in INT4_DIVISORS:
             cand = m / np.float32(t)
             _levels(blocks, cand, lo, hi, q)
