@@ -239,3 +239,22 @@ def test_quantized_plugin_export_builds_engines(ckpt, tmp_path):
     arch = "native" if cc and cc in api.buildable_archs() else "8.9"
     m = em.EngineManifest.load(builder.build(exp, tmp_path / "engines", target_arch=arch), verify_hashes=True)
     assert set(m.engines) == {"target", "mtp_0", "step_0", "step_1"}
+
+
+@pytest.mark.parametrize("axis", [-3, -1, 0, 1, 2, 3])
+def test_the_exporter_folds_flatten_as_onnx_defines_it(axis):
+    """Flatten over weights is folded by the exporter (q_b_proj's per-head parts become one 2-D matrix, which
+    --quant quantizes), with ONNX's semantics."""
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from mtp_trt.exporters.streaming import FOLD
+
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    node = helper.make_node("Flatten", ["x"], ["y"], axis=axis)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", 1, None)],
+                              [numpy_helper.from_array(x, "x")])
+    want = ReferenceEvaluator(helper.make_model(graph)).run(None, {})[0]
+    got = FOLD["Flatten"]({"axis": axis}, [torch.from_numpy(x)]).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
