@@ -297,3 +297,36 @@ def test_two_backends_share_the_deserialized_engines(setup):
     assert _tokens(first, PROMPTS, _opts(K))[0] == _tokens(second, PROMPTS, _opts(K))[0]
     assert sorted(first.loader.loaded) == sorted(set(first.loader.loaded))  # none loaded twice
     assert second.engines is first.engines and second.caches is not first.caches
+
+
+def test_aliases_on_every_supported_tensorrt(setup, greedy):
+    """TensorRT 10.3-10.14 cannot report an engine's aliased outputs (no get_aliased_input_tensor), and a newer
+    one may leave a plugin's alias unreported: the runtime binds the graph contract's aliases either way (the
+    stand-in plugin engine asserts each cache output is bound to its input's buffer); an alias TensorRT reports
+    that contradicts the contract is one error."""
+    from mtp_trt.trt.runtime import EngineLoader
+
+    class Old:  # ICudaEngine of TensorRT 10.9
+        num_io_tensors = 2
+
+        def get_tensor_name(self, i):
+            return ["kv_0", "kv_0_out"][i]
+
+    class New(Old):
+        def get_aliased_input_tensor(self, name):
+            return "kv_0" if name == "kv_0_out" else None
+
+    assert EngineLoader.aliases(Old()) is None and EngineLoader.aliases(New()) == {"kv_0_out": "kv_0"}
+    contract = {"kv_0_out": "kv_0"}
+    assert plan.reported_alias_problem(None, contract) is None and plan.reported_alias_problem({}, contract) is None
+    assert "TensorRT binds {'kv_0_out': 'kv_1'}" in plan.reported_alias_problem({"kv_0_out": "kv_1"}, contract)
+    assert plan.reported_alias_problem({"x": "y"}, {}) is not None
+    ref, engines = setup
+    for reported in (None, {}):
+        backend = fake_backend(engines["plugin"], ref)
+        backend.loader.aliases = lambda engine, r=reported: r
+        assert _tokens(backend, PROMPTS, _opts(K))[0] == greedy[0]
+    backend = fake_backend(engines["plugin"], ref)
+    backend.loader.aliases = lambda engine: {"kv_0_out": "input_ids"}
+    with pytest.raises(MtpTrtError, match=r"target.engine: TensorRT binds \{'kv_0_out': 'input_ids'\}"):
+        backend.prepare(K, True)

@@ -95,6 +95,17 @@ def check_aliases(io: EngineIO, recorded: dict[str, str]) -> None:
                           f"{io.aliases}; build the engines again with this mtp-trt")
 
 
+def reported_alias_problem(reported: dict[str, str] | None, contract: dict[str, str]) -> str | None:
+    """Whether what TensorRT reports of an engine's aliased outputs agrees with the graph contract (the runtime
+    binds the contract's, which engines.json records and check_aliases verifies).  reported None: this TensorRT
+    has no way to say (before 10.15); an output it does not report is taken from the contract; an alias it reports
+    must be the contract's."""
+    wrong = {o: i for o, i in (reported or {}).items() if contract.get(o) != i}
+    if not wrong:
+        return None
+    return f"TensorRT binds {wrong} to one buffer, the graph contract {contract or 'no outputs'}"
+
+
 def choose_profile(profiles: list[dict], s: int, batch: int) -> int:
     """Index of the optimization profile serving a call of S rows per sequence for `batch` sequences: the
     generation profile where S fits it (verify and step calls), else the prefill profile."""

@@ -67,10 +67,14 @@ class EngineLoader:
         return ctx
 
     @staticmethod
-    def aliases(engine) -> dict[str, str]:
-        """{output: input} the engine binds to one buffer (TensorRT's record of aliased plugin I/O)."""
+    def aliases(engine) -> dict[str, str] | None:
+        """{output: input} TensorRT reports bound to one buffer (aliased plugin I/O), or None where this TensorRT
+        cannot say (before 10.15: the graph contract recorded in engines.json is then the only record)."""
+        lookup = getattr(engine, "get_aliased_input_tensor", None)
+        if lookup is None:
+            return None
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-        return {n: a for n in names if (a := engine.get_aliased_input_tensor(n))}
+        return {n: a for n in names if (a := lookup(n))}
 
 
 class Buffer:
@@ -163,10 +167,8 @@ class TrtBackend(Backend):
                 raise MtpTrtError(f"{self.root}: no {name}.engine in this engine directory (engines.json lists "
                                   f"{', '.join(self.em.engines)})")
             engine = self.loader.load(self.root / self.em.engines[name].file)
-            got = self.loader.aliases(engine)
-            if got != self.ios[name].aliases:
-                raise MtpTrtError(f"{self.root / self.em.engines[name].file}: TensorRT binds {got or 'no outputs'} to "
-                                  f"their inputs, the graph contract {self.ios[name].aliases}; build the engines again")
+            if problem := plan.reported_alias_problem(self.loader.aliases(engine), self.ios[name].aliases):
+                raise MtpTrtError(f"{self.root / self.em.engines[name].file}: {problem}; build the engines again")
             self.engines[name] = engine
         return self.engines[name]
 
