@@ -97,22 +97,29 @@ std::string read_file(const std::string& path) {
     return ss.str();
 }
 
-// A device allocation that only grows (its address stays fixed once big enough: CUDA-graph safe).
-struct DeviceBuffer {
+// An allocation that only grows (its address stays fixed once big enough: CUDA-graph safe): device memory, or
+// pinned host memory (asynchronous copies from and to it need no staging).
+template <cudaError_t (*Alloc)(void**, size_t), cudaError_t (*Release)(void*)>
+struct GrowingBuffer {
     void* ptr = nullptr;
     size_t bytes = 0;
     void* ensure(size_t n) {
         if (n > bytes) {
-            if (ptr) check(cudaFree(ptr), "cudaFree");
-            check(cudaMalloc(&ptr, n), "cudaMalloc");
+            if (ptr) check(Release(ptr), "free");
+            check(Alloc(&ptr, n), "allocation");
             bytes = n;
         }
         return ptr;
     }
-    ~DeviceBuffer() {
-        if (ptr) cudaFree(ptr);
+    GrowingBuffer() = default;
+    GrowingBuffer(const GrowingBuffer&) = delete;
+    GrowingBuffer& operator=(const GrowingBuffer&) = delete;
+    ~GrowingBuffer() {
+        if (ptr) Release(ptr);
     }
 };
+using DeviceBuffer = GrowingBuffer<cudaMalloc, cudaFree>;
+using PinnedBuffer = GrowingBuffer<cudaMallocHost, cudaFreeHost>;
 
 struct Tensor {
     void* ptr;
@@ -235,23 +242,6 @@ int thinking_after(const std::vector<int32_t>& toks, int flag, int think_start, 
     for (int32_t t : toks) flag = t == think_start ? 1 : t == think_end ? 0 : flag;
     return flag;
 }
-
-// Pinned host memory that only grows (asynchronous copies from and to it need no staging).
-struct PinnedBuffer {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-    void* ensure(size_t n) {
-        if (n > bytes) {
-            if (ptr) check(cudaFreeHost(ptr), "cudaFreeHost");
-            check(cudaMallocHost(&ptr, n), "cudaMallocHost");
-            bytes = n;
-        }
-        return ptr;
-    }
-    ~PinnedBuffer() {
-        if (ptr) cudaFreeHost(ptr);
-    }
-};
 
 // Small int32/float inputs: host values copied into a pinned twin and uploaded on the stream (asynchronous,
 // ordered with the engines).  A name's pinned twin is rewritten only after the stream has drained (the loop
