@@ -96,8 +96,15 @@ def junit_counts(xml_text: str) -> dict:
     return out
 
 
+TEST_NEEDS = ("pytest", "numpy", "onnx", "onnxruntime", "typer", "torch")  # what the GPU test files import
+
+
 def run_tests(with_tensorrt: bool, root: Path = ROOT) -> dict:
     """pytest over the GPU tests (the engine tests only with TensorRT), in a child process of this Python."""
+    import importlib.util
+
+    if missing := [m for m in TEST_NEEDS if importlib.util.find_spec(m) is None]:
+        return {"error": f"cannot run: {', '.join(missing)} not installed (pip install -e '.[cpu,dev]' installs them)"}
     files = gpu_test_files(root)
     marker = "gpu" if with_tensorrt else "gpu and not trt"
     with tempfile.TemporaryDirectory() as tmp:

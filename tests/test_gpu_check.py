@@ -22,7 +22,8 @@ no_gpu = pytest.mark.skipif(compat.gpu()[0] is not None, reason="a GPU is presen
 def test_runs_up_to_the_gpu_and_skips_with_reasons(tmp_path, installed):
     """Installed: as users run it.  Plain checkout: no site-packages at all (python -S), so mtp_trt and its
     mapped subpackages (plugins/, exporters/) come from the checkout's folders."""
-    cmd = [sys.executable, *([] if installed else ["-S"]), "-m", "mtp_trt.gpu_check", "--json", str(tmp_path / "s.json")]
+    cmd = [sys.executable, *([] if installed else ["-S"]), "-m", "mtp_trt.gpu_check",
+           "--json", str(tmp_path / "s.json")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 3, r.stdout + r.stderr
@@ -89,3 +90,12 @@ def test_summary_and_status_on_a_gpu_machine(monkeypatch):
     tests |= {"failed": 1, "failures": ["tests/kernels/test_gpu_kernels.py::test_mla"]}
     status, lines, _ = gpu_check.check()
     assert status == 1 and "  failed: tests/kernels/test_gpu_kernels.py::test_mla" in lines
+
+
+def test_missing_test_dependencies_are_named(monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("onnx", "typer") else find(n, *a))
+    got = gpu_check.run_tests(with_tensorrt=False)
+    assert got == {"error": "cannot run: onnx, typer not installed (pip install -e '.[cpu,dev]' installs them)"}

@@ -157,7 +157,8 @@ class FakeEngine:
         self.session = ort_lib.session(str(reference.root / self.ref.file))
         self.fail: tuple[str, str] | None = None  # (TensorRT's error line, a plugin's): enqueues fail with them
 
-    def get_device_memory_size_for_profile_v2(self, profile):
+    @property
+    def device_memory_size_v2(self):
         return self.loader.activation_bytes_each
 
     def run(self, shapes: dict, addresses: dict) -> None:

@@ -210,5 +210,5 @@ def memory_problem(need: int, free: int) -> str | None:
     if need <= free:
         return None
     gib = 2 ** 30
-    return (f"the engines' activations, caches and buffers need about {need / gib:.2f} GiB of GPU memory, {free / gib:.2f} GiB "
-            f"is free; use fewer sequences, a shorter --max-new-tokens or a smaller --max-seq-len")
+    return (f"the engines' activations, caches and buffers need about {need / gib:.2f} GiB of GPU memory, "
+            f"{free / gib:.2f} GiB is free; use fewer sequences, a shorter --max-new-tokens or a smaller --max-seq-len")

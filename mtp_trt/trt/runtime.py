@@ -96,11 +96,9 @@ class EngineLoader:
         return ctx
 
     @staticmethod
-    def activation_bytes(engine, profile: int) -> int:
-        """Device memory TensorRT allocates for a context of `engine` on `profile` (its activations)."""
-        per_profile = getattr(engine, "get_device_memory_size_for_profile_v2", None)  # TensorRT 10.1 on
-        if per_profile is not None:
-            return int(per_profile(profile))
+    def activation_bytes(engine) -> int:
+        """Device memory TensorRT allocates for each execution context of `engine` (its activations: a context
+        made with the default, static allocation takes the largest over the engine's profiles)."""
         return int(getattr(engine, "device_memory_size_v2", None) or engine.device_memory_size)
 
     @staticmethod
@@ -250,7 +248,7 @@ class TrtBackend(Backend):
         self.host_at, host_bytes = plan.output_layout(ios, batch, rows, s_max, read)
         slot = rows * m.config.latent_dim * self.itemsize
         activations = plan.activation_bytes(
-            {(n, p): self.loader.activation_bytes(e, p) for n, e in self.engines.items()
+            {(n, p): self.loader.activation_bytes(e) for n, e in self.engines.items()
              for p in range(len(self.em.profiles))}, set(self.contexts))
         need = plan.cache_bytes(m, batch, rows) + sum(sizes.values()) + out_bytes + slot + activations
         if problem := plan.memory_problem(need, self.device.mem_info()[0]):
