@@ -172,7 +172,9 @@ def check(root: Path = ROOT) -> tuple[int, list[str], dict]:
                          f"{tests['skipped']} skipped")
             lines += [f"  failed: {t}" for t in tests["failures"]]
             lines += [f"  skipped ({n}): {r}" for r, n in tests["reasons"].items()]
-            status = status or (1 if tests["failed"] else 0)
+            if not tests["passed"]:
+                lines.append("  no GPU test ran: see the reasons above")
+            status = status or (1 if tests["failed"] or not tests["passed"] else 0)
     bench = data["bench"] = run_bench(root) if library else {"error": "no kernel library"}
     if "error" in bench:
         lines.append(f"kernel benchmarks: failed: {bench['error']}")

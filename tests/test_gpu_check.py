@@ -90,6 +90,10 @@ def test_summary_and_status_on_a_gpu_machine(monkeypatch):
     tests |= {"failed": 1, "failures": ["tests/kernels/test_gpu_kernels.py::test_mla"]}
     status, lines, _ = gpu_check.check()
     assert status == 1 and "  failed: tests/kernels/test_gpu_kernels.py::test_mla" in lines
+    tests |= {"passed": 0, "failed": 0, "failures": [], "skipped": 41,
+              "reasons": {"gpu: cuda-python is not installed (pip install cuda-python)": 41}}
+    status, lines, _ = gpu_check.check()  # everything skipped is not a pass
+    assert status == 1 and "  no GPU test ran: see the reasons above" in lines
 
 
 def test_missing_test_dependencies_are_named(monkeypatch):
