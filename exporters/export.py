@@ -59,7 +59,8 @@ def commit_spec(cache: str, dtype: str, cfg: ModelConfig, lowering: str, rows="S
     aliased to the input: TensorRT binds both to one buffer)."""
     if lowering == "plugin":
         return _spec(f"{cache}_out", dtype, ["B", "T", cfg.cache_dim])
-    return _spec("mtp_new_" + cache[4:] if cache.startswith("mtp_") else "new_" + cache, dtype, ["B", rows, cfg.cache_dim])
+    name = "mtp_new_" + cache[4:] if cache.startswith("mtp_") else "new_" + cache
+    return _spec(name, dtype, ["B", rows, cfg.cache_dim])
 
 
 def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:

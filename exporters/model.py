@@ -250,7 +250,8 @@ class MLA(nn.Module):
         if cfg.dsa:
             mask = selected
         rows = kv[..., :cfg.latent_dim]
-        o = self.attend_absorbed(q_nope, q_pe, rows, mask) if absorbed else self.attend_expanded(q_nope, q_pe, rows, mask)
+        attend = self.attend_absorbed if absorbed else self.attend_expanded
+        o = attend(q_nope, q_pe, rows, mask)
         return self.o_proj(o.flatten(-2)), latent, selected
 
 

@@ -12,13 +12,12 @@ NumPy reference of the selection says; the requests DSA cannot run refused in on
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from hf_models import append_mtp_layers, make_draftable
+from hf_models import append_mtp_layers, make_draftable, prefill_logits
 from mtp_trt.backend import OrtBackend
 from mtp_trt.decode import DecodeOptions, generate
 from mtp_trt.errors import MtpTrtError
@@ -26,7 +25,6 @@ from mtp_trt.exporters import model as model_module
 from mtp_trt.exporters.export import export
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import Manifest
-from mtp_trt.plugins import ort_lib
 from mtp_trt.tree import TreeShape
 from test_dsa import YARN, make_dsa_model
 
@@ -76,26 +74,11 @@ def test_selection_matters(case):
             layer.self_attn.indexer.index_topk = k
 
 
-def prefill(m: Manifest, prompts=PROMPTS) -> np.ndarray:
-    """The target graph's logits on a right-padded batch of the prompts (fresh caches of max_seq_len rows)."""
-    lens = [len(p) for p in prompts]
-    ids = np.zeros((len(prompts), max(lens)), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = p
-    feed = {"input_ids": ids, "past_len": np.zeros(len(prompts), np.int32),
-            "thinking": np.zeros(len(prompts), np.int32), "relaxed_topk": np.array(0, np.int32),
-            "relaxed_delta": np.array(0, np.float32)}
-    feed |= {f"kv_{i}": np.zeros((len(prompts), m.max_seq_len, m.config.cache_dim), np.float32)
-             for i in range(m.config.num_hidden_layers)}
-    sess = ort_lib.session(m.root / m.graphs["target"].file)
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))["logits"]
-
-
 def test_prefill_logits_match_transformers(case):
     hf, _, out, _ = case
     m = Manifest.load(out)
     assert m.raw["cache"]["index_head_dim"] == m.config.index_head_dim
-    logits = prefill(m)
+    logits = prefill_logits(m, PROMPTS)
     for i, p in enumerate(PROMPTS):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].numpy()
@@ -148,7 +131,7 @@ def test_ties_keep_the_earlier_rows(tmp_path, monkeypatch):
         hf.model.layers[1].self_attn.indexer.wq_b.weight.zero_()
     hf.save_pretrained(tmp_path / "ckpt")
     out = export(tmp_path / "ckpt", tmp_path / "export", nextn=0, max_seq_len=32, trees="none")
-    logits = prefill(Manifest.load(out), PROMPTS[:1])
+    logits = prefill_logits(Manifest.load(out), PROMPTS[:1])
     monkeypatch.setattr(model_module, "select_topk", stable_select)
     with torch.no_grad():
         ref = load_checkpoint(tmp_path / "ckpt")(torch.tensor(PROMPTS[:1]))[0]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import append_mtp_layers, edit_config, make_draftable, make_model
+from hf_models import append_mtp_layers, edit_config, make_draftable, make_model, prefill_logits
 from mtp_trt.backend import OrtBackend
 from mtp_trt.config import ModelConfig
 from mtp_trt.decode import DecodeOptions, generate
@@ -30,7 +30,6 @@ from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.export import export
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import Manifest
-from mtp_trt.plugins import ort_lib
 from mtp_trt.tree import TreeShape
 
 ATOL, RTOL = 1e-4, 1e-4  # fp32 both sides, same math in another order (as tests/test_hf_parity.py)
@@ -114,24 +113,12 @@ def test_config_maps_onto_the_family(case):
 def test_prefill_logits_match_transformers(case):
     """The target graph on a right-padded batch of two prompts: logits of every real row within 1e-4."""
     _, hf, _, _, exports, _ = case
-    m = Manifest.load(next(iter(exports.values())))
-    cfg = m.config
-    lens = [len(p) for p in PROMPTS]
-    ids = np.zeros((len(PROMPTS), max(lens)), np.int32)
-    for i, p in enumerate(PROMPTS):
-        ids[i, :len(p)] = p
-    feed = {"input_ids": ids, "past_len": np.zeros(len(PROMPTS), np.int32),
-            "thinking": np.zeros(len(PROMPTS), np.int32), "relaxed_topk": np.array(0, np.int32),
-            "relaxed_delta": np.array(0, np.float32)}
-    feed |= {f"kv_{i}": np.zeros((len(PROMPTS), m.max_seq_len, cfg.latent_dim), np.float32)
-             for i in range(cfg.num_hidden_layers)}
-    sess = ort_lib.session(m.root / m.graphs["target"].file)
-    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+    logits = prefill_logits(Manifest.load(next(iter(exports.values()))), PROMPTS)
     for i, p in enumerate(PROMPTS):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].numpy()
         assert ref.std() > 0.1, "logits too flat for the comparison to mean anything"
-        np.testing.assert_allclose(out["logits"][i, :len(p)], ref, atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(logits[i, :len(p)], ref, atol=ATOL, rtol=RTOL)
 
 
 def test_greedy_decoding_matches_transformers_generate(case):
