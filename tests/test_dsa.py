@@ -15,6 +15,7 @@ import torch
 
 from hf_models import make_model
 from mtp_trt.config import ModelConfig
+from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.exporters.model import DeepseekV3
 
@@ -144,3 +145,43 @@ def test_mtp_layers_have_their_own_indexer():
     model = DeepseekV3(cfg)
     assert [hasattr(layer.self_attn, "indexer") for layer in model.model.layers] == [True, False, False]
     assert hasattr(model.mtp[0].self_attn, "indexer")
+
+
+V32 = {**SMALL, "architectures": ["DeepseekV32ForCausalLM"], "index_topk": 4, "index_n_heads": 2,
+       "index_head_dim": 16}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(index_head_dim=4), "field 'index_head_dim' must be at least qk_rope_head_dim=8 (the indexer ropes its "
+                             "first qk_rope_head_dim dims), got 4"),
+    (dict(index_topk=0), "field 'index_topk' must be positive, got 0"),
+    (dict(q_lora_rank=None), "field 'q_lora_rank' is missing: the lightning indexer of DeepseekV32ForCausalLM reads "
+                             "the query's LoRA latent"),
+    (dict(rope_interleave=False), "field 'rope_interleave' is False, but DeepseekV32ForCausalLM always rotates "
+                                  "MLA's interleaved pairs; expected True or no such field"),
+    (dict(indexer_types=["full"] * 3), "field 'indexer_types' is set, but DeepseekV32ForCausalLM runs an indexer in "
+                                       "every layer"),
+    (dict(architectures=["GlmMoeDsaForCausalLM"], indexer_types=["shared", "full", "full"]),
+     "field 'indexer_types' starts with 'shared', but a shared layer reuses the previous full layer's selection"),
+    (dict(architectures=["GlmMoeDsaForCausalLM"], indexer_types=["full", "sparse", "full"]),
+     "field 'indexer_types' must be a list of num_hidden_layers=3 values 'full' or 'shared', got ['full', "
+     "'sparse', 'full']"),
+])
+def test_config_errors_are_one_line(change, message):
+    with pytest.raises(MtpTrtError) as e:
+        ModelConfig.from_dict({**V32, **change})
+    assert str(e.value) == f"config: {message}"
+
+
+@pytest.mark.parametrize("fields, types", [
+    ({}, None),
+    ({"index_topk_pattern": "FSF"}, ("full", "shared", "full")),
+    ({"index_topk_freq": 2, "index_skip_topk_offset": 1}, ("full", "shared", "full")),
+])
+def test_glm5_indexer_types_as_transformers_derives_them(fields, types):
+    import transformers
+
+    d = {**V32, "architectures": ["GlmMoeDsaForCausalLM"], **fields}
+    assert ModelConfig.from_dict(d).indexer_types == types
+    hf = transformers.GlmMoeDsaConfig(**{k: v for k, v in d.items() if k != "architectures"})
+    assert tuple(hf.indexer_types) == (types or ("full",) * 3)
