@@ -58,12 +58,13 @@ def commit_spec(cache: str, dtype: str, cfg: ModelConfig, lowering: str, rows="S
     written back by the runtime) or the cache itself after the graph's writes (`plugin`: <cache>_out [B, T, C],
     aliased to the input: TensorRT binds both to one buffer)."""
     if lowering == "plugin":
-        return _spec(f"{cache}_out", dtype, ["B", "T", cfg.latent_dim])
-    return _spec("mtp_new_" + cache[4:] if cache.startswith("mtp_") else "new_" + cache, dtype, ["B", rows, cfg.latent_dim])
+        return _spec(f"{cache}_out", dtype, ["B", "T", cfg.cache_dim])
+    name = "mtp_new_" + cache[4:] if cache.startswith("mtp_") else "new_" + cache
+    return _spec(name, dtype, ["B", rows, cfg.cache_dim])
 
 
 def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
-    kv = [_spec(f"kv_{i}", dtype, ["B", "T", cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
+    kv = [_spec(f"kv_{i}", dtype, ["B", "T", cfg.cache_dim]) for i in range(cfg.num_hidden_layers)]
     inputs = [_spec("input_ids", "int32", ["B", "S"]), _spec("past_len", "int32", ["B"]),
               _spec("thinking", "int32", ["B"]), _spec("relaxed_topk", "int32", []),
               _spec("relaxed_delta", "fp32", []), *kv]
@@ -81,7 +82,7 @@ def step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[li
     t_in, t_out = target_io(cfg, dtype, lowering)
     mtp = nextn > 0
     inputs = [t for t in t_in if mtp or not t["name"].startswith("relaxed_")]
-    inputs += [_spec("mtp_kv", dtype, ["B", "T", cfg.latent_dim])] * mtp
+    inputs += [_spec("mtp_kv", dtype, ["B", "T", cfg.cache_dim])] * mtp
     outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])] * mtp
     outputs += t_out[6:] + [commit_spec("mtp_kv", dtype, cfg, lowering)] * mtp
     fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
@@ -92,7 +93,7 @@ def vanilla_step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> 
     """VanillaStepGraph: S = K + 1 fixed; one MTP cache per depth; depth k's new rows are K + k wide."""
     t_in, t_out = target_io(cfg, dtype, lowering)
     carry = nextn > 1
-    inputs = t_in + [_spec(f"mtp_kv_{k}", dtype, ["B", "T", cfg.latent_dim]) for k in range(nextn)]
+    inputs = t_in + [_spec(f"mtp_kv_{k}", dtype, ["B", "T", cfg.cache_dim]) for k in range(nextn)]
     inputs += [_spec("carry", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
     outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])]
     outputs += [_spec("carry_out", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
@@ -121,13 +122,13 @@ def tree_io(cfg: ModelConfig, dtype: str, lowering: str, tree: tuple[int, int, i
     outputs = [o for o in outputs if o["name"] != "drafts"]
     outputs = outputs[:3] + tree + outputs[3:]
     if lowering == "plugin":  # the verified nodes' rows sit at past_len + node: the runtime commits the path's
-        outputs += [_spec(f"path_kv_{i}", dtype, ["B", d + 1, cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
+        outputs += [_spec(f"path_kv_{i}", dtype, ["B", d + 1, cfg.cache_dim]) for i in range(cfg.num_hidden_layers)]
     return inputs, outputs
 
 
 def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
     inputs = [_spec("hidden", dtype, ["B", "S", cfg.hidden_size]), _spec("next_tokens", "int32", ["B", "S"]),
-              _spec("past_len", "int32", ["B"]), _spec("kv", dtype, ["B", "T", cfg.latent_dim])]
+              _spec("past_len", "int32", ["B"]), _spec("kv", dtype, ["B", "T", cfg.cache_dim])]
     outputs = [_spec("hidden_out", dtype, ["B", "S", cfg.hidden_size]), _spec("draft_tokens", "int32", ["B", "S"]),
                _spec("draft_probs", "fp32", ["B", "S"]), _spec("draft_logits", "fp32", ["B", "S", cfg.vocab_size]),
                commit_spec("kv", dtype, cfg, lowering)]
@@ -349,6 +350,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     ckpt, out = Path(ckpt), Path(out)
     scheme = quant.scheme(quant_scheme, group_size)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
+    check_dsa(cfg, ckpt, lowering, moe_form, scheme)
     cpu_ops = check_cpu_ops(cpu_ops, lowering, dtype, moe_form, scheme)
     shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
@@ -357,6 +359,22 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     with freed_memory_returned():
         return _export(ckpt, out, cfg, nextn, modules, mtp_mode, dtype, tdtype, lowering, max_batch, max_seq_len,
                        progress, moe_form, shapes, cpu_ops, scheme)
+
+
+def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None, scheme: quant.Scheme) -> None:
+    """DeepSeek Sparse Attention runs in the onnx lowering's standard operators on ONNX Runtime, unquantized: the
+    other requests are refused in one line (never exported with dense attention)."""
+    if not cfg.dsa:
+        return
+    what = f"{ckpt / 'config.json'}: {cfg.architecture} (DeepSeek Sparse Attention)"
+    if lowering == "plugin":
+        raise MtpTrtError(f"--lowering plugin: {what} has no TensorRT plugin for its sparse attention; export with "
+                          "--lowering onnx")
+    if moe_form == "tensorrt":
+        raise MtpTrtError(f"--moe-form tensorrt: {what} is not supported in TensorRT engines; leave --moe-form out")
+    if scheme.quantized:
+        raise MtpTrtError(f"--quant {scheme.name}: {what} has no quantized operators for its lightning indexer; "
+                          "export unquantized")
 
 
 def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None,
@@ -392,8 +410,9 @@ def configure(module, moe_form: str | None, cpu_ops: bool, scheme: quant.Scheme 
     module.fold = not scheme.quantized  # quantized: every projection a quantized matmul (graphs._Graph.fold)
     module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
     module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
-    if cpu_ops:  # mtp-trt's CPU operators: attention and (unless another form was asked for) MoE
-        module.cpu, module.moe = True, moe_form or "cpu"
+    if cpu_ops:  # mtp-trt's CPU operators: MoE (unless another form was asked for) and attention (not DSA's sparse
+        # attention, which runs in standard operators)
+        module.cpu, module.moe = not module.model.cfg.dsa, moe_form or "cpu"
     return module
 
 
@@ -450,9 +469,12 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
             "max_batch": max_batch, "max_seq_len": max_seq_len, "trees": [t.spec for t in shapes],
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
             "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,
-            "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe",
+            "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe" if not cfg.dsa
+                      else "[B, T, kv_lora_rank + qk_rope_head_dim + index_head_dim]: normed c_kv, roped k_pe, then "
+                           "the lightning indexer's key",
                       "kv_lora_rank": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim, "dtype": dtype,
                       "target_layers": cfg.num_hidden_layers,
+                      **({"index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk} if cfg.dsa else {}),
                       "mtp_caches": modules, "rows_per_sequence": max_seq_len},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

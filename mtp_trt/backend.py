@@ -214,7 +214,7 @@ class OrtBackend(Backend):
         if rows > m.max_seq_len:
             raise MtpTrtError(f"{m.root}: {rows} cache rows per sequence needed, but the export allows "
                               f"max_seq_len = {m.max_seq_len}; re-export with a larger --max-seq-len")
-        shape = (batch, rows, m.config.latent_dim)
+        shape = (batch, rows, m.config.cache_dim)
         n_mtp = len(set(m.mtp_graphs))
         self.caches = {"target": [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
         self.caches |= {f"mtp{k}": [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}

@@ -60,7 +60,8 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 @clear_errors
 def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoint directory (config.json; "
                                                          "default: the bundled demo model).")) -> None:
-    """Summarize a checkpoint's architecture (its family), layers, MoE, MTP modules and the latent KV cache size."""
+    """Summarize a checkpoint's architecture (its family), layers, attention (dense MLA or DeepSeek Sparse
+    Attention), MoE, MTP modules and the KV cache size (latent and indexer keys)."""
     from mtp_trt.config import FAMILIES, ModelConfig
     from mtp_trt.runner import demo_model
     from mtp_trt.validate import stored_mtp_modules
@@ -78,17 +79,30 @@ def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoin
         ("layers", f"{cfg.num_hidden_layers} ({len(moe)} MoE, {cfg.num_hidden_layers - len(moe)} dense)"),
         ("hidden size", str(cfg.hidden_size)),
         ("attention", f"MLA, {cfg.num_attention_heads} heads, q LoRA {cfg.q_lora_rank}, kv LoRA {cfg.kv_lora_rank}, "
-                      f"rope {cfg.qk_rope_head_dim} ({cfg.rope.type})"),
+                      f"rope {cfg.qk_rope_head_dim} ({cfg.rope.type}); " + _sparse_attention(cfg)),
         ("experts", f"{cfg.n_routed_experts or 0} routed (top {cfg.num_experts_per_tok}, {cfg.n_group} groups, "
                     f"{cfg.scoring_func}), {cfg.n_shared_experts} shared" if cfg.n_routed_experts else "none"),
         ("MTP modules", mtp),
-        ("latent cache", f"{cfg.latent_dim} values per token and layer"),
+        ("cache", f"{cfg.cache_dim} values per token and layer" + (
+            f" ({cfg.latent_dim} latent, {cfg.index_head_dim} indexer key)" if cfg.dsa else " (latent)")
+            + f", {cfg.cache_dim * 4 * cfg.num_hidden_layers} bytes per token in fp32 over the "
+              f"{cfg.num_hidden_layers} layers"),
         ("weights", f"FP8 blocks {cfg.fp8_block_size}" if cfg.fp8_block_size else "unquantized"),
         ("BOS", _bos_row(ckpt, cfg)),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         typer.echo(f"{k:<{width}}  {v}")
+
+
+def _sparse_attention(cfg) -> str:
+    """inspect's word on the attention: dense, or DeepSeek Sparse Attention with its top-k and indexer."""
+    if not cfg.dsa:
+        return "dense"
+    shared = sum(not cfg.has_indexer(i) for i in range(cfg.num_hidden_layers))
+    return (f"DSA, top {cfg.index_topk} of the cached rows (lightning indexer: {cfg.index_n_heads} heads of "
+            f"{cfg.index_head_dim}" + (f"; {shared} layers share the previous layer's selection" if shared else "")
+            + ")")
 
 
 def _bos_row(ckpt: Path, cfg) -> str:

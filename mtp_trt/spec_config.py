@@ -3,7 +3,9 @@
 TensorRT-LLM:  {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "use_relaxed_acceptance_for_thinking":
                 true, "relaxed_topk": 10, "relaxed_delta": 0.6, "use_mtp_vanilla": false}
 vLLM:          {"method": "deepseek_mtp", "num_speculative_tokens": 3}
-Either may sit under a top-level "speculative_config" key; JSON, or YAML when PyYAML is installed.
+Either may sit under a top-level "speculative_config" key; JSON, or YAML when PyYAML is installed.  The same names
+serve every supported family: both engines run the MTP layers of DeepSeek-V3.2 and GLM-5 as they run DeepSeek-V3's
+(vLLM's generic "mtp" or "deepseek_mtp", TensorRT-LLM's "MTP").
 """
 
 from __future__ import annotations

@@ -163,8 +163,7 @@ CASES = [
      "config.json: architecture FooForCausalLM is not supported: mtp-trt has no mapping of it onto its reference "
      "model; supported architectures: DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2), DeepseekV2ForCausalLM"),
     ("architecture-dsa-run", lambda c: ["run", c.checkpoint(model_type="deepseek_v32"), "-p", "x"], 2,
-     "model_type 'deepseek_v32' (DeepSeek-V3.2, DeepseekV32ForCausalLM) is not supported: DeepSeek Sparse Attention "
-     "(the lightning indexer) is not supported yet"),
+     "missing tensor(s) model.layers.0.self_attn.indexer.wq_b.weight"),
     ("manifest-dtype", lambda c: ["run", c.export(dtype="fp16"), "-p", "x"], 2,
      "field 'dtype' is 'fp16', but cache.dtype is 'fp32'"),
     ("manifest-nextn", lambda c: ["run", c.export(nextn=9), "-p", "x"], 2, "field 'nextn' is 9"),
