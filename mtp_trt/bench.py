@@ -101,6 +101,19 @@ def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repea
                         repeats, progress)
 
 
+DEFAULT_BATCHES = (1, 8)
+
+
+def default_batches(model: Path) -> list[int]:
+    """`mtp-trt bench`'s batch sizes when none are given: DEFAULT_BATCHES, within an engine directory's max_batch."""
+    if (model / "engines.json").is_file():
+        from mtp_trt.trt import manifest as em
+
+        top = em.EngineManifest.load(model).max_batch
+        return sorted({min(b, top) for b in DEFAULT_BATCHES})
+    return list(DEFAULT_BATCHES)
+
+
 def check_batches(model: Path, batches: list[int], max_new_tokens: int) -> None:
     """--batch against what it implies, before any work: an engine directory's export decodes at most its
     max_batch; a checkpoint's caches (exported for the largest batch) must fit this machine's memory."""

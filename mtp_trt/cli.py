@@ -357,7 +357,8 @@ def run(
 def bench(
     model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model), or an engine directory "
                                             "(TensorRT beside ONNX Runtime and transformers on the GPU)."),
-    batch: list[int] = typer.Option([1, 8], help="Batch sizes; repeat the option for several."),
+    batch: list[int] = typer.Option(None, help="Batch sizes; repeat the option for several (default: 1 and 8, "
+                                               "or the engines' max_batch where it is smaller)."),
     max_new_tokens: int = typer.Option(128, help="Tokens generated per sequence."),
     repeats: int = typer.Option(9, help="Timed rounds per batch size (medians; ratios: medians of per-round ratios)."),
     transformers: bool = typer.Option(True, help="Also time transformers' greedy generate (same run)."),
@@ -379,7 +380,7 @@ def bench(
     from mtp_trt.backend import default_threads
     from mtp_trt.runner import demo_model, resolve_export
 
-    for size in batch:
+    for size in batch or ():
         v.check_positive("--batch", size)
     v.check_positive("--repeats", repeats)
     v.check_positive("--max-new-tokens", max_new_tokens)
@@ -399,10 +400,12 @@ def bench(
         if scheme is not None:
             raise MtpTrtError(f"{ckpt}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(ckpt, force=verify)
+        batch = batch or b.default_batches(ckpt)
         b.check_batches(ckpt, batch, max_new_tokens)
         rows = b.run_engines(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo,
                              threads=threads or None)
     else:
+        batch = batch or b.default_batches(ckpt)
         b.check_batches(ckpt, batch, max_new_tokens)
         with StageDisplay("preparing exports") as show:
             for mode in ("eagle", "vanilla"):

@@ -274,6 +274,9 @@ def _check_consistency(path: Path, m: Manifest) -> None:
         if any(i >= vocab for i in ids):
             raise bad(field, f"is {list(getattr(m, field))}, but the config's vocab_size is {vocab}")
     tokenizer_files = m.raw.get("tokenizer_files")
+    for name in tokenizer_files or {}:
+        if not FILE_NAME.pattern.fullmatch(name):
+            raise bad("tokenizer_files", f"names {name!r}, which is not a plain file name in the export directory")
     if m.tokenizer is not None and tokenizer_files is not None and m.tokenizer not in tokenizer_files:
         raise bad("tokenizer", f"is {m.tokenizer!r}, which tokenizer_files does not list (nor hash)")
     weights = m.raw.get("weights") or {}

@@ -869,7 +869,11 @@ def test_paths_read_from_files_stay_inside_their_directory(ckpt, exp, tmp_path):
     names = ["../outside/tokenizer.json", str(outside / "tokenizer.json"), "a/../../outside/x", "..", ".", "",
              "sub/tokenizer.json", "tok\x00.json"]
     raw = json.loads((exp / "manifest.json").read_text())
-    for i, name in enumerate(names):  # the manifest's tokenizer and graph files
+    for i, name in enumerate(names):  # the manifest's tokenizer, tokenizer files and graph files
+        d = tmp_path / f"exp-files-{i}"
+        shutil.copytree(exp, d)
+        (d / "manifest.json").write_text(json.dumps(seal(raw | {"tokenizer_files": {name: "0" * 64}})))
+        _raises(lambda: Manifest.load(d), "field 'tokenizer_files'")
         for field in ("tokenizer", "graph"):
             d = tmp_path / f"exp-{field}-{i}"
             shutil.copytree(exp, d)
