@@ -245,7 +245,7 @@ def check(
 def run(
     model: Path = typer.Argument(None, help="Engine directory (TensorRT, GPU), export directory or checkpoint "
                                             "(ONNX Runtime; default: the bundled demo model)."),
-    prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; repeat for a batch."),
+    prompt: list[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", help="Prompt text; repeat for a batch."),
     prompt_file: Path = typer.Option(None, help="UTF-8 file with one prompt per line, `-` for standard input (added "
                                                 "to --prompt; lines end at \\n, a \\r before it is dropped)."),
     nextn: int = typer.Option(None, help="Draft tokens per step K, 0 = plain decoding (default: all exported)."),
@@ -261,7 +261,7 @@ def run(
                                              "level by k children (greedy; 1 = the chain; see --trees)."),
     tree_budget: int = typer.Option(None, help="Tree nodes verified per step (default: the export's tree for "
                                                "this depth and top-k)."),
-    stop: list[str] = typer.Option(None, help="Stop string; repeat for several."),
+    stop: list[str] = typer.Option(None, metavar="TEXT", help="Stop string; repeat for several."),
     config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
@@ -357,7 +357,7 @@ def run(
 def bench(
     model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model), or an engine directory "
                                             "(TensorRT beside ONNX Runtime and transformers on the GPU)."),
-    batch: list[int] = typer.Option(None, help="Batch sizes; repeat the option for several (default: 1 and 8, "
+    batch: list[int] = typer.Option(None, metavar="N", help="Batch sizes; repeat the option for several (default: 1 and 8, "
                                                "or the engines' max_batch where it is smaller)."),
     max_new_tokens: int = typer.Option(128, help="Tokens generated per sequence."),
     repeats: int = typer.Option(9, help="Timed rounds per batch size (medians; ratios: medians of per-round ratios)."),

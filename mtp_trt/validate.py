@@ -117,6 +117,7 @@ def check_writable_file(path: Path, flag: str) -> None:
     creating (and removing) a file beside it."""
     import tempfile
 
+    text_arg(flag, str(path))  # its name is printed when written
     if path.is_dir():
         raise MtpTrtError(f"{flag} {path}: is a directory; give a file name")
     parent = path.parent if str(path.parent) else Path(".")
@@ -142,7 +143,9 @@ def check_plot_format(path: Path, flag: str = "--plot") -> None:
 
 
 def check_output_dir(out: Path, flag: str = "--out") -> None:
-    """An output directory that may be created: absent or empty, under a parent that can be written."""
+    """An output directory that may be created: absent or empty, under a parent that can be written, with a name
+    that can be printed (UTF-8)."""
+    text_arg(flag, str(out))
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise MtpTrtError(f"{out}: exists and is not a directory; choose another {flag} or remove it")

@@ -962,6 +962,15 @@ def test_output_errors_end_in_one_line(exp, ckpt, tmp_path):
     cases.append((["bench", ckpt, "--plot", tmp_path / "noext", "-o", tmp_path / "b.json"], "(no extension)"))
     expect_errors(cases, cache, exp, ckpt)
     assert not (tmp_path / "b.json").exists()
+    raw = os.fsencode(tmp_path)  # output names that are not UTF-8 (they are printed once written): refused first
+    for argv, flag in ((["export", ckpt, "-o", raw + b"/out\xff"], "--out"),
+                       (["bench", ckpt, "-o", raw + b"/b\xfe.json"], "--out"),
+                       (["bench", ckpt, "--plot", raw + b"/p\xfd.png"], "--plot")):
+        r = mtp_trt(*argv, cache=cache)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and err.startswith(f"error: {flag} b'") and "not valid UTF-8" in err, err
+        assert_one_error(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
 
 
 # ------------------------------------------------------------------------------------------------ 6. check
