@@ -37,9 +37,10 @@ from mtp_trt.exporters.loader import checkpoint_names, checkpoint_tensors
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
                                          placeholder_model, freed_memory_returned)
-from mtp_trt.tokenizer import load_tokenizer
-from mtp_trt.validate import check_export_memory, check_mtp_modules, check_output_dir
-from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
+from mtp_trt.tokenizer import check_vocab, load_tokenizer
+from mtp_trt.config import MAX_NEXTN
+from mtp_trt.validate import cache_bytes, check_export_memory, check_memory, check_mtp_modules, check_output_dir
+from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, seal, sha256
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OPSET = 18
@@ -244,10 +245,8 @@ def special_token_ids(ckpt: Path) -> tuple[tuple[int, int], str | None]:
     tok = ckpt / "tokenizer.json"
     if not tok.is_file():
         return (-1, -1), None
-    try:
-        added = {t["content"]: t["id"] for t in json.loads(tok.read_text()).get("added_tokens", [])}
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise MtpTrtError(f"{tok}: not a tokenizers JSON file ({e})") from None
+    raw = read_json(tok, {"added_tokens?": [{"content": str, "id": int}]})
+    added = {t["content"]: t["id"] for t in raw.get("added_tokens") or []}
     return (added.get("<think>", -1), added.get("</think>", -1)), tok.name
 
 
@@ -282,8 +281,8 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
         raise MtpTrtError(f"--lowering: unknown lowering {lowering!r}; expected one of {', '.join(LOWERINGS)}")
     have = cfg.num_nextn_predict_layers
     nextn = have if nextn is None else nextn
-    if nextn < 0:
-        raise MtpTrtError(f"--nextn must be >= 0, got {nextn}")
+    if not 0 <= nextn <= MAX_NEXTN:
+        raise MtpTrtError(f"--nextn must be in 0..{MAX_NEXTN} (one step graph per value up to it), got {nextn}")
     if mtp_mode == "vanilla" and nextn > have:
         raise MtpTrtError(f"--nextn {nextn} needs {nextn} MTP modules in vanilla mode, but {ckpt / 'config.json'} "
                           f"has num_nextn_predict_layers = {have}; use --nextn <= {have} or --mtp-mode eagle")
@@ -294,9 +293,16 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
     if not 1 <= max_seq_len <= cfg.max_position_embeddings:
         raise MtpTrtError(f"--max-seq-len must be in 1..{cfg.max_position_embeddings} (max_position_embeddings), "
                           f"got {max_seq_len}")
+    if max_seq_len < 2 * nextn + 3:
+        raise MtpTrtError(f"--max-seq-len {max_seq_len} leaves no room for a prompt with --nextn {nextn} (a decode "
+                          f"step needs 2 nextn + 2 rows)")
+    size = TORCH_DTYPES[dtype].itemsize
+    check_memory(cache_bytes(cfg, cfg.num_hidden_layers + max(nextn, 1), max_batch, max_seq_len, size) +
+                 8 * max_seq_len * cfg.qk_rope_head_dim,
+                 f"--max-batch {max_batch} x --max-seq-len {max_seq_len}: the caches the export is made for")
     check_output_dir(out)
-    if (ckpt / "tokenizer.json").is_file():
-        load_tokenizer(ckpt / "tokenizer.json")  # a broken one fails now, not at `mtp-trt run`
+    if (ckpt / "tokenizer.json").is_file():  # a broken one fails now, not at `mtp-trt run`
+        check_vocab(load_tokenizer(ckpt / "tokenizer.json"), cfg.vocab_size, ckpt / "tokenizer.json")
     eos_token_ids(ckpt, cfg)
     check_export_memory(cfg, TORCH_DTYPES[dtype].itemsize, str(ckpt / "config.json"))
     return cfg, nextn, max_seq_len
@@ -458,9 +464,11 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
                    "tensors": store.tensors, "initializers": tables}
         for g in graphs.values():
             g["sha256"] = sha256(tmp / g["file"])
+        tokenizer_files = {}
         for f in TOKENIZER_FILES:
             if (ckpt / f).is_file():
                 shutil.copyfile(ckpt / f, tmp / f)
+                tokenizer_files[f] = sha256(tmp / f)
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
             "config": read_json(ckpt / "config.json"), "nextn": nextn, "mtp_mode": mtp_mode,
@@ -468,7 +476,7 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
             "quant": scheme.as_dict(),
             "max_batch": max_batch, "max_seq_len": max_seq_len, "trees": [t.spec for t in shapes],
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
-            "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,
+            "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer, "tokenizer_files": tokenizer_files,
             "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe" if not cfg.dsa
                       else "[B, T, kv_lora_rank + qk_rope_head_dim + index_head_dim]: normed c_kv, roped k_pe, then "
                            "the lightning indexer's key",
@@ -477,6 +485,6 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
                       **({"index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk} if cfg.dsa else {}),
                       "mtp_caches": modules, "rows_per_sequence": max_seq_len},
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / "manifest.json").write_text(json.dumps(seal(manifest), indent=2) + "\n")
         progress(f"writing {out}")
     return out

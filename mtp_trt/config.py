@@ -28,6 +28,11 @@ ROPE_TYPES = ("default", "yarn")
 HIDDEN_ACTS = ("silu",)
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the graphs
 MLP_LAYER_TYPES = ("dense", "sparse")
+# Counts of things the export builds one by one (graph inputs per layer, modules per expert): bounded before any
+# work, well above the largest models of the supported families (DeepSeek-V3: 61 layers, 256 experts, 128 heads).
+MAX_NEXTN = 16  # draft tokens per step (MTP modules, step graphs); acceptance compounds: deeper drafts rarely land
+LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "num_attention_heads": 1024,
+          "num_nextn_predict_layers": MAX_NEXTN}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +221,15 @@ class ModelConfig:
             return layer_id >= self.num_hidden_layers or self.mlp_layer_types[layer_id] == "sparse"
         return layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
 
+    def moe_layers(self, layers: int) -> int:
+        """How many of layers 0..layers-1 are MoE (is_moe_layer), counted without visiting each."""
+        if not self.n_routed_experts or layers <= 0:
+            return 0
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[:layers].count("sparse") + max(0, layers - self.num_hidden_layers)
+        k, f = self.first_k_dense_replace, self.moe_layer_freq  # multiples of f in k..layers-1
+        return max(0, (layers - 1) // f - (k - 1) // f) if k > 0 else (layers - 1) // f + 1
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
@@ -242,12 +256,12 @@ class ModelConfig:
         dense = 3 * d * self.intermediate_size
         moe = 3 * d * self.moe_intermediate_size * ((self.n_routed_experts or 0) + self.n_shared_experts) \
             + d * (self.n_routed_experts or 0)
-        layers = [moe if self.is_moe_layer(i) else dense for i in range(self.num_hidden_layers + nextn)]
+        n = self.num_hidden_layers + nextn
+        n_moe = self.moe_layers(n)
         indexer = (self.q_lora_rank or 0) * self.index_n_heads * self.index_head_dim + d * self.index_head_dim \
             + d * self.index_n_heads
-        indexers = sum(self.has_indexer(i) for i in range(self.num_hidden_layers + nextn)) * indexer
-        return 2 * self.vocab_size * d + (self.num_hidden_layers + nextn) * attn + sum(layers) + nextn * 2 * d * d \
-            + indexers
+        indexers = sum(self.has_indexer(i) for i in range(n)) * indexer
+        return 2 * self.vocab_size * d + n * attn + n_moe * moe + (n - n_moe) * dense + nextn * 2 * d * d + indexers
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:
@@ -381,6 +395,10 @@ class ModelConfig:
                   "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
             if getattr(self, f) <= 0:
                 raise bad(f, f"must be positive, got {getattr(self, f)}")
+        for f, top in LIMITS.items():
+            if (getattr(self, f) or 0) > top:
+                raise bad(f, f"is {getattr(self, f)}, more than the {top} mtp-trt reads (each is a graph input, a "
+                             f"module or an attention head the export builds one by one)")
         for f in ("vocab_size", "max_position_embeddings"):
             if getattr(self, f) > MAX_TOKEN_ID:
                 raise bad(f, f"must be at most {MAX_TOKEN_ID} (token ids and positions are int32), "
@@ -508,8 +526,8 @@ def _parse_rope(d: dict[str, Any], source: str, get, bad) -> RopeConfig:
     if params.get("attention_factor") is not None:
         raise bad(f"{field}.attention_factor", "is not supported (YaRN's factor comes from mscale and mscale_all_dim)")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise bad("rope_theta", f"must be a positive number, got {theta!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise bad("rope_theta", f"must be a finite number > 0, got {theta!r}")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise bad(f"{field}.type", f"has unknown value {kind!r}; expected one of {', '.join(ROPE_TYPES)}")
@@ -525,9 +543,11 @@ def _parse_rope(d: dict[str, Any], source: str, get, bad) -> RopeConfig:
         return float(v)
 
     omax = params.get("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
+    if isinstance(omax, bool) or not isinstance(omax, int) or not 1 <= omax <= MAX_TOKEN_ID:
+        raise bad(f"{field}.original_max_position_embeddings", f"must be an integer in 1..{MAX_TOKEN_ID}, got {omax!r}")
     return RopeConfig(
         theta=float(theta), type="yarn", factor=num("factor", None),
-        original_max_position_embeddings=int(omax),
+        original_max_position_embeddings=omax,
         beta_fast=num("beta_fast", 32.0) or 32.0, beta_slow=num("beta_slow", 1.0) or 1.0,
         mscale=num("mscale", 1.0), mscale_all_dim=num("mscale_all_dim", 0.0),
     )
