@@ -115,8 +115,9 @@ def converter_dir(sdist: Path | None) -> Path:
     return out
 
 
-def convert_child(src: str, ckpt: str, out: str) -> dict:
-    """(in a child process) llama.cpp's convert_hf_to_gguf.py on `ckpt`, f32, the BPE pre-tokenizer registered."""
+def convert_child(src: str, ckpt: str, out: str, outtype: str = "f32") -> dict:
+    """(in a child process) llama.cpp's convert_hf_to_gguf.py on `ckpt` (`--outtype` f32, or q8_0 where an f32
+    file would not fit the disk), the BPE pre-tokenizer registered."""
     import runpy
 
     sys.path[:0] = [src, str(Path(src) / "gguf-py")]
@@ -132,7 +133,7 @@ def convert_child(src: str, ckpt: str, out: str) -> dict:
 
     base.TextModel.get_vocab_base_pre = vocab_pre
     tmp = f"{out}.partial"
-    sys.argv = ["convert_hf_to_gguf.py", ckpt, "--outtype", "f32", "--outfile", tmp]
+    sys.argv = ["convert_hf_to_gguf.py", ckpt, "--outtype", outtype, "--outfile", tmp]
     t0 = time.perf_counter()
     stdout, sys.stdout = sys.stdout, sys.stderr  # the converter's output must not mix with our JSON line
     try:
@@ -143,15 +144,17 @@ def convert_child(src: str, ckpt: str, out: str) -> dict:
     return {"seconds": time.perf_counter() - t0}
 
 
-def quantize_child(src: str, out: str, kind: str, threads: int) -> dict:
+def quantize_child(src: str, out: str, kind: str, threads: int, requantize: bool = False) -> dict:
     """(in a child process, a Python with llama_cpp) the f32 GGUF `src` quantized to `kind` with
-    llama_model_quantize, as llama-quantize does."""
+    llama_model_quantize, as llama-quantize does (`requantize`: `src` is already quantized, as
+    `llama-quantize --allow-requantize`)."""
     ll = import_llama()
     log = quiet(ll)
     ll.llama_backend_init()
     params = ll.llama_model_quantize_default_params()
     params.ftype = getattr(ll, GGUF_TYPES[kind])
     params.nthread = threads
+    params.allow_requantize = requantize
     tmp = f"{out}.partial"
     t0 = time.perf_counter()
     rc = ll.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
@@ -309,10 +312,27 @@ class LlamaEngine:
         ll.llama_model_free(self.model)
 
 
+def decode_child(gguf: str, ids: list[int], tokens: int, rounds: int, threads: int) -> dict:
+    """(in a child process, a Python with llama_cpp) one GGUF alone, as benchmarks/v2_lite.py times an export:
+    new tokens / seconds of a whole generation (prompt included), the median of `rounds` after a warm-up, and
+    the process's peak RSS."""
+    import statistics
+
+    engine = LlamaEngine(gguf, n_ctx=len(ids) + tokens + 16, threads=threads)
+    engine.generate(ids, tokens)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        engine.generate(ids, tokens)
+        times.append(time.perf_counter() - t0)
+    return {"tokens_per_second": tokens / statistics.median(times), "peak_rss_mb": peak_rss_mb()}
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         name, *args = json.loads(sys.argv[2])
-        print(json.dumps({"convert": convert_child, "quantize": quantize_child, "export": export_child}[name](*args)))
+        jobs = {"convert": convert_child, "quantize": quantize_child, "export": export_child, "decode": decode_child}
+        print(json.dumps(jobs[name](*args)))
         return
     raise SystemExit("a module of benchmarks/llama_cpp.py and benchmarks/quant_quality.py; run those")
 

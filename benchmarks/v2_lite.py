@@ -3,11 +3,19 @@ plus one MTP layer, stored as the official FP8 block format stores DeepSeek-V3 (
 one float32 scale per 128 x 128 block; embedding, head, norms and routers in bf16), made on the fly (never
 shipped), exported with `--quant int4` and decoded.  Not run in CI.
 
-  python benchmarks/v2_lite.py [--quant int4] [--tokens 32] [--layers 27]
+  python benchmarks/v2_lite.py [--quant int4] [--tokens 32] [--layers 27] \\
+      [--llama-python /path/to/python-with-llama_cpp --sdist llama_cpp_python-0.3.36.tar.gz]
 
 Prints the export's wall time and peak RSS (a process of its own: VmHWM), then decode tokens/s (nextn 0 and 1,
 batch 1, 2 threads, the median of --rounds) and the decoding process's peak RSS.  Everything goes under
 $MTP_TRT_CACHE_DIR/bench-real-size (about 16 GB for the checkpoint, 10 GB for the int4 export).
+
+With --llama-python (a Python with llama-cpp-python) and --sdist (its source distribution, which carries
+llama.cpp's converter), llama.cpp Q4_K_M of the same checkpoint beside it: the converter writes Q8_0 straight
+from the FP8 checkpoint (an f32 GGUF would be 63 GB), `llama_model_quantize` makes Q4_K_M from that
+(`--allow-requantize`), and the same prompt is decoded through llama.cpp's C API (benchmarks/llama_api.py),
+the same way: new tokens over a whole generation's time, the median of --rounds, and the process's peak RSS.
+About 17 + 10 GB more on disk.
 
 Shapes (DeepSeek-V2-Lite's config): 27 layers, hidden 2048, the first layer dense (width 10944), then 64 routed
 experts top-6 of width 1408 and 2 shared, softmax routing without groups, 16 heads, no q LoRA, kv_lora_rank
@@ -129,6 +137,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-python", help="a Python with llama_cpp: decode llama.cpp Q4_K_M of the same checkpoint")
+    ap.add_argument("--sdist", type=Path, help="llama-cpp-python's source distribution (its converter)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -150,6 +160,27 @@ def main() -> None:
         d = child("decode", str(out), nextn, a.tokens, a.rounds, a.threads)
         print(f"decode nextn {nextn}: {d['tokens_per_second']:.2f} tokens/s, peak RSS {d['peak_rss_mb']:.0f} MB "
               f"(mean accepted {d['mean_accepted']:.2f})", flush=True)
+    if a.llama_python:
+        llama_q4_k_m(ckpt, a)
+
+
+def llama_q4_k_m(ckpt: str, a) -> None:
+    """llama.cpp Q4_K_M of the checkpoint (module docstring): made once, then decoded alone."""
+    from llama_api import converter_dir, gguf_path, run_child
+    from tokenizers import Tokenizer
+
+    q8, q4 = gguf_path(f"v2-lite-{a.layers}", "q8_0"), gguf_path(f"v2-lite-{a.layers}", "q4_k_m")
+    if not q4.is_file():
+        if not q8.is_file():
+            t = run_child(sys.executable, "convert", str(converter_dir(a.sdist)), ckpt, str(q8), "q8_0")
+            print(f"llama.cpp converter -> Q8_0: {t['seconds']:.0f} s, {q8.stat().st_size / 1e9:.2f} GB", flush=True)
+        t = run_child(a.llama_python, "quantize", str(q8), str(q4), "q4_k_m", a.threads, True)
+        print(f"llama_model_quantize Q8_0 -> Q4_K_M: {t['seconds']:.0f} s, {q4.stat().st_size / 1e9:.2f} GB",
+              flush=True)
+    ids = [1] + Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json")).encode(real_size.PROMPT).ids
+    d = run_child(a.llama_python, "decode", str(q4), ids, a.tokens, a.rounds, a.threads)
+    print(f"llama.cpp Q4_K_M decode: {d['tokens_per_second']:.2f} tokens/s, peak RSS {d['peak_rss_mb']:.0f} MB",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,10 @@ from mtp_trt.exporters.loader import checkpoint_names, checkpoint_tensors
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
                                          placeholder_model, freed_memory_returned)
-from mtp_trt.tokenizer import load_tokenizer
-from mtp_trt.validate import check_export_memory, check_mtp_modules, check_output_dir
-from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, sha256
+from mtp_trt.tokenizer import check_vocab, load_tokenizer
+from mtp_trt.config import MAX_NEXTN
+from mtp_trt.validate import cache_bytes, check_export_memory, check_memory, check_mtp_modules, check_output_dir
+from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, seal, sha256
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 OPSET = 18
@@ -58,12 +59,13 @@ def commit_spec(cache: str, dtype: str, cfg: ModelConfig, lowering: str, rows="S
     written back by the runtime) or the cache itself after the graph's writes (`plugin`: <cache>_out [B, T, C],
     aliased to the input: TensorRT binds both to one buffer)."""
     if lowering == "plugin":
-        return _spec(f"{cache}_out", dtype, ["B", "T", cfg.latent_dim])
-    return _spec("mtp_new_" + cache[4:] if cache.startswith("mtp_") else "new_" + cache, dtype, ["B", rows, cfg.latent_dim])
+        return _spec(f"{cache}_out", dtype, ["B", "T", cfg.cache_dim])
+    name = "mtp_new_" + cache[4:] if cache.startswith("mtp_") else "new_" + cache
+    return _spec(name, dtype, ["B", rows, cfg.cache_dim])
 
 
 def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
-    kv = [_spec(f"kv_{i}", dtype, ["B", "T", cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
+    kv = [_spec(f"kv_{i}", dtype, ["B", "T", cfg.cache_dim]) for i in range(cfg.num_hidden_layers)]
     inputs = [_spec("input_ids", "int32", ["B", "S"]), _spec("past_len", "int32", ["B"]),
               _spec("thinking", "int32", ["B"]), _spec("relaxed_topk", "int32", []),
               _spec("relaxed_delta", "fp32", []), *kv]
@@ -81,7 +83,7 @@ def step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[li
     t_in, t_out = target_io(cfg, dtype, lowering)
     mtp = nextn > 0
     inputs = [t for t in t_in if mtp or not t["name"].startswith("relaxed_")]
-    inputs += [_spec("mtp_kv", dtype, ["B", "T", cfg.latent_dim])] * mtp
+    inputs += [_spec("mtp_kv", dtype, ["B", "T", cfg.cache_dim])] * mtp
     outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])] * mtp
     outputs += t_out[6:] + [commit_spec("mtp_kv", dtype, cfg, lowering)] * mtp
     fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
@@ -92,7 +94,7 @@ def vanilla_step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> 
     """VanillaStepGraph: S = K + 1 fixed; one MTP cache per depth; depth k's new rows are K + k wide."""
     t_in, t_out = target_io(cfg, dtype, lowering)
     carry = nextn > 1
-    inputs = t_in + [_spec(f"mtp_kv_{k}", dtype, ["B", "T", cfg.latent_dim]) for k in range(nextn)]
+    inputs = t_in + [_spec(f"mtp_kv_{k}", dtype, ["B", "T", cfg.cache_dim]) for k in range(nextn)]
     inputs += [_spec("carry", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
     outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])]
     outputs += [_spec("carry_out", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
@@ -121,13 +123,13 @@ def tree_io(cfg: ModelConfig, dtype: str, lowering: str, tree: tuple[int, int, i
     outputs = [o for o in outputs if o["name"] != "drafts"]
     outputs = outputs[:3] + tree + outputs[3:]
     if lowering == "plugin":  # the verified nodes' rows sit at past_len + node: the runtime commits the path's
-        outputs += [_spec(f"path_kv_{i}", dtype, ["B", d + 1, cfg.latent_dim]) for i in range(cfg.num_hidden_layers)]
+        outputs += [_spec(f"path_kv_{i}", dtype, ["B", d + 1, cfg.cache_dim]) for i in range(cfg.num_hidden_layers)]
     return inputs, outputs
 
 
 def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
     inputs = [_spec("hidden", dtype, ["B", "S", cfg.hidden_size]), _spec("next_tokens", "int32", ["B", "S"]),
-              _spec("past_len", "int32", ["B"]), _spec("kv", dtype, ["B", "T", cfg.latent_dim])]
+              _spec("past_len", "int32", ["B"]), _spec("kv", dtype, ["B", "T", cfg.cache_dim])]
     outputs = [_spec("hidden_out", dtype, ["B", "S", cfg.hidden_size]), _spec("draft_tokens", "int32", ["B", "S"]),
                _spec("draft_probs", "fp32", ["B", "S"]), _spec("draft_logits", "fp32", ["B", "S", cfg.vocab_size]),
                commit_spec("kv", dtype, cfg, lowering)]
@@ -243,10 +245,8 @@ def special_token_ids(ckpt: Path) -> tuple[tuple[int, int], str | None]:
     tok = ckpt / "tokenizer.json"
     if not tok.is_file():
         return (-1, -1), None
-    try:
-        added = {t["content"]: t["id"] for t in json.loads(tok.read_text()).get("added_tokens", [])}
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise MtpTrtError(f"{tok}: not a tokenizers JSON file ({e})") from None
+    raw = read_json(tok, {"added_tokens?": [{"content": str, "id": int}]})
+    added = {t["content"]: t["id"] for t in raw.get("added_tokens") or []}
     return (added.get("<think>", -1), added.get("</think>", -1)), tok.name
 
 
@@ -281,8 +281,8 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
         raise MtpTrtError(f"--lowering: unknown lowering {lowering!r}; expected one of {', '.join(LOWERINGS)}")
     have = cfg.num_nextn_predict_layers
     nextn = have if nextn is None else nextn
-    if nextn < 0:
-        raise MtpTrtError(f"--nextn must be >= 0, got {nextn}")
+    if not 0 <= nextn <= MAX_NEXTN:
+        raise MtpTrtError(f"--nextn must be in 0..{MAX_NEXTN} (one step graph per value up to it), got {nextn}")
     if mtp_mode == "vanilla" and nextn > have:
         raise MtpTrtError(f"--nextn {nextn} needs {nextn} MTP modules in vanilla mode, but {ckpt / 'config.json'} "
                           f"has num_nextn_predict_layers = {have}; use --nextn <= {have} or --mtp-mode eagle")
@@ -293,9 +293,16 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
     if not 1 <= max_seq_len <= cfg.max_position_embeddings:
         raise MtpTrtError(f"--max-seq-len must be in 1..{cfg.max_position_embeddings} (max_position_embeddings), "
                           f"got {max_seq_len}")
+    if max_seq_len < 2 * nextn + 3:
+        raise MtpTrtError(f"--max-seq-len {max_seq_len} leaves no room for a prompt with --nextn {nextn} (a decode "
+                          f"step needs 2 nextn + 2 rows)")
+    size = TORCH_DTYPES[dtype].itemsize
+    check_memory(cache_bytes(cfg, cfg.num_hidden_layers + max(nextn, 1), max_batch, max_seq_len, size) +
+                 8 * max_seq_len * cfg.qk_rope_head_dim,
+                 f"--max-batch {max_batch} x --max-seq-len {max_seq_len}: the caches the export is made for")
     check_output_dir(out)
-    if (ckpt / "tokenizer.json").is_file():
-        load_tokenizer(ckpt / "tokenizer.json")  # a broken one fails now, not at `mtp-trt run`
+    if (ckpt / "tokenizer.json").is_file():  # a broken one fails now, not at `mtp-trt run`
+        check_vocab(load_tokenizer(ckpt / "tokenizer.json"), cfg.vocab_size, ckpt / "tokenizer.json")
     eos_token_ids(ckpt, cfg)
     check_export_memory(cfg, TORCH_DTYPES[dtype].itemsize, str(ckpt / "config.json"))
     return cfg, nextn, max_seq_len
@@ -349,6 +356,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     ckpt, out = Path(ckpt), Path(out)
     scheme = quant.scheme(quant_scheme, group_size)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
+    check_dsa(cfg, ckpt, lowering, moe_form, scheme)
     cpu_ops = check_cpu_ops(cpu_ops, lowering, dtype, moe_form, scheme)
     shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
@@ -357,6 +365,22 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     with freed_memory_returned():
         return _export(ckpt, out, cfg, nextn, modules, mtp_mode, dtype, tdtype, lowering, max_batch, max_seq_len,
                        progress, moe_form, shapes, cpu_ops, scheme)
+
+
+def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None, scheme: quant.Scheme) -> None:
+    """DeepSeek Sparse Attention runs in the onnx lowering's standard operators on ONNX Runtime, unquantized: the
+    other requests are refused in one line (never exported with dense attention)."""
+    if not cfg.dsa:
+        return
+    what = f"{ckpt / 'config.json'}: {cfg.architecture} (DeepSeek Sparse Attention)"
+    if lowering == "plugin":
+        raise MtpTrtError(f"--lowering plugin: {what} has no TensorRT plugin for its sparse attention; export with "
+                          "--lowering onnx")
+    if moe_form == "tensorrt":
+        raise MtpTrtError(f"--moe-form tensorrt: {what} is not supported in TensorRT engines; leave --moe-form out")
+    if scheme.quantized:
+        raise MtpTrtError(f"--quant {scheme.name}: {what} has no quantized operators for its lightning indexer; "
+                          "export unquantized")
 
 
 def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None,
@@ -392,8 +416,9 @@ def configure(module, moe_form: str | None, cpu_ops: bool, scheme: quant.Scheme 
     module.fold = not scheme.quantized  # quantized: every projection a quantized matmul (graphs._Graph.fold)
     module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
     module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
-    if cpu_ops:  # mtp-trt's CPU operators: attention and (unless another form was asked for) MoE
-        module.cpu, module.moe = True, moe_form or "cpu"
+    if cpu_ops:  # mtp-trt's CPU operators: MoE (unless another form was asked for) and attention (not DSA's sparse
+        # attention, which runs in standard operators)
+        module.cpu, module.moe = not module.model.cfg.dsa, moe_form or "cpu"
     return module
 
 
@@ -439,9 +464,11 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
                    "tensors": store.tensors, "initializers": tables}
         for g in graphs.values():
             g["sha256"] = sha256(tmp / g["file"])
+        tokenizer_files = {}
         for f in TOKENIZER_FILES:
             if (ckpt / f).is_file():
                 shutil.copyfile(ckpt / f, tmp / f)
+                tokenizer_files[f] = sha256(tmp / f)
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": str(ckpt.resolve()),
             "config": read_json(ckpt / "config.json"), "nextn": nextn, "mtp_mode": mtp_mode,
@@ -449,12 +476,15 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
             "quant": scheme.as_dict(),
             "max_batch": max_batch, "max_seq_len": max_seq_len, "trees": [t.spec for t in shapes],
             "opset": OPSET, "graphs": graphs, "weights": weights, "think_ids": list(think_ids),
-            "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer,
-            "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe",
+            "eos_ids": list(eos_token_ids(ckpt, cfg)), "tokenizer": tokenizer, "tokenizer_files": tokenizer_files,
+            "cache": {"layout": "[B, T, kv_lora_rank + qk_rope_head_dim]: normed c_kv then roped k_pe" if not cfg.dsa
+                      else "[B, T, kv_lora_rank + qk_rope_head_dim + index_head_dim]: normed c_kv, roped k_pe, then "
+                           "the lightning indexer's key",
                       "kv_lora_rank": cfg.kv_lora_rank, "rope_dim": cfg.qk_rope_head_dim, "dtype": dtype,
                       "target_layers": cfg.num_hidden_layers,
+                      **({"index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk} if cfg.dsa else {}),
                       "mtp_caches": modules, "rows_per_sequence": max_seq_len},
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / "manifest.json").write_text(json.dumps(seal(manifest), indent=2) + "\n")
         progress(f"writing {out}")
     return out

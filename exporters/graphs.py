@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_trt.exporters.lowering import Dims, Mask, MlaGenerationAttentionOp, accept_op, attend, flag_after
-from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, MoE, as_fp32
+from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, Indexer, MoE, as_fp32
 from mtp_trt.exporters.moe import moe_forward, swiglu
 from mtp_trt.exporters.ort_ops import CpuMlaOp, RotaryOp, add_norm
 
@@ -32,13 +32,14 @@ class Rope:
     [P, Dr] hold each pair's cos / (-sin, +sin) in the layout's pair positions.  The same products and
     sums as model.apply_rope (x1*cos - x2*sin == x1*cos + x2*(-sin) exactly), in 4 nodes instead of ~16."""
 
-    def __init__(self, model: DeepseekV3):
+    def __init__(self, model: DeepseekV3, interleave: bool | None = None):
+        """interleave: the pair layout (default: the config's rope_interleave, MLA's)."""
         dtype = model.model.embed_tokens.weight.dtype
         cos, sin = model.rope_cos.to(dtype), model.rope_sin.to(dtype)  # [P, Dr/2], cast as model.rope does
         self.tables = (model.rope_cos.float().numpy(), model.rope_sin.float().numpy(), dtype)  # (exporters/ort_ops.py)
-        self.interleave = model.cfg.rope_interleave
+        self.interleave = model.cfg.rope_interleave if interleave is None else interleave
         half = cos.shape[-1]
-        if model.cfg.rope_interleave:  # pairs (2i, 2i+1)
+        if self.interleave:  # pairs (2i, 2i+1)
             self.cos = torch.stack([cos, cos], -1).flatten(-2)
             self.sin = torch.stack([-sin, sin], -1).flatten(-2)
             self.swap = torch.arange(2 * half).view(half, 2).flip(-1).flatten()
@@ -67,8 +68,11 @@ class Group:
 
     def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static",
                  positions: Tensor | None = None, tree_mask: Tensor | None = None, fused: bool = False,
-                 cpu: bool = False, fold: bool = True):
+                 cpu: bool = False, fold: bool = True, index_rope: Rope | None = None, gather: bool = False):
         self.rope, self.dims, self.write_pos, self.mask, self.fused = rope, dims, write_pos, mask, fused
+        self.index_rope = index_rope  # DSA: the indexer's RoPE (its own pair layout)
+        self.selection = None  # DSA: the last indexer's selection (sparse_selection), for layers that share it
+        self.gather = gather  # DSA: attend to the selected rows gathered (few tokens) rather than masked
         self.fold = fold  # W^UK / W^UV folded into the projections where smaller (folded_mla)
         self.cpu = cpu  # mtp-trt's CPU operators (plugins/ort) for the attention (and, by self.moe, the MoE)
         assert fused or not cpu, "the CPU operators take the fused graphs' flat queries"
@@ -90,6 +94,80 @@ class Group:
     def rope_rows(self, x: Tensor) -> Tensor:
         """x [B, S, Dr] (one head: k_pe) roped at the group's positions."""
         return self.rope.fused(x, self.positions, 1) if self.fused else self.rope(x, self.cos, self.sin)
+
+
+# ------------------------------------------------------------------------- DeepSeek Sparse Attention
+class TopK(torch.autograd.Function):
+    """The min(k, n) largest of x [..., n] along its last axis -> (values, indices): one ONNX TopK whose K is
+    computed from x's traced width (torch.topk's k would be fixed at the traced example's).  ONNX TopK keeps the
+    earlier index among equal values."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        return tuple(x.topk(min(k, x.shape[-1]), -1))
+
+    @staticmethod
+    def symbolic(g, x, k: int):
+        n = g.op("Shape", x, start_i=-1)  # [1]
+        kk = g.op("Min", n, g.op("Constant", value_t=torch.tensor([k], dtype=torch.int64)))
+        return g.op("TopK", x, kk, axis_i=-1, largest_i=1, sorted_i=1, outputs=2)
+
+
+def sparse_selection(indexer: Indexer, x: Tensor, c_q: Tensor, keys: Tensor, cache: Tensor, group: Group):
+    """DSA's selection for the group's queries (the model's Indexer and select_topk in standard operators) over the
+    rows `attend` reads: the cache buffer's T, the mask's R extra rows, the S new rows.  x [B, S, D] the block's
+    normed input, c_q [B, S, Dq] the query latent, keys [B, S, Di] the new rows' indexer keys, cache [B, T, C]
+    (indexer keys after the latent).  -> the attention bias [B, S*H, T + R + S] (0 on the selected rows, -inf
+    elsewhere), or, where the group gathers (few tokens: group.gather), the selected rows' indices [B, S, K] and
+    whether each is visible [B, S, K] (K = min(index_topk, T + R + S))."""
+    cfg, dims, mask = indexer.cfg, group.dims, group.mask
+    hi, di, lat, dr = cfg.index_n_heads, cfg.index_head_dim, cfg.latent_dim, cfg.qk_rope_head_dim
+    parts = [cache[..., lat:]] + ([] if mask.extra_rows is None else [mask.extra_rows[..., lat:]]) + [keys]
+    k_all = as_fp32(torch.cat(parts, 1))  # [B, T + R + S, Di]
+    cos, sin = group.index_rope.at(group.positions)
+    q = dims.view(indexer.wq_b(c_q), hi, di)  # [B, S, Hi, Di]
+    q = torch.cat([group.index_rope(q[..., :dr], cos[:, :, None], sin[:, :, None]), q[..., dr:]], -1)
+    scores = F.relu(torch.matmul(as_fp32(dims.rows(q, di)), k_all.transpose(1, 2)) * di**-0.5)  # [B, S*Hi, T+R+S]
+    w = as_fp32(indexer.weights_proj(x)) * hi**-0.5  # [B, S, Hi]
+    index = torch.matmul(dims.view(w, 1, hi), dims.view(scores, hi, -1)).reshape(dims.b, dims.s, -1)  # [B, S, T+R+S]
+    visible = mask.seen_rows()
+    values, top = TopK.apply(torch.where(visible, index, float("-inf")), cfg.index_topk)  # [B, S, K]
+    if group.gather:
+        return top, values > float("-inf")
+    picked = torch.zeros_like(index).scatter(-1, top, 1.0) > 0
+    bias = torch.where(picked & visible, 0.0, float("-inf"))  # [B, S, T + R + S]
+    token = torch.arange(dims.s * cfg.num_attention_heads) // cfg.num_attention_heads  # query row -> its token
+    return bias[:, token]
+
+
+def attend_selected(q: Tensor, new_rows: Tensor, cache: Tensor, group: Group, top: Tensor, ok: Tensor,
+                    kv_lora_rank: int, scale: float) -> Tensor:
+    """Absorbed MLA over the selected rows only (DSA where the group gathers): each query token's K rows are
+    gathered from the cache buffer, the mask's extra rows and the new rows, so the cost grows with K, not with T.
+    q [B, S*H, Dl+Dr], new_rows [B, S, C], cache [B, T, C], top [B, S, K] (indices into T + R + S), ok [B, S, K]
+    (visible) -> [B, S*H, Dl]."""
+    dims, mask, width = group.dims, group.mask, q.shape[-1]
+    rows = new_rows if mask.extra_rows is None else torch.cat([mask.extra_rows, new_rows], 1)  # [B, R + S, C]
+    flat = top.reshape(dims.b, -1)  # [B, S*K]
+    t, n_new = torch._shape_as_tensor(cache)[1], torch._shape_as_tensor(rows)[1]  # (traced sizes, as tensors)
+    batch = torch.arange(dims.b)[:, None]
+    in_cache = flat < t
+    from_cache = cache[..., :width].reshape(-1, width)[batch * t + torch.where(in_cache, flat, 0)]
+    from_rows = rows[..., :width].reshape(-1, width)[batch * n_new + torch.where(in_cache, 0, flat - t)]
+    picked = torch.where(in_cache[..., None], from_cache, from_rows)  # [B, S*K, Dl+Dr]
+    picked = as_fp32(picked).reshape(dims.b, dims.s, -1, width)  # [B, S, K, Dl+Dr]
+    qf = as_fp32(q).reshape(dims.b, dims.s, -1, width)  # [B, S, H, Dl+Dr]
+    scores = torch.matmul(qf, picked.transpose(2, 3)) * scale + torch.where(ok, 0.0, float("-inf"))[:, :, None]
+    out = torch.matmul(scores.softmax(-1), picked[..., :kv_lora_rank])  # [B, S, H, Dl]
+    return out.reshape(dims.b, -1, kv_lora_rank).to(q.dtype)
+
+
+def indexer_keys(indexer: Indexer, x: Tensor, group: Group) -> Tensor:
+    """The new rows' indexer keys [B, S, Di]: LayerNorm(wk x), roped on its first Dr dims (Indexer.keys)."""
+    dr = indexer.cfg.qk_rope_head_dim
+    k = indexer.k_norm(indexer.wk(x))
+    cos, sin = group.index_rope.at(group.positions)
+    return torch.cat([group.index_rope(k[..., :dr], cos, sin), k[..., dr:]], -1)
 
 
 # ----------------------------------------------------------------------------------------- blocks
@@ -163,6 +241,13 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
             q_lat = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # q_nope absorbed through W^UK
         q_pe = group.rope_heads(q_pe, nh)  # q_lat [B, S, H, Dl], q_pe [B, S, H, Dr]
     latent = torch.cat([attn.kv_a_layernorm(c_kv), group.rope_rows(k_pe)], -1)  # [B, S, Dl+Dr]
+    if cfg.dsa:  # the row continues with the indexer's key (zeros where the layer shares the previous selection)
+        indexer = getattr(attn, "indexer", None)
+        keys = indexer_keys(indexer, x, group) if indexer is not None else \
+            torch.zeros_like(x[..., :1]).expand(-1, -1, cfg.index_head_dim)
+        latent = torch.cat([latent, keys], -1)  # [B, S, C]
+        if indexer is not None:
+            group.selection = sparse_selection(indexer, x, c_q, keys, cache, group)
     if new_rows is not None:
         new_rows.append(latent)
     flat = lowering == "onnx" and group.cpu  # the CPU attention node: o_lat [B, S, H*Dl]
@@ -176,7 +261,11 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
             o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl,
                                                            cfg.softmax_scale, group.tree_mask)
         else:
-            o_lat = attend(dims.rows(q_abs, dl + dr), latent, cache, group.mask, dl, cfg.softmax_scale)  # [B, S*H, Dl]
+            q_rows = dims.rows(q_abs, dl + dr)
+            if cfg.dsa and group.gather:
+                o_lat = attend_selected(q_rows, latent, cache, group, *group.selection, dl, cfg.softmax_scale)
+            else:  # [B, S*H, Dl]
+                o_lat = attend(q_rows, latent, cache, group.mask, dl, cfg.softmax_scale, group.selection)
     if wo is not None:
         o = F.linear(o_lat if flat else dims.view(o_lat, nh * dl), wo, attn.o_proj.bias)
     else:
@@ -225,6 +314,7 @@ class _Graph(nn.Module):
     def __init__(self, model: DeepseekV3, lowering: str, think_ids: tuple[int, int] = (-1, -1)):
         super().__init__()
         self.model, self.lowering, self.think_ids, self.rope = model, lowering, think_ids, Rope(model)
+        self.index_rope = Rope(model, model.cfg.index_rope_interleave) if model.cfg.dsa else None
         self.moe = "ort" if lowering == "onnx" else "gather" if self.few_tokens else "static"
         self.fused = lowering == "onnx"  # ONNX Runtime's fused operators (exporters/ort_ops.py); off for TensorRT
         self.cpu = False  # mtp-trt's CPU operators (plugins/ort) for attention; export.py sets it with the MoE form
@@ -241,7 +331,8 @@ class _Graph(nn.Module):
         heads = self.model.cfg.num_attention_heads
         if self.lowering == "onnx":
             return Group(self.rope, dims, write_pos, Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible),
-                         self.moe, positions, fused=self.fused, cpu=self.cpu, fold=self.fold)
+                         self.moe, positions, fused=self.fused, cpu=self.cpu, fold=self.fold,
+                         index_rope=self.index_rope, gather=self.few_tokens)
         return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:

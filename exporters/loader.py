@@ -18,7 +18,6 @@ when it writes what depends on it, holding no model at all (exporters/streaming.
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory
+from mtp_trt.validate import safetensors_files, safetensors_header
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 
 Tensor = torch.Tensor
@@ -101,48 +101,21 @@ def skipped_tensor(cfg: ModelConfig, modules: int) -> Callable[[str], bool]:
 
 
 def _shard_map(ckpt: Path) -> dict[str, Path]:
-    """Tensor name -> file, from the index or the single file's header."""
+    """Tensor name -> file, from the index or the single file's header (validate.safetensors_files)."""
+    files = safetensors_files(ckpt)
+    if files is None:
+        raise MtpTrtError(f"{ckpt}: no model.safetensors or model.safetensors.index.json")
     index = ckpt / "model.safetensors.index.json"
-    single = ckpt / "model.safetensors"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise MtpTrtError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
-        files = {name: ckpt / f for name, f in weight_map.items()}
-        for f in sorted(set(files.values())):
-            if not f.is_file():
-                raise MtpTrtError(f"{index}: names shard '{f.name}', which is not in {ckpt}")
-        return files
-    if single.is_file():
-        return {name: single for name in _header(single)}
-    raise MtpTrtError(f"{ckpt}: no model.safetensors or model.safetensors.index.json")
+    for f in sorted(set(files.values())):
+        if not f.is_file():
+            raise MtpTrtError(f"{index}: names shard '{f.name}', which is not in {ckpt}")
+    return files
 
 
 def _header(path: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
-    """A safetensors file's table: name -> (dtype, shape, first byte, end byte) in the file, checked against
-    the file's size (a truncated file is named here, not when its last tensor is read)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= size - 8:
-                raise ValueError(f"header length {n} does not fit a {size}-byte file")
-            raw = json.loads(f.read(n))
-        table = {}
-        for name, e in raw.items():
-            if name == "__metadata__":
-                continue
-            dtype, shape, (begin, end) = ST_DTYPES[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
-            nbytes = math.prod(shape) * dtype.itemsize
-            if not (isinstance(begin, int) and end - begin == nbytes and 0 <= begin and 8 + n + end <= size):
-                raise ValueError(f"tensor '{name}': bytes {begin}..{end} do not hold {shape} {e['dtype']} "
-                                 f"within the file ({size} bytes; truncated?)")
-            table[name] = (dtype, shape, 8 + n + begin, 8 + n + end)
-        return table
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        what = f"unknown dtype {e}" if isinstance(e, KeyError) else e
-        raise MtpTrtError(f"{path}: cannot read safetensors header: {what}") from None
+    """A safetensors file's table (validate.safetensors_header) with torch dtypes."""
+    return {name: (ST_DTYPES[dtype], shape, begin, end)
+            for name, (dtype, shape, begin, end) in safetensors_header(path).items()}
 
 
 def _read(path: Path, entry: tuple[torch.dtype, list[int], int, int]) -> Tensor:
@@ -221,7 +194,12 @@ class CheckpointTensors:
         t = _read(path, e)
         if scale is not None:
             t = dequantize_fp8(t, _read(*scale), self.block)
-        return t.to(self.dtype)
+        t = t.to(self.dtype)
+        if not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).sum())
+            raise MtpTrtError(f"{path}: tensor '{name}' holds {bad} NaN or infinite value(s) (as {self.dtype}); "
+                              f"refusing a checkpoint whose weights are not finite")
+        return t
 
 
 def _natural(name: str) -> list:

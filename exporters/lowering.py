@@ -75,6 +75,11 @@ class Mask:
         token = torch.arange(self.dims.s * self.heads) // self.heads  # query row -> its token
         return _bias(self._seen()[:, token])
 
+    def seen_rows(self) -> Tensor:
+        """Which rows each query token sees, [B, S, T + R + S] bool: the valid cache rows, then _seen's."""
+        past = (torch.arange(self.t) < self.valid_len[:, None])[:, None, :].expand(-1, self.dims.s, -1)
+        return torch.cat([past, self._seen().expand(self.dims.b, -1, -1)], -1)
+
     @functools.cached_property
     def visible(self) -> Tensor | None:
         causal = self.extra_rows is None and self._new_visible is None  # the node's default
@@ -86,17 +91,26 @@ def _bias(visible: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------- MLA generation attention
-def attend(q: Tensor, new_rows: Tensor, cache: Tensor, mask: Mask, kv_lora_rank: int, scale: float) -> Tensor:
+def attend(q: Tensor, new_rows: Tensor, cache: Tensor, mask: Mask, kv_lora_rank: int, scale: float,
+           bias: Tensor | None = None) -> Tensor:
     """Absorbed MLA over a latent cache in standard operators.  q [B, S*H, Dl+Dr] (row s*H + h),
-    new_rows [B, S, Dl+Dr], cache [B, T, Dl+Dr] -> [B, S*H, Dl].
+    new_rows [B, S, C], cache [B, T, C] (C >= Dl+Dr: rows may carry more after the latent) -> [B, S*H, Dl].
 
     Attends over the visible cached rows, the mask's extra rows and, causally, the new rows, without
-    concatenating the cache: the two score blocks are softmaxed together and the value products summed."""
+    concatenating the cache: the two score blocks are softmaxed together and the value products summed.
+    bias [B, S*H, T + R + S] (0 or -inf), if given, replaces the mask's (DeepSeek Sparse Attention's selection)."""
     rows = new_rows if mask.extra_rows is None else torch.cat([mask.extra_rows, new_rows], 1)
+    width = q.shape[-1]
+    if cache.shape[-1] != width:  # only the latent of each row
+        cache, rows = cache[..., :width], rows[..., :width]
     qf, kc, kn = as_fp32(q), as_fp32(cache), as_fp32(rows)
-    s_past = torch.matmul(qf, kc.transpose(1, 2)) * scale + mask.past  # [B, S*H, T]
+    s_past = torch.matmul(qf, kc.transpose(1, 2)) * scale  # [B, S*H, T]
     s_new = torch.matmul(qf, kn.transpose(1, 2)) * scale  # [B, S*H, R + S]
-    s_new = s_new if mask.new is None else s_new + mask.new
+    if bias is None:
+        s_past = s_past + mask.past
+        s_new = s_new if mask.new is None else s_new + mask.new
+    else:
+        s_past, s_new = s_past + bias[..., :mask.t], s_new + bias[..., mask.t:]
     p = torch.cat([s_past, s_new], -1).softmax(-1)
     p_past, p_new = p[..., :mask.t], p[..., mask.t:]  # (slices at the shared T: no per-layer shape ops)
     out = torch.matmul(p_past, kc) + torch.matmul(p_new, kn)  # [B, S*H, Dl+Dr]

@@ -1,16 +1,21 @@
 """DeepSeek-V3 and its Multi-Token Prediction (MTP) modules: the PyTorch reference model.
 
-Every supported architecture (mtp_trt/config.py FAMILIES: DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash) is this
-model with its config mapped onto ModelConfig's fields.
+Every supported architecture (mtp_trt/config.py FAMILIES: DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash, DeepSeek-V3.2,
+GLM-5) is this model with its config mapped onto ModelConfig's fields.
 
-Read top-down, in dependency order: RMSNorm, RoPE, MLA (Multi-head Latent Attention), MLP, Gate,
-MoE, DecoderLayer, MTPLayer, DeepseekV3.  Module and parameter names are the checkpoint's
+Read top-down, in dependency order: RMSNorm, RoPE, Indexer (DeepSeek Sparse Attention), MLA (Multi-head Latent
+Attention), MLP, Gate, MoE, DecoderLayer, MTPLayer, DeepseekV3.  Module and parameter names are the checkpoint's
 (Hugging Face / DeepSeek), so `state_dict()` keys are tensor names; the DeepSeek-V3 paper's symbols
 are given beside them.  Shapes: B batch, S new tokens, T cached tokens, H heads, D hidden size,
 Dn/Dr/Dv the nope/rope/value head dims, Dl = kv_lora_rank, V vocabulary, E routed experts.
 
 The per-layer KV cache is the compressed latent of MLA: `Dl + Dr` values per token, the normed
-c_kv followed by the roped k_pe (the rope dims in the checkpoint's own pair layout).  Attention
+c_kv followed by the roped k_pe (the rope dims in the checkpoint's own pair layout); with DeepSeek Sparse
+Attention (DSA: DeepSeek-V3.2, GLM-5) each row continues with the lightning indexer's key (`Di` values;
+zeros in a layer that shares the previous layer's selection), so that one row per token holds everything
+a later token reads, written and rewound as one.  DSA: a query attends only to the `index_topk` visible
+rows its layer's indexer scores highest (every visible row while there are at most `index_topk`: then
+it is dense MLA exactly).  Attention
 runs in two forms that compute the same function:
   * expanded (prefill): keys and values are expanded per head through W^UK and W^UV;
   * absorbed (generation): W^UK is absorbed into the query and W^UV applied after attention, so
@@ -109,6 +114,51 @@ def attention_mask(past_len: Tensor, past_rows: int, new_rows: int) -> Tensor:
     return torch.cat([cached.expand(b, new_rows, past_rows), causal.expand(b, new_rows, new_rows)], dim=-1)
 
 
+# ------------------------------------------------------------------------------------- Indexer
+class Indexer(nn.Module):
+    """The lightning indexer of DeepSeek Sparse Attention (DeepSeek-V3.2 §2.1): per query s and cached row t,
+    I[s, t] = sum_j w[s, j] * ReLU(q[s, j] · k[t] / sqrt(Di)), with Hi indexer heads j:
+      q = W^IQ c_q (wq_b, from MLA's query latent c_q) [B, S, Hi, Di], k = LayerNorm(W^IK h) (wk, k_norm) [B, T, Di],
+      both roped on their first Dr dims (the pair layout: cfg.index_rope_interleave), w = weights_proj(h) / sqrt(Hi).
+    Scores in fp32, as transformers and DeepSeek's reference code compute them (without its FP8 and Hadamard
+    rotation, which leave q·k unchanged up to rounding)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [..., Di] with its first Dr dims roped (cos/sin already broadcast to x's leading dims)."""
+        dr = self.cfg.qk_rope_head_dim
+        return torch.cat([apply_rope(x[..., :dr], cos, sin, self.cfg.index_rope_interleave), x[..., dr:]], -1)
+
+    def keys(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, S, D] -> the rows' indexer keys [B, S, Di] (what the cache keeps)."""
+        return self.rope(self.k_norm(self.wk(x)), cos, sin)
+
+    def forward(self, x: Tensor, c_q: Tensor, cos: Tensor, sin: Tensor, keys: Tensor) -> Tensor:
+        """x [B, S, D], c_q [B, S, Dq], keys [B, T, Di] -> index scores I [B, S, T] (fp32)."""
+        cfg = self.cfg
+        q = self.rope(self.wq_b(c_q).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim)), cos[:, :, None],
+                      sin[:, :, None])  # [B, S, Hi, Di]
+        scores = F.relu(torch.einsum("bshd,btd->bsht", q.float(), keys.float()) * cfg.index_head_dim**-0.5)
+        w = self.weights_proj(x).float() * cfg.index_n_heads**-0.5  # [B, S, Hi]
+        return torch.einsum("bsh,bsht->bst", w, scores)
+
+
+def select_topk(scores: Tensor, visible: Tensor, k: int) -> Tensor:
+    """DSA's selection: of the visible rows (visible [B, S, T] bool), the k with the highest index scores
+    [B, S, T] (all of them where at most k are visible) -> [B, S, T] bool.  torch.topk breaks exact ties, as
+    transformers' classes do."""
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.topk(min(k, scores.shape[-1]), -1).indices
+    return visible & torch.zeros_like(visible).scatter(-1, top, True)
+
+
 # ----------------------------------------------------------------------------------------- MLA
 class MLA(nn.Module):
     """Multi-head Latent Attention (DeepSeek-V2 §2.1, V3 §2.1.1).
@@ -117,9 +167,10 @@ class MLA(nn.Module):
              [q_nope; q_pe] = W^UQ c_q (q_b_proj; or q_proj from h when q_lora_rank is None)
     latent:  [c_kv; k_pe] = W^DKV h    (kv_a_proj_with_mqa); c_kv normed (kv_a_layernorm), k_pe roped
     per head W^UK [Dn, Dl], W^UV [Dv, Dl] (kv_b_proj rows, head-major); output W^O (o_proj).
+    DSA: the indexer (in a layer that has its own) picks the rows each query attends to; see Indexer.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.cfg = cfg
         h, d = cfg.num_attention_heads, cfg.hidden_size
@@ -133,17 +184,21 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        if cfg.has_indexer(layer_id):
+            self.indexer = Indexer(cfg)
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, S, D], cos/sin [B, S, Dr/2] -> q_nope [B, S, H, Dn], q_pe [B, S, H, Dr], latent [B, S, Dl+Dr]."""
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, S, D], cos/sin [B, S, Dr/2] -> q_nope [B, S, H, Dn], q_pe [B, S, H, Dr], latent [B, S, Dl+Dr] and
+        the query latent c_q [B, S, Dq] (x itself without q LoRA)."""
         cfg = self.cfg
-        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        c_q = x if cfg.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(c_q)
         q = q.unflatten(-1, (cfg.num_attention_heads, cfg.qk_head_dim))
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], cfg.rope_interleave)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, cfg.rope_interleave)], dim=-1)
-        return q_nope, q_pe, latent
+        return q_nope, q_pe, latent, c_q
 
     def w_uk_uv(self) -> tuple[Tensor, Tensor]:
         """W^UK [H, Dn, Dl] and W^UV [H, Dv, Dl], views of kv_b_proj.weight."""
@@ -174,19 +229,30 @@ class MLA(nn.Module):
         return torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None = None,
-                mask: Tensor | None = None, absorbed: bool = False) -> tuple[Tensor, Tensor]:
-        """x [B, S, D]; past [B, T, Dl+Dr] cached latent rows; mask [B, S, T+S] (None: causal, no past).
+                mask: Tensor | None = None, absorbed: bool = False,
+                selected: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """x [B, S, D]; past [B, T, C] cached rows (C = cfg.cache_dim); mask [B, S, T+S] (None: causal, no past);
+        selected [B, S, T+S]: the rows the previous layer's indexer picked (DSA, for a layer that shares them).
 
-        Returns the attention output [B, S, D] and the new latent rows [B, S, Dl+Dr] for the cache."""
-        q_nope, q_pe, latent = self.project(x, cos, sin)
+        Returns the attention output [B, S, D], the new cache rows [B, S, C] and (DSA) the rows this layer's
+        queries attended to [B, S, T+S]."""
+        cfg = self.cfg
+        q_nope, q_pe, latent, c_q = self.project(x, cos, sin)
+        if cfg.dsa:
+            keys = self.indexer.keys(x, cos, sin) if hasattr(self, "indexer") else \
+                latent.new_zeros(*latent.shape[:2], cfg.index_head_dim)
+            latent = torch.cat([latent, keys], -1)
         kv = latent if past is None else torch.cat([past, latent], dim=1)
-        if absorbed:
-            if mask is None:
-                mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril().expand(x.shape[0], -1, -1)
-            o = self.attend_absorbed(q_nope, q_pe, kv, mask)
-        else:
-            o = self.attend_expanded(q_nope, q_pe, kv, mask)
-        return self.o_proj(o.flatten(-2)), latent
+        if mask is None and (absorbed or cfg.dsa):
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril().expand(x.shape[0], -1, -1)
+        if hasattr(self, "indexer"):
+            selected = select_topk(self.indexer(x, c_q, cos, sin, kv[..., cfg.latent_dim:]), mask, cfg.index_topk)
+        if cfg.dsa:
+            mask = selected
+        rows = kv[..., :cfg.latent_dim]
+        attend = self.attend_absorbed if absorbed else self.attend_expanded
+        o = attend(q_nope, q_pe, rows, mask)
+        return self.o_proj(o.flatten(-2)), latent, selected
 
 
 def latent_attention(q: Tensor, kv: Tensor, mask: Tensor, kv_lora_rank: int, scale: float) -> Tensor:
@@ -295,16 +361,17 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.self_attn = MLA(cfg)
+        self.self_attn = MLA(cfg, layer_id)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None, mask: Tensor | None,
-                absorbed: bool) -> tuple[Tensor, Tensor]:
-        a, latent = self.self_attn(self.input_layernorm(h), cos, sin, past, mask, absorbed)
+                absorbed: bool, selected: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """-> (h, the new cache rows, DSA's selected rows: see MLA.forward)."""
+        a, latent, selected = self.self_attn(self.input_layernorm(h), cos, sin, past, mask, absorbed, selected)
         h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), latent
+        return h + self.mlp(self.post_attention_layernorm(h)), latent, selected
 
 
 class MTPLayer(DecoderLayer):
@@ -321,9 +388,10 @@ class MTPLayer(DecoderLayer):
 
     def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, past: Tensor | None,
                 mask: Tensor | None, absorbed: bool) -> tuple[Tensor, Tensor]:
-        """h [B, S, D] previous depth's hidden, emb [B, S, D] embedding of the shifted tokens."""
+        """h [B, S, D] previous depth's hidden, emb [B, S, D] embedding of the shifted tokens -> (h, new cache
+        rows); with DSA the block runs its own indexer."""
         h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        return super().forward(h, cos, sin, past, mask, absorbed)
+        return super().forward(h, cos, sin, past, mask, absorbed)[:2]
 
 
 class Backbone(nn.Module):
@@ -339,8 +407,9 @@ class Backbone(nn.Module):
 class DeepseekV3(nn.Module):
     """The main model plus `nextn` MTP modules (default: all the config declares).
 
-    Caches are lists of per-layer latent rows [B, T, Dl+Dr]; `past_len` [B] says how many of the
-    T rows are valid for each sequence, and the S new tokens sit at positions past_len + 0..S-1.
+    Caches are lists of per-layer rows [B, T, C] (C = cfg.cache_dim: the latent, then DSA's indexer key);
+    `past_len` [B] says how many of the T rows are valid for each sequence, and the S new tokens sit at positions
+    past_len + 0..S-1.
     """
 
     def __init__(self, cfg: ModelConfig, nextn: int | None = None, max_positions: int | None = None):
@@ -383,14 +452,14 @@ class DeepseekV3(nn.Module):
 
     def forward(self, tokens: Tensor, past: list[Tensor] | None = None, past_len: Tensor | None = None,
                 absorbed: bool = False) -> tuple[Tensor, Tensor, list[Tensor]]:
-        """tokens [B, S] -> logits [B, S, V] (fp32), hidden [B, S, D] after the final norm, new latent rows
-        per layer [B, S, Dl+Dr].  With past=None the S tokens start at position 0."""
+        """tokens [B, S] -> logits [B, S, V] (fp32), hidden [B, S, D] after the final norm, new cache rows
+        per layer [B, S, C].  With past=None the S tokens start at position 0."""
         positions, mask = self._positions_mask(tokens, past, past_len)
         cos, sin = self.rope(positions)
         h = self.model.embed_tokens(tokens)
-        latents = []
+        latents, selected = [], None
         for i, layer in enumerate(self.model.layers):
-            h, latent = layer(h, cos, sin, None if past is None else past[i], mask, absorbed)
+            h, latent, selected = layer(h, cos, sin, None if past is None else past[i], mask, absorbed, selected)
             latents.append(latent)
         h = self.model.norm(h)
         return self.lm_head(h).float(), h, latents
@@ -399,7 +468,7 @@ class DeepseekV3(nn.Module):
                     past_len: Tensor | None = None, absorbed: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """MTP module k (0-based) on rows i = past_len + 0..S-1: hidden h_i [B, S, D] and next_tokens
         t_{i+1} [B, S] -> logits [B, S, V] for t_{i+2}, the block's output hidden [B, S, D] (before
-        shared_head.norm: the next depth's input), and the new latent rows [B, S, Dl+Dr]."""
+        shared_head.norm: the next depth's input), and the new cache rows [B, S, C]."""
         layer = self.mtp[k]
         positions, mask = self._positions_mask(next_tokens, None if past is None else [past], past_len)
         cos, sin = self.rope(positions)

@@ -18,6 +18,7 @@ import numpy as np
 
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.manifest import Manifest
+from mtp_trt.validate import cache_bytes, check_memory
 
 TARGET_OUTPUTS = ("accepted_tokens", "num_accepted", "thinking_out", "target_tokens", "hidden_states")
 
@@ -214,8 +215,11 @@ class OrtBackend(Backend):
         if rows > m.max_seq_len:
             raise MtpTrtError(f"{m.root}: {rows} cache rows per sequence needed, but the export allows "
                               f"max_seq_len = {m.max_seq_len}; re-export with a larger --max-seq-len")
-        shape = (batch, rows, m.config.latent_dim)
+        shape = (batch, rows, m.config.cache_dim)
         n_mtp = len(set(m.mtp_graphs))
+        check_memory(cache_bytes(m.config, m.config.num_hidden_layers + n_mtp, batch, rows,
+                                 np.dtype(self.np_dtype).itemsize),
+                     f"{m.root}: the caches of {batch} sequences x {rows} rows")
         self.caches = {"target": [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
         self.caches |= {f"mtp{k}": [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
 

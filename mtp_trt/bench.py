@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from mtp_trt.decode import Stats, generate
+from mtp_trt.fsutil import atomic_file, write_atomic
 from mtp_trt.runner import Runner, demo_model, resolve_export
 from mtp_trt.tree import parse_trees
 
@@ -93,11 +94,45 @@ def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repea
     transformers' greedy `generate` (the main model, same prompts); per batch size, all of them are timed
     round-robin (see _round_robin)."""
     ckpt = Path(model) if model else demo_model()
-    runners = {("mtp-trt/onnxruntime", mode): Runner(resolve_export(ckpt, mode, progress=progress, scheme=scheme),
-                                                     threads=threads)
+    runners = {("mtp-trt/onnxruntime", mode): Runner(resolve_export(ckpt, mode, progress=progress, scheme=scheme,
+                                                                    batch=max(batches)), threads=threads)
                for mode in ("eagle", "vanilla")}
     return time_runners(runners, _transformers_generate(ckpt) if transformers else None, batches, max_new_tokens,
                         repeats, progress)
+
+
+DEFAULT_BATCHES = (1, 8)
+
+
+def default_batches(model: Path) -> list[int]:
+    """`mtp-trt bench`'s batch sizes when none are given: DEFAULT_BATCHES, within an engine directory's max_batch."""
+    if (model / "engines.json").is_file():
+        from mtp_trt.trt import manifest as em
+
+        top = em.EngineManifest.load(model).max_batch
+        return sorted({min(b, top) for b in DEFAULT_BATCHES})
+    return list(DEFAULT_BATCHES)
+
+
+def check_batches(model: Path, batches: list[int], max_new_tokens: int) -> None:
+    """--batch against what it implies, before any work: an engine directory's export decodes at most its
+    max_batch; a checkpoint's caches (exported for the largest batch) must fit this machine's memory."""
+    from mtp_trt.config import ModelConfig
+    from mtp_trt.errors import MtpTrtError
+    from mtp_trt.validate import cache_bytes, check_memory
+
+    if (model / "engines.json").is_file():
+        from mtp_trt.trt import manifest as em
+
+        top = em.EngineManifest.load(model).max_batch
+        if max(batches) > top:
+            raise MtpTrtError(f"--batch {max(batches)}: the engines ({model}) decode at most max_batch {top} "
+                              f"sequences at once")
+        return
+    cfg = ModelConfig.from_file(model)
+    rows = min(cfg.max_position_embeddings, max(map(len, PROMPTS)) + max_new_tokens + 2 * cfg.num_nextn_predict_layers + 2)
+    check_memory(cache_bytes(cfg, cfg.num_hidden_layers + max(cfg.num_nextn_predict_layers, 1), max(batches), rows, 4),
+                 f"--batch {max(batches)} x --max-new-tokens {max_new_tokens}: the caches of {model}")
 
 
 def run_engines(engine_dir: Path, batches: list[int], max_new_tokens: int, repeats: int, transformers: bool = True,
@@ -114,8 +149,8 @@ def run_engines(engine_dir: Path, batches: list[int], max_new_tokens: int, repea
     runners = {("mtp-trt/tensorrt", exp.mtp_mode): Runner(exp, graphs),
                ("mtp-trt/tensorrt (no CUDA graphs)", exp.mtp_mode): Runner(exp, plain)}
     if (ckpt / "config.json").is_file():
-        runners[("mtp-trt/onnxruntime", exp.mtp_mode)] = Runner(resolve_export(ckpt, exp.mtp_mode, progress=progress),
-                                                                threads=threads)
+        runners[("mtp-trt/onnxruntime", exp.mtp_mode)] = Runner(resolve_export(ckpt, exp.mtp_mode, progress=progress,
+                                                                               batch=max(batches)), threads=threads)
     else:
         progress(f"the export's checkpoint {ckpt} is not here: no ONNX Runtime or transformers rows")
     hf = _transformers_generate(ckpt, device="cuda") if transformers and (ckpt / "config.json").is_file() else None
@@ -242,9 +277,10 @@ def plot(rows: list[dict], path: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as tmp:  # whole or not at all (a full disk)
+        fig.savefig(tmp, dpi=120, format=path.suffix.lower().lstrip("."))
     return True
 
 
 def write_json(rows: list[dict], path: Path, meta: dict) -> None:
-    path.write_text(json.dumps({"meta": meta, "runs": rows, "summary": summarize(rows)}, indent=2) + "\n")
+    write_atomic(path, (json.dumps({"meta": meta, "runs": rows, "summary": summarize(rows)}, indent=2) + "\n").encode())

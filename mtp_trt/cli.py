@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from mtp_trt.errors import MtpTrtError
 app = typer.Typer(
     help="DeepSeek-V3/R1-style Multi-Token Prediction speculative decoding on ONNX and TensorRT.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: flags shown as flags (`--verify / --no-verify`), not as `<bool>` values
 )
 
 
@@ -27,7 +31,12 @@ def clear_errors(fn):
         except MtpTrtError as e:
             typer.secho(f"error: {e}", fg="red", err=True)
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:  # Ctrl-C: partial outputs are gone (every `finally` ran), one line says so
+            typer.secho("error: interrupted", fg="red", err=True)
+            raise typer.Exit(130) from None
         except OSError as e:  # a file the checks above did not foresee: still one line naming it
+            if e.errno in WRITE_ERRORS and not e.filename:
+                raise typer.Exit(_write_failed(e)) from None
             if not e.filename:
                 raise
             typer.secho(f"error: {e.filename}: {e.strerror or e}", fg="red", err=True)
@@ -60,7 +69,8 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
 @clear_errors
 def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoint directory (config.json; "
                                                          "default: the bundled demo model).")) -> None:
-    """Summarize a checkpoint's architecture (its family), layers, MoE, MTP modules and the latent KV cache size."""
+    """Summarize a checkpoint's architecture (its family), layers, attention (dense MLA or DeepSeek Sparse
+    Attention), MoE, MTP modules and the KV cache size (latent and indexer keys)."""
     from mtp_trt.config import FAMILIES, ModelConfig
     from mtp_trt.runner import demo_model
     from mtp_trt.validate import stored_mtp_modules
@@ -71,24 +81,37 @@ def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoin
     stored = stored_mtp_modules(ckpt, cfg.num_hidden_layers)
     mtp = str(cfg.num_nextn_predict_layers) if stored in (None, cfg.num_nextn_predict_layers) else \
         f"{cfg.num_nextn_predict_layers} in config.json, but {stored} stored in the weights"
-    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    moe = cfg.moe_layers(cfg.num_hidden_layers)
     family = next(f for f in FAMILIES if f.architecture == cfg.architecture)
     rows = [
         ("architecture", f"{family.architecture} ({family.models})"),
-        ("layers", f"{cfg.num_hidden_layers} ({len(moe)} MoE, {cfg.num_hidden_layers - len(moe)} dense)"),
+        ("layers", f"{cfg.num_hidden_layers} ({moe} MoE, {cfg.num_hidden_layers - moe} dense)"),
         ("hidden size", str(cfg.hidden_size)),
         ("attention", f"MLA, {cfg.num_attention_heads} heads, q LoRA {cfg.q_lora_rank}, kv LoRA {cfg.kv_lora_rank}, "
-                      f"rope {cfg.qk_rope_head_dim} ({cfg.rope.type})"),
+                      f"rope {cfg.qk_rope_head_dim} ({cfg.rope.type}); " + _sparse_attention(cfg)),
         ("experts", f"{cfg.n_routed_experts or 0} routed (top {cfg.num_experts_per_tok}, {cfg.n_group} groups, "
                     f"{cfg.scoring_func}), {cfg.n_shared_experts} shared" if cfg.n_routed_experts else "none"),
         ("MTP modules", mtp),
-        ("latent cache", f"{cfg.latent_dim} values per token and layer"),
+        ("cache", f"{cfg.cache_dim} values per token and layer" + (
+            f" ({cfg.latent_dim} latent, {cfg.index_head_dim} indexer key)" if cfg.dsa else " (latent)")
+            + f", {cfg.cache_dim * 4 * cfg.num_hidden_layers} bytes per token in fp32 over the "
+              f"{cfg.num_hidden_layers} layers"),
         ("weights", f"FP8 blocks {cfg.fp8_block_size}" if cfg.fp8_block_size else "unquantized"),
         ("BOS", _bos_row(ckpt, cfg)),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         typer.echo(f"{k:<{width}}  {v}")
+
+
+def _sparse_attention(cfg) -> str:
+    """inspect's word on the attention: dense, or DeepSeek Sparse Attention with its top-k and indexer."""
+    if not cfg.dsa:
+        return "dense"
+    shared = sum(not cfg.has_indexer(i) for i in range(cfg.num_hidden_layers))
+    return (f"DSA, top {cfg.index_topk} of the cached rows (lightning indexer: {cfg.index_n_heads} heads of "
+            f"{cfg.index_head_dim}" + (f"; {shared} layers share the previous layer's selection" if shared else "")
+            + ")")
 
 
 def _bos_row(ckpt: Path, cfg) -> str:
@@ -125,6 +148,8 @@ class StageDisplay:
         self._finish_stage()
         self.stage, self.t0, self.stages = stage, time.perf_counter(), self.stages + 1
         self.status.update(f"{self.title}: {stage}")
+        if not self.console.is_terminal:  # no spinner in a log: say what starts, as it starts
+            self.console.print(f"{self.title}: {stage}", highlight=False)
 
     def _finish_stage(self) -> None:
         import time
@@ -234,8 +259,9 @@ def check(
 def run(
     model: Path = typer.Argument(None, help="Engine directory (TensorRT, GPU), export directory or checkpoint "
                                             "(ONNX Runtime; default: the bundled demo model)."),
-    prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; repeat for a batch."),
-    prompt_file: Path = typer.Option(None, help="File with one prompt per line (added to --prompt)."),
+    prompt: list[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", help="Prompt text; repeat for a batch."),
+    prompt_file: Path = typer.Option(None, help="UTF-8 file with one prompt per line, `-` for standard input (added "
+                                                "to --prompt; lines end at \\n, a \\r before it is dropped)."),
     nextn: int = typer.Option(None, help="Draft tokens per step K, 0 = plain decoding (default: all exported)."),
     mtp_mode: str = typer.Option(None, help="eagle or vanilla (default: the export's; eagle for checkpoints)."),
     max_new_tokens: int = typer.Option(128, help="Tokens to generate per prompt at most."),
@@ -249,7 +275,7 @@ def run(
                                              "level by k children (greedy; 1 = the chain; see --trees)."),
     tree_budget: int = typer.Option(None, help="Tree nodes verified per step (default: the export's tree for "
                                                "this depth and top-k)."),
-    stop: list[str] = typer.Option(None, help="Stop string; repeat for several."),
+    stop: list[str] = typer.Option(None, metavar="TEXT", help="Stop string; repeat for several."),
     config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
@@ -295,7 +321,7 @@ def run(
     v.check_threads(threads)
     with StageDisplay("preparing the model") as show:
         runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show,
-                             bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size))
+                             bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size), batch=len(prompts))
     manifest = runner.manifest
     opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
                           relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, tree_topk=tree_topk,
@@ -345,11 +371,12 @@ def run(
 def bench(
     model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model), or an engine directory "
                                             "(TensorRT beside ONNX Runtime and transformers on the GPU)."),
-    batch: list[int] = typer.Option([1, 8], help="Batch sizes; repeat the option for several."),
+    batch: list[int] = typer.Option(None, metavar="N", help="Batch sizes; repeat the option for several (default: 1 and 8, "
+                                               "or the engines' max_batch where it is smaller)."),
     max_new_tokens: int = typer.Option(128, help="Tokens generated per sequence."),
     repeats: int = typer.Option(9, help="Timed rounds per batch size (medians; ratios: medians of per-round ratios)."),
     transformers: bool = typer.Option(True, help="Also time transformers' greedy generate (same run)."),
-    json_path: Path = typer.Option(Path("bench.json"), "--json", help="Where to write all figures."),
+    json_path: Path = typer.Option(Path("bench.json"), "--out", "-o", help="JSON file to write all figures to."),
     plot_path: Path = typer.Option(Path("bench.png"), "--plot", help="Where to write the PNG plot."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     verify: bool = typer.Option(False, help="Hash every file of the exports again (see `mtp-trt run --verify`)."),
@@ -367,12 +394,13 @@ def bench(
     from mtp_trt.backend import default_threads
     from mtp_trt.runner import demo_model, resolve_export
 
-    for size in batch:
+    for size in batch or ():
         v.check_positive("--batch", size)
     v.check_positive("--repeats", repeats)
     v.check_positive("--max-new-tokens", max_new_tokens)
     v.check_threads(threads)
-    v.check_writable_file(json_path, "--json")  # before the benchmark, not after it
+    v.check_writable_file(json_path, "--out")  # before the benchmark, not after it
+    v.check_plot_format(plot_path)
     v.check_writable_file(plot_path, "--plot")
     scheme = v.quant_scheme(quant, group_size)
     ckpt = model or demo_model()
@@ -386,19 +414,22 @@ def bench(
         if scheme is not None:
             raise MtpTrtError(f"{ckpt}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(ckpt, force=verify)
+        batch = batch or b.default_batches(ckpt)
+        b.check_batches(ckpt, batch, max_new_tokens)
         rows = b.run_engines(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo,
                              threads=threads or None)
     else:
+        batch = batch or b.default_batches(ckpt)
+        b.check_batches(ckpt, batch, max_new_tokens)
         with StageDisplay("preparing exports") as show:
             for mode in ("eagle", "vanilla"):
-                resolve_export(ckpt, mode, progress=show, verify=verify, scheme=scheme)
+                resolve_export(ckpt, mode, progress=show, verify=verify, scheme=scheme, batch=max(batch))
         rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None,
                      scheme=scheme)
     meta = {"checkpoint": str(ckpt), "quant": (scheme or quant_mod.Scheme()).as_dict(), "max_new_tokens": max_new_tokens,
             "repeats": repeats,
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count(),
             "onnxruntime_threads": threads or default_threads()}
-    b.write_json(rows, json_path, meta)
     typer.echo("\nbatch  engine                      mode     nextn0/transformers  best nextn  speedup  mean accepted"
                "  speedup/accepted  step/plain step")
     for r in b.summarize(rows):
@@ -417,15 +448,52 @@ def bench(
     if differ:
         typer.secho(f"warning: tokens differ from nextn 0 (greedy MTP must be lossless): {', '.join(differ)}",
                     fg="red", err=True)
-    typer.echo(f"wrote {json_path}" + (f" and {plot_path}" if b.plot(rows, plot_path) else " (no matplotlib: no plot)"))
+    b.write_json(rows, json_path, meta)  # after the table: output that cannot be printed leaves no file behind
+    plotted = b.plot(rows, plot_path)
+    typer.echo(f"wrote {json_path}" + (f" and {plot_path}" if plotted else " (no matplotlib: no plot)"))
+
+
+# A write that fails (standard output or a file: a full disk or device, a closed pipe, a file-size limit): one line.
+WRITE_ERRORS = (errno.EPIPE, errno.ENOSPC, errno.EBADF, errno.EIO, errno.EDQUOT, errno.EFBIG)
+
+
+def _closed_stdout() -> bool:
+    """Whether file descriptor 1 is closed; then it is held on /dev/null, so that no file mtp-trt opens gets it."""
+    try:
+        os.fstat(1)
+        return False
+    except OSError:
+        os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: 1
+        return True
+
+
+def _write_failed(e: OSError) -> int:
+    """A write that failed: one line; stdout onto /dev/null, so that its final flush at exit cannot fail again
+    (what was being written is removed by the writer: atomic files and directories).  -> exit status 2."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    typer.secho(f"error: cannot write the output: {e.strerror or e}", fg="red", err=True)
+    return 2
 
 
 def entry() -> int:
     """The `mtp-trt` command: the app, with bad command-line syntax (an unknown option, a value of the wrong
     type) also one `error:` line and exit status 2, instead of click's usage box."""
     errors = sys.modules[typer.BadParameter.__module__]  # click's exceptions (typer may vendor its own click)
+    if _closed_stdout():
+        typer.secho("error: standard output is closed; mtp-trt writes its results there", fg="red", err=True)
+        return 2
     try:
         code = app(standalone_mode=False)
+    except OSError as e:
+        if e.errno not in WRITE_ERRORS:
+            raise
+        return _write_failed(e)
+    except KeyboardInterrupt:
+        typer.secho("error: interrupted", fg="red", err=True)
+        return 130
     except getattr(errors, "NoArgsIsHelpError", ()) as e:  # `mtp-trt` alone: the help, as before
         typer.echo(e.ctx.get_help())
         return 2

@@ -2,9 +2,10 @@
 
 A checkpoint is either supported or refused.  `architectures` (else `model_type`; a config naming neither is
 read as DeepSeek-V3's) picks one of FAMILIES, whose fields are mapped onto the reference model
-(`exporters/model.py`, DeepSeek-V3's architecture) as transformers' class for that architecture computes them;
-REFUSED architectures, configs with DeepSeek Sparse Attention fields and anything else end in one MtpTrtError
-naming the file, the architecture, what is missing and the supported architectures.
+(`exporters/model.py`, DeepSeek-V3's architecture, with DeepSeek Sparse Attention for DeepSeek-V3.2 and GLM-5)
+as transformers' class for that architecture computes them; DeepSeek Sparse Attention fields in another family's
+config and anything else end in one MtpTrtError naming the file, the architecture, what is missing and the
+supported architectures.
 
 Field names are the Hugging Face / DeepSeek ones.  Both spellings of RoPE scaling are accepted:
 the official checkpoints' `rope_theta` + `rope_scaling: {"type": "yarn", ...}` and transformers 5's
@@ -27,6 +28,11 @@ ROPE_TYPES = ("default", "yarn")
 HIDDEN_ACTS = ("silu",)
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the graphs
 MLP_LAYER_TYPES = ("dense", "sparse")
+# Counts of things the export builds one by one (graph inputs per layer, modules per expert): bounded before any
+# work, well above the largest models of the supported families (DeepSeek-V3: 61 layers, 256 experts, 128 heads).
+MAX_NEXTN = 16  # draft tokens per step (MTP modules, step graphs); acceptance compounds: deeper drafts rarely land
+LIMITS = {"num_hidden_layers": 1024, "n_routed_experts": 4096, "num_attention_heads": 1024,
+          "num_nextn_predict_layers": MAX_NEXTN}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +47,13 @@ class Family:
 DEEPSEEK_V3 = Family("DeepseekV3ForCausalLM", ("deepseek_v3", "kimi_k2"), "DeepSeek-V3/R1, Kimi-K2")
 DEEPSEEK_V2 = Family("DeepseekV2ForCausalLM", ("deepseek_v2",), "DeepSeek-V2")
 GLM4_MOE_LITE = Family("Glm4MoeLiteForCausalLM", ("glm4_moe_lite",), "GLM-4.7-Flash")
-FAMILIES = (DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE)
+DEEPSEEK_V32 = Family("DeepseekV32ForCausalLM", ("deepseek_v32",), "DeepSeek-V3.2")
+GLM_MOE_DSA = Family("GlmMoeDsaForCausalLM", ("glm_moe_dsa",), "GLM-5")
+FAMILIES = (DEEPSEEK_V3, DEEPSEEK_V2, GLM4_MOE_LITE, DEEPSEEK_V32, GLM_MOE_DSA)
+DSA_FAMILIES = (DEEPSEEK_V32, GLM_MOE_DSA)  # DeepSeek Sparse Attention: a lightning indexer per layer
 
-DSA_MISSING = "DeepSeek Sparse Attention (the lightning indexer) is not supported yet"
 DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
-# architecture -> (its model_types, its models, what mtp-trt lacks to run it)
-REFUSED = {
-    "DeepseekV32ForCausalLM": (("deepseek_v32",), "DeepSeek-V3.2", DSA_MISSING),
-    "GlmMoeDsaForCausalLM": (("glm_moe_dsa",), "GLM-5", DSA_MISSING),
-}
+INDEXER_TYPES = ("full", "shared")
 
 
 def supported_architectures() -> str:
@@ -63,7 +67,8 @@ def _refusal(source: str, what: str, missing: str) -> MtpTrtError:
 
 def resolve_family(d: dict[str, Any], source: str = "config") -> Family:
     """The supported family a config.json describes, from `architectures`, else `model_type`, else DeepSeek-V3
-    (a config naming neither); anything else, or DeepSeek Sparse Attention fields, is refused in one line."""
+    (a config naming neither); anything else, or DeepSeek Sparse Attention fields in a family without them, is
+    refused in one line."""
     archs, model_type = d.get("architectures"), d.get("model_type")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise MtpTrtError(f"{source}: field 'architectures' must be a list of class names, got {archs!r}")
@@ -71,19 +76,11 @@ def resolve_family(d: dict[str, Any], source: str = "config") -> Family:
         raise MtpTrtError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
     by_arch = {f.architecture: f for f in FAMILIES}
     by_type = {t: f for f in FAMILIES for t in f.model_types}
-    refused_type = {t: (a, r) for a, r in REFUSED.items() for t in r[0]}
     found: list[Family] = []
     for arch in archs or []:
-        if arch in REFUSED:
-            raise _refusal(source, f"architecture {arch} ({REFUSED[arch][1]})", REFUSED[arch][2])
         if arch not in by_arch:
             raise _refusal(source, f"architecture {arch}", "mtp-trt has no mapping of it onto its reference model")
         found.append(by_arch[arch])
-    if model_type in refused_type:
-        arch, (_, models, missing) = refused_type[model_type]
-        named = (f"architecture {archs[0]} with model_type '{model_type}'" if archs
-                 else f"model_type '{model_type}' ({models}, {arch})")
-        raise _refusal(source, named, missing)
     if not found and model_type is not None:
         if model_type not in by_type:
             raise _refusal(source, f"model_type '{model_type}' (and no 'architectures')",
@@ -97,9 +94,10 @@ def resolve_family(d: dict[str, Any], source: str = "config") -> Family:
                           f"type, but 'architectures' names {found[0].architecture}; the two must agree")
     family = found[0] if found else DEEPSEEK_V3
     dsa = [f for f in DSA_FIELDS if d.get(f) is not None]
-    if dsa:
+    if dsa and family not in DSA_FAMILIES:
         raise _refusal(source, f"architecture {family.architecture} with field '{dsa[0]}' (DeepSeek Sparse "
-                               f"Attention)", DSA_MISSING)
+                               f"Attention)", "that family has no lightning indexer; DeepSeek Sparse Attention "
+                               f"checkpoints name {' or '.join(f.architecture for f in DSA_FAMILIES)}")
     return family
 
 
@@ -174,6 +172,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     fp8_block_size: tuple[int, int] | None = None  # set when weights are FP8 block-quantized
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): index_topk None means dense MLA
+    index_topk: int | None = None
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False  # the indexer's RoPE pair layout (V3.2: halves; GLM-5: interleaved pairs)
+    indexer_types: tuple[str, ...] | None = None  # per main layer "full" (own indexer) / "shared"; None: all full
     architecture: str = DEEPSEEK_V3.architecture
 
     # ----------------------------------------------------------------------------------- derived
@@ -187,6 +191,24 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def dsa(self) -> bool:
+        """DeepSeek Sparse Attention: each query attends to the top `index_topk` rows its lightning indexer picks."""
+        return self.index_topk is not None
+
+    @property
+    def cache_dim(self) -> int:
+        """Values per token and layer in the persistent cache: the MLA latent, then (DSA) the indexer's key."""
+        return self.latent_dim + (self.index_head_dim if self.dsa else 0)
+
+    def has_indexer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` runs its own lightning indexer (DSA layers marked "shared" reuse the previous
+        layer's selection; MTP layers, at N + k, have their own)."""
+        if not self.dsa:
+            return False
+        return layer_id >= self.num_hidden_layers or self.indexer_types is None or \
+            self.indexer_types[layer_id] == "full"
+
+    @property
     def softmax_scale(self) -> float:
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
 
@@ -198,6 +220,15 @@ class ModelConfig:
         if self.mlp_layer_types is not None:
             return layer_id >= self.num_hidden_layers or self.mlp_layer_types[layer_id] == "sparse"
         return layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
+
+    def moe_layers(self, layers: int) -> int:
+        """How many of layers 0..layers-1 are MoE (is_moe_layer), counted without visiting each."""
+        if not self.n_routed_experts or layers <= 0:
+            return 0
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[:layers].count("sparse") + max(0, layers - self.num_hidden_layers)
+        k, f = self.first_k_dense_replace, self.moe_layer_freq  # multiples of f in k..layers-1
+        return max(0, (layers - 1) // f - (k - 1) // f) if k > 0 else (layers - 1) // f + 1
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -225,8 +256,12 @@ class ModelConfig:
         dense = 3 * d * self.intermediate_size
         moe = 3 * d * self.moe_intermediate_size * ((self.n_routed_experts or 0) + self.n_shared_experts) \
             + d * (self.n_routed_experts or 0)
-        layers = [moe if self.is_moe_layer(i) else dense for i in range(self.num_hidden_layers + nextn)]
-        return 2 * self.vocab_size * d + (self.num_hidden_layers + nextn) * attn + sum(layers) + nextn * 2 * d * d
+        n = self.num_hidden_layers + nextn
+        n_moe = self.moe_layers(n)
+        indexer = (self.q_lora_rank or 0) * self.index_n_heads * self.index_head_dim + d * self.index_head_dim \
+            + d * self.index_n_heads
+        indexers = sum(self.has_indexer(i) for i in range(n)) * indexer
+        return 2 * self.vocab_size * d + n * attn + n_moe * moe + (n - n_moe) * dense + nextn * 2 * d * d + indexers
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> ModelConfig:
@@ -273,7 +308,16 @@ class ModelConfig:
         if get("mlp_bias", bool, False):
             raise bad("mlp_bias", "is true; biases on the MLP projections are not supported")
         layer_types = None
-        if family is DEEPSEEK_V2:
+        dsa = _dsa_fields(d, get, bad, family)
+        if family in DSA_FAMILIES:
+            scoring = implied("scoring_func", "sigmoid", "always scores experts with sigmoid")
+            topk_method = implied("topk_method", "noaux_tc", "always routes as noaux_tc")
+            norm_topk = get("norm_topk_prob", bool, True)
+            interleave = implied("rope_interleave", True, "always rotates MLA's interleaved pairs")
+            # first_k_dense_replace only makes the default of mlp_layer_types, as in transformers' classes
+            layer_types = _mlp_layer_types(d, get, bad, n_routed, default_dense=get("first_k_dense_replace", int, 3),
+                                           check_rule=False)
+        elif family is DEEPSEEK_V2:
             scoring = implied("scoring_func", "softmax", "always scores experts with softmax")
             topk_method = choice("topk_method", ("greedy", "group_limited_greedy"), "greedy")
             norm_topk = get("norm_topk_prob", bool, False)
@@ -340,6 +384,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             fp8_block_size=fp8_block,
+            **dsa,
             architecture=arch,
         )
         cfg._check(bad)
@@ -350,6 +395,10 @@ class ModelConfig:
                   "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
             if getattr(self, f) <= 0:
                 raise bad(f, f"must be positive, got {getattr(self, f)}")
+        for f, top in LIMITS.items():
+            if (getattr(self, f) or 0) > top:
+                raise bad(f, f"is {getattr(self, f)}, more than the {top} mtp-trt reads (each is a graph input, a "
+                             f"module or an attention head the export builds one by one)")
         for f in ("vocab_size", "max_position_embeddings"):
             if getattr(self, f) > MAX_TOKEN_ID:
                 raise bad(f, f"must be at most {MAX_TOKEN_ID} (token ids and positions are int32), "
@@ -395,21 +444,65 @@ class ModelConfig:
                 raise bad("topk_method", "'noaux_tc' needs scoring_func 'sigmoid'")
 
 
-def _mlp_layer_types(d: dict[str, Any], get, bad, n_routed: int | None) -> tuple[str, ...]:
-    """Glm4MoeLiteForCausalLM's `mlp_layer_types` ("dense"/"sparse" per layer; transformers' default: the first
-    layer dense, the others sparse), checked against `first_k_dense_replace` where the config has both."""
+def _dsa_fields(d: dict[str, Any], get, bad, family: Family) -> dict[str, Any]:
+    """A DSA family's indexer fields (ModelConfig's index_*, indexer_types), as its transformers class reads them;
+    {} for the other families."""
+    if family not in DSA_FAMILIES:
+        return {}
+    n = get("num_hidden_layers", int)
+    fields = {"index_topk": get("index_topk", int, 2048), "index_n_heads": get("index_n_heads", int, 64 if family
+                                                                                   is DEEPSEEK_V32 else 32),
+              "index_head_dim": get("index_head_dim", int, 128), "index_rope_interleave": family is GLM_MOE_DSA}
+    for f in ("index_topk", "index_n_heads", "index_head_dim"):
+        if fields[f] <= 0:
+            raise bad(f, f"must be positive, got {fields[f]}")
+    if fields["index_head_dim"] < get("qk_rope_head_dim", int):
+        raise bad("index_head_dim", f"must be at least qk_rope_head_dim={get('qk_rope_head_dim', int)} (the indexer "
+                                    f"ropes its first qk_rope_head_dim dims), got {fields['index_head_dim']}")
+    if get("q_lora_rank", int, None) is None:
+        raise bad("q_lora_rank", f"is missing: the lightning indexer of {family.architecture} reads the query's "
+                                 "LoRA latent")
+    raw = d.get("indexer_types")
+    if family is DEEPSEEK_V32:
+        if raw is not None:
+            raise bad("indexer_types", f"is set, but {family.architecture} runs an indexer in every layer")
+        return fields
+    if raw is None:  # transformers' GlmMoeDsaConfig: a pattern, else the freq / offset schedule
+        pattern = d.get("index_topk_pattern")
+        if pattern is not None:
+            if not (isinstance(pattern, str) and set(pattern) <= {"F", "S"}):
+                raise bad("index_topk_pattern", f"must be a string of F (full) and S (shared), got {pattern!r}")
+            raw = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        else:
+            freq, offset = max(get("index_topk_freq", int, 1), 1), get("index_skip_topk_offset", int, 2)
+            raw = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if not (isinstance(raw, list) and len(raw) == n and all(t in INDEXER_TYPES for t in raw)):
+        raise bad("indexer_types", f"must be a list of num_hidden_layers={n} values 'full' or 'shared', got {raw!r}")
+    if raw and raw[0] != "full":
+        raise bad("indexer_types", "starts with 'shared', but a shared layer reuses the previous full layer's "
+                                   "selection")
+    return fields | {"indexer_types": None if all(t == "full" for t in raw) else tuple(raw)}
+
+
+def _mlp_layer_types(d: dict[str, Any], get, bad, n_routed: int | None, default_dense: int = 1,
+                     check_rule: bool = True) -> tuple[str, ...]:
+    """`mlp_layer_types` ("dense"/"sparse" per layer; transformers' default: the first `default_dense` layers dense
+    (GLM-4.7-Flash: 1; DeepSeek-V3.2 and GLM-5: first_k_dense_replace), the others sparse), checked against
+    `first_k_dense_replace` where the config has both (check_rule)."""
     n = get("num_hidden_layers", int)
     raw = d.get("mlp_layer_types")
     if raw is None:
-        types = ("dense",) + ("sparse",) * (n - 1) if n else ()
+        k = min(default_dense, n)
+        types = ("dense",) * k + ("sparse",) * (n - k)
     elif not (isinstance(raw, list) and len(raw) == n and all(t in MLP_LAYER_TYPES for t in raw)):
         raise bad("mlp_layer_types", f"must be a list of num_hidden_layers={n} values 'dense' or 'sparse', got {raw!r}")
     else:
         types = tuple(raw)
     if "sparse" in types and not n_routed:
-        default = " (by default: all but the first)" if raw is None else ""
+        first = "first" if default_dense == 1 else f"first {default_dense}"
+        default = f" (by default: all but the {first})" if raw is None else ""
         raise bad("mlp_layer_types", f"names sparse (MoE) layers{default}, but n_routed_experts is 0")
-    if d.get("first_k_dense_replace") is not None:
+    if check_rule and d.get("first_k_dense_replace") is not None:
         k, freq = get("first_k_dense_replace", int), get("moe_layer_freq", int, 1) or 1
         rule = tuple("sparse" if i >= k and i % freq == 0 else "dense" for i in range(n))
         if rule != types:
@@ -433,8 +526,8 @@ def _parse_rope(d: dict[str, Any], source: str, get, bad) -> RopeConfig:
     if params.get("attention_factor") is not None:
         raise bad(f"{field}.attention_factor", "is not supported (YaRN's factor comes from mscale and mscale_all_dim)")
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise bad("rope_theta", f"must be a positive number, got {theta!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        raise bad("rope_theta", f"must be a finite number > 0, got {theta!r}")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise bad(f"{field}.type", f"has unknown value {kind!r}; expected one of {', '.join(ROPE_TYPES)}")
@@ -450,9 +543,11 @@ def _parse_rope(d: dict[str, Any], source: str, get, bad) -> RopeConfig:
         return float(v)
 
     omax = params.get("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
+    if isinstance(omax, bool) or not isinstance(omax, int) or not 1 <= omax <= MAX_TOKEN_ID:
+        raise bad(f"{field}.original_max_position_embeddings", f"must be an integer in 1..{MAX_TOKEN_ID}, got {omax!r}")
     return RopeConfig(
         theta=float(theta), type="yarn", factor=num("factor", None),
-        original_max_position_embeddings=int(omax),
+        original_max_position_embeddings=omax,
         beta_fast=num("beta_fast", 32.0) or 32.0, beta_slow=num("beta_slow", 1.0) or 1.0,
         mscale=num("mscale", 1.0), mscale_all_dim=num("mscale_all_dim", 0.0),
     )

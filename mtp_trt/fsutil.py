@@ -1,4 +1,5 @@
-"""Files written whole or not at all, JSON files read with one clear error, and the one cache directory of mtp-trt.
+"""Files written whole or not at all, JSON files read with one clear error (one reader, with limits, and typed
+field checks), and the one cache directory of mtp-trt.
 
 Directories are written through a hidden `.NAME.partial-XXXX` directory beside the output, renamed into
 place when complete.  Its owner holds an exclusive `flock` on the sibling `.NAME.partial-XXXX.lock` for as
@@ -36,18 +37,221 @@ def cache_dir(*parts: str) -> Path:
     return Path(root).joinpath(*parts)
 
 
-def read_json(path: Path):
-    """The parsed contents of a JSON file; invalid JSON (or text) is an MtpTrtError naming the file."""
+# Limits of the one JSON reader: no file mtp-trt reads nests deeper or needs wider integers (a safetensors
+# header's byte offsets, the widest, fit in 20 digits).
+MAX_JSON_DEPTH = 64
+MAX_JSON_INT_DIGITS = 20
+
+
+class _JsonLimit(ValueError):
+    pass
+
+
+def _int_token(token: str) -> int:
+    if len(token.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise _JsonLimit(token)
+    return int(token)
+
+
+def _depth_exceeded(obj) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def check_json_limits(value, source: str):
+    """`value` (parsed JSON or YAML) nests at most MAX_JSON_DEPTH levels; returns it."""
+    from mtp_trt.errors import MtpTrtError
+
+    if _depth_exceeded(value):
+        raise MtpTrtError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file mtp-trt reads")
+    return value
+
+
+def parse_json(data: bytes | str, source: str):
+    """The one JSON reader: `data` parsed, with every problem an MtpTrtError naming `source` — not JSON, not
+    UTF-8, nested more than MAX_JSON_DEPTH levels, an integer of more than MAX_JSON_INT_DIGITS digits.  Types
+    of fields are checked by the caller (check_fields)."""
     from mtp_trt.errors import MtpTrtError
 
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except json.JSONDecodeError as e:
-        raise MtpTrtError(f"{path}: not valid JSON ({e})") from None
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as e:
-        raise MtpTrtError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+        raise MtpTrtError(f"{source}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    try:
+        value = json.loads(text, parse_int=_int_token)
+    except _JsonLimit as e:
+        token = str(e)
+        line = text[: max(text.find(token), 0)].count("\n") + 1
+        raise MtpTrtError(f"{source}: an integer of {len(token.lstrip('-'))} digits on line {line}; at most "
+                          f"{MAX_JSON_INT_DIGITS} are read") from None
+    except json.JSONDecodeError as e:
+        raise MtpTrtError(f"{source}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise MtpTrtError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file mtp-trt "
+                          f"reads") from None
+    return check_json_limits(value, source)
+
+
+def read_json(path: Path, schema=None, source: str | None = None):
+    """The parsed contents of a JSON file through parse_json (its limits), checked against `schema` (see
+    check_fields) when given; every problem is an MtpTrtError naming the file (`source`, default the path)."""
+    from mtp_trt.errors import MtpTrtError
+
+    try:
+        data = path.read_bytes()
     except OSError as e:
         raise MtpTrtError(f"{path}: cannot read ({e.strerror})") from None
+    value = parse_json(data, source or str(path))
+    if schema is not None:
+        check_fields(value, schema, source or str(path))
+    return value
+
+
+# ---------------------------------------------------------------------------------------- typed fields
+class Int:
+    """An integer (not a bool) in lo..hi (either bound optional)."""
+
+    def __init__(self, lo: int | None = None, hi: int | None = None):
+        self.lo, self.hi = lo, hi
+
+    def describe(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"an integer in {self.lo}..{self.hi}"
+        return f"an integer >= {self.lo}" if self.lo is not None else \
+            f"an integer <= {self.hi}" if self.hi is not None else "an integer"
+
+    def problem(self, v) -> bool:
+        return not isinstance(v, int) or isinstance(v, bool) or (self.lo is not None and v < self.lo) or \
+            (self.hi is not None and v > self.hi)
+
+
+class Opt:
+    """null, or a value of `spec`."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+
+class OneOf:
+    def __init__(self, *values):
+        self.values = values
+
+
+class Map:
+    """An object of any keys whose values are each `spec`."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+
+class Text:
+    """A string matching `pattern` (re.fullmatch), described as `what`."""
+
+    def __init__(self, pattern: str, what: str):
+        import re
+
+        self.pattern, self.what = re.compile(pattern), what
+
+
+SHA256 = Text(r"[0-9a-f]{64}", "a SHA-256 hex digest")
+FILE_NAME = Text(r"(?!\.\.?$)[^/\\\x00]+", "a plain file name")
+NUMBER = float  # a finite number (an integer is one)
+
+
+def describe(spec) -> str:
+    if spec is int:
+        return "an integer"
+    if spec is float:
+        return "a finite number"
+    if spec is str:
+        return "a string"
+    if spec is bool:
+        return "true or false"
+    if spec is dict:
+        return "an object"
+    if spec is object:
+        return "any value"
+    if isinstance(spec, (Int, Text)):
+        return spec.describe() if isinstance(spec, Int) else spec.what
+    if isinstance(spec, Opt):
+        return f"{describe(spec.spec)} or null"
+    if isinstance(spec, OneOf):
+        return "one of " + ", ".join(json.dumps(v) for v in spec.values)
+    if isinstance(spec, list):
+        return f"a list, each {describe(spec[0])}" if len(spec) == 1 else \
+            f"a list of {len(spec)}: " + ", ".join(describe(x) for x in spec)
+    return "an object"
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_fields(value, spec, source: str, field: str = "") -> None:
+    """`value` has the shape `spec` says, else an MtpTrtError naming `source` and the field (dotted path).
+    spec: int, float (a finite number), str, bool, dict (any object), object (anything), Int(lo, hi), Text(pattern, what),
+    Opt(spec), OneOf(*values), Map(spec) (an object of such values), [spec] (a list of such values),
+    [spec, spec, ...] (a list of exactly those), or a dict {key: spec} (an object with those keys; a key
+    ending in "?" may be absent or null; other keys are allowed)."""
+    import math
+
+    from mtp_trt.errors import MtpTrtError
+
+    def bad(msg: str | None = None) -> MtpTrtError:
+        where = f"field '{field}'" if field else "the file"
+        return MtpTrtError(f"{source}: {where} must be {msg or describe(spec)}, got {_short(value)}")
+
+    if isinstance(spec, Opt):
+        if value is not None:
+            check_fields(value, spec.spec, source, field)
+    elif spec is object:
+        pass
+    elif spec is int or isinstance(spec, Int):
+        if (Int() if spec is int else spec).problem(value):
+            raise bad()
+    elif spec is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad()
+    elif spec in (str, bool, dict):
+        if not isinstance(value, spec):
+            raise bad()
+    elif isinstance(spec, Text):
+        if not isinstance(value, str) or not spec.pattern.fullmatch(value):
+            raise bad()
+    elif isinstance(spec, OneOf):
+        if value not in spec.values or isinstance(value, bool) != any(isinstance(v, bool) for v in spec.values):
+            raise bad()
+    elif isinstance(spec, list):
+        if not isinstance(value, list) or (len(spec) > 1 and len(value) != len(spec)):
+            raise bad()
+        for i, item in enumerate(value):
+            check_fields(item, spec[0] if len(spec) == 1 else spec[i], source, f"{field}[{i}]")
+    elif isinstance(spec, Map):
+        if not isinstance(value, dict):
+            raise bad()
+        for k, item in value.items():
+            check_fields(item, spec.spec, source, f"{field}.{k}" if field else k)
+    elif isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise bad()
+        for key, sub in spec.items():
+            name = key.rstrip("?")
+            where = f"{field}.{name}" if field else name
+            if value.get(name) is None:
+                if key.endswith("?"):
+                    continue
+                raise MtpTrtError(f"{source}: field '{where}' is missing" if name not in value else
+                                  f"{source}: field '{where}' must be {describe(sub)}, got None")
+            check_fields(value[name], sub, source, where)
+    else:
+        raise TypeError(f"unknown field spec {spec!r}")
 
 
 def _umask() -> int:
@@ -56,18 +260,26 @@ def _umask() -> int:
     return mask
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same directory, then rename."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary file's path beside `path`; when the block ends it replaces `path`, or on any error is
+    removed (a full disk leaves no half-written file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        yield Path(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same directory, then rename."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def _try_lock(fd: int, blocking: bool) -> bool:

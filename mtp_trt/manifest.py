@@ -21,17 +21,34 @@ from typing import Any
 
 from mtp_trt.config import ModelConfig
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.fsutil import cache_dir, read_json, write_atomic
+from mtp_trt.fsutil import FILE_NAME, SHA256, Int, Map, OneOf, Opt, cache_dir, check_fields, parse_json, read_json, \
+    write_atomic
 from mtp_trt.quant import Scheme, scheme
 
 FORMAT = "mtp-trt-export"
 FORMAT_VERSION = 1
 # Bumped whenever the exporter writes different graphs for the same checkpoint (CHANGELOG.md, "Exporter
 # revisions", says what each changed), so exports cached by `mtp-trt run` are redone rather than reused.
-EXPORTER_REVISION = 17
+EXPORTER_REVISION = 18
 MTP_MODES = ("eagle", "vanilla")
 DTYPES = ("fp32", "fp16", "bf16")
 NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}
+MANIFEST_DIGEST = "manifest_sha256"  # the manifest's own digest (seal): every field that decides the output
+
+# Every field of manifest.json the runtime reads, with its type (fsutil.check_fields); the config is checked by
+# ModelConfig, the relations between fields by _check_consistency.
+TENSOR_SCHEMA = {"name": str, "dtype": OneOf(*NUMPY_DTYPES), "shape": [object]}
+GRAPH_SCHEMA = {"file": FILE_NAME, "sha256": SHA256, "inputs": [TENSOR_SCHEMA], "outputs": [TENSOR_SCHEMA],
+                "kv_inputs": [str], "kv_outputs": [str], "commits?": Map(str)}
+TABLE_ROW = [str, Int(0), Int(0), Int(0), [Int(0)]]  # name, offset, bytes, ONNX data type, dims
+MANIFEST_SCHEMA = {
+    "checkpoint?": str, "config": dict, "nextn": Int(0), "mtp_mode": OneOf(*MTP_MODES), "dtype": OneOf(*DTYPES),
+    "lowering": OneOf("onnx", "plugin"), "max_batch": Int(1), "max_seq_len": Int(1), "trees?": [str],
+    "quant?": {"scheme": str, "block_size?": Int(1)}, "graphs": Map(GRAPH_SCHEMA),
+    "weights?": {"file": FILE_NAME, "sha256": SHA256, "bytes": Int(0), "initializers?": Map([TABLE_ROW])},
+    "think_ids": [Int(-1), Int(-1)], "eos_ids": [Int(0)], "tokenizer?": FILE_NAME, "tokenizer_files?": Map(SHA256),
+    "cache?": {"rows_per_sequence?": Int(1), "dtype?": str},
+}
 
 
 def sha256(path: Path) -> str:
@@ -40,6 +57,27 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def manifest_digest(raw: dict[str, Any]) -> str:
+    """SHA-256 of a manifest's canonical JSON without its own digest field."""
+    body = {k: v for k, v in raw.items() if k != MANIFEST_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(raw: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with its digest (MANIFEST_DIGEST) set: written by the exporter, checked by verify_export."""
+    return {**raw, MANIFEST_DIGEST: manifest_digest(raw)}
+
+
+def check_seal(path: Path, raw: dict[str, Any]) -> None:
+    """The manifest's fields are the ones the exporter wrote (its digest), else an MtpTrtError naming it."""
+    if raw.get(MANIFEST_DIGEST) is None:
+        raise MtpTrtError(f"{path}: has no field '{MANIFEST_DIGEST}' (written by an older mtp-trt, whose manifests "
+                          f"are not covered by its integrity check); export again")
+    if raw[MANIFEST_DIGEST] != manifest_digest(raw):
+        raise MtpTrtError(f"{path}: SHA-256 of its fields differs from its field '{MANIFEST_DIGEST}'; the manifest "
+                          f"was edited (export again)")
 
 
 def read_manifest_json(path: Path, fmt: str, version: int, what: str, command: str) -> dict[str, Any]:
@@ -85,8 +123,8 @@ def verify_files(manifest: Path, files: list[tuple[str, str]], what: str, force:
     root = manifest.parent
     record_path = _record_path(root)
     try:
-        record = json.loads(record_path.read_text()) if not force else {}
-    except (OSError, ValueError):
+        record = parse_json(record_path.read_bytes(), str(record_path)) if not force else {}
+    except (OSError, MtpTrtError):
         record = {}
     known = record.get("files") if isinstance(record, dict) and record.get("root") == str(root.resolve()) else {}
     known = known if isinstance(known, dict) else {}
@@ -113,7 +151,9 @@ def verify_files(manifest: Path, files: list[tuple[str, str]], what: str, force:
 
 
 def verify_export(manifest: Manifest, force: bool = False) -> dict:
-    """verify_files for an export: every graph and weights.bin (see verify_files for the cost)."""
+    """verify_files for an export: every graph, weights.bin and the tokenizer files (see verify_files for the
+    cost), after the manifest's own fields (its seal: the config, the weight-offset table, the token ids...)."""
+    check_seal(manifest.root / "manifest.json", manifest.raw)
     return verify_files(manifest.root / "manifest.json", manifest.files, "graph", force)
 
 
@@ -170,16 +210,23 @@ class Manifest:
         root = Path(root)
         path = root / "manifest.json"
         raw = read_manifest_json(path, FORMAT, FORMAT_VERSION, "export", "mtp-trt export")
-        try:
-            graphs = {name: GraphSpec.from_dict(name, g) for name, g in raw["graphs"].items()}
-            m = cls(root=root, raw=raw, config=ModelConfig.from_dict(raw["config"], source=f"{path} (config)"),
-                    nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
-                    max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
-                    think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]), tokenizer=raw.get("tokenizer"))
-        except (KeyError, TypeError, AttributeError) as e:
-            raise MtpTrtError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
-        _check_consistency(path, m)
+        m = cls.from_raw(root, raw, str(path))
+        if verify_hashes:
+            check_seal(path, raw)
         check_files(path, m.files, verify_hashes, "graph")
+        return m
+
+    @classmethod
+    def from_raw(cls, root: Path, raw: Any, source: str) -> Manifest:
+        """A manifest from its parsed JSON: every field typed (MANIFEST_SCHEMA) and consistent, else one
+        MtpTrtError naming `source` and the field."""
+        check_fields(raw, MANIFEST_SCHEMA, source)
+        graphs = {name: GraphSpec.from_dict(name, g) for name, g in raw["graphs"].items()}
+        m = cls(root=root, raw=raw, config=ModelConfig.from_dict(raw["config"], source=f"{source} (config)"),
+                nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
+                max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
+                think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]), tokenizer=raw.get("tokenizer"))
+        _check_consistency(Path(source), m)
         return m
 
     @property
@@ -194,28 +241,21 @@ class Manifest:
 
     @property
     def files(self) -> list[tuple[str, str]]:
-        """(file, sha256) of every graph and of the shared weights.bin (older exports: none)."""
+        """(file, sha256) of every graph, the shared weights.bin and the tokenizer files (older exports: fewer)."""
         weights = self.raw.get("weights")
-        if not (isinstance(weights, dict) and "file" in weights):
-            return [(g.file, g.sha256) for g in self.graphs.values()]
-        return [(g.file, g.sha256) for g in self.graphs.values()] + [(weights["file"], weights.get("sha256", ""))]
+        weights = [(weights["file"], weights["sha256"])] if isinstance(weights, dict) else []
+        tokenizer = list((self.raw.get("tokenizer_files") or {}).items())
+        return [(g.file, g.sha256) for g in self.graphs.values()] + weights + tokenizer
 
 
 def _check_consistency(path: Path, m: Manifest) -> None:
-    """The manifest agrees with itself: known mode, dtype and lowering; every graph that nextn and the mode
-    need is listed; the caches' dtype is the manifest's dtype.  One error naming the field otherwise."""
+    """The manifest agrees with itself (its fields' types are MANIFEST_SCHEMA's): every graph that nextn and the
+    mode need is listed; the caches' dtype is the manifest's dtype; token ids within the vocabulary; the
+    weight-offset table within weights.bin.  One error naming the field otherwise."""
     def bad(field: str, msg: str) -> MtpTrtError:
         return MtpTrtError(f"{path}: field '{field}' {msg}; the manifest was edited or the export is incomplete "
                            f"(export again)")
 
-    for field, value, allowed in (("mtp_mode", m.mtp_mode, MTP_MODES), ("dtype", m.dtype, DTYPES),
-                                  ("lowering", m.lowering, ("onnx", "plugin"))):
-        if value not in allowed:
-            raise bad(field, f"is {value!r}, expected one of {', '.join(allowed)}")
-    for field in ("nextn", "max_batch", "max_seq_len"):
-        v = getattr(m, field)
-        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if field == "nextn" else 1):
-            raise bad(field, f"is {v!r}, expected a {'non-negative' if field == 'nextn' else 'positive'} integer")
     cache = m.raw.get("cache")
     for field, key, value in (("max_seq_len", "rows_per_sequence", m.max_seq_len), ("dtype", "dtype", m.dtype)):
         if isinstance(cache, dict) and key in cache and cache[key] != value:
@@ -229,9 +269,24 @@ def _check_consistency(path: Path, m: Manifest) -> None:
     missing = [g for g in need if g not in m.graphs]
     if missing:
         raise bad("nextn", f"is {m.nextn} ({m.mtp_mode}), but graph(s) {', '.join(missing)} are not listed")
-    for name, _ in m.files:
-        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
-            raise bad("graphs", f"names file {name!r}, which is not a plain file name in the export directory")
+    vocab = m.config.vocab_size
+    for field, ids in (("think_ids", [i for i in m.think_ids if i != -1]), ("eos_ids", m.eos_ids)):
+        if any(i >= vocab for i in ids):
+            raise bad(field, f"is {list(getattr(m, field))}, but the config's vocab_size is {vocab}")
+    tokenizer_files = m.raw.get("tokenizer_files")
+    for name in tokenizer_files or {}:
+        if not FILE_NAME.pattern.fullmatch(name):
+            raise bad("tokenizer_files", f"names {name!r}, which is not a plain file name in the export directory")
+    if m.tokenizer is not None and tokenizer_files is not None and m.tokenizer not in tokenizer_files:
+        raise bad("tokenizer", f"is {m.tokenizer!r}, which tokenizer_files does not list (nor hash)")
+    weights = m.raw.get("weights") or {}
+    for file, rows in (weights.get("initializers") or {}).items():
+        if file not in {g.file for g in m.graphs.values()}:
+            raise bad("weights.initializers", f"lists {file!r}, which is not a graph of the export")
+        for name, offset, nbytes, *_ in rows:
+            if offset + nbytes > weights["bytes"]:
+                raise bad("weights.initializers", f"puts {file} tensor {name!r} at bytes {offset}..{offset + nbytes}, "
+                                                  f"beyond weights.bytes {weights['bytes']}")
     m.quant  # noqa: B018 (an unreadable 'quant' field fails here, naming it)
     for g in m.graphs.values():
         for t in g.inputs:

@@ -24,6 +24,7 @@ from mtp_trt.quant import Scheme
 
 # The bundled demo checkpoint: package data in an installed wheel (mtp_trt/demo_model), samples/demo-model in a
 # source tree (an editable install); MTP_TRT_DEMO_MODEL overrides both.
+DEFAULT_MAX_BATCH = 8  # a checkpoint's export in the cache decodes this many sequences at once, or the batch asked
 DEMO_MODEL_DIRS = (Path(__file__).resolve().parent / "demo_model",
                    Path(__file__).resolve().parent.parent / "samples" / "demo-model")
 
@@ -48,10 +49,11 @@ def checkpoint_key(ckpt: Path, **options) -> str:
 
 
 def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None, verify: bool = False,
-                   scheme: Scheme | None = None) -> Manifest:
-    """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules and the
-    weights quantized as `scheme` says (default: not).  Either is checked against its manifest's hashes (once
-    per change of its files; every time with `verify`)."""
+                   scheme: Scheme | None = None, batch: int = 1) -> Manifest:
+    """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules, the
+    weights quantized as `scheme` says (default: not) and caches for `batch` sequences (at least the export's
+    default).  Either is checked against its manifest's hashes (once per change of its files; every time with
+    `verify`)."""
     path = Path(model) if model else demo_model()
     if (path / "manifest.json").is_file():
         m = Manifest.load(path)
@@ -71,28 +73,31 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     from mtp_trt.plugins import ort_lib
 
     scheme = scheme or Scheme()
+    max_batch = max(batch, DEFAULT_MAX_BATCH)
     key = checkpoint_key(path, mode=mode, cpu_ops=ort_lib.available()[0],  # (the default export uses them if it can)
-                         **({"quant": scheme.tag} if scheme.quantized else {}))
+                         **({"quant": scheme.tag} if scheme.quantized else {}),
+                         **({"max_batch": max_batch} if max_batch != DEFAULT_MAX_BATCH else {}))
     out = cache_dir("exports") / f"{path.name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
-    m = export_cached(path, out, mode, progress or (lambda msg: None), scheme)
+    m = export_cached(path, out, mode, progress or (lambda msg: None), scheme, max_batch)
     verify_export(m, force=verify)
     return m
 
 
-def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = Scheme()) -> Manifest:
+def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = Scheme(),
+                  max_batch: int = DEFAULT_MAX_BATCH) -> Manifest:
     """Export `ckpt` into the cache entry `out` unless it is there.  Any number of processes may ask at once:
     one exports (under a lock file in cache_dir("locks")), the others wait and reuse its result.  Partial
     directories left by killed processes are removed first (never a live one's: fsutil)."""
     from mtp_trt.config import ModelConfig
     from mtp_trt.fsutil import locked, remove_stale_partials
-    from mtp_trt.tokenizer import load_tokenizer
+    from mtp_trt.tokenizer import check_vocab, load_tokenizer
 
     remove_stale_partials(out.parent)
     if not (out / "manifest.json").is_file():
-        ModelConfig.from_file(ckpt / "config.json")  # a checkpoint mtp-trt cannot run is named first
+        cfg = ModelConfig.from_file(ckpt / "config.json")  # a checkpoint mtp-trt cannot run is named first
         if not (ckpt / "tokenizer.json").is_file():  # before the export, not after it
             raise MtpTrtError(f"{ckpt}: the checkpoint has no tokenizer.json; text prompts need one")
-        load_tokenizer(ckpt / "tokenizer.json")
+        check_vocab(load_tokenizer(ckpt / "tokenizer.json"), cfg.vocab_size, ckpt / "tokenizer.json")
         try:
             cache_dir("locks").mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -102,8 +107,9 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
             if not (out / "manifest.json").is_file():
                 from mtp_trt.exporters.export import export  # torch: only on first use
 
+                progress(f"exporting {ckpt.name} to the cache, once")
                 export(ckpt, out, mtp_mode=mode, progress=progress, quant_scheme=scheme.name,
-                       group_size=scheme.block_size)
+                       group_size=scheme.block_size, max_batch=max_batch)
     return Manifest.load(out)
 
 
@@ -112,13 +118,17 @@ def verify_engines(engine_dir: Path, force: bool = False) -> dict:
     from mtp_trt.manifest import verify_files
     from mtp_trt.trt import manifest as em
 
-    engines = em.EngineManifest.load(engine_dir).engines.values()
-    return verify_files(Path(engine_dir) / em.FILE, [(e.file, e.sha256) for e in engines], "engine", force=force)
+    m = em.EngineManifest.load(engine_dir)
+    exp = em.load_export_manifest(Path(engine_dir))
+    m.check_export(exp)
+    files = [(e.file, e.sha256) for e in m.engines.values()] + [(em.EXPORT_MANIFEST, m.raw["export"]["manifest_sha256"])]
+    files += list((exp.raw.get("tokenizer_files") or {}).items())
+    return verify_files(Path(engine_dir) / em.FILE, files, "engine", force=force)
 
 
 def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: int | None = None,
                 cuda_graphs: bool = True, progress=None, bos: bool | None = None, verify: bool = False,
-                scheme: Scheme | None = None) -> Runner:
+                scheme: Scheme | None = None, batch: int = 1) -> Runner:
     """A Runner for an engine directory (engines.json: TensorRT on the GPU, mtp_trt/trt/runtime.py), an export
     directory or a checkpoint (ONNX Runtime on the CPU).  The files are checked against their manifest's hashes
     (once per change of the files; every time with `verify`); `bos`: see mtp_trt.tokenizer; `scheme`: the
@@ -135,8 +145,20 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
             raise MtpTrtError(f"{path}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(path, force=verify)
         return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs), bos=bos)
-    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme), threads=threads,
-                  bos=bos)
+    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme, batch=batch),
+                  threads=threads, bos=bos)
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """`text` up to the earliest occurrence of any stop string, and whether one occurred."""
+    at = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
+    return (text, False) if at < 0 else (text[:at], True)
+
+
+def held_back(text: str, stop: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could begin a stop string: not shown until decided."""
+    return max((n for x in stop for n in range(min(len(x) - 1, len(text)), 0, -1) if text.endswith(x[:n])),
+               default=0)
 
 
 @dataclasses.dataclass
@@ -177,12 +199,13 @@ class Runner:
 
     def __init__(self, manifest: Manifest, backend: Backend | None = None, threads: int | None = None,
                  bos: bool | None = None):
-        from mtp_trt.tokenizer import bos_policy, load_tokenizer
+        from mtp_trt.tokenizer import bos_policy, check_vocab, load_tokenizer
 
         self.manifest = manifest
         if not manifest.tokenizer:
             raise MtpTrtError(f"{manifest.root}: the export has no tokenizer.json; text prompts need one")
         self.tokenizer = load_tokenizer(manifest.root / manifest.tokenizer)
+        check_vocab(self.tokenizer, manifest.config.vocab_size, manifest.root / manifest.tokenizer)
         self.bos = bos_policy(manifest.root, manifest.config.bos_token_id, self.tokenizer, bos)
         if backend is None:  # the graphs ONNX Runtime will load; a given backend checks its own files
             verify_export(manifest)  # remembered: a stat per file unless one changed since it was last hashed
@@ -233,6 +256,9 @@ class Runner:
         """Prompts that fit the export's cache with room for one decode step (prompt + 2 nextn + 2 rows); a
         longer one is an error naming it, or with `truncate` keeps its last tokens (and its BOS)."""
         room = self.manifest.max_seq_len - 2 * nextn - 2
+        if len(ids) > self.manifest.max_batch:
+            raise MtpTrtError(f"{len(ids)} prompts, but the export ({self.manifest.root}) decodes at most max_batch "
+                              f"{self.manifest.max_batch} at once; give fewer, or export with --max-batch {len(ids)}")
         out = []
         for i, x in enumerate(ids):
             if len(x) <= room:
@@ -261,14 +287,18 @@ class Runner:
         that do not fit the cache are refused before any decoding (or truncated: see fit)."""
         shown = [0] * len(prompts)
 
+        def show(i: int, text: str) -> None:
+            if on_text and len(text) > shown[i]:
+                on_text(i, text[shown[i]:])
+                shown[i] = len(text)
+
         def on_step(seqs: list[Sequence]) -> None:
             for i, s in enumerate(seqs):
-                text = self.decode(s.generated)
-                if stop and s.finish_reason is None and any(x in text for x in stop):
+                text, stopped = cut_at_stop(self.decode(s.generated), stop)
+                if stopped and s.finish_reason is None:
                     s.finish_reason = "stop"
-                if on_text and len(text) > shown[i] and not text.endswith("\ufffd"):
-                    on_text(i, text[shown[i]:])
-                    shown[i] = len(text)
+                if not text.endswith("\ufffd"):  # a character still incomplete waits for its next tokens
+                    show(i, text if stopped else text[: len(text) - held_back(text, stop)])
 
         ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate)
         self.backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)  # loading is not decoding time
@@ -276,10 +306,9 @@ class Runner:
         seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)
         seconds = time.perf_counter() - t0
         results = []
-        for p, s in zip(prompts, seqs):
-            text = self.decode(s.generated)
-            for x in stop:
-                if x in text:
-                    text = text[: text.index(x)]
-            results.append(Result(p, text, s.generated, s.finish_reason or "length", s.message))
+        for i, (p, s) in enumerate(zip(prompts, seqs)):
+            text, stopped = cut_at_stop(self.decode(s.generated), stop)
+            show(i, text)  # what was held back as a possible stop string's start
+            reason = "stop" if stopped else s.finish_reason or "length"  # (a stop string in the last step's tokens)
+            results.append(Result(p, text, s.generated, reason, s.message))
         return RunReport(results, stats, seconds, opts.nextn, opts.tree.spec if opts.tree_graph else None)

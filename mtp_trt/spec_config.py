@@ -3,17 +3,22 @@
 TensorRT-LLM:  {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "use_relaxed_acceptance_for_thinking":
                 true, "relaxed_topk": 10, "relaxed_delta": 0.6, "use_mtp_vanilla": false}
 vLLM:          {"method": "deepseek_mtp", "num_speculative_tokens": 3}
-Either may sit under a top-level "speculative_config" key; JSON, or YAML when PyYAML is installed.
+Either may sit under a top-level "speculative_config" key; JSON, or YAML when PyYAML is installed.  The same names
+serve every supported family: both engines run the MTP layers of DeepSeek-V3.2 and GLM-5 as they run DeepSeek-V3's
+(vLLM's generic "mtp" or "deepseek_mtp", TensorRT-LLM's "MTP").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+from mtp_trt.config import MAX_TOKEN_ID
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import MAX_JSON_DEPTH, check_json_limits, parse_json
 
 TRTLLM_KEYS = {"decoding_type", "num_nextn_predict_layers", "use_relaxed_acceptance_for_thinking", "relaxed_topk",
                "relaxed_delta", "use_mtp_vanilla", "max_draft_len"}
@@ -40,7 +45,9 @@ def load_spec_config(path: str | Path) -> SpecConfig:
     except UnicodeDecodeError as e:
         raise MtpTrtError(f"{path}: not UTF-8 text (byte at offset {e.start})") from None
     try:
-        data = json.loads(text)
+        json.loads(text, parse_int=str, parse_float=str)  # JSON syntax? (its limits: parse_json, below)
+    except RecursionError:
+        pass
     except json.JSONDecodeError as json_error:
         json_msg = f"{json_error.msg} at line {json_error.lineno} column {json_error.colno}"
         try:
@@ -48,12 +55,17 @@ def load_spec_config(path: str | Path) -> SpecConfig:
         except ImportError:
             raise MtpTrtError(f"{path}: not valid JSON ({json_msg}; install PyYAML to read YAML)") from None
         try:
-            data = yaml.safe_load(text)
+            data = check_json_limits(yaml.safe_load(text), str(path))
+        except RecursionError:
+            raise MtpTrtError(f"{path}: nested more than {MAX_JSON_DEPTH} levels deep; not a file mtp-trt "
+                              f"reads") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
             problem = getattr(e, "problem", None) or (str(e).strip().splitlines() or ["invalid"])[0]
             raise MtpTrtError(f"{path}: neither JSON ({json_msg}) nor YAML ({problem}{where})") from None
+        return parse_spec_config(data, str(path))
+    data = parse_json(text, str(path))
     return parse_spec_config(data, str(path))
 
 
@@ -79,8 +91,8 @@ def _check_keys(data: dict, valid: set[str], source: str, flavour: str) -> None:
 
 def _int(data: dict, key: str, source: str, default: int | None = None) -> int:
     v = data.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise MtpTrtError(f"{source}: '{key}' must be a non-negative integer, got {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOKEN_ID:
+        raise MtpTrtError(f"{source}: '{key}' must be an integer in 0..{MAX_TOKEN_ID}, got {v!r}")
     return v
 
 
@@ -93,7 +105,7 @@ def _trtllm(data: dict, source: str) -> SpecConfig:
     if not isinstance(relaxed, bool):
         raise MtpTrtError(f"{source}: 'use_relaxed_acceptance_for_thinking' must be true or false, got {relaxed!r}")
     delta = data.get("relaxed_delta", 0.6)
-    if not isinstance(delta, (int, float)) or isinstance(delta, bool) or delta < 0:
+    if not isinstance(delta, (int, float)) or isinstance(delta, bool) or not 0 <= delta < math.inf:
         raise MtpTrtError(f"{source}: 'relaxed_delta' must be a non-negative number, got {delta!r}")
     vanilla = data.get("use_mtp_vanilla")
     return SpecConfig(nextn=nextn, mtp_mode=None if vanilla is None else "vanilla" if vanilla else "eagle",

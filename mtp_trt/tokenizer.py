@@ -12,10 +12,10 @@ In every case a BOS is never doubled, and without one the post-processor's speci
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import read_json
 
 SPECIAL_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
 
@@ -33,6 +33,15 @@ def load_tokenizer(path: Path):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise MtpTrtError(f"{path}: not a valid tokenizers file ({first[:200]})") from None
     return tok
+
+
+def check_vocab(tokenizer, vocab_size: int, path: Path) -> None:
+    """Every id the tokenizer can produce is a row of the model's embedding (ids >= vocab_size would be read out
+    of range), else an MtpTrtError naming the file."""
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise MtpTrtError(f"{path}: holds token ids up to {top}, but the model's vocab_size is {vocab_size}; the "
+                          f"tokenizer belongs to another model")
 
 
 def _processor_places_specials(node) -> bool:
@@ -73,10 +82,7 @@ def bos_policy(root: Path, bos_token_id: int | None, tokenizer=None, flag: bool 
         return BosPolicy(True, bos, "--bos", False)
     cfg_path = root / "tokenizer_config.json"
     if cfg_path.is_file():
-        try:
-            add = json.loads(cfg_path.read_text()).get("add_bos_token")
-        except (ValueError, OSError, AttributeError):
-            raise MtpTrtError(f"{cfg_path}: not a JSON object") from None
+        add = read_json(cfg_path, dict).get("add_bos_token")
         if isinstance(add, bool):
             source = f"{cfg_path.name} add_bos_token {str(add).lower()}"
             if not add:
@@ -87,10 +93,7 @@ def bos_policy(root: Path, bos_token_id: int | None, tokenizer=None, flag: bool 
             return BosPolicy(True, bos, source, False)
     tok_path = root / "tokenizer.json"
     if tokenizer is not None and tok_path.is_file():
-        try:
-            processor = json.loads(tok_path.read_text()).get("post_processor")
-        except (ValueError, OSError, AttributeError):
-            processor = None
+        processor = read_json(tok_path, dict).get("post_processor")
         if _processor_places_specials(processor):
             if post is not None and post >= 0:
                 return BosPolicy(True, None, "the tokenizer's post-processor", True)

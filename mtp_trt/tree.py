@@ -9,9 +9,11 @@ step graphs for it.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
+from mtp_trt.config import MAX_NEXTN
 from mtp_trt.errors import MtpTrtError
 
 
@@ -38,18 +40,24 @@ class TreeShape:
 # The trees an export carries by default, in either mode (each one step graph), as DEPTH:TOPK:BUDGET; chosen by
 # `mtp-trt bench` on the demo checkpoint (docs/benchmarks.md).
 DEFAULT_TREES = (TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 3, 8))
+# A tree step's attention and acceptance grow with the budget squared: bounded before any graph is traced.
+MAX_TREE_TOPK, MAX_TREE_BUDGET, MAX_TREES = 16, 128, 16
 
 
 def tree_shape(depth: int, topk: int, budget: int, what: str = "--tree-topk/--tree-budget") -> TreeShape:
     """A checked shape: one error naming the value that is out of range."""
     if depth < 1:
         raise MtpTrtError(f"{what}: tree drafting needs --nextn >= 1 (the tree's depth), got {depth}")
-    if topk < 2:
-        raise MtpTrtError(f"{what}: the tree's top-k must be >= 2 (top-k 1 is the chain), got {topk}")
+    if depth > MAX_NEXTN:
+        raise MtpTrtError(f"{what}: the tree's depth (--nextn) must be at most {MAX_NEXTN}, got {depth}")
+    if not 2 <= topk <= MAX_TREE_TOPK:
+        raise MtpTrtError(f"{what}: the tree's top-k must be in 2..{MAX_TREE_TOPK} (top-k 1 is the chain), got {topk}")
     shape = TreeShape(depth, topk, budget)
-    if not 1 <= budget <= shape.candidates:
-        raise MtpTrtError(f"{what}: a tree of depth {depth} and top-k {topk} drafts {shape.candidates} candidates; "
-                          f"the budget must be in 1..{shape.candidates}, got {budget}")
+    top = min(shape.candidates, MAX_TREE_BUDGET)
+    if not 1 <= budget <= top:
+        raise MtpTrtError(f"{what}: a tree of depth {depth} and top-k {topk} drafts {shape.candidates} candidates, "
+                          f"and a step verifies at most {MAX_TREE_BUDGET} nodes; the budget must be in 1..{top}, "
+                          f"got {budget}")
     return shape
 
 
@@ -60,11 +68,14 @@ def parse_trees(text: str) -> tuple[TreeShape, ...]:
     shapes = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        if len(parts) != 3 or not all(re.fullmatch(r"[0-9]{1,9}", p.strip()) for p in parts):
             raise MtpTrtError(f"--trees: expected DEPTH:TOPK:BUDGET items separated by commas (e.g. 3:2:6), "
                               f"got {item.strip()!r}")
         shapes.append(tree_shape(*(int(p) for p in parts), what=f"--trees {item.strip()}"))
-    return tuple(dict.fromkeys(shapes))
+    shapes = tuple(dict.fromkeys(shapes))
+    if len(shapes) > MAX_TREES:
+        raise MtpTrtError(f"--trees: {len(shapes)} trees, each a graph of the whole model; at most {MAX_TREES}")
+    return shapes
 
 
 def chain_tree(drafts: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:

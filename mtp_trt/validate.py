@@ -4,13 +4,12 @@ file or value, so that nothing runs (or is written) on input that makes no sense
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 from pathlib import Path
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import Int, Map, check_fields, parse_json, read_json
 
 THREADS_PER_CORE = 4  # --threads beyond cores x this only oversubscribes (and 10^5 threads hang)
 MAX_SEED = 2**63 - 1
@@ -49,6 +48,9 @@ def check_sampling(temperature: float, top_k: int, top_p: float, seed: int, rela
     check_number("--temperature", temperature, 0.0)
     check_number("--top-p", top_p)
     check_number("--relaxed-delta", relaxed_delta, 0.0)
+    for flag, value in (("--top-k", top_k), (relaxed_source, relaxed_topk)):
+        if not 0 <= value <= 2**31 - 1:
+            raise MtpTrtError(f"{flag} must be in 0..{2**31 - 1}, got {value}")
     if not 0 <= seed <= MAX_SEED:
         raise MtpTrtError(f"--seed must be in 0..{MAX_SEED}, got {seed}")
     if temperature == 0 and (top_k or top_p != 1.0):
@@ -77,22 +79,30 @@ def text_arg(flag: str, text: str) -> str:
 
 
 def read_prompt_file(path: Path) -> list[str]:
-    """The non-blank lines of a UTF-8 text file."""
-    if not path.exists():
-        raise MtpTrtError(f"{path}: prompt file not found")
-    if not path.is_file():
-        raise MtpTrtError(f"{path}: --prompt-file must be a file, but this is a directory"
-                          if path.is_dir() else f"{path}: --prompt-file must be a regular file")
+    """The prompts of a UTF-8 text file (`-`: standard input), one per line: lines end at "\\n" alone (a "\\r"
+    before it, from a Windows file, is dropped; form feeds, U+2028 and other Unicode line breaks stay inside
+    their prompt), a byte-order mark at the start is dropped, blank lines are skipped."""
+    import sys
+
+    if str(path) == "-":
+        data, where = sys.stdin.buffer.read(), "<stdin>"
+    else:
+        if not path.exists():
+            raise MtpTrtError(f"{path}: prompt file not found")
+        if not path.is_file():
+            raise MtpTrtError(f"{path}: --prompt-file must be a file, but this is a directory"
+                              if path.is_dir() else f"{path}: --prompt-file must be a regular file")
+        try:
+            data, where = path.read_bytes(), str(path)
+        except OSError as e:
+            raise MtpTrtError(f"{path}: cannot read the prompt file ({e.strerror})") from None
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise MtpTrtError(f"{path}: cannot read the prompt file ({e.strerror})") from None
-    try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise MtpTrtError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} on line {line})") from None
-    return [line for line in text.splitlines() if line.strip()]
+        raise MtpTrtError(f"{where}: not UTF-8 text (byte {data[e.start]:#04x} on line {line})") from None
+    lines = (line.removesuffix("\r") for line in text.split("\n"))
+    return [line for line in lines if line.strip()]
 
 
 def check_stop(stop: list[str]) -> None:
@@ -107,6 +117,7 @@ def check_writable_file(path: Path, flag: str) -> None:
     creating (and removing) a file beside it."""
     import tempfile
 
+    text_arg(flag, str(path))  # its name is printed when written
     if path.is_dir():
         raise MtpTrtError(f"{flag} {path}: is a directory; give a file name")
     parent = path.parent if str(path.parent) else Path(".")
@@ -122,8 +133,19 @@ def check_writable_file(path: Path, flag: str) -> None:
         raise MtpTrtError(f"{flag} {path}: not writable ({e.strerror or e})") from None
 
 
+def check_plot_format(path: Path, flag: str = "--plot") -> None:
+    """`path`'s extension names an image format matplotlib writes (checked before a benchmark, not after)."""
+    formats = ("png", "svg", "pdf", "jpg", "jpeg", "eps", "ps", "webp", "tif", "tiff")
+    ext = path.suffix.lower().lstrip(".")
+    if ext not in formats:
+        raise MtpTrtError(f"{flag} {path}: unknown image format {ext or '(no extension)'!r}; give a file name "
+                          f"ending in one of {', '.join('.' + f for f in formats)}")
+
+
 def check_output_dir(out: Path, flag: str = "--out") -> None:
-    """An output directory that may be created: absent or empty, under a parent that can be written."""
+    """An output directory that may be created: absent or empty, under a parent that can be written, with a name
+    that can be printed (UTF-8)."""
+    text_arg(flag, str(out))
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise MtpTrtError(f"{out}: exists and is not a directory; choose another {flag} or remove it")
@@ -156,34 +178,68 @@ def merge_spec_config(spec, source: Path, nextn: int | None, mtp_mode: str | Non
 
 
 # ------------------------------------------------------------------------------ checkpoint files
-def safetensors_header(path: Path) -> dict:
-    """The JSON header of a .safetensors file (tensor name -> {dtype, shape, data_offsets}), read without torch."""
+ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1}
+ST_ENTRY = {"dtype": str, "shape": [Int(0)], "data_offsets": [Int(0), Int(0)]}
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[str, list[int], int, int]]:
+    """A .safetensors file's table, read without torch: name -> (dtype, shape, first byte, end byte) in the file,
+    every entry typed and checked against the file's size (a truncated file is named here, not when its last
+    tensor is read)."""
+    source = f"{path}: safetensors header"
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100_000_000:
-                raise ValueError(f"header length {n}")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
-        raise MtpTrtError(f"{path}: cannot read safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise MtpTrtError(f"{path}: cannot read safetensors header (not an object)")
-    header.pop("__metadata__", None)
-    return header
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= min(size - 8, 100_000_000):
+                raise MtpTrtError(f"{path}: cannot read safetensors header: header length {n} does not fit a "
+                                  f"{size}-byte file")
+            raw = parse_json(f.read(n), source)
+    except OSError as e:
+        raise MtpTrtError(f"{path}: cannot read safetensors header ({e.strerror or e})") from None
+    check_fields(raw, Map(object), source)
+    raw.pop("__metadata__", None)
+    table = {}
+    for name, e in raw.items():
+        check_fields(e, ST_ENTRY, source, name)
+        if e["dtype"] not in ST_ITEMSIZE:
+            raise MtpTrtError(f"{source}: field '{name}.dtype' is {e['dtype']!r}, not a safetensors dtype "
+                              f"({', '.join(ST_ITEMSIZE)})")
+        (begin, end), nbytes = e["data_offsets"], math.prod(e["shape"]) * ST_ITEMSIZE[e["dtype"]]
+        if end - begin != nbytes or 8 + n + end > size:
+            raise MtpTrtError(f"{path}: cannot read safetensors header: tensor '{name}': bytes {begin}..{end} do "
+                              f"not hold {e['shape']} {e['dtype']} within the file ({size} bytes; truncated?)")
+        table[name] = (e["dtype"], e["shape"], 8 + n + begin, 8 + n + end)
+    return table
+
+
+def inside(root: Path, name: str, source: str, what: str) -> Path:
+    """`root / name` where `name` (read from `source`) stays inside `root` once resolved (no absolute path, no
+    `..`, no link out of it), else an MtpTrtError naming both."""
+    path = root / name
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts or \
+            not path.resolve().is_relative_to(root.resolve()):
+        raise MtpTrtError(f"{source}: {what} {name!r} is not a file inside {root}; refusing to read outside it")
+    return path
+
+
+def safetensors_files(ckpt: Path) -> dict[str, Path] | None:
+    """Tensor name -> the file holding it, from model.safetensors.index.json (its file names kept inside the
+    checkpoint) or the single model.safetensors's header; None when the checkpoint has neither."""
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        raw = read_json(index, {"weight_map": Map(str)})
+        files = {f: inside(ckpt, f, str(index), "weight_map names shard") for f in set(raw["weight_map"].values())}
+        return {name: files[f] for name, f in raw["weight_map"].items()}
+    single = ckpt / "model.safetensors"
+    return dict.fromkeys(safetensors_header(single), single) if single.is_file() else None
 
 
 def stored_tensor_names(ckpt: Path) -> set[str] | None:
     """Names of the tensors a checkpoint stores (index or single file); None when it has no weights file."""
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        from mtp_trt.fsutil import read_json
-
-        raw = read_json(index)
-        if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
-            raise MtpTrtError(f"{index}: not a safetensors index (needs a 'weight_map' object)")
-        return set(raw["weight_map"])
-    single = ckpt / "model.safetensors"
-    return set(safetensors_header(single)) if single.is_file() else None
+    files = safetensors_files(ckpt)
+    return None if files is None else set(files)
 
 
 def stored_mtp_modules(ckpt: Path, num_hidden_layers: int) -> int | None:
@@ -206,22 +262,52 @@ def check_mtp_modules(ckpt: Path, cfg) -> None:
                           f"(model.layers.{cfg.num_hidden_layers}..); fix the config or the checkpoint")
 
 
+def machine_memory() -> int | None:
+    """Bytes of memory this process may use: the machine's physical memory, or less where an address-space limit
+    (ulimit -v, RLIMIT_AS) is set; None where the system says neither."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(limits, default=None)
+
+
+def check_memory(need: int, what: str) -> None:
+    """Refuse, before anything is allocated, work that needs more memory at once than the machine has; `what`
+    names the values that imply `need` bytes."""
+    total = machine_memory()
+    if total is not None and need > total:
+        raise MtpTrtError(f"{what}: needs about {need / 2**30:,.1f} GiB at once, more than the "
+                          f"{total / 2**30:,.1f} GiB of memory this process may use")
+
+
+def cache_bytes(cfg, caches: int, batch: int, rows: int, bytes_per_value: int) -> int:
+    """Bytes of `caches` latent KV caches of `batch` sequences x `rows` rows (the runtime's, allocated once)."""
+    return caches * batch * rows * cfg.latent_dim * bytes_per_value
+
+
 def check_export_memory(cfg, bytes_per_value: int, what: str) -> None:
     """Refuse a model whose largest tensors cannot be held: the export streams the weights (streaming.py), holding
-    at most about three copies of its largest tensor at once (the embedding, a MoE layer's stacked experts or
-    a dense MLP's gate and up projections), whatever the model's total size."""
-    largest = max(cfg.vocab_size * cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size,
-                  2 * (cfg.n_routed_experts or 0) * cfg.moe_intermediate_size * cfg.hidden_size)
-    need = 3 * largest * bytes_per_value
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > total:
-        raise MtpTrtError(f"{what}: exporting needs about {need / 2**30:,.1f} GiB at once for its largest tensors "
-                          f"(vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size}, intermediate sizes "
-                          f"{cfg.intermediate_size} / {cfg.moe_intermediate_size}), more than this machine's "
-                          f"{total / 2**30:,.1f} GiB of memory")
+    at most about three copies of its largest tensor at once (the embedding, a MoE layer's stacked experts, a
+    dense MLP's gate and up projections or an attention projection), whatever the model's total size."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    largest = max(cfg.vocab_size * d, 2 * cfg.intermediate_size * d,
+                  2 * (cfg.n_routed_experts or 0) * cfg.moe_intermediate_size * d,
+                  (cfg.q_lora_rank or d) * h * cfg.qk_head_dim, cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim +
+                                                                                      cfg.v_head_dim),
+                  h * cfg.v_head_dim * d, d * cfg.latent_dim)
+    check_memory(3 * largest * bytes_per_value,
+                 f"{what}: exporting its largest tensors (vocab_size {cfg.vocab_size}, hidden_size {d}, intermediate "
+                 f"sizes {cfg.intermediate_size} / {cfg.moe_intermediate_size}, {h} heads)")
 
 
 def quant_scheme(name: str | None, group_size: int | None):

@@ -12,6 +12,10 @@ until asked, and cuda-python is imported lazily (``import_cudart``).
   GPU's compute capability (cuda-python, then ``nvidia-smi``), else ``DEFAULT_ARCHS``.
 * ``load_library()`` returns a ``KernelLib`` whose methods take device pointers (ints), sizes and
   a stream (int handle, 0 = default stream) and raise ``CudaKernelError`` on a non-zero status.
+* Which library: ``resolve_library``.  A library links the CUDA runtime of the nvcc that built it statically,
+  so it runs only under an NVIDIA driver of that CUDA major version or newer (``cuDriverGetVersion``): the
+  shipped one (CUDA 13) where the driver allows, else one built here by an nvcc the driver can run (CUDA 12
+  drivers with a CUDA 12 toolkit), else one error saying what to install.
 * ``nvcc_command(...)`` lists the command line; ``compile_archs(...)`` compiles each source for a
   list of archs (no GPU needed; used by tests/kernels/test_compile.py).
 """
@@ -80,6 +84,28 @@ def cuda_include_dir() -> Path | None:
         if root:
             cands.append(Path(root) / "include")
     return next((c for c in cands if (c / "cuda_fp16.h").is_file() and (c / "cuda_runtime.h").is_file()), None)
+
+
+def cuda_major(version: str) -> int:
+    """'13.0.88' -> 13."""
+    return int(version.split(".")[0])
+
+
+@functools.cache
+def driver_cuda_version() -> int | None:
+    """The CUDA version the NVIDIA driver supports (cuDriverGetVersion: 12040 for 12.4), or None without a
+    driver.  Needs no GPU and no toolkit."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    v = ctypes.c_int(0)
+    return v.value if cuda.cuDriverGetVersion(ctypes.byref(v)) == 0 and v.value > 0 else None
+
+
+def format_cuda_version(v: int) -> str:
+    """12040 -> '12.4'."""
+    return f"{v // 1000}.{v % 1000 // 10}"
 
 
 @functools.cache
@@ -228,8 +254,11 @@ def source_hash(archs, extra=()) -> str:
 
 
 def library_path(archs=None) -> Path:
+    """Where build_library keeps the library for `archs` built by this nvcc (its CUDA major is in the name: a
+    library runs only under drivers of that major or newer)."""
     archs = parse_archs(archs) if archs else detect_archs()
-    return cache_dir("kernels") / f"libmtp_kernels-{'-'.join(archs)}-{source_hash(archs)}.so"
+    cu = f"cu{cuda_major(nvcc_version())}-" if find_nvcc() else ""
+    return cache_dir("kernels") / f"libmtp_kernels-{cu}{'-'.join(archs)}-{source_hash(archs)}.so"
 
 
 def build_library(archs=None, *, force: bool = False, verbose: bool = False, path: Path | None = None,
@@ -429,18 +458,52 @@ def ship() -> Path:
     return PREBUILT_LIB
 
 
+def driver_problem(driver: int | None, built_with: str, what: str) -> str | None:
+    """Why a library built by nvcc `built_with` (e.g. '13.0.88') cannot run under a driver supporting CUDA
+    `driver` (cuDriverGetVersion; None: unknown, no driver), or None."""
+    if driver is None or driver // 1000 >= cuda_major(built_with):
+        return None
+    return (f"{what} links the CUDA {cuda_major(built_with)} runtime, but the NVIDIA driver supports CUDA "
+            f"{format_cuda_version(driver)}: update the driver (CUDA {cuda_major(built_with)}: R"
+            f"{DRIVER_FOR_CUDA.get(cuda_major(built_with), '?')} or newer), or install a CUDA "
+            f"{driver // 1000} toolkit (nvcc) so the kernels are built for this driver, or set MTP_TRT_KERNEL_LIB "
+            f"to a kernel library built for it")
+
+
+DRIVER_FOR_CUDA = {12: 525, 13: 580}  # the first Linux driver branch of each CUDA major version
+
+
 def resolve_library(archs=None) -> Path:
     """The library to load, without compiling when avoidable: $MTP_TRT_KERNEL_LIB; else (no archs asked) the
-    shipped library when it is current; else one built for `archs` (default: this GPU's) in the cache, built
-    now with nvcc if missing (an NvccError naming what to do where there is no nvcc)."""
+    shipped library when it is current and the driver runs its CUDA version; else one built for `archs` (default:
+    this GPU's) in the cache by the nvcc here, built now if missing (an NvccError naming what to do where there is
+    no nvcc, one MtpTrtError where the driver is older than both the shipped library's CUDA and nvcc's)."""
     env = os.environ.get("MTP_TRT_KERNEL_LIB")
     if env:
         if not Path(env).is_file():
             raise MtpTrtError(f"MTP_TRT_KERNEL_LIB={env}: no such file")
         return Path(env)
-    if archs is None and prebuilt_current()[0]:
+    driver = driver_cuda_version()
+    shipped = prebuilt_info() if archs is None and prebuilt_current()[0] else None
+    too_old = driver_problem(driver, shipped["nvcc"], f"the shipped kernel library ({PREBUILT_LIB.name})") \
+        if shipped else None
+    if shipped and not too_old:
         return PREBUILT_LIB
+    if find_nvcc() is None:
+        if too_old:
+            raise MtpTrtError(too_old)
+    elif problem := driver_problem(driver, nvcc_version(), f"a kernel library built by nvcc {nvcc_version()}"):
+        raise MtpTrtError(f"{too_old} (the nvcc here, {nvcc_version()}, builds for CUDA {cuda_major(nvcc_version())} "
+                          f"too)" if too_old else problem)
     return build_library(archs)
+
+
+def describe(path: Path) -> str:
+    """Which kernel library `path` is, in words (for reports)."""
+    if Path(path) == PREBUILT_LIB and (info := prebuilt_info()):
+        return f"shipped ({PREBUILT_LIB.name}, CUDA {cuda_major(info['nvcc'])}, sm_{', sm_'.join(info['archs'])})"
+    origin = "MTP_TRT_KERNEL_LIB" if os.environ.get("MTP_TRT_KERNEL_LIB") else "built here"
+    return f"{origin} ({path})"
 
 
 def load_library(archs=None, *, force_build: bool = False) -> KernelLib:

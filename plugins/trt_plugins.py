@@ -12,9 +12,11 @@ ctypes library of plugins/cuda_lib.py (prebuilt and shipped, see cuda_lib.load_l
 plugin is created for the runtime phase (engine deserialization), never inside enqueue:
 
 * MlaGenerationAttention -> mtp_mla_decode with new_rows (the KV commit, written in place) and the
-  optional fifth input, the tree mask (absent: NULL, causal); split-KV workspace from the TensorRT workspace.  The write is legal: output 1,
-  kv_cache_out, is declared aliased to input 2 (IPluginV3OneBuildV2.get_aliased_input, builder
-  preview feature ALIASED_PLUGIN_IO_10_03), so TensorRT gives both the same buffer.
+  optional fifth input, the tree mask (absent: NULL, causal); split-KV workspace from the TensorRT workspace.
+  The write is legal: output 1, kv_cache_out, is declared aliased to input 2
+  (IPluginV3OneBuildV2.get_aliased_input, builder preview feature ALIASED_PLUGIN_IO_10_03), so TensorRT gives
+  both the same buffer (enqueue checks it).  The split count and workspace of each (B, S, H, T) are worked out
+  once per plugin instance (one execution context, one device): a call is one ctypes call, the launch.
 * MtpAccept -> mtp_accept_relaxed_dev (kernel ABI 3; relaxed_topk <= 0 is strict), reading the
   drafts in place from input_ids + 1 with stride S and writing the flags to thinking_out: no
   workspace, no copies.  relaxed_topk and relaxed_delta stay device scalars that the kernels read
@@ -205,21 +207,36 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
             return mla_workspace_bound((q.min[0], q.max[0]), (q.min[1], q.max[1]), q.max[2],
                                        self.values["kv_lora_rank"], cache.max[1])
 
+        def __init__(self, values: dict):
+            super().__init__(values)
+            self.launches: dict[tuple, tuple] = {}  # (B, S, H, T) -> (splits, workspace bytes) on this device
+
+        def launch_plan(self, B: int, S: int, H: int, T: int) -> tuple[int, int]:
+            """(split count, workspace bytes) of a shape: asked of the kernel library once per shape (the device's
+            SM count), capped at the bound the build-time workspace was reserved for."""
+            if (plan := self.launches.get((B, S, H, T))) is None:
+                dl, lib = self.values["kv_lora_rank"], _kernels()
+                splits = min(lib.mla_decode_num_splits(B, S, H, T, 0), mla_splits_bound(B, S, H, T))
+                ws = lib.mla_decode_workspace_size(B, S, H, dl, splits)
+                if ws != mla_workspace_size(B, S, H, dl, splits):  # the reserved size was computed with the latter
+                    raise RuntimeError(f"the kernel library's split-KV workspace ({ws} bytes) differs from "
+                                       f"plugins/trt_plugins.py's formula; update mla_workspace_size")
+                plan = self.launches[(B, S, H, T)] = (splits, ws)
+            return plan
+
         @_reported
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            B, S, H, D = (int(x) for x in input_desc[0].dims)
-            T = int(input_desc[2].dims[1])
+            B, S, H, D = input_desc[0].dims
+            T = input_desc[2].dims[1]
+            if outputs[1] != inputs[2]:
+                raise RuntimeError(f"kv_cache_out is bound to {outputs[1]:#x}, not to kv_cache's buffer "
+                                   f"{inputs[2]:#x}: TensorRT did not alias them (build with aliased plugin I/O)")
+            splits, ws = self.launch_plan(B, S, H, T)
             dl = self.values["kv_lora_rank"]
-            lib = _kernels()
-            splits = min(lib.mla_decode_num_splits(B, S, H, T, 0), mla_splits_bound(B, S, H, T))
-            ws = lib.mla_decode_workspace_size(B, S, H, dl, splits)
-            if ws != mla_workspace_size(B, S, H, dl, splits):  # the reserved size was computed with the latter
-                raise RuntimeError(f"the kernel library's split-KV workspace ({ws} bytes) differs from "
-                                   f"plugins/trt_plugins.py's formula; update mla_workspace_size")
-            mask = inputs[4] if len(input_desc) == 5 else None  # the tree mask, else causal
-            lib.mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], outputs[1], inputs[3], inputs[1], mask,
-                           outputs[0], workspace if ws else None, ws, B, S, H, dl, D - dl, T,
-                           self.values["softmax_scale"], splits, 0, stream)
+            _kernels().mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], outputs[1], inputs[3], inputs[1],
+                                  inputs[4] if len(input_desc) == 5 else None,  # the tree mask, else causal
+                                  outputs[0], workspace if ws else None, ws, B, S, H, dl, D - dl, T,
+                                  self.values["softmax_scale"], splits, 0, stream)
 
     class MtpAccept(Base):
         OP = ops.MTP_ACCEPT

@@ -17,8 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 HEADER = "NvInferRuntime.h"
 
 
+def tensorrt_include_dirs() -> list[Path]:
+    """Every folder of $TENSORRT_INCLUDE_DIR (os.pathsep-separated: headers of several TensorRT versions, each
+    compiled against) holding TensorRT's headers, else the first found of tensorrt_include_dir's candidates."""
+    dirs = [Path(d) for d in os.environ.get("TENSORRT_INCLUDE_DIR", "").split(os.pathsep) if d]
+    found = [d for d in dirs if (d / HEADER).is_file()]
+    one = tensorrt_include_dir()
+    return found or ([one] if one else [])
+
+
 def tensorrt_include_dir() -> Path | None:
-    cands = [os.environ.get("TENSORRT_INCLUDE_DIR")]
+    cands = os.environ.get("TENSORRT_INCLUDE_DIR", "").split(os.pathsep)
     if os.environ.get("TensorRT_ROOT"):
         cands.append(str(Path(os.environ["TensorRT_ROOT"]) / "include"))
     cands += ["/usr/include/x86_64-linux-gnu", "/usr/include/aarch64-linux-gnu", "/usr/local/TensorRT/include",
@@ -41,7 +50,8 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def gxx(*args: str) -> list[str]:
-    """g++ with our warning flags and the include folders (TensorRT and CUDA as system headers)."""
-    return ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-isystem", str(tensorrt_include_dir()),
+def gxx(*args: str, tensorrt: Path | None = None) -> list[str]:
+    """g++ with our warning flags and the include folders (TensorRT's, `tensorrt` or the first found, and CUDA's
+    as system headers)."""
+    return ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-isystem", str(tensorrt or tensorrt_include_dir()),
             "-isystem", str(cuda_include_dir()), *args]

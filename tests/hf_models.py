@@ -106,3 +106,23 @@ def edit_config(path: Path, **changes) -> None:
         else:
             cfg[k] = v
     cfg_path.write_text(json.dumps(cfg))
+
+
+def prefill_logits(m, prompts: list[list[int]]):
+    """An export's (Manifest m) target graph on a right-padded batch of the prompts over empty caches of
+    max_seq_len rows -> its logits [B, S, V] (NumPy)."""
+    import numpy as np
+
+    from mtp_trt.plugins import ort_lib
+
+    lens = [len(p) for p in prompts]
+    ids = np.zeros((len(prompts), max(lens)), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    feed = {"input_ids": ids, "past_len": np.zeros(len(prompts), np.int32),
+            "thinking": np.zeros(len(prompts), np.int32), "relaxed_topk": np.array(0, np.int32),
+            "relaxed_delta": np.array(0, np.float32)}
+    feed |= {f"kv_{i}": np.zeros((len(prompts), m.max_seq_len, m.config.cache_dim), np.float32)
+             for i in range(m.config.num_hidden_layers)}
+    sess = ort_lib.session(m.root / m.graphs["target"].file)
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))["logits"]

@@ -95,7 +95,7 @@ def test_bench_times_every_configuration_and_writes_json_and_plot(ckpt, tmp_path
     """`mtp-trt bench` on a small checkpoint: every (mode, nextn, batch) and transformers' generate are timed,
     every nextn generates the same greedy tokens as nextn 0, and the summary relates them."""
     out = tmp_path / "bench.json"
-    r = mtp_trt("bench", ckpt, "--batch", 1, "--batch", 2, "--max-new-tokens", 6, "--repeats", 1, "--json", out,
+    r = mtp_trt("bench", ckpt, "--batch", 1, "--batch", 2, "--max-new-tokens", 6, "--repeats", 1, "--out", out,
                 "--plot", tmp_path / "bench.png", env={"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads(out.read_text())

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(cpp_env.unavailable_reason() is not None,
 ROOT = cpp_env.ROOT
 
 
-def _compile(tmp_path, *args):
-    proc = subprocess.run(cpp_env.gxx(*args), capture_output=True, text=True, check=False, cwd=ROOT)
+def _compile(tmp_path, *args, tensorrt=None):
+    proc = subprocess.run(cpp_env.gxx(*args, tensorrt=tensorrt), capture_output=True, text=True, check=False, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "warning" not in proc.stderr, proc.stderr
 
@@ -34,8 +34,11 @@ def test_plugin_library_source_compiles_without_warnings(tmp_path, variant):
         assert any(line.endswith(f" T {entry}") for line in symbols.splitlines()), entry
 
 
-def test_runner_compiles_without_warnings(tmp_path):
-    _compile(tmp_path, "-c", "samples/cpp/mtp_trt_runner.cpp", "-o", str(tmp_path / "runner.o"))
+@pytest.mark.parametrize("tensorrt", cpp_env.tensorrt_include_dirs(), ids=str)
+def test_runner_compiles_without_warnings(tmp_path, tensorrt):
+    """Against each TensorRT's headers given (TENSORRT_INCLUDE_DIR=/a/10.9/include:/b/11.1/include): the
+    aliased-output lookup of 10.15+ is compiled only there."""
+    _compile(tmp_path, "-c", "samples/cpp/mtp_trt_runner.cpp", "-o", str(tmp_path / "runner.o"), tensorrt=tensorrt)
 
 
 def test_a_warning_fails_the_compile(tmp_path):

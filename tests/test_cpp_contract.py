@@ -115,3 +115,13 @@ def test_workspace_formulas_match_python(tmp_path):
         assert splits == tp.mla_splits_bound(b1, s1, H, T), c
         assert size == tp.mla_workspace_size(b1, s1, H, Dl, tp.mla_num_splits(b1, s1, H, T, 132)), c
     assert any(int(line.split()[0]) > 0 for line in lines if line), "no case exercised a split workspace"
+
+
+def test_runner_uses_tensorrt_10_15_calls_only_behind_a_version_guard():
+    """The runner compiles against TensorRT 10.3-10.14 (no ICudaEngine::getAliasedInputTensor): its aliases
+    come from engines.json, TensorRT's own report is read only where the headers are 10.15 or later, and headers
+    outside 10.3-11.x stop the compile."""
+    text = (ROOT / "samples" / "cpp" / "mtp_trt_runner.cpp").read_text()
+    guarded = re.findall(r"#if NV_TENSORRT_VERSION >= 101500\b.*?#endif", text, re.S)
+    assert text.count("getAliasedInputTensor") == sum(g.count("getAliasedInputTensor") for g in guarded) == 1
+    assert 'e["aliases"]' in text and "#error" in text and "getInferLibVersion()" in text

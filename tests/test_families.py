@@ -4,9 +4,10 @@ For each family (DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Glm4MoeLiteForCau
 by transformers' class in several configs: the prefill logits of the exported target graph (ONNX Runtime, fp32)
 within 1e-4 of the class's, greedy decoding (nextn 0) equal to its `generate` token for token, and, where the
 checkpoint has MTP layers (DeepSeek-V3's convention, which GLM-4.x MoE checkpoints share; transformers' classes
-have no MTP module), greedy MTP decoding (eagle, vanilla, trees) equal to it as well.  DeepSeek-V3.2, GLM-5 (DeepSeek
-Sparse Attention) and an unknown architecture end in one line, from the loader and from the CLI; so does a
-DeepSeek-V3.2 checkpoint whose config has been made to claim DeepSeek-V3 (its indexer weights are named).
+have no MTP module), greedy MTP decoding (eagle, vanilla, trees) equal to it as well (DeepSeek-V3.2 and GLM-5:
+tests/test_dsa.py, tests/test_dsa_export.py).  An unknown architecture ends in one line, from the loader and from
+the CLI; so do DeepSeek Sparse Attention fields in another family's config, and a DeepSeek-V3.2 checkpoint whose
+config has been made to claim DeepSeek-V3 (its indexer weights are named).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import append_mtp_layers, edit_config, make_draftable, make_model
+from hf_models import append_mtp_layers, edit_config, make_draftable, make_model, prefill_logits
 from mtp_trt.backend import OrtBackend
 from mtp_trt.config import ModelConfig
 from mtp_trt.decode import DecodeOptions, generate
@@ -29,7 +30,6 @@ from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.export import export
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import Manifest
-from mtp_trt.plugins import ort_lib
 from mtp_trt.tree import TreeShape
 
 ATOL, RTOL = 1e-4, 1e-4  # fp32 both sides, same math in another order (as tests/test_hf_parity.py)
@@ -113,24 +113,12 @@ def test_config_maps_onto_the_family(case):
 def test_prefill_logits_match_transformers(case):
     """The target graph on a right-padded batch of two prompts: logits of every real row within 1e-4."""
     _, hf, _, _, exports, _ = case
-    m = Manifest.load(next(iter(exports.values())))
-    cfg = m.config
-    lens = [len(p) for p in PROMPTS]
-    ids = np.zeros((len(PROMPTS), max(lens)), np.int32)
-    for i, p in enumerate(PROMPTS):
-        ids[i, :len(p)] = p
-    feed = {"input_ids": ids, "past_len": np.zeros(len(PROMPTS), np.int32),
-            "thinking": np.zeros(len(PROMPTS), np.int32), "relaxed_topk": np.array(0, np.int32),
-            "relaxed_delta": np.array(0, np.float32)}
-    feed |= {f"kv_{i}": np.zeros((len(PROMPTS), m.max_seq_len, cfg.latent_dim), np.float32)
-             for i in range(cfg.num_hidden_layers)}
-    sess = ort_lib.session(m.root / m.graphs["target"].file)
-    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+    logits = prefill_logits(Manifest.load(next(iter(exports.values()))), PROMPTS)
     for i, p in enumerate(PROMPTS):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].numpy()
         assert ref.std() > 0.1, "logits too flat for the comparison to mean anything"
-        np.testing.assert_allclose(out["logits"][i, :len(p)], ref, atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(logits[i, :len(p)], ref, atol=ATOL, rtol=RTOL)
 
 
 def test_greedy_decoding_matches_transformers_generate(case):
@@ -173,12 +161,9 @@ def test_loader_reads_what_transformers_wrote(case):
 # ------------------------------------------------------------------------------------------------ refused
 DSA = dict(index_topk=4, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1, n_group=1, topk_group=1)
 SUPPORTED = ("supported architectures: DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2), DeepseekV2ForCausalLM "
-             "(DeepSeek-V2), Glm4MoeLiteForCausalLM (GLM-4.7-Flash)")
+             "(DeepSeek-V2), Glm4MoeLiteForCausalLM (GLM-4.7-Flash), DeepseekV32ForCausalLM (DeepSeek-V3.2), "
+             "GlmMoeDsaForCausalLM (GLM-5)")
 REFUSED = {
-    "DeepseekV32ForCausalLM": "architecture DeepseekV32ForCausalLM (DeepSeek-V3.2) is not supported: DeepSeek "
-                              "Sparse Attention (the lightning indexer) is not supported yet",
-    "GlmMoeDsaForCausalLM": "architecture GlmMoeDsaForCausalLM (GLM-5) is not supported: DeepSeek Sparse Attention "
-                            "(the lightning indexer) is not supported yet",
     "FooForCausalLM": "architecture FooForCausalLM is not supported: mtp-trt has no mapping of it onto its reference "
                       "model",
 }
@@ -218,13 +203,12 @@ def test_refused_architecture_through_the_cli(refused, arch, command, tmp_path):
 
 
 def test_model_type_without_architectures(refused, tmp_path):
-    """Older configs name only model_type: a supported one is read as its family, a refused one is refused."""
-    ckpt = tmp_path / "v32"
-    shutil.copytree(refused["DeepseekV32ForCausalLM"], ckpt)
-    edit_config(ckpt, architectures=None)
-    with pytest.raises(MtpTrtError, match=r"model_type 'deepseek_v32' \(DeepSeek-V3.2, DeepseekV32ForCausalLM\) is "
-                                          r"not supported: DeepSeek Sparse Attention"):
-        ModelConfig.from_file(ckpt)
+    """Older configs name only model_type: a supported one is read as its family, an unknown one is refused."""
+    for arch in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
+        ckpt = tmp_path / arch
+        shutil.copytree(refused[arch], ckpt)
+        edit_config(ckpt, architectures=None)
+        assert ModelConfig.from_file(ckpt).architecture == arch
     cfg = json.loads((refused["FooForCausalLM"] / "config.json").read_text())
     for model_type, arch in [("glm4_moe_lite", "Glm4MoeLiteForCausalLM"), ("deepseek_v2", "DeepseekV2ForCausalLM"),
                              ("kimi_k2", "DeepseekV3ForCausalLM"), (None, "DeepseekV3ForCausalLM")]:
@@ -235,14 +219,17 @@ def test_model_type_without_architectures(refused, tmp_path):
         ModelConfig.from_dict({k: v for k, v in cfg.items() if k != "architectures"})
 
 
-def test_dsa_fields_are_refused_whatever_the_architecture(refused):
+def test_dsa_fields_are_refused_in_other_families(refused):
     cfg = json.loads((refused["DeepseekV32ForCausalLM"] / "config.json").read_text())
-    with pytest.raises(MtpTrtError, match=r"architecture DeepseekV3ForCausalLM with model_type 'deepseek_v32' is not "
-                                          r"supported: DeepSeek Sparse Attention"):
+    with pytest.raises(MtpTrtError, match=r"field 'model_type' is 'deepseek_v32', a DeepseekV32ForCausalLM type, but "
+                                          r"'architectures' names DeepseekV3ForCausalLM"):
         ModelConfig.from_dict(cfg | {"architectures": ["DeepseekV3ForCausalLM"]})
-    with pytest.raises(MtpTrtError, match=r"architecture DeepseekV3ForCausalLM with field 'index_topk' \(DeepSeek "
-                                          r"Sparse Attention\) is not supported"):
+    with pytest.raises(MtpTrtError) as e:
         ModelConfig.from_dict(cfg | {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"})
+    assert str(e.value) == (
+        "config: architecture DeepseekV3ForCausalLM with field 'index_topk' (DeepSeek Sparse Attention) is not "
+        "supported: that family has no lightning indexer; DeepSeek Sparse Attention checkpoints name "
+        f"DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM; {SUPPORTED}")
 
 
 def test_indexer_weights_are_named_when_the_config_hides_them(refused, tmp_path):

@@ -56,11 +56,15 @@ class Case:
         (out / "config.json").write_text(json.dumps(raw if config is None else config))
         return out
 
-    def export(self, **changes) -> Path:
+    def export(self, sealed: bool = True, **changes) -> Path:
+        """A copy of the export with manifest fields changed; `sealed`: its digest made again (as if the exporter
+        had written those fields), so that what is checked is the fields themselves."""
+        from mtp_trt.manifest import seal
+
         out = self.tmp / "exp"
         shutil.copytree(self.exp, out)
         raw = json.loads((out / "manifest.json").read_text()) | changes
-        (out / "manifest.json").write_text(json.dumps(raw))
+        (out / "manifest.json").write_text(json.dumps(seal(raw) if sealed else raw))
         return out
 
     def file(self, name: str, data: bytes | str) -> Path:
@@ -70,10 +74,12 @@ class Case:
 
 
 def _tampered_hash(c):
+    from mtp_trt.manifest import seal
+
     e = c.export()
     raw = json.loads((e / "manifest.json").read_text())
     raw["graphs"]["step_1"]["sha256"] = "0" * 64
-    (e / "manifest.json").write_text(json.dumps(raw))
+    (e / "manifest.json").write_text(json.dumps(seal(raw)))
     return ["run", e, "-p", "x"]
 
 
@@ -163,8 +169,7 @@ CASES = [
      "config.json: architecture FooForCausalLM is not supported: mtp-trt has no mapping of it onto its reference "
      "model; supported architectures: DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2), DeepseekV2ForCausalLM"),
     ("architecture-dsa-run", lambda c: ["run", c.checkpoint(model_type="deepseek_v32"), "-p", "x"], 2,
-     "model_type 'deepseek_v32' (DeepSeek-V3.2, DeepseekV32ForCausalLM) is not supported: DeepSeek Sparse Attention "
-     "(the lightning indexer) is not supported yet"),
+     "missing tensor(s) model.layers.0.self_attn.indexer.wq_b.weight"),
     ("manifest-dtype", lambda c: ["run", c.export(dtype="fp16"), "-p", "x"], 2,
      "field 'dtype' is 'fp16', but cache.dtype is 'fp32'"),
     ("manifest-nextn", lambda c: ["run", c.export(nextn=9), "-p", "x"], 2, "field 'nextn' is 9"),
@@ -209,9 +214,9 @@ CASES = [
     ("bench-batch-0", lambda c: ["bench", c.ckpt, "--batch", "0"], 2, "--batch must be >= 1"),
     ("bench-repeats-0", lambda c: ["bench", c.ckpt, "--repeats", "0"], 2, "--repeats must be >= 1"),
     ("bench-max-new-0", lambda c: ["bench", c.ckpt, "--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1"),
-    ("bench-json-unwritable", lambda c: ["bench", c.ckpt, "--json", "/proc/bench.json"], 2,
-     "--json /proc/bench.json: not writable"),
-    ("bench-json-no-dir", lambda c: ["bench", c.ckpt, "--json", c.tmp / "no" / "b.json"], 2, "does not exist"),
+    ("bench-out-unwritable", lambda c: ["bench", c.ckpt, "--out", "/proc/bench.json"], 2,
+     "--out /proc/bench.json: not writable"),
+    ("bench-out-no-dir", lambda c: ["bench", c.ckpt, "-o", c.tmp / "no" / "b.json"], 2, "does not exist"),
     ("quant-unknown", lambda c: ["run", c.ckpt, "-p", "x", "--quant", "int3"], 2,
      "--quant: unknown scheme 'int3'; expected one of none, int8, int4"),
     ("group-size-48", lambda c: ["export", c.ckpt, "-o", c.tmp / "out", "--quant", "int4", "--group-size", "48"], 2,
@@ -225,6 +230,13 @@ CASES = [
     ("manifest-quant-int5", lambda c: ["run", c.export(quant={"scheme": "int5"}), "-p", "x"], 2,
      "field 'quant' is {'scheme': 'int5'}, not a quantization this mtp-trt reads"),
 ]
+
+
+def assert_one_error(err: str) -> None:
+    """stderr ends in one `error:` line, after at most the progress lines a non-terminal shows, no traceback."""
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), err
+    assert "Traceback" not in err and sum(line.startswith("error") for line in lines) == 1, err
 
 
 def _tree(*roots: Path) -> set[Path]:
@@ -249,7 +261,7 @@ def test_bad_input(ckpt, exp, tmp_path, name, make, code, message):
     assert r.returncode == code, err + out
     assert "Traceback" not in err
     if code == 2:
-        assert err.startswith("error: ") and err.strip().count("\n") == 0, err
+        assert_one_error(err)
         assert message in err, err
         assert out == "", out  # nothing printed, not even with --json
     else:
@@ -280,9 +292,11 @@ def test_verification_is_remembered_until_a_file_changes(exp, tmp_path, monkeypa
     shutil.copytree(exp, root)
     m = Manifest.load(root)
     first = verify_export(m)
-    assert first["hashed"] == first["files"] == 7  # target, mtp_0, step_0..2, tree_2_2_4, weights.bin
+    files = len(m.graphs) + 1 + len(m.raw["tokenizer_files"])  # graphs, weights.bin, tokenizer files
+    assert files == 8  # target, mtp_0, step_0..2, tree_2_2_4, weights.bin, tokenizer.json
+    assert first["hashed"] == first["files"] == files
     assert verify_export(m)["hashed"] == 0
-    assert verify_export(m, force=True)["hashed"] == 7
+    assert verify_export(m, force=True)["hashed"] == files
     w = root / "weights.bin"
     st = w.stat()
     data = bytearray(w.read_bytes())
@@ -444,3 +458,619 @@ def test_inspect_and_run_follow_add_bos_token(ckpt, exp, tmp_path, monkeypatch):
 def test_an_unwritable_cache_is_named(ckpt, tmp_path):
     r = mtp_trt("run", ckpt, "-p", "x", cache=Path("/proc/mtp-trt-cache"), text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: /proc/mtp-trt-cache: cannot write the cache directory")
+
+
+# ===================================================================== second round: families of bad input
+# Each family is a generator of cases; every case must end in one `error:` line (exit status 2) naming the file,
+# field, flag or value, leave nothing behind, and stay within a memory limit.  The cheap checks run in-process
+# (their CLI path is one call away: clear_errors); a few cases of each family go through the CLI, batched into
+# one interpreter under an address-space limit (RLIMIT_AS).
+MEMORY_LIMIT = 6 << 30
+
+_DRIVER = r"""
+import contextlib, io, json, os, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]),) * 2)
+from mtp_trt.cli import entry
+out = []
+for argv in json.loads(sys.stdin.read()):
+    sys.argv = ["mtp-trt", *argv]
+    err, std = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+        try:
+            code = entry()
+        except SystemExit as e:
+            code = e.code
+        except BaseException as e:
+            import traceback
+            code, err = -1, io.StringIO(traceback.format_exc())
+    out.append([code, err.getvalue(), std.getvalue()])
+sys.__stdout__.write(json.dumps(out))
+"""
+
+
+def cli_batch(cases: list[list], cache: Path, limit: int = MEMORY_LIMIT) -> list[tuple[int, str, str]]:
+    """Run many `mtp-trt` command lines in one interpreter under RLIMIT_AS = limit: [(status, stderr, stdout)]."""
+    argvs = [[str(a) for a in argv] for argv in cases]
+    r = subprocess.run([sys.executable, "-c", _DRIVER, str(limit)], input=json.dumps(argvs), capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [tuple(x) for x in json.loads(r.stdout)]
+
+
+def expect_errors(cases: list[tuple[list, str]], cache: Path, *watched: Path) -> None:
+    """Every (argv, fragment): status 2, one error line holding the fragment, nothing new under `watched`."""
+    before = _tree(*watched)
+    for (argv, fragment), (code, err, out) in zip(cases, cli_batch([a for a, _ in cases], cache)):
+        assert code == 2, (argv, code, err, out)
+        assert_one_error(err)
+        assert fragment in err, (argv, err)
+    assert _tree(*watched) == before
+    assert not [p for p in _tree(cache) if ".partial-" in p.name] if cache.exists() else True
+
+
+def _raises(fn, *fragments):
+    from mtp_trt.errors import MtpTrtError
+
+    with pytest.raises(MtpTrtError) as info:
+        fn()
+    msg = str(info.value)
+    assert "\n" not in msg and all(f in msg for f in fragments), msg
+    return msg
+
+
+# ---------------------------------------------------------------------------------- 1. one JSON reader
+DEEP = 200_000
+
+
+def _malformed_documents():
+    """(label, text, fragment): nesting, number size, non-JSON, non-UTF-8."""
+    yield "array-deep", "[" * DEEP + "]" * DEEP, "nested more than 64 levels"
+    yield "object-deep", '{"a":' * DEEP + "1" + "}" * DEEP, "nested more than 64 levels"
+    yield "object-65", '{"a":' * 65 + "1" + "}" * 65, "nested more than 64 levels"
+    for digits in (21, 400, 5000, 100_000):
+        yield f"int-{digits}", '{"vocab_size": ' + "9" * digits + "}", f"an integer of {digits} digits on line 1"
+    yield "neg-int", '{"x": [\n -' + "1" * 30 + "]}", "an integer of 30 digits on line 2"
+    yield "truncated", '{"a": [1, 2', "not valid JSON"
+    yield "latin-1", b'{"a": "\xe9"}', "not UTF-8 text (byte 0xe9"
+
+
+def test_json_reader_limits(tmp_path):
+    from mtp_trt.fsutil import read_json
+
+    for label, text, fragment in _malformed_documents():
+        f = tmp_path / f"{label}.json"
+        f.write_bytes(text if isinstance(text, bytes) else text.encode())
+        _raises(lambda: read_json(f), str(f), fragment)
+    ok = tmp_path / "ok.json"
+    ok.write_text('{"n": -99999999999999999999, "a": ' + "[" * 63 + "1" + "]" * 63 + "}")
+    read_json(ok)  # 64 levels and 20 digits are read
+
+
+# every JSON file the tool reads, and how to read it (the reader each command calls)
+def _readers(ckpt: Path, exp: Path, tmp: Path):
+    from mtp_trt.config import ModelConfig
+    from mtp_trt.manifest import Manifest
+    from mtp_trt.spec_config import load_spec_config
+    from mtp_trt.tokenizer import bos_policy
+    from mtp_trt.trt.manifest import EngineManifest, load_export_manifest
+    from mtp_trt.validate import safetensors_files
+
+    def place(name: str, root: Path, text: bytes, fmt: dict | None = None):
+        if fmt is not None:  # a manifest: its format fields first, so that the damaged body is what is read
+            head = json.dumps(fmt)[:-1].encode() + b', "x": '
+            text = head + text + b"}"
+        (root / name).write_bytes(text)
+        return root / name
+
+    def checkpoint_dir():
+        d = tmp / f"ckpt-{len(list(tmp.iterdir()))}"
+        shutil.copytree(ckpt, d)
+        return d
+
+    def export_dir():
+        d = tmp / f"exp-{len(list(tmp.iterdir()))}"
+        shutil.copytree(exp, d)
+        return d
+
+    export_fmt = {"format": "mtp-trt-export", "format_version": 1}
+    engines_fmt = {"format": "mtp-trt-engines", "format_version": 2}
+
+    def config(text):
+        d = checkpoint_dir()
+        return place("config.json", d, text), lambda: ModelConfig.from_file(d)
+
+    def manifest(text):
+        d = export_dir()
+        return place("manifest.json", d, text, export_fmt), lambda: Manifest.load(d)
+
+    def engines(text):
+        d = export_dir()
+        return place("engines.json", d, text, engines_fmt), lambda: EngineManifest.load(d)
+
+    def export_manifest(text):
+        d = export_dir()
+        return place("export_manifest.json", d, text, export_fmt), lambda: load_export_manifest(d)
+
+    def spec(text):
+        f = place(f"spec-{len(list(tmp.iterdir()))}.json", tmp, text)
+        return f, lambda: load_spec_config(f)
+
+    def index(text):
+        d = checkpoint_dir()
+        return place("model.safetensors.index.json", d, text), lambda: safetensors_files(d)
+
+    def header(text):
+        d = checkpoint_dir()
+        f = d / "model.safetensors"
+        f.write_bytes(len(text).to_bytes(8, "little") + text + b"\0" * 64)
+        return f, lambda: safetensors_files(d)
+
+    def tokenizer_config(text):
+        d = checkpoint_dir()
+        return place("tokenizer_config.json", d, text), lambda: bos_policy(d, None)
+
+    return {"config.json": config, "manifest.json": manifest, "engines.json": engines,
+            "export_manifest.json": export_manifest, "--config": spec, "index": index, "safetensors-header": header,
+            "tokenizer_config.json": tokenizer_config}
+
+
+@pytest.mark.parametrize("reader", ["config.json", "manifest.json", "engines.json", "export_manifest.json", "--config",
+                                    "index", "safetensors-header", "tokenizer_config.json"])
+def test_every_json_file_goes_through_the_reader(ckpt, exp, tmp_path, reader):
+    """Each file the tool reads: 200,000-deep nesting, 5,000-digit integers and broken JSON are one error naming
+    the file, whichever file it is."""
+    make = _readers(ckpt, exp, tmp_path)[reader]
+    for label, text, fragment in _malformed_documents():
+        if reader == "--config" and label == "truncated":
+            fragment = "neither JSON"  # then tried as YAML
+        if reader == "--config" and label == "latin-1":
+            fragment = "not UTF-8 text"
+        path, read = make(text if isinstance(text, bytes) else text.encode())
+        _raises(read, str(path), fragment)
+
+
+def _manifest_field_cases():
+    """(label, change to the manifest, field named): wrong types, nulls, strings for numbers, non-finite."""
+    yield "tokenizer-int", {"tokenizer": 5}, "field 'tokenizer' must be a plain file name"
+    yield "weights-bytes-str", {"weights": {"file": "weights.bin", "sha256": "0" * 64, "bytes": "abc"}}, \
+        "field 'weights.bytes' must be an integer >= 0"
+    yield "think-ids-empty", {"think_ids": []}, "field 'think_ids' must be a list of 2"
+    yield "eos-ids-str", {"eos_ids": "2"}, "field 'eos_ids' must be a list, each an integer >= 0"
+    yield "eos-ids-beyond", {"eos_ids": [10**9]}, "field 'eos_ids' is [1000000000], but the config's vocab_size"
+    yield "nextn-null", {"nextn": None}, "field 'nextn' must be an integer >= 0, got None"
+    yield "nextn-float", {"nextn": 1.5}, "field 'nextn' must be an integer >= 0, got 1.5"
+    yield "max-batch-bool", {"max_batch": True}, "field 'max_batch' must be an integer >= 1, got True"
+    yield "max-seq-len-str", {"max_seq_len": "64"}, "field 'max_seq_len' must be an integer >= 1"
+    yield "graphs-list", {"graphs": []}, "field 'graphs' must be an object"
+    yield "mode-unknown", {"mtp_mode": "medusa"}, "field 'mtp_mode' must be one of"
+    yield "trees-str", {"trees": "2:2:4"}, "field 'trees' must be a list"
+    yield "config-null", {"config": None}, "field 'config' must be an object, got None"
+    yield "quant-block-str", {"quant": {"scheme": "int8", "block_size": "32"}}, "field 'quant.block_size'"
+
+
+def _config_field_cases():
+    """(label, change to config.json, field named)."""
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    for key in ("factor", "beta_fast", "mscale", "mscale_all_dim"):
+        yield f"yarn-{key}-null", {"rope_scaling": {**yarn, key: None}}, f"rope_scaling.{key}"
+        yield f"yarn-{key}-str", {"rope_scaling": {**yarn, key: "1.0"}}, f"field 'rope_scaling.{key}' must be a number"
+        yield f"yarn-{key}-inf", {"rope_scaling": {**yarn, key: float("inf")}}, f"rope_scaling.{key}' must be a finite"
+    for v in ("4096", None, 1.5, True, 10**12):
+        yield f"yarn-omax-{v!r}", {"rope_scaling": {**yarn, "original_max_position_embeddings": v}}, \
+            "rope_scaling.original_max_position_embeddings"
+    for v in ("big", [1], True, float("inf")):
+        yield f"theta-{v!r}", {"rope_theta": v}, "field 'rope_theta' must be a finite number > 0"
+    for field in ("hidden_size", "num_hidden_layers", "vocab_size", "kv_lora_rank"):
+        yield f"{field}-str", {field: "8"}, f"field '{field}' must be an integer"
+        yield f"{field}-float", {field: 8.5}, f"field '{field}' must be an integer"
+    yield "eos-str", {"eos_token_id": "1"}, "field 'eos_token_id' must be a token id"
+    yield "rms-inf", {"rms_norm_eps": float("inf")}, "field 'rms_norm_eps' must be a finite number > 0"
+
+
+def test_manifest_fields_are_typed(exp, tmp_path):
+    from mtp_trt.manifest import Manifest, seal
+
+    raw = json.loads((exp / "manifest.json").read_text())
+    for label, change, fragment in _manifest_field_cases():
+        d = tmp_path / label
+        d.mkdir()
+        for f in exp.iterdir():
+            (d / f.name).symlink_to(f)
+        (d / "manifest.json").unlink()
+        (d / "manifest.json").write_text(json.dumps(seal(raw | change)))
+        _raises(lambda: Manifest.load(d), str(d / "manifest.json"), fragment)
+
+
+def test_config_fields_are_typed(ckpt):
+    from mtp_trt.config import ModelConfig
+
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw.pop("rope_parameters")  # the official checkpoints' spelling: rope_theta + rope_scaling
+    for label, change, fragment in _config_field_cases():
+        _raises(lambda: ModelConfig.from_dict(raw | change, source="cfg.json"), "cfg.json", fragment)
+
+
+def test_json_families_through_the_cli(ckpt, exp, tmp_path):
+    """One case of each reader through the command that reads it, under the memory limit."""
+    c = Case(ckpt, exp, tmp_path / "work")
+    (tmp_path / "work").mkdir()
+    deep = "[" * DEEP + "]" * DEEP
+    cfg = tmp_path / "deepcfg"
+    shutil.copytree(ckpt, cfg)
+    (cfg / "config.json").write_text('{"vocab_size": ' + deep + "}")
+    digits = tmp_path / "digits"
+    shutil.copytree(ckpt, digits)
+    (digits / "config.json").write_text('{"vocab_size": ' + "7" * 5000 + "}")
+    yarn = tmp_path / "yarn"
+    shutil.copytree(ckpt, yarn)
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": None}
+    (yarn / "config.json").write_text(json.dumps(raw))
+    spec = c.file("spec.json", deep)
+    man = tmp_path / "man"
+    shutil.copytree(exp, man)
+    (man / "manifest.json").write_text(json.dumps(json.loads((exp / "manifest.json").read_text()) | {"tokenizer": 5}))
+    cases = [(["inspect", cfg], "nested more than 64 levels"), (["inspect", digits], "an integer of 5000 digits"),
+             (["inspect", yarn], "rope_parameters.factor' is missing"),
+             (["run", exp, "-p", "x", "--config", spec], "spec.json: nested more than 64 levels"),
+             (["run", man, "-p", "x"], "field 'tokenizer' must be a plain file name, got 5")]
+    expect_errors(cases, tmp_path / "cache", tmp_path / "work", exp, ckpt)
+
+
+# -------------------------------------------------------------------------------- 2. bounds before work
+def _bounds_cases(c: Case):
+    """Sizes from flags and configs far beyond what they imply: refused before any allocation or output."""
+    out = c.tmp / "out"
+    for trees, fragment in (("1:100000:100000", "top-k must be in 2..16"), ("1:2:100000", "budget must be in 1..2"),
+                            ("3:16:1000", "at most 128 nodes"), ("99:2:4", "depth (--nextn) must be at most 16"),
+                            ("1:" + "9" * 5000 + ":2", "expected DEPTH:TOPK:BUDGET")):
+        yield ["export", c.ckpt, "-o", out, "--trees", trees], fragment
+    for nextn in (17, 1000000):
+        yield ["export", c.ckpt, "-o", out, "--nextn", nextn], f"--nextn must be in 0..16"
+    yield ["export", c.ckpt, "-o", out, "--max-batch", 10**9], "--max-batch 1000000000 x --max-seq-len"
+    yield ["export", c.ckpt, "-o", out, "--max-seq-len", 5, "--nextn", 2], "--max-seq-len 5 leaves no room"
+    for field, value in (("num_hidden_layers", 10**9), ("n_routed_experts", 10**6), ("num_attention_heads", 10**5),
+                         ("num_nextn_predict_layers", 1000)):
+        yield ["inspect", _fresh(c, field, value)], f"field '{field}' is {value}, more than the"
+    yield ["bench", c.ckpt, "--batch", 100000, "--repeats", 1], "--batch 100000 x --max-new-tokens 128"
+    yield ["run", c.exp, *[a for i in range(9) for a in ("-p", f"p{i}")]], "9 prompts, but the export"
+    yield ["run", c.exp, "-p", "x", "--relaxed-topk", 2**40], "must be in 0..2147483647"
+
+
+def _fresh(c: Case, field: str, value) -> Path:
+    out = c.tmp / f"ckpt-{field}"
+    shutil.copytree(c.ckpt, out)
+    raw = json.loads((out / "config.json").read_text()) | {field: value}
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+def test_bounds_before_work(ckpt, exp, tmp_path):
+    """Each case under a 6 GiB address-space limit: the bound is named before anything is allocated (a case that
+    allocated first would end in MemoryError, not the message) and nothing is written."""
+    (tmp_path / "work").mkdir()
+    c = Case(ckpt, exp, tmp_path / "work")
+    expect_errors(list(_bounds_cases(c)), tmp_path / "cache", tmp_path / "work", exp, ckpt)
+
+
+def test_inspect_computes_its_figures(ckpt, tmp_path):
+    """A config of 1000 layers (within bounds) is summarized by counting, as is_moe_layer would one by one."""
+    from mtp_trt.config import ModelConfig
+
+    raw = json.loads((ckpt / "config.json").read_text())
+    for n, k, freq in ((1000, 3, 1), (1000, 0, 2), (7, 9, 3), (1, 0, 1)):
+        cfg = ModelConfig.from_dict(raw | {"num_hidden_layers": n, "first_k_dense_replace": k, "moe_layer_freq": freq,
+                                           "n_routed_experts": raw.get("n_routed_experts") or 4,
+                                           "moe_intermediate_size": 8, "n_group": 1, "topk_group": 1,
+                                           "num_experts_per_tok": 1})
+        for layers in (0, 1, n, n + 3):
+            assert cfg.moe_layers(layers) == sum(cfg.is_moe_layer(i) for i in range(layers))
+
+
+# ------------------------------------------------------------------------------------------ 3. integrity
+def _integrity_cases(c: Case, base: Path):
+    """Every file or field that decides the output, changed after export: refused by run (and run --verify)."""
+    from mtp_trt.manifest import seal
+
+    def copy(label):
+        d = base / label
+        shutil.copytree(c.exp, d)
+        return d
+
+    def edit_manifest(d, fn, sealed=False):
+        raw = json.loads((d / "manifest.json").read_text())
+        fn(raw)
+        (d / "manifest.json").write_text(json.dumps(seal(raw) if sealed else raw))
+        return d
+
+    d = copy("tokenizer-edited")
+    tok = json.loads((d / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, other text
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    yield [d], "tokenizer.json: SHA-256 differs from manifest.json"
+    d = copy("table-edited")
+
+    def move_a_tensor(raw):  # another tensor's bytes for one of target.onnx's weights
+        rows = raw["weights"]["initializers"]["target.onnx"]
+        row = next(r for r in rows if r[1] > 0)
+        row[1] = 0
+
+    yield [edit_manifest(d, move_a_tensor)], "SHA-256 of its fields differs from its field 'manifest_sha256'"
+    d = copy("eos-edited")
+    yield [edit_manifest(d, lambda r: r.__setitem__("eos_ids", [3]))], "the manifest was edited"
+    d = copy("config-edited")
+    yield [edit_manifest(d, lambda r: r["config"].__setitem__("rms_norm_eps", 0.5))], "the manifest was edited"
+    d = copy("unsealed")
+    yield [edit_manifest(d, lambda r: r.pop("manifest_sha256"))], "has no field 'manifest_sha256'"
+    d = copy("tokenizer-beyond-vocab")
+    tok = json.loads((d / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["<far>"] = 10**6
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    edit_manifest(d, lambda r: r["tokenizer_files"].__setitem__("tokenizer.json", sha256_of(d / "tokenizer.json")),
+                  sealed=True)
+    yield [d], "tokenizer.json: holds token ids up to 1000000, but the model's vocab_size is"
+    k = base / "ckpt-tokenizer-beyond-vocab"  # and at export, from a checkpoint
+    shutil.copytree(c.ckpt, k)
+    shutil.copyfile(d / "tokenizer.json", k / "tokenizer.json")
+    yield [k], "tokenizer.json: holds token ids up to 1000000"
+
+
+def sha256_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_integrity_covers_everything_that_decides_the_output(ckpt, exp, tmp_path):
+    (tmp_path / "work").mkdir()
+    (tmp_path / "exps").mkdir()
+    c = Case(ckpt, exp, tmp_path / "work")
+    cases = []
+    for argv, fragment in _integrity_cases(c, tmp_path / "exps"):
+        cases += [(["run", *argv, "-p", "x"], fragment), (["run", *argv, "-p", "x", "--verify"], fragment)]
+    expect_errors(cases, tmp_path / "cache", tmp_path / "work", exp, ckpt)
+
+
+def test_non_finite_weights_are_refused_at_export(ckpt, tmp_path):
+    """A NaN or an infinity in a tensor (the embedding, an attention projection, an MTP module's norm): the
+    export names it and leaves no output."""
+    from safetensors.torch import load_file, save_file
+
+    c = Case(ckpt, None, tmp_path)
+    out = c.checkpoint()
+    tensors = load_file(out / "model.safetensors")
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+             f"model.layers.{json.loads((out / 'config.json').read_text())['num_hidden_layers']}.enorm.weight"]
+    cases = []
+    for i, (name, value) in enumerate(zip(names, (float("nan"), float("inf"), float("-inf")))):
+        d = tmp_path / f"ckpt-{i}"
+        shutil.copytree(out, d)
+        damaged = dict(tensors)
+        damaged[name] = tensors[name].clone()
+        damaged[name].view(-1)[i] = value
+        save_file(damaged, d / "model.safetensors")
+        cases.append((["export", d, "-o", tmp_path / f"out-{i}"], f"tensor '{name}' holds 1 NaN or infinite value"))
+    expect_errors(cases, tmp_path / "cache", *(tmp_path / f"ckpt-{i}" for i in range(len(names))))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out-") or ".partial-" in p.name]
+
+
+# ------------------------------------------------------------------------------------------------ 4. paths
+def test_paths_read_from_files_stay_inside_their_directory(ckpt, exp, tmp_path):
+    from mtp_trt.manifest import Manifest, seal
+    from mtp_trt.validate import safetensors_files
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "tokenizer.json").write_text("{}")
+    (outside / "x.safetensors").write_bytes(b"")
+    names = ["../outside/tokenizer.json", str(outside / "tokenizer.json"), "a/../../outside/x", "..", ".", "",
+             "sub/tokenizer.json", "tok\x00.json"]
+    raw = json.loads((exp / "manifest.json").read_text())
+    for i, name in enumerate(names):  # the manifest's tokenizer, tokenizer files and graph files
+        d = tmp_path / f"exp-files-{i}"
+        shutil.copytree(exp, d)
+        (d / "manifest.json").write_text(json.dumps(seal(raw | {"tokenizer_files": {name: "0" * 64}})))
+        _raises(lambda: Manifest.load(d), "field 'tokenizer_files'")
+        for field in ("tokenizer", "graph"):
+            d = tmp_path / f"exp-{field}-{i}"
+            shutil.copytree(exp, d)
+            if field == "tokenizer":
+                changed, named = raw | {"tokenizer": name}, "field 'tokenizer' must be a plain file name"
+            else:
+                graphs = {**raw["graphs"], "target": {**raw["graphs"]["target"], "file": name}}
+                changed, named = raw | {"graphs": graphs}, "field 'graphs.target.file' must be a plain file name"
+            (d / "manifest.json").write_text(json.dumps(seal(changed)))
+            _raises(lambda: Manifest.load(d), named)
+    link = tmp_path / "ckpt-link"  # an index whose shard is a link out of the checkpoint
+    shutil.copytree(ckpt, link)
+    (link / "out.safetensors").symlink_to(outside / "x.safetensors")
+    for i, name in enumerate(["../outside/x.safetensors", str(outside / "x.safetensors"), "out.safetensors"]):
+        d = link if name == "out.safetensors" else tmp_path / f"ckpt-index-{i}"
+        if d != link:
+            shutil.copytree(ckpt, d)
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": name}}))
+        _raises(lambda: safetensors_files(d), "weight_map names shard", "refusing to read outside it")
+
+
+# ------------------------------------------------------------------------------------------------ 5. output
+def test_streamed_text_is_cut_as_json_text(exp, tmp_path, monkeypatch):
+    """Every stop string drawn from the generated text (its prefixes, suffixes, overlaps): the streamed pieces
+    join to exactly the result's text, which ends before the first occurrence of any stop string."""
+    from mtp_trt.manifest import Manifest
+    from mtp_trt.runner import Runner
+    from mtp_trt.sampling import SamplingParams
+
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
+    runner = Runner(Manifest.load(exp))
+    opts = runner.options(None, sampling=SamplingParams(0.0, 0, 1.0), max_new_tokens=24)
+    full = runner.run(["ab"], opts).results[0].text
+    assert len(full) >= 6, full
+    stops = {(full[3:5],), (full[-2:],), (full[1:3], full[2:6]), (full[4:5] + "\x00never",), ("never",),
+             (full[:1],), (full[2:4], full[2:3] + "\x01")}
+    for stop in stops:
+        pieces = []
+        result = runner.run(["ab"], opts, stop=stop, on_text=lambda i, t: pieces.append(t)).results[0]
+        first = min((full.find(s) for s in stop if s in full), default=len(full))
+        assert "".join(pieces) == result.text == full[:first], (stop, pieces, result.text)
+        if first < len(full):
+            assert result.finish_reason == "stop"
+
+
+def test_prompt_files_split_on_newlines_only(tmp_path):
+    from mtp_trt.validate import read_prompt_file
+
+    for data, want in ((b"a\nb\n", ["a", "b"]), (b"a\r\nb\r\n", ["a", "b"]), (b"\xef\xbb\xbfa\nb", ["a", "b"]),
+                       ("a\u2028b\nc".encode(), ["a\u2028b", "c"]), (b"a\x0cb\x0bc\x1cd\n", ["a\x0cb\x0bc\x1cd"]),
+                       ("x\u0085y\u2029z".encode(), ["x\u0085y\u2029z"]), (b"a\r\r\nb", ["a\r", "b"]),
+                       (b"\n \n\t\nq", ["q"]), (b"a\rb", ["a\rb"])):
+        f = tmp_path / "p.txt"
+        f.write_bytes(data)
+        assert read_prompt_file(f) == want, data
+
+
+def test_output_errors_end_in_one_line(exp, ckpt, tmp_path):
+    """stdout on a full device or closed; a bench plot format nothing writes; a full disk (RLIMIT_FSIZE) under an
+    export: one line, exit 2, no partial output."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "MTP_TRT_CACHE_DIR": str(cache)}
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(["mtp-trt", "run", str(exp), "-p", "ab", "--max-new-tokens", "3"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: cannot write the output"), r.stderr
+    assert_one_error(r.stderr)
+    r = subprocess.run(["mtp-trt", "inspect", str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       env=env, preexec_fn=lambda: os.close(1), timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("error: standard output is closed"), r.stderr
+    out = tmp_path / "out"
+
+    def small_files():
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    r = subprocess.run(["mtp-trt", "export", str(ckpt), "-o", str(out)], capture_output=True, text=True, env=env,
+                       preexec_fn=small_files, timeout=300)
+    assert r.returncode == 2 and "File too large" in r.stderr, r.stderr
+    assert_one_error(r.stderr)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+    cases = [(["bench", ckpt, "--plot", tmp_path / f"b.{ext}", "-o", tmp_path / "b.json"], "unknown image format")
+             for ext in ("bmp", "txt", "png2")]
+    cases.append((["bench", ckpt, "--plot", tmp_path / "noext", "-o", tmp_path / "b.json"], "(no extension)"))
+    expect_errors(cases, cache, exp, ckpt)
+    assert not (tmp_path / "b.json").exists()
+    raw = os.fsencode(tmp_path)  # output names that are not UTF-8 (they are printed once written): refused first
+    for argv, flag in ((["export", ckpt, "-o", raw + b"/out\xff"], "--out"),
+                       (["bench", ckpt, "-o", raw + b"/b\xfe.json"], "--out"),
+                       (["bench", ckpt, "--plot", raw + b"/p\xfd.png"], "--plot")):
+        r = mtp_trt(*argv, cache=cache)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and err.startswith(f"error: {flag} b'") and "not valid UTF-8" in err, err
+        assert_one_error(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+
+# ------------------------------------------------------------------------------------------------ 6. check
+def _engine_dir(exp: Path, root: Path) -> Path:
+    """An engine directory as `mtp-trt build` lays it out (engines.json, export_manifest.json, tokenizer files),
+    its engine files stand-ins: what `check`'s static checks read."""
+    from mtp_trt.trt import manifest as em
+
+    root.mkdir()
+    raw = json.loads((exp / "manifest.json").read_text())
+    shutil.copyfile(exp / "manifest.json", root / em.EXPORT_MANIFEST)
+    for f in raw["tokenizer_files"]:
+        shutil.copyfile(exp / f, root / f)
+    engines = {}
+    for name, g in raw["graphs"].items():
+        (root / f"{name}.engine").write_bytes(name.encode() * 10)
+        engines[name] = {"file": f"{name}.engine", "sha256": sha256_of(root / f"{name}.engine"),
+                         "bytes": 10 * len(name), "onnx": g["file"], "onnx_sha256": g["sha256"],
+                         "plugin_layers": {}, "aliases": {}, "build_seconds": 1.0}
+    dims = {"B": [1, 2, 2], "S": [1, 3, 3], "T": [1, 64, 64]}
+    manifest = {"format": em.FORMAT, "format_version": em.FORMAT_VERSION,
+                "tensorrt": {"flavour": "tensorrt_rtx", "version": "1.7", "module": "tensorrt_rtx"},
+                "target_archs": ["8.9"], "precision": raw["dtype"], "max_batch": 2, "max_seq_len": 64,
+                "max_prefill": 32, "lowering": raw["lowering"],
+                "export": {"format_version": 1, "manifest_sha256": sha256_of(root / em.EXPORT_MANIFEST),
+                           "dtype": raw["dtype"], "nextn": raw["nextn"], "mtp_mode": raw["mtp_mode"],
+                           "lowering": raw["lowering"]},
+                "profiles": [{"name": "generation", "dims": dims}, {"name": "prefill", "dims": dims}],
+                "plugins": [], "engines": engines}
+    (root / em.FILE).write_text(json.dumps(manifest))
+    return root
+
+
+def _damaged_engines():
+    """(label, change to engines.json, fragment)."""
+    def drop(m, name):
+        del m["engines"][name]
+    yield "step-engine-removed", lambda m: drop(m, "step_1"), "has no engine for graph(s) step_1"
+    yield "unknown-precision", lambda m: m.__setitem__("precision", "fp8"), "field 'precision' must be one of"
+    yield "other-precision", lambda m: m.__setitem__("precision", "fp16"), "field 'precision' is 'fp16', but the"
+    yield "negative-bytes", lambda m: m["engines"]["target"].__setitem__("bytes", -5), \
+        "field 'engines.target.bytes' must be an integer >= 1"
+    yield "archs-string", lambda m: m.__setitem__("target_archs", "8.9"), "field 'target_archs' must be a list"
+    yield "archs-empty", lambda m: m.__setitem__("target_archs", []), "name no GPU architecture"
+    yield "archs-junk", lambda m: m.__setitem__("target_archs", ["sm_89"]), "a compute capability"
+    yield "profile-inverted", lambda m: m["profiles"][0]["dims"].__setitem__("B", [2, 1, 1]), "profiles[0].dims.B"
+    yield "profile-beyond", lambda m: m["profiles"][1]["dims"].__setitem__("T", [1, 64, 4096]), "max <= 64"
+    yield "batch-beyond-export", lambda m: m.__setitem__("max_batch", 10**6), "beyond the export's"
+    yield "engine-path", lambda m: m["engines"]["target"].__setitem__("file", "../target.engine"), \
+        "field 'engines.target.file' must be a plain file name"
+    yield "engine-abs-path", lambda m: m["engines"]["target"].__setitem__("file", "/etc/passwd"), "plain file name"
+    yield "onnx-of-another", lambda m: m["engines"]["target"].__setitem__("onnx_sha256", "1" * 64), \
+        "field 'engines.target.onnx_sha256'"
+    yield "mode-other", lambda m: m["export"].__setitem__("mtp_mode", "vanilla"), "field 'export.mtp_mode'"
+    yield "engines-list", lambda m: m.__setitem__("engines", []), "field 'engines' must be an object"
+
+
+def test_check_validates_engines_json_against_its_export(exp, tmp_path):
+    from mtp_trt.trt.check import static_checks
+
+    good = _engine_dir(exp, tmp_path / "good")
+    static_checks(good)  # the layout as built passes
+    cases = []
+    for label, change, fragment in _damaged_engines():
+        d = tmp_path / label
+        shutil.copytree(good, d)
+        raw = json.loads((d / "engines.json").read_text())
+        change(raw)
+        (d / "engines.json").write_text(json.dumps(raw))
+        _raises(lambda: static_checks(d), str(d / "engines.json"), fragment)
+        cases.append((["check", d], fragment))
+    tok = tmp_path / "tokenizer-edited"
+    shutil.copytree(good, tok)
+    (tok / "tokenizer.json").write_text((tok / "tokenizer.json").read_text().replace('"a"', '"b"', 1))
+    _raises(lambda: static_checks(tok), "tokenizer.json: SHA-256 differs")
+    expect_errors(cases[:3], tmp_path / "cache", exp)
+
+
+# --------------------------------------------------------------------------------------- 7. small ones
+def test_ctrl_c_prints_interrupted(ckpt, tmp_path):
+    """SIGINT while a checkpoint is exported into the cache: "error: interrupted", status 130, no partial."""
+    cache = tmp_path / "cache"
+    p = subprocess.Popen(["mtp-trt", "run", str(ckpt), "-p", "x"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
+    _wait_for(lambda: any((d / "target.onnx").exists() for d in _partials(cache / "exports")))
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert_one_error(err)
+    assert err.strip().splitlines()[-1] == "error: interrupted"
+    assert not _partials(cache / "exports")
+
+
+def test_prompt_file_from_stdin_and_help_flags(exp, tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "MTP_TRT_CACHE_DIR": str(cache)}
+    r = subprocess.run(["mtp-trt", "run", str(exp), "--prompt-file", "-", "--max-new-tokens", "2", "--json"],
+                       input="\ufeffab\r\n\ncd\n", capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert [x["prompt"] for x in json.loads(r.stdout)["results"]] == ["ab", "cd"]
+    r = subprocess.run(["mtp-trt", "run", "--help"], capture_output=True, text=True, env=env)
+    assert "<bool>" not in r.stdout and "--verify / --no-verify" in r.stdout and "--json " in r.stdout, r.stdout
+    r = subprocess.run(["mtp-trt", "bench", "--help"], capture_output=True, text=True, env=env)
+    assert "--out" in r.stdout and "--json" not in r.stdout, r.stdout

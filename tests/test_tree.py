@@ -339,7 +339,8 @@ def test_chain_tree_and_reference_walk():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("3:1:4", "top-k must be >= 2"), ("0:2:2", "--nextn >= 1"), ("3:2:11", "budget must be in 1..10"),
+    ("3:1:4", "top-k must be in 2..16"), ("0:2:2", "--nextn >= 1"), ("3:2:11", "budget must be in 1..10"),
+    ("2:17:4", "top-k must be in 2..16"), ("17:2:4", "at most 16"), ("3:16:129", "budget must be in 1..128"),
     ("3:2", "DEPTH:TOPK:BUDGET"), ("a:b:c", "DEPTH:TOPK:BUDGET")])
 def test_bad_tree_shapes_are_one_error(text, message):
     with pytest.raises(MtpTrtError, match=message):

@@ -214,3 +214,24 @@ def test_plugins_import_without_gpu_or_tensorrt():
         print(sorted(m for m in sys.modules if m.startswith(("tensorrt", "mtp_trt.plugins.cuda_lib"))))
     """)
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("flavour,version,ok", [("tensorrt", "10.3.0", True), ("tensorrt", "10.9.0.34", True),
+                                                ("tensorrt", "11.1.0", True), ("tensorrt", "10.2.0", False),
+                                                ("tensorrt", "8.6.1", False), ("tensorrt", "12.0.0", False),
+                                                ("tensorrt_rtx", "1.7.1.116", True), ("tensorrt_rtx", "2.0", False)])
+def test_supported_tensorrt_range_is_checked_at_load(fresh_load, monkeypatch, flavour, version, ok):
+    """An installed TensorRT outside the supported range is one line naming the range, at load."""
+    mod = type(sys)(flavour)
+    mod.Builder, mod.OnnxParser, mod.__version__ = object, object, version
+    monkeypatch.setitem(sys.modules, flavour, mod)
+    monkeypatch.setattr(compat.importlib.util, "find_spec", lambda n, *a: object() if n == flavour else None)
+    monkeypatch.setattr(compat, "_rtx_libdir", lambda: None)
+    monkeypatch.setattr(compat, "gpu", lambda: ("9.0", ""))
+    if ok:
+        assert compat.load(flavour).version == version
+    else:
+        with pytest.raises(MtpTrtError, match=rf"{flavour} {version} is not supported: mtp-trt runs {flavour} "
+                                              rf"(10\.3 to 11|1\.0 to 1)\.x") as e:
+            compat.load(flavour)
+        assert "\n" not in str(e.value)

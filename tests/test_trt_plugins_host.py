@@ -130,6 +130,37 @@ def test_split_count_is_capped_by_the_reserved_workspace(host):
     assert kernels.calls[-1]["workspace_bytes"] <= reserved
 
 
+def test_attention_enqueue_is_one_library_call_and_checks_the_alias(host, monkeypatch):
+    """The split count and workspace of a shape are asked of the library (which queries the device) once per
+    plugin instance: every later call at that shape is the launch alone.  A kv_cache_out not bound to kv_cache's
+    buffer (aliasing not honoured) is refused before the kernel writes anywhere."""
+    trt, kernels = host
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(kernels, name)
+
+    monkeypatch.setattr(tp, "_kernels", lambda: Counting())
+    B, S, H, Dl, T = 2, 2, 4, 32, 256
+    q = np.zeros((B, S, H, Dl + 8), np.float32)
+    rows, cache = np.zeros((B, S, Dl + 8), np.float32), np.zeros((B, T, Dl + 8), np.float32)
+    past, out = np.zeros(B, np.int32), np.zeros((B, S, H, Dl), np.float32)
+    ws = np.zeros(max(tp.mla_workspace_bound((1, B), (1, S), H, Dl, T), 1), np.uint8)
+    plugin = tp.plugin_classes(trt)["MlaGenerationAttention"][0]({"kv_lora_rank": Dl, "softmax_scale": 1.0})
+    descs = [_desc(trt, a) for a in (q, rows, cache, past)], [_desc(trt, out), _desc(trt, cache)]
+    for _ in range(3):
+        plugin.enqueue(*descs, [_ptr(q), _ptr(rows), _ptr(cache), _ptr(past)], [_ptr(out), _ptr(cache)], _ptr(ws), 0)
+    assert calls == ["mla_decode_num_splits", "mla_decode_workspace_size", "mla_decode", "mla_decode", "mla_decode"]
+    assert plugin.clone().launches == {}  # a new context (attach_to_context clones) may be on another device
+    other = cache.copy()
+    n = len(tp.errors)
+    with pytest.raises(RuntimeError, match="kv_cache_out is bound to .*not to kv_cache's buffer"):
+        plugin.enqueue(*descs, [_ptr(q), _ptr(rows), _ptr(cache), _ptr(past)], [_ptr(out), _ptr(other)], _ptr(ws), 0)
+    assert calls.count("mla_decode") == 3 and "kv_cache_out is bound" in tp.errors[n]
+
+
 @pytest.mark.parametrize("topk,delta", [(0, 0.0), (3, 0.3), (50, 1.0)])
 @pytest.mark.parametrize("K", [0, 1, 3])
 def test_accept_enqueue_matches_the_op_contract(host, topk, delta, K):

@@ -151,7 +151,7 @@ def test_a_decode_step_allocates_nothing_and_copies_no_cache(setup):
     backend.allocate(3, 60)
     allocs = dev.counts["alloc"]
     caches = sum(map(len, backend.caches.values()))
-    assert allocs == caches + len(backend.buffers) + 1  # caches, one buffer per tensor name, the swap slot
+    assert allocs == caches + len(backend.buffers) + 2  # caches, one per input name, the outputs, the swap slot
     ids = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], np.int32)
     zeros = np.zeros(3, np.int32)
     backend.target(3, np.array(PROMPTS[0][:4] * 3, np.int32).reshape(3, 4), zeros, zeros, 0, 0.0, False)
@@ -160,7 +160,7 @@ def test_a_decode_step_allocates_nothing_and_copies_no_cache(setup):
     for step in range(6):
         out = backend.step(3, ids, np.full(3, 4 + 3 * step, np.int32), zeros, 0, 0.0, carry)
         assert set(out) >= {"accepted_tokens", "num_accepted", "thinking_out", "drafts"}
-    assert dev.counts["alloc"] == allocs and dev.counts["alloc_host"] == len(backend.buffers)
+    assert dev.counts["alloc"] == allocs and dev.counts["alloc_host"] == len(backend.buffers) + 1
     slot = backend.slot_bytes
     assert dev.copies and max(b for _, b in dev.copies) < slot / 4, "only small inputs and outputs move"
     assert {k for k, _ in dev.copies} == {"h2d", "d2h"}
@@ -202,9 +202,18 @@ def test_planning_from_real_engine_directories(setup):
         assert plan.max_chunk(m.profiles) == 8
         with pytest.raises(MtpTrtError, match="no optimization profile .* 9 new tokens"):
             plan.choose_profile(m.profiles, 9, 1)
-        sizes = plan.buffer_sizes([plan.engine_io(g, lowering) for g in exp.graphs.values()], 4, 64, 8)
-        assert sizes["input_ids"] == 4 * 8 * 4 and sizes["logits"] == 4 * 8 * ref.config.vocab_size * 4
+        ios = [plan.engine_io(g, lowering) for g in exp.graphs.values()]
+        sizes = plan.buffer_sizes(ios, 4, 64, 8)
+        assert sizes["input_ids"] == 4 * 8 * 4 and "logits" not in sizes  # inputs only
         assert not any(n.startswith("kv") for n in sizes)
+        layout, size = plan.output_layout(ios, 4, 64, 8)
+        logits = 4 * 8 * ref.config.vocab_size * 4
+        assert layout["target"]["logits"] % plan.ALIGN == 0 and size >= logits
+        per_engine = [sum(-(-plan.nbytes(t, {"B": 4, "S": 8, "T": 64}) // 256) * 256 for t in io.data_outputs)
+                      for io in ios]
+        assert size == max(per_engine) < sum(per_engine)  # the engines' outputs overlap
+        read, host = plan.output_layout(ios, 4, 64, 8, {"target_tokens", "accepted_tokens"})
+        assert read["target"].keys() == {"target_tokens", "accepted_tokens"} and host < logits
 
 
 def test_plan_helpers():
@@ -297,3 +306,103 @@ def test_two_backends_share_the_deserialized_engines(setup):
     assert _tokens(first, PROMPTS, _opts(K))[0] == _tokens(second, PROMPTS, _opts(K))[0]
     assert sorted(first.loader.loaded) == sorted(set(first.loader.loaded))  # none loaded twice
     assert second.engines is first.engines and second.caches is not first.caches
+
+
+def test_aliases_on_every_supported_tensorrt(setup, greedy):
+    """TensorRT 10.3-10.14 cannot report an engine's aliased outputs (no get_aliased_input_tensor), and a newer
+    one may leave a plugin's alias unreported: the runtime binds the graph contract's aliases either way (the
+    stand-in plugin engine asserts each cache output is bound to its input's buffer); an alias TensorRT reports
+    that contradicts the contract is one error."""
+    from mtp_trt.trt.runtime import EngineLoader
+
+    class Old:  # ICudaEngine of TensorRT 10.9
+        num_io_tensors = 2
+
+        def get_tensor_name(self, i):
+            return ["kv_0", "kv_0_out"][i]
+
+    class New(Old):
+        def get_aliased_input_tensor(self, name):
+            return "kv_0" if name == "kv_0_out" else None
+
+    assert EngineLoader.aliases(Old()) is None and EngineLoader.aliases(New()) == {"kv_0_out": "kv_0"}
+    contract = {"kv_0_out": "kv_0"}
+    assert plan.reported_alias_problem(None, contract) is None and plan.reported_alias_problem({}, contract) is None
+    assert "TensorRT binds {'kv_0_out': 'kv_1'}" in plan.reported_alias_problem({"kv_0_out": "kv_1"}, contract)
+    assert plan.reported_alias_problem({"x": "y"}, {}) is not None
+    ref, engines = setup
+    for reported in (None, {}):
+        backend = fake_backend(engines["plugin"], ref)
+        backend.loader.aliases = lambda engine, r=reported: r
+        assert _tokens(backend, PROMPTS, _opts(K))[0] == greedy[0]
+    backend = fake_backend(engines["plugin"], ref)
+    backend.loader.aliases = lambda engine: {"kv_0_out": "input_ids"}
+    with pytest.raises(MtpTrtError, match=r"target.engine: TensorRT binds \{'kv_0_out': 'input_ids'\}"):
+        backend.prepare(K, True)
+
+
+def test_capture_never_follows_a_shape_change(setup):
+    """One execution context serves an engine's profile at every batch size: a step at batch 3 run eagerly, then
+    one at batch 2, then batch 3 again must run eagerly once more (TensorRT's first enqueue after a shape change
+    may not be captured) before batch 3 is captured; replays in between change nothing of that."""
+    ref, engines = setup
+    backend = fake_backend(engines["plugin"], ref)
+    backend.prepare(K, True)
+    backend.allocate(3, 60)
+    zeros = np.zeros(3, np.int32)
+    carry = np.zeros((3, K - 1, ref.config.hidden_size), np.float32) if ref.mtp_mode == "vanilla" else None
+    ids = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], np.int32)
+    for n in (3, 2, 3, 3, 2, 2, 3, 2, 3):
+        backend.step(n, ids[:n], np.full(n, 4, np.int32), zeros[:n], 0, 0.0, None if carry is None else carry[:n])
+    # 3 eager, 2 eager, 3 eager (shapes changed), 3 captured, 2 eager, 2 captured, then 3, 2, 3 replayed
+    assert backend.device.counts["graphs"] == 2 and backend.device.counts["graph_launches"] == 5
+    assert sum(c.captures_after_shape_change for c in backend.loader.contexts) == 0
+
+
+def test_pinned_memory_only_for_outputs_read(setup):
+    """A greedy decode reads no logits: no pinned twin of them (a sampling decode has one); the outputs share one
+    device region the size of the largest engine's outputs."""
+    ref, engines = setup
+    vocab = ref.config.vocab_size
+    for greedy in (True, False):
+        backend = fake_backend(engines["onnx"], ref)
+        backend.prepare(K, greedy)
+        backend.allocate(4, 64)
+        assert ("logits" in backend.host_at["target"]) != greedy
+        logits = 4 * backend.s_max * vocab * 4
+        assert (backend.out_host.nbytes < logits) == greedy
+        ios = list(backend.ios.values())
+        assert backend.device.memory[backend.out_dev].nbytes == plan.output_layout(ios, 4, 64, backend.s_max)[1]
+    seqs, _ = generate(backend, PROMPTS, _opts(K, sampling=SamplingParams(temperature=0.9)))  # still allocated
+    assert all(s.generated for s in seqs)
+
+
+def test_memory_check_counts_the_contexts_activations(setup):
+    ref, engines = setup
+    backend = fake_backend(engines["plugin"], ref)
+    backend.prepare(K, True)
+    backend.loader.activation_bytes_each = 1 << 40  # 1 TiB per context: each engine loaded, each profile
+    contexts = len(backend.engines) * len(backend.em.profiles)
+    with pytest.raises(MtpTrtError, match=rf"activations, caches and buffers need about {1024 * contexts}\.\d\d GiB"):
+        backend.allocate(2, 32)
+    for name in backend.engines:  # contexts already created: their memory is already out of the free figure
+        for p in range(len(backend.em.profiles)):
+            backend.context(name, p)
+    backend.allocate(2, 32)
+
+
+def test_tensorrt_error_lines_are_in_the_error(setup):
+    ref, engines = setup
+    backend = fake_backend(engines["plugin"], ref, cuda_graphs=False)
+    backend.prepare(K, True)
+    backend.loader.errors.append("an earlier error, not this call's")
+    backend.engines["target"].fail = ("[pluginV3Runner.cpp::execute::89] Error Code 2: Internal Error (plugin failed)",
+                                      "MlaGenerationAttention plugin, enqueue: CudaKernelError: error 35")
+    mark = (1, 0)
+    with pytest.raises(MtpTrtError) as e:
+        generate(backend, PROMPTS, _opts(K))
+    msg = str(e.value)
+    assert msg.startswith("target.engine: TensorRT could not enqueue the engine: [pluginV3Runner.cpp") and \
+        "Error Code 2" in msg and "| MlaGenerationAttention plugin, enqueue: CudaKernelError: error 35" in msg
+    assert "earlier" not in msg
+    assert "\n" not in msg and backend.loader.messages(mark, limit=20).startswith("...")

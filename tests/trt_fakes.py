@@ -15,6 +15,7 @@ import numpy as np
 from mtp_trt.manifest import Manifest
 from mtp_trt.plugins import ort_lib
 from mtp_trt.trt import plan
+from mtp_trt.trt.runtime import EngineLoader
 
 NP = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32}
 
@@ -118,12 +119,16 @@ def write_rows(cache: np.ndarray, rows: np.ndarray, start: np.ndarray) -> None:
 
 
 class FakeContext:
-    """IExecutionContext's calls the runtime makes; execute runs the reference graph on ONNX Runtime."""
+    """IExecutionContext's calls the runtime makes; execute runs the reference graph on ONNX Runtime.  As TensorRT
+    requires, an enqueue captured into a CUDA graph must not be the first after a shape change (`captures_after_
+    shape_change` counts those that were)."""
 
     def __init__(self, engine: FakeEngine):
         self.engine, self.shapes, self.addresses, self.executions = engine, {}, {}, 0
+        self.reshaped, self.captures_after_shape_change = False, 0
 
     def set_input_shape(self, name, shape):
+        self.reshaped |= self.shapes.get(name) != tuple(shape)
         self.shapes[name] = tuple(shape)
         return True
 
@@ -132,6 +137,12 @@ class FakeContext:
         return True
 
     def execute_async_v3(self, stream):
+        if self.engine.fail:  # (TensorRT's error line, the plugin's)
+            self.engine.loader.errors.append(self.engine.fail[0])
+            self.engine.loader.plugin_errors.append(self.engine.fail[1])
+            return False
+        self.captures_after_shape_change += self.reshaped and self.engine.device.capturing is not None
+        self.reshaped = False
         shapes, addresses = dict(self.shapes), dict(self.addresses)  # as a captured graph keeps them
         self.engine.device.work(lambda: self.engine.run(shapes, addresses))
         self.executions += 1
@@ -139,10 +150,16 @@ class FakeContext:
 
 
 class FakeEngine:
-    def __init__(self, name: str, io: plan.EngineIO, reference: Manifest, device: HostDevice, lowering: str):
-        self.name, self.io, self.device, self.lowering = name, io, device, lowering
+    def __init__(self, name: str, io: plan.EngineIO, reference: Manifest, device: HostDevice, lowering: str,
+                 loader: FakeLoader):
+        self.name, self.io, self.device, self.lowering, self.loader = name, io, device, lowering, loader
         self.ref = reference.graphs[name]
         self.session = ort_lib.session(str(reference.root / self.ref.file))
+        self.fail: tuple[str, str] | None = None  # (TensorRT's error line, a plugin's): enqueues fail with them
+
+    @property
+    def device_memory_size_v2(self):
+        return self.loader.activation_bytes_each
 
     def run(self, shapes: dict, addresses: dict) -> None:
         specs = self.io.specs
@@ -164,18 +181,21 @@ class FakeEngine:
                 write_rows(view(addresses[cache], shapes[cache], NP[specs[cache].dtype]), rows, start)
 
 
-class FakeLoader:
-    """EngineLoader's interface: FakeEngines over the onnx-lowering export `reference` of the same checkpoint."""
+class FakeLoader(EngineLoader):
+    """EngineLoader over FakeEngines (the onnx-lowering export `reference` of the same checkpoint); its error
+    collection and activation-memory query are EngineLoader's own."""
 
     def __init__(self, ios: dict, reference: Manifest, device: HostDevice, lowering: str):
         self.ios, self.reference, self.device, self.lowering = ios, reference, device, lowering
         self.loaded: list[str] = []
         self.contexts: list[FakeContext] = []
+        self.errors, self.plugin_errors = [], []
+        self.activation_bytes_each = 1 << 20
 
     def load(self, path):
         name = path.stem
         self.loaded.append(name)
-        return FakeEngine(name, self.ios[name], self.reference, self.device, self.lowering)
+        return FakeEngine(name, self.ios[name], self.reference, self.device, self.lowering, self)
 
     def context(self, engine, profile, stream):
         self.contexts.append(FakeContext(engine))

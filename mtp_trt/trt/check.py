@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.manifest import Manifest, sha256
+from mtp_trt.manifest import Manifest, check_files, check_seal, sha256
 from mtp_trt.trt import manifest as em
 from mtp_trt.plugins import ort_lib
 
@@ -59,6 +59,10 @@ def static_checks(engine_dir: Path) -> tuple[em.EngineManifest, list[str]]:
         raise MtpTrtError(f"{engine_dir}: {em.EXPORT_MANIFEST} is missing")
     if sha256(exp) != m.raw["export"]["manifest_sha256"]:
         raise MtpTrtError(f"{exp}: SHA-256 differs from {em.FILE}; the engine directory was modified")
+    export = em.load_export_manifest(engine_dir)
+    check_seal(exp, export.raw)
+    m.check_export(export)
+    check_files(exp, list((export.raw.get("tokenizer_files") or {}).items()), True, "tokenizer")
     for p in m.plugins:
         if p["version"] != trt_plugins.PLUGIN_VERSION:
             raise MtpTrtError(f"{em.FILE}: the engines use plugin {p['name']} version {p['version']}, this mtp-trt "

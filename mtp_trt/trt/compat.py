@@ -27,6 +27,19 @@ INSTALL = {
 }
 WHERE = {"tensorrt": "builds on an NVIDIA GPU", "tensorrt_rtx": "TensorRT for RTX, builds without a GPU too"}
 MIN_DEFAULT_ARCH = (8, 0)  # no GPU + TensorRT for RTX: build for every listed arch from Ampere on
+# The versions each flavour is supported at: [first, end).  TensorRT 10.3 brought aliased plugin I/O (the plugin
+# lowering's in-place caches); TensorRT for RTX has had it from 1.0.
+SUPPORTED = {"tensorrt": ((10, 3), (12, 0)), "tensorrt_rtx": ((1, 0), (2, 0))}
+
+
+def version_problem(flavour: str, version: str) -> str | None:
+    """Why `flavour` at `version` is not supported (one line naming the supported range), or None."""
+    (lo, hi) = SUPPORTED[flavour]
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m and lo <= (int(m.group(1)), int(m.group(2))) < hi:
+        return None
+    return (f"{flavour} {version} is not supported: mtp-trt runs {flavour} {lo[0]}.{lo[1]} to {hi[0] - 1}.x; "
+            f"install a version in that range")
 
 
 def install_hint() -> str:
@@ -196,6 +209,9 @@ def _import(flavour: str) -> tuple[TrtApi | None, str]:
             why = f"`{name}` is installed but is not a usable TensorRT (no Builder/OnnxParser: a stub package?)"
             continue
         api = TrtApi(flavour=flavour, trt=mod, version=str(getattr(mod, "__version__", "?")), module=name)
+        if problem := version_problem(flavour, api.version):
+            why = problem
+            continue
         if flavour == "tensorrt_rtx" and (libdir := _rtx_libdir()) is not None:
             from mtp_trt.trt.libfix import ensure_unversioned_rtx_library
 

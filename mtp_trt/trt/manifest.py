@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import FILE_NAME, SHA256, Int, Map, OneOf, Text, check_fields
 from mtp_trt.manifest import check_files, read_manifest_json
 
 if TYPE_CHECKING:
@@ -64,31 +65,86 @@ class EngineManifest:
         root = Path(root)
         path = root / FILE
         raw = read_manifest_json(path, FORMAT, FORMAT_VERSION, "engine", "mtp-trt build")
-        try:
-            engines = {n: EngineSpec(name=n, **e) for n, e in raw["engines"].items()}
-            m = cls(root=root, raw=raw, flavour=raw["tensorrt"]["flavour"], trt_version=raw["tensorrt"]["version"],
-                    target_archs=raw["target_archs"], precision=raw["precision"],
-                    export_format_version=raw["export"]["format_version"], profiles=raw["profiles"],
-                    plugins=raw["plugins"], engines=engines)
-        except (KeyError, TypeError) as e:
-            raise MtpTrtError(f"{path}: malformed engine manifest ({type(e).__name__}: {e})") from None
+        check_fields(raw, SCHEMA, str(path))
+        engines = {n: EngineSpec(name=n, **{k.rstrip("?"): e[k.rstrip("?")] for k in ENGINE_SCHEMA
+                                           if k.rstrip("?") in e}) for n, e in raw["engines"].items()}
+        m = cls(root=root, raw=raw, flavour=raw["tensorrt"]["flavour"], trt_version=raw["tensorrt"]["version"],
+                target_archs=raw["target_archs"], precision=raw["precision"],
+                export_format_version=raw["export"]["format_version"], profiles=raw["profiles"],
+                plugins=raw["plugins"], engines=engines)
+        _check_sizes(path, m)
         check_files(path, [(e.file, e.sha256) for e in engines.values()], verify_hashes, "engine")
         return m
+
+    @property
+    def max_batch(self) -> int:
+        return self.raw["max_batch"]
+
+    def check_export(self, exp: Manifest) -> None:
+        """The engines are those of `exp`, the export they were built from (export_manifest.json): one engine for
+        every graph the decode loop may run, each built from that graph's ONNX file, at the export's precision,
+        mode and K, with profiles within the export's max_batch and max_seq_len.  One error naming the field."""
+        path = self.root / FILE
+
+        def bad(field: str, msg: str) -> MtpTrtError:
+            return MtpTrtError(f"{path}: field '{field}' {msg}; the engine directory was edited or is incomplete "
+                               f"(build again)")
+
+        missing = [g for g in exp.graphs if g not in self.engines]
+        if missing:
+            raise bad("engines", f"has no engine for graph(s) {', '.join(missing)} of {EXPORT_MANIFEST}")
+        extra = [g for g in self.engines if g not in exp.graphs]
+        if extra:
+            raise bad("engines", f"lists {', '.join(extra)}, which {EXPORT_MANIFEST} has no graph for")
+        for name, e in self.engines.items():
+            g = exp.graphs[name]
+            if (e.onnx, e.onnx_sha256) != (g.file, g.sha256):
+                raise bad(f"engines.{name}.onnx_sha256", f"names {e.onnx} {e.onnx_sha256[:12]}.., but the export's "
+                                                         f"graph is {g.file} {g.sha256[:12]}..")
+        built = self.raw["export"]
+        for field, value in (("dtype", exp.dtype), ("nextn", exp.nextn), ("mtp_mode", exp.mtp_mode),
+                             ("lowering", exp.lowering), ("format_version", exp.raw["format_version"])):
+            if field in built and built[field] != value:
+                raise bad(f"export.{field}", f"is {built[field]!r}, but {EXPORT_MANIFEST} says {value!r}")
+        if self.precision != exp.dtype:
+            raise bad("precision", f"is {self.precision!r}, but the export's dtype is {exp.dtype!r}")
+        if self.max_batch > exp.max_batch or self.raw["max_seq_len"] > exp.max_seq_len:
+            raise bad("max_batch", f"and max_seq_len are {self.max_batch} and {self.raw['max_seq_len']}, beyond the "
+                                   f"export's {exp.max_batch} and {exp.max_seq_len}")
+
+
+ARCH = Text(r"[0-9]{1,2}\.[0-9]{1,2}", "a compute capability such as 8.9")
+ENGINE_SCHEMA = {"file": FILE_NAME, "sha256": SHA256, "bytes": Int(1), "onnx": FILE_NAME, "onnx_sha256": SHA256,
+                 "plugin_layers": Map(Int(0)), "build_seconds": float, "aliases?": Map(str)}
+DIMS = [Int(1), Int(1), Int(1)]  # min, opt, max
+SCHEMA = {
+    "tensorrt": {"flavour": OneOf("tensorrt", "tensorrt_rtx"), "version": str}, "target_archs": [ARCH],
+    "precision": OneOf("fp32", "fp16", "bf16"), "max_batch": Int(1), "max_seq_len": Int(1), "max_prefill?": Int(1),
+    "export": {"format_version": Int(1), "manifest_sha256": SHA256, "dtype?": str, "nextn?": Int(0),
+               "mtp_mode?": str, "lowering?": str},
+    "profiles": [{"name": OneOf("generation", "prefill"), "dims": {"B": DIMS, "S": DIMS, "T": DIMS}}],
+    "plugins": [{"name": str, "version": str}], "engines": Map(ENGINE_SCHEMA),
+}
+
+
+def _check_sizes(path: Path, m: EngineManifest) -> None:
+    """Sizes that make sense: profiles min <= opt <= max within max_batch and max_seq_len, at least one target."""
+    if not m.target_archs:
+        raise MtpTrtError(f"{path}: field 'target_archs' is empty; the engines name no GPU architecture")
+    for i, prof in enumerate(m.profiles):
+        for dim, (lo, opt, hi) in prof["dims"].items():
+            top = {"B": m.raw["max_batch"], "T": m.raw["max_seq_len"]}.get(dim, hi)
+            if not lo <= opt <= hi <= top:
+                raise MtpTrtError(f"{path}: field 'profiles[{i}].dims.{dim}' is {[lo, opt, hi]}, not min <= opt <= "
+                                  f"max <= {top}")
 
 
 def load_export_manifest(engine_dir: Path) -> Manifest:
     """The export manifest kept in the engine directory (export_manifest.json), without its ONNX files."""
-    from mtp_trt.config import ModelConfig
-    from mtp_trt.manifest import GraphSpec, Manifest
+    from mtp_trt.manifest import FORMAT as EXPORT_FORMAT
+    from mtp_trt.manifest import FORMAT_VERSION as EXPORT_VERSION
+    from mtp_trt.manifest import Manifest
 
     path = Path(engine_dir) / EXPORT_MANIFEST
-    try:
-        raw = json.loads(path.read_text())
-        graphs = {n: GraphSpec.from_dict(n, g) for n, g in raw["graphs"].items()}
-        return Manifest(root=engine_dir, raw=raw, config=ModelConfig.from_dict(raw["config"], source=str(path)),
-                        nextn=raw["nextn"], mtp_mode=raw["mtp_mode"], dtype=raw["dtype"], lowering=raw["lowering"],
-                        max_batch=raw["max_batch"], max_seq_len=raw["max_seq_len"], graphs=graphs,
-                        think_ids=tuple(raw["think_ids"]), eos_ids=tuple(raw["eos_ids"]),
-                        tokenizer=raw.get("tokenizer"))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise MtpTrtError(f"{path}: unreadable export manifest ({type(e).__name__}: {e})") from None
+    raw = read_manifest_json(path, EXPORT_FORMAT, EXPORT_VERSION, "export", "mtp-trt export")
+    return Manifest.from_raw(Path(engine_dir), raw, str(path))

@@ -95,6 +95,17 @@ def check_aliases(io: EngineIO, recorded: dict[str, str]) -> None:
                           f"{io.aliases}; build the engines again with this mtp-trt")
 
 
+def reported_alias_problem(reported: dict[str, str] | None, contract: dict[str, str]) -> str | None:
+    """Whether what TensorRT reports of an engine's aliased outputs agrees with the graph contract (the runtime
+    binds the contract's, which engines.json records and check_aliases verifies).  reported None: this TensorRT
+    has no way to say (before 10.15); an output it does not report is taken from the contract; an alias it reports
+    must be the contract's."""
+    wrong = {o: i for o, i in (reported or {}).items() if contract.get(o) != i}
+    if not wrong:
+        return None
+    return f"TensorRT binds {wrong} to one buffer, the graph contract {contract or 'no outputs'}"
+
+
 def choose_profile(profiles: list[dict], s: int, batch: int) -> int:
     """Index of the optimization profile serving a call of S rows per sequence for `batch` sequences: the
     generation profile where S fits it (verify and step calls), else the prefill profile."""
@@ -127,16 +138,37 @@ def nbytes(spec: TensorSpec, dims: dict[str, int]) -> int:
     return math.prod(shape(spec, dims)) * ITEMSIZE[spec.dtype]
 
 
+ALIGN = 256  # byte alignment of every tensor placed in a shared region
+
+
 def buffer_sizes(ios: list[EngineIO], batch: int, rows: int, s_max: int) -> dict[str, int]:
-    """Bytes of the one device buffer each non-cache tensor name gets, shared by every engine that has a
-    tensor of that name (calls run one after another on one stream), sized for the largest call:
+    """Bytes of the one device buffer (and pinned host twin) each non-cache input name gets, shared by every engine
+    that has an input of that name (calls run one after another on one stream), sized for the largest call:
     `batch` sequences, S up to s_max rows, T = rows."""
     dims = {"B": batch, "S": s_max, "T": rows}
     sizes: dict[str, int] = {}
     for io in ios:
-        for t in io.data_inputs + io.data_outputs:
+        for t in io.data_inputs:
             sizes[t.name] = max(sizes.get(t.name, 0), nbytes(t, dims))
     return sizes
+
+
+def output_layout(ios: list[EngineIO], batch: int, rows: int, s_max: int,
+                  names: set[str] | None = None) -> tuple[dict[str, dict[str, int]], int]:
+    """({engine: {output: byte offset}}, region bytes): where each engine's data outputs (those in `names`, else
+    all) lie in one region that every engine shares.  An output lives only from its engine's call to the copy
+    that reads it (or the commit that consumes it) on the same stream, so the engines' outputs overlap one another
+    and the region is the largest engine's outputs, not the sum over tensor names."""
+    dims = {"B": batch, "S": s_max, "T": rows}
+    layout, size = {}, 0
+    for io in ios:
+        at, offsets = 0, {}
+        for t in io.data_outputs:
+            if names is None or t.name in names:
+                offsets[t.name] = at
+                at += -(-nbytes(t, dims) // ALIGN) * ALIGN
+        layout[io.name], size = offsets, max(size, at)
+    return layout, size
 
 
 def cache_bytes(m: Manifest, batch: int, rows: int) -> int:
@@ -167,10 +199,16 @@ def runtime_problem(m: em.EngineManifest, cc: str | None, why_no_gpu: str, flavo
     return None
 
 
+def activation_bytes(per_context: dict[tuple[str, int], int], created: set[tuple[str, int]]) -> int:
+    """TensorRT's activation memory still to be allocated: that of every (engine, profile) context a decode may
+    create (per_context), less those already created (their memory is already out of the free figure)."""
+    return sum(n for key, n in per_context.items() if key not in created)
+
+
 def memory_problem(need: int, free: int) -> str | None:
     """One line when `need` bytes of device memory do not fit in `free`."""
     if need <= free:
         return None
     gib = 2 ** 30
-    return (f"the engines, caches and buffers need about {need / gib:.2f} GiB of GPU memory, {free / gib:.2f} GiB "
-            f"is free; use fewer sequences, a shorter --max-new-tokens or a smaller --max-seq-len")
+    return (f"the engines' activations, caches and buffers need about {need / gib:.2f} GiB of GPU memory, "
+            f"{free / gib:.2f} GiB is free; use fewer sequences, a shorter --max-new-tokens or a smaller --max-seq-len")

@@ -3,8 +3,11 @@
 What a decode costs on the device, and when:
 * once per process: each engine it runs is deserialized (only those: `prepare`), one execution context per
   engine and optimization profile;
-* once per (batch, rows): every persistent latent cache, one device buffer per tensor name shared by the
-  engines (sized for the largest call) and its pinned host twin (`allocate`);
+* once per (batch, rows): every persistent latent cache; one device buffer and pinned host twin per input name,
+  shared by the engines (sized for the largest call); one device region for the engines' outputs, which
+  overlap one another (each lives only until the copy or commit that reads it, on the same stream), and one
+  pinned region for the outputs the loop reads (logits only when sampling); the memory check counts TensorRT's
+  activation memory of the contexts still to be created (`allocate`);
 * per call: the inputs are written into the pinned buffers and copied to the device asynchronously on the
   one stream, the engine runs, and only the outputs the loop reads come back (accepted tokens, counts, the
   thinking flags, drafts, vanilla's carry; hidden states on the separate-graph path; logits only when
@@ -14,7 +17,11 @@ What a decode costs on the device, and when:
   bound to the same buffer); `onnx` engines (no plugins: any TensorRT application loads them) return the new
   rows, committed by the `mtp_mla_kv_commit` kernel on the same stream (a device copy, no host round trip).
 * CUDA graphs: the fused step (`step_K` engine) at each batch size runs eagerly once, is captured on its
-  second call (input copies, engine, commits, output copies) and replayed from then on.
+  next call made right after an eager run of the same shapes on the same execution context (input copies,
+  engine, commits, output copies; never right after a shape change, whose first enqueue TensorRT may not run
+  inside a capture) and replayed from then on.
+* Errors: TensorRT's error lines and the plugins' are collected and shown in the error of a failed load,
+  context or enqueue.
 
 The device layer (mtp_trt/trt/device.py), the engine loader (`EngineLoader`, TensorRT) and the kernel library
 are injected, so tests run this whole module on a CPU with host-memory stand-ins (tests/trt_fakes.py).
@@ -37,6 +44,7 @@ MTP_OUTPUTS = ["hidden_out", "draft_tokens", "draft_probs"]
 # what a step or tree engine returns to the decode loop (those of them the engine has)
 STEP_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "drafts", "tree_tokens", "tree_parents_out",
                 "carry_out"]
+SAMPLED_OUTPUTS = ["logits", "draft_logits"]  # read only when sampling
 
 
 class EngineLoader:
@@ -46,35 +54,66 @@ class EngineLoader:
         from mtp_trt.trt import compat, cpp_plugins
 
         self.api = api = compat.load(m.flavour)
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # TensorRT's error lines (the C++ plugins log theirs through TensorRT too)
         self.plugins = cpp_plugins.use(api.trt, plugins)  # either implementation runs engines built with either
+        if self.plugins == "python":
+            from mtp_trt.plugins import trt_plugins
+
+            self.plugin_errors = trt_plugins.errors  # the Python plugins' exceptions (TensorRT sees only a failure)
+        else:
+            self.plugin_errors = []
         self.runtime = api.trt.Runtime(api.make_logger(lambda sev, msg: self.errors.append(msg)
                                                        if sev in ("ERROR", "INTERNAL_ERROR") else None))
 
+    def mark(self) -> tuple[int, int]:
+        """Where the error lines stand now (for `messages` after a call that may fail)."""
+        return len(self.errors), len(self.plugin_errors)
+
+    def messages(self, mark: tuple[int, int], limit: int = 600) -> str:
+        """TensorRT's and the plugins' error lines since `mark`, on one line (the last ones where too long)."""
+        lines = [ln.strip() for msg in self.errors[mark[0]:] + self.plugin_errors[mark[1]:]
+                 for ln in str(msg).splitlines() if ln.strip()]
+        text = " | ".join(dict.fromkeys(lines))
+        return text if len(text) <= limit else "..." + text[-limit:]
+
     def load(self, path: Path):
+        mark = self.mark()
         engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
-            why = self.errors[-1].splitlines()[0] if self.errors else "no message from TensorRT"
-            raise MtpTrtError(f"{path}: {self.api.flavour} {self.api.version} cannot load this engine ({why[:300]})")
+            why = self.messages(mark) or "no message from TensorRT"
+            raise MtpTrtError(f"{path}: {self.api.flavour} {self.api.version} cannot load this engine: {why}")
         return engine
 
     def context(self, engine, profile: int, stream: int):
+        mark = self.mark()
         ctx = engine.create_execution_context()
         if ctx is None:
-            raise MtpTrtError(f"{engine.name}: TensorRT could not create an execution context (out of GPU memory?)")
+            raise MtpTrtError(f"{engine.name}: TensorRT could not create an execution context: "
+                              f"{self.messages(mark) or 'no message from TensorRT (out of GPU memory?)'}")
         if not ctx.set_optimization_profile_async(profile, stream):
-            raise MtpTrtError(f"{engine.name}: TensorRT refused optimization profile {profile}")
+            raise MtpTrtError(f"{engine.name}: TensorRT refused optimization profile {profile}: "
+                              f"{self.messages(mark) or 'no message from TensorRT'}")
         return ctx
 
     @staticmethod
-    def aliases(engine) -> dict[str, str]:
-        """{output: input} the engine binds to one buffer (TensorRT's record of aliased plugin I/O)."""
+    def activation_bytes(engine) -> int:
+        """Device memory TensorRT allocates for each execution context of `engine` (its activations: a context
+        made with the default, static allocation takes the largest over the engine's profiles)."""
+        return int(getattr(engine, "device_memory_size_v2", None) or engine.device_memory_size)
+
+    @staticmethod
+    def aliases(engine) -> dict[str, str] | None:
+        """{output: input} TensorRT reports bound to one buffer (aliased plugin I/O), or None where this TensorRT
+        cannot say (before 10.15: the graph contract recorded in engines.json is then the only record)."""
+        lookup = getattr(engine, "get_aliased_input_tensor", None)
+        if lookup is None:
+            return None
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-        return {n: a for n in names if (a := engine.get_aliased_input_tensor(n))}
+        return {n: a for n in names if (a := lookup(n))}
 
 
 class Buffer:
-    """One device buffer and its pinned host twin."""
+    """One device buffer and its pinned host twin (an input's)."""
 
     def __init__(self, device, nbytes: int):
         self.nbytes = nbytes
@@ -118,12 +157,16 @@ class TrtBackend(Backend):
         self.s_max = plan.max_chunk(self.em.profiles)
         self.engines: dict[str, object] = share.engines if share is not None else {}
         self.contexts: dict[tuple[str, int], object] = {}
-        self.graphs: dict[tuple, object] = {}  # (engine, n) -> captured step
-        self.warm: set[tuple] = set()
+        self.graphs: dict[tuple, object] = {}  # (engine, n, s) -> captured step
+        self.last_run: dict[tuple[str, int], tuple] = {}  # context -> (engine, n, s) of its last enqueue or replay
         self.bound: dict[tuple[str, int], dict] = {}  # context -> {tensor: address or shape} last set
         self.caches: dict[str, list[int]] = {}
-        self.buffers: dict[str, Buffer] = {}
-        self.shape_key: tuple[int, int] | None = None
+        self.buffers: dict[str, Buffer] = {}  # input name -> device buffer and pinned twin
+        self.out_dev = self.out_host_ptr = 0  # the outputs' shared device region and pinned region of those read
+        self.out_at: dict[str, dict[str, int]] = {}  # engine -> {output: offset in the device region}
+        self.host_at: dict[str, dict[str, int]] = {}  # engine -> {output read: offset in the pinned region}
+        self.sampling = False  # whether the decode being prepared reads logits
+        self.shape_key: tuple | None = None
         self.itemsize = plan.ITEMSIZE[m.dtype]
 
     def _default_device(self):
@@ -163,10 +206,8 @@ class TrtBackend(Backend):
                 raise MtpTrtError(f"{self.root}: no {name}.engine in this engine directory (engines.json lists "
                                   f"{', '.join(self.em.engines)})")
             engine = self.loader.load(self.root / self.em.engines[name].file)
-            got = self.loader.aliases(engine)
-            if got != self.ios[name].aliases:
-                raise MtpTrtError(f"{self.root / self.em.engines[name].file}: TensorRT binds {got or 'no outputs'} to "
-                                  f"their inputs, the graph contract {self.ios[name].aliases}; build the engines again")
+            if problem := plan.reported_alias_problem(self.loader.aliases(engine), self.ios[name].aliases):
+                raise MtpTrtError(f"{self.root / self.em.engines[name].file}: {problem}; build the engines again")
             self.engines[name] = engine
         return self.engines[name]
 
@@ -183,6 +224,7 @@ class TrtBackend(Backend):
                               f"build engines of an export made with --trees {tree[5:].replace('_', ':')}")
         for name in self.graphs_for(nextn, greedy, tree):
             self.engine(name)
+        self.sampling = not greedy
 
     # ---------------------------------------------------------------------------- allocation
     def allocate(self, batch: int, rows: int) -> None:
@@ -193,27 +235,37 @@ class TrtBackend(Backend):
         if batch > self.em.raw["max_batch"]:
             raise MtpTrtError(f"{self.root}: {batch} sequences, but the engines were built for --max-batch "
                               f"{self.em.raw['max_batch']}")
-        if self.shape_key == (batch, rows):
+        if self.shape_key == (batch, rows, self.sampling):
             return  # the same caches serve the next decode: lengths start at 0 again
         self.release()
-        sizes = plan.buffer_sizes(list(self.ios.values()), batch, rows, max(self.s_max, m.nextn + 1))
+        ios, s_max = list(self.ios.values()), max(self.s_max, m.nextn + 1)
+        sizes = plan.buffer_sizes(ios, batch, rows, s_max)
         offsets = {j for js in self.offsets.values() for j in js}
         sizes |= {f"past_len_minus{j}": 4 * batch for j in offsets}  # vanilla step commits at past_len - j (onnx)
+        read = set(TARGET_OUTPUTS) | set(MTP_OUTPUTS) | set(STEP_OUTPUTS) | (set(SAMPLED_OUTPUTS) if self.sampling
+                                                                            else set())
+        self.out_at, out_bytes = plan.output_layout(ios, batch, rows, s_max)
+        self.host_at, host_bytes = plan.output_layout(ios, batch, rows, s_max, read)
         slot = rows * m.config.latent_dim * self.itemsize
-        need = plan.cache_bytes(m, batch, rows) + sum(sizes.values()) + slot
+        activations = plan.activation_bytes(
+            {(n, p): self.loader.activation_bytes(e) for n, e in self.engines.items()
+             for p in range(len(self.em.profiles))}, set(self.contexts))
+        need = plan.cache_bytes(m, batch, rows) + sum(sizes.values()) + out_bytes + slot + activations
         if problem := plan.memory_problem(need, self.device.mem_info()[0]):
             raise MtpTrtError(problem)
         self.caches = {fam: [self.device.malloc(batch * slot) for _ in range(count)]
                        for fam, count in plan.cache_families(m).items()}
         self.buffers = {name: Buffer(self.device, n) for name, n in sizes.items()}
+        self.out_dev = self.device.malloc(out_bytes)
+        self.out_host_ptr, self.out_host = self.device.malloc_host(host_bytes)
         self.scratch = self.device.malloc(slot)  # swap_slots
-        self.shape_key, self.rows, self.slot_bytes = (batch, rows), rows, slot
+        self.shape_key, self.rows, self.slot_bytes = (batch, rows, self.sampling), rows, slot
 
     def release(self) -> None:
         """Free the caches and buffers (the captured graphs use their addresses: dropped too)."""
         for exe in self.graphs.values():
             self.device.destroy_graph(exe)
-        self.graphs, self.warm = {}, set()
+        self.graphs, self.last_run = {}, {}
         for bufs in self.caches.values():
             for p in bufs:
                 self.device.free(p)
@@ -222,6 +274,8 @@ class TrtBackend(Backend):
             self.device.free_host(b.host_ptr)
         if self.shape_key is not None:
             self.device.free(self.scratch)
+            self.device.free(self.out_dev)
+            self.device.free_host(self.out_host_ptr)
         self.caches, self.buffers, self.shape_key = {}, {}, None
         for bound in self.bound.values():
             bound.clear()
@@ -250,8 +304,12 @@ class TrtBackend(Backend):
             put("shape", t.name, plan.shape(t, dims), ctx.set_input_shape)
             put("address", t.name, addr[t.name], ctx.set_tensor_address)
         for t in io.outputs:
-            put("address", t.name, addr[io.aliases[t.name]] if t.name in io.aliases else self.buffers[t.name].dev,
+            put("address", t.name, addr[io.aliases[t.name]] if t.name in io.aliases else self.output(io.name, t.name),
                 ctx.set_tensor_address)
+
+    def output(self, engine: str, name: str) -> int:
+        """Device address of an engine's (non-aliased) output in the shared region."""
+        return self.out_dev + self.out_at[engine][name]
 
     def _enqueue(self, ctx, io: plan.EngineIO, staged: dict[str, int], dims: dict, mtp_family: str,
                  fetch: list[str]) -> None:
@@ -260,17 +318,20 @@ class TrtBackend(Backend):
         dev = self.device
         for name, n in staged.items():
             dev.copy("h2d", self.buffers[name].dev, self.buffers[name].host_ptr, n)
+        mark = self.loader.mark()
         if not ctx.execute_async_v3(dev.stream):
-            raise MtpTrtError(f"{io.name}.engine: TensorRT could not enqueue the engine (see its log)")
+            raise MtpTrtError(f"{io.name}.engine: TensorRT could not enqueue the engine: "
+                              f"{self.loader.messages(mark) or 'no message from TensorRT'}")
         for cache, new in io.commits.items():
             slot = plan.cache_slot(cache, mtp_family)
             s_new = plan.shape(io.specs[new], dims)[1]
             lens = self.buffers["past_len" if slot.offset == 0 else f"past_len_minus{-slot.offset}"].dev
             self.kernels.mla_kv_commit(DTYPE_CODES[self.manifest.dtype], self.caches[slot.family][slot.index], lens,
-                                       self.buffers[new].dev, dims["B"], s_new, self.manifest.config.latent_dim,
+                                       self.output(io.name, new), dims["B"], s_new, self.manifest.config.latent_dim,
                                        self.rows, dev.stream)
         for name in fetch:
-            dev.copy("d2h", self.buffers[name].host_ptr, self.buffers[name].dev, plan.nbytes(io.specs[name], dims))
+            dev.copy("d2h", self.out_host_ptr + self.host_at[io.name][name], self.output(io.name, name),
+                     plan.nbytes(io.specs[name], dims))
 
     def _call(self, name: str, n: int, feed: dict[str, np.ndarray], fetch: list[str], mtp_family: str = "mtp0",
               graph: bool = False) -> dict[str, np.ndarray]:
@@ -284,12 +345,17 @@ class TrtBackend(Backend):
             feed = feed | {f"past_len_minus{j}": (past_len - j).astype(np.int32)}
         wanted = {t.name for t in io.data_inputs} | {k for k in feed if k.startswith("past_len")}
         staged = {k: self.buffers[k].stage(v) for k, v in feed.items() if k in wanted and v is not None}
-        key = (name, n, s)
-        self._bind((name, profile), ctx, io, dims, mtp_family)  # replays too: the context's shapes as at capture
+        if missing := [k for k in fetch if k not in self.host_at[name]]:
+            raise MtpTrtError(f"internal: {name}.engine's {', '.join(missing)} read, but prepare() was told the decode "
+                              f"is greedy")
+        key, ctx_key = (name, n, s), (name, profile)
+        self._bind(ctx_key, ctx, io, dims, mtp_family)  # replays too: the context's shapes as at capture
         if graph and key in self.graphs:
             self.device.launch(self.graphs[key])
         else:
-            capture = graph and self.cuda_graphs and key in self.warm
+            # capture only right after an eager run of these shapes on this context: the first enqueue after a
+            # shape change may do set-up work that a CUDA graph cannot hold
+            capture = graph and self.cuda_graphs and self.last_run.get(ctx_key) == key
             if capture:
                 self.device.begin_capture()
                 try:
@@ -301,9 +367,15 @@ class TrtBackend(Backend):
                 self.device.launch(self.graphs[key])
             else:
                 self._enqueue(ctx, io, staged, dims, mtp_family, fetch)
-                self.warm.add(key)
+        self.last_run[ctx_key] = key  # the context's shapes are this call's now, and have run
         self.device.sync()
-        return {k: self.buffers[k].read(HOST_DTYPES[io.specs[k].dtype], plan.shape(io.specs[k], dims)) for k in fetch}
+        return {k: self._read(name, k, dims) for k in fetch}
+
+    def _read(self, engine: str, name: str, dims: dict) -> np.ndarray:
+        spec = self.ios[engine].specs[name]
+        shape, at = plan.shape(spec, dims), self.host_at[engine][name]
+        n = plan.nbytes(spec, dims)
+        return self.out_host[at:at + n].view(HOST_DTYPES[spec.dtype]).reshape(shape).copy()
 
     def _chunked(self, name: str, n: int, feed: dict, split: tuple[str, ...], fetch: list[str], concat: set[str],
                  mtp_family: str = "mtp0") -> dict[str, np.ndarray]:

@@ -7,7 +7,14 @@
 // Inside a block each latent row is loaded once (16-byte cp.async) into shared memory and used
 // by all the block's query rows for both products (scores with the whole row, P.V with its first
 // Dl values).  Softmax is online in base 2 (scores pre-multiplied by scale * log2 e).
+// Causal cut: without a tree mask a query tile stops at the last row its last query may see (cache
+// length + its new-token index), so a prefill tile reads only its own prefix of the new rows (half the
+// work of a long prompt); splits past it are empty and weigh nothing in the combine.
+// Device attributes (SM count, opt-in shared memory) are read once per device and each kernel's
+// shared-memory limit is raised once per device, not on every launch.
 #include <math.h>
+
+#include <atomic>
 
 #include "common.cuh"
 
@@ -32,6 +39,12 @@ __device__ __forceinline__ int seq_rows(const MlaParams& p, int b, int& c) {
     cl = max(0, min(cl, p.T_max));
     c = cl;
     return min(cl + p.S, p.T_max);
+}
+
+// Rows a query tile must read: the causal limit of its last query row m_last (cache length c + its new-token
+// index + 1), or all L rows with a tree mask (any new row may be visible).
+__device__ __forceinline__ int tile_rows(const MlaParams& p, int L, int c, int m_last) {
+    return p.mask ? L : min(L, c + m_last / p.H + 1);
 }
 
 // [start, end) rows of split `sp` (chunk rounded up to the tile; may be empty).
@@ -107,7 +120,8 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
     const int L = seq_rows(p, b, c);
     int start, end;
     split_range(L, p.nsplit, sp, TC_TT, start, end);
-    const int ntiles = (end - start + TC_TT - 1) / TC_TT;  // 0 when empty
+    end = min(end, tile_rows(p, L, c, m0 + nq - 1));
+    const int ntiles = end > start ? (end - start + TC_TT - 1) / TC_TT : 0;
     const T* cache_b = static_cast<const T*>(p.cache) + static_cast<size_t>(b) * p.T_max * D;
     const T* q_b = static_cast<const T*>(p.q) + static_cast<size_t>(b) * M * D;
     const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
@@ -379,7 +393,8 @@ __global__ void __launch_bounds__(SM_THREADS) mla_simt_kernel(const MlaParams p)
     const int L = seq_rows(p, b, c);
     int start, end;
     split_range(L, p.nsplit, sp, SM_TT, start, end);
-    const int ntiles = (end - start + SM_TT - 1) / SM_TT;
+    end = min(end, tile_rows(p, L, c, min(m0 + SM_QB, M) - 1));
+    const int ntiles = end > start ? (end - start + SM_TT - 1) / SM_TT : 0;
     const T* cache_b = static_cast<const T*>(p.cache) + static_cast<size_t>(b) * p.T_max * D;
     const T* q_b = static_cast<const T*>(p.q) + static_cast<size_t>(b) * M * D;
     const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
@@ -519,35 +534,61 @@ __global__ void kv_commit_kernel(U* __restrict__ cache, const int32_t* __restric
     for (int i = threadIdx.x; i < units; i += blockDim.x) dst[i] = src[i];
 }
 
-int current_num_sms() {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+// Per-device facts read once (devices 0..kMaxDevices-1; others are queried on every call).  Racing first
+// calls store the same values.
+constexpr int kMaxDevices = 64;
+
+struct DeviceFacts {
+    std::atomic<int> num_sms{0}, smem_optin{0};
+};
+DeviceFacts g_devices[kMaxDevices];
+
+int current_device() {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
         cudaGetLastError();
-        return 132;
+        return -1;
     }
+    return dev;
+}
+
+int device_attribute(std::atomic<int> DeviceFacts::*slot, cudaDeviceAttr attr, int fallback) {
+    const int dev = current_device();
+    const bool cached = dev >= 0 && dev < kMaxDevices;
+    if (cached) {
+        const int v = (g_devices[dev].*slot).load(std::memory_order_relaxed);
+        if (v > 0) return v;
+    }
+    int n = 0;
+    if (dev < 0 || cudaDeviceGetAttribute(&n, attr, dev) != cudaSuccess || n <= 0) {
+        cudaGetLastError();
+        return fallback;
+    }
+    if (cached) (g_devices[dev].*slot).store(n, std::memory_order_relaxed);
     return n;
 }
 
+int current_num_sms() { return device_attribute(&DeviceFacts::num_sms, cudaDevAttrMultiProcessorCount, 132); }
 int max_optin_smem() {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-        cudaGetLastError();
-        return 48 * 1024;
-    }
-    return n;
+    return device_attribute(&DeviceFacts::smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
 }
 
-template <typename K>
-cudaError_t launch_attn(K kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
-                        const MlaParams& p) {
+// Launch an attention kernel; its dynamic shared-memory limit is raised to the device's opt-in maximum the
+// first time it is launched on a device (one bit per device and kernel).
+template <auto Kernel>
+cudaError_t launch_attn(dim3 grid, int threads, size_t smem, cudaStream_t stream, const MlaParams& p) {
+    static std::atomic<unsigned long long> raised{0};
     if (smem > 48 * 1024) {
-        const cudaError_t e =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-        if (e != cudaSuccess) return e;
+        const int dev = current_device();
+        const unsigned long long bit = dev >= 0 && dev < kMaxDevices ? 1ull << dev : 0;
+        if (!bit || !(raised.load(std::memory_order_relaxed) & bit)) {
+            const cudaError_t e =
+                cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin_smem());
+            if (e != cudaSuccess) return e;
+            raised.fetch_or(bit, std::memory_order_relaxed);
+        }
     }
-    kernel<<<grid, threads, smem, stream>>>(p);
+    Kernel<<<grid, threads, smem, stream>>>(p);
     return cudaGetLastError();
 }
 
@@ -656,16 +697,16 @@ extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_c
         const dim3 grid(static_cast<unsigned>((M + TC_QT - 1) / TC_QT), num_splits, B);
         const size_t smem = tc_smem_bytes(D, two ? 2 : 1);
         if (dtype == MTP_DTYPE_F16)
-            err = two ? launch_attn(mla_tc_kernel<__half, 2>, grid, TC_THREADS, smem, stream, p)
-                      : launch_attn(mla_tc_kernel<__half, 1>, grid, TC_THREADS, smem, stream, p);
+            err = two ? launch_attn<mla_tc_kernel<__half, 2>>(grid, TC_THREADS, smem, stream, p)
+                      : launch_attn<mla_tc_kernel<__half, 1>>(grid, TC_THREADS, smem, stream, p);
         else
-            err = two ? launch_attn(mla_tc_kernel<__nv_bfloat16, 2>, grid, TC_THREADS, smem, stream, p)
-                      : launch_attn(mla_tc_kernel<__nv_bfloat16, 1>, grid, TC_THREADS, smem, stream, p);
+            err = two ? launch_attn<mla_tc_kernel<__nv_bfloat16, 2>>(grid, TC_THREADS, smem, stream, p)
+                      : launch_attn<mla_tc_kernel<__nv_bfloat16, 1>>(grid, TC_THREADS, smem, stream, p);
     } else {
         const size_t smem = simt_smem_bytes(D);
         if (smem > static_cast<size_t>(smem_max)) return cudaErrorInvalidValue;
         const dim3 grid(static_cast<unsigned>((M + SM_QB - 1) / SM_QB), num_splits, B);
-        MTP_DISPATCH_DTYPE(dtype, T, err = launch_attn(mla_simt_kernel<T>, grid, SM_THREADS, smem, stream, p));
+        MTP_DISPATCH_DTYPE(dtype, T, err = launch_attn<mla_simt_kernel<T>>(grid, SM_THREADS, smem, stream, p));
     }
     if (err != cudaSuccess) return err;
 

@@ -16,7 +16,9 @@
 //             the next step overwrites them.
 //
 // The latent caches are allocated once; every cache input of an engine and its aliased output
-// `<cache>_out` are bound to the same buffer (the plugins write in place).  Engine I/O names, types
+// `<cache>_out` are bound to the same buffer (the plugins write in place).  Which outputs are aliased is
+// the graph contract recorded in engines.json ("aliases"); TensorRT 10.15 and later also report it, and
+// must agree.  Supported: TensorRT 10.3 (aliased plugin I/O) to 11.x, checked when compiling and at start.  Engine I/O names, types
 // and shapes are read from the engines.  The plugins come from libmtp_trt_plugins.so (loaded into
 // TensorRT's plugin registry); engines built with the Python plugins run with it too.
 #include <NvInferRuntime.h>
@@ -38,9 +40,23 @@
 
 #include "json.h"
 
+#if NV_TENSORRT_MAJOR < 10 || (NV_TENSORRT_MAJOR == 10 && NV_TENSORRT_MINOR < 3) || NV_TENSORRT_MAJOR > 11
+#error "mtp_trt_runner needs TensorRT 10.3 to 11.x (aliased plugin I/O)"
+#endif
+
 using namespace nvinfer1;
 
 namespace {
+
+// TensorRT's library (not its headers) is in the supported range: getInferLibVersion() is major*10000 + minor*100
+// + patch from 10.0 on.
+void check_tensorrt_version() {
+    const int32_t v = getInferLibVersion();
+    const int32_t major = v / 10000, minor = v / 100 % 100;
+    if (major < 10 || (major == 10 && minor < 3) || major > 11)
+        throw std::runtime_error("TensorRT " + std::to_string(major) + "." + std::to_string(minor) +
+                                 " is not supported: mtp_trt_runner runs TensorRT 10.3 to 11.x");
+}
 
 void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
@@ -81,34 +97,42 @@ std::string read_file(const std::string& path) {
     return ss.str();
 }
 
-// A device allocation that only grows (its address stays fixed once big enough: CUDA-graph safe).
-struct DeviceBuffer {
+// An allocation that only grows (its address stays fixed once big enough: CUDA-graph safe): device memory, or
+// pinned host memory (asynchronous copies from and to it need no staging).
+template <cudaError_t (*Alloc)(void**, size_t), cudaError_t (*Release)(void*)>
+struct GrowingBuffer {
     void* ptr = nullptr;
     size_t bytes = 0;
     void* ensure(size_t n) {
         if (n > bytes) {
-            if (ptr) check(cudaFree(ptr), "cudaFree");
-            check(cudaMalloc(&ptr, n), "cudaMalloc");
+            if (ptr) check(Release(ptr), "free");
+            check(Alloc(&ptr, n), "allocation");
             bytes = n;
         }
         return ptr;
     }
-    ~DeviceBuffer() {
-        if (ptr) cudaFree(ptr);
+    GrowingBuffer() = default;
+    GrowingBuffer(const GrowingBuffer&) = delete;
+    GrowingBuffer& operator=(const GrowingBuffer&) = delete;
+    ~GrowingBuffer() {
+        if (ptr) Release(ptr);
     }
 };
+using DeviceBuffer = GrowingBuffer<cudaMalloc, cudaFree>;
+using PinnedBuffer = GrowingBuffer<cudaMallocHost, cudaFreeHost>;
 
 struct Tensor {
     void* ptr;
     Dims shape;
 };
 
-// One engine with one execution context on one optimization profile.  run() binds the given
-// inputs, binds every aliased output to its input's buffer and every other output to a buffer of
-// its own, and enqueues.
+// One engine with one execution context on one optimization profile.  bind() binds the given
+// inputs, every aliased output (engines.json's "aliases": output -> input) to its input's buffer and
+// every other output to a buffer of its own.
 class Graph {
    public:
-    Graph(IRuntime& runtime, const std::string& path, int profile, cudaStream_t stream) {
+    Graph(IRuntime& runtime, const std::string& path, int profile, cudaStream_t stream, const json::Value& aliases) {
+        for (const auto& kv : aliases.obj) aliases_[kv.first] = kv.second.as_string();
         const std::string blob = read_file(path);
         engine_.reset(runtime.deserializeCudaEngine(blob.data(), blob.size()));
         if (!engine_) throw std::runtime_error("cannot deserialize " + path + " (plugins loaded? same TensorRT?)");
@@ -116,6 +140,19 @@ class Graph {
         if (!ctx_ || !ctx_->setOptimizationProfileAsync(profile, stream))
             throw std::runtime_error(path + ": cannot create a context on profile " + std::to_string(profile));
         for (int i = 0; i < engine_->getNbIOTensors(); ++i) names_.emplace_back(engine_->getIOTensorName(i));
+        for (const auto& n : names_) {
+            const bool out = engine_->getTensorIOMode(n.c_str()) == TensorIOMode::kOUTPUT;
+            const auto it = aliases_.find(n);
+            if (it != aliases_.end() && (!out || !has(it->second)))
+                throw std::runtime_error(path + ": engines.json aliases " + n + " to " + it->second +
+                                         ", which this engine does not have");
+#if NV_TENSORRT_VERSION >= 101500  // TensorRT reports aliased outputs from 10.15: where it does, it must agree
+            const char* reported = out ? engine_->getAliasedInputTensor(n.c_str()) : nullptr;
+            if (reported && (it == aliases_.end() || it->second != reported))
+                throw std::runtime_error(path + ": TensorRT binds " + n + " to " + reported +
+                                         ", engines.json does not; build the engines again");
+#endif
+        }
     }
 
     bool has(const std::string& name) const { return std::find(names_.begin(), names_.end(), name) != names_.end(); }
@@ -139,9 +176,10 @@ class Graph {
         }
         for (const auto& n : names_) {
             if (engine_->getTensorIOMode(n.c_str()) != TensorIOMode::kOUTPUT) continue;
-            const char* alias = engine_->getAliasedInputTensor(n.c_str());
-            void* ptr = alias ? in.at(alias).ptr
-                              : out_[n].ensure(volume(ctx_->getTensorShape(n.c_str())) * element_size(type(n)) + 1);
+            const auto alias = aliases_.find(n);
+            void* ptr = alias != aliases_.end()
+                            ? in.at(alias->second).ptr
+                            : out_[n].ensure(volume(ctx_->getTensorShape(n.c_str())) * element_size(type(n)) + 1);
             if (!ctx_->setTensorAddress(n.c_str(), ptr)) throw std::runtime_error("cannot bind output " + n);
         }
     }
@@ -154,6 +192,7 @@ class Graph {
     std::unique_ptr<ICudaEngine> engine_;
     std::unique_ptr<IExecutionContext> ctx_;
     std::vector<std::string> names_;
+    std::map<std::string, std::string> aliases_;
     std::map<std::string, DeviceBuffer> out_;
 };
 
@@ -204,19 +243,24 @@ int thinking_after(const std::vector<int32_t>& toks, int flag, int think_start, 
     return flag;
 }
 
-// Small int32/float inputs: a device copy of host values.
+// Small int32/float inputs: host values copied into a pinned twin and uploaded on the stream (asynchronous,
+// ordered with the engines).  A name's pinned twin is rewritten only after the stream has drained (the loop
+// synchronizes after every call that reads results), so an upload in flight never sees a later value.
 struct Scalars {
+    cudaStream_t stream;
     std::map<std::string, DeviceBuffer> buf;
-    Tensor ints(const std::string& name, const std::vector<int32_t>& v, Dims shape) {
-        void* p = buf[name].ensure(v.size() * 4 + 4);
-        check(cudaMemcpy(p, v.data(), v.size() * 4, cudaMemcpyHostToDevice), "upload");
+    std::map<std::string, PinnedBuffer> host;
+    Tensor upload(const std::string& name, const void* v, size_t bytes, Dims shape) {
+        void* p = buf[name].ensure(bytes + 4);
+        void* h = host[name].ensure(bytes + 4);
+        std::memcpy(h, v, bytes);
+        check(cudaMemcpyAsync(p, h, bytes, cudaMemcpyHostToDevice, stream), "upload");
         return {p, shape};
     }
-    Tensor f32(const std::string& name, float v) {
-        void* p = buf[name].ensure(4);
-        check(cudaMemcpy(p, &v, 4, cudaMemcpyHostToDevice), "upload");
-        return {p, dims({})};
+    Tensor ints(const std::string& name, const std::vector<int32_t>& v, Dims shape) {
+        return upload(name, v.data(), v.size() * 4, shape);
     }
+    Tensor f32(const std::string& name, float v) { return upload(name, &v, 4, dims({})); }
 };
 
 int run(const Options& opt) {
@@ -239,52 +283,55 @@ int run(const Options& opt) {
                                  std::to_string(em["max_prefill"].as_int()) + " (this sample has no chunked prefill)");
     const int rows = std::min(em["max_seq_len"].as_int(), L + opt.max_new_tokens + 2 * K + 2);  // cache rows
 
+    check_tensorrt_version();
     Logger logger;
     if (!getPluginRegistry()->loadLibrary(opt.plugins.c_str()))
         throw std::runtime_error("cannot load the plugin library " + opt.plugins + " (--plugins / MTP_TRT_PLUGIN_LIB)");
     std::unique_ptr<IRuntime> runtime(createInferRuntime(logger));
     cudaStream_t stream;
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
-    auto engine_path = [&](const std::string& name) { return opt.dir + "/" + em["engines"][name]["file"].as_string(); };
-    Graph target(*runtime, engine_path("target"), 1, stream);  // profile 1: prefill
-    Graph step(*runtime, engine_path("step_" + std::to_string(K)), 0, stream);  // profile 0: generation
-    std::unique_ptr<Graph> mtp;
-    if (K) mtp = std::make_unique<Graph>(*runtime, engine_path("mtp_0"), 1, stream);
+    auto graph = [&](const std::string& name, int profile) {  // profile 0: generation, 1: prefill
+        const json::Value& e = em["engines"][name];
+        return std::make_unique<Graph>(*runtime, opt.dir + "/" + e["file"].as_string(), profile, stream, e["aliases"]);
+    };
+    std::unique_ptr<Graph> target = graph("target", 1), step = graph("step_" + std::to_string(K), 0), mtp;
+    if (K) mtp = graph("mtp_0", 1);
 
     // The latent caches, once: kv_<i> of the main model (shared by target and step), kv / mtp_kv of the MTP module.
     std::map<std::string, DeviceBuffer> caches;
     std::map<std::string, Tensor> cache_in;  // input name -> cache tensor, for every graph
-    for (const auto& name : step.inputs()) {
+    for (const auto& name : step->inputs()) {
         if (name.rfind("kv_", 0) != 0 && name != "mtp_kv") continue;
-        const int64_t width = step.static_dim(name, 2);
-        const size_t bytes = static_cast<size_t>(rows) * width * element_size(step.type(name));
+        const int64_t width = step->static_dim(name, 2);
+        const size_t bytes = static_cast<size_t>(rows) * width * element_size(step->type(name));
         cache_in[name] = {caches[name].ensure(bytes), dims({1, rows, width})};
         check(cudaMemset(cache_in[name].ptr, 0, bytes), "cudaMemset");
     }
     if (K) cache_in["kv"] = cache_in.at("mtp_kv");  // the mtp graph's name for the same cache
 
-    Scalars s;
+    Scalars s{stream, {}, {}};
     auto with_caches = [&](std::map<std::string, Tensor> in) {
         in.insert(cache_in.begin(), cache_in.end());
         return in;
     };
+    PinnedBuffer fetched;  // prefill's results come back into pinned memory (a true asynchronous copy)
     auto fetch = [&](void* dev, size_t count) {
-        std::vector<int32_t> v(count);
-        check(cudaMemcpyAsync(v.data(), dev, count * 4, cudaMemcpyDeviceToHost, stream), "download");
+        int32_t* h = static_cast<int32_t*>(fetched.ensure(count * 4));
+        check(cudaMemcpyAsync(h, dev, count * 4, cudaMemcpyDeviceToHost, stream), "download");
         check(cudaStreamSynchronize(stream), "sync");
-        return v;
+        return std::vector<int32_t>(h, h + count);
     };
 
     // ---- prefill --------------------------------------------------------------------------------
     const auto t0 = std::chrono::steady_clock::now();
     int thinking = thinking_after(prompt, 0, think_start, think_end);
-    target.bind(with_caches({{"input_ids", s.ints("ids", prompt, dims({1, L}))},
+    target->bind(with_caches({{"input_ids", s.ints("ids", prompt, dims({1, L}))},
                              {"past_len", s.ints("past", {0}, dims({1}))},
                              {"thinking", s.ints("th", {thinking}, dims({1}))},
                              {"relaxed_topk", s.ints("topk", {0}, dims({}))},
                              {"relaxed_delta", s.f32("delta", 0.f)}}));
-    target.enqueue(stream);
-    const int32_t first = fetch(target.output("target_tokens"), L)[L - 1];
+    target->enqueue(stream);
+    const int32_t first = fetch(target->output("target_tokens"), L)[L - 1];
     std::vector<int32_t> out_ids{first};
     int main_len = L, last = first;
     thinking = thinking_after({first}, thinking, think_start, think_end);
@@ -295,7 +342,7 @@ int run(const Options& opt) {
         const size_t row_bytes = D * element_size(ht);
         std::vector<int32_t> next(prompt.begin() + 1, prompt.end());
         next.push_back(first);
-        mtp->bind(with_caches({{"hidden", {target.output("hidden_states"), dims({1, L, D})}},
+        mtp->bind(with_caches({{"hidden", {target->output("hidden_states"), dims({1, L, D})}},
                                {"next_tokens", s.ints("next", next, dims({1, L}))},
                                {"past_len", s.ints("past", {0}, dims({1}))}}));
         mtp->enqueue(stream);
@@ -329,16 +376,16 @@ int run(const Options& opt) {
                                         {"thinking", s.ints("step_th", {0}, dims({1}))},
                                         {"relaxed_topk", s.ints("step_topk", {opt.relaxed_topk}, dims({}))},
                                         {"relaxed_delta", s.f32("step_delta", opt.relaxed_delta)}};
-    step.bind(with_caches(in));
+    step->bind(with_caches(in));
     auto issue = [&]() {  // one step's work on the stream: H2D inputs, the engine, D2H outputs
         check(cudaMemcpyAsync(in["input_ids"].ptr, io->ids, (K + 1) * 4, cudaMemcpyHostToDevice, stream), "h2d");
         check(cudaMemcpyAsync(in["past_len"].ptr, &io->past_len, 4, cudaMemcpyHostToDevice, stream), "h2d");
         check(cudaMemcpyAsync(in["thinking"].ptr, &io->thinking, 4, cudaMemcpyHostToDevice, stream), "h2d");
-        step.enqueue(stream);
-        check(cudaMemcpyAsync(io->accepted, step.output("accepted_tokens"), (K + 1) * 4, cudaMemcpyDeviceToHost, stream), "d2h");
-        check(cudaMemcpyAsync(&io->num_accepted, step.output("num_accepted"), 4, cudaMemcpyDeviceToHost, stream), "d2h");
-        check(cudaMemcpyAsync(&io->thinking_out, step.output("thinking_out"), 4, cudaMemcpyDeviceToHost, stream), "d2h");
-        if (K) check(cudaMemcpyAsync(io->drafts, step.output("drafts"), K * 4, cudaMemcpyDeviceToHost, stream), "d2h");
+        step->enqueue(stream);
+        check(cudaMemcpyAsync(io->accepted, step->output("accepted_tokens"), (K + 1) * 4, cudaMemcpyDeviceToHost, stream), "d2h");
+        check(cudaMemcpyAsync(&io->num_accepted, step->output("num_accepted"), 4, cudaMemcpyDeviceToHost, stream), "d2h");
+        check(cudaMemcpyAsync(&io->thinking_out, step->output("thinking_out"), 4, cudaMemcpyDeviceToHost, stream), "d2h");
+        if (K) check(cudaMemcpyAsync(io->drafts, step->output("drafts"), K * 4, cudaMemcpyDeviceToHost, stream), "d2h");
     };
     cudaGraphExec_t exec = nullptr;
     long steps = 0, accepted_total = 0;

@@ -13,6 +13,7 @@ the cache directory's emu/ (mtp_trt.fsutil.cache_dir; keyed by the sources' hash
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -56,8 +57,45 @@ def test_mla_decode_emulated(emu_lib, host, name):
 def test_mla_decode_emulated_single_stage_small_smem(emu_lib, host, monkeypatch):
     # an sm_86/89-sized shared memory (99 KB): the tensor-core path without double buffering
     monkeypatch.setenv("MTP_EMU_SMEM_OPTIN", "101376")
+    monkeypatch.setenv("MTP_EMU_DEVICE", "3")  # device facts are read once per device: a device of its own
     G.run_mla(host, emu_lib, B=2, S=2, H=20, Dl=512, Dr=64, T_max=90, cache_len=[7, 88], dtype="float16",
               num_splits=3)
+
+
+def _count(lib, which: str) -> int:
+    fn = lib.lib.mtp_emu_count
+    fn.restype, fn.argtypes = ctypes.c_long, [ctypes.c_int]
+    return fn({"attribute": 0, "func_attribute": 1, "cp_async": 2}[which])
+
+
+def test_mla_prefill_reads_only_the_causal_prefix(emu_lib, host):
+    """A prefill (128 new tokens, 2 heads: 8 query tiles of 16 tokens) without a mask: each query tile reads the
+    rows up to its last token's, not all 128, so it loads about 30% less than the same visibility as an explicit
+    mask (which may open any new row); both equal the NumPy reference."""
+    case = dict(B=1, S=128, H=2, Dl=64, Dr=16, T_max=160, cache_len=[0], dtype="float16", num_splits=1)
+    loads = []
+    for mask in (None, "causal"):
+        before = _count(emu_lib, "cp_async")
+        G.run_mla(host, emu_lib, mask=mask, **case)
+        loads.append(_count(emu_lib, "cp_async") - before)
+    q_tiles, row_tiles = 8, 0
+    for i in range(8):  # rows of tile i: up to token 16 i + 15, in tiles of 32 rows
+        row_tiles += -(-(16 * i + 16) // 32)
+    chunks = (64 + 16) // 8  # 16-byte loads per row
+    assert loads == [(q_tiles * 32 + row_tiles * 32) * chunks, (q_tiles * 32 + 8 * 4 * 32) * chunks]
+
+
+def test_mla_device_attributes_are_read_once_per_device(emu_lib, host, monkeypatch):
+    """The SM count and the opt-in shared memory are queried, and the kernel's shared-memory limit raised, on the
+    first launch on a device, not on later ones."""
+    monkeypatch.setenv("MTP_EMU_DEVICE", "7")  # a device no other test used in this process
+    case = dict(B=1, S=1, H=16, Dl=512, Dr=64, T_max=40, cache_len=[0], dtype="float16", num_splits=1)
+    counts = []
+    for _ in range(3):
+        G.run_mla(host, emu_lib, **case)
+        emu_lib.mla_decode_num_splits(1, 1, 16, 40, 0)
+        counts.append((_count(emu_lib, "attribute"), _count(emu_lib, "func_attribute")))
+    assert counts[0] != (0, 0) and counts[0] == counts[1] == counts[2]
 
 
 def test_kv_commit_emulated(emu_lib, host):

@@ -62,7 +62,9 @@ def run_mla(gpu, lib, *, B, S, H, Dl, Dr, T_max, cache_len, dtype, mask=None, co
     q_s, q = to_storage(rng.standard_normal((B, S, H, D), np.float32), dtype)
     c_s, cache = to_storage(rng.standard_normal((B, T_max, D), np.float32), dtype)
     n_s, new = to_storage(rng.standard_normal((B, S, D), np.float32), dtype)
-    if mask == "tree":
+    if isinstance(mask, str) and mask == "causal":  # what no mask means, spelled out (then no causal cut is made)
+        mask = np.broadcast_to(np.tril(np.ones((S, S), np.uint8)), (B, S, S)).copy()
+    if isinstance(mask, str) and mask == "tree":
         mask = (np.tril(rng.integers(0, 2, (B, S, S))) | np.eye(S, dtype=np.int64)).astype(np.uint8)
         if no_visible:
             mask[0, 0, :] = 0  # with cache_len[0] == 0: query 0 of sequence 0 sees nothing -> zeros

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -41,6 +42,9 @@ using std::max;
 using std::min;
 
 namespace emu {
+
+enum Count { kAttribute, kFuncAttribute, kCpAsync, kCounts };
+extern std::atomic<long> counts[kCounts];  // calls the tests count (emu_runtime.cpp: mtp_emu_count)
 
 struct Warp {
     explicit Warp(int n) : bar(n) {}

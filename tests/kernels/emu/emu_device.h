@@ -6,6 +6,7 @@
 // that the kernels use that layout consistently (not the layout itself, which only hardware can).
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+    ++emu::counts[emu::kCpAsync];
     if (emu::deferred_cp_async()) {
         emu::ctx.open.push_back({smem, gmem, pred});
         return;

@@ -1,6 +1,6 @@
 // emu_runtime.cpp -- the few CUDA runtime calls the kernel launchers make, for the host emulation.
 // Device properties come from MTP_EMU_SMS (default 132) and MTP_EMU_SMEM_OPTIN (default 232448,
-// an H100; 101376 for an sm_86/89 GPU).
+// an H100; 101376 for an sm_86/89 GPU); cudaGetDevice returns MTP_EMU_DEVICE (default 0).
 #include "cuda_emu.h"
 
 static int env_int(const char* name, int dflt) {
@@ -8,12 +8,20 @@ static int env_int(const char* name, int dflt) {
     return e ? std::atoi(e) : dflt;
 }
 
+namespace emu {
+std::atomic<long> counts[kCounts];
+}
+
 extern "C" {
+// Calls counted by the emulation (emu::Count): device-attribute queries, shared-memory limit raises, cp.async.
+long mtp_emu_count(int which) { return emu::counts[which].load(); }
+
 cudaError_t cudaGetDevice(int* d) {
-    *d = 0;
+    *d = env_int("MTP_EMU_DEVICE", 0);
     return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int* v, enum cudaDeviceAttr attr, int) {
+    ++emu::counts[emu::kAttribute];
     switch (attr) {
         case cudaDevAttrMultiProcessorCount: *v = env_int("MTP_EMU_SMS", 132); break;
         case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = env_int("MTP_EMU_SMEM_OPTIN", 232448); break;
@@ -21,7 +29,10 @@ cudaError_t cudaDeviceGetAttribute(int* v, enum cudaDeviceAttr attr, int) {
     }
     return cudaSuccess;
 }
-cudaError_t cudaFuncSetAttribute(const void*, enum cudaFuncAttribute, int) { return cudaSuccess; }
+cudaError_t cudaFuncSetAttribute(const void*, enum cudaFuncAttribute, int) {
+    ++emu::counts[emu::kFuncAttribute];
+    return cudaSuccess;
+}
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "invalid argument"; }
 }

@@ -1,0 +1,202 @@
+"""One check of a GPU machine: python -m mtp_trt.gpu_check [--json FILE]
+
+Runs from a checkout (installed or not) on a machine with an NVIDIA GPU, cuda-python and pytest; PyTorch, CuPy and
+TensorRT are used where present.  In order:
+
+1. the environment: the driver's CUDA version, the CUDA runtime of cuda-python, the GPU, TensorRT (or why not);
+2. the kernel library the runtime would load (shipped, or built here for this driver) and its interface;
+3. every test that needs a GPU (pytest marker `gpu`): those that need no TensorRT (the CUDA kernels against their
+   NumPy references, the device layer's CUDA-graph capture and replay), and with TensorRT the engine tests too
+   (engines against ONNX Runtime, `mtp-trt check` on them);
+4. the kernel benchmarks (plugins/bench_kernels.py, quick shapes): the MLA decode bandwidth at batch 64, cache
+   4096, 128 heads, one new token, against the card's device-to-device copy bandwidth;
+
+then prints one summary.  Exit status 0: everything ran and passed; 1: a failure; 3: skipped, no GPU here (each
+step says why).  Nothing heavy is imported before it is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (tests/ and plugins/ beside the package)
+BENCH_SHAPE = {"B": 64, "T": 4096, "H": 128, "S": 1}
+SKIPPED = 3
+
+
+def environment() -> dict:
+    """Versions and the GPU, each with the reason where it is absent."""
+    from mtp_trt.errors import MtpTrtError
+    from mtp_trt.plugins import cuda_lib
+    from mtp_trt.trt import compat
+
+    env: dict = {"python": sys.version.split()[0]}
+    driver = cuda_lib.driver_cuda_version()
+    env["driver_cuda"] = cuda_lib.format_cuda_version(driver) if driver else None
+    cc, why = compat.gpu()
+    env["compute_capability"], env["no_gpu"] = cc, why if cc is None else ""
+    try:
+        rt = cuda_lib.import_cudart()
+        err, v = rt.cudaRuntimeGetVersion()
+        env["cuda_runtime"] = cuda_lib.format_cuda_version(int(v)) if int(err) == 0 else f"error {int(err)}"
+        if cc is not None:
+            err, prop = rt.cudaGetDeviceProperties(0)
+            name = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
+            env["gpu"] = name.rstrip("\0")
+    except MtpTrtError as e:
+        env["cuda_runtime"] = f"none ({e})"
+    try:
+        api = compat.load("auto")
+        env["tensorrt"] = f"{api.flavour} {api.version}"
+    except MtpTrtError as e:
+        env["tensorrt"], env["no_tensorrt"] = None, str(e)
+    return env
+
+
+def kernel_library() -> tuple[str, str]:
+    """(which library the runtime loads, in words; why it cannot, or '')."""
+    from mtp_trt.errors import MtpTrtError
+    from mtp_trt.plugins import cuda_lib
+
+    try:
+        lib = cuda_lib.load_library()
+    except (MtpTrtError, OSError) as e:
+        return "", str(e)
+    return cuda_lib.describe(lib.path), ""
+
+
+def gpu_test_files(root: Path = ROOT) -> list[Path]:
+    """The test files holding tests marked `gpu` (a decorator or a module's pytestmark)."""
+    marked = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bpytest\.mark\.gpu\b)", re.M)
+    return sorted(p for p in (root / "tests").rglob("test_*.py") if marked.search(p.read_text()))
+
+
+def junit_counts(xml_text: str) -> dict:
+    """{passed, failed, skipped, reasons: {skip reason: count}, failures: [test ids]} of a pytest JUnit report."""
+    out: dict = {"passed": 0, "failed": 0, "skipped": 0, "reasons": {}, "failures": []}
+    for case in ET.fromstring(xml_text).iter("testcase"):
+        test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        if (skip := case.find("skipped")) is not None:
+            out["skipped"] += 1
+            reason = skip.get("message", "").removeprefix("got skip reason ")
+            out["reasons"][reason] = out["reasons"].get(reason, 0) + 1
+        elif case.find("failure") is not None or case.find("error") is not None:
+            out["failed"] += 1
+            out["failures"].append(test)
+        else:
+            out["passed"] += 1
+    return out
+
+
+TEST_NEEDS = ("pytest", "numpy", "onnx", "onnxruntime", "typer", "torch")  # what the GPU test files import
+
+
+def run_tests(with_tensorrt: bool, root: Path = ROOT) -> dict:
+    """pytest over the GPU tests (the engine tests only with TensorRT), in a child process of this Python."""
+    import importlib.util
+
+    if missing := [m for m in TEST_NEEDS if importlib.util.find_spec(m) is None]:
+        return {"error": f"cannot run: {', '.join(missing)} not installed (pip install -e '.[cpu,dev]' installs them)"}
+    files = gpu_test_files(root)
+    marker = "gpu" if with_tensorrt else "gpu and not trt"
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-m", marker,
+               f"--junitxml={report}", *map(str, files)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run(cmd, cwd=root, env=env, text=True, capture_output=True)
+        sys.stdout.write(proc.stdout[-20000:])
+        if not report.is_file():
+            return {"error": f"pytest did not run ({proc.stderr.strip().splitlines()[-1:] or proc.returncode})"}
+        return junit_counts(report.read_text()) | {"marker": marker}
+
+
+def run_bench(root: Path = ROOT) -> dict:
+    """plugins/bench_kernels.py --quick in a child process -> its JSON (copy bandwidth, MLA decode rows)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "mtp_trt.plugins.bench_kernels", "--quick", "--seq", "1",
+                               "--json", str(out)], cwd=root, env=env, text=True, capture_output=True)
+        sys.stdout.write(proc.stdout)
+        if proc.returncode != 0 or not out.is_file():
+            return {"error": (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]}
+        return json.loads(out.read_text())
+
+
+def headline(bench: dict) -> str:
+    """The MLA decode row of BENCH_SHAPE against the copy bandwidth, in words."""
+    row = next((r for r in bench.get("mla_decode", []) if all(r[k] == v for k, v in BENCH_SHAPE.items())), None)
+    if row is None:
+        return "MLA decode at batch 64, cache 4096, 128 heads: not measured (does not fit this GPU)"
+    return (f"MLA decode at batch 64, cache 4096, 128 heads, 1 new token ({bench['dtype']}): {row['GBps']:.0f} GB/s "
+            f"= {100 * row['GBps'] / bench['copy_GBps']:.0f}% of the {bench['copy_GBps']:.0f} GB/s device-to-device "
+            f"copy, {row['time_us']:.1f} us")
+
+
+def check(root: Path = ROOT) -> tuple[int, list[str], dict]:
+    """Run every step -> (exit status, the summary's lines, everything as data)."""
+    env = environment()
+    gpu = env["compute_capability"] is not None
+    lines = [f"driver: CUDA {env['driver_cuda'] or 'none (no NVIDIA driver)'}; cuda-python runtime: "
+             f"{env['cuda_runtime']}; GPU: "
+             + (f"{env.get('gpu', '?')} (compute capability {env['compute_capability']})" if gpu else
+                f"none ({env['no_gpu']})"),
+             f"TensorRT: {env['tensorrt'] or 'none (' + env['no_tensorrt'] + ')'}"]
+    library, why = kernel_library()
+    lines.append(f"kernel library: {library}" if library else f"kernel library: cannot be loaded: {why}")
+    data: dict = {"environment": env, "kernel_library": library or None, "kernel_library_problem": why or None}
+    if not gpu:
+        reason = f"skipped: no GPU here ({env['no_gpu']})"
+        lines += [f"GPU tests: {reason}", f"kernel benchmarks: {reason}"]
+        return SKIPPED, lines, data
+    status = 0 if library else 1
+    if not (tests_dir := root / "tests").is_dir():
+        lines.append(f"GPU tests: skipped: no {tests_dir} (run from a checkout of the repository)")
+    else:
+        tests = data["tests"] = run_tests(env["tensorrt"] is not None, root)
+        if "error" in tests:
+            lines.append(f"GPU tests: {tests['error']}")
+            status = 1
+        else:
+            scope = "kernels, device layer and engines" if env["tensorrt"] else "kernels and device layer (no TensorRT)"
+            lines.append(f"GPU tests ({scope}): {tests['passed']} passed, {tests['failed']} failed, "
+                         f"{tests['skipped']} skipped")
+            lines += [f"  failed: {t}" for t in tests["failures"]]
+            lines += [f"  skipped ({n}): {r}" for r, n in tests["reasons"].items()]
+            if not tests["passed"]:
+                lines.append("  no GPU test ran: see the reasons above")
+            status = status or (1 if tests["failed"] or not tests["passed"] else 0)
+    bench = data["bench"] = run_bench(root) if library else {"error": "no kernel library"}
+    if "error" in bench:
+        lines.append(f"kernel benchmarks: failed: {bench['error']}")
+        status = 1
+    else:
+        lines.append(headline(bench))
+    return status, lines, data
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mtp_trt.gpu_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="FILE", help="also write everything measured as JSON")
+    args = ap.parse_args(argv)
+    status, lines, data = check()
+    print("\n== mtp-trt GPU check ==")
+    for line in lines:
+        print(line)
+    print(f"result: {'passed' if status == 0 else 'skipped' if status == SKIPPED else 'FAILED'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(data | {"summary": lines, "status": status}, indent=2) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""`python -m mtp_trt.gpu_check`, the one command for a GPU machine, without a GPU: it reports the environment and
+the kernel library, skips the GPU tests and benchmarks with the reason (exit status 3), and runs from a checkout
+that is not installed.  Its pieces (test selection, the JUnit tally, the benchmark headline) on stand-ins."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtp_trt import gpu_check
+from mtp_trt.trt import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+no_gpu = pytest.mark.skipif(compat.gpu()[0] is not None, reason="a GPU is present: the check would run on it")
+
+
+@no_gpu
+@pytest.mark.parametrize("installed", [True, False], ids=["installed", "plain-checkout"])
+def test_runs_up_to_the_gpu_and_skips_with_reasons(tmp_path, installed):
+    """Installed: as users run it.  Plain checkout: no site-packages at all (python -S), so mtp_trt and its
+    mapped subpackages (plugins/, exporters/) come from the checkout's folders."""
+    cmd = [sys.executable, *([] if installed else ["-S"]), "-m", "mtp_trt.gpu_check",
+           "--json", str(tmp_path / "s.json")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    out = r.stdout
+    assert "GPU tests: skipped: no GPU here (" in out and "kernel benchmarks: skipped: no GPU here (" in out
+    assert "kernel library: shipped (libmtp_kernels.so, CUDA 13, sm_80" in out and out.rstrip().endswith("result: skipped")
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["status"] == 3 and data["environment"]["compute_capability"] is None
+    if not installed:  # nothing but the checkout: no cuda-python, no TensorRT, each said so
+        assert "cuda-python runtime: none (cuda-python is not installed" in out and "TensorRT: none (no usable" in out
+
+
+def test_gpu_tests_are_found_by_their_marker():
+    files = {p.relative_to(ROOT).as_posix() for p in gpu_check.gpu_test_files()}
+    assert {"tests/kernels/test_gpu_kernels.py", "tests/test_trt_gpu.py", "tests/test_trt_build.py"} <= files
+    assert "tests/test_gpu_check.py" not in files and "tests/test_trt_runtime.py" not in files
+
+
+def test_pytest_outcomes_are_tallied(tmp_path):
+    """run_tests on a stand-in checkout: the marker chooses (no TensorRT: `gpu and not trt`), and passes, failures
+    and skips with their reasons are counted from pytest's own report."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "import pytest\n"
+        "pytestmark = pytest.mark.gpu\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert 1 == 2\n"
+        "@pytest.mark.skip(reason='needs more memory')\n"
+        "def test_skipped(): pass\n"
+        "@pytest.mark.trt\n"
+        "def test_engine(): pass\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: g\n    trt: t\n")
+    got = gpu_check.run_tests(with_tensorrt=False, root=tmp_path)
+    assert (got["passed"], got["failed"], got["skipped"]) == (1, 1, 1) and got["marker"] == "gpu and not trt"
+    assert got["reasons"] == {"needs more memory": 1} and got["failures"] == ["tests.test_x::test_bad"]
+    assert gpu_check.run_tests(with_tensorrt=True, root=tmp_path)["passed"] == 2
+
+
+def test_bench_headline():
+    bench = {"dtype": "bfloat16", "copy_GBps": 3000.0, "mla_decode": [
+        {"B": 64, "T": 4096, "H": 16, "S": 1, "GBps": 100.0, "time_us": 1.0},
+        {"B": 64, "T": 4096, "H": 128, "S": 1, "GBps": 2400.0, "time_us": 215.4}]}
+    assert gpu_check.headline(bench) == ("MLA decode at batch 64, cache 4096, 128 heads, 1 new token (bfloat16): "
+                                         "2400 GB/s = 80% of the 3000 GB/s device-to-device copy, 215.4 us")
+    assert "not measured" in gpu_check.headline({"mla_decode": []})
+
+
+def test_summary_and_status_on_a_gpu_machine(monkeypatch):
+    """With a GPU (stood in): a failed test or benchmark makes the status 1, all passing 0."""
+    env = {"python": "3", "driver_cuda": "12.8", "compute_capability": "9.0", "no_gpu": "", "cuda_runtime": "12.8",
+           "gpu": "NVIDIA H100 80GB HBM3", "tensorrt": None, "no_tensorrt": "no usable TensorRT"}
+    monkeypatch.setattr(gpu_check, "environment", lambda: env)
+    monkeypatch.setattr(gpu_check, "kernel_library", lambda: ("built here (/x/libmtp_kernels-cu12.so)", ""))
+    bench = {"dtype": "bfloat16", "copy_GBps": 3000.0,
+             "mla_decode": [{"B": 64, "T": 4096, "H": 128, "S": 1, "GBps": 2400.0, "time_us": 215.4}]}
+    monkeypatch.setattr(gpu_check, "run_bench", lambda root=None: bench)
+    tests = {"passed": 40, "failed": 0, "skipped": 1, "reasons": {"gpu: x": 1}, "failures": [], "marker": "gpu"}
+    monkeypatch.setattr(gpu_check, "run_tests", lambda trt, root=None: tests)
+    status, lines, _ = gpu_check.check()
+    assert status == 0 and lines[0] == ("driver: CUDA 12.8; cuda-python runtime: 12.8; GPU: NVIDIA H100 80GB HBM3 "
+                                        "(compute capability 9.0)")
+    assert "GPU tests (kernels and device layer (no TensorRT)): 40 passed, 0 failed, 1 skipped" in lines
+    tests |= {"failed": 1, "failures": ["tests/kernels/test_gpu_kernels.py::test_mla"]}
+    status, lines, _ = gpu_check.check()
+    assert status == 1 and "  failed: tests/kernels/test_gpu_kernels.py::test_mla" in lines
+    tests |= {"passed": 0, "failed": 0, "failures": [], "skipped": 41,
+              "reasons": {"gpu: cuda-python is not installed (pip install cuda-python)": 41}}
+    status, lines, _ = gpu_check.check()  # everything skipped is not a pass
+    assert status == 1 and "  no GPU test ran: see the reasons above" in lines
+
+
+def test_missing_test_dependencies_are_named(monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("onnx", "typer") else find(n, *a))
+    got = gpu_check.run_tests(with_tensorrt=False)
+    assert got == {"error": "cannot run: onnx, typer not installed (pip install -e '.[cpu,dev]' installs them)"}
