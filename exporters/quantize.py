@@ -17,8 +17,12 @@ TensorRT fuses into the matmul.  That covers the dense layers and the `static` M
 the `gather` form's experts and the embedding stay in the export's dtype.
 
 Kept in float: the router, norms, biases, and products computed in the graph from several weights (small
-models' W^UK / W^UV folded into the projections, exporters/graphs.py folded_mla).  The output head takes int8
-whatever the scheme (head_scheme): it decides every token, and int8 costs little of its time.
+models' W^UK / W^UV folded into the projections, exporters/graphs.py folded_mla).  Under int4 a few MatMul
+weights take int8 (matmul_scheme): the output head, which decides every token; each layer's latent KV
+down-projection (`kv_a_proj_with_mqa`, with `q_a_proj`, which the graphs fuse with it), from which every cached
+key and value comes; and the first layer's dense MLP down-projection.  Chosen by measurement
+(docs/quantization.md): of the tensors tried, these lift int4's agreement with the float model most for the
+fewest bits.
 
 The rewrite works on recipes: each quantized tensor is computed when weights.bin is written, from its
 weight's recipe (one tensor at a time, so the export still never holds the model), and stored once however
@@ -43,12 +47,16 @@ MS_DOMAIN = "com.microsoft"
 DQ_OPSET = 21  # DequantizeLinear with block_size
 MIN_ELEMENTS = 4096  # smaller weights stay in float (nothing to gain)
 KEEP_FLOAT = ("mlp.gate.weight",)  # the router: its scores pick the experts
-HEAD_WEIGHTS = ("lm_head.weight", "embed_tokens.weight")  # a MatMul over either is the output head (tied or not)
+# MatMul weights kept at int8 under int4 (module docstring); a MatMul over embed_tokens is a tied output head
+INT8_UNDER_INT4 = ("lm_head.weight", "embed_tokens.weight", "kv_a_proj_with_mqa.weight", "q_a_proj.weight",
+                   ".layers.0.mlp.down_proj.weight")
 
 
-def head_scheme(s: quant.Scheme) -> quant.Scheme:
-    """The output head's scheme under `s` (module docstring)."""
-    return quant.Scheme("int8", s.block_size)
+def matmul_scheme(params: set[str], s: quant.Scheme) -> quant.Scheme:
+    """The scheme of a MatMul weight computed from checkpoint parameters `params` under `s` (module docstring)."""
+    if s.bits == 4 and any(p.endswith(INT8_UNDER_INT4) for p in params):
+        return quant.Scheme("int8", s.block_size)
+    return s
 
 
 class QuantValue:
@@ -154,8 +162,7 @@ def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, sche
         weight = values.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
         if node.domain == "" and node.op_type == "MatMul" and _quantizable(weight):
             k, n = weight.tensor.shape
-            head = any(p.endswith(HEAD_WEIGHTS) for p in _params(weight))
-            s = head_scheme(scheme) if head else scheme
+            s = matmul_scheme(_params(weight), scheme)
             if not tensorrt:
                 data, scales = add(node.input[1], weight, s, (n,), k, transposed=True)
                 nodes.append(helper.make_node("QMatMul", [node.input[0], data, scales], list(node.output),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import mmap
 from collections.abc import Callable
 from pathlib import Path
@@ -145,6 +146,12 @@ def _fold_reshape(attrs, ins):
     return x.reshape([x.shape[i] if d == 0 and not zero_ok else d for i, d in enumerate(shape)])
 
 
+def _fold_flatten(attrs, ins):
+    x, axis = ins[0], attrs.get("axis", 1)
+    axis = axis + x.dim() if axis < 0 else axis
+    return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
+
+
 def _fold_cast(attrs, ins):
     to = TORCH_TYPES.get(attrs.get("to"))
     return None if to is None else ins[0].to(to)
@@ -189,6 +196,7 @@ FOLD: dict[str, Callable[[dict, list[Tensor]], Tensor | None]] = {
     "Transpose": lambda a, ins: ins[0].permute(a["perm"]) if "perm" in a else None,
     "Cast": _fold_cast,
     "Reshape": _fold_reshape,
+    "Flatten": _fold_flatten,
     "Shape": lambda a, ins: torch.tensor(list(ins[0].shape), dtype=torch.int64),
     "ReduceL1": lambda a, ins: torch.norm(ins[0], 1, a["axes"], bool(a["keepdims"]))
     if "axes" in a and "keepdims" in a else None,

@@ -12,22 +12,23 @@ from onnx import helper, numpy_helper
 
 from mtp_trt import quant
 from mtp_trt.exporters.loader import load_checkpoint, save_checkpoint
+from mtp_trt.exporters.quantize import matmul_scheme
 from runtime_models import write_char_tokenizer
 
 
 def prerounded(src: Path, out: Path, scheme: quant.Scheme) -> Path:
-    """A copy of checkpoint `src` whose 2-D weights are already on `scheme`'s grid (the output head on int8's,
-    the exporter's choice; the router untouched): exporting it with `scheme` loses nothing more, so the
-    quantized export must compute what the PyTorch reference computes on these weights."""
+    """A copy of checkpoint `src` whose 2-D weights are already on `scheme`'s grid (each linear weight on the
+    grid the exporter picks for it, exporters/quantize.py matmul_scheme; the embedding table on `scheme`'s; the
+    router untouched): exporting it with `scheme` loses nothing more, so the quantized export must compute what
+    the PyTorch reference computes on these weights."""
     import json
 
     model = load_checkpoint(src)
-    head = quant.Scheme("int8", scheme.block_size)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() != 2 or name.endswith("mlp.gate.weight"):
                 continue
-            s = head if name.endswith("lm_head.weight") else scheme
+            s = scheme if name.endswith("embed_tokens.weight") else matmul_scheme({name}, scheme)
             data, scales = quant.quantize(p.numpy(), s)
             p.copy_(torch.from_numpy(quant.dequantize(data, scales, p.shape[1], s.bits)))
     save_checkpoint(model, out, json.loads((src / "config.json").read_text()))

@@ -129,6 +129,36 @@ def test_quantized_export_computes_the_reference_on_the_dequantized_weights(ckpt
     assert (quantized.argmax(-1) == ref.argmax(-1)).mean() > 0.85
 
 
+@pytest.mark.parametrize("param, int4_bits", [
+    ("lm_head.weight", 8), ("model.embed_tokens.weight", 8),  # the output head (tied: over embed_tokens)
+    ("model.layers.3.self_attn.kv_a_proj_with_mqa.weight", 8), ("model.layers.3.self_attn.q_a_proj.weight", 8),
+    ("model.layers.0.mlp.down_proj.weight", 8),
+    ("model.layers.10.mlp.down_proj.weight", 4), ("model.layers.0.mlp.up_proj.weight", 4),
+    ("model.layers.0.mlp.shared_experts.down_proj.weight", 4), ("model.layers.3.self_attn.o_proj.weight", 4),
+    ("model.layers.3.self_attn.q_b_proj.weight", 4), ("model.layers.3.mlp.experts.5.down_proj.weight", 4),
+])
+def test_int4_keeps_a_few_weights_at_int8(param, int4_bits):
+    from mtp_trt.exporters.quantize import matmul_scheme
+
+    assert matmul_scheme({param}, quant.Scheme("int4", 64)) == quant.Scheme(f"int{int4_bits}", 64)
+    assert matmul_scheme({param}, quant.Scheme("int8", 64)) == quant.Scheme("int8", 64)
+
+
+def test_int4_export_stores_the_kept_weights_at_int8(ckpt, tmp_path):
+    """One int8 QMatMul per layer (q_a_proj fused with kv_a_proj_with_mqa), the first layer's dense down-projection
+    and the output head; every other QMatMul and the QMoE nodes at int4."""
+    import onnx
+
+    out = export(ckpt, tmp_path / "exp", nextn=1, max_seq_len=64, trees="none", quant_scheme="int4")
+    cfg = Manifest.load(out).config
+    graph = onnx.load(str(out / "target.onnx"), load_external_data=False).graph
+    bits = [(n.op_type, next(a.i for a in n.attribute if a.name == "bits")) for n in graph.node
+            if n.op_type in ("QMatMul", "QMoE", "GatherBlockQuantized")]
+    dense_first = cfg.first_k_dense_replace > 0
+    assert bits.count(("QMatMul", 8)) == cfg.num_hidden_layers + dense_first + 1
+    assert ("QMatMul", 4) in bits and ("QMoE", 4) in bits and ("QMoE", 8) not in bits
+
+
 def test_quantized_weights_are_smaller(ckpt, tmp_path):
     sizes = {name: Manifest.load(export(ckpt, tmp_path / name, nextn=1, max_seq_len=64, trees="none",
                                         quant_scheme=name)).raw["weights"]["bytes"] for name in quant.SCHEMES}
@@ -209,3 +239,22 @@ def test_quantized_plugin_export_builds_engines(ckpt, tmp_path):
     arch = "native" if cc and cc in api.buildable_archs() else "8.9"
     m = em.EngineManifest.load(builder.build(exp, tmp_path / "engines", target_arch=arch), verify_hashes=True)
     assert set(m.engines) == {"target", "mtp_0", "step_0", "step_1"}
+
+
+@pytest.mark.parametrize("axis", [-3, -1, 0, 1, 2, 3])
+def test_the_exporter_folds_flatten_as_onnx_defines_it(axis):
+    """Flatten over weights is folded by the exporter (q_b_proj's per-head parts become one 2-D matrix, which
+    --quant quantizes), with ONNX's semantics."""
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from mtp_trt.exporters.streaming import FOLD
+
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    node = helper.make_node("Flatten", ["x"], ["y"], axis=axis)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", 1, None)],
+                              [numpy_helper.from_array(x, "x")])
+    want = ReferenceEvaluator(helper.make_model(graph)).run(None, {})[0]
+    got = FOLD["Flatten"]({"axis": axis}, [torch.from_numpy(x)]).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
