@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_size  # noqa: E402
-from real_size import DEMO, cache_dir, decode_fn, peak_rss_mb  # noqa: E402
+from real_size import DEMO, cache_dir, decode_fn, peak_rss_mb, revision  # noqa: E402
 
 V2_LITE = dict(
     architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
@@ -150,7 +150,7 @@ def main() -> None:
     ckpt = child("checkpoint", a.layers)
     gb = sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors")) / 1e9
     print(f"checkpoint {ckpt}: {gb:.1f} GB (made in {time.perf_counter() - t0:.0f} s, or found)", flush=True)
-    out = cache_dir() / f"export-v2-lite-{a.layers}-{a.quant}"
+    out = cache_dir() / f"export-v2-lite-{a.layers}-{a.quant}-{revision()}"  # a new exporter revision re-exports
     if not (out / "manifest.json").is_file():
         e = child("export", ckpt, str(out), a.quant)
         print(f"export --quant {a.quant}: {e['export_seconds']:.0f} s, peak RSS {e['export_peak_rss_mb']:.0f} MB",
