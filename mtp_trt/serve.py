@@ -227,12 +227,14 @@ class Engine:
         batch, st = self.batch, self.batch.st
         joining = set(batch.joining.ids) if batch.joining else set()
         active = set(st.order[:st.n].tolist())
-        tokens = 0
         for i, r in list(self.requests.items()):
             if i in joining:
                 continue
-            tokens += len(r.seq.generated) - r.counted
-            r.counted = len(r.seq.generated)
+            tokens = len(r.seq.generated) - r.counted  # counted before the request hears of them (/metrics)
+            if tokens:
+                r.counted += tokens
+                self.figures.generation_tokens += tokens
+                self.figures.recent.append((time.monotonic(), tokens))
             if not r.ended:
                 self._text(r)
                 done = r.seq.finish_reason is not None
@@ -242,15 +244,12 @@ class Engine:
                     r.sent = upto
                 if done:
                     r.ended = True
-                    r.emit("end", r.seq.finish_reason)
                     self.figures.finished[r.seq.finish_reason] = self.figures.finished.get(r.seq.finish_reason, 0) + 1
+                    r.emit("end", r.seq.finish_reason)
             if r.seq.finish_reason is not None and i not in active:
                 del batch.seqs[i]
                 with self.lock:
                     del self.requests[i]
-        self.figures.generation_tokens += tokens
-        if tokens:
-            self.figures.recent.append((time.monotonic(), tokens))
 
     def _fail(self, message: str) -> None:
         """End every request in the batch with an error and start a fresh batch."""

@@ -219,6 +219,8 @@ def test_stop_seed_and_mtp_figures(server, demo):
     a, b = (server.client.completions.create(**kw).choices[0].text for _ in range(2))
     c = server.client.completions.create(**{**kw, "seed": 4}).choices[0].text
     assert a == b != c
+    alone = demo.run([PROMPTS[1]], demo.options(None, max_new_tokens=NEW, sampling=SamplingParams(1.0, 0, 0.9)), seed=3)
+    assert alone.results[0].text == a  # `mtp-trt run --seed 3` draws the same
     r = call(server.url, "POST", "/v1/completions", {"model": "demo-chat", "prompt": PROMPTS[2], "max_tokens": NEW,
                                                      "temperature": 0, "mtp_stats": True}).json()
     assert 0 < r["mtp"]["steps"] < NEW - 1 and r["mtp"]["mean_accepted_tokens_per_step"] > 1

@@ -1,0 +1,218 @@
+"""`mtp-trt serve` beside llama.cpp's server (llama-cpp-python's `python -m llama_cpp.server`) on the demo
+checkpoint: N concurrent streaming clients of the bench prompts (mtp_trt/bench.py), greedy, 128 tokens each.
+Not run in CI.
+
+  python -m venv LLAMA_VENV && LLAMA_VENV/bin/pip install "llama-cpp-python[server]==0.3.36"
+  python benchmarks/serve.py --llama-python LLAMA_VENV/bin/python [--clients 1 16] [--nextn 0 1 2 3]
+      [--tokens 128] [--rounds 3] [--threads 2] [--json FILE]
+
+Every server runs at once, each in its own process (mtp-trt at each --nextn with --max-batch the most clients;
+llama.cpp with its f32 GGUF of the checkpoint, made as benchmarks/llama_cpp.py makes it, `--interrupt_requests
+False` so that a new request waits instead of cutting the running one off); rounds visit them in turn (a shared
+machine drifts alike for all).  With 1 client the client asks the 8 prompts one after another; with N > 1,
+N clients each ask one prompt (prompt i mod 8), all at once.  Per configuration, medians over rounds of:
+aggregate tokens/s (completion tokens of all requests / the wall time from the first request sent to the last
+finished), time to first token (TTFT: request sent -> first streamed text), inter-token latency (ITL: the gaps
+between streamed chunks; with MTP a chunk may carry several tokens) and time per output token (TPOT: (end -
+first text) / (tokens - 1)) at p50/p90/p99 over all requests of the round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_api import ensure_gguf  # noqa: E402
+
+from mtp_trt.bench import PROMPTS  # noqa: E402
+from mtp_trt.runner import demo_model  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process and how to reach it."""
+
+    def __init__(self, name: str, cmd: list[str], model: str, env: dict | None = None):
+        self.name, self.model, self.port = name, model, free_port()
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name}: the server exited: {self.proc.stderr.read()[-2000:]}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/v1/models")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit(f"{self.name}: not ready after {timeout} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def stream_one(port: int, model: str, prompt: str, tokens: int, usage: bool) -> dict:
+    """One streamed greedy completion -> its timings (perf_counter seconds) and completion tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise SystemExit(f"port {port}: HTTP {r.status}: {r.read()[:300]!r}")
+    chunks, text, count = [], "", None
+    while line := r.readline():
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            count = event["usage"]["completion_tokens"]
+        for choice in event.get("choices") or []:
+            if choice.get("text"):
+                chunks.append(time.perf_counter())
+                text += choice["text"]
+    conn.close()
+    return {"sent": sent, "chunks": chunks, "end": time.perf_counter(), "text": text, "tokens": count}
+
+
+def run_clients(server: Server, clients: int, tokens: int, usage: bool, count_tokens) -> dict:
+    """One round: `clients` concurrent clients (see the module docstring) -> aggregate and latency figures."""
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client(prompts: list[str]) -> None:
+        for p in prompts:
+            out = stream_one(server.port, server.model, p, tokens, usage)
+            with lock:
+                results.append(out)
+
+    jobs = [PROMPTS] if clients == 1 else [[PROMPTS[i % len(PROMPTS)]] for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(j,)) for j in jobs]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for r in results:
+        if r["tokens"] is None:  # a server without stream usage: count the text's tokens
+            r["tokens"] = count_tokens(r["text"])
+    ttft = [r["chunks"][0] - r["sent"] for r in results if r["chunks"]]
+    itl = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:])]
+    tpot = [(r["end"] - r["chunks"][0]) / (r["tokens"] - 1) for r in results if r["chunks"] and r["tokens"] > 1]
+    total = sum(r["tokens"] for r in results)
+    return {"tokens_per_second": total / wall, "tokens": total, "seconds": wall, "ttft": pct(ttft), "itl": pct(itl),
+            "tpot": pct(tpot), "texts": sorted(r["text"] for r in results)}
+
+
+def pct(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-python", required=True, help="Python of a venv with llama-cpp-python[server]")
+    ap.add_argument("--sdist", type=Path, help="llama-cpp-python's sdist (only if the demo's GGUF is not cached)")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--nextn", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=Path("serve-bench.json"))
+    a = ap.parse_args()
+
+    ckpt = demo_model()
+    gguf = ensure_gguf("demo", ckpt, "f32", a.sdist, a.llama_python, a.threads)
+    most = max(a.clients)
+    servers = [Server(f"mtp-trt nextn {k}", [sys.executable, "-m", "mtp_trt.cli", "serve", "--nextn", str(k),
+                                             "--threads", str(a.threads), "--max-batch", str(most),
+                                             "--max-queue", str(most)], ckpt.name) for k in a.nextn]
+    servers.append(Server("llama.cpp", [a.llama_python, "-m", "llama_cpp.server", "--model", str(gguf),
+                                        "--model_alias", "demo", "--n_threads", str(a.threads), "--n_ctx", "2048",
+                                        "--interrupt_requests", "False"], "demo",
+                          env={"OMP_WAIT_POLICY": "PASSIVE"}))
+    from mtp_trt.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ckpt / "tokenizer.json")
+
+    def count_tokens(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False).ids)
+
+    try:
+        for s in servers:
+            s.wait_ready()
+            stream_one(s.port, s.model, PROMPTS[0], 8, False)  # warm-up
+        rounds = {(s.name, c): [] for s in servers for c in a.clients}
+        for r in range(a.rounds):
+            for c in a.clients:
+                for s in servers:
+                    out = run_clients(s, c, a.tokens, s.name != "llama.cpp", count_tokens)
+                    rounds[(s.name, c)].append(out)
+                    print(f"round {r + 1} {s.name:<16} {c:>2} clients: {out['tokens_per_second']:7.1f} tokens/s, "
+                          f"TTFT p50 {out['ttft']['p50'] * 1e3:6.0f} ms", flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    report = []
+    for (name, c), outs in rounds.items():
+        med = lambda f: statistics.median(f(o) for o in outs)  # noqa: E731
+        report.append({"server": name, "clients": c, "tokens_per_second": med(lambda o: o["tokens_per_second"]),
+                       **{f"{m}_{p}_ms": med(lambda o: o[m][p] * 1e3) for m in ("ttft", "itl", "tpot")
+                          for p in ("p50", "p90", "p99")},
+                       "same_texts_every_round": all(o["texts"] == outs[0]["texts"] for o in outs)})
+    mtp = [x for x in report if x["server"].startswith("mtp-trt")]
+    greedy_equal = {c: len({tuple(o["texts"]) for (n, cc), outs in rounds.items() if cc == c and n.startswith("mtp")
+                            for o in outs}) == 1 for c in a.clients}
+    print(f"\n{'server':<16} {'clients':>7} {'tokens/s':>9}  {'TTFT p50/p90/p99 ms':>22}  {'ITL p50/p90/p99 ms':>20}"
+          f"  {'TPOT p50/p90/p99 ms':>20}")
+    for x in report:
+        f = lambda m: "/".join(f"{x[f'{m}_{p}_ms']:.0f}" for p in ("p50", "p90", "p99"))  # noqa: E731
+        print(f"{x['server']:<16} {x['clients']:>7} {x['tokens_per_second']:9.1f}  {f('ttft'):>22}  {f('itl'):>20}"
+              f"  {f('tpot'):>20}")
+    for c in a.clients:
+        best = max((x for x in mtp if x["clients"] == c), key=lambda x: x["tokens_per_second"])
+        llama = next(x for x in report if x["server"] == "llama.cpp" and x["clients"] == c)
+        print(f"{c} clients: best {best['server']} {best['tokens_per_second'] / llama['tokens_per_second']:.2f}x "
+              f"llama.cpp's server; mtp-trt texts equal across nextn: {greedy_equal[c]}")
+    for c in a.clients[1:]:
+        for x in mtp:
+            if x["clients"] == c:
+                one = next(y for y in mtp if y["server"] == x["server"] and y["clients"] == a.clients[0])
+                print(f"{x['server']}: {c} clients {x['tokens_per_second'] / one['tokens_per_second']:.2f}x "
+                      f"{a.clients[0]} client's tokens/s")
+    a.json.write_text(json.dumps({"tokens": a.tokens, "rounds": a.rounds, "threads": a.threads, "report": report,
+                                  "mtp_texts_equal_across_nextn": greedy_equal}, indent=2))
+    print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
