@@ -407,9 +407,12 @@ def serve(
                               tree_budget=tree_budget)
         engine = Engine(runner, opts, max_batch=max_batch, max_queue=max_queue, chunk=prefill_chunk)
     name = served_model_name or (model or demo_model()).resolve().name
-    typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, nextn {opts.nextn}) on http://{host}:{port}/v1",
-                fg="green", err=True)
-    run_server(engine, name, host, port, api_key, shutdown_timeout)
+
+    def ready(server) -> None:
+        typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, nextn {opts.nextn}, up to {max_batch} requests at "
+                    f"once) on http://{host}:{port}/v1", fg="green", err=True)
+
+    run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready)
 
 
 @app.command()

@@ -44,17 +44,16 @@ def held_back(text: str, stop: tuple[str, ...]) -> int:
                default=0)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
     """One request in the engine: its sequence, its stop strings, what has been streamed, where events go.
-    Events are ("text", str) and, last, ("end", finish_reason) or ("error", message)."""
+    Events are ("text", str) and, last, ("end", finish_reason) or ("error", HTTP status, message)."""
 
     id: int
     seq: Sequence
     stop: tuple[str, ...]
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
     text: str = ""  # the generated text so far, cut at a stop string
     sent: int = 0  # characters of `text` already sent
     decoded: int = -1  # generated tokens `text` was decoded from
@@ -180,7 +179,7 @@ class Engine:
         for r in leaving:
             if not r.ended:
                 r.ended = True
-                r.emit("error", "the server is shutting down")
+                r.emit("error", 503, "the server is shutting down")
 
     def _turn(self, new: list[Request], cancelled: set[int]) -> None:
         """One round: cancellations, admissions, one prefill chunk, one decode step, the requests' events."""
@@ -258,7 +257,7 @@ class Engine:
         for r in failed:
             if not r.ended:
                 r.ended = True
-                r.emit("error", message)
+                r.emit("error", 500, message)
         self.batch = open_batch(self.runner.backend, self.opts, self.max_batch, self.rows)
 
     def tokens_per_second(self, window: float = 10.0) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from typing import Literal
@@ -203,13 +204,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
         seed = body.seed % (1 << 64) if body.seed is not None else None
         return SamplingParams(body.temperature, max(body.top_k, 0), body.top_p), seed
 
-    def limit(value: int | None, param: str, prompt: list[int]) -> int:
+    def limit(value: int | None, param: str, prompt: list[int], prompt_param: str) -> int:
         if value is not None and value < 1:
             raise ApiError(400, f"{param}: must be >= 1, got {value}", param)
         if len(prompt) > engine.max_prompt_tokens:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, but this server fits at most "
                                 f"{engine.max_prompt_tokens} (cache rows {engine.rows}, nextn {engine.opts.nextn})",
-                           "messages" if param == "max_completion_tokens" else "prompt", "context_length_exceeded")
+                           prompt_param, "context_length_exceeded")
         return value if value is not None else engine.rows
 
     @app.post("/v1/completions")
@@ -221,7 +222,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
         if not prompts[0]:
             raise ApiError(400, "prompt: empty", "prompt")
         ids = runner.encode(prompts[0])
-        return await run(request, body, ids, params, seed, limit(body.max_tokens, "max_tokens", ids), chat=False)
+        return await run(request, body, ids, params, seed, limit(body.max_tokens, "max_tokens", ids, "prompt"),
+                         chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: HttpRequest):
@@ -237,7 +239,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
             raise ApiError(400, "messages: the chat template gives an empty prompt", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await run(request, body, ids, params, seed, limit(max_tokens, param, ids), chat=True)
+        return await run(request, body, ids, params, seed, limit(max_tokens, param, ids, "messages"), chat=True)
 
     async def run(request: HttpRequest, body: Body, ids: list[int], params: SamplingParams, seed, max_tokens: int,
                   chat: bool):
@@ -267,7 +269,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
                 if event[0] == "text":
                     text.append(event[1])
                 elif event[0] == "error":
-                    raise ApiError(503 if "shutting down" in event[1] else 500, event[1], None, None, "server_error")
+                    raise ApiError(event[1], event[2], None, None, "server_error")
                 else:
                     reason = event[1]
         except asyncio.CancelledError:
@@ -284,7 +286,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
                 if event[0] == "text":
                     yield shape.event(shape.chunk(event[1], None), usage)
                 elif event[0] == "error":
-                    yield f"data: {json.dumps({'error': {'message': event[1], 'type': 'server_error'}})}\n\n"
+                    error = {"message": event[2], "type": "server_error", "param": None, "code": None}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
                     break
                 else:
                     last = shape.chunk("" if not shape.chat else {}, event[1])
@@ -399,11 +402,18 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
             if ready is not None:
                 ready(self)
 
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # in use, or not an address of this machine: one line, before anything starts
+        sock.close()
+        raise MtpTrtError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             lifespan="off")
     server = Server(config)
     engine.start()
     try:
-        server.run()
-    finally:
-        engine.stop(0 if server.should_exit else shutdown_timeout)
+        server.run(sockets=[sock])
+    finally:  # uvicorn has let the requests in flight finish (or cancelled them): the engine stops at once
+        engine.stop(0)

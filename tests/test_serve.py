@@ -385,3 +385,13 @@ def test_sigterm_finishes_the_running_request(demo, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_bad_options_and_a_busy_port_are_one_line(demo):
+    r = CliRunner().invoke(app, ["serve", "--max-batch", "0"])
+    assert r.exit_code == 2 and "--max-batch" in r.output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = CliRunner().invoke(app, ["serve", str(demo.manifest.root), "--port", str(s.getsockname()[1])])
+    assert r.exit_code == 2 and "cannot listen there" in r.output and "Traceback" not in r.output
