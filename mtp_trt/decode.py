@@ -312,15 +312,17 @@ def _swap(backend: Backend, st: State, i: int, j: int, *extra: np.ndarray) -> No
 
 
 def retire(backend: Backend, st: State, seqs, *extra: np.ndarray) -> None:
-    """Move finished sequences behind the active ones (swapping one slot's cache rows per finish); `extra`
-    per-slot arrays of this step (hidden states, start rows) are permuted alike."""
+    """Move finished sequences behind the active ones (swapping one slot's cache rows per finish, none for those
+    already last); `extra` per-slot arrays of this step (hidden states, start rows) are permuted alike."""
+    done = lambda i: seqs[int(st.order[i])].finish_reason is not None  # noqa: E731
     i = 0
     while i < st.n:
-        if seqs[int(st.order[i])].finish_reason is None:
-            i += 1
-            continue
-        _swap(backend, st, i, st.n - 1, *extra)
-        st.n -= 1
+        while st.n > i and done(st.n - 1):
+            st.n -= 1
+        if i < st.n and done(i):
+            _swap(backend, st, i, st.n - 1, *extra)
+            st.n -= 1
+        i += 1
 
 
 # --------------------------------------------------------------------------------- continuous batching

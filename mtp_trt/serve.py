@@ -106,7 +106,20 @@ class Engine:
         return self.rows - 2 * self.opts.nextn - 2
 
     def start(self) -> None:
+        self._warm_up()
         self.thread.start()
+
+    def _warm_up(self) -> None:
+        """Decode a few tokens of `max_batch` short sequences before the first request, so that requests do not
+        pay for the backend's first-use allocations at full batch."""
+        backend, batch = self.runner.backend, self.batch
+        prompt = self.runner.encode("warm up")
+        admit(batch, {-1 - i: Sequence(prompt, max_new_tokens=4) for i in range(self.max_batch)})
+        while batch.joining:
+            prefill_chunk(backend, batch, self.chunk)
+        while batch.st.n:
+            step(backend, batch)
+        batch.seqs.clear()
 
     def submit(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, seed: int | None,
                stop: tuple[str, ...], loop: asyncio.AbstractEventLoop) -> Request:
