@@ -5,6 +5,7 @@ Not run in CI.
   python -m venv LLAMA_VENV && LLAMA_VENV/bin/pip install "llama-cpp-python[server]==0.3.36"
   python benchmarks/serve.py --llama-python LLAMA_VENV/bin/python [--clients 1 16] [--nextn 0 1 2 3]
       [--tokens 128] [--rounds 3] [--threads 2] [--json FILE]
+  python benchmarks/serve.py --stress [--requests 200] [--clients 32]
 
 Every server runs at once, each in its own process (mtp-trt at each --nextn with --max-batch the most clients;
 llama.cpp with its f32 GGUF of the checkpoint, made as benchmarks/llama_cpp.py makes it, `--interrupt_requests
@@ -15,6 +16,12 @@ aggregate tokens/s (completion tokens of all requests / the wall time from the f
 finished), time to first token (TTFT: request sent -> first streamed text), inter-token latency (ITL: the gaps
 between streamed chunks; with MTP a chunk may carry several tokens) and time per output token (TPOT: (end -
 first text) / (tokens - 1)) at p50/p90/p99 over all requests of the round.
+
+--stress: nothing lost.  One mtp-trt server (--max-batch 16); --requests requests from --clients concurrent
+clients, a mix of good ones (greedy, streamed or not, 64 tokens), streams closed after a few chunks, and
+malformed ones (bad JSON, wrong types, max_tokens 0, unknown model): every good request must get the text the
+same prompt gets alone, every bad one its 400/404 error object; the server's resident memory is read before
+and after (idle both times).
 """
 
 from __future__ import annotations
@@ -138,9 +145,105 @@ def pct(values: list[float]) -> dict:
     return {"p50": q[49], "p90": q[89], "p99": q[98]}
 
 
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def call(port: int, body: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    r = conn.getresponse()
+    out = (r.status, json.loads(r.read()))
+    conn.close()
+    return out
+
+
+def stress(a) -> None:
+    """See --stress in the module docstring."""
+    s = Server("mtp-trt", [sys.executable, "-m", "mtp_trt.cli", "serve", "--threads", str(a.threads),
+                           "--max-batch", "16", "--max-queue", "256"], demo_model().name)
+    try:
+        s.wait_ready()
+        want = {p: call(s.port, json.dumps({"model": s.model, "prompt": p, "max_tokens": 64, "temperature": 0}))[1]
+                ["choices"][0]["text"] for p in PROMPTS}
+        idle = rss_mb(s.proc.pid)
+        bad = ['{"model": "%s", "prompt": ' % s.model, json.dumps({"model": s.model, "prompt": "a", "max_tokens": "9"}),
+               json.dumps({"model": s.model, "prompt": "a", "max_tokens": 0}), json.dumps({"model": "x", "prompt": "a"})]
+        failures, counts, lock = [], {"good": 0, "bad": 0, "cancelled": 0}, threading.Lock()
+
+        def one(i: int) -> None:
+            p = PROMPTS[i % len(PROMPTS)]
+            kind = "bad" if i % 8 == 3 else "cancelled" if i % 8 == 5 else "good"
+            if kind == "bad":
+                status, body = call(s.port, bad[i % len(bad)])
+                ok = status in (400, 404) and set(body) == {"error"} and body["error"]["message"]
+            elif kind == "cancelled":
+                conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=600)
+                conn.request("POST", "/v1/completions", json.dumps({"model": s.model, "prompt": p, "max_tokens": 2000,
+                                                                    "temperature": 0, "stream": True}),
+                             {"content-type": "application/json"})
+                r = conn.getresponse()
+                for _ in range(4):
+                    r.readline()
+                conn.close()  # the client leaves mid-stream
+                ok = True
+            elif i % 2:
+                ok = "".join(stream_one(s.port, s.model, p, 64, False)["text"]) == want[p]
+            else:
+                status, body = call(s.port, json.dumps({"model": s.model, "prompt": p, "max_tokens": 64,
+                                                        "temperature": 0}))
+                ok = status == 200 and body["choices"][0]["text"] == want[p]
+            with lock:
+                counts[kind] += 1
+                if not ok:
+                    failures.append((i, kind))
+
+        t0 = time.perf_counter()
+        work = iter(range(a.requests))
+        lock_work = threading.Lock()
+
+        def client() -> None:
+            while True:
+                with lock_work:
+                    i = next(work, None)
+                if i is None:
+                    return
+                one(i)
+
+        threads = [threading.Thread(target=client) for _ in range(max(a.clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+        deadline = time.monotonic() + 60  # the cancelled ones leave at the next step
+        metrics = ""
+        while time.monotonic() < deadline:
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+            conn.request("GET", "/metrics")
+            metrics = conn.getresponse().read().decode()
+            conn.close()
+            if 'vllm:num_requests_running{model_name="%s"} 0.0' % s.model in metrics:
+                break
+            time.sleep(0.2)
+        after = rss_mb(s.proc.pid)
+    finally:
+        s.stop()
+    cancelled = [line for line in metrics.splitlines() if line.startswith("vllm:request_success_total") and
+                 "cancelled" in line]
+    print(f"{a.requests} requests from {max(a.clients)} clients in {seconds:.1f} s: {counts}; failures: "
+          f"{failures or 'none'}; {cancelled[0] if cancelled else 'no cancellation counted'}; resident memory idle "
+          f"{idle:.0f} MB before, {after:.0f} MB after")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-python", required=True, help="Python of a venv with llama-cpp-python[server]")
+    ap.add_argument("--llama-python", help="Python of a venv with llama-cpp-python[server]")
+    ap.add_argument("--stress", action="store_true", help="the nothing-lost run instead (see the docstring)")
+    ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--sdist", type=Path, help="llama-cpp-python's sdist (only if the demo's GGUF is not cached)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--nextn", type=int, nargs="+", default=[0, 1, 2, 3])
@@ -149,6 +252,10 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=Path("serve-bench.json"))
     a = ap.parse_args()
+    if a.stress:
+        return stress(a)
+    if not a.llama_python:
+        ap.error("--llama-python is required (or --stress)")
 
     ckpt = demo_model()
     gguf = ensure_gguf("demo", ckpt, "f32", a.sdist, a.llama_python, a.threads)

@@ -386,7 +386,8 @@ def serve(
     try:
         from mtp_trt.serve_http import serve as run_server
     except ImportError as e:
-        raise MtpTrtError(f"serve needs the serve extra ({e.name} is missing): pip install \"mtp-trt[serve]\"") from None
+        raise MtpTrtError(f"serve needs the serve extra ({e.name} is missing): "
+                          f"pip install \"mtp-trt[serve]\"") from None
     from mtp_trt.runner import demo_model, open_runner
     from mtp_trt.serve import Engine
 

@@ -415,7 +415,7 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
         if take > 0:
             j.hidden[i].append(out["hidden_states"][i, :take])
         if ends[i]:
-            row = {"target_tokens": out["target_tokens"][i:i + 1]} | ({"logits": out["logits"][i:i + 1]} if logits else {})
+            row = {key: out[key][i:i + 1] for key in ("target_tokens", "logits") if key in out}
             j.last[i] = _pick(row, "logits", "target_tokens", np.array([take - 1]), [s])[0][0]
     j.done = np.minimum(j.done + width, lens)
     joined = bool((j.done == lens).all())

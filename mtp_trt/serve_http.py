@@ -114,9 +114,9 @@ def load_chat_template(root) -> tuple[str, dict] | None:
     return template, {name: token(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
 
 
-def render_chat(template: tuple[str, dict], messages: list[dict]) -> str:
-    """The prompt text of `messages` under the chat template (jinja2's sandbox, as transformers renders it),
-    ending with the assistant's turn."""
+def chat_renderer(template: tuple[str, dict]):
+    """messages -> the prompt text under the chat template (compiled once, in jinja2's sandbox, as transformers
+    renders it), ending with the assistant's turn."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -127,9 +127,17 @@ def render_chat(template: tuple[str, dict], messages: list[dict]) -> str:
     env.globals["raise_exception"] = raise_exception
     source, specials = template
     try:
-        return env.from_string(source).render(messages=messages, add_generation_prompt=True, **specials)
+        compiled = env.from_string(source)
     except TemplateError as e:
-        raise ApiError(400, f"the chat template refuses these messages: {e}", "messages") from None
+        raise MtpTrtError(f"tokenizer_config.json: the chat template does not compile ({e})") from None
+
+    def render(messages: list[dict]) -> str:
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=True, **specials)
+        except TemplateError as e:
+            raise ApiError(400, f"the chat template refuses these messages: {e}", "messages") from None
+
+    return render
 
 
 # ---------------------------------------------------------------------------------------- the app
@@ -140,6 +148,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
 
     runner = engine.runner
     template = load_chat_template(runner.manifest.root)
+    render_chat = chat_renderer(template) if template is not None else None
     app = FastAPI(title="mtp-trt", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
@@ -153,8 +162,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
         # the field's path, without pydantic's union member tags (`prompt.str`: `prompt`)
         loc = [str(x) for x in first.get("loc", ())[1:] if not (isinstance(x, str) and (x in UNION_TAGS or "[" in x))]
         if first.get("type") == "json_invalid":
-            return ApiError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'malformed')})"
-                            ).response()
+            why = first.get("ctx", {}).get("error", "malformed")
+            return ApiError(400, f"the request body is not valid JSON ({why})").response()
         param = ".".join(loc) or None
         value = first.get("input")
         shown = "" if isinstance(value, dict) or value is None else f" (got {json.dumps(value)[:80]})"
@@ -186,7 +195,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
     async def metrics():
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def sampling(body: Body) -> tuple[SamplingParams, int]:
+    def sampling(body: Body) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
+        """The request's sampling, seed and stop strings, checked."""
         if body.model != model_id:
             raise ApiError(404, f"the model {body.model!r} does not exist (this server has {model_id!r})", "model",
                            "model_not_found")
@@ -202,7 +212,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
         if len(stop) > 4 or not all(stop):
             raise ApiError(400, "stop: at most 4 non-empty strings", "stop")
         seed = body.seed % (1 << 64) if body.seed is not None else None
-        return SamplingParams(body.temperature, max(body.top_k, 0), body.top_p), seed
+        return SamplingParams(body.temperature, max(body.top_k, 0), body.top_p), seed, tuple(stop)
 
     def limit(value: int | None, param: str, prompt: list[int], prompt_param: str) -> int:
         if value is not None and value < 1:
@@ -215,35 +225,33 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: HttpRequest):
-        params, seed = sampling(body)
+        decoding = sampling(body)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             raise ApiError(400, f"prompt: one prompt per request is supported, got {len(prompts)}", "prompt")
         if not prompts[0]:
             raise ApiError(400, "prompt: empty", "prompt")
         ids = runner.encode(prompts[0])
-        return await run(request, body, ids, params, seed, limit(body.max_tokens, "max_tokens", ids, "prompt"),
-                         chat=False)
+        return await run(request, body, ids, decoding, limit(body.max_tokens, "max_tokens", ids, "prompt"), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: HttpRequest):
-        params, seed = sampling(body)
-        if template is None:
+        decoding = sampling(body)
+        if render_chat is None:
             raise ApiError(400, f"the model {model_id!r} has no chat template (tokenizer_config.json "
                                 f"chat_template); use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
                      else "".join(p.text for p in m.content)} for m in body.messages]
-        text = render_chat(template, messages)
+        text = render_chat(messages)
         ids = runner.tokenizer.encode(text, add_special_tokens=False).ids  # the template places the specials
         if not ids:
             raise ApiError(400, "messages: the chat template gives an empty prompt", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await run(request, body, ids, params, seed, limit(max_tokens, param, ids, "messages"), chat=True)
+        return await run(request, body, ids, decoding, limit(max_tokens, param, ids, "messages"), chat=True)
 
-    async def run(request: HttpRequest, body: Body, ids: list[int], params: SamplingParams, seed, max_tokens: int,
-                  chat: bool):
-        stop = tuple([body.stop] if isinstance(body.stop, str) else body.stop or [])
+    async def run(request: HttpRequest, body: Body, ids: list[int], decoding: tuple, max_tokens: int, chat: bool):
+        params, seed, stop = decoding
         try:
             r = engine.submit(ids, params, max_tokens, seed, stop, asyncio.get_running_loop())
         except QueueFull:
