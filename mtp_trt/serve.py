@@ -21,6 +21,12 @@ from mtp_trt.runner import Runner
 from mtp_trt.sampling import SamplingParams
 
 
+def _deliver(items: list) -> None:
+    """(on a request's event loop) put a round's events into their queues."""
+    for queue, event in items:
+        queue.put_nowait(event)
+
+
 class QueueFull(Exception):
     """The waiting queue is at --max-queue."""
 
@@ -60,8 +66,6 @@ class Request:
     counted: int = 0  # generated tokens counted in the engine's figures
     ended: bool = False
 
-    def emit(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 @dataclasses.dataclass
@@ -96,6 +100,7 @@ class Engine:
         self.cancelled: set[int] = set()
         self.admitting = True
         self.stopping = False
+        self.outbox: dict[asyncio.AbstractEventLoop, list] = {}  # this round's events, by the loop they go to
         self.figures = EngineFigures(accepted_per_pos=np.zeros(opts.nextn, np.int64))
         self.thread = threading.Thread(target=self._loop, name="mtp-trt-engine", daemon=True)
 
@@ -192,7 +197,8 @@ class Engine:
         for r in leaving:
             if not r.ended:
                 r.ended = True
-                r.emit("error", 503, "the server is shutting down")
+                self._post(r, "error", 503, "the server is shutting down")
+        self._flush()
 
     def _turn(self, new: list[Request], cancelled: set[int]) -> None:
         """One round: cancellations, admissions, one prefill chunk, one decode step, the requests' events."""
@@ -212,6 +218,7 @@ class Engine:
             step(backend, batch, self._stop_strings)
         self._count_drafts(*before)
         self._events()
+        self._flush()
 
     def _stop_strings(self) -> None:
         """After a step's tokens are accepted: decode the active sequences' text, finishing those at a stop string."""
@@ -252,16 +259,25 @@ class Engine:
                 done = r.seq.finish_reason is not None
                 upto = len(r.text) if done else len(r.text) - held_back(r.text, r.stop)
                 if upto > r.sent:
-                    r.emit("text", r.text[r.sent:upto])
+                    self._post(r, "text", r.text[r.sent:upto])
                     r.sent = upto
                 if done:
                     r.ended = True
                     self.figures.finished[r.seq.finish_reason] = self.figures.finished.get(r.seq.finish_reason, 0) + 1
-                    r.emit("end", r.seq.finish_reason)
+                    self._post(r, "end", r.seq.finish_reason)
             if r.seq.finish_reason is not None and i not in active:
                 del batch.seqs[i]
                 with self.lock:
                     del self.requests[i]
+
+    def _post(self, r: Request, *event) -> None:
+        """Queue an event for a request; _flush hands a round's events over, one wake-up per event loop."""
+        self.outbox.setdefault(r.loop, []).append((r.events, event))
+
+    def _flush(self) -> None:
+        for loop, items in self.outbox.items():
+            loop.call_soon_threadsafe(_deliver, items)
+        self.outbox = {}
 
     def _fail(self, message: str) -> None:
         """End every request in the batch with an error and start a fresh batch."""
@@ -270,7 +286,8 @@ class Engine:
         for r in failed:
             if not r.ended:
                 r.ended = True
-                r.emit("error", 500, message)
+                self._post(r, "error", 500, message)
+        self._flush()
         self.batch = open_batch(self.runner.backend, self.opts, self.max_batch, self.rows)
 
     def tokens_per_second(self, window: float = 10.0) -> float:
