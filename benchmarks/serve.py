@@ -45,6 +45,9 @@ from mtp_trt.bench import PROMPTS  # noqa: E402
 from mtp_trt.runner import demo_model  # noqa: E402
 
 
+STALL = 60  # seconds without a byte from a server: it hangs (the round fails, it runs no further rounds)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,7 +79,7 @@ class Server:
     def stop(self) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(30)
+            self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
@@ -86,7 +89,7 @@ def stream_one(port: int, model: str, prompt: str, tokens: int, usage: bool) -> 
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
     if usage:
         body["stream_options"] = {"include_usage": True}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=STALL)
     sent = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     r = conn.getresponse()
@@ -113,9 +116,16 @@ def run_clients(server: Server, clients: int, tokens: int, usage: bool, count_to
     results: list[dict] = []
     lock = threading.Lock()
 
+    errors: list[str] = []
+
     def client(prompts: list[str]) -> None:
         for p in prompts:
-            out = stream_one(server.port, server.model, p, tokens, usage)
+            try:
+                out = stream_one(server.port, server.model, p, tokens, usage)
+            except OSError as e:  # a timeout: the server stalled
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+                return
             with lock:
                 results.append(out)
 
@@ -127,6 +137,8 @@ def run_clients(server: Server, clients: int, tokens: int, usage: bool, count_to
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if errors:
+        return {"failed": f"{len(errors)} of {len(jobs) if clients > 1 else len(PROMPTS)} requests: {errors[0]}"}
     for r in results:
         if r["tokens"] is None:  # a server without stream usage: count the text's tokens
             r["tokens"] = count_tokens(r["text"])
@@ -279,10 +291,17 @@ def main():
             s.wait_ready()
             stream_one(s.port, s.model, PROMPTS[0], 8, False)  # warm-up
         rounds = {(s.name, c): [] for s in servers for c in a.clients}
+        failed: dict[str, str] = {}
         for r in range(a.rounds):
             for c in a.clients:
                 for s in servers:
+                    if s.name in failed:
+                        continue
                     out = run_clients(s, c, a.tokens, s.name != "llama.cpp", count_tokens)
+                    if "failed" in out:
+                        failed[s.name] = f"round {r + 1}, {c} clients: {out['failed']}"
+                        print(f"round {r + 1} {s.name:<16} {c:>2} clients: FAILED {out['failed']}", flush=True)
+                        continue
                     rounds[(s.name, c)].append(out)
                     print(f"round {r + 1} {s.name:<16} {c:>2} clients: {out['tokens_per_second']:7.1f} tokens/s, "
                           f"TTFT p50 {out['ttft']['p50'] * 1e3:6.0f} ms", flush=True)
@@ -291,8 +310,10 @@ def main():
             s.stop()
     report = []
     for (name, c), outs in rounds.items():
+        if not outs:
+            continue
         med = lambda f: statistics.median(f(o) for o in outs)  # noqa: E731
-        report.append({"server": name, "clients": c, "tokens_per_second": med(lambda o: o["tokens_per_second"]),
+        report.append({"server": name, "clients": c, "rounds": len(outs), "tokens_per_second": med(lambda o: o["tokens_per_second"]),
                        **{f"{m}_{p}_ms": med(lambda o: o[m][p] * 1e3) for m in ("ttft", "itl", "tpot")
                           for p in ("p50", "p90", "p99")},
                        "same_texts_every_round": all(o["texts"] == outs[0]["texts"] for o in outs)})
@@ -307,17 +328,20 @@ def main():
               f"  {f('tpot'):>20}")
     for c in a.clients:
         best = max((x for x in mtp if x["clients"] == c), key=lambda x: x["tokens_per_second"])
-        llama = next(x for x in report if x["server"] == "llama.cpp" and x["clients"] == c)
-        print(f"{c} clients: best {best['server']} {best['tokens_per_second'] / llama['tokens_per_second']:.2f}x "
-              f"llama.cpp's server; mtp-trt texts equal across nextn: {greedy_equal[c]}")
+        llama = next((x for x in report if x["server"] == "llama.cpp" and x["clients"] == c), None)
+        ratio = f"{best['tokens_per_second'] / llama['tokens_per_second']:.2f}x llama.cpp's server" if llama else \
+            "(no llama.cpp figure)"
+        print(f"{c} clients: best {best['server']} {ratio}; mtp-trt texts equal across nextn: {greedy_equal[c]}")
     for c in a.clients[1:]:
         for x in mtp:
             if x["clients"] == c:
                 one = next(y for y in mtp if y["server"] == x["server"] and y["clients"] == a.clients[0])
                 print(f"{x['server']}: {c} clients {x['tokens_per_second'] / one['tokens_per_second']:.2f}x "
                       f"{a.clients[0]} client's tokens/s")
+    for name, why in failed.items():
+        print(f"{name}: stalled ({why}); its figures are of the rounds before")
     a.json.write_text(json.dumps({"tokens": a.tokens, "rounds": a.rounds, "threads": a.threads, "report": report,
-                                  "mtp_texts_equal_across_nextn": greedy_equal}, indent=2))
+                                  "mtp_texts_equal_across_nextn": greedy_equal, "failed": failed}, indent=2))
     print(f"wrote {a.json}")
 
 
