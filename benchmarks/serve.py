@@ -21,7 +21,7 @@ first text) / (tokens - 1)) at p50/p90/p99 over all requests of the round.
 clients, a mix of good ones (greedy, streamed or not, 64 tokens), streams closed after a few chunks, and
 malformed ones (bad JSON, wrong types, max_tokens 0, unknown model): every good request must get the text the
 same prompt gets alone, every bad one its 400/404 error object; the server's resident memory is read before
-and after (idle both times).
+and after each of two passes (idle each time).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from mtp_trt.bench import PROMPTS  # noqa: E402
 from mtp_trt.runner import demo_model  # noqa: E402
 
 
-STALL = 60  # seconds without a byte from a server: it hangs (the round fails, it runs no further rounds)
+STALL = 60  # seconds without text from a server: it hangs (the round fails, it runs no further rounds)
 
 
 def free_port() -> int:
@@ -97,6 +97,8 @@ def stream_one(port: int, model: str, prompt: str, tokens: int, usage: bool) -> 
         raise SystemExit(f"port {port}: HTTP {r.status}: {r.read()[:300]!r}")
     chunks, text, count = [], "", None
     while line := r.readline():
+        if time.perf_counter() - (chunks[-1] if chunks else sent) > STALL:  # keep-alive comments only: stalled
+            raise TimeoutError(f"no text for {STALL} s")
         line = line.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
@@ -213,42 +215,45 @@ def stress(a) -> None:
                 if not ok:
                     failures.append((i, kind))
 
-        t0 = time.perf_counter()
-        work = iter(range(a.requests))
-        lock_work = threading.Lock()
+        after = []
+        for _ in range(2):  # twice: memory that grows again in the second pass would be a leak
+            t0 = time.perf_counter()
+            work = iter(range(a.requests))
+            lock_work = threading.Lock()
 
-        def client() -> None:
-            while True:
-                with lock_work:
-                    i = next(work, None)
-                if i is None:
-                    return
-                one(i)
+            def client() -> None:
+                while True:
+                    with lock_work:
+                        i = next(work, None)
+                    if i is None:
+                        return
+                    one(i)
 
-        threads = [threading.Thread(target=client) for _ in range(max(a.clients))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - t0
-        deadline = time.monotonic() + 60  # the cancelled ones leave at the next step
-        metrics = ""
-        while time.monotonic() < deadline:
-            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
-            conn.request("GET", "/metrics")
-            metrics = conn.getresponse().read().decode()
-            conn.close()
-            if 'vllm:num_requests_running{model_name="%s"} 0.0' % s.model in metrics:
-                break
-            time.sleep(0.2)
-        after = rss_mb(s.proc.pid)
+            threads = [threading.Thread(target=client) for _ in range(max(a.clients))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - t0
+            deadline = time.monotonic() + 60  # the cancelled ones leave at the next step
+            metrics = ""
+            while time.monotonic() < deadline:
+                conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+                conn.request("GET", "/metrics")
+                metrics = conn.getresponse().read().decode()
+                conn.close()
+                if 'vllm:num_requests_running{model_name="%s"} 0.0' % s.model in metrics:
+                    break
+                time.sleep(0.2)
+            after.append(rss_mb(s.proc.pid))
     finally:
         s.stop()
     cancelled = [line for line in metrics.splitlines() if line.startswith("vllm:request_success_total") and
                  "cancelled" in line]
-    print(f"{a.requests} requests from {max(a.clients)} clients in {seconds:.1f} s: {counts}; failures: "
-          f"{failures or 'none'}; {cancelled[0] if cancelled else 'no cancellation counted'}; resident memory idle "
-          f"{idle:.0f} MB before, {after:.0f} MB after")
+    print(f"2 x {a.requests} requests from {max(a.clients)} clients (the second pass {seconds:.1f} s): {counts}; "
+          f"failures: {failures or 'none'}; {cancelled[0] if cancelled else 'no cancellation counted'}; resident "
+          f"memory idle {idle:.0f} MB before, {after[0]:.0f} MB after the first pass, {after[1]:.0f} MB after the "
+          f"second")
 
 
 def main():
