@@ -330,21 +330,24 @@ def tight(demo):
 
 
 def test_full_queue_api_key_and_no_chat_template(tight):
-    """One running, one waiting: the third request gets 429 at once; the others finish.  A wrong key is 401; a
-    checkpoint without a chat template answers chat with 400."""
+    """One running, one waiting: the third request gets 429 at once; once both streams are closed the server
+    takes requests again.  A wrong key is 401; a checkpoint without a chat template answers chat with 400."""
     r = call(tight.url, "POST", "/v1/completions", {"model": "demo", "prompt": "a"})
     assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
-    kw = dict(model="demo", prompt=PROMPTS[0], max_tokens=300, temperature=0)
-    with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(lambda: tight.client.completions.create(**kw))
-        time.sleep(0.5)
-        second = pool.submit(lambda: tight.client.completions.create(**kw))
-        deadline = time.monotonic() + 10
-        while metrics(tight.url)[("vllm:num_requests_waiting", ())] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with pytest.raises(openai.RateLimitError):
-            tight.client.completions.create(**kw)
-        assert first.result().choices[0].text == second.result().choices[0].text
+    kw = dict(model="demo", prompt=PROMPTS[0], max_tokens=3000, temperature=0)
+    running = tight.client.completions.create(**kw, stream=True)
+    next(iter(running))  # decoding
+    waiting = tight.client.completions.create(**kw, stream=True)  # its headers come at once: it is queued
+    deadline = time.monotonic() + 10
+    while metrics(tight.url)[("vllm:num_requests_waiting", ())] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(openai.RateLimitError) as e:
+        tight.client.completions.create(**kw)
+    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    running.close()
+    waiting.close()
+    short = tight.client.completions.create(**{**kw, "max_tokens": 8})  # the slot and the queue place are free
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 8
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         tight.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}])
 
