@@ -152,6 +152,7 @@ class OrtBackend(Backend):
         self.plans: dict[str, tuple] = {}  # step graph -> how to feed and commit it (_step_plan)
         self.np_dtype = np.float16 if manifest.dtype == "fp16" else np.float32
         self.caches: dict[str, list[np.ndarray]] = {}
+        self.written = np.zeros(0, np.int64)  # allocate
 
     def session(self, name: str):
         """The ONNX Runtime session of graph `name`, created the first time it is asked for."""
@@ -222,6 +223,7 @@ class OrtBackend(Backend):
                      f"{m.root}: the caches of {batch} sequences x {rows} rows")
         self.caches = {"target": [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
         self.caches |= {f"mtp{k}": [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
+        self.written = np.zeros(batch, np.int64)  # per slot: rows below this were ever written (swap_slots)
 
     def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
         """new_rows[i] [n, S, C] into caches[i] at rows past_len[b] .. + S - 1, clipped to the buffer: one slice
@@ -233,6 +235,7 @@ class OrtBackend(Backend):
             if lo < hi:
                 for cache, new in zip(caches, new_rows):
                     cache[b, lo:hi] = new[b, lo - p:hi - p]
+                self.written[b] = max(self.written[b], hi)
 
     def target(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, logits):
         g = self.manifest.graphs["target"]
@@ -296,6 +299,8 @@ class OrtBackend(Backend):
         return out
 
     def swap_slots(self, i, j):
+        rows = max(self.written[i], self.written[j])  # beyond: never written, zero in both
         for caches in self.caches.values():
             for c in caches:
-                c[[i, j]] = c[[j, i]]
+                c[[i, j], :rows] = c[[j, i], :rows]
+        self.written[[i, j]] = self.written[[j, i]]

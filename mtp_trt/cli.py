@@ -254,6 +254,27 @@ def check(
     raise typer.Exit(result.exit_code)
 
 
+def _speculation(config: Path | None, nextn: int | None, mtp_mode: str | None, relaxed_topk: int,
+                 relaxed_delta: float) -> tuple:
+    """The MTP options of `run` and `serve`, merged with a speculative config file (--config), checked; and the
+    source of relaxed_topk for messages."""
+    from mtp_trt import validate as v
+
+    relaxed_source = "--relaxed-topk"
+    if config:
+        from mtp_trt.spec_config import load_spec_config
+
+        spec = load_spec_config(config)
+        nextn, mtp_mode, relaxed_topk, relaxed_delta = v.merge_spec_config(spec, config, nextn, mtp_mode,
+                                                                           relaxed_topk, relaxed_delta)
+        relaxed_source = f"{config} (relaxed_topk)" if spec.relaxed_topk else relaxed_source
+    if mtp_mode not in (None, "eagle", "vanilla"):
+        raise MtpTrtError(f"--mtp-mode: unknown mode {mtp_mode!r}; expected eagle or vanilla")
+    if relaxed_topk < 0 or relaxed_delta < 0:
+        raise MtpTrtError("--relaxed-topk and --relaxed-delta must be >= 0")
+    return nextn, mtp_mode, relaxed_topk, relaxed_delta, relaxed_source
+
+
 @app.command()
 @clear_errors
 def run(
@@ -302,20 +323,10 @@ def run(
         prompts += v.read_prompt_file(prompt_file)
     if not prompts:
         raise MtpTrtError("no prompt: give --prompt TEXT or --prompt-file FILE")
-    relaxed_source = "--relaxed-topk"
-    if config:
-        from mtp_trt.spec_config import load_spec_config
-
-        spec = load_spec_config(config)
-        nextn, mtp_mode, relaxed_topk, relaxed_delta = v.merge_spec_config(spec, config, nextn, mtp_mode,
-                                                                           relaxed_topk, relaxed_delta)
-        relaxed_source = f"{config} (relaxed_topk)" if spec.relaxed_topk else relaxed_source
-    if mtp_mode not in (None, "eagle", "vanilla"):
-        raise MtpTrtError(f"--mtp-mode: unknown mode {mtp_mode!r}; expected eagle or vanilla")
+    nextn, mtp_mode, relaxed_topk, relaxed_delta, relaxed_source = _speculation(config, nextn, mtp_mode, relaxed_topk,
+                                                                                relaxed_delta)
     if max_new_tokens < 1:
         raise MtpTrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if relaxed_topk < 0 or relaxed_delta < 0:
-        raise MtpTrtError("--relaxed-topk and --relaxed-delta must be >= 0")
     v.check_sampling(temperature, top_k, top_p, seed, relaxed_topk, relaxed_delta, relaxed_source)
     v.check_stop(list(stop or ()))
     v.check_threads(threads)
@@ -364,6 +375,71 @@ def run(
     typer.secho(f"\n{s['new_tokens']} new tokens in {s['seconds']:.2f} s ({s['tokens_per_second']:.1f} tokens/s), "
                 f"{manifest.mtp_mode} nextn={s['nextn']}{tree}: {s['mean_accepted_tokens_per_step']:.2f} tokens per "
                 f"step, acceptance per draft {'depth' if tree else 'position'}: {rates}", fg="green", err=True)
+
+
+@app.command()
+@clear_errors
+def serve(
+    model: Path = typer.Argument(None, help="Engine directory (TensorRT, GPU), export directory or checkpoint "
+                                            "(ONNX Runtime; default: the bundled demo model)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    max_batch: int = typer.Option(16, help="Requests decoded together at most; more wait in the queue."),
+    max_queue: int = typer.Option(64, help="Requests waiting at most; more are answered 429."),
+    prefill_chunk: int = typer.Option(256, help="Prompt tokens per request prefilled between two decode steps."),
+    nextn: int = typer.Option(None, help="Draft tokens per step K, 0 = plain decoding (default: all exported)."),
+    mtp_mode: str = typer.Option(None, help="eagle or vanilla (default: the export's; eagle for checkpoints)."),
+    relaxed_topk: int = typer.Option(0, help="Relaxed acceptance while thinking: top-N (0 = strict; greedy requests)."),
+    relaxed_delta: float = typer.Option(0.0, help="Relaxed acceptance: p(draft) >= p(top-1) - delta."),
+    tree_topk: int = typer.Option(None, help="Draft a tree of depth --nextn (greedy requests; see `run`)."),
+    tree_budget: int = typer.Option(None, help="Tree nodes verified per step (default: the export's tree)."),
+    config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
+    api_key: str = typer.Option(None, help="Require `Authorization: Bearer KEY` on /v1/ endpoints."),
+    served_model_name: str = typer.Option(None, help="The model id clients name (default: the model directory's "
+                                                     "name)."),
+    shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds running requests may take to finish."),
+    threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
+    cuda_graphs: bool = typer.Option(True, help="TensorRT engines: replay each decode step as a CUDA graph."),
+    bos: bool = typer.Option(None, "--bos/--no-bos", help="Start completion prompts with BOS or not (default: as "
+                                                          "the checkpoint's tokenizer does)."),
+    verify: bool = typer.Option(False, help="Hash every file of the export or engines again."),
+    quant: str = typer.Option(None, help="Quantize a checkpoint's weights: none, int8 or int4."),
+    group_size: int = typer.Option(None, help="Weights per quantization block (with --quant; default 32)."),
+) -> None:
+    """Serve an OpenAI-compatible API (completions, chat, streaming, /metrics) with continuous batching and MTP."""
+    from mtp_trt import validate as v
+
+    try:
+        from mtp_trt.serve_http import serve as run_server
+    except ImportError as e:
+        raise MtpTrtError(f"serve needs the serve extra ({e.name} is missing): "
+                          f"pip install \"mtp-trt[serve]\"") from None
+    from mtp_trt.runner import demo_model, open_runner
+    from mtp_trt.serve import Engine
+
+    nextn, mtp_mode, relaxed_topk, relaxed_delta, _ = _speculation(config, nextn, mtp_mode, relaxed_topk,
+                                                                   relaxed_delta)
+    for flag, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--prefill-chunk", prefill_chunk)):
+        v.check_positive(flag, value)
+    if not 0 <= port <= 65535:
+        raise MtpTrtError(f"--port must be in 0..65535, got {port}")
+    v.check_number("--shutdown-timeout", shutdown_timeout, 0)
+    v.check_threads(threads)
+    if api_key is not None and not api_key.strip():
+        raise MtpTrtError("--api-key: empty")
+    with StageDisplay("preparing the model") as show:
+        runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show,
+                             bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size))
+        opts = runner.options(nextn, relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, tree_topk=tree_topk,
+                              tree_budget=tree_budget)
+        engine = Engine(runner, opts, max_batch=max_batch, max_queue=max_queue, chunk=prefill_chunk)
+    name = served_model_name or (model or demo_model()).resolve().name
+
+    def ready(server) -> None:
+        typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, nextn {opts.nextn}, up to {max_batch} requests at "
+                    f"once) on http://{host}:{port}/v1", fg="green", err=True)
+
+    run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready)
 
 
 @app.command()

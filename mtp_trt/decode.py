@@ -28,7 +28,7 @@ from mtp_trt.tree import TreeShape, chain_tree
 
 @dataclasses.dataclass
 class Sequence:
-    """One request: its tokens (prompt + accepted) and result."""
+    """One request: its tokens (prompt + accepted), its own sampling and length limit, and its result."""
 
     prompt: list[int]
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
@@ -37,10 +37,19 @@ class Sequence:
     steps: int = 0  # verify steps run for this sequence
     # (q, drafts) per step; a tree step logs (q, its tokens then its parents)
     draft_log: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 128
+    rng: np.random.Generator | None = None  # this sequence's draws (sampling only): sequence_rng
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
+
+
+def sequence_rng(seed: int, index: int = 0) -> np.random.Generator:
+    """The random draws of sequence `index` of a decode seeded with `seed`: its own stream, so that what it
+    samples does not depend on the sequences decoded beside it."""
+    return np.random.default_rng([seed, index])
 
 
 @dataclasses.dataclass
@@ -108,57 +117,50 @@ def thinking_after(tokens, flag: int, think_ids: tuple[int, int]) -> int:
     return flag
 
 
-def _pick(out: dict, logits_key: str, tokens_key: str, rows: np.ndarray, opts: DecodeOptions, rng):
-    """Token (and distribution, when sampling) at one row per sequence of a graph's output."""
+def _samples(active: list[Sequence]) -> bool:
+    """Whether any of these sequences samples (the graphs must then return logits)."""
+    return any(not s.sampling.greedy for s in active)
+
+
+def _pick(out: dict, logits_key: str, tokens_key: str, rows: np.ndarray, active: list[Sequence]):
+    """Token at one row per sequence of a graph's output: the graph's argmax for greedy sequences, a draw from
+    its own filtered distribution (with its own rng) for sampling ones.  Returns the tokens and, when any
+    sequence samples, the distributions [n, V] (zero rows for greedy sequences)."""
     idx = np.arange(len(rows))
-    if opts.sampling.greedy:
-        return out[tokens_key][idx, rows], None
-    p = probabilities(out[logits_key][idx, rows], opts.sampling)
-    return sample(p, rng), p
+    tokens = out[tokens_key][idx, rows].astype(np.int32)
+    if not _samples(active):
+        return tokens, None
+    logits = out[logits_key][idx, rows]
+    p = np.zeros(logits.shape, np.float64)
+    for i, s in enumerate(active):
+        if not s.sampling.greedy:
+            p[i] = probabilities(logits[i], s.sampling)
+            tokens[i] = sample(p[i], s.rng)
+    return tokens, p
+
+
+def _active(st: State, seqs) -> list[Sequence]:
+    """The sequences in slots 0..n-1 (`seqs`: a list or a dict by sequence id)."""
+    return [seqs[o] for o in st.order[:st.n].tolist()]
 
 
 # ------------------------------------------------------------------------------------------- steps
-def prefill(backend: Backend, seqs: list[Sequence], opts: DecodeOptions, rng) -> tuple[State, np.ndarray]:
-    """Run the prompts (right-padded) through the target; the first token; MTP caches filled; first drafts.
-    Returns the state and each sequence's hidden states [B, L_max, D]."""
-    b, k = len(seqs), opts.nextn
-    lens = np.array([len(s.prompt) for s in seqs])
-    ids = np.zeros((b, lens.max()), np.int32)
-    for i, s in enumerate(seqs):
-        ids[i, :lens[i]] = s.prompt
-        s.tokens = list(s.prompt)
-    thinking = np.array([thinking_after(s.prompt, 0, opts.think_ids) for s in seqs], np.int32)
-    out = backend.target(b, ids, np.zeros(b, np.int32), thinking, 0, 0.0, logits=not opts.sampling.greedy)
-    first, _ = _pick(out, "logits", "target_tokens", lens - 1, opts, rng)
-    depths = 1 if backend.manifest.mtp_mode == "eagle" else max(k, 1)
-    st = State(order=np.arange(b), n=b, main_len=lens.astype(np.int32), last=first.astype(np.int32),
-               thinking=np.array([thinking_after([t], f, opts.think_ids) for t, f in zip(first, thinking)], np.int32),
-               drafts=np.zeros((b, k), np.int32), q_dist=None, mtp_len=np.zeros((b, depths), np.int32),
-               carry=None)
-    for i, s in enumerate(seqs):
-        s.tokens.append(int(first[i]))
-    if k:
-        draft(backend, st, seqs, out["hidden_states"], np.zeros(b, np.int32), opts, rng)
-    return st, out["hidden_states"]
-
-
-def draft(backend: Backend, st: State, seqs: list[Sequence], hidden: np.ndarray, start: np.ndarray,
-          opts: DecodeOptions, rng) -> None:
+def draft(backend: Backend, st: State, seqs, hidden: np.ndarray, start: np.ndarray, opts: DecodeOptions) -> None:
     """Fill st.drafts (and st.q_dist) for the active slots.  `hidden` [n, S, D] is the target's output for
     rows start .. start+S-1; the last accepted position is q = main_len - 1 (main_len already advanced)."""
     n, k = st.n, opts.nextn
     q = st.main_len[:n] - 1
+    active = _active(st, seqs)
+    logits = _samples(active)
     mtp_graphs = backend.manifest.mtp_graphs
-    qd = [] if not opts.sampling.greedy else None
+    qd = [] if logits else None
     # Depth 1 (both modes): rows start..q, hidden h_i, tokens t_{i+1} (all accepted, true).
     rows = q - start + 1
     toks = np.zeros((n, rows.max()), np.int32)
-    for i in range(n):
-        seq = seqs[st.order[i]].tokens
-        toks[i, :rows[i]] = seq[start[i] + 1: q[i] + 2]
-    out = backend.mtp(0, mtp_graphs[0], n, hidden[:, :rows.max()], toks, start.astype(np.int32),
-                      logits=not opts.sampling.greedy)
-    d, p = _pick(out, "draft_logits", "draft_tokens", rows - 1, opts, rng)
+    for i, s in enumerate(active):
+        toks[i, :rows[i]] = s.tokens[start[i] + 1: q[i] + 2]
+    out = backend.mtp(0, mtp_graphs[0], n, hidden[:, :rows.max()], toks, start.astype(np.int32), logits=logits)
+    d, p = _pick(out, "draft_logits", "draft_tokens", rows - 1, active)
     st.drafts[:n, 0] = d
     if qd is not None:
         qd.append(p)
@@ -167,21 +169,24 @@ def draft(backend: Backend, st: State, seqs: list[Sequence], hidden: np.ndarray,
         h = out["hidden_out"][np.arange(n), rows - 1][:, None]
         for depth in range(2, k + 1):
             out = backend.mtp(0, mtp_graphs[0], n, h, st.drafts[:n, depth - 2, None],
-                              (q + depth - 1).astype(np.int32), logits=not opts.sampling.greedy)
-            d, p = _pick(out, "draft_logits", "draft_tokens", np.zeros(n, int), opts, rng)
+                              (q + depth - 1).astype(np.int32), logits=logits)
+            d, p = _pick(out, "draft_logits", "draft_tokens", np.zeros(n, int), active)
             st.drafts[:n, depth - 1] = d
             h = out["hidden_out"]
             if qd is not None:
                 qd.append(p)
     else:
-        _draft_vanilla(backend, st, seqs, out, start, q, opts, rng, qd)
+        _draft_vanilla(backend, st, active, out, start, q, opts, qd)
     if qd is not None:
-        st.q_dist = np.stack(qd, 1)
-    for i in range(n):
-        seqs[st.order[i]].draft_log.append((int(q[i]), st.drafts[i].tolist()))
+        dist = np.stack(qd, 1)
+        if st.q_dist is None or st.q_dist.shape[1:] != dist.shape[1:]:
+            st.q_dist = np.zeros((len(st.order), *dist.shape[1:]), dist.dtype)
+        st.q_dist[:n] = dist
+    for i, s in enumerate(active):
+        s.draft_log.append((int(q[i]), st.drafts[i].tolist()))
 
 
-def _draft_vanilla(backend, st, seqs, out1, start1, q, opts, rng, qd) -> None:
+def _draft_vanilla(backend, st, active, out1, start1, q, opts, qd) -> None:
     """Depths 2..K of vanilla mode (see the module docstring)."""
     n, k = st.n, opts.nextn
     if st.carry is None:
@@ -194,17 +199,16 @@ def _draft_vanilla(backend, st, seqs, out1, start1, q, opts, rng, qd) -> None:
         width = rows.max()
         hid = np.zeros((n, width, prev_out["hidden_out"].shape[-1]), prev_out["hidden_out"].dtype)
         toks = np.zeros((n, width), np.int32)
-        for i in range(n):
-            seq = seqs[st.order[i]].tokens
+        for i, s in enumerate(active):
             for r in range(rows[i]):
                 row = start[i] + r
                 pos = row + depth  # the token this row embeds: t_{row + depth}
-                toks[i, r] = seq[pos] if pos <= q[i] + 1 else st.drafts[i, pos - q[i] - 2]
+                toks[i, r] = s.tokens[pos] if pos <= q[i] + 1 else st.drafts[i, pos - q[i] - 2]
                 j = row - prev_start[i]
                 hid[i, r] = prev_out["hidden_out"][i, j] if j >= 0 else st.carry[i, depth - 1]
         out = backend.mtp(depth - 1, backend.manifest.mtp_graphs[depth - 1], n, hid, toks,
-                          start.astype(np.int32), logits=not opts.sampling.greedy)
-        d, p = _pick(out, "draft_logits", "draft_tokens", rows - 1, opts, rng)
+                          start.astype(np.int32), logits=qd is not None)
+        d, p = _pick(out, "draft_logits", "draft_tokens", rows - 1, active)
         st.drafts[:n, depth - 1] = d
         if qd is not None:
             qd.append(p)
@@ -216,27 +220,30 @@ def _draft_vanilla(backend, st, seqs, out1, start1, q, opts, rng, qd) -> None:
         prev_out, prev_start = out, start
 
 
-def verify(backend: Backend, st: State, opts: DecodeOptions, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Run the target on [last, drafts] and accept.  Returns accepted tokens [n, K+1] (then -1), the number
-    of drafts accepted [n], and the hidden states [n, K+1, D]."""
+def verify(backend: Backend, st: State, seqs, opts: DecodeOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run the target on [last, drafts] and accept: greedy sequences as the graph does (relaxed while thinking
+    when asked), sampling ones by lossless rejection sampling with their own parameters.  Returns accepted
+    tokens [n, K+1] (then -1), the number of drafts accepted [n], and the hidden states [n, K+1, D]."""
     n = st.n
+    active = _active(st, seqs)
     ids = np.concatenate([st.last[:n, None], st.drafts[:n]], 1).astype(np.int32)
-    greedy = opts.sampling.greedy
-    out = backend.target(n, ids, st.main_len[:n], st.thinking[:n], opts.relaxed_topk if greedy else 0,
-                         opts.relaxed_delta, logits=not greedy)
-    if greedy:
-        tokens, num = out["accepted_tokens"], out["num_accepted"]
-        st.thinking[:n] = out["thinking_out"]
-    else:
-        p = probabilities(out["logits"], opts.sampling)
-        q = st.q_dist if st.q_dist is not None else np.zeros((n, 0, p.shape[-1]))
-        tokens, num = speculative_accept(p, q[:n], st.drafts[:n], rng)
-        st.thinking[:n] = [thinking_after(t[:m + 1], f, opts.think_ids) for t, m, f in zip(tokens, num, st.thinking[:n])]
+    before = st.thinking[:n].copy()
+    out = backend.target(n, ids, st.main_len[:n], before, opts.relaxed_topk, opts.relaxed_delta,
+                         logits=_samples(active))
+    tokens, num = out["accepted_tokens"].copy(), out["num_accepted"].copy()
+    st.thinking[:n] = out["thinking_out"]
+    for i, s in enumerate(active):
+        if s.sampling.greedy:
+            continue
+        p = probabilities(out["logits"][i:i + 1], s.sampling)
+        q = st.q_dist[i:i + 1] if st.q_dist is not None and opts.nextn else np.zeros((1, 0, p.shape[-1]))
+        t, m = speculative_accept(p, q, st.drafts[i:i + 1], s.rng)
+        tokens[i], num[i] = t[0], m[0]
+        st.thinking[i] = thinking_after(t[0, :m[0] + 1], before[i], opts.think_ids)
     return tokens, num, out["hidden_states"]
 
 
-def fused_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, opts: DecodeOptions,
-               rows: int) -> None:
+def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOptions, rows: int) -> None:
     """Greedy: verify, accept and draft in one backend call: the export's `step_K` graph, or with
     opts.tree_graph its tree graph (verify the tree, accept its longest path, commit it, draft the next tree:
     exporters/tree.py, exporters/tree_vanilla.py).  Vanilla passes and keeps the carried hidden states of
@@ -258,14 +265,14 @@ def fused_step(backend: Backend, st: State, seqs: list[Sequence], stats: Stats, 
         st.mtp_len[:n] = st.main_len[:n, None] + 1 - np.arange(1, st.mtp_len.shape[1] + 1)
     if "carry_out" in out:
         st.carry[:n, 1:] = out["carry_out"]
-    for i in range(n):
-        if seqs[st.order[i]].finish_reason is None:  # a tree step logs its tokens, then its parents
+    for i, s in enumerate(_active(st, seqs)):
+        if s.finish_reason is None:  # a tree step logs its tokens, then its parents
             drafts = st.tree_tokens[i].tolist() + st.tree_parents[i].tolist() if tree else st.drafts[i].tolist()
-            seqs[st.order[i]].draft_log.append((int(st.main_len[i]) - 1, drafts))
+            s.draft_log.append((int(st.main_len[i]) - 1, drafts))
 
 
-def accept(st: State, seqs: list[Sequence], tokens: np.ndarray, num: np.ndarray, stats: Stats,
-           opts: DecodeOptions, rows: int) -> np.ndarray:
+def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, opts: DecodeOptions,
+           rows: int) -> np.ndarray:
     """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions.
     Returns the start rows of this step (the old main_len) for the MTP depth-1 update."""
     n = st.n
@@ -277,80 +284,221 @@ def accept(st: State, seqs: list[Sequence], tokens: np.ndarray, num: np.ndarray,
     stats.accepted_tokens += int((num + 1).sum())
     stats.proposed += n
     stats.accepted += (num[:, None] > np.arange(opts.nextn)).sum(0)
-    for i in range(n):
-        s = seqs[st.order[i]]
+    for i, s in enumerate(_active(st, seqs)):
         s.steps += 1
         new = tokens[i, :num[i] + 1].tolist()
-        room = opts.max_new_tokens - len(s.generated)
-        for j, t in enumerate(new[:room]):
+        room = s.max_new_tokens - len(s.generated)
+        for t in new[:room]:
             s.tokens.append(t)
             if t in opts.eos_ids:
                 s.finish_reason = "stop"
                 break
-        if s.finish_reason is None and len(s.generated) >= opts.max_new_tokens:
+        if s.finish_reason is None and len(s.generated) >= s.max_new_tokens:
             s.finish_reason = "length"
         if s.finish_reason is None and st.main_len[i] + 2 * opts.nextn + 2 > rows:
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
     return start
 
 
-def retire(backend: Backend, st: State, seqs: list[Sequence], *extra: np.ndarray) -> None:
-    """Move finished sequences behind the active ones (swapping one slot's cache rows per finish); `extra`
-    per-slot arrays of this step (hidden states, start rows) are permuted alike."""
+def _swap(backend: Backend, st: State, i: int, j: int, *extra: np.ndarray) -> None:
+    """Exchange slots i and j: their cache rows and every per-slot array (and `extra` ones)."""
+    if i == j:
+        return
+    backend.swap_slots(i, j)
+    for arr in (st.order, st.main_len, st.last, st.thinking, st.drafts, st.mtp_len, st.q_dist, st.carry,
+                st.tree_tokens, st.tree_parents, *extra):
+        if arr is not None:
+            arr[[i, j]] = arr[[j, i]]
+
+
+def retire(backend: Backend, st: State, seqs, *extra: np.ndarray) -> None:
+    """Move finished sequences behind the active ones (swapping one slot's cache rows per finish, none for those
+    already last); `extra` per-slot arrays of this step (hidden states, start rows) are permuted alike."""
+    done = lambda i: seqs[int(st.order[i])].finish_reason is not None  # noqa: E731
     i = 0
     while i < st.n:
-        if seqs[st.order[i]].finish_reason is None:
-            i += 1
+        while st.n > i and done(st.n - 1):
+            st.n -= 1
+        if i < st.n and done(i):
+            _swap(backend, st, i, st.n - 1, *extra)
+            st.n -= 1
+        i += 1
+
+
+# --------------------------------------------------------------------------------- continuous batching
+@dataclasses.dataclass
+class Join:
+    """Sequences being prefilled, chunk by chunk, in the free slots first .. first+m-1 (behind the active ones)."""
+
+    ids: list[int]  # their sequence ids
+    first: int  # their first slot
+    done: np.ndarray  # [m] prompt tokens already in the cache
+    hidden: list[list[np.ndarray]]  # per sequence, the target's hidden states of its prompt, chunk by chunk
+    last: np.ndarray  # [m] the first generated token (valid once its prompt is done)
+
+
+@dataclasses.dataclass
+class Batch:
+    """A running decode: up to `capacity` sequences in the backend's slots, new ones joining between steps
+    (their prompts prefilled in chunks, so that the running ones wait at most one chunk), finished and
+    cancelled ones leaving (gpt-fast's generate.py style: functions over this explicit state)."""
+
+    st: State
+    seqs: dict  # sequence id -> Sequence: the active ones and those joining
+    stats: Stats
+    opts: DecodeOptions
+    rows: int  # cache rows per sequence
+    joining: Join | None = None
+
+    @property
+    def capacity(self) -> int:
+        return len(self.st.order)
+
+    @property
+    def free(self) -> int:
+        """Slots a new sequence may join now."""
+        return 0 if self.joining else self.capacity - self.st.n
+
+
+def open_batch(backend: Backend, opts: DecodeOptions, capacity: int, rows: int) -> Batch:
+    """Load the graphs, allocate `capacity` slots of `rows` cache rows, no sequence yet."""
+    backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)
+    backend.allocate(capacity, rows)
+    k = opts.nextn
+    depths = 1 if backend.manifest.mtp_mode == "eagle" else max(k, 1)
+    zeros = lambda *shape: np.zeros((capacity, *shape), np.int32)  # noqa: E731
+    st = State(order=np.full(capacity, -1, np.int64), n=0, main_len=zeros(), last=zeros(), thinking=zeros(),
+               drafts=zeros(k), q_dist=None, mtp_len=zeros(depths), carry=None)
+    if opts.tree_graph:
+        st.tree_tokens, st.tree_parents = zeros(opts.tree.budget), zeros(opts.tree.budget)
+    stats = Stats(proposed=np.zeros(k, np.int64), accepted=np.zeros(k, np.int64))
+    return Batch(st, {}, stats, opts, rows)
+
+
+def admit(batch: Batch, new: dict) -> None:
+    """Start prefilling `new` (sequence id -> Sequence, at most batch.free) into the free slots; prefill_chunk
+    runs their prompts and makes them active."""
+    st = batch.st
+    if not new or len(new) > batch.free:
+        raise ValueError(f"admit: {len(new)} sequences for {batch.free} free slots")
+    for s in new.values():
+        s.tokens = list(s.prompt)
+    batch.seqs.update(new)
+    m = len(new)
+    st.order[st.n:st.n + m] = list(new)
+    batch.joining = Join(list(new), st.n, np.zeros(m, np.int64), [[] for _ in range(m)], np.zeros(m, np.int32))
+
+
+def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> bool:
+    """Run the next `chunk` prompt tokens (None: all) of every joining sequence through the target; when every
+    prompt is done, pick the first tokens, fill the MTP caches, draft, and make the sequences active.  The
+    joining slots are swapped to the front for the call (the backend runs slots 0..m-1) and back.  Returns
+    whether they joined."""
+    st, opts, j = batch.st, batch.opts, batch.joining
+    seqs = [batch.seqs[i] for i in j.ids]
+    m, n = len(seqs), st.n
+    lens = np.array([len(s.prompt) for s in seqs])
+    width = int((lens - j.done).max()) if chunk is None else min(chunk, int((lens - j.done).max()))
+    ids = np.zeros((m, width), np.int32)
+    for i, s in enumerate(seqs):
+        part = s.prompt[j.done[i]: j.done[i] + width]
+        ids[i, :len(part)] = part
+    thinking = np.array([thinking_after(s.prompt, 0, opts.think_ids) for s in seqs], np.int32)
+    ends = (j.done < lens) & (j.done + width >= lens)  # prompts that end in this chunk
+    logits = _samples([s for s, e in zip(seqs, ends) if e])
+    for i in range(m):
+        _swap(backend, st, i, j.first + i)
+    st.n = m
+    out = backend.target(m, ids, np.minimum(j.done, lens).astype(np.int32), thinking, 0, 0.0, logits=logits)
+    for i, s in enumerate(seqs):
+        take = min(width, lens[i] - j.done[i])
+        if take > 0:
+            j.hidden[i].append(out["hidden_states"][i, :take])
+        if ends[i]:
+            row = {key: out[key][i:i + 1] for key in ("target_tokens", "logits") if key in out}
+            j.last[i] = _pick(row, "logits", "target_tokens", np.array([take - 1]), [s])[0][0]
+    j.done = np.minimum(j.done + width, lens)
+    joined = bool((j.done == lens).all())
+    if joined:
+        _start(backend, batch, seqs, lens, thinking)
+    for i in reversed(range(m)):
+        _swap(backend, st, i, j.first + i)
+    st.n = n
+    if joined:
+        for i in range(m):  # behind the active ones (which may have shrunk meanwhile)
+            _swap(backend, st, st.n + i, j.first + i)
+        st.n += m
+        batch.joining = None
+        retire(backend, st, batch.seqs)
+    return joined
+
+
+def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarray, thinking: np.ndarray) -> None:
+    """The joining sequences (in slots 0..m-1, st.n = m) with their prompts done: the first token, the state,
+    the first drafts, the first stop conditions."""
+    st, opts, j = batch.st, batch.opts, batch.joining
+    m = len(seqs)
+    st.main_len[:m], st.last[:m], st.mtp_len[:m] = lens, j.last, 0
+    st.thinking[:m] = [thinking_after([t], f, opts.think_ids) for t, f in zip(j.last.tolist(), thinking)]
+    for s, t in zip(seqs, j.last.tolist()):
+        s.tokens.append(t)
+    if opts.nextn:
+        hidden = np.zeros((m, lens.max(), j.hidden[0][0].shape[-1]), j.hidden[0][0].dtype)
+        for i, parts in enumerate(j.hidden):
+            hidden[i, :lens[i]] = np.concatenate(parts)
+        draft(backend, st, batch.seqs, hidden, np.zeros(m, np.int32), opts)
+        if opts.tree_graph:  # the chain's drafts are the first tree step's tree
+            st.tree_tokens[:m], st.tree_parents[:m] = chain_tree(st.drafts[:m], opts.tree.budget)
+    for s in seqs:
+        if s.finish_reason is not None:  # cancelled while joining
             continue
-        j = st.n - 1
-        if i != j:
-            backend.swap_slots(i, j)
-            for arr in (st.order, st.main_len, st.last, st.thinking, st.drafts, st.mtp_len, st.q_dist, st.carry,
-                        st.tree_tokens, st.tree_parents, *extra):
-                if arr is not None:
-                    arr[[i, j]] = arr[[j, i]]
-        st.n -= 1
+        if s.tokens[-1] in opts.eos_ids:
+            s.finish_reason = "stop"
+        elif s.max_new_tokens <= 1:
+            s.finish_reason = "length"
+        elif len(s.tokens) + 2 * opts.nextn + 2 > batch.rows:
+            s.finish_reason, s.message = "length", f"KV cache full ({batch.rows} rows per sequence)"
+
+
+def step(backend: Backend, batch: Batch, on_accept=None) -> None:
+    """One decode step of the active sequences: cancelled ones leave first; verify, accept (`on_accept()` then
+    may finish sequences, e.g. at a stop string), retire the finished ones, draft.  Fused into one graph call
+    when every active sequence is greedy and the export has the step (or tree) graph."""
+    st, seqs, opts = batch.st, batch.seqs, batch.opts
+    retire(backend, st, seqs)
+    if not st.n:
+        return
+    greedy = not _samples(_active(st, seqs))
+    # vanilla's step and tree graphs need every depth's window to start at row >= 0 (main_len >= K - 1)
+    early = backend.manifest.mtp_mode == "vanilla" and st.main_len[:st.n].min() < opts.nextn - 1
+    if greedy and not early and (opts.tree_graph or backend.has_step(opts.nextn)):
+        fused_step(backend, st, seqs, batch.stats, opts, batch.rows)
+        if on_accept:
+            on_accept()
+        retire(backend, st, seqs)
+        return
+    tokens, num, hidden = verify(backend, st, seqs, opts)
+    start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows)
+    if on_accept:
+        on_accept()
+    retire(backend, st, seqs, hidden, start)
+    if opts.nextn and st.n:
+        draft(backend, st, seqs, hidden[:st.n], start[:st.n], opts)
+        if opts.tree_graph:  # the chain's drafts are the next tree step's tree
+            st.tree_tokens[:st.n], st.tree_parents[:st.n] = chain_tree(st.drafts[:st.n], opts.tree.budget)
 
 
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,
              on_step=None) -> tuple[list[Sequence], Stats]:
-    """Decode a batch of prompts.  `on_step(seqs)` is called after every verify step (for streaming)."""
-    backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)
-    rng = np.random.default_rng(seed)
-    seqs = [Sequence(prompt=list(p)) for p in prompts]
+    """Decode a batch of prompts: all join at once, then steps until every one has finished.  Sequence i
+    samples with sequence_rng(seed, i).  `on_step(seqs)` is called after every verify step (for streaming)."""
+    seqs = [Sequence(prompt=list(p), sampling=opts.sampling, max_new_tokens=opts.max_new_tokens,
+                     rng=sequence_rng(seed, i)) for i, p in enumerate(prompts)]
     rows = min(backend.manifest.max_seq_len,
                max(len(p) for p in prompts) + opts.max_new_tokens + 2 * opts.nextn + 2)
-    backend.allocate(len(seqs), rows)
-    stats = Stats(proposed=np.zeros(opts.nextn, np.int64), accepted=np.zeros(opts.nextn, np.int64))
-    st, _ = prefill(backend, seqs, opts, rng)
-    for s, first in zip(seqs, st.last):
-        if first in opts.eos_ids:
-            s.finish_reason = "stop"
-        elif opts.max_new_tokens <= 1:
-            s.finish_reason = "length"
-        elif len(s.tokens) + 2 * opts.nextn + 2 > rows:
-            s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
-    retire(backend, st, seqs)
-    fused = opts.sampling.greedy and backend.has_step(opts.nextn)
-    vanilla = backend.manifest.mtp_mode == "vanilla"
-    if opts.tree_graph:
-        st.tree_tokens, st.tree_parents = chain_tree(st.drafts, opts.tree.budget)
-    while st.n:
-        # vanilla's step and tree graphs need every depth's window to start at row >= 0 (main_len >= K - 1)
-        early = vanilla and st.main_len[:st.n].min() < opts.nextn - 1
-        if not early and (opts.tree_graph or fused):
-            fused_step(backend, st, seqs, stats, opts, rows)
-            if on_step:
-                on_step(seqs)
-            retire(backend, st, seqs)
-            continue
-        tokens, num, hidden = verify(backend, st, opts, rng)
-        start = accept(st, seqs, tokens, num, stats, opts, rows)
-        if on_step:
-            on_step(seqs)
-        retire(backend, st, seqs, hidden, start)
-        if opts.nextn and st.n:
-            draft(backend, st, seqs, hidden[:st.n], start[:st.n], opts, rng)
-            if opts.tree_graph:  # the chain's drafts are the next tree step's tree
-                st.tree_tokens, st.tree_parents = chain_tree(st.drafts, opts.tree.budget)
-    return seqs, stats
+    batch = open_batch(backend, opts, len(seqs), rows)
+    admit(batch, dict(enumerate(seqs)))
+    prefill_chunk(backend, batch)
+    while batch.st.n:
+        step(backend, batch, (lambda: on_step(seqs)) if on_step else None)
+    return seqs, batch.stats

@@ -9,6 +9,7 @@ import torch
 
 from hf_models import BASE
 from mtp_trt.config import ModelConfig
+from mtp_trt.decode import admit, open_batch, prefill_chunk, step
 from mtp_trt.exporters.export import export
 from mtp_trt.exporters.loader import save_checkpoint
 from mtp_trt.exporters.model import DeepseekV3
@@ -77,3 +78,26 @@ def make_random(path: Path, nextn: int = 2, seed: int = 0, **overrides) -> Path:
 def export_both(ckpt: Path, root: Path, nextn: int) -> dict[str, Path]:
     return {mode: export(ckpt, root / mode, nextn=nextn, mtp_mode=mode, max_seq_len=256, trees="none")
             for mode in ("eagle", "vanilla")}
+
+
+def drive(backend, opts, seqs: list, schedule: dict, capacity: int, chunk: int | None, rows: int = 512):
+    """Decode `seqs` with continuous batching: schedule[t] = ("admit", [i...]) or ("cancel", [i...]) before
+    step t (admissions wait for free slots and for the previous join).  Returns the number of steps."""
+    batch = open_batch(backend, opts, capacity, rows)
+    pending, t = [], 0
+    while True:
+        kind, which = schedule.get(t, (None, []))
+        if kind == "admit":
+            pending += which
+        elif kind == "cancel":
+            for i in which:
+                seqs[i].finish_reason = "cancelled"
+        if pending and batch.free:
+            take, pending = pending[:batch.free], pending[batch.free:]
+            admit(batch, {i: seqs[i] for i in take})
+        if batch.joining:
+            prefill_chunk(backend, batch, chunk)
+        step(backend, batch)
+        t += 1
+        if not (pending or batch.joining or batch.st.n or any(k > t for k in schedule)):
+            return t

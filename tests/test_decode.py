@@ -1,19 +1,22 @@
 """The MTP decode loop on ONNX Runtime: greedy output equals plain greedy decoding of the PyTorch
 reference for every nextn and both modes, whatever the batch; wrong drafts are rewound; drafts equal
 a from-scratch PyTorch recomputation of the MTP chain; relaxed acceptance and the thinking switch;
-seeded sampling is reproducible; stop conditions."""
+seeded sampling is reproducible; stop conditions; continuous batching (sequences joining in chunks and leaving
+between steps) changes no sequence's tokens."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
 from mtp_trt.backend import OrtBackend
-from mtp_trt.decode import DecodeOptions, generate
+from mtp_trt.decode import DecodeOptions, Sequence, generate, sequence_rng
 from mtp_trt.exporters.generate import greedy_generate
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import Manifest
 from mtp_trt.sampling import SamplingParams
-from runtime_models import EOS, THINK, export_both, make_self_drafting
+from runtime_models import EOS, THINK, drive, export_both, make_self_drafting
 
 K = 3
 PROMPTS = [[5, 17, 33, 2, 8, 41, 7, 19], [60, 3], [11, 12, 13, 14, 15], [70, 71, 72, 9, 30, 31]]
@@ -228,3 +231,23 @@ def test_backend_loads_only_the_graphs_a_decode_runs(setup, tmp_path):
     assert set(be.sessions) == {"target", "mtp_0", f"step_{K}"}
     with pytest.raises(MtpTrtError, match=r"step_1\.onnx: ONNX Runtime cannot load this graph"):
         be.prepare(1, greedy=True)
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_joining_and_leaving_change_no_sequence(setup, mode):
+    """Continuous batching, greedy and sampling mixed: prompts join in chunks of 2 tokens while others decode
+    (vanilla: early unfused steps while a short prompt's windows fill), one is cancelled mid-way, others finish
+    and free their slots: each sequence's tokens equal `generate` of its prompt alone (the greedy ones plain
+    greedy decoding of the PyTorch reference), the sampling one with its seed."""
+    _, backends, reference = setup
+    backend = backends[mode]
+    opts = DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,), think_ids=THINK)
+    sampled = dataclasses.replace(opts, sampling=SamplingParams(temperature=0.9, top_k=20))
+    alone = generate(backend, [PROMPTS[2]], sampled, seed=5)[0][0].generated
+    seqs = [Sequence(p, max_new_tokens=NEW) for p in PROMPTS] + [Sequence(PROMPTS[0], max_new_tokens=NEW)]
+    seqs[2] = Sequence(PROMPTS[2], sampling=sampled.sampling, max_new_tokens=NEW, rng=sequence_rng(5, 0))
+    schedule = {0: ("admit", [1]), 1: ("admit", [0, 4]), 3: ("admit", [2, 3]), 5: ("cancel", [4])}
+    drive(backend, opts, seqs, schedule, capacity=3, chunk=2, rows=128)
+    assert [seqs[i].generated for i in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
+    assert seqs[2].generated == alone and alone != reference[2]
+    assert seqs[4].finish_reason == "cancelled" and len(seqs[4].generated) < len(reference[0])

@@ -15,14 +15,14 @@ from typer.testing import CliRunner
 
 from mtp_trt.backend import OrtBackend
 from mtp_trt.cli import app
-from mtp_trt.decode import DecodeOptions, generate
+from mtp_trt.decode import DecodeOptions, Sequence, generate
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.export import export
 from mtp_trt.manifest import Manifest
 from mtp_trt.sampling import SamplingParams
 from mtp_trt.trt import manifest as em
 from mtp_trt.trt import plan
-from runtime_models import EOS, THINK, make_self_drafting
+from runtime_models import EOS, THINK, drive, make_self_drafting
 from trt_fakes import fake_backend
 
 pytestmark = pytest.mark.trt
@@ -406,3 +406,15 @@ def test_tensorrt_error_lines_are_in_the_error(setup):
         "Error Code 2" in msg and "| MlaGenerationAttention plugin, enqueue: CudaKernelError: error 35" in msg
     assert "earlier" not in msg
     assert "\n" not in msg and backend.loader.messages(mark, limit=20).startswith("...")
+
+
+def test_continuous_batching_equals_onnxruntime(setup, greedy):
+    """Sequences joining between steps (prefilled in chunks of 4, swapped to the front slots for it) and leaving
+    (one cancelled): the runtime gives ONNX Runtime's greedy tokens for the others."""
+    ref, engines = setup
+    backend = fake_backend(engines["plugin"], ref)
+    seqs = [Sequence(p, max_new_tokens=24) for p in PROMPTS + PROMPTS[:1]]
+    drive(backend, _opts(K), seqs, {0: ("admit", [1, 3]), 2: ("admit", [0]), 3: ("cancel", [3]), 4: ("admit", [2])},
+          capacity=3, chunk=4, rows=64)
+    assert [s.generated for s in seqs[:3]] == greedy[0]
+    assert seqs[3].finish_reason == "cancelled"

@@ -1,0 +1,297 @@
+"""The serving engine: one thread runs the decode loop (mtp_trt.decode's continuous batching) over a Runner;
+requests join the running batch between steps, stream their text back, and leave when finished or cancelled.
+
+Callers (the HTTP layer, mtp_trt/serve_http.py) never block the engine: `submit` and `cancel` take a lock for
+a moment, and each request's events (new text, the end) are handed to the caller's asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from mtp_trt.decode import Batch, DecodeOptions, Sequence, admit, open_batch, prefill_chunk, sequence_rng, step
+from mtp_trt.runner import Runner
+from mtp_trt.sampling import SamplingParams
+
+
+def _deliver(items: list) -> None:
+    """(on a request's event loop) put a round's events into their queues."""
+    for queue, event in items:
+        queue.put_nowait(event)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at --max-queue."""
+
+
+class ShuttingDown(Exception):
+    """The server no longer admits requests."""
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """`text` up to the earliest stop string in it (and whether there was one)."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(hits)], True) if hits else (text, False)
+
+
+def held_back(text: str, stop: tuple[str, ...]) -> int:
+    """Characters at the end of `text` not to stream yet: the longest suffix that begins a stop string, or an
+    incomplete UTF-8 character."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request in the engine: its sequence, its stop strings, what has been streamed, where events go.
+    Events are ("text", str) and, last, ("end", finish_reason) or ("error", HTTP status, message)."""
+
+    id: int
+    seq: Sequence
+    stop: tuple[str, ...]
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    text: str = ""  # the generated text so far, cut at a stop string
+    sent: int = 0  # characters of `text` already sent
+    decoded: int = -1  # generated tokens `text` was decoded from
+    counted: int = 0  # generated tokens counted in the engine's figures
+    ended: bool = False
+
+
+
+@dataclasses.dataclass
+class EngineFigures:
+    """What the engine has done, for /metrics (counters only grow)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict = dataclasses.field(default_factory=dict)  # finish reason -> requests
+    drafts: int = 0  # sequence-steps that verified drafts
+    draft_tokens: int = 0
+    accepted_per_pos: np.ndarray | None = None
+    recent: deque = dataclasses.field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) per step
+
+
+class Engine:
+    """Continuous batching over `runner`: up to `max_batch` sequences decode together, up to `max_queue` wait.
+    `opts` holds what every request shares (nextn, relaxed acceptance, EOS and thinking tokens); each request
+    brings its sampling, length limit, seed and stop strings.  `chunk`: prompt tokens per sequence prefilled
+    between two decode steps."""
+
+    def __init__(self, runner: Runner, opts: DecodeOptions, max_batch: int = 16, max_queue: int = 64,
+                 chunk: int = 256, rows: int | None = None):
+        self.runner, self.opts, self.chunk = runner, opts, chunk
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.rows = rows or runner.manifest.max_seq_len
+        self.batch: Batch = open_batch(runner.backend, opts, max_batch, self.rows)
+        self.ids = itertools.count()
+        self.lock = threading.Condition()
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[int, Request] = {}  # in the batch (joining or active)
+        self.cancelled: set[int] = set()
+        self.admitting = True
+        self.stopping = False
+        self.outbox: dict[asyncio.AbstractEventLoop, list] = {}  # this round's events, by the loop they go to
+        self.figures = EngineFigures(accepted_per_pos=np.zeros(opts.nextn, np.int64))
+        self.thread = threading.Thread(target=self._loop, name="mtp-trt-engine", daemon=True)
+
+    # ------------------------------------------------------------------ called from any thread
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt a request may bring (room for one decode step after it)."""
+        return self.rows - 2 * self.opts.nextn - 2
+
+    def start(self) -> None:
+        self._warm_up()
+        self.thread.start()
+
+    def _warm_up(self) -> None:
+        """Decode a few tokens of `max_batch` short sequences before the first request, so that requests do not
+        pay for the backend's first-use allocations at full batch."""
+        backend, batch = self.runner.backend, self.batch
+        prompt = self.runner.encode("warm up")
+        admit(batch, {-1 - i: Sequence(prompt, max_new_tokens=4) for i in range(self.max_batch)})
+        while batch.joining:
+            prefill_chunk(backend, batch, self.chunk)
+        while batch.st.n:
+            step(backend, batch)
+        batch.seqs.clear()
+
+    def submit(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, seed: int | None,
+               stop: tuple[str, ...], loop: asyncio.AbstractEventLoop) -> Request:
+        """Queue a request (prompt ids that fit: max_prompt_tokens); its events arrive on the returned Request's
+        queue, on `loop`.  Raises QueueFull or ShuttingDown."""
+        rng = sequence_rng(seed) if seed is not None else np.random.default_rng()
+        seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new_tokens, rng=rng)
+        with self.lock:
+            if not self.admitting:
+                raise ShuttingDown()
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull()
+            r = Request(next(self.ids), seq, stop, asyncio.Queue(), loop)
+            self.waiting.append(r)
+            self.lock.notify()
+        return r
+
+    def cancel(self, r: Request) -> None:
+        """Drop a request (its client left): from the queue, or from the batch at the next step boundary."""
+        with self.lock:
+            if r in self.waiting:
+                self.waiting.remove(r)
+                r.ended = True
+            elif not r.ended:
+                self.cancelled.add(r.id)
+                self.lock.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(waiting, running) requests."""
+        with self.lock:
+            return len(self.waiting), len(self.requests)
+
+    def stop(self, timeout: float) -> None:
+        """Admit nothing more, let the running requests finish for up to `timeout` seconds, cancel the rest,
+        and end the engine thread."""
+        with self.lock:
+            self.admitting = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(self.counts()):
+            time.sleep(0.02)
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def close_admission(self) -> None:
+        with self.lock:
+            self.admitting = False
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not (self.waiting or self.requests or self.stopping):
+                    self.lock.wait()
+                if self.stopping:
+                    leaving, self.requests = list(self.requests.values()) + list(self.waiting), {}
+                    self.waiting.clear()
+                    break
+                cancelled, self.cancelled = self.cancelled, set()
+                new = []
+                while self.waiting and len(new) < self.batch.free:
+                    new.append(self.waiting.popleft())
+                self.requests |= {r.id: r for r in new}
+            try:
+                self._turn(new, cancelled)
+            except Exception as e:  # a backend failure fails the requests in flight, not the server
+                self._fail(f"{type(e).__name__}: {e}")
+        for r in leaving:
+            if not r.ended:
+                r.ended = True
+                self._post(r, "error", 503, "the server is shutting down")
+        self._flush()
+
+    def _turn(self, new: list[Request], cancelled: set[int]) -> None:
+        """One round: cancellations, admissions, one prefill chunk, one decode step, the requests' events."""
+        backend, batch = self.runner.backend, self.batch
+        for i in cancelled:
+            if i in batch.seqs and batch.seqs[i].finish_reason is None:
+                batch.seqs[i].finish_reason = "cancelled"
+                self.requests[i].ended = True
+                self.figures.finished["cancelled"] = self.figures.finished.get("cancelled", 0) + 1
+        if new:
+            admit(batch, {r.id: r.seq for r in new})
+            self.figures.prompt_tokens += sum(len(r.seq.prompt) for r in new)
+        if batch.joining:
+            prefill_chunk(backend, batch, self.chunk)
+        before = (batch.stats.seq_steps, batch.stats.accepted.copy())
+        if batch.st.n:
+            step(backend, batch, self._stop_strings)
+        self._count_drafts(*before)
+        self._events()
+        self._flush()
+
+    def _stop_strings(self) -> None:
+        """After a step's tokens are accepted: decode the active sequences' text, finishing those at a stop string."""
+        st = self.batch.st
+        for i in st.order[:st.n].tolist():
+            self._text(self.requests[i])
+
+    def _text(self, r: Request) -> None:
+        if r.decoded == len(r.seq.generated):
+            return
+        r.decoded = len(r.seq.generated)
+        r.text, hit = cut_at_stop(self.runner.decode(r.seq.generated), r.stop)
+        if hit and r.seq.finish_reason is None:
+            r.seq.finish_reason = "stop"
+
+    def _count_drafts(self, seq_steps: int, accepted: np.ndarray) -> None:
+        s, f = self.batch.stats, self.figures
+        if self.opts.nextn:
+            f.drafts += s.seq_steps - seq_steps
+            f.draft_tokens += (s.seq_steps - seq_steps) * self.opts.nextn
+            f.accepted_per_pos += s.accepted - accepted
+
+    def _events(self) -> None:
+        """Send each request its new text; end the finished ones and let them go."""
+        batch, st = self.batch, self.batch.st
+        joining = set(batch.joining.ids) if batch.joining else set()
+        active = set(st.order[:st.n].tolist())
+        for i, r in list(self.requests.items()):
+            if i in joining:
+                continue
+            tokens = len(r.seq.generated) - r.counted  # counted before the request hears of them (/metrics)
+            if tokens:
+                r.counted += tokens
+                self.figures.generation_tokens += tokens
+                self.figures.recent.append((time.monotonic(), tokens))
+            if not r.ended:
+                self._text(r)
+                done = r.seq.finish_reason is not None
+                upto = len(r.text) if done else len(r.text) - held_back(r.text, r.stop)
+                if upto > r.sent:
+                    self._post(r, "text", r.text[r.sent:upto])
+                    r.sent = upto
+                if done:
+                    r.ended = True
+                    self.figures.finished[r.seq.finish_reason] = self.figures.finished.get(r.seq.finish_reason, 0) + 1
+                    self._post(r, "end", r.seq.finish_reason)
+            if r.seq.finish_reason is not None and i not in active:
+                del batch.seqs[i]
+                with self.lock:
+                    del self.requests[i]
+
+    def _post(self, r: Request, *event) -> None:
+        """Queue an event for a request; _flush hands a round's events over, one wake-up per event loop."""
+        self.outbox.setdefault(r.loop, []).append((r.events, event))
+
+    def _flush(self) -> None:
+        for loop, items in self.outbox.items():
+            loop.call_soon_threadsafe(_deliver, items)
+        self.outbox = {}
+
+    def _fail(self, message: str) -> None:
+        """End every request in the batch with an error and start a fresh batch."""
+        with self.lock:
+            failed, self.requests = list(self.requests.values()), {}
+        for r in failed:
+            if not r.ended:
+                r.ended = True
+                self._post(r, "error", 500, message)
+        self._flush()
+        self.batch = open_batch(self.runner.backend, self.opts, self.max_batch, self.rows)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last `window` seconds."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self.figures.recent) if now - t <= window]
+        return sum(n for _, n in recent) / window if recent else 0.0

@@ -1,0 +1,400 @@
+"""Continuous batching (mtp_trt/decode.py: admit, prefill_chunk, step) and `mtp-trt serve` (mtp_trt/serve.py,
+mtp_trt/serve_http.py).
+
+The decode core: a greedy sequence's tokens are the same whatever joins (prefilled in chunks) or leaves
+(finished or cancelled) beside it, and equal a decode of its prompt alone (`Runner.run`, `generate`); a seeded
+sampling sequence draws the same tokens alone or in a batch.  The server, on the demo checkpoint's export, with
+the real `openai` client: completions and chat, streamed and not, several clients at once giving `mtp-trt run`'s
+text; a stream closed mid-way cancels its request and leaves the others intact; bad requests get OpenAI's error
+objects; a full queue 429; /metrics parses as Prometheus text with vLLM's counters; SIGTERM lets a running
+request finish.  (The same schedules on the other MTP mode: tests/test_decode.py; on the TensorRT runtime:
+tests/test_trt_runtime.py.)"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from typer.testing import CliRunner
+
+from mtp_trt.cli import app
+from mtp_trt.decode import Sequence, generate, sequence_rng
+from mtp_trt.runner import open_runner
+from mtp_trt.sampling import SamplingParams
+from runtime_models import drive
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from mtp_trt.serve import Engine, cut_at_stop, held_back  # noqa: E402
+from mtp_trt.serve_http import serve  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "def main():", "In the beginning", "Hello, world"]
+NEW = 40
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+# ------------------------------------------------------------------------------------------- the decode core
+@pytest.fixture(scope="module")
+def demo():
+    return open_runner(None)
+
+
+def test_greedy_tokens_do_not_depend_on_what_joins_or_leaves(demo):
+    """Five prompts in three slots: joins in chunks of 3 tokens while others decode, one cancelled mid-way, a
+    sampling request beside the greedy ones (their steps then run unfused): every greedy sequence gets exactly
+    `Runner.run`'s tokens for its prompt alone, and the sampling one its own tokens alone with the same seed."""
+    opts = demo.options(None, max_new_tokens=NEW)
+    want = [demo.run([p], opts).results[0].tokens for p in PROMPTS]
+    sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    alone = demo.run([PROMPTS[4]], demo.options(None, max_new_tokens=NEW, sampling=sampled), seed=11).results[0]
+    ids = [demo.encode(p) for p in PROMPTS]
+    seqs = [Sequence(ids[i], max_new_tokens=NEW) for i in range(4)]
+    seqs.append(Sequence(ids[4], sampling=sampled, max_new_tokens=NEW, rng=sequence_rng(11, 0)))
+    schedule = {0: ("admit", [0, 1]), 2: ("admit", [2]), 4: ("cancel", [1]), 5: ("admit", [3, 4])}
+    drive(demo.backend, opts, seqs, schedule, capacity=3, chunk=3)
+    for i in (0, 2, 3):
+        assert seqs[i].generated == want[i], PROMPTS[i]
+        assert seqs[i].finish_reason == "length"
+    assert seqs[1].finish_reason == "cancelled" and 0 < len(seqs[1].generated) < NEW
+    assert seqs[4].generated == alone.tokens and alone.tokens != want[4]
+
+
+def test_stop_strings_are_held_back_until_decided():
+    assert cut_at_stop("abc STOP def", ("STOP", "c S")) == ("ab", True)
+    assert cut_at_stop("abc", ("x",)) == ("abc", False)
+    assert held_back("hello ST", ("STOP",)) == 2 and held_back("hello", ("STOP",)) == 0
+    assert held_back("ab\ufffd", ()) == 1
+
+
+# ------------------------------------------------------------------------------------------- the server
+class Reply:
+    """An HTTP answer: status and body (the standard library's client, so that nothing but the server and the
+    openai client is under test)."""
+
+    def __init__(self, status: int, text: str):
+        self.status_code, self.text = status, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def call(url: str, method: str, path: str, body=None, headers=None) -> Reply:
+    host, port = url[7:].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    data = body if isinstance(body, (str, type(None))) else json.dumps(body)
+    conn.request(method, path, data, {"content-type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    reply = Reply(r.status, r.read().decode())
+    conn.close()
+    return reply
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server in a background thread."""
+
+    def __init__(self, engine: Engine, name: str, api_key: str | None = None):
+        self.port, ready = free_port(), threading.Event()
+        self.server = None
+
+        def on_ready(server):
+            self.server = server
+            ready.set()
+
+        self.thread = threading.Thread(target=serve, args=(engine, name, "127.0.0.1", self.port, api_key, 5.0),
+                                       kwargs={"log_level": "warning", "ready": on_ready}, daemon=True)
+        self.thread.start()
+        assert ready.wait(60), "the server did not start"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, demo):
+    """The demo export, copied with a chat template, served with 4 slots."""
+    root = tmp_path_factory.mktemp("served") / "demo-chat"
+    shutil.copytree(demo.manifest.root, root)
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>"}))
+    runner = open_runner(root)
+    s = Running(Engine(runner, runner.options(None), max_batch=4, max_queue=16, chunk=8), "demo-chat")
+    yield s
+    s.close()
+
+
+def metrics(url: str) -> dict:
+    """Every sample of /metrics: (name, sorted labels without model_name) -> value."""
+    text = call(url, "GET", "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
+def test_concurrent_clients_get_mtp_trt_runs_text(server):
+    """Six clients at once (four slots: two wait in the queue), greedy, streamed and not: each text equals
+    `mtp-trt run`'s for its prompt."""
+    r = CliRunner().invoke(app, ["run", *[x for p in PROMPTS for x in ("-p", p)], "--max-new-tokens", str(NEW),
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    want = [x["text"] for x in json.loads(r.stdout[r.stdout.index("{"):])["results"]]
+    jobs = [(p, i % 2 == 0) for i, p in enumerate(PROMPTS + PROMPTS[:1])]
+
+    def ask(job):
+        prompt, streamed = job
+        kw = {"model": "demo-chat", "prompt": prompt, "max_tokens": NEW, "temperature": 0}
+        if not streamed:
+            out = server.client.completions.create(**kw)
+            return out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens
+        text, reason, usage = "", None, None
+        for chunk in server.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            usage = chunk.usage or usage
+        return text, reason, usage.completion_tokens
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(ask, jobs))
+    assert [g[0] for g in got] == want + want[:1]
+    assert all(g[1] == "length" and g[2] == NEW for g in got)
+
+
+def test_chat_streamed_and_not(server, demo):
+    """The chat template renders the messages; the reply is the greedy continuation of that text."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
+    prompt = "<s><|system|>Be brief.\n<|user|>Tell me a story\n<|assistant|>"
+    ids = demo.tokenizer.encode(prompt, add_special_tokens=False).ids
+    seqs, _ = generate(demo.backend, [ids], demo.options(None, max_new_tokens=24))
+    want = demo.decode(seqs[0].generated)
+    out = server.client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=24, temperature=0)
+    assert out.choices[0].message.content == want and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 24
+    parts = list(server.client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=24,
+                                                       temperature=0, stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == want
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_seed_and_mtp_figures(server, demo):
+    """A stop string ends the text before it (finish_reason stop), streamed or not; a seed reproduces a sampled
+    completion; the opt-in MTP figures count the request's steps."""
+    full = server.client.completions.create(model="demo-chat", prompt=PROMPTS[0], max_tokens=NEW, temperature=0)
+    text = full.choices[0].text
+    stop = text[10:13]
+    cut = text[:text.index(stop)]
+    for streamed in (False, True):
+        kw = dict(model="demo-chat", prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stop=[stop, "\x01"])
+        if streamed:
+            chunks = list(server.client.completions.create(**kw, stream=True))
+            got, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            out = server.client.completions.create(**kw)
+            got, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (got, reason) == (cut, "stop")
+    kw = dict(model="demo-chat", prompt=PROMPTS[1], max_tokens=NEW, temperature=1.0, top_p=0.9, seed=3)
+    a, b = (server.client.completions.create(**kw).choices[0].text for _ in range(2))
+    c = server.client.completions.create(**{**kw, "seed": 4}).choices[0].text
+    assert a == b != c
+    alone = demo.run([PROMPTS[1]], demo.options(None, max_new_tokens=NEW, sampling=SamplingParams(1.0, 0, 0.9)), seed=3)
+    assert alone.results[0].text == a  # `mtp-trt run --seed 3` draws the same
+    r = call(server.url, "POST", "/v1/completions", {"model": "demo-chat", "prompt": PROMPTS[2], "max_tokens": NEW,
+                                                     "temperature": 0, "mtp_stats": True}).json()
+    assert 0 < r["mtp"]["steps"] < NEW - 1 and r["mtp"]["mean_accepted_tokens_per_step"] > 1
+
+
+def test_cancelled_stream_leaves_the_others_intact(server):
+    """A client closing its stream mid-way cancels its request (its slot freed, counted as cancelled); a request
+    decoding beside it still gets its full greedy text."""
+    want = server.client.completions.create(model="demo-chat", prompt=PROMPTS[3], max_tokens=NEW * 3,
+                                            temperature=0).choices[0].text
+    before = metrics(server.url)
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(lambda: server.client.completions.create(model="demo-chat", prompt=PROMPTS[3],
+                                                                     max_tokens=NEW * 3, temperature=0))
+        stream = server.client.completions.create(model="demo-chat", prompt=PROMPTS[0], max_tokens=2000,
+                                                  temperature=0, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        assert other.result().choices[0].text == want
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = metrics(server.url)
+        if m[("vllm:num_requests_running", ())] == 0:
+            break
+        time.sleep(0.1)
+    key = ("vllm:request_success_total", (("finished_reason", "cancelled"),))
+    assert m[key] - before.get(key, 0) == 1
+    assert m[("vllm:num_requests_running", ())] == 0
+    assert m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())] < 2000
+
+
+def error_of(response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ('{"model": "demo-chat", "prompt": "a", ', 400, None),  # malformed JSON
+    ('{"model": "demo-chat", "prompt": "a", "max_tokens": "5"}', 400, "max_tokens"),  # wrong type
+    ('{"model": "demo-chat", "prompt": 5}', 400, "prompt"),
+    ('{"model": "demo-chat", "prompt": "a", "temperature": NaN}', 400, "temperature"),  # non-finite
+    ('{"model": "demo-chat", "prompt": "a", "top_p": 1e999}', 400, "top_p"),
+    ('{"model": "demo-chat", "prompt": "a", "max_tokens": 0}', 400, "max_tokens"),
+    ('{"model": "demo-chat", "prompt": "a", "max_tokens": -3}', 400, "max_tokens"),
+    ('{"model": "demo-chat", "prompt": "a", "n": 2}', 400, "n"),
+    ('{"model": "demo-chat", "prompt": "a", "temperature": 3}', 400, "temperature"),
+    ('{"model": "demo-chat", "prompt": ""}', 400, "prompt"),
+    ('{"model": "other", "prompt": "a"}', 404, "model"),  # unknown model
+    ('{"prompt": "a"}', 400, "model"),
+    ('[1, 2]', 400, None),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    r = call(server.url, "POST", "/v1/completions", body)
+    assert r.status_code == status, r.text
+    e = error_of(r)
+    assert e["param"] == param and e["message"] and e["type"] == "invalid_request_error"
+
+
+def test_prompt_too_long_and_chat_errors(server, demo):
+    long_prompt = "a" * 5000
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model="demo-chat", prompt=long_prompt, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded" and "at most" in e.value.body["message"]
+    r = call(server.url, "POST", "/v1/chat/completions", {"model": "demo-chat", "messages": []})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages"
+    r = call(server.url, "POST", "/v1/chat/completions", {"model": "demo-chat", "messages": [{"content": "x"}]})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages.0.role"
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    # the running batch is undisturbed: a good request still gets run's text
+    assert server.client.completions.create(model="demo-chat", prompt=PROMPTS[0], max_tokens=NEW,
+                                            temperature=0).choices[0].text == \
+        demo.decode(demo.run([PROMPTS[0]], demo.options(None, max_new_tokens=NEW)).results[0].tokens)
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client.models.list().data] == ["demo-chat"]
+    assert call(server.url, "GET", "/health").json() == {"status": "ok"}
+    before = metrics(server.url)
+    r = call(server.url, "POST", "/v1/completions", {"model": "demo-chat", "prompt": PROMPTS[4], "max_tokens": 30,
+                                                     "temperature": 0, "mtp_stats": True}).json()
+    after = metrics(server.url)
+    delta = {k: v - before.get(k, 0) for k, v in after.items()}
+    k = 3  # the demo export's nextn
+    steps = r["mtp"]["steps"]
+    assert delta[("vllm:generation_tokens_total", ())] == r["usage"]["completion_tokens"] == 30
+    assert delta[("vllm:prompt_tokens_total", ())] == r["usage"]["prompt_tokens"]
+    assert delta[("vllm:spec_decode_num_drafts_total", ())] == steps
+    assert delta[("vllm:spec_decode_num_draft_tokens_total", ())] == steps * k
+    accepted = delta[("vllm:spec_decode_num_accepted_tokens_total", ())]
+    per_pos = [delta[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(j)),))] for j in range(k)]
+    assert accepted == sum(per_pos) and per_pos == sorted(per_pos, reverse=True)
+    assert 29 - steps <= accepted <= 29 - steps + k  # 30 tokens = first + per step (accepted + 1), the last cut
+    assert after[("vllm:num_requests_waiting", ())] == 0
+
+
+@pytest.fixture(scope="module")
+def tight(demo):
+    """The demo checkpoint served with one slot and one queue place, with an API key; no chat template."""
+    runner = open_runner(demo.manifest.root)
+    s = Running(Engine(runner, runner.options(1), max_batch=1, max_queue=1), "demo", api_key="sekret")
+    yield s
+    s.close()
+
+
+def test_full_queue_api_key_and_no_chat_template(tight):
+    """One running, one waiting: the third request gets 429 at once; once both streams are closed the server
+    takes requests again.  A wrong key is 401; a checkpoint without a chat template answers chat with 400."""
+    r = call(tight.url, "POST", "/v1/completions", {"model": "demo", "prompt": "a"})
+    assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    kw = dict(model="demo", prompt=PROMPTS[0], max_tokens=3000, temperature=0)
+    running = tight.client.completions.create(**kw, stream=True)
+    next(iter(running))  # decoding
+    waiting = tight.client.completions.create(**kw, stream=True)  # its headers come at once: it is queued
+    deadline = time.monotonic() + 10
+    while metrics(tight.url)[("vllm:num_requests_waiting", ())] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(openai.RateLimitError) as e:
+        tight.client.completions.create(**kw)
+    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    running.close()
+    waiting.close()
+    short = tight.client.completions.create(**{**kw, "max_tokens": 8})  # the slot and the queue place are free
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        tight.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}])
+
+
+def test_sigterm_finishes_the_running_request(demo, tmp_path):
+    """`mtp-trt serve`: after SIGTERM the streaming request still completes (and ends with [DONE]), new
+    and the process exits as on any SIGTERM, without a traceback."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mtp_trt.cli", "serve", str(demo.manifest.root), "--port", str(port),
+                             "--shutdown-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if call(url, "GET", "/health").status_code == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        body = {"model": demo.manifest.root.name, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+                "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        r = conn.getresponse()
+        lines = []
+        while line := r.readline():
+            if line.strip():
+                lines.append(line.decode().strip())
+            if len(lines) == 3:
+                proc.send_signal(signal.SIGTERM)
+        conn.close()
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 128 + signal.SIGTERM  # as every mtp-trt command ends on SIGTERM
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bad_options_and_a_busy_port_are_one_line(demo):
+    r = CliRunner().invoke(app, ["serve", "--max-batch", "0"])
+    assert r.exit_code == 2 and "--max-batch" in r.output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = CliRunner().invoke(app, ["serve", str(demo.manifest.root), "--port", str(s.getsockname()[1])])
+    assert r.exit_code == 2 and "cannot listen there" in r.output and "Traceback" not in r.output
