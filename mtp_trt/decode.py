@@ -360,9 +360,13 @@ class Batch:
         return 0 if self.joining else self.capacity - self.st.n
 
 
-def open_batch(backend: Backend, opts: DecodeOptions, capacity: int, rows: int) -> Batch:
-    """Load the graphs, allocate `capacity` slots of `rows` cache rows, no sequence yet."""
-    backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)
+def open_batch(backend: Backend, opts: DecodeOptions, capacity: int, rows: int, mixed: bool = False) -> Batch:
+    """Load the graphs, allocate `capacity` slots of `rows` cache rows, no sequence yet.  `mixed`: sequences
+    bring their own sampling (a server), so both the greedy graphs (the fused step) and what sampling reads
+    (the logits) are prepared, whatever opts.sampling says."""
+    backend.prepare(opts.nextn, opts.sampling.greedy or mixed, opts.tree_graph)
+    if mixed:
+        backend.prepare(opts.nextn, False, opts.tree_graph)
     backend.allocate(capacity, rows)
     k = opts.nextn
     depths = 1 if backend.manifest.mtp_mode == "eagle" else max(k, 1)

@@ -92,7 +92,7 @@ class Engine:
         self.runner, self.opts, self.chunk = runner, opts, chunk
         self.max_batch, self.max_queue = max_batch, max_queue
         self.rows = rows or runner.manifest.max_seq_len
-        self.batch: Batch = open_batch(runner.backend, opts, max_batch, self.rows)
+        self.batch: Batch = open_batch(runner.backend, opts, max_batch, self.rows, mixed=True)
         self.ids = itertools.count()
         self.lock = threading.Condition()
         self.waiting: deque[Request] = deque()
@@ -288,7 +288,7 @@ class Engine:
                 r.ended = True
                 self._post(r, "error", 500, message)
         self._flush()
-        self.batch = open_batch(self.runner.backend, self.opts, self.max_batch, self.rows)
+        self.batch = open_batch(self.runner.backend, self.opts, self.max_batch, self.rows, mixed=True)
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         """Generated tokens per second over the last `window` seconds."""

@@ -80,10 +80,11 @@ def export_both(ckpt: Path, root: Path, nextn: int) -> dict[str, Path]:
             for mode in ("eagle", "vanilla")}
 
 
-def drive(backend, opts, seqs: list, schedule: dict, capacity: int, chunk: int | None, rows: int = 512):
+def drive(backend, opts, seqs: list, schedule: dict, capacity: int, chunk: int | None, rows: int = 512,
+          mixed: bool = False):
     """Decode `seqs` with continuous batching: schedule[t] = ("admit", [i...]) or ("cancel", [i...]) before
     step t (admissions wait for free slots and for the previous join).  Returns the number of steps."""
-    batch = open_batch(backend, opts, capacity, rows)
+    batch = open_batch(backend, opts, capacity, rows, mixed)
     pending, t = [], 0
     while True:
         kind, which = schedule.get(t, (None, []))

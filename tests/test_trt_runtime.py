@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from mtp_trt.backend import OrtBackend
 from mtp_trt.cli import app
-from mtp_trt.decode import DecodeOptions, Sequence, generate
+from mtp_trt.decode import DecodeOptions, Sequence, generate, sequence_rng
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.export import export
 from mtp_trt.manifest import Manifest
@@ -418,3 +418,19 @@ def test_continuous_batching_equals_onnxruntime(setup, greedy):
           capacity=3, chunk=4, rows=64)
     assert [s.generated for s in seqs[:3]] == greedy[0]
     assert seqs[3].finish_reason == "cancelled"
+
+
+def test_continuous_batching_mixes_greedy_and_sampling(setup, greedy):
+    """A batch opened for requests with their own sampling (as the server opens it) on greedy options: the
+    engines' logits are read for the sampling sequence (it draws as `generate` does alone with its seed),
+    the greedy ones still give ONNX Runtime's greedy tokens through the fused step."""
+    ref, engines = setup
+    sampled = _opts(K, sampling=SamplingParams(temperature=0.9, top_k=20))
+    alone = generate(fake_backend(engines["plugin"], ref), [PROMPTS[2]], sampled, seed=5)[0][0].generated
+    backend = fake_backend(engines["plugin"], ref)
+    seqs = [Sequence(p, max_new_tokens=24) for p in PROMPTS[:3]]
+    seqs[2] = Sequence(PROMPTS[2], sampling=sampled.sampling, max_new_tokens=24, rng=sequence_rng(5, 0))
+    drive(backend, _opts(K), seqs, {0: ("admit", [0, 2]), 2: ("admit", [1])}, capacity=3, chunk=4, rows=64,
+          mixed=True)
+    assert [s.generated for s in seqs[:2]] == greedy[0][:2]
+    assert seqs[2].generated == alone and alone != greedy[0][2]
