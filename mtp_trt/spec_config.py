@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mtp_trt.config import MAX_TOKEN_ID
+from mtp_trt.config import MAX_NEXTN, MAX_TOKEN_ID
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import MAX_JSON_DEPTH, check_json_limits, parse_json
 
@@ -89,10 +89,10 @@ def _check_keys(data: dict, valid: set[str], source: str, flavour: str) -> None:
                           f"{', '.join(sorted(valid))}")
 
 
-def _int(data: dict, key: str, source: str, default: int | None = None) -> int:
+def _int(data: dict, key: str, source: str, default: int | None = None, most: int = MAX_NEXTN) -> int:
     v = data.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOKEN_ID:
-        raise MtpTrtError(f"{source}: '{key}' must be an integer in 0..{MAX_TOKEN_ID}, got {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= most:
+        raise MtpTrtError(f"{source}: '{key}' must be an integer in 0..{most}, got {v!r}")
     return v
 
 
@@ -109,7 +109,7 @@ def _trtllm(data: dict, source: str) -> SpecConfig:
         raise MtpTrtError(f"{source}: 'relaxed_delta' must be a non-negative number, got {delta!r}")
     vanilla = data.get("use_mtp_vanilla")
     return SpecConfig(nextn=nextn, mtp_mode=None if vanilla is None else "vanilla" if vanilla else "eagle",
-                      relaxed_topk=_int(data, "relaxed_topk", source, 1) if relaxed else 0,
+                      relaxed_topk=_int(data, "relaxed_topk", source, 1, MAX_TOKEN_ID) if relaxed else 0,
                       relaxed_delta=float(delta) if relaxed else 0.0)
 
 

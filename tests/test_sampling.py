@@ -83,7 +83,8 @@ def test_spec_configs(data, expected, tmp_path):
      "unknown TensorRT-LLM speculative_config key(s) 'num_nextn_predict_layer'; valid keys: decoding_type, "),
     ({"decoding_type": "Eagle", "num_nextn_predict_layers": 3}, "decoding_type 'Eagle' is not supported; valid: 'MTP'"),
     ({"method": "ngram", "num_speculative_tokens": 3}, "method 'ngram' is not supported; valid methods: deepseek_mtp, mtp"),
-    ({"method": "deepseek_mtp", "num_speculative_tokens": -1}, "'num_speculative_tokens' must be a non-negative integer"),
+    ({"method": "deepseek_mtp", "num_speculative_tokens": -1}, "'num_speculative_tokens' must be an integer in 0..16, got -1"),
+    ({"method": "deepseek_mtp", "num_speculative_tokens": 17}, "'num_speculative_tokens' must be an integer in 0..16, got 17"),
     ({"method": "deepseek_mtp", "n": 1}, "unknown vLLM speculative_config key(s) 'n'; valid keys: "),
     ({"nextn": 3}, "expected TensorRT-LLM's 'decoding_type' or vLLM's 'method' key"),
 ])
