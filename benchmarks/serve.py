@@ -21,7 +21,7 @@ first text) / (tokens - 1)) at p50/p90/p99 over all requests of the round.
 clients, a mix of good ones (greedy, streamed or not, 64 tokens), streams closed after a few chunks, and
 malformed ones (bad JSON, wrong types, max_tokens 0, unknown model): every good request must get the text the
 same prompt gets alone, every bad one its 400/404 error object; the server's resident memory is read before
-and after each of two passes (idle each time).
+and after each of --passes passes (idle each time).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def stress(a) -> None:
                     failures.append((i, kind))
 
         after = []
-        for _ in range(2):  # twice: memory that grows again in the second pass would be a leak
+        for _ in range(a.passes):  # memory that grows pass after pass would be a leak
             t0 = time.perf_counter()
             work = iter(range(a.requests))
             lock_work = threading.Lock()
@@ -250,10 +250,10 @@ def stress(a) -> None:
         s.stop()
     cancelled = [line for line in metrics.splitlines() if line.startswith("vllm:request_success_total") and
                  "cancelled" in line]
-    print(f"2 x {a.requests} requests from {max(a.clients)} clients (the second pass {seconds:.1f} s): {counts}; "
-          f"failures: {failures or 'none'}; {cancelled[0] if cancelled else 'no cancellation counted'}; resident "
-          f"memory idle {idle:.0f} MB before, {after[0]:.0f} MB after the first pass, {after[1]:.0f} MB after the "
-          f"second")
+    print(f"{a.passes} x {a.requests} requests from {max(a.clients)} clients (the last pass {seconds:.1f} s): "
+          f"{counts}; failures: {failures or 'none'}; {cancelled[0] if cancelled else 'no cancellation counted'}; "
+          f"resident memory idle {idle:.0f} MB before, then after each pass: "
+          f"{', '.join(f'{m:.0f}' for m in after)} MB")
 
 
 def main():
@@ -261,6 +261,7 @@ def main():
     ap.add_argument("--llama-python", help="Python of a venv with llama-cpp-python[server]")
     ap.add_argument("--stress", action="store_true", help="the nothing-lost run instead (see the docstring)")
     ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--passes", type=int, default=4, help="--stress: passes of --requests requests")
     ap.add_argument("--sdist", type=Path, help="llama-cpp-python's sdist (only if the demo's GGUF is not cached)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--nextn", type=int, nargs="+", default=[0, 1, 2, 3])

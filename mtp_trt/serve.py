@@ -8,6 +8,7 @@ a moment, and each request's events (new text, the end) are handed to the caller
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import itertools
 import threading
@@ -79,6 +80,15 @@ class EngineFigures:
     draft_tokens: int = 0
     accepted_per_pos: np.ndarray | None = None
     recent: deque = dataclasses.field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) per step
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim) when the batch runs dry: the
+    decode's buffers for a full batch are freed between bursts, and without this the process keeps them."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class Engine:
@@ -179,6 +189,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.lock:
+                if not (self.waiting or self.requests or self.stopping):
+                    release_free_memory()
                 while not (self.waiting or self.requests or self.stopping):
                     self.lock.wait()
                 if self.stopping:
