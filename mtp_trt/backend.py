@@ -17,7 +17,8 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.manifest import Manifest
+from mtp_trt.manifest import Manifest, cache_slot
+from mtp_trt.tree import tree_spec
 from mtp_trt.validate import cache_bytes, check_memory
 
 TARGET_OUTPUTS = ("accepted_tokens", "num_accepted", "thinking_out", "target_tokens", "hidden_states")
@@ -207,7 +208,7 @@ class OrtBackend(Backend):
         if tree and tree not in self.manifest.graphs:
             raise MtpTrtError(f"{self.manifest.root}: the export has no tree graph {tree} (trees: "
                               f"{', '.join(self.manifest.raw.get('trees') or []) or 'none'}); export with --trees "
-                              f"{tree[5:].replace('_', ':')}")
+                              f"{tree_spec(tree)}")
         for name in self.graphs_for(nextn, greedy, tree):
             self.session(name)
 
@@ -269,9 +270,8 @@ class OrtBackend(Backend):
             g = self.manifest.graphs[name]
             groups: dict[int, list[tuple[str, str, int, str]]] = {}
             for kv, new in zip(g.kv_inputs, g.kv_outputs):
-                j = int(kv[7:]) if kv.startswith("mtp_kv_") else 0
-                family, index = ("target", int(kv[3:])) if kv.startswith("kv_") else (f"mtp{j}", 0)
-                groups.setdefault(-j, []).append((kv, family, index, new))
+                slot = cache_slot(kv)
+                groups.setdefault(slot.offset, []).append((kv, slot.family, slot.index, new))
             outputs = [t.name for t in g.outputs if t.name not in g.kv_outputs] + g.kv_outputs
             self.plans[name] = ({t.name for t in g.inputs} - set(g.kv_inputs), outputs, sorted(groups.items()))
         return self.plans[name]

@@ -13,6 +13,7 @@ they had, in `cache_dir("verified")`; later calls re-hash only files whose stat 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -182,6 +183,32 @@ class GraphSpec:
         return cls(name=name, file=g["file"], sha256=g["sha256"], inputs=[TensorSpec(**t) for t in g["inputs"]],
                    outputs=[TensorSpec(**t) for t in g["outputs"]], kv_inputs=g["kv_inputs"],
                    kv_outputs=g["kv_outputs"], commits=g.get("commits", {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSlot:
+    """Where a graph's cache input lives: persistent cache `family` (target | mtp0 | mtp1 ...), buffer `index`
+    of it, and the row offset of the graph's window from past_len (vanilla step depth j + 1: -j)."""
+
+    family: str
+    index: int
+    offset: int = 0
+
+
+@functools.cache
+def cache_slot(name: str, mtp_family: str = "mtp0") -> CacheSlot:
+    """kv_i -> target[i]; kv (an MTP graph's own cache) -> `mtp_family`; mtp_kv -> mtp0 (eagle step);
+    mtp_kv_j -> mtp{j} at offset -j (vanilla step: depth j + 1's window starts j rows earlier)."""
+    if name == "kv":
+        return CacheSlot(mtp_family, 0)
+    if name == "mtp_kv":
+        return CacheSlot("mtp0", 0)
+    if name.startswith("mtp_kv_"):
+        j = int(name.removeprefix("mtp_kv_"))
+        return CacheSlot(f"mtp{j}", 0, -j)
+    if name.startswith("kv_"):
+        return CacheSlot("target", int(name.removeprefix("kv_")))
+    raise MtpTrtError(f"{name!r} is not a cache input of the graph contract (kv_i, kv, mtp_kv, mtp_kv_j)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,12 @@ class TreeShape:
         return self.topk + (self.depth - 1) * self.topk ** 2
 
 
+def tree_spec(graph: str) -> str:
+    """DEPTH:TOPK:BUDGET of tree graph `graph` (TreeShape.graph's inverse), as --trees takes it."""
+    depth, topk, budget = graph.removeprefix("tree_").split("_")
+    return f"{depth}:{topk}:{budget}"
+
+
 # The trees an export carries by default, in either mode (each one step graph), as DEPTH:TOPK:BUDGET; chosen by
 # `mtp-trt bench` on the demo checkpoint (docs/benchmarks.md).
 DEFAULT_TREES = (TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 3, 8))

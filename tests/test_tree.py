@@ -18,7 +18,7 @@ from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.exporters.tree import TreeStepGraph
 from mtp_trt.manifest import Manifest
 from mtp_trt.sampling import SamplingParams
-from mtp_trt.tree import TreeShape, accept_tree_reference, chain_tree, parse_trees, tree_shape
+from mtp_trt.tree import TreeShape, accept_tree_reference, chain_tree, parse_trees, tree_shape, tree_spec
 from runtime_models import EOS, THINK, make_self_drafting
 
 K = 3
@@ -411,3 +411,8 @@ def test_demo_tree_decoding_equals_transformers_generate(tmp_path, mode):
     assert [s.generated for s in seqs] == want
     _, chain = generate(runner.backend, ids, runner.options(3, max_new_tokens=new))
     assert tree.mean_accepted > chain.mean_accepted
+
+
+@pytest.mark.parametrize("shape", [TreeShape(2, 2, 4), TreeShape(3, 3, 8), TreeShape(16, 16, 128), TreeShape(12, 10, 99)])
+def test_tree_spec_inverts_the_graph_name(shape):
+    assert tree_spec(shape.graph) == shape.spec and parse_trees(tree_spec(shape.graph)) == (shape,)

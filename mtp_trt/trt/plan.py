@@ -13,37 +13,11 @@ import functools
 import math
 
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.manifest import GraphSpec, Manifest, TensorSpec
+from mtp_trt.manifest import CacheSlot, GraphSpec, Manifest, TensorSpec, cache_slot  # noqa: F401 (the runtime's)
 from mtp_trt.trt import manifest as em
 
 ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int32": 4, "int64": 8}
 GENERATION, PREFILL = "generation", "prefill"
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSlot:
-    """Where a graph's cache input lives: persistent cache `family` (target | mtp0 | mtp1 ...), buffer `index`
-    of it, and the row offset of the graph's window from past_len (vanilla step depth j + 1: -j)."""
-
-    family: str
-    index: int
-    offset: int = 0
-
-
-@functools.cache
-def cache_slot(name: str, mtp_family: str = "mtp0") -> CacheSlot:
-    """kv_i -> target[i]; kv (an MTP graph's own cache) -> `mtp_family`; mtp_kv -> mtp0 (eagle step);
-    mtp_kv_j -> mtp{j} at offset -j (vanilla step: depth j + 1's window starts j rows earlier)."""
-    if name == "kv":
-        return CacheSlot(mtp_family, 0)
-    if name == "mtp_kv":
-        return CacheSlot("mtp0", 0)
-    if name.startswith("mtp_kv_"):
-        j = int(name[7:])
-        return CacheSlot(f"mtp{j}", 0, -j)
-    if name.startswith("kv_"):
-        return CacheSlot("target", int(name[3:]))
-    raise MtpTrtError(f"{name!r} is not a cache input of the graph contract (kv_i, kv, mtp_kv, mtp_kv_j)")
 
 
 def cache_families(m: Manifest) -> dict[str, int]:

@@ -37,6 +37,7 @@ from mtp_trt.backend import TARGET_OUTPUTS, Backend
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.trt import manifest as em
 from mtp_trt.trt import plan
+from mtp_trt.tree import tree_spec
 
 HOST_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16, "int32": np.int32}  # bf16: raw bits
 DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
@@ -221,7 +222,7 @@ class TrtBackend(Backend):
     def prepare(self, nextn, greedy, tree=None):
         if tree and tree not in self.em.engines:
             raise MtpTrtError(f"{self.root}: no {tree}.engine (engines.json lists {', '.join(self.em.engines)}); "
-                              f"build engines of an export made with --trees {tree[5:].replace('_', ':')}")
+                              f"build engines of an export made with --trees {tree_spec(tree)}")
         for name in self.graphs_for(nextn, greedy, tree):
             self.engine(name)
         self.sampling = not greedy
