@@ -156,9 +156,12 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
 
 
 def held_back(text: str, stop: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` could begin a stop string: not shown until decided."""
-    return max((n for x in stop for n in range(min(len(x) - 1, len(text)), 0, -1) if text.endswith(x[:n])),
-               default=0)
+    """How many characters at the end of `text` not to show until decided: a character still incomplete (U+FFFD
+    from a partial UTF-8 sequence, waiting for its next tokens) and, before it, the longest suffix that could
+    begin a stop string."""
+    body = text.rstrip("\ufffd")
+    return len(text) - len(body) + max(
+        (n for x in stop for n in range(min(len(x) - 1, len(body)), 0, -1) if body.endswith(x[:n])), default=0)
 
 
 @dataclasses.dataclass
@@ -297,8 +300,7 @@ class Runner:
                 text, stopped = cut_at_stop(self.decode(s.generated), stop)
                 if stopped and s.finish_reason is None:
                     s.finish_reason = "stop"
-                if not text.endswith("\ufffd"):  # a character still incomplete waits for its next tokens
-                    show(i, text if stopped else text[: len(text) - held_back(text, stop)])
+                show(i, text if stopped else text[: len(text) - held_back(text, stop)])
 
         ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate)
         self.backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)  # loading is not decoding time

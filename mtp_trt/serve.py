@@ -18,7 +18,7 @@ from collections import deque
 import numpy as np
 
 from mtp_trt.decode import Batch, DecodeOptions, Sequence, admit, open_batch, prefill_chunk, sequence_rng, step
-from mtp_trt.runner import Runner
+from mtp_trt.runner import Runner, cut_at_stop, held_back
 from mtp_trt.sampling import SamplingParams
 
 
@@ -34,21 +34,6 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The server no longer admits requests."""
-
-
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
-    """`text` up to the earliest stop string in it (and whether there was one)."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return (text[:min(hits)], True) if hits else (text, False)
-
-
-def held_back(text: str, stop: tuple[str, ...]) -> int:
-    """Characters at the end of `text` not to stream yet: the longest suffix that begins a stop string, or an
-    incomplete UTF-8 character."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
-    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
 
 
 @dataclasses.dataclass(eq=False)

@@ -291,8 +291,9 @@ def check_memory(need: int, what: str) -> None:
 
 
 def cache_bytes(cfg, caches: int, batch: int, rows: int, bytes_per_value: int) -> int:
-    """Bytes of `caches` latent KV caches of `batch` sequences x `rows` rows (the runtime's, allocated once)."""
-    return caches * batch * rows * cfg.latent_dim * bytes_per_value
+    """Bytes of `caches` persistent caches (one per layer: the latent and, DSA, the indexer's key) of `batch`
+    sequences x `rows` rows (the runtime's, allocated once)."""
+    return caches * batch * rows * cfg.cache_dim * bytes_per_value
 
 
 def check_export_memory(cfg, bytes_per_value: int, what: str) -> None:

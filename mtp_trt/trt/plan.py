@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 
+from mtp_trt import validate
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.manifest import CacheSlot, GraphSpec, Manifest, TensorSpec, cache_slot  # noqa: F401 (the runtime's)
 from mtp_trt.trt import manifest as em
@@ -146,9 +147,8 @@ def output_layout(ios: list[EngineIO], batch: int, rows: int, s_max: int,
 
 
 def cache_bytes(m: Manifest, batch: int, rows: int) -> int:
-    """Device memory of every persistent latent cache for `batch` sequences of `rows` rows."""
-    per = batch * rows * m.config.latent_dim * ITEMSIZE[m.dtype]
-    return per * sum(cache_families(m).values())
+    """Device memory of every persistent cache for `batch` sequences of `rows` rows."""
+    return validate.cache_bytes(m.config, sum(cache_families(m).values()), batch, rows, ITEMSIZE[m.dtype])
 
 
 def runtime_problem(m: em.EngineManifest, cc: str | None, why_no_gpu: str, flavour_version: str | None,
