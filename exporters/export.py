@@ -416,9 +416,8 @@ def configure(module, moe_form: str | None, cpu_ops: bool, scheme: quant.Scheme 
     module.fold = not scheme.quantized  # quantized: every projection a quantized matmul (graphs._Graph.fold)
     module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
     module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
-    if cpu_ops:  # mtp-trt's CPU operators: MoE (unless another form was asked for) and attention (not DSA's sparse
-        # attention, which runs in standard operators)
-        module.cpu, module.moe = not module.model.cfg.dsa, moe_form or "cpu"
+    if cpu_ops:  # mtp-trt's CPU operators: MoE (unless another form was asked for) and attention (DSA's included)
+        module.cpu, module.moe = True, moe_form or "cpu"
     return module
 
 

@@ -1,4 +1,6 @@
-"""DeepSeek Sparse Attention through the exported graphs on ONNX Runtime (the onnx lowering's standard operators).
+"""DeepSeek Sparse Attention through the exported graphs on ONNX Runtime: mtp-trt's CPU operators (LightningIndexer,
+MlaAttention over the selected rows) where they are available, as exports have them by default, and the onnx
+lowering's standard operators without them.
 
 Random DeepseekV32ForCausalLM and GlmMoeDsaForCausalLM checkpoints (MTP layers appended in DeepSeek's convention,
 each with its own indexer) with a small index_topk, so that the top-k decides what prompts and outputs longer than
@@ -14,6 +16,7 @@ from __future__ import annotations
 import subprocess
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -58,6 +61,43 @@ def case(request, tmp_path_factory):
     append_mtp_layers(ckpt, 2)
     out = export(ckpt, root / "export", nextn=2, mtp_mode=mode, max_seq_len=64, trees="2:2:4")
     return hf, ckpt, out, greedy(hf)
+
+
+def test_graphs_select_with_the_cpu_operators(case):
+    """Where mtp-trt's CPU operators are available (the default export), every graph's DSA layers run them: one
+    LightningIndexer per layer with its own indexer, and every MlaAttention node attends to a selection."""
+    from mtp_trt.plugins import ort_lib
+
+    if not ort_lib.available()[0]:
+        pytest.skip(f"mtp_trt.cpu operators: {ort_lib.available()[1]}")
+    _, _, out, _ = case
+    m = Manifest.load(out)
+    assert m.raw["cpu_ops"]
+    indexers = sum(m.config.has_indexer(i) for i in range(m.config.num_hidden_layers))
+    for name, graph in m.raw["graphs"].items():
+        nodes = onnx.load(out / graph["file"], load_external_data=False).graph.node
+        ops = [n for n in nodes if n.domain == "mtp_trt.cpu" and n.op_type in ("LightningIndexer", "MlaAttention")]
+        attention = [n for n in ops if n.op_type == "MlaAttention"]
+        assert attention and all(len(n.input) == 7 and n.input[6] for n in attention), name
+        selections = sum(n.op_type == "LightningIndexer" for n in ops)
+        assert selections == indexers if name == "target" else selections >= 1, name
+
+
+def test_standard_operators_decode_alike(tmp_path_factory):
+    """Without the CPU operators (`--no-cpu-ops`, or where the library is absent) DSA runs in standard operators:
+    greedy decoding, nextn 0 and MTP, equal to transformers' generate."""
+    arch, config, mode = CASES["v32-eagle"]
+    root = tmp_path_factory.mktemp("standard")
+    hf = make_draftable(make_dsa_model(arch, **config), 0.1)
+    hf.save_pretrained(root / "ckpt")
+    append_mtp_layers(root / "ckpt", 2)
+    out = export(root / "ckpt", root / "export", nextn=2, mtp_mode=mode, max_seq_len=64, trees="none", cpu_ops=False)
+    assert not Manifest.load(out).raw["cpu_ops"]
+    backend = OrtBackend(Manifest.load(out))
+    reference = greedy(hf)
+    for nextn in (0, 2):
+        seqs, _ = generate(backend, PROMPTS, DecodeOptions(nextn=nextn, max_new_tokens=NEW))
+        assert [s.generated for s in seqs] == reference, nextn
 
 
 def test_selection_matters(case):
