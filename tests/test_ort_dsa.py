@@ -186,10 +186,13 @@ import test_ort_dsa as t
 from mtp_trt.plugins import ort_lib
 lib = ctypes.CDLL(str(ort_lib.resolve_library()))
 lib.MtpOrtIndexPath.restype = ctypes.c_char_p
-ins = t.dsa_inputs(np.random.default_rng(21), 2, 3, 4, 24, 8, 12, 40, 333, 3, "batch", [333, 100])
-sel = t.indexer(ins, 12, 45, 0.15)
-np.savez(sys.argv[1], path=np.array(lib.MtpOrtIndexPath().decode()), sel=sel, y=t.mla(dict(ins, selected=sel), 4, 0.2),
-         want=t.ref_indexer(ins, 12, 45, 0.15))
+outs = {{"path": np.array(lib.MtpOrtIndexPath().decode())}}
+for hi in (12, 32):  # (AVX-512: rows across the lanes, or heads across them where they are a multiple of 16)
+    ins = t.dsa_inputs(np.random.default_rng(21), 2, 3, 4, 24, 8, hi, 40, 333, 3, "batch", [333, 100])
+    sel = outs[f"sel{{hi}}"] = t.indexer(ins, hi, 45, 0.15)
+    outs[f"want{{hi}}"] = t.ref_indexer(ins, hi, 45, 0.15)
+    outs[f"y{{hi}}"] = t.mla(dict(ins, selected=sel), 4, 0.2)
+np.savez(sys.argv[1], **outs)
 """
 
 
@@ -211,13 +214,15 @@ def test_every_instruction_set_path_selects_the_same_rows(path, tmp_path):
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "out.npz")], check=True, env=clean | env)
     out = np.load(tmp_path / "out.npz")
     assert str(out["path"]) == path
-    np.testing.assert_array_equal(out["sel"], out["want"])
+    for hi in (12, 32):
+        np.testing.assert_array_equal(out[f"sel{hi}"], out[f"want{hi}"])
     if path != "avx512":
         return
     for other in ("avx2", "scalar"):  # (the first run's values against each other path, in this process)
         subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{other}.npz")], check=True,
                        env=clean | PATHS[other][0])
-        close(np.load(tmp_path / f"{other}.npz")["y"], out["y"], 1e-6)
+        for hi in (12, 32):
+            close(np.load(tmp_path / f"{other}.npz")[f"y{hi}"], out[f"y{hi}"], 1e-6)
 
 
 # ----------------------------------------------------------------------------------------- errors
