@@ -661,8 +661,9 @@ struct LightningIndexerKernel {
         int32_t* out = nullptr;
         MTP_RETURN_IF(c.output(0, {b, s_len, k_out}, &out));
         const size_t tokens = size_t(b * s_len), ld = size_t(in.c), key_at = size_t(in.c - di);
-        const size_t width = size_t(in.t_len + in.r_len);  // one token's scores: its cached rows, then `rows`
-        std::vector<float> scores(tokens * width);
+        std::vector<size_t> at(tokens + 1, 0);  // token i's scores at `at[i]`: its cached rows, then `rows`
+        for (size_t tok = 0; tok < tokens; ++tok) at[tok + 1] = at[tok] + in.cached(tok / s_len) + size_t(in.r_len);
+        std::vector<float> scores(at[tokens]);
         // scores: per token, chunks of its cached rows (the last chunk also the token's `rows`), any thread each
         constexpr size_t chunk = 512;
         std::vector<std::pair<size_t, size_t>> items;  // (token, first cached row)
@@ -673,7 +674,7 @@ struct LightningIndexerKernel {
             const size_t bi = tok / s_len, si = tok % s_len, n = in.cached(bi), t1 = std::min(n, t0 + chunk);
             const float* qt = q.f() + tok * size_t(hi * di);
             const float* wt = w.f() + tok * size_t(hi);
-            float* st = scores.data() + tok * width;
+            float* st = scores.data() + at[tok];
             index_scores(qt, wt, size_t(hi), size_t(di), scale, in.cache_of(bi) + t0 * ld + key_at, ld, t1 - t0, st + t0);
             if (t1 < n) return;
             uint8_t* buf = reinterpret_cast<uint8_t*>(scratch(size_t(in.r_len)));
@@ -686,7 +687,7 @@ struct LightningIndexerKernel {
         auto select = [&](size_t tok) {
             const size_t n = in.cached(tok / s_len), visible = n + size_t(in.r_len);
             int32_t* o = out + tok * size_t(k_out);
-            const size_t got = select_top(scores.data() + tok * width, visible, size_t(k_out), scratch(visible), o);
+            const size_t got = select_top(scores.data() + at[tok], visible, size_t(k_out), scratch(visible), o);
             for (size_t r = 0; r < got; ++r)  // positions among the token's scores -> rows of cache then `rows`
                 if (size_t(o[r]) >= n) o[r] += int32_t(in.t_len - int64_t(n));
             std::fill(o + got, o + k_out, -1);
