@@ -271,12 +271,12 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
     if flat:
         mask = group.mask
         rows = latent if mask.extra_rows is None else torch.cat([mask.extra_rows, latent], 1)
-        if cfg.dsa and indexer is not None:
+        if indexer is not None:
             group.selection = cpu_selection(indexer, x, c_q, rows, cache, group)
         o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.valid_len, mask.visible, group.selection, nh,
                                cfg.softmax_scale)
     else:
-        if cfg.dsa and indexer is not None:
+        if indexer is not None:
             group.selection = sparse_selection(indexer, x, c_q, keys, cache, group)
         q_abs = torch.cat([dims.view(q_lat, nh, dl), dims.view(q_pe, nh, dr)], -1)  # [B, S, H, Dl+Dr]
         if lowering == "plugin":

@@ -414,57 +414,60 @@ AVX512 void index_scores_avx512(const float* q, const float* w, size_t heads, si
     INDEX_TILE(__m512, 16, _mm512_set1_ps, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps,
                _mm512_mul_ps, _mm512_max_ps, gather16)
 }
-// With heads a multiple of 16, the heads lie across the lanes instead (no gathers): the queries transposed once
-// (qt[g][d] = dim d of heads 16g .. 16g + 15), a row's 16 dot products are FMAs of qt[g][d] with its value d
-// broadcast, R rows at a time sharing each qt load, two accumulators a row (even and odd d); then ReLU, the head
-// weights and one sum across the lanes.  Every row goes through the same operations in the same order, whatever R.
-template <int R>
-AVX512 void index_rows_avx512(const float* qt, const float* w, size_t groups, size_t di, __m512 sc, const float* k,
-                              size_t ld, float* scores) {
-    __m512 total[R];
-    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-    for (size_t g = 0; g < groups; ++g) {
-        const float* qg = qt + g * di * 16;
-        __m512 even[R], odd[R];
-        for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-        size_t d = 0;
-        for (; d + 2 <= di; d += 2) {
-            const __m512 q0 = _mm512_loadu_ps(qg + d * 16), q1 = _mm512_loadu_ps(qg + d * 16 + 16);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) {
-                even[r] = _mm512_fmadd_ps(q0, _mm512_set1_ps(k[r * ld + d]), even[r]);
-                odd[r] = _mm512_fmadd_ps(q1, _mm512_set1_ps(k[r * ld + d + 1]), odd[r]);
-            }
-        }
-        if (d < di)
-            for (int r = 0; r < R; ++r)
-                even[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d * 16), _mm512_set1_ps(k[r * ld + d]), even[r]);
-        const __m512 wv = _mm512_loadu_ps(w + 16 * g);
-        for (int r = 0; r < R; ++r) {
-            const __m512 dot = _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), sc);
-            total[r] = _mm512_fmadd_ps(wv, _mm512_max_ps(dot, _mm512_setzero_ps()), total[r]);
-        }
+// With heads a multiple of the lane count L, the heads lie across the lanes instead (no gathers): the queries
+// transposed once (qt[g][d] = dim d of heads L g .. L g + L - 1), a row's L dot products are FMAs of qt[g][d]
+// with its value d broadcast, R rows at a time sharing each qt load, two accumulators a row (even and odd d);
+// then ReLU, the head weights and one sum across the lanes.  Every row goes through the same operations in the
+// same order, whatever R.
+#define INDEX_HEADS(NAME, ATTR, VEC, L, SET1, ZERO, LOAD, FMA, MUL, ADD, MAX, REDUCE)                                \
+    template <int R>                                                                                                 \
+    ATTR void index_rows_##NAME(const float* qt, const float* w, size_t groups, size_t di, VEC sc, const float* k,   \
+                                size_t ld, float* scores) {                                                          \
+        VEC total[R];                                                                                                \
+        for (int r = 0; r < R; ++r) total[r] = ZERO();                                                               \
+        for (size_t g = 0; g < groups; ++g) {                                                                        \
+            const float* qg = qt + g * di * L;                                                                       \
+            VEC even[R], odd[R];                                                                                     \
+            for (int r = 0; r < R; ++r) even[r] = odd[r] = ZERO();                                                   \
+            size_t d = 0;                                                                                            \
+            for (; d + 2 <= di; d += 2) {                                                                            \
+                const VEC q0 = LOAD(qg + d * L), q1 = LOAD(qg + d * L + L);                                          \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                \
+                    even[r] = FMA(q0, SET1(k[r * ld + d]), even[r]);                                                 \
+                    odd[r] = FMA(q1, SET1(k[r * ld + d + 1]), odd[r]);                                               \
+                }                                                                                                    \
+            }                                                                                                        \
+            if (d < di)                                                                                              \
+                for (int r = 0; r < R; ++r) even[r] = FMA(LOAD(qg + d * L), SET1(k[r * ld + d]), even[r]);           \
+            const VEC wv = LOAD(w + L * g);                                                                          \
+            for (int r = 0; r < R; ++r) total[r] = FMA(wv, MAX(MUL(ADD(even[r], odd[r]), sc), ZERO()), total[r]);    \
+        }                                                                                                            \
+        for (int r = 0; r < R; ++r) scores[r] = REDUCE(total[r]);                                                    \
+    }                                                                                                                \
+                                                                                                                     \
+    ATTR void index_scores_##NAME##_heads(const float* q, const float* w, size_t heads, size_t di, float scale,      \
+                                          const float* keys, size_t ld, size_t n, float* scores, float* qt) {        \
+        const size_t groups = heads / L;                                                                             \
+        for (size_t g = 0; g < groups; ++g)                                                                          \
+            for (size_t d = 0; d < di; ++d)                                                                          \
+                for (size_t lane = 0; lane < L; ++lane) qt[(g * di + d) * L + lane] = q[(L * g + lane) * di + d];    \
+        const VEC sc = SET1(scale);                                                                                  \
+        constexpr size_t R = 4, ahead = 16; /* rows a pass; rows prefetched ahead */                                 \
+        size_t t = 0;                                                                                                \
+        for (; t + R <= n; t += R) {                                                                                 \
+            for (size_t r = 0; r < R && t + ahead + r < n; ++r)                                                      \
+                for (size_t d = 0; d < di; d += 16)                                                                  \
+                    _mm_prefetch(reinterpret_cast<const char*>(keys + (t + ahead + r) * ld + d), _MM_HINT_T0);       \
+            index_rows_##NAME<R>(qt, w, groups, di, sc, keys + t * ld, ld, scores + t);                              \
+        }                                                                                                            \
+        for (; t < n; ++t) index_rows_##NAME<1>(qt, w, groups, di, sc, keys + t * ld, ld, scores + t);               \
     }
-    for (int r = 0; r < R; ++r) scores[r] = _mm512_reduce_add_ps(total[r]);
-}
 
-AVX512 void index_scores_avx512_heads(const float* q, const float* w, size_t heads, size_t di, float scale,
-                                      const float* keys, size_t ld, size_t n, float* scores, float* qt) {
-    const size_t groups = heads / 16;
-    for (size_t g = 0; g < groups; ++g)
-        for (size_t d = 0; d < di; ++d)
-            for (size_t lane = 0; lane < 16; ++lane) qt[(g * di + d) * 16 + lane] = q[(16 * g + lane) * di + d];
-    const __m512 sc = _mm512_set1_ps(scale);
-    constexpr size_t R = 4, ahead = 16;  // rows a pass; rows prefetched ahead
-    size_t t = 0;
-    for (; t + R <= n; t += R) {
-        for (size_t r = 0; r < R && t + ahead + r < n; ++r)
-            for (size_t d = 0; d < di; d += 16)
-                _mm_prefetch(reinterpret_cast<const char*>(keys + (t + ahead + r) * ld + d), _MM_HINT_T0);
-        index_rows_avx512<R>(qt, w, groups, di, sc, keys + t * ld, ld, scores + t);
-    }
-    for (; t < n; ++t) index_rows_avx512<1>(qt, w, groups, di, sc, keys + t * ld, ld, scores + t);
-}
+INDEX_HEADS(avx2, AVX2, __m256, 8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
+            _mm256_mul_ps, _mm256_add_ps, _mm256_max_ps, hsum)
+INDEX_HEADS(avx512, AVX512, __m512, 16, _mm512_set1_ps, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+            _mm512_mul_ps, _mm512_add_ps, _mm512_max_ps, _mm512_reduce_add_ps)
+#undef INDEX_HEADS
 #undef INDEX_TILE
 #undef AVX512
 
@@ -479,7 +482,8 @@ void index_scores(const float* q, const float* w, size_t heads, size_t di, float
             if (heads % 16 == 0) return index_scores_avx512_heads(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
             return index_scores_avx512(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
         case IndexPath::avx2:
-            if (kt.size() < 8 * di) kt.resize(8 * di);
+            if (kt.size() < std::max<size_t>(8, heads) * di) kt.resize(std::max<size_t>(8, heads) * di);
+            if (heads % 8 == 0) return index_scores_avx2_heads(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
             return index_scores_avx2(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
         default: return index_scores_scalar(q, w, heads, di, scale, keys, ld, n, scores);
     }
