@@ -1,8 +1,10 @@
 """Decode step time against the context: DeepSeek Sparse Attention (top index_topk rows) beside dense MLA, on ONNX
-Runtime, for one random DeepSeek-V3.2-layout checkpoint exported twice: as written (DeepseekV32ForCausalLM) and
-as DeepSeek-V3 with its indexer tensors dropped (the same weights attending to every row).  Each context's cache is
-filled with random rows and the plain decode step (step_0.onnx, one token) timed, the two exports interleaved;
-medians over --reps calls, three interleaved rounds; the ratio is the median of the rounds' ratios.
+Runtime, for one random DeepSeek-V3.2-layout checkpoint exported three times: as written, on mtp-trt's CPU operators
+(DSA: LightningIndexer and MlaAttention over the selected rows) and in standard ONNX operators (`--no-cpu-ops`:
+DSA std), and as DeepSeek-V3 with its indexer tensors dropped (dense: the same weights attending to every row, on
+the CPU attention operator).  Each context's cache is filled with random rows and the plain decode step
+(step_0.onnx, one token) timed, the exports interleaved; medians over --reps calls, three interleaved rounds; the
+ratios are the medians of the rounds' ratios.
 
   python benchmarks/dsa_decode.py [--contexts 1024 4096 16384] [--topk 512] [--reps 20] [--threads 2]"""
 
@@ -73,12 +75,16 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         backends = {}
-        for name, ckpt in checkpoints(root, args.topk, rows).items():
-            out = export(ckpt, root / f"{name}-export", nextn=0, max_seq_len=rows, max_batch=1, trees="none")
+        ckpts = checkpoints(root, args.topk, rows)
+        for name, ckpt, cpu_ops in [("dsa", ckpts["dsa"], True), ("dsa std", ckpts["dsa"], False),
+                                    ("dense", ckpts["dense"], True)]:
+            out = export(ckpt, root / f"{name.replace(' ', '-')}-export", nextn=0, max_seq_len=rows, max_batch=1, trees="none",
+                         cpu_ops=cpu_ops)
             backends[name] = OrtBackend(Manifest.load(out), threads=args.threads)
         rng = np.random.default_rng(0)
         print(f"index_topk {args.topk}; decode step (one token), median of {args.reps}, {args.threads} threads")
-        print(f"{'context':>8}  {'DSA ms':>8}  {'dense ms':>9}  {'dense/DSA':>9}")
+        print(f"{'context':>8}  {'DSA ms':>8}  {'DSA std ms':>10}  {'dense ms':>9}  {'dense/DSA':>9}  "
+              f"{'dense/DSA std':>13}")
         for context in args.contexts:
             for b in backends.values():
                 b.allocate(1, context + 1)
@@ -89,9 +95,11 @@ def main():
             for _ in range(3):  # interleaved rounds
                 for name, b in backends.items():
                     ms[name].append(step_time(b, context, args.reps) * 1e3)
-            dsa, dense = statistics.median(ms["dsa"]), statistics.median(ms["dense"])
-            ratio = statistics.median(d / s for d, s in zip(ms["dense"], ms["dsa"]))  # per interleaved round
-            print(f"{context:>8}  {dsa:>8.2f}  {dense:>9.2f}  {ratio:>9.2f}")
+            med = {name: statistics.median(v) for name, v in ms.items()}
+            ratio = {name: statistics.median(d / s for d, s in zip(ms["dense"], ms[name]))  # per interleaved round
+                     for name in ("dsa", "dsa std")}
+            print(f"{context:>8}  {med['dsa']:>8.2f}  {med['dsa std']:>10.2f}  {med['dense']:>9.2f}  "
+                  f"{ratio['dsa']:>9.2f}  {ratio['dsa std']:>13.2f}")
 
 
 if __name__ == "__main__":

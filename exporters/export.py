@@ -356,7 +356,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     ckpt, out = Path(ckpt), Path(out)
     scheme = quant.scheme(quant_scheme, group_size)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
-    check_dsa(cfg, ckpt, lowering, moe_form, scheme)
+    check_dsa(cfg, ckpt, lowering, moe_form)
     cpu_ops = check_cpu_ops(cpu_ops, lowering, dtype, moe_form, scheme)
     shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
@@ -367,9 +367,10 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                        progress, moe_form, shapes, cpu_ops, scheme)
 
 
-def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None, scheme: quant.Scheme) -> None:
-    """DeepSeek Sparse Attention runs in the onnx lowering's standard operators on ONNX Runtime, unquantized: the
-    other requests are refused in one line (never exported with dense attention)."""
+def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None) -> None:
+    """DeepSeek Sparse Attention runs on ONNX Runtime in the onnx lowering (mtp-trt's CPU operators, or standard
+    operators without them; quantized weights too, its indexer in float): the other requests are refused in one line
+    (never exported with dense attention)."""
     if not cfg.dsa:
         return
     what = f"{ckpt / 'config.json'}: {cfg.architecture} (DeepSeek Sparse Attention)"
@@ -378,9 +379,6 @@ def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None,
                           "--lowering onnx")
     if moe_form == "tensorrt":
         raise MtpTrtError(f"--moe-form tensorrt: {what} is not supported in TensorRT engines; leave --moe-form out")
-    if scheme.quantized:
-        raise MtpTrtError(f"--quant {scheme.name}: {what} has no quantized operators for its lightning indexer; "
-                          "export unquantized")
 
 
 def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None,
@@ -416,9 +414,8 @@ def configure(module, moe_form: str | None, cpu_ops: bool, scheme: quant.Scheme 
     module.fold = not scheme.quantized  # quantized: every projection a quantized matmul (graphs._Graph.fold)
     module.moe = ("gather" if module.few_tokens else "static") if moe_form == "tensorrt" else moe_form or module.moe
     module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
-    if cpu_ops:  # mtp-trt's CPU operators: MoE (unless another form was asked for) and attention (not DSA's sparse
-        # attention, which runs in standard operators)
-        module.cpu, module.moe = not module.model.cfg.dsa, moe_form or "cpu"
+    if cpu_ops:  # mtp-trt's CPU operators: MoE (unless another form was asked for) and attention (DSA's included)
+        module.cpu, module.moe = True, moe_form or "cpu"
     return module
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from mtp_trt.exporters.lowering import Dims, Mask, MlaGenerationAttentionOp, accept_op, attend, flag_after
 from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, Indexer, MoE, as_fp32
 from mtp_trt.exporters.moe import moe_forward, swiglu
-from mtp_trt.exporters.ort_ops import CpuMlaOp, RotaryOp, add_norm
+from mtp_trt.exporters.ort_ops import CpuIndexerOp, CpuMlaOp, RotaryOp, add_norm
 
 Tensor = torch.Tensor
 
@@ -113,6 +113,17 @@ class TopK(torch.autograd.Function):
         return g.op("TopK", x, kk, axis_i=-1, largest_i=1, sorted_i=1, outputs=2)
 
 
+def indexer_queries(indexer: Indexer, x: Tensor, c_q: Tensor, group: Group) -> tuple[Tensor, Tensor]:
+    """The indexer's queries q [B, S, Hi, Di] (wq_b of the query latent c_q, roped on its first Dr dims at the group's
+    positions) and head weights w [B, S, Hi] (weights_proj of the block's normed input x, times Hi^-1/2; fp32)."""
+    cfg, dims = indexer.cfg, group.dims
+    hi, di, dr = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    cos, sin = group.index_rope.at(group.positions)
+    q = dims.view(indexer.wq_b(c_q), hi, di)  # [B, S, Hi, Di]
+    q = torch.cat([group.index_rope(q[..., :dr], cos[:, :, None], sin[:, :, None]), q[..., dr:]], -1)
+    return q, as_fp32(indexer.weights_proj(x)) * hi**-0.5
+
+
 def sparse_selection(indexer: Indexer, x: Tensor, c_q: Tensor, keys: Tensor, cache: Tensor, group: Group):
     """DSA's selection for the group's queries (the model's Indexer and select_topk in standard operators) over the
     rows `attend` reads: the cache buffer's T, the mask's R extra rows, the S new rows.  x [B, S, D] the block's
@@ -121,14 +132,11 @@ def sparse_selection(indexer: Indexer, x: Tensor, c_q: Tensor, keys: Tensor, cac
     elsewhere), or, where the group gathers (few tokens: group.gather), the selected rows' indices [B, S, K] and
     whether each is visible [B, S, K] (K = min(index_topk, T + R + S))."""
     cfg, dims, mask = indexer.cfg, group.dims, group.mask
-    hi, di, lat, dr = cfg.index_n_heads, cfg.index_head_dim, cfg.latent_dim, cfg.qk_rope_head_dim
+    hi, di, lat = cfg.index_n_heads, cfg.index_head_dim, cfg.latent_dim
     parts = [cache[..., lat:]] + ([] if mask.extra_rows is None else [mask.extra_rows[..., lat:]]) + [keys]
     k_all = as_fp32(torch.cat(parts, 1))  # [B, T + R + S, Di]
-    cos, sin = group.index_rope.at(group.positions)
-    q = dims.view(indexer.wq_b(c_q), hi, di)  # [B, S, Hi, Di]
-    q = torch.cat([group.index_rope(q[..., :dr], cos[:, :, None], sin[:, :, None]), q[..., dr:]], -1)
+    q, w = indexer_queries(indexer, x, c_q, group)
     scores = F.relu(torch.matmul(as_fp32(dims.rows(q, di)), k_all.transpose(1, 2)) * di**-0.5)  # [B, S*Hi, T+R+S]
-    w = as_fp32(indexer.weights_proj(x)) * hi**-0.5  # [B, S, Hi]
     index = torch.matmul(dims.view(w, 1, hi), dims.view(scores, hi, -1)).reshape(dims.b, dims.s, -1)  # [B, S, T+R+S]
     visible = mask.seen_rows()
     values, top = TopK.apply(torch.where(visible, index, float("-inf")), cfg.index_topk)  # [B, S, K]
@@ -138,6 +146,17 @@ def sparse_selection(indexer: Indexer, x: Tensor, c_q: Tensor, keys: Tensor, cac
     bias = torch.where(picked & visible, 0.0, float("-inf"))  # [B, S, T + R + S]
     token = torch.arange(dims.s * cfg.num_attention_heads) // cfg.num_attention_heads  # query row -> its token
     return bias[:, token]
+
+
+def cpu_selection(indexer: Indexer, x: Tensor, c_q: Tensor, rows: Tensor, cache: Tensor, group: Group) -> Tensor:
+    """DSA's selection as one mtp_trt.cpu::LightningIndexer node (exporters/ort_ops.py CpuIndexerOp) over the cache
+    buffer's T rows and `rows` [B, R + S, C] (the mask's extra rows, then the new ones) -> [B, S, K] int32: indices
+    into those T + R + S rows, -1 where fewer are visible (K = min(index_topk, T + R + S))."""
+    cfg, mask = indexer.cfg, group.mask
+    q, w = indexer_queries(indexer, x, c_q, group)
+    return CpuIndexerOp.apply(group.dims.view(q, cfg.index_n_heads * cfg.index_head_dim), w, rows, cache,
+                              mask.valid_len, mask.visible, cfg.index_n_heads, cfg.index_topk,
+                              cfg.index_head_dim**-0.5)
 
 
 def attend_selected(q: Tensor, new_rows: Tensor, cache: Tensor, group: Group, top: Tensor, ok: Tensor,
@@ -241,21 +260,24 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
             q_lat = torch.matmul(q_nope[..., None, :], w_uk)[..., 0, :]  # q_nope absorbed through W^UK
         q_pe = group.rope_heads(q_pe, nh)  # q_lat [B, S, H, Dl], q_pe [B, S, H, Dr]
     latent = torch.cat([attn.kv_a_layernorm(c_kv), group.rope_rows(k_pe)], -1)  # [B, S, Dl+Dr]
+    indexer = getattr(attn, "indexer", None)  # DSA: this layer's own (None where it shares the previous selection)
     if cfg.dsa:  # the row continues with the indexer's key (zeros where the layer shares the previous selection)
-        indexer = getattr(attn, "indexer", None)
         keys = indexer_keys(indexer, x, group) if indexer is not None else \
             torch.zeros_like(x[..., :1]).expand(-1, -1, cfg.index_head_dim)
         latent = torch.cat([latent, keys], -1)  # [B, S, C]
-        if indexer is not None:
-            group.selection = sparse_selection(indexer, x, c_q, keys, cache, group)
     if new_rows is not None:
         new_rows.append(latent)
     flat = lowering == "onnx" and group.cpu  # the CPU attention node: o_lat [B, S, H*Dl]
     if flat:
         mask = group.mask
         rows = latent if mask.extra_rows is None else torch.cat([mask.extra_rows, latent], 1)
-        o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.valid_len, mask.visible, nh, cfg.softmax_scale)
+        if indexer is not None:
+            group.selection = cpu_selection(indexer, x, c_q, rows, cache, group)
+        o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.valid_len, mask.visible, group.selection, nh,
+                               cfg.softmax_scale)
     else:
+        if indexer is not None:
+            group.selection = sparse_selection(indexer, x, c_q, keys, cache, group)
         q_abs = torch.cat([dims.view(q_lat, nh, dl), dims.view(q_pe, nh, dr)], -1)  # [B, S, H, Dl+Dr]
         if lowering == "plugin":
             o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl,

@@ -16,7 +16,8 @@ DequantizeLinear, opset 21), where K is a multiple of the block size: weight-onl
 TensorRT fuses into the matmul.  That covers the dense layers and the `static` MoE form's stacked experts;
 the `gather` form's experts and the embedding stay in the export's dtype.
 
-Kept in float: the router, norms, biases, and products computed in the graph from several weights (small
+Kept in float: the router, DeepSeek Sparse Attention's lightning indexer (`wq_b`, `wk`, `weights_proj`), norms,
+biases, and products computed in the graph from several weights (small
 models' W^UK / W^UV folded into the projections, exporters/graphs.py folded_mla).  Under int4 a few MatMul
 weights take int8 (matmul_scheme): the output head, which decides every token; each layer's latent KV
 down-projection (`kv_a_proj_with_mqa`, with `q_a_proj`, which the graphs fuse with it), from which every cached
@@ -46,7 +47,9 @@ from mtp_trt.plugins.ort_lib import DOMAIN as CPU_DOMAIN
 MS_DOMAIN = "com.microsoft"
 DQ_OPSET = 21  # DequantizeLinear with block_size
 MIN_ELEMENTS = 4096  # smaller weights stay in float (nothing to gain)
-KEEP_FLOAT = ("mlp.gate.weight",)  # the router: its scores pick the experts
+# the router, whose scores pick the experts, and DeepSeek Sparse Attention's lightning indexer, whose scores pick the
+# rows attended to (quantized, it changes the selection: docs/quantization.md)
+KEEP_FLOAT = ("mlp.gate.weight", "indexer.wq_b.weight", "indexer.wk.weight", "indexer.weights_proj.weight")
 # MatMul weights kept at int8 under int4 (module docstring); a MatMul over embed_tokens is a tied output head
 INT8_UNDER_INT4 = ("lm_head.weight", "embed_tokens.weight", "kv_a_proj_with_mqa.weight", "q_a_proj.weight",
                    ".layers.0.mlp.down_proj.weight")

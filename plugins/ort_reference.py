@@ -142,22 +142,62 @@ def qmoe(x, gate, bias, fc1, fc1_scales, fc2, fc2_scales, shared_fc1=None, share
     return y
 
 
-def mla_attention(q_lat, q_pe, rows, cache, valid_len, visible=None, *, heads, scale):
-    """Absorbed MLA: q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, Dl+Dr], cache [B, T, Dl+Dr], valid_len [B],
-    visible [B or 1, S, R] bool or None (causal over the last S rows, all rows before them seen) -> [B, S, H*Dl]:
-    each head of each query token attends to the cached rows t < valid_len and the rows it sees."""
+def mla_attention(q_lat, q_pe, rows, cache, valid_len, visible=None, selected=None, *, heads, scale):
+    """Absorbed MLA: q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C] (C >= Dl+Dr: the keys
+    are each row's first Dl+Dr values), valid_len [B], visible [B or 1, S, R] bool or None (causal over the last S
+    rows, all rows before them seen) -> [B, S, H*Dl]: each head of each query token attends to the cached rows
+    t < valid_len and the rows it sees; where selected [B, S, K] (indices into the T cache rows then the R rows,
+    -1: none) is given, to exactly the rows it names instead."""
     b, s, _ = q_lat.shape
     r, t_len = rows.shape[1], cache.shape[1]
     q = np.concatenate([q_lat.reshape(b, s, heads, -1), q_pe.reshape(b, s, heads, -1)], -1).astype(np.float64)
-    dl = q_lat.shape[-1] // heads
+    dl, c = q_lat.shape[-1] // heads, q.shape[-1]
     out = np.zeros((b, s, heads, dl))
     for bi in range(b):
         n = int(np.clip(valid_len[bi], 0, t_len))
+        every = np.concatenate([cache[bi], rows[bi]])[:, :c].astype(np.float64)  # [T + R, C]
         for si in range(s):
-            seen = (np.arange(r) <= si + r - s) if visible is None else np.asarray(visible[bi % len(visible), si])
-            keys = np.concatenate([cache[bi, :n], rows[bi][seen]]).astype(np.float64)
+            if selected is not None:
+                keys = every[[i for i in selected[bi, si] if i >= 0]]
+            else:
+                seen = (np.arange(r) <= si + r - s) if visible is None else np.asarray(visible[bi % len(visible), si])
+                keys = np.concatenate([every[:n], every[t_len:][seen]])
             for h in range(heads):
+                if not len(keys):
+                    continue
                 z = scale * keys @ q[bi, si, h]
                 p = np.exp(z - z.max())
                 out[bi, si, h] = (p / p.sum()) @ keys[:, :dl]
     return out.reshape(b, s, heads * dl)
+
+
+# ------------------------------------------------------------------------------- DeepSeek Sparse Attention
+def index_scores(q, weights, keys, *, heads, scale):
+    """The lightning indexer for one query token: q [Hi*Di], weights [Hi], keys [N, Di] -> I [N] (float64),
+    I[t] = sum_j weights[j] * max(0, scale * q_j . k_t)."""
+    q = np.asarray(q, np.float64).reshape(heads, -1)
+    dots = np.asarray(keys, np.float64) @ q.T  # [N, Hi]
+    return np.maximum(scale * dots, 0.0) @ np.asarray(weights, np.float64)
+
+
+def lightning_indexer(q, weights, rows, cache, valid_len, visible=None, *, heads, topk, scale):
+    """The LightningIndexer op: q [B, S, Hi*Di] (roped), weights [B, S, Hi], rows [B, R, C], cache [B, T, C] (the
+    indexer key: each row's last Di values), valid_len [B], visible as mla_attention -> selected [B, S, K] int32,
+    K = min(topk, T + R): for each query token the visible rows (cached rows < valid_len, then the rows it sees)
+    with the topk highest index_scores, the earlier row first among equal scores, as indices into the T cache rows
+    then the R rows, in ascending order, -1 after them where fewer rows are visible."""
+    b, s, _ = q.shape
+    r, t_len = rows.shape[1], cache.shape[1]
+    di = q.shape[-1] // heads
+    k = min(topk, t_len + r)
+    out = np.full((b, s, k), -1, np.int32)
+    for bi in range(b):
+        n = int(np.clip(valid_len[bi], 0, t_len))
+        every = np.concatenate([cache[bi], rows[bi]])[:, -di:]  # [T + R, Di]
+        for si in range(s):
+            seen = (np.arange(r) <= si + r - s) if visible is None else np.asarray(visible[bi % len(visible), si])
+            index = np.concatenate([np.arange(n), t_len + np.flatnonzero(seen)])
+            scores = index_scores(q[bi, si], weights[bi, si], every[index], heads=heads, scale=scale)
+            picked = np.sort(index[top_k(scores, k)])  # ties: the earlier row
+            out[bi, si, :len(picked)] = picked
+    return out

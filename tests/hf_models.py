@@ -108,9 +108,9 @@ def edit_config(path: Path, **changes) -> None:
     cfg_path.write_text(json.dumps(cfg))
 
 
-def prefill_logits(m, prompts: list[list[int]]):
-    """An export's (Manifest m) target graph on a right-padded batch of the prompts over empty caches of
-    max_seq_len rows -> its logits [B, S, V] (NumPy)."""
+def prefill_logits(m, prompts: list[list[int]], graph: bytes | None = None):
+    """An export's (Manifest m) target graph (or `graph`, a serialized variant of it) on a right-padded batch of the
+    prompts over empty caches of max_seq_len rows -> its logits [B, S, V] (NumPy)."""
     import numpy as np
 
     from mtp_trt.plugins import ort_lib
@@ -124,5 +124,5 @@ def prefill_logits(m, prompts: list[list[int]]):
             "relaxed_delta": np.array(0, np.float32)}
     feed |= {f"kv_{i}": np.zeros((len(prompts), m.max_seq_len, m.config.cache_dim), np.float32)
              for i in range(m.config.num_hidden_layers)}
-    sess = ort_lib.session(m.root / m.graphs["target"].file)
+    sess = ort_lib.session(graph if graph is not None else m.root / m.graphs["target"].file)
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))["logits"]

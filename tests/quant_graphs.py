@@ -16,17 +16,17 @@ from mtp_trt.exporters.quantize import matmul_scheme
 from runtime_models import write_char_tokenizer
 
 
-def prerounded(src: Path, out: Path, scheme: quant.Scheme) -> Path:
+def prerounded(src: Path, out: Path, scheme: quant.Scheme, keep: tuple[str, ...] = ("mlp.gate.weight",)) -> Path:
     """A copy of checkpoint `src` whose 2-D weights are already on `scheme`'s grid (each linear weight on the
     grid the exporter picks for it, exporters/quantize.py matmul_scheme; the embedding table on `scheme`'s; the
-    router untouched): exporting it with `scheme` loses nothing more, so the quantized export must compute what
+    weights whose names end with one of `keep`, which the exporter must keep in float, untouched): exporting it with `scheme` loses nothing more, so the quantized export must compute what
     the PyTorch reference computes on these weights."""
     import json
 
     model = load_checkpoint(src)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() != 2 or name.endswith("mlp.gate.weight"):
+            if p.dim() != 2 or name.endswith(keep):
                 continue
             s = scheme if name.endswith("embed_tokens.weight") else matmul_scheme({name}, scheme)
             data, scales = quant.quantize(p.numpy(), s)

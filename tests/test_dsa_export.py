@@ -1,4 +1,6 @@
-"""DeepSeek Sparse Attention through the exported graphs on ONNX Runtime (the onnx lowering's standard operators).
+"""DeepSeek Sparse Attention through the exported graphs on ONNX Runtime: mtp-trt's CPU operators (LightningIndexer,
+MlaAttention over the selected rows) where they are available, as exports have them by default, and the onnx
+lowering's standard operators without them.
 
 Random DeepseekV32ForCausalLM and GlmMoeDsaForCausalLM checkpoints (MTP layers appended in DeepSeek's convention,
 each with its own indexer) with a small index_topk, so that the top-k decides what prompts and outputs longer than
@@ -6,7 +8,9 @@ it attend to: the target graph's prefill logits within 1e-4 of transformers' cla
 MTP (eagle, vanilla) and a tree equal to transformers' `generate` token for token; the rows left in the runtime's
 caches (latent and indexer key) those of the reference model over the decoded text, so that the indexer keys are
 written and rewound with the latent; exact ties in the graph's index scores resolved towards the earlier row, as a
-NumPy reference of the selection says; the requests DSA cannot run refused in one line.
+NumPy reference of the selection says; quantized exports (`--quant int8|int4`, the indexer kept in float) computing
+the reference model on the dequantized weights, and their greedy MTP decoding equal to their plain greedy decoding;
+the requests DSA cannot run refused in one line.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import subprocess
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -58,6 +63,43 @@ def case(request, tmp_path_factory):
     append_mtp_layers(ckpt, 2)
     out = export(ckpt, root / "export", nextn=2, mtp_mode=mode, max_seq_len=64, trees="2:2:4")
     return hf, ckpt, out, greedy(hf)
+
+
+def test_graphs_select_with_the_cpu_operators(case):
+    """Where mtp-trt's CPU operators are available (the default export), every graph's DSA layers run them: one
+    LightningIndexer per layer with its own indexer, and every MlaAttention node attends to a selection."""
+    from mtp_trt.plugins import ort_lib
+
+    if not ort_lib.available()[0]:
+        pytest.skip(f"mtp_trt.cpu operators: {ort_lib.available()[1]}")
+    _, _, out, _ = case
+    m = Manifest.load(out)
+    assert m.raw["cpu_ops"]
+    indexers = sum(m.config.has_indexer(i) for i in range(m.config.num_hidden_layers))
+    for name, graph in m.raw["graphs"].items():
+        nodes = onnx.load(out / graph["file"], load_external_data=False).graph.node
+        ops = [n for n in nodes if n.domain == "mtp_trt.cpu" and n.op_type in ("LightningIndexer", "MlaAttention")]
+        attention = [n for n in ops if n.op_type == "MlaAttention"]
+        assert attention and all(len(n.input) == 7 and n.input[6] for n in attention), name
+        selections = sum(n.op_type == "LightningIndexer" for n in ops)
+        assert selections == indexers if name == "target" else selections >= 1, name
+
+
+def test_standard_operators_decode_alike(tmp_path_factory):
+    """Without the CPU operators (`--no-cpu-ops`, or where the library is absent) DSA runs in standard operators:
+    greedy decoding, nextn 0 and MTP, equal to transformers' generate."""
+    arch, config, mode = CASES["v32-eagle"]
+    root = tmp_path_factory.mktemp("standard")
+    hf = make_draftable(make_dsa_model(arch, **config), 0.1)
+    hf.save_pretrained(root / "ckpt")
+    append_mtp_layers(root / "ckpt", 2)
+    out = export(root / "ckpt", root / "export", nextn=2, mtp_mode=mode, max_seq_len=64, trees="none", cpu_ops=False)
+    assert not Manifest.load(out).raw["cpu_ops"]
+    backend = OrtBackend(Manifest.load(out))
+    reference = greedy(hf)
+    for nextn in (0, 2):
+        seqs, _ = generate(backend, PROMPTS, DecodeOptions(nextn=nextn, max_new_tokens=NEW))
+        assert [s.generated for s in seqs] == reference, nextn
 
 
 def test_selection_matters(case):
@@ -113,6 +155,65 @@ def test_greedy_mtp_matches_transformers_generate(case):
             assert min(np.abs(c - rows).max() for c in cached) < ATOL * 10
 
 
+# ------------------------------------------------------------------------------------------- quantized
+@pytest.fixture(scope="module")
+def quantizable(tmp_path_factory):
+    """A GLM-5 checkpoint with a shared layer and two MTP layers that draft well, and its transformers greedy tokens."""
+    arch, config, _ = CASES["glm5-shared-vanilla"]
+    root = tmp_path_factory.mktemp("quant")
+    hf = make_draftable(make_dsa_model(arch, **config), 0.1)
+    hf.save_pretrained(root / "ckpt")
+    append_mtp_layers(root / "ckpt", 2)
+    return root
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_export_computes_the_reference_on_the_dequantized_weights(quantizable, name):
+    """Prefill logits of a quantized export of a checkpoint already on the grid (its indexer left as it is: the export
+    keeps it in float), with the quantized nodes replaced by float ones over the dequantized bytes: the reference
+    model's on the same weights, within fp32 tolerance -- which also says the indexer was not quantized (at int4 its
+    quantized scores select other rows on these prompts)."""
+    from mtp_trt import quant
+    from mtp_trt.plugins import ort_lib
+    from quant_graphs import dequantized_graph, prerounded
+
+    if not ort_lib.available()[0]:
+        pytest.skip(f"mtp_trt.cpu operators: {ort_lib.available()[1]}")
+    keep = ("mlp.gate.weight", "indexer.wq_b.weight", "indexer.wk.weight", "indexer.weights_proj.weight")
+    rounded = prerounded(quantizable / "ckpt", quantizable / f"rounded-{name}", quant.Scheme(name, 32), keep)
+    out = export(rounded, quantizable / f"exact-{name}", nextn=1, max_seq_len=64, trees="none", quant_scheme=name,
+                 group_size=32)
+    m = Manifest.load(out)
+    assert m.raw["quant"]["scheme"] == name
+    nodes = onnx.load(out / "target.onnx", load_external_data=False).graph.node
+    assert {"QMatMul", "QMoE", "LightningIndexer"} <= {n.op_type for n in nodes}
+    ids = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int64)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)] = p
+    exact = prefill_logits(m, PROMPTS, dequantized_graph(out / "target.onnx"))
+    with torch.no_grad():
+        ref = load_checkpoint(rounded, max_positions=64)(torch.from_numpy(ids))[0].numpy()
+    for i, p in enumerate(PROMPTS):
+        np.testing.assert_allclose(exact[i, :len(p)], ref[i, :len(p)], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(quantizable, name):
+    from mtp_trt.plugins import ort_lib
+
+    if not ort_lib.available()[0]:
+        pytest.skip(f"mtp_trt.cpu operators: {ort_lib.available()[1]}")
+    out = export(quantizable / "ckpt", quantizable / f"decode-{name}", nextn=2, mtp_mode="vanilla", max_seq_len=64,
+                 trees="2:2:4", quant_scheme=name)
+    backend = OrtBackend(Manifest.load(out))
+    plain, _ = generate(backend, PROMPTS, DecodeOptions(nextn=0, max_new_tokens=NEW))
+    for opts in [DecodeOptions(nextn=n, max_new_tokens=NEW) for n in (1, 2)] + [
+            DecodeOptions(nextn=2, max_new_tokens=NEW, tree=TreeShape(2, 2, 4))]:
+        seqs, stats = generate(backend, PROMPTS, opts)
+        assert [s.generated for s in seqs] == [s.generated for s in plain], (opts.nextn, opts.tree)
+        assert stats.mean_accepted > 1, (opts.nextn, opts.tree)
+
+
 def stable_select(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """NumPy reference of the graphs' selection: the k visible rows with the highest scores, the earlier row first
     among equal scores."""
@@ -141,8 +242,6 @@ def test_ties_keep_the_earlier_rows(tmp_path, monkeypatch):
 @pytest.mark.parametrize("option, message", [
     (["--lowering", "plugin"], "--lowering plugin: {cfg}: DeepseekV32ForCausalLM (DeepSeek Sparse Attention) has no "
                                "TensorRT plugin for its sparse attention; export with --lowering onnx"),
-    (["--quant", "int8"], "--quant int8: {cfg}: DeepseekV32ForCausalLM (DeepSeek Sparse Attention) has no quantized "
-                          "operators for its lightning indexer; export unquantized"),
     (["--moe-form", "tensorrt"], "--moe-form tensorrt: {cfg}: DeepseekV32ForCausalLM (DeepSeek Sparse Attention) is "
                                  "not supported in TensorRT engines; leave --moe-form out"),
 ])

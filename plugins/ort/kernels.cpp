@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <vector>
 
 namespace mtp_ort {
 namespace {
@@ -21,23 +23,37 @@ bool use_avx2() {
     return ok;
 }
 
+// Rows of a matrix: row t at base + t * ld (Strided), or wherever a table of row pointers says (Table: DeepSeek
+// Sparse Attention's selected rows, read in place).
+struct Strided {
+    const float* base;
+    size_t ld;
+    const float* operator[](size_t t) const { return base + t * ld; }
+};
+struct Table {
+    const float* const* rows;
+    const float* operator[](size_t t) const { return rows[t]; }
+};
+
 // ------------------------------------------------------------------------------------------- scalar
-void rows_dot_scalar(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k,
-                     float* y, size_t ldy) {
+template <class W>
+void rows_dot_scalar(const float* x, size_t m, size_t ldx, W w, size_t n, size_t k, float* y, size_t ldy) {
     for (size_t i = 0; i < m; ++i)
         for (size_t j = 0; j < n; ++j) {
+            const float* wj = w[j];
             float s = 0.f;
-            for (size_t t = 0; t < k; ++t) s += x[i * ldx + t] * w[j * ldw + t];
+            for (size_t t = 0; t < k; ++t) s += x[i * ldx + t] * wj[t];
             y[i * ldy + j] = s;
         }
 }
 
-void rows_axpy_scalar(const float* p, size_t m, size_t ldp, const float* v, size_t ldv, size_t n, size_t dv,
-                      float* y, size_t ldy) {
+template <class V>
+void rows_axpy_scalar(const float* p, size_t m, size_t ldp, V v, size_t n, size_t dv, float* y, size_t ldy) {
     for (size_t i = 0; i < m; ++i)
         for (size_t t = 0; t < n; ++t) {
             const float a = p[i * ldp + t];
-            for (size_t d = 0; d < dv; ++d) y[i * ldy + d] += a * v[t * ldv + d];
+            const float* vt = v[t];
+            for (size_t d = 0; d < dv; ++d) y[i * ldy + d] += a * vt[d];
         }
 }
 
@@ -52,69 +68,73 @@ AVX2 inline float hsum(__m256 v) {
 }
 
 // R weight rows against one activation row: R independent accumulators hide the FMA latency.
-template <int R>
-AVX2 void dot_1xr(const float* x, const float* w, size_t ldw, size_t k, float* y) {
+// Weight rows j .. j + R - 1 of w.
+template <int R, class W>
+AVX2 void dot_1xr(const float* x, W w, size_t j, size_t k, float* y) {
     __m256 acc[R];
+    const float* wr[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), wr[r] = w[j + r];
     size_t t = 0;
     for (; t + 8 <= k; t += 8) {
         const __m256 xv = _mm256_loadu_ps(x + t);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * ldw + t), xv, acc[r]);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[r] + t), xv, acc[r]);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
         float s = hsum(acc[r]);
-        for (size_t u = t; u < k; ++u) s += x[u] * w[r * ldw + u];
+        for (size_t u = t; u < k; ++u) s += x[u] * wr[r][u];
         y[r] = s;
     }
 }
 
-// 4 weight rows against two activation rows (8 accumulators): each weight vector loaded once for both rows.
-AVX2 void dot_2x4(const float* x0, const float* x1, const float* w, size_t ldw, size_t k, float* y0, float* y1) {
+// Weight rows j .. j + 3 against two activation rows (8 accumulators): each weight vector loaded once for both.
+template <class W>
+AVX2 void dot_2x4(const float* x0, const float* x1, W w, size_t j, size_t k, float* y0, float* y1) {
+    const float *r0 = w[j], *r1 = w[j + 1], *r2 = w[j + 2], *r3 = w[j + 3];
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     size_t t = 0;
     for (; t + 8 <= k; t += 8) {
         const __m256 u = _mm256_loadu_ps(x0 + t), v = _mm256_loadu_ps(x1 + t);
-        const __m256 w0 = _mm256_loadu_ps(w + t), w1 = _mm256_loadu_ps(w + ldw + t);
-        const __m256 w2 = _mm256_loadu_ps(w + 2 * ldw + t), w3 = _mm256_loadu_ps(w + 3 * ldw + t);
+        const __m256 w0 = _mm256_loadu_ps(r0 + t), w1 = _mm256_loadu_ps(r1 + t);
+        const __m256 w2 = _mm256_loadu_ps(r2 + t), w3 = _mm256_loadu_ps(r3 + t);
         a0 = _mm256_fmadd_ps(w0, u, a0), b0 = _mm256_fmadd_ps(w0, v, b0);
         a1 = _mm256_fmadd_ps(w1, u, a1), b1 = _mm256_fmadd_ps(w1, v, b1);
         a2 = _mm256_fmadd_ps(w2, u, a2), b2 = _mm256_fmadd_ps(w2, v, b2);
         a3 = _mm256_fmadd_ps(w3, u, a3), b3 = _mm256_fmadd_ps(w3, v, b3);
     }
+    const float* rr[4] = {r0, r1, r2, r3};
     float sa[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)}, sb[4] = {hsum(b0), hsum(b1), hsum(b2), hsum(b3)};
     for (int r = 0; r < 4; ++r) {
-        for (size_t u = t; u < k; ++u) sa[r] += x0[u] * w[r * ldw + u], sb[r] += x1[u] * w[r * ldw + u];
+        for (size_t u = t; u < k; ++u) sa[r] += x0[u] * rr[r][u], sb[r] += x1[u] * rr[r][u];
         y0[r] = sa[r], y1[r] = sb[r];
     }
 }
 
-AVX2 void rows_dot_avx2(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k,
-                        float* y, size_t ldy) {
+template <class W>
+AVX2 void rows_dot_avx2(const float* x, size_t m, size_t ldx, W w, size_t n, size_t k, float* y, size_t ldy) {
     size_t j = 0;
     if (m == 1) {
-        for (; j + 8 <= n; j += 8) dot_1xr<8>(x, w + j * ldw, ldw, k, y + j);
-        for (; j + 4 <= n; j += 4) dot_1xr<4>(x, w + j * ldw, ldw, k, y + j);
-        for (; j < n; ++j) dot_1xr<1>(x, w + j * ldw, ldw, k, y + j);
+        for (; j + 8 <= n; j += 8) dot_1xr<8>(x, w, j, k, y + j);
+        for (; j + 4 <= n; j += 4) dot_1xr<4>(x, w, j, k, y + j);
+        for (; j < n; ++j) dot_1xr<1>(x, w, j, k, y + j);
         return;
     }
     // Weight rows in blocks of 4, the activation rows in pairs inside: the block stays in L1 while every
     // pair passes over it.
     for (; j + 4 <= n; j += 4) {
         size_t i = 0;
-        for (; i + 2 <= m; i += 2)
-            dot_2x4(x + i * ldx, x + (i + 1) * ldx, w + j * ldw, ldw, k, y + i * ldy + j, y + (i + 1) * ldy + j);
-        if (i < m) dot_1xr<4>(x + i * ldx, w + j * ldw, ldw, k, y + i * ldy + j);
+        for (; i + 2 <= m; i += 2) dot_2x4(x + i * ldx, x + (i + 1) * ldx, w, j, k, y + i * ldy + j, y + (i + 1) * ldy + j);
+        if (i < m) dot_1xr<4>(x + i * ldx, w, j, k, y + i * ldy + j);
     }
     for (; j < n; ++j)
-        for (size_t i = 0; i < m; ++i) dot_1xr<1>(x + i * ldx, w + j * ldw, ldw, k, y + i * ldy + j);
+        for (size_t i = 0; i < m; ++i) dot_1xr<1>(x + i * ldx, w, j, k, y + i * ldy + j);
 }
 
 // y rows += p-weighted sums of v rows: two output rows by 32 columns in 8 accumulators per pass over v.
-AVX2 void rows_axpy_avx2(const float* p, size_t m, size_t ldp, const float* v, size_t ldv, size_t n, size_t dv,
-                         float* y, size_t ldy) {
+template <class V>
+AVX2 void rows_axpy_avx2(const float* p, size_t m, size_t ldp, V v, size_t n, size_t dv, float* y, size_t ldy) {
     const size_t d32 = dv & ~size_t(31);
     for (size_t i = 0; i < m; i += 2) {
         const bool two = i + 1 < m;
@@ -129,7 +149,7 @@ AVX2 void rows_axpy_avx2(const float* p, size_t m, size_t ldp, const float* v, s
                 b[q] = two ? _mm256_loadu_ps(y1 + d + 8 * q) : _mm256_setzero_ps();
             }
             for (size_t t = 0; t < n; ++t) {
-                const float* vt = v + t * ldv + d;
+                const float* vt = v[t] + d;
                 const __m256 s0 = _mm256_broadcast_ss(p0 + t), s1 = _mm256_broadcast_ss(p1 + t);
 #pragma GCC unroll 4
                 for (int q = 0; q < 4; ++q) {
@@ -146,7 +166,7 @@ AVX2 void rows_axpy_avx2(const float* p, size_t m, size_t ldp, const float* v, s
         if (d32 < dv) {
             for (size_t r = i; r < std::min(i + 2, m); ++r)
                 for (size_t t = 0; t < n; ++t)
-                    for (size_t d = d32; d < dv; ++d) y[r * ldy + d] += p[r * ldp + t] * v[t * ldv + d];
+                    for (size_t d = d32; d < dv; ++d) y[r * ldy + d] += p[r * ldp + t] * v[t][d];
         }
     }
 }
@@ -238,40 +258,263 @@ void top_k(const float* v, size_t n, size_t k, int32_t* idx) {
 
 void rows_dot(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k, float* y,
               size_t ldy) {
-    if (use_avx2()) return rows_dot_avx2(x, m, ldx, w, ldw, n, k, y, ldy);
-    rows_dot_scalar(x, m, ldx, w, ldw, n, k, y, ldy);
+    if (use_avx2()) return rows_dot_avx2(x, m, ldx, Strided{w, ldw}, n, k, y, ldy);
+    rows_dot_scalar(x, m, ldx, Strided{w, ldw}, n, k, y, ldy);
 }
 
 void rows_axpy(const float* p, size_t m, size_t ldp, const float* v, size_t ldv, size_t n, size_t dv, float* y,
                size_t ldy) {
-    if (use_avx2()) return rows_axpy_avx2(p, m, ldp, v, ldv, n, dv, y, ldy);
-    rows_axpy_scalar(p, m, ldp, v, ldv, n, dv, y, ldy);
+    if (use_avx2()) return rows_axpy_avx2(p, m, ldp, Strided{v, ldv}, n, dv, y, ldy);
+    rows_axpy_scalar(p, m, ldp, Strided{v, ldv}, n, dv, y, ldy);
 }
 
-void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* cache,
-                      size_t n_cache, const float* rows, size_t n_rows, const uint8_t* visible, float* scores,
-                      float* out, size_t ldo) {
-    // Each head's scores padded with -inf to a multiple of 8 (mla_scores_stride): the exponentials are then summed
-    // in the same vector lanes whatever the number of keys, so a token gets the same bits whether the keys after
-    // its own (hidden) are there or not -- a verify step's rows equal a one-token step's.
-    const size_t n = n_cache + n_rows, l = mla_scores_stride(n);
-    rows_dot(q, heads, c, cache, c, n_cache, c, scores, l);
-    rows_dot(q, heads, c, rows, c, n_rows, c, scores + n_cache, l);
+namespace {
+
+template <class W>
+void dot_rows(const float* x, size_t m, size_t ldx, W w, size_t n, size_t k, float* y, size_t ldy) {
+    if (use_avx2()) return rows_dot_avx2(x, m, ldx, w, n, k, y, ldy);
+    rows_dot_scalar(x, m, ldx, w, n, k, y, ldy);
+}
+
+template <class V>
+void axpy_rows(const float* p, size_t m, size_t ldp, V v, size_t n, size_t dv, float* y, size_t ldy) {
+    if (use_avx2()) return rows_axpy_avx2(p, m, ldp, v, n, dv, y, ldy);
+    rows_axpy_scalar(p, m, ldp, v, n, dv, y, ldy);
+}
+
+// Absorbed MLA of one query token over key rows `a` (n_a, all visible) then `b` (n_b, visible where visible[r]
+// says; nullptr: all).  Each head's scores are padded with -inf to a multiple of 8 (mla_scores_stride): the
+// exponentials are then summed in the same vector lanes whatever the number of keys, so a token gets the same bits
+// whether the keys after its own (hidden) are there or not -- a verify step's rows equal a one-token step's.
+template <class A, class B>
+void attend(const float* q, size_t heads, size_t c, size_t dl, float scale, A a, size_t n_a, B b, size_t n_b,
+            const uint8_t* visible, float* scores, float* out, size_t ldo) {
+    const size_t n = n_a + n_b, l = mla_scores_stride(n);
+    dot_rows(q, heads, c, a, n_a, c, scores, l);
+    dot_rows(q, heads, c, b, n_b, c, scores + n_a, l);
     const float ninf = -std::numeric_limits<float>::infinity();
     for (size_t h = 0; h < heads; ++h) {
         float* s = scores + h * l;
         float mx = ninf;
         for (size_t t = 0; t < n; ++t) {
-            s[t] = (t < n_cache || !visible || visible[t - n_cache]) ? s[t] * scale : ninf;
+            s[t] = (t < n_a || !visible || visible[t - n_a]) ? s[t] * scale : ninf;
             mx = std::max(mx, s[t]);
         }
         std::fill(s + n, s + l, ninf);
-        const float inv = 1.f / exp_shift_sum(s, l, mx);  // the query's own row is always visible: mx finite
-        for (size_t t = 0; t < n; ++t) s[t] *= inv;
         std::fill(out + h * ldo, out + h * ldo + dl, 0.f);
+        if (mx == ninf) {  // no row seen (only where a selection is empty): a zero output
+            std::fill(s, s + n, 0.f);
+            continue;
+        }
+        const float inv = 1.f / exp_shift_sum(s, l, mx);
+        for (size_t t = 0; t < n; ++t) s[t] *= inv;
     }
-    rows_axpy(scores, heads, l, cache, c, n_cache, dl, out, ldo);
-    rows_axpy(scores + n_cache, heads, l, rows, c, n_rows, dl, out, ldo);
+    axpy_rows(scores, heads, l, a, n_a, dl, out, ldo);
+    axpy_rows(scores + n_a, heads, l, b, n_b, dl, out, ldo);
+}
+
+}  // namespace
+
+void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* cache,
+                      size_t n_cache, const float* rows, size_t n_rows, size_t ld, const uint8_t* visible,
+                      float* scores, float* out, size_t ldo) {
+    attend(q, heads, c, dl, scale, Strided{cache, ld}, n_cache, Strided{rows, ld}, n_rows, visible, scores, out, ldo);
+}
+
+void mla_attend_rows(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* const* keys,
+                     size_t n, float* scores, float* out, size_t ldo) {
+    attend(q, heads, c, dl, scale, Table{keys}, n, Table{keys + n}, 0, nullptr, scores, out, ldo);
+}
+
+// ------------------------------------------------------------------------------------- lightning indexer
+namespace {
+
+enum class IndexPath { scalar, avx2, avx512 };
+
+IndexPath index_path() {
+    static const IndexPath path = !use_avx2()                                                        ? IndexPath::scalar
+                                  : !std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512f") ? IndexPath::avx512
+                                                                                                   : IndexPath::avx2;
+    return path;
+}
+
+void index_scores_scalar(const float* q, const float* w, size_t heads, size_t di, float scale, const float* keys,
+                         size_t ld, size_t n, float* scores) {
+    for (size_t t = 0; t < n; ++t) {
+        const float* k = keys + t * ld;
+        float total = 0.f;
+        for (size_t j = 0; j < heads; ++j) {
+            float dot = 0.f;
+            for (size_t d = 0; d < di; ++d) dot += q[j * di + d] * k[d];
+            total += w[j] * std::max(dot * scale, 0.f);
+        }
+        scores[t] = total;
+    }
+}
+
+// The vector paths: a tile of L rows (one per lane) is read transposed (kt[d] = the tile's values of dim d,
+// gathered; the next tile prefetched), then every head's dot products are L-wide FMAs over d, 8 heads at a time
+// (8 accumulators).  A row's score is the same bits wherever it falls in a tile: the last tile's gather is masked.
+#define INDEX_TILE(VEC, L, SET1, ZERO, LOAD, STORE, FMA, MUL, MAX, GATHER)                                       \
+    for (size_t t0 = 0; t0 < n; t0 += L) {                                                                           \
+        const size_t rows = std::min<size_t>(L, n - t0);                                                             \
+        const float* base = keys + t0 * ld;                                                                          \
+        for (size_t r = 0; r < L && t0 + L + r < n; ++r)                                                             \
+            for (size_t d = 0; d < di; d += 16) _mm_prefetch(reinterpret_cast<const char*>(base + (L + r) * ld + d), \
+                                                             _MM_HINT_T0);                                           \
+        for (size_t d = 0; d < di; ++d) STORE(kt + d * L, GATHER(base + d, offsets, rows));                                   \
+        VEC total = ZERO();                                                                                          \
+        const VEC sc = SET1(scale), zero = ZERO();                                                                   \
+        size_t j = 0;                                                                                                \
+        for (; j + 8 <= heads; j += 8) {                                                                             \
+            VEC acc[8];                                                                                              \
+            for (int g = 0; g < 8; ++g) acc[g] = ZERO();                                                             \
+            for (size_t d = 0; d < di; ++d) {                                                                        \
+                const VEC kv = LOAD(kt + d * L);                                                                     \
+                _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) acc[g] = FMA(SET1(q[(j + g) * di + d]), kv, acc[g]); \
+            }                                                                                                        \
+            for (int g = 0; g < 8; ++g) total = FMA(SET1(w[j + g]), MAX(MUL(acc[g], sc), zero), total);             \
+        }                                                                                                            \
+        for (; j < heads; ++j) {                                                                                     \
+            VEC acc = ZERO();                                                                                        \
+            for (size_t d = 0; d < di; ++d) acc = FMA(SET1(q[j * di + d]), LOAD(kt + d * L), acc);                   \
+            total = FMA(SET1(w[j]), MAX(MUL(acc, sc), zero), total);                                                 \
+        }                                                                                                            \
+        if (rows == L) {                                                                                             \
+            STORE(scores + t0, total);                                                                               \
+        } else {                                                                                                     \
+            alignas(64) float tail[L];                                                                               \
+            STORE(tail, total);                                                                                      \
+            std::copy(tail, tail + rows, scores + t0);                                                               \
+        }                                                                                                            \
+    }
+
+// The rows < `rows` of a tile's column at p (lanes `offsets` bytes / 4 apart), zeros after.
+AVX2 inline __m256 gather8(const float* p, __m256i offsets, size_t rows) {
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, offsets, _mm256_castsi256_ps(live), 4);
+}
+
+#define AVX512 __attribute__((target("avx2,fma,avx512f")))
+AVX512 inline __m512 gather16(const float* p, __m512i offsets, size_t rows) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), __mmask16((1u << rows) - 1), offsets, p, 4);
+}
+
+AVX2 void index_scores_avx2(const float* q, const float* w, size_t heads, size_t di, float scale, const float* keys,
+                            size_t ld, size_t n, float* scores, float* kt) {
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(ld)));
+    INDEX_TILE(__m256, 8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps,
+               _mm256_mul_ps, _mm256_max_ps, gather8)
+}
+
+AVX512 void index_scores_avx512(const float* q, const float* w, size_t heads, size_t di, float scale,
+                                const float* keys, size_t ld, size_t n, float* scores, float* kt) {
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(int(ld)));
+    INDEX_TILE(__m512, 16, _mm512_set1_ps, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps,
+               _mm512_mul_ps, _mm512_max_ps, gather16)
+}
+// With heads a multiple of the lane count L, the heads lie across the lanes instead (no gathers): the queries
+// transposed once (qt[g][d] = dim d of heads L g .. L g + L - 1), a row's L dot products are FMAs of qt[g][d]
+// with its value d broadcast, R rows at a time sharing each qt load, two accumulators a row (even and odd d);
+// then ReLU, the head weights and one sum across the lanes.  Every row goes through the same operations in the
+// same order, whatever R.
+#define INDEX_HEADS(NAME, ATTR, VEC, L, SET1, ZERO, LOAD, FMA, MUL, ADD, MAX, REDUCE)                                \
+    template <int R>                                                                                                 \
+    ATTR void index_rows_##NAME(const float* qt, const float* w, size_t groups, size_t di, VEC sc, const float* k,   \
+                                size_t ld, float* scores) {                                                          \
+        VEC total[R];                                                                                                \
+        for (int r = 0; r < R; ++r) total[r] = ZERO();                                                               \
+        for (size_t g = 0; g < groups; ++g) {                                                                        \
+            const float* qg = qt + g * di * L;                                                                       \
+            VEC even[R], odd[R];                                                                                     \
+            for (int r = 0; r < R; ++r) even[r] = odd[r] = ZERO();                                                   \
+            size_t d = 0;                                                                                            \
+            for (; d + 2 <= di; d += 2) {                                                                            \
+                const VEC q0 = LOAD(qg + d * L), q1 = LOAD(qg + d * L + L);                                          \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                \
+                    even[r] = FMA(q0, SET1(k[r * ld + d]), even[r]);                                                 \
+                    odd[r] = FMA(q1, SET1(k[r * ld + d + 1]), odd[r]);                                               \
+                }                                                                                                    \
+            }                                                                                                        \
+            if (d < di)                                                                                              \
+                for (int r = 0; r < R; ++r) even[r] = FMA(LOAD(qg + d * L), SET1(k[r * ld + d]), even[r]);           \
+            const VEC wv = LOAD(w + L * g);                                                                          \
+            for (int r = 0; r < R; ++r) total[r] = FMA(wv, MAX(MUL(ADD(even[r], odd[r]), sc), ZERO()), total[r]);    \
+        }                                                                                                            \
+        for (int r = 0; r < R; ++r) scores[r] = REDUCE(total[r]);                                                    \
+    }                                                                                                                \
+                                                                                                                     \
+    ATTR void index_scores_##NAME##_heads(const float* q, const float* w, size_t heads, size_t di, float scale,      \
+                                          const float* keys, size_t ld, size_t n, float* scores, float* qt) {        \
+        const size_t groups = heads / L;                                                                             \
+        for (size_t g = 0; g < groups; ++g)                                                                          \
+            for (size_t d = 0; d < di; ++d)                                                                          \
+                for (size_t lane = 0; lane < L; ++lane) qt[(g * di + d) * L + lane] = q[(L * g + lane) * di + d];    \
+        const VEC sc = SET1(scale);                                                                                  \
+        constexpr size_t R = 4, ahead = 16; /* rows a pass; rows prefetched ahead */                                 \
+        size_t t = 0;                                                                                                \
+        for (; t + R <= n; t += R) {                                                                                 \
+            for (size_t r = 0; r < R && t + ahead + r < n; ++r)                                                      \
+                for (size_t d = 0; d < di; d += 16)                                                                  \
+                    _mm_prefetch(reinterpret_cast<const char*>(keys + (t + ahead + r) * ld + d), _MM_HINT_T0);       \
+            index_rows_##NAME<R>(qt, w, groups, di, sc, keys + t * ld, ld, scores + t);                              \
+        }                                                                                                            \
+        for (; t < n; ++t) index_rows_##NAME<1>(qt, w, groups, di, sc, keys + t * ld, ld, scores + t);               \
+    }
+
+INDEX_HEADS(avx2, AVX2, __m256, 8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps,
+            _mm256_mul_ps, _mm256_add_ps, _mm256_max_ps, hsum)
+INDEX_HEADS(avx512, AVX512, __m512, 16, _mm512_set1_ps, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
+            _mm512_mul_ps, _mm512_add_ps, _mm512_max_ps, _mm512_reduce_add_ps)
+#undef INDEX_HEADS
+#undef INDEX_TILE
+#undef AVX512
+
+}  // namespace
+
+void index_scores(const float* q, const float* w, size_t heads, size_t di, float scale, const float* keys,
+                  size_t ld, size_t n, float* scores) {
+    thread_local std::vector<float> kt;  // one tile, or the queries, transposed
+    switch (index_path()) {
+        case IndexPath::avx512:
+            if (kt.size() < std::max<size_t>(16, heads) * di) kt.resize(std::max<size_t>(16, heads) * di);
+            if (heads % 16 == 0) return index_scores_avx512_heads(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
+            return index_scores_avx512(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
+        case IndexPath::avx2:
+            if (kt.size() < std::max<size_t>(8, heads) * di) kt.resize(std::max<size_t>(8, heads) * di);
+            if (heads % 8 == 0) return index_scores_avx2_heads(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
+            return index_scores_avx2(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
+        default: return index_scores_scalar(q, w, heads, di, scale, keys, ld, n, scores);
+    }
+}
+
+size_t select_top(const float* scores, size_t n, size_t k, float* scratch, int32_t* idx) {
+    const float ninf = -std::numeric_limits<float>::infinity();
+    size_t m = 0;
+    for (size_t t = 0; t < n; ++t)
+        if (scores[t] > ninf) scratch[m++] = scores[t];  // (NaN and -inf: not visible)
+    if (m <= k) {
+        size_t c = 0;
+        for (size_t t = 0; t < n; ++t)
+            if (scores[t] > ninf) idx[c++] = int32_t(t);
+        return c;
+    }
+    if (k == 0) return 0;
+    std::nth_element(scratch, scratch + (k - 1), scratch + m, std::greater<float>());
+    const float v = scratch[k - 1];  // the k-th highest: all above it are chosen, then the earliest equal to it
+    size_t equal = k - size_t(std::count_if(scratch, scratch + (k - 1), [v](float x) { return x > v; }));
+    size_t c = 0;
+    for (size_t t = 0; t < n && c < k; ++t) {
+        const float x = scores[t];
+        if (x > v || (x == v && equal && equal--)) idx[c++] = int32_t(t);
+    }
+    return c;
+}
+
+const char* index_path_name() {
+    static const char* names[] = {"scalar", "avx2", "avx512"};
+    return names[int(index_path())];
 }
 
 void swiglu_pairs(const float* h, size_t m, size_t ldh, size_t units, float* a, size_t lda) {

@@ -26,13 +26,33 @@ void rows_axpy(const float* p, size_t m, size_t ldp, const float* v, size_t ldv,
 
 // Absorbed MLA attention of one query token: q [H, C] (C = latent + rope dims) against the visible key rows
 // (n_cache rows of `cache` then the rows of `rows` for which visible[r] != 0; visible == nullptr: all
-// n_rows), values the first dl dims of the same rows.  scores: scratch of
-// H * mla_scores_stride(n_cache + n_rows) floats.
+// n_rows; rows `ld` >= C floats apart, keys their first C values), values the first dl dims of the same rows.
+// scores: scratch of H * mla_scores_stride(n_cache + n_rows) floats.
 // out [H, dl] (ldo apart).
 inline size_t mla_scores_stride(size_t keys) { return (keys + 7) & ~size_t(7); }
 void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* cache,
-                      size_t n_cache, const float* rows, size_t n_rows, const uint8_t* visible, float* scores,
-                      float* out, size_t ldo);
+                      size_t n_cache, const float* rows, size_t n_rows, size_t ld, const uint8_t* visible,
+                      float* scores, float* out, size_t ldo);
+
+// mla_attend_token over the n rows at keys[0..n) (DeepSeek Sparse Attention's selected rows, each C floats
+// read), all visible.  scores: scratch of H * mla_scores_stride(n) floats.
+void mla_attend_rows(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* const* keys,
+                     size_t n, float* scores, float* out, size_t ldo);
+
+// DeepSeek Sparse Attention's lightning indexer for one query token over n key rows (row t: di floats at
+// keys + t * ld): I[t] = sum_j w[j] * max(0, scale * q[j] . k_t) for heads j < heads, q [heads, di].
+// Fused: each tile of rows is scored for every head at once, no [heads, n] product is kept.
+void index_scores(const float* q, const float* w, size_t heads, size_t di, float scale, const float* keys,
+                  size_t ld, size_t n, float* scores);
+
+// DSA's selection: the k rows of highest score among scores[0..n) (-inf: a row not visible, never chosen), the
+// earlier row among equal scores (ONNX TopK's rule) -> their indices in ascending order in idx, and their count
+// min(k, visible rows).  scratch: n floats.
+size_t select_top(const float* scores, size_t n, size_t k, float* scratch, int32_t* idx);
+
+// The instruction set of the indexer's scores: "scalar", "avx2" or "avx512" (chosen once per process;
+// MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_AVX512=1 AVX2).
+const char* index_path_name();
 
 // SwiGLU on interleaved gate/up pairs: a[i * lda + j] = silu(h[i * ldh + 2j]) * h[i * ldh + 2j + 1], j < units.
 void swiglu_pairs(const float* h, size_t m, size_t ldh, size_t units, float* a, size_t lda);

@@ -5,7 +5,10 @@
 //   MoE(x [..., D], gate [E, D], bias [E]?, fc1 [E, 2I, D], fc2 [E, D, I], shared_fc1 [2Is, D]?, shared_fc2 [D, Is]?)
 //                                                                   -> [..., D]       (DeepSeekMoE, router included)
 //   MlaAttention(q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C], valid_len [B] int32,
-//                visible [B|1, S, R] bool?)                         -> [B, S, H*Dl]   (absorbed MLA, C = Dl + Dr)
+//                visible [B|1, S, R] bool?, selected [B, S, K] int32?)
+//                                                                   -> [B, S, H*Dl]   (absorbed MLA, C >= Dl + Dr)
+//   LightningIndexer(q [B, S, Hi*Di], weights [B, S, Hi], rows [B, R, C], cache [B, T, C], valid_len [B] int32,
+//                    visible [B|1, S, R] bool?)                    -> [B, S, K] int32 (DSA's top-k rows)
 //   QMatMul(x [..., K], w uint8 [N, K/bs, blob], scales [N, K/bs]) -> [..., N]       (x W^T, W quantized)
 //   QMoE(x, gate, bias?, fc1 uint8 [E, 2I, D/bs, blob], fc1_scales [E, 2I, D/bs], fc2 uint8 [E, D, I/bs, blob],
 //        fc2_scales [E, D, I/bs], shared_fc1 [2Is, D/bs, blob]?, shared_fc1_scales?, shared_fc2 [D, Is/bs, blob]?,
@@ -23,6 +26,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -86,7 +90,8 @@ struct Call {
         return api->GetTensorMutableData(const_cast<OrtValue*>(value), &v.data);
     }
 
-    OrtStatus* output(size_t i, const std::vector<int64_t>& shape, float** data) const {
+    template <class T>
+    OrtStatus* output(size_t i, const std::vector<int64_t>& shape, T** data) const {
         OrtValue* value = nullptr;
         MTP_RETURN_IF(api->KernelContext_GetOutput(ctx, i, shape.data(), shape.size(), &value));
         return api->GetTensorMutableData(value, reinterpret_cast<void**>(data));
@@ -492,6 +497,59 @@ struct QMoEKernel : Router {
 };
 
 // ---------------------------------------------------------------------------------- MlaAttention
+// What MlaAttention and LightningIndexer share: the rows (`cache` [B, T, C], `rows` [B, R, C]), the valid cache
+// rows per sequence and which of `rows` each query token sees.
+struct Rows {
+    View rows, cache, valid, vis;
+    int64_t b = 0, s_len = 0, t_len = 0, r_len = 0, c = 0;
+
+    // inputs at `first` (rows), first + 1 (cache), first + 2 (valid_len), first + 3 (visible?), for B x S query
+    // tokens whose rows have at least `need` values.
+    OrtStatus* read(const Call& call, size_t first, int64_t b_, int64_t s_, int64_t need, const std::string& want) {
+        b = b_, s_len = s_;
+        MTP_RETURN_IF(call.input(first, rows));
+        MTP_RETURN_IF(call.input(first + 1, cache));
+        MTP_RETURN_IF(call.input(first + 2, valid));
+        MTP_RETURN_IF(call.input(first + 3, vis));
+        MTP_RETURN_IF(need_float(call, rows, "rows", 3));
+        MTP_RETURN_IF(need_float(call, cache, "cache", 3));
+        t_len = cache.dim(1), r_len = rows.dim(1), c = cache.dim(2);
+        if (cache.dim(0) != b || rows.dim(0) != b || rows.dim(2) != c || c < need)
+            return call.error("rows " + rows.str() + " and cache " + cache.str() + " must be [B, R, C] and [B, T, C] " +
+                              want);
+        if (valid.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || valid.size() != b)
+            return call.error("valid_len " + valid.str() + " must be int32 [B]");
+        if (r_len < s_len) return call.error("rows " + rows.str() + " has fewer rows than the " + std::to_string(s_len) +
+                                             " query tokens");
+        if (vis.present && (vis.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL || vis.shape.size() != 3 ||
+                            (vis.dim(0) != b && vis.dim(0) != 1) || vis.dim(1) != s_len || vis.dim(2) != r_len))
+            return call.error("visible " + vis.str() + " must be bool [B or 1, S, R] = [" + std::to_string(b) + ", " +
+                              std::to_string(s_len) + ", " + std::to_string(r_len) + "]");
+        return nullptr;
+    }
+
+    size_t cached(size_t bi) const {
+        return size_t(std::clamp<int64_t>(static_cast<const int32_t*>(valid.data)[bi], 0, t_len));
+    }
+    const float* cache_of(size_t bi) const { return cache.f() + bi * size_t(t_len * c); }
+    const float* rows_of(size_t bi) const { return rows.f() + bi * size_t(r_len * c); }
+    // which of `rows` query token (bi, si) sees: the mask's row, or causal into `buf` (the last S rows are the
+    // tokens' own, any rows before them all seen)
+    const uint8_t* seen(size_t bi, size_t si, uint8_t* buf) const {
+        if (vis.present)
+            return static_cast<const uint8_t*>(vis.data) + ((vis.dim(0) == 1 ? 0 : bi) * s_len + si) * r_len;
+        for (int64_t r = 0; r < r_len; ++r) buf[r] = r <= int64_t(si) + r_len - s_len;
+        return buf;
+    }
+};
+
+// Reusable per-thread table of row pointers (DeepSeek Sparse Attention's selected rows).
+const float** row_table(size_t n) {
+    thread_local std::vector<const float*> buf;
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+}
+
 struct MlaAttentionKernel {
     int64_t heads = 0;
     float scale = 1.f;
@@ -504,32 +562,25 @@ struct MlaAttentionKernel {
     }
 
     OrtStatus* compute(const Call& c) const {
-        View q_lat, q_pe, rows, cache, valid, vis;
-        View* in[] = {&q_lat, &q_pe, &rows, &cache, &valid, &vis};
-        for (size_t i = 0; i < 6; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+        View q_lat, q_pe, sel;
+        Rows in;
+        MTP_RETURN_IF(c.input(0, q_lat));
+        MTP_RETURN_IF(c.input(1, q_pe));
+        MTP_RETURN_IF(c.input(6, sel));
         MTP_RETURN_IF(need_float(c, q_lat, "q_lat", 3));
         MTP_RETURN_IF(need_float(c, q_pe, "q_pe", 3));
-        MTP_RETURN_IF(need_float(c, rows, "rows", 3));
-        MTP_RETURN_IF(need_float(c, cache, "cache", 3));
         const int64_t b = q_lat.dim(0), s_len = q_lat.dim(1), h = heads, dl = q_lat.dim(2) / h,
-                      dr = q_pe.dim(2) / h, ch = dl + dr, t_len = cache.dim(1), r_len = rows.dim(1);
-        if (q_lat.dim(2) != dl * h || q_pe.dim(2) != dr * h || q_pe.dim(0) != b || q_pe.dim(1) != s_len ||
-            cache.dim(0) != b || cache.dim(2) != ch || rows.dim(0) != b || rows.dim(2) != ch || dl < 1)
-            return c.error("q_lat " + q_lat.str() + ", q_pe " + q_pe.str() + ", rows " + rows.str() + " and cache " +
-                           cache.str() + " must be [B, S, H*Dl], [B, S, H*Dr], [B, R, Dl+Dr] and [B, T, Dl+Dr] with H = " +
-                           std::to_string(h));
-        if (valid.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || valid.size() != b)
-            return c.error("valid_len " + valid.str() + " must be int32 [B]");
-        if (r_len < s_len) return c.error("rows " + rows.str() + " has fewer rows than q_lat " + q_lat.str() + " tokens");
-        if (vis.present && (vis.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL || vis.shape.size() != 3 ||
-                            (vis.dim(0) != b && vis.dim(0) != 1) || vis.dim(1) != s_len || vis.dim(2) != r_len))
-            return c.error("visible " + vis.str() + " must be bool [B or 1, S, R] = [" + std::to_string(b) + ", " +
-                           std::to_string(s_len) + ", " + std::to_string(r_len) + "]");
+                      dr = q_pe.dim(2) / h, ch = dl + dr;
+        if (q_lat.dim(2) != dl * h || q_pe.dim(2) != dr * h || q_pe.dim(0) != b || q_pe.dim(1) != s_len || dl < 1)
+            return c.error("q_lat " + q_lat.str() + " and q_pe " + q_pe.str() + " must be [B, S, H*Dl] and [B, S, H*Dr] "
+                           "with H = " + std::to_string(h));
+        MTP_RETURN_IF(in.read(c, 2, b, s_len, ch, "with C >= Dl + Dr = " + std::to_string(ch) + " (q_lat " +
+                                                      q_lat.str() + ", q_pe " + q_pe.str() + ")"));
+        const int64_t k_sel = sel.present && sel.shape.size() == 3 ? sel.dim(2) : 0;
+        if (sel.present) MTP_RETURN_IF(check_selected(c, sel, in));
         float* out = nullptr;
         MTP_RETURN_IF(c.output(0, {b, s_len, h * dl}, &out));
-        const int32_t* lens = static_cast<const int32_t*>(valid.data);
-        const uint8_t* mask = static_cast<const uint8_t*>(vis.data);
-        const size_t tokens = size_t(b * s_len);
+        const size_t tokens = size_t(b * s_len), n_ch = size_t(ch), ld = size_t(in.c);
         // one task per query token, its heads split further where there are few tokens (decode)
         const size_t splits = tokens >= 4 ? 1 : std::min<size_t>(size_t(h), (4 + tokens - 1) / tokens);
         const size_t per = (size_t(h) + splits - 1) / splits;
@@ -537,26 +588,111 @@ struct MlaAttentionKernel {
             const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
             if (h0 >= h1) return;
             const size_t bi = tok / s_len, si = tok % s_len, nh = h1 - h0;
-            const size_t n_cache = size_t(std::clamp<int64_t>(lens[bi], 0, t_len));
-            const size_t stride = mla_scores_stride(n_cache + size_t(r_len));
-            float* q = scratch(nh * ch + nh * stride + size_t(r_len));
-            float* sc = q + nh * ch;
-            uint8_t* causal = reinterpret_cast<uint8_t*>(sc + nh * stride);
+            const size_t keys = sel.present ? size_t(k_sel) : in.cached(bi) + size_t(in.r_len);
+            const size_t stride = mla_scores_stride(keys);
+            float* q = scratch(nh * n_ch + nh * stride + size_t(in.r_len));
+            float* sc = q + nh * n_ch;
             for (size_t hh = 0; hh < nh; ++hh) {  // this token's queries [nh, Dl+Dr]
-                std::memcpy(q + hh * ch, q_lat.f() + (tok * h + h0 + hh) * dl, dl * sizeof(float));
-                std::memcpy(q + hh * ch + dl, q_pe.f() + (tok * h + h0 + hh) * dr, dr * sizeof(float));
+                std::memcpy(q + hh * n_ch, q_lat.f() + (tok * h + h0 + hh) * dl, dl * sizeof(float));
+                std::memcpy(q + hh * n_ch + dl, q_pe.f() + (tok * h + h0 + hh) * dr, dr * sizeof(float));
             }
-            const uint8_t* visible = causal;
-            if (mask) {
-                visible = mask + ((vis.dim(0) == 1 ? 0 : bi) * s_len + si) * r_len;
-            } else {  // causal over the new rows (the last S rows; any rows before them all seen)
-                for (int64_t r = 0; r < r_len; ++r) causal[r] = r <= int64_t(si) + r_len - s_len;
+            float* o = out + (tok * h + h0) * dl;
+            if (!sel.present) {
+                const uint8_t* visible = in.seen(bi, si, reinterpret_cast<uint8_t*>(sc + nh * stride));
+                return mla_attend_token(q, nh, n_ch, size_t(dl), scale, in.cache_of(bi), in.cached(bi), in.rows_of(bi),
+                                        size_t(in.r_len), ld, visible, sc, o, size_t(dl));
             }
-            mla_attend_token(q, nh, size_t(ch), size_t(dl), scale, cache.f() + bi * size_t(t_len * ch), n_cache,
-                             rows.f() + bi * size_t(r_len * ch), size_t(r_len), visible, sc,
-                             out + (tok * h + h0) * dl, size_t(dl));
+            const int32_t* picked = static_cast<const int32_t*>(sel.data) + tok * size_t(k_sel);
+            const float** table = row_table(size_t(k_sel));
+            size_t n = 0;
+            for (int64_t r = 0; r < k_sel; ++r) {
+                const int64_t i = picked[r];
+                if (i >= 0) table[n++] = i < in.t_len ? in.cache_of(bi) + i * ld : in.rows_of(bi) + (i - in.t_len) * ld;
+            }
+            mla_attend_rows(q, nh, n_ch, size_t(dl), scale, table, n, sc, o, size_t(dl));
         };
         return c.parallel(tokens * splits, work);
+    }
+
+    // selected: int32 [B, S, K] of indices into the T cache rows then the R rows, or -1 (none).
+    static OrtStatus* check_selected(const Call& c, const View& sel, const Rows& in) {
+        if (sel.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || sel.shape.size() != 3 || sel.dim(0) != in.b ||
+            sel.dim(1) != in.s_len)
+            return c.error("selected " + sel.str() + " must be int32 [B, S, K] with B = " + std::to_string(in.b) +
+                           ", S = " + std::to_string(in.s_len));
+        const int32_t* p = static_cast<const int32_t*>(sel.data);
+        for (int64_t i = 0; i < sel.size(); ++i)
+            if (p[i] < -1 || p[i] >= in.t_len + in.r_len)
+                return c.error("selected holds row " + std::to_string(p[i]) + ", outside -1 .. T + R - 1 = " +
+                               std::to_string(in.t_len + in.r_len - 1));
+        return nullptr;
+    }
+};
+
+// ----------------------------------------------------------------------------------- LightningIndexer
+struct LightningIndexerKernel {
+    int64_t heads = 0, topk = 0;
+    float scale = 1.f;
+
+    LightningIndexerKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
+        OrtStatus* s = attr_int(api, info, "heads", &heads);
+        if (!s) s = attr_int(api, info, "topk", &topk);
+        if (!s) s = attr_float(api, info, "scale", &scale);
+        if (!s && (heads < 1 || topk < 1))
+            s = api->CreateStatus(ORT_INVALID_ARGUMENT, ("mtp_trt.cpu::LightningIndexer: heads " + std::to_string(heads) +
+                                                         ", topk " + std::to_string(topk) + ": both must be >= 1").c_str());
+        *status = s;
+    }
+
+    OrtStatus* compute(const Call& c) const {
+        View q, w;
+        Rows in;
+        MTP_RETURN_IF(c.input(0, q));
+        MTP_RETURN_IF(c.input(1, w));
+        MTP_RETURN_IF(need_float(c, q, "q", 3));
+        MTP_RETURN_IF(need_float(c, w, "weights", 3));
+        const int64_t b = q.dim(0), s_len = q.dim(1), hi = heads, di = q.dim(2) / hi;
+        if (q.dim(2) != di * hi || di < 1 || w.dim(0) != b || w.dim(1) != s_len || w.dim(2) != hi)
+            return c.error("q " + q.str() + " and weights " + w.str() + " must be [B, S, H*Di] and [B, S, H] with H = " +
+                           std::to_string(hi));
+        MTP_RETURN_IF(in.read(c, 2, b, s_len, di, "with C >= Di = " + std::to_string(di) + " (q " + q.str() +
+                                                      "), the keys the last Di values of each row"));
+        const int64_t k_out = std::min(topk, in.t_len + in.r_len);
+        int32_t* out = nullptr;
+        MTP_RETURN_IF(c.output(0, {b, s_len, k_out}, &out));
+        const size_t tokens = size_t(b * s_len), ld = size_t(in.c), key_at = size_t(in.c - di);
+        std::vector<size_t> at(tokens + 1, 0);  // token i's scores at `at[i]`: its cached rows, then `rows`
+        for (size_t tok = 0; tok < tokens; ++tok) at[tok + 1] = at[tok] + in.cached(tok / s_len) + size_t(in.r_len);
+        std::vector<float> scores(at[tokens]);
+        // scores: per token, chunks of its cached rows (the last chunk also the token's `rows`), any thread each
+        constexpr size_t chunk = 512;
+        std::vector<std::pair<size_t, size_t>> items;  // (token, first cached row)
+        for (size_t tok = 0; tok < tokens; ++tok)
+            for (size_t t = 0, n = in.cached(tok / s_len); t == 0 || t < n; t += chunk) items.push_back({tok, t});
+        auto score = [&](size_t i) {
+            const auto [tok, t0] = items[i];
+            const size_t bi = tok / s_len, si = tok % s_len, n = in.cached(bi), t1 = std::min(n, t0 + chunk);
+            const float* qt = q.f() + tok * size_t(hi * di);
+            const float* wt = w.f() + tok * size_t(hi);
+            float* st = scores.data() + at[tok];
+            index_scores(qt, wt, size_t(hi), size_t(di), scale, in.cache_of(bi) + t0 * ld + key_at, ld, t1 - t0, st + t0);
+            if (t1 < n) return;
+            uint8_t* buf = reinterpret_cast<uint8_t*>(scratch(size_t(in.r_len)));
+            const uint8_t* seen = in.seen(bi, si, buf);
+            index_scores(qt, wt, size_t(hi), size_t(di), scale, in.rows_of(bi) + key_at, ld, size_t(in.r_len), st + n);
+            for (int64_t r = 0; r < in.r_len; ++r)
+                if (!seen[r]) st[n + r] = -std::numeric_limits<float>::infinity();
+        };
+        MTP_RETURN_IF(c.parallel(items.size(), score));
+        auto select = [&](size_t tok) {
+            const size_t n = in.cached(tok / s_len), visible = n + size_t(in.r_len);
+            int32_t* o = out + tok * size_t(k_out);
+            const size_t got = select_top(scores.data() + at[tok], visible, size_t(k_out), scratch(visible), o);
+            for (size_t r = 0; r < got; ++r)  // positions among the token's scores -> rows of cache then `rows`
+                if (size_t(o[r]) >= n) o[r] += int32_t(in.t_len - int64_t(n));
+            std::fill(o + got, o + k_out, -1);
+        };
+        return c.parallel(tokens, select);
     }
 };
 
@@ -565,6 +701,7 @@ struct Spec {
     const char* name;
     std::vector<ONNXTensorElementDataType> inputs;
     std::vector<bool> optional;
+    ONNXTensorElementDataType output = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 };
 
 template <class K>
@@ -581,7 +718,7 @@ struct Op : OrtCustomOp {
             return static_cast<const Op*>(op)->spec.optional[i] ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
         };
         GetOutputTypeCount = [](const OrtCustomOp*) { return size_t(1); };
-        GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+        GetOutputType = [](const OrtCustomOp* op, size_t) { return static_cast<const Op*>(op)->spec.output; };
         GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
         GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
         CreateKernelV2 = [](const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
@@ -625,7 +762,10 @@ constexpr auto U8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
 
 // The ops live as long as the process: ONNX Runtime keeps pointers to them in every session that used them.
 Op<MoEKernel> g_moe({"MoE", {F32, F32, F32, F32, F32, F32, F32}, {false, false, true, false, false, true, true}});
-Op<MlaAttentionKernel> g_mla({"MlaAttention", {F32, F32, F32, F32, I32, BOOL}, {false, false, false, false, false, true}});
+Op<MlaAttentionKernel> g_mla({"MlaAttention", {F32, F32, F32, F32, I32, BOOL, I32},
+                              {false, false, false, false, false, true, true}});
+Op<LightningIndexerKernel> g_indexer({"LightningIndexer", {F32, F32, F32, F32, I32, BOOL},
+                                      {false, false, false, false, false, true}, I32});
 Op<QMatMulKernel> g_qmatmul({"QMatMul", {F32, U8, F32}, {false, false, false}});
 Op<QMoEKernel> g_qmoe({"QMoE", {F32, F32, F32, U8, F32, U8, F32, U8, F32, U8, F32},
                        {false, false, true, false, false, false, false, true, true, true, true}});
@@ -643,7 +783,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     }
     OrtCustomOpDomain* domain = nullptr;
     MTP_RETURN_IF(api->CreateCustomOpDomain(kDomain, &domain));
-    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla, &g_qmatmul, &g_qmoe})
+    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla, &g_indexer, &g_qmatmul, &g_qmoe})
         MTP_RETURN_IF(api->CustomOpDomain_Add(domain, op));
     return api->AddCustomOpDomain(options, domain);  // (the domain is kept for the process, as the ops are)
 }
@@ -652,3 +792,6 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
 // The instruction set of the quantized products in this process ("scalar", "avx2", "avx-vnni", "avx512-vnni"):
 // for tests and benchmarks, through ctypes.
 extern "C" __attribute__((visibility("default"))) const char* MtpOrtQuantPath() { return mtp_ort::qpath_name(); }
+
+// The instruction set of the lightning indexer's scores ("scalar", "avx2", "avx512"), likewise.
+extern "C" __attribute__((visibility("default"))) const char* MtpOrtIndexPath() { return mtp_ort::index_path_name(); }
