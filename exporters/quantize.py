@@ -16,6 +16,15 @@ DequantizeLinear, opset 21), where K is a multiple of the block size: weight-onl
 TensorRT fuses into the matmul.  That covers the dense layers and the `static` MoE form's stacked experts;
 the `gather` form's experts and the embedding stay in the export's dtype.
 
+`fp8` (TensorRT only): q W^T's float8 e4m3 values [K, N], s float32 [K / 128, N] (exact for any FP8 checkpoint
+scale), the DequantizeLinear's float32 output cast to the export's dtype where that is fp16 or bf16.  A weight
+whose recipe only moves the values of FP8 checkpoint tensors (transposes, concatenations: `fp8_stored`) keeps
+their e4m3 bytes and scales exactly, each 128 x 128 block's scale repeated over its 128 columns of W^T; where
+the checkpoint stores a weight in float, or a block of 128 along K would straddle two stored blocks (blocks
+not 128 wide along the input, experts narrower than 128 stacked along K), the weight is quantized from its
+float value: one scale per 128 values along K of each column, its largest magnitude over 448 (`fp8_quantize`).
+The output head stays in the export's dtype, as DeepSeek's FP8 checkpoints keep it.
+
 Kept in float: the router, norms, biases, and products computed in the graph from several weights (small
 models' W^UK / W^UV folded into the projections, exporters/graphs.py folded_mla).  Under int4 a few MatMul
 weights take int8 (matmul_scheme): the output head, which decides every token; each layer's latent KV
@@ -40,9 +49,11 @@ import torch
 from onnx import helper
 
 from mtp_trt import quant
-from mtp_trt.exporters.streaming import Packed, _Value, evaluate, evaluate_row
+from mtp_trt.exporters.streaming import ONNX_TYPES, Packed, _Value, evaluate, evaluate_row
 from mtp_trt.plugins.ort_lib import DOMAIN as CPU_DOMAIN
 
+FP8_TYPE = onnx.TensorProto.FLOAT8E4M3FN
+MOVES_VALUES = ("Transpose", "Concat", "Reshape", "Flatten", "Slice", "Squeeze", "Unsqueeze", "Gather")
 MS_DOMAIN = "com.microsoft"
 DQ_OPSET = 21  # DequantizeLinear with block_size
 MIN_ELEMENTS = 4096  # smaller weights stay in float (nothing to gain)
@@ -50,13 +61,66 @@ KEEP_FLOAT = ("mlp.gate.weight",)  # the router: its scores pick the experts
 # MatMul weights kept at int8 under int4 (module docstring); a MatMul over embed_tokens is a tied output head
 INT8_UNDER_INT4 = ("lm_head.weight", "embed_tokens.weight", "kv_a_proj_with_mqa.weight", "q_a_proj.weight",
                    ".layers.0.mlp.down_proj.weight")
+HEAD = ("lm_head.weight", "embed_tokens.weight")  # a MatMul over embed_tokens is a tied output head
 
 
 def matmul_scheme(params: set[str], s: quant.Scheme) -> quant.Scheme:
-    """The scheme of a MatMul weight computed from checkpoint parameters `params` under `s` (module docstring)."""
+    """The scheme of a MatMul weight computed from checkpoint parameters `params` under `s` (module docstring;
+    Scheme("none"): kept in the export's dtype)."""
+    if s.name == "fp8" and any(p.endswith(HEAD) for p in params):
+        return quant.Scheme()
     if s.bits == 4 and any(p.endswith(INT8_UNDER_INT4) for p in params):
         return quant.Scheme("int8", s.block_size)
     return s
+
+
+def fp8_quantize(wt: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """W^T [K, N] float (K a multiple of FP8_BLOCK) -> (e4m3 codes uint8 [K, N], float32 scales [K / FP8_BLOCK, N]):
+    each block of FP8_BLOCK values along K of a column scaled by its largest magnitude over FP8_MAX, rounded to
+    the nearest e4m3 value (an all-zero block: scale 0)."""
+    k, n = wt.shape
+    blocks = wt.float().reshape(k // quant.FP8_BLOCK, quant.FP8_BLOCK, n)
+    scales = blocks.abs().amax(1) / quant.FP8_MAX
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = (blocks / safe[:, None]).clamp(-quant.FP8_MAX, quant.FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8).reshape(k, n).numpy(), scales.numpy()
+
+
+def fp8_stored(source: _Value, read) -> tuple[np.ndarray, np.ndarray] | None:
+    """W^T [K, N] in fp8_quantize's form made of the checkpoint's FP8 tensors as stored (read.fp8): their e4m3
+    codes moved as the recipe `source` moves the values, each block of FP8_BLOCK along K of a column with the one
+    stored scale all its values have.  None where that cannot be: a parameter stored in float, a recipe that
+    computes values (an op not in MOVES_VALUES), or a block whose values have different stored scales."""
+    if not _moves_values(source):
+        return None
+    stored = {p: read.fp8(p) for p in _params(source)}
+    if any(v is None for v in stored.values()):
+        return None
+    (bo, bi) = read.block
+
+    def scale_map(p: str) -> torch.Tensor:  # each stored value's scale, in the tensor's layout
+        codes, scale_inv = stored[p]
+        o, i = codes.shape
+        return scale_inv.repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+
+    scales = evaluate(source, scale_map)
+    k, n = scales.shape
+    if k % quant.FP8_BLOCK:
+        return None
+    blocks = scales.reshape(k // quant.FP8_BLOCK, quant.FP8_BLOCK, n)
+    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
+        return None
+    first = blocks[:, 0].contiguous().numpy()
+    del scales, blocks
+    codes = evaluate(source, lambda p: stored[p][0].view(torch.uint8))
+    return codes.contiguous().numpy(), first
+
+
+def _moves_values(v: _Value) -> bool:
+    """Whether a recipe only moves its parameters' values (ops in MOVES_VALUES over parameters and constants)."""
+    if v.param is not None or v.node is None:
+        return True
+    return v.node.op_type in MOVES_VALUES and all(_moves_values(i) for i in v.inputs)
 
 
 class QuantValue:
@@ -69,7 +133,8 @@ class QuantValue:
 
     def __init__(self, source: _Value, scheme: quant.Scheme, part: str, rows: tuple[int, ...], k: int,
                  transposed: bool, memo: dict, layout: str = "nbits", dtype: torch.dtype = torch.float32):
-        dtype = dtype if layout == "dq" else torch.float32  # mtp-trt's operators take float32 scales
+        fp8 = scheme.name == "fp8"  # float32 scales, exact for any FP8 checkpoint's (module docstring)
+        dtype = dtype if layout == "dq" and not fp8 else torch.float32  # mtp-trt's operators take float32 scales
         self.source, self.scheme, self.part, self.rows, self.k = source, scheme, part, rows, k
         self.transposed, self.memo, self.layout, self.dtype = transposed, memo, layout, dtype
         h = hashlib.sha256(source.key + f"\0quant\0{scheme.tag}\0{int(transposed)}".encode())
@@ -79,8 +144,8 @@ class QuantValue:
         data_shape, scale_shape = scheme.shapes(n, k)
         if layout == "dq":
             shape = (k, n) if part == "data" else (scale_shape[1], n)
-            self.onnx_type = (onnx.TensorProto.INT4 if scheme.bits == 4 else onnx.TensorProto.INT8) \
-                if part == "data" else None
+            self.onnx_type = (FP8_TYPE if fp8 else onnx.TensorProto.INT4 if scheme.bits == 4 else
+                              onnx.TensorProto.INT8) if part == "data" else None
         elif part == "data":
             shape = (*rows, int(np.prod(data_shape[1:]))) if layout == "flat" else (*rows, *data_shape[1:])
         else:
@@ -105,12 +170,20 @@ class QuantValue:
             data[e], scales[e] = quant.quantize(w.contiguous().numpy(), self.scheme)
         return data.reshape(-1, *data_shape[1:]), scales.reshape(-1, scale_shape[1])
 
+    def _fp8(self, read) -> tuple[np.ndarray, np.ndarray]:
+        """FP8 W^T: the checkpoint's own bytes and scales where the recipe allows it, else quantized (module
+        docstring)."""
+        return fp8_stored(self.source, read) or fp8_quantize(evaluate(self.source, read.float32))
+
     def compute(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor | Packed:
         if self.memo.get("key") != self.source_key:
             self.memo.clear()
-            data, scales = self._quantize(read)
+            data, scales = self._fp8(read) if self.scheme.name == "fp8" else self._quantize(read)
             self.memo.update(key=self.source_key, data=data, scales=scales)
         out = self.memo[self.part]
+        if self.scheme.name == "fp8":
+            return torch.from_numpy(out) if self.part == "scales" else Packed(torch.from_numpy(out.reshape(-1)),
+                                                                              FP8_TYPE, list(self.shape))
         if self.layout != "dq":
             return torch.from_numpy(out).reshape(self.shape)
         if self.part == "scales":
@@ -163,7 +236,9 @@ def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, sche
         if node.domain == "" and node.op_type == "MatMul" and _quantizable(weight):
             k, n = weight.tensor.shape
             s = matmul_scheme(_params(weight), scheme)
-            if not tensorrt:
+            if not s.quantized:
+                nodes.append(node)
+            elif not tensorrt:
                 data, scales = add(node.input[1], weight, s, (n,), k, transposed=True)
                 nodes.append(helper.make_node("QMatMul", [node.input[0], data, scales], list(node.output),
                                               name=node.name, domain=CPU_DOMAIN, K=k, N=n, bits=s.bits,
@@ -173,6 +248,10 @@ def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, sche
                 w = f"{data[:-len('.data')]}.dequantized"
                 nodes.append(helper.make_node("DequantizeLinear", [data, scales], [w], name=f"{node.name}/dq",
                                               axis=0, block_size=s.block_size))
+                if s.name == "fp8" and weight.tensor.dtype != torch.float32:  # float32 scales: to the export's dtype
+                    nodes.append(helper.make_node("Cast", [w], [f"{w}.cast"], name=f"{node.name}/cast",
+                                                  to=ONNX_TYPES[weight.tensor.dtype]))
+                    w = f"{w}.cast"
                 nodes.append(helper.make_node("MatMul", [node.input[0], w], list(node.output), name=node.name))
             else:
                 nodes.append(node)
