@@ -323,8 +323,8 @@ def tree_shapes(trees: str | None, nextn: int) -> tuple:
 
 class ParamReader:
     """A checkpoint's parameters by graph input name: `read(name)` in the export's dtype (FP8 dequantized), and
-    `read.fp8(name)` an FP8 parameter as stored (loader.CheckpointTensors.fp8; None for a float one), and
-    `read.float32(name)`."""
+    `read.fp8(name)` an FP8 parameter as stored (loader.CheckpointTensors.fp8; None for a float one; `is_fp8`
+    says which from the headers), and `read.float32(name)`."""
 
     def __init__(self, tensors: CheckpointTensors, by_input: dict[str, str]):
         self.tensors, self.by_input = tensors, by_input
@@ -334,6 +334,9 @@ class ParamReader:
 
     def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.tensors.fp8(self.by_input[name])
+
+    def is_fp8(self, name: str) -> bool:
+        return self.tensors.is_fp8(self.by_input[name])
 
     def float32(self, name: str) -> torch.Tensor:
         """The parameter in float32 whatever the export's dtype (what --quant fp8 quantizes, the same for every

@@ -197,12 +197,17 @@ class CheckpointTensors:
             t = dequantize_fp8(t, _read(*scale), self.block)
         return self._finite(name, path, t.to(dtype or self.dtype))
 
+    def is_fp8(self, name: str) -> bool:
+        """Whether the checkpoint stores the tensor as float8 e4m3fn with block scales (from the headers)."""
+        path, e, scale = self.entries[name]
+        return scale is not None and e[0] == torch.float8_e4m3fn
+
     def fp8(self, name: str) -> tuple[Tensor, Tensor] | None:
         """An FP8 tensor as stored: (float8 e4m3fn [O, I], float32 scale_inv per `self.block` block); None where the
         checkpoint stores it in float (or as e5m2)."""
-        path, e, scale = self.entries[name]
-        if scale is None or e[0] != torch.float8_e4m3fn:
+        if not self.is_fp8(name):
             return None
+        path, e, scale = self.entries[name]
         codes = _read(path, e)
         self._finite(name, path, codes.view(torch.uint8) & 0x7F != 0x7F)  # e4m3's NaN codes
         return codes, self._finite(name + "_scale_inv", scale[0], _read(*scale).float())

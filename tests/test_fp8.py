@@ -42,8 +42,9 @@ def fp8_export(ckpts, tmp_path_factory):
                   moe_form="tensorrt", quant_scheme="fp8")
 
 
-def _dq_weights(path) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(e4m3 codes uint8 [K, N], scales) of every DequantizeLinear of a graph, with checks of its form."""
+def _dq_weights(path, axis: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(e4m3 codes uint8, scales) of every DequantizeLinear of a graph blocked along `axis` (0: a MatMul's W^T
+    [K, N]; 2: the gather MoE form's stacked experts [E, R, K]), with checks of their form."""
     model = onnx.load(str(path))
     inits = {i.name: i for i in model.graph.initializer}
     out = []
@@ -51,7 +52,9 @@ def _dq_weights(path) -> list[tuple[np.ndarray, np.ndarray]]:
         if n.op_type != "DequantizeLinear":
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-        assert attrs == {"axis": 0, "block_size": 128}
+        assert attrs in ({"axis": 0, "block_size": 128}, {"axis": 2, "block_size": 128})
+        if attrs["axis"] != axis:
+            continue
         data, scales = inits[n.input[0]], inits[n.input[1]]
         assert data.data_type == onnx.TensorProto.FLOAT8E4M3FN and scales.data_type == onnx.TensorProto.FLOAT
         codes = np.frombuffer(numpy_helper.to_array(data).tobytes(), np.uint8).reshape(list(data.dims))
@@ -142,6 +145,29 @@ def test_fp8_export_keeps_the_checkpoints_bytes_and_scales(ckpts, fp8_export):
     assert m.quant == quant.Scheme("fp8", 128) and m.raw["quant"]["scheme"] == "fp8"
 
 
+def test_fp8_gather_form_keeps_the_experts_bytes_and_scales(ckpts, fp8_export):
+    """The few-token step graphs' `gather` MoE form: each layer's stacked experts fc1 [E, 2I, D] (gate and up rows
+    interleaved) and fc2 [E, D, I] as the checkpoint stores them, scales per row and block of 128 along the input,
+    dequantized before the per-token Gather (never a Gather of the quantized bytes)."""
+    stored = _stored(ckpts[1])
+    dq = _dq_weights(fp8_export / "step_1.onnx", axis=2)
+    for layer in ("model.layers.1", "model.layers.2", "model.layers.3"):
+        ex = [f"{layer}.mlp.experts.{e}" for e in range(8)]
+        gate = np.stack([stored[f"{x}.gate_proj.weight"][0] for x in ex])  # [E, I, D]
+        up = np.stack([stored[f"{x}.up_proj.weight"][0] for x in ex])
+        fc1 = np.stack([gate, up], 2).reshape(8, -1, gate.shape[-1])
+        scale = lambda name: np.repeat(stored[name][1], 128, 0)[:stored[name][0].shape[0]]  # noqa: E731 [O, I / 128]
+        s1 = np.stack([np.stack([scale(f"{x}.gate_proj.weight"), scale(f"{x}.up_proj.weight")], 1).reshape(-1, 1)
+                       for x in ex])
+        fc2 = np.stack([stored[f"{x}.down_proj.weight"][0] for x in ex])
+        s2 = np.stack([scale(f"{x}.down_proj.weight") for x in ex])
+        for codes, scales in ((fc1, s1), (fc2, s2)):
+            assert any(np.array_equal(c, codes) and np.array_equal(s, scales) for c, s in dq), layer
+    graph = onnx.load(str(fp8_export / "step_1.onnx"), load_external_data=False).graph
+    quantized = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN}
+    assert all(n.op_type == "DequantizeLinear" for n in graph.node for i in n.input if i in quantized)
+
+
 def test_fp8_export_computes_the_reference_on_the_dequantized_weights(ckpts, fp8_export):
     """ONNX Runtime runs the FP8 DequantizeLinear form on the CPU: its prefill logits equal the PyTorch reference
     model's on the checkpoint as the loader dequantizes it (fp32 tolerance)."""
@@ -150,6 +176,43 @@ def test_fp8_export_computes_the_reference_on_the_dequantized_weights(ckpts, fp8
         ref = load_checkpoint(ckpts[1], max_positions=64)(torch.from_numpy(ids).long())[0].numpy()
     logits = ort_lib.session(str(fp8_export / "target.onnx")).run(["logits"], feed)[0]
     np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def _greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """The PyTorch reference model's greedy tokens (the whole sequence again at each step)."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(new):
+                ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+            out.append(ids[len(p):])
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+def test_greedy_decoding_of_tensorrt_form_exports_equals_the_reference(ckpts, fp8_export, tmp_path, name):
+    """The step graphs (their experts in the `gather` form, dequantized before the Gather) on ONNX Runtime: plain
+    greedy decoding gives the PyTorch reference model's greedy tokens on the same weights (the FP8 checkpoint as the
+    loader dequantizes it; for int8 / int4 a checkpoint already on their grid), and greedy MTP decoding (nextn 1)
+    the same tokens."""
+    from mtp_trt.backend import OrtBackend
+    from mtp_trt.decode import DecodeOptions, generate
+    from quant_graphs import prerounded
+
+    ckpt, out = ckpts[1], fp8_export
+    if name != "fp8":
+        ckpt = prerounded(ckpts[0], tmp_path / "rounded", quant.Scheme(name, 32))
+        out = export(ckpt, tmp_path / "exp", nextn=1, max_seq_len=64, trees="none", moe_form="tensorrt",
+                     quant_scheme=name, group_size=32)
+    graph = onnx.load(str(out / "step_1.onnx"), load_external_data=False).graph
+    assert any(n.op_type == "DequantizeLinear" and n.attribute[0].i == 2 for n in graph.node)  # the gather form's
+    prompts, new = [[5, 17, 33, 2, 8, 41, 7, 19], [60, 3]], 12
+    want = _greedy(load_checkpoint(ckpt, max_positions=64), prompts, new)
+    backend = OrtBackend(Manifest.load(out))
+    for nextn in (0, 1):
+        seqs, _ = generate(backend, prompts, DecodeOptions(nextn=nextn, max_new_tokens=new, eos_ids=()))
+        assert [s.generated for s in seqs] == want, nextn
 
 
 @pytest.mark.parametrize("source", ["float", "fp8-16x8"])
@@ -222,11 +285,12 @@ def test_check_compares_fp8_engines_with_the_same_fp8_weights(ckpts, tmp_path):
                   trees="none", quant_scheme="fp8")
     ref = _reference(Manifest.load(plug), None, tmp_path, lambda msg: None)
     assert ref.lowering == "onnx" and ref.dtype == "fp32" and ref.quant == quant.Scheme("fp8", 128)
-    want = _dq_weights(plug / "step_0.onnx")
-    got = _dq_weights(ref.root / "step_0.onnx")
-    assert len(want) == len(got) > 0
-    for c, s in want:
-        assert any(np.array_equal(c, c2) and np.array_equal(s, s2) for c2, s2 in got)
+    for axis in (0, 2):
+        want = _dq_weights(plug / "step_0.onnx", axis)
+        got = _dq_weights(ref.root / "step_0.onnx", axis)
+        assert len(want) == len(got) > 0
+        for c, s in want:
+            assert any(np.array_equal(c, c2) and np.array_equal(s, s2) for c2, s2 in got)
 
 
 @pytest.mark.trt
@@ -246,3 +310,4 @@ def test_fp8_plugin_export_builds_engines(ckpts, tmp_path):
         sizes[name] = {g: e.bytes for g, e in m.engines.items()}
     print("engine bytes (8.9):", sizes)
     assert sizes["fp8"]["target"] < sizes["none"]["target"]
+
