@@ -43,7 +43,8 @@ def network(form: str, k: int, n: int) -> bytes:
         w = numpy_helper.from_array(rng.standard_normal(shape).astype(np.float16), "w")
     elif fp8:
         codes = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch.float8_e4m3fn)
-        w = helper.make_tensor("w", TensorProto.FLOAT8E4M3FN, shape, codes.view(torch.uint8).numpy().tobytes(), raw=True)
+        raw = codes.view(torch.uint8).numpy().tobytes()
+        w = helper.make_tensor("w", TensorProto.FLOAT8E4M3FN, shape, raw, raw=True)
     else:
         q = rng.integers(-8, 8, int(np.prod(shape))).astype(np.uint8) & 0xF
         w = helper.make_tensor("w", TensorProto.INT4, shape, (q[0::2] | (q[1::2] << 4)).tobytes(), raw=True)
@@ -52,7 +53,8 @@ def network(form: str, k: int, n: int) -> bytes:
     if scale_shape is None:
         scale_shape = [*shape[:-1], k // block] if experts else [k // block, n]
     s = numpy_helper.from_array(rng.uniform(0.01, 0.1, scale_shape).astype(np.float32 if fp8 else np.float16), "s")
-    attrs = {} if form == "fp8-tensor" else {"axis": 1} if form == "fp8-channel" else {"axis": axis, "block_size": block}
+    attrs = ({} if form == "fp8-tensor" else {"axis": 1} if form == "fp8-channel" else
+             {"axis": axis, "block_size": block})
     inits, nodes, x = [w, s], [], "x"
     if form == "float":
         weight = "w"

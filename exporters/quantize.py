@@ -92,8 +92,9 @@ def fp8_stored(value: Callable[[Callable[[str], torch.Tensor], str], torch.Tenso
                ) -> tuple[np.ndarray, np.ndarray] | None:
     """W^T [K, N] in fp8_quantize's form made of the checkpoint's FP8 tensors as stored (read.fp8): `value(leaf,
     what)` is the weight's recipe (one that only moves values: _moves_values) evaluated with each parameter p given
-    by leaf(p) (`what`: "scales" or "codes", which leaf it is), so the e4m3 codes move as the values do; each block of FP8_BLOCK along K of a column takes the one
-    stored scale all its values have.  None where some block's values have different stored scales."""
+    by leaf(p) (`what`: "scales" or "codes", which leaf it is), so the e4m3 codes move as the values do; each
+    block of FP8_BLOCK along K of a column takes the one stored scale all its values have.  None where some
+    block's values have different stored scales."""
     stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     (bo, bi) = read.block
 

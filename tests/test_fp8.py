@@ -131,7 +131,8 @@ def test_fp8_export_keeps_the_checkpoints_bytes_and_scales(ckpts, fp8_export):
         assert present([f"{attn}.q_b_proj.weight"]) and present([f"{attn}.o_proj.weight"]), attn
         mlp = f"{layer}.mlp"
         if i == 0:  # the dense layer
-            assert present([f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]) and present([f"{mlp}.down_proj.weight"])
+            assert present([f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"])
+            assert present([f"{mlp}.down_proj.weight"])
             continue
         shared = f"{mlp}.shared_experts"
         assert present([f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"]), shared
