@@ -240,6 +240,27 @@ def test_fp8_export_quantizes_what_the_checkpoint_does_not_store_in_fp8_blocks(c
     assert len(casts) == len(dq)  # float32 scales, the dequantized weight cast to fp16
 
 
+def test_fp8_nan_codes_are_one_error_naming_the_tensor(ckpts, tmp_path):
+    """The stored e4m3 bytes are checked as they are kept: a NaN code (0x7F / 0xFF) is one error naming the file and
+    tensor, and no output is left."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpts[1], bad)
+    t = load_file(bad / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.weight"
+    codes = t[name].view(torch.uint8).clone()
+    codes[3, 5] = 0xFF
+    t[name] = codes.view(torch.float8_e4m3fn)
+    save_file(t, bad / "model.safetensors")
+    with pytest.raises(MtpTrtError, match=rf"model.safetensors: tensor '{name}' holds 1 NaN or infinite value\(s\) "
+                                          r"\(as float8_e4m3fn\)"):
+        export(bad, tmp_path / "out", nextn=1, max_seq_len=64, trees="none", moe_form="tensorrt", quant_scheme="fp8")
+    assert not (tmp_path / "out").exists()
+
+
 def test_fp8_is_for_tensorrt_graphs_only(ckpts, tmp_path):
     """The CPU path (the onnx lowering with mtp-trt's operators) has no FP8 operators: one line saying what to use."""
     with pytest.raises(MtpTrtError, match=r"--quant fp8: FP8 weights are for TensorRT engines: export with "
