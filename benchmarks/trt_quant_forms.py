@@ -12,11 +12,18 @@ One K x N weight (default 1024 x 1024) in a one-matmul network, y = x @ W, stron
   (the `gather` MoE form); gather-fp8-first: the Gather of the FP8 bytes first (refused by TensorRT).
 
   python benchmarks/trt_quant_forms.py [--archs 7.5,8.0,8.6,8.9,12.0] [--k 1024 --n 1024]
+
+With --checkpoint 85m (or 304m, benchmarks/real_size.py's random checkpoints): that checkpoint exported with
+`--lowering plugin --dtype fp16 --nextn 0 --trees none` and each of `--quant none int4 fp8` instead, built for
+the first of --archs, and the sizes of its engines and weights.bin printed.
+
+  python benchmarks/trt_quant_forms.py --checkpoint 85m --archs 8.9
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -116,13 +123,39 @@ def build(api, builder, log, data: bytes, arch: str, k: int) -> str:
     return f"OK {len(bytes(engine)) / 1e6:.2f} MB"
 
 
+def checkpoint_engines(size: str, arch: str, schemes=("none", "int4", "fp8")) -> None:
+    """--checkpoint: the engine sizes of one real_size.py checkpoint under each scheme (module docstring)."""
+    import json
+    import tempfile
+
+    from mtp_trt.exporters.export import export
+    from mtp_trt.trt import builder
+    from real_size import make_checkpoint
+
+    ckpt = make_checkpoint(size)
+    with tempfile.TemporaryDirectory(prefix="trt-quant-forms-") as tmp:
+        for q in schemes:
+            exp = export(ckpt, f"{tmp}/exp-{q}", nextn=0, lowering="plugin", dtype="fp16", trees="none",
+                         max_seq_len=1024, quant_scheme=q)
+            eng = builder.build(exp, f"{tmp}/eng-{q}", target_arch=arch, flavour="tensorrt_rtx")
+            engines = json.loads((eng / "engines.json").read_text())["engines"]
+            weights = json.loads((exp / "manifest.json").read_text())["weights"]["bytes"]
+            sizes = ", ".join(f"{g} {e['bytes'] / 1e6:.1f} MB" for g, e in engines.items())
+            print(f"{size} --quant {q:5} ({arch}): {sizes}; weights.bin {weights / 1e6:.1f} MB", flush=True)
+            shutil.rmtree(exp)
+            shutil.rmtree(eng)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", default="7.5,8.0,8.6,8.9,12.0")
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--forms", default=",".join(FORMS))
+    ap.add_argument("--checkpoint", choices=("85m", "304m"), help="engine sizes of this checkpoint instead")
     args = ap.parse_args()
+    if args.checkpoint:
+        return checkpoint_engines(args.checkpoint, args.archs.split(",")[0])
     from mtp_trt.trt import compat
 
     api = compat.load("tensorrt_rtx")
