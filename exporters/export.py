@@ -33,7 +33,7 @@ from mtp_trt.exporters.moe import FORMS as MOE_FORMS
 from mtp_trt.exporters.quantize import QuantValue, quantize_graph
 from mtp_trt.exporters.tree import TreeStepGraph
 from mtp_trt.exporters.tree_vanilla import VanillaTreeStepGraph
-from mtp_trt.exporters.loader import checkpoint_names, checkpoint_tensors
+from mtp_trt.exporters.loader import CheckpointTensors, checkpoint_names, checkpoint_tensors
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
                                          placeholder_model, freed_memory_returned)
@@ -321,8 +321,36 @@ def tree_shapes(trees: str | None, nextn: int) -> tuple:
     return shapes
 
 
+class ParamReader:
+    """A checkpoint's parameters by graph input name: `read(name)` in the export's dtype (FP8 dequantized), and
+    `read.fp8(name)` an FP8 parameter as stored (loader.CheckpointTensors.fp8; None for a float one; `is_fp8`
+    says which from the headers), and `read.float32(name)`."""
+
+    def __init__(self, tensors: CheckpointTensors, by_input: dict[str, str]):
+        self.tensors, self.by_input = tensors, by_input
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.tensors.get(self.by_input[name])
+
+    def fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.tensors.fp8(self.by_input[name])
+
+    def is_fp8(self, name: str) -> bool:
+        return self.tensors.is_fp8(self.by_input[name])
+
+    def float32(self, name: str) -> torch.Tensor:
+        """The parameter in float32 whatever the export's dtype (what --quant fp8 quantizes, the same for every
+        dtype)."""
+        return self.tensors.get(self.by_input[name], torch.float32)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """The checkpoint's FP8 block shape (rows, columns)."""
+        return self.tensors.block
+
+
 def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype, max_seq_len: int
-                  ) -> tuple[DeepseekV3, dict[str, torch.Tensor], Callable[[str], torch.Tensor]]:
+                  ) -> tuple[DeepseekV3, dict[str, torch.Tensor], ParamReader]:
     """The model to trace, on placeholder weights (streaming.py); its parameters by graph input name (meta); and
     a reader of each by graph input name from the checkpoint, for when the graphs' weights are written (every
     name, dtype and shape is checked now, from the headers)."""
@@ -335,7 +363,7 @@ def _placeholders(ckpt: Path, cfg: ModelConfig, modules: int, dtype: torch.dtype
     params = {name: torch.empty(p.shape, dtype=p.dtype, device="meta") for name, p in model.named_parameters()}
     model = placeholder_model(model)
     model.rope_cos, model.rope_sin = rope_tables(cfg, max_seq_len)
-    return model, {f"model.{n}": t for n, t in params.items()}, lambda name: tensors.get(by_input[name])
+    return model, {f"model.{n}": t for n, t in params.items()}, ParamReader(tensors, by_input)
 
 
 def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode: str = "eagle",
@@ -350,7 +378,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     CPU operators (plugins/ort: MLA attention and MoE as one node each) in every graph; None: where they can be
     used (onnx lowering, fp32, the lowering's MoE form) and the operator library is available here.
     quant_scheme, group_size: block-quantized weights (mtp_trt/quant.py, exporters/quantize.py), which run on those
-    operators."""
+    operators; "fp8" for TensorRT's graphs only (an FP8 checkpoint's e4m3 bytes and block scales kept)."""
     if moe_form not in (None, "tensorrt", *MOE_FORMS):
         raise MtpTrtError(f"--moe-form: unknown form {moe_form!r}; expected tensorrt, {', '.join(MOE_FORMS)}")
     ckpt, out = Path(ckpt), Path(out)
@@ -393,6 +421,9 @@ def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str
            ort_lib.available()[1])
     if scheme.quantized and (lowering == "plugin" or moe_form == "tensorrt"):
         return False  # graphs for TensorRT: weights dequantized by DequantizeLinear nodes (exporters/quantize.py)
+    if scheme.name == "fp8":
+        raise MtpTrtError("--quant fp8: FP8 weights are for TensorRT engines: export with --lowering plugin or "
+                          "--moe-form tensorrt (on ONNX Runtime's CPU path use --quant int8 or int4)")
     if scheme.quantized:
         if cpu_ops is False:
             raise MtpTrtError(f"--quant {scheme.name}: quantized weights run on mtp-trt's CPU operators; drop "

@@ -189,15 +189,37 @@ class CheckpointTensors:
             raise MtpTrtError(f"{ckpt}: {len(unused)} tensor(s) that {architecture} as mtp-trt reads it does not "
                               f"use: {_some(unused, 3)}; refusing rather than ignoring them")
 
-    def get(self, name: str) -> Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        """The tensor in `dtype` (default: this reader's)."""
         path, e, scale = self.entries[name]
         t = _read(path, e)
         if scale is not None:
             t = dequantize_fp8(t, _read(*scale), self.block)
-        t = t.to(self.dtype)
-        if not torch.isfinite(t).all():
-            bad = int((~torch.isfinite(t)).sum())
-            raise MtpTrtError(f"{path}: tensor '{name}' holds {bad} NaN or infinite value(s) (as {self.dtype}); "
+        return self._finite(name, path, t.to(dtype or self.dtype))
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether the checkpoint stores the tensor as float8 e4m3fn with block scales (from the headers)."""
+        path, e, scale = self.entries[name]
+        return scale is not None and e[0] == torch.float8_e4m3fn
+
+    def fp8(self, name: str) -> tuple[Tensor, Tensor] | None:
+        """An FP8 tensor as stored: (float8 e4m3fn [O, I], float32 scale_inv per `self.block` block); None where the
+        checkpoint stores it in float (or as e5m2)."""
+        if not self.is_fp8(name):
+            return None
+        path, e, scale = self.entries[name]
+        codes = _read(path, e)
+        self._finite(name, path, codes.view(torch.uint8) & 0x7F != 0x7F)  # e4m3's NaN codes
+        return codes, self._finite(name + "_scale_inv", scale[0], _read(*scale).float())
+
+    @staticmethod
+    def _finite(name: str, path: Path, t: Tensor) -> Tensor:
+        """t, or an MtpTrtError where it holds NaN or infinite values (a bool t: where it is False)."""
+        ok = t if t.dtype == torch.bool else torch.isfinite(t)
+        if not ok.all():
+            bad = int((~ok).sum())
+            what = "float8_e4m3fn" if t.dtype == torch.bool else str(t.dtype).removeprefix("torch.")
+            raise MtpTrtError(f"{path}: tensor '{name}' holds {bad} NaN or infinite value(s) (as {what}); "
                               f"refusing a checkpoint whose weights are not finite")
         return t
 

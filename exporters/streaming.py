@@ -378,9 +378,9 @@ def evaluate_row(value: _Value, i: int, read: Callable[[str], Tensor], memo: dic
         return evaluate(ins[0], read)
     if node.op_type == "Unsqueeze" and kept and 0 not in _ints(ins[1].tensor):
         return evaluate_row(ins[0], i, read, memo).reshape(value.tensor.shape[1:])
-    if node.op_type in ("Reshape", "Cast") and kept:  # axis 0 kept: row i is input row i, reshaped
-        row = evaluate_row(ins[0], i, read, memo)
-        return row.reshape(value.tensor.shape[1:]).to(value.tensor.dtype)
+    if node.op_type in ("Reshape", "Cast") and kept:  # axis 0 kept: row i is input row i, reshaped (or cast)
+        row = evaluate_row(ins[0], i, read, memo).reshape(value.tensor.shape[1:])
+        return row.to(value.tensor.dtype) if node.op_type == "Cast" else row
     if node.op_type == "Transpose" and attrs.get("perm", [None])[0] == 0:
         return evaluate_row(ins[0], i, read, memo).permute([p - 1 for p in attrs["perm"][1:]])
     return evaluate(value, read, memo)[i]

@@ -191,8 +191,11 @@ def export(
                                  "(MLA attention and MoE as one node each; default: where they apply and the "
                                  "operator library is available)."),
     quant: str = typer.Option("none", help="Weights: none, int8 or int4 (block-quantized, for mtp-trt's CPU "
-                                           "operators; the output head stays int8)."),
-    group_size: int = typer.Option(32, help="Weights per quantization block along a row: 16, 32, 64, 128 or 256."),
+                                           "operators and TensorRT; the output head stays int8), or fp8 (TensorRT "
+                                           "only, with --lowering plugin or --moe-form tensorrt: an FP8 "
+                                           "checkpoint's e4m3 weights and block scales as stored)."),
+    group_size: int = typer.Option(None, help="Weights per quantization block along a row: 16, 32, 64, 128 or 256 "
+                                              "(default 32; fp8: 128, fixed)."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
     from mtp_trt.exporters.export import export as run_export

@@ -30,7 +30,7 @@ FORMAT = "mtp-trt-export"
 FORMAT_VERSION = 1
 # Bumped whenever the exporter writes different graphs for the same checkpoint (CHANGELOG.md, "Exporter
 # revisions", says what each changed), so exports cached by `mtp-trt run` are redone rather than reused.
-EXPORTER_REVISION = 18
+EXPORTER_REVISION = 19
 MTP_MODES = ("eagle", "vanilla")
 DTYPES = ("fp32", "fp16", "bf16")
 NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}

@@ -15,6 +15,11 @@ one of a few candidates s = m / t (m the block's value of largest magnitude, sig
 quarter steps; t = -8 maps m onto the extra negative level, below -8 m is clipped) that gives the smallest
 squared error over the block.  The integer divisors make quantization idempotent: weights already on the grid keep their values.
 
+FP8 (`fp8`, for TensorRT engines only): W^T [K, N] as float8 e4m3 values with one float32 scale per FP8_BLOCK
+values along K of each column, scales [K / FP8_BLOCK, N]: ONNX's blocked DequantizeLinear, which blocks one
+axis.  DeepSeek's FP8 checkpoints scale 128 x 128 blocks; their scales are repeated along N (exporters/quantize.py
+keeps the stored e4m3 bytes and scales), which costs 4 bytes per 128 weights.
+
 Everything here is NumPy: the exporter quantizes each tensor as it is read, the tests use it as the
 reference, and the runtime needs no torch.
 """
@@ -29,8 +34,10 @@ import numpy as np
 
 from mtp_trt.errors import MtpTrtError
 
-SCHEMES = ("none", "int8", "int4")
-BITS = {"int8": 8, "int4": 4}
+SCHEMES = ("none", "int8", "int4", "fp8")
+BITS = {"int8": 8, "int4": 4, "fp8": 8}
+FP8_BLOCK = 128  # FP8 scales: one per 128 values along K (DeepSeek's FP8 blocks are 128 x 128)
+FP8_MAX = 448.0  # e4m3's largest finite value
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_BLOCK_SIZE = 32
 INT4_DIVISORS = (-9.0, -8.75, -8.5, -8.25, -8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, -6.25, -6.0)
@@ -65,6 +72,9 @@ class Scheme:
         return (n, self.blocks(k), self.blob()), (n, self.blocks(k))
 
     def as_dict(self) -> dict:
+        if self.name == "fp8":
+            return {"scheme": self.name, "bits": 8, "block_size": self.block_size,
+                    "layout": f"DequantizeLinear: FLOAT8E4M3FN W^T [K, N], float32 scales [K/{self.block_size}, N]"}
         return {"scheme": self.name} if not self.quantized else {
             "scheme": self.name, "bits": self.bits, "block_size": self.block_size,
             "layout": "MatMulNBits: uint8 [N, K/block, block*bits/8] (q + 2^(bits-1); 4 bits: even element in the "
@@ -80,6 +90,11 @@ def scheme(name: str, block_size: int | None = None, flag: str = "--quant") -> S
     """A checked Scheme (an MtpTrtError naming the flag and value for a bad one)."""
     if name not in SCHEMES:
         raise MtpTrtError(f"{flag}: unknown scheme {name!r}; expected one of {', '.join(SCHEMES)}")
+    if name == "fp8":
+        if block_size not in (None, FP8_BLOCK) or isinstance(block_size, bool):
+            raise MtpTrtError(f"--group-size: --quant fp8 scales blocks of {FP8_BLOCK} weights (DeepSeek's FP8 "
+                              f"blocks); leave it out, got {block_size!r}")
+        return Scheme(name, FP8_BLOCK)
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
@@ -167,3 +182,24 @@ def dequantize(data: np.ndarray, scales: np.ndarray, k: int, bits: int) -> np.nd
     q = np.zeros((n, nb * (data.shape[2] * 8 // bits)), np.float32)
     q[:, :k] = levels(data, k, bits)
     return (q.reshape(n, nb, -1) * scales[..., None]).reshape(n, -1)[:, :k]
+
+
+def _e4m3_values() -> np.ndarray:
+    """The float32 value of each of the 256 float8 e4m3fn codes (sign, 4 exponent bits biased by 7, 3 mantissa
+    bits; exponent 0 subnormal; 0x7F and 0xFF NaN, no infinities)."""
+    c = np.arange(256)
+    e, m = (c >> 3) & 0xF, (c & 7).astype(np.float64)
+    v = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    v = np.where(c & 0x80, -v, v)
+    v[(c & 0x7F) == 0x7F] = np.nan
+    return v.astype(np.float32)
+
+
+E4M3 = _e4m3_values()
+
+
+def fp8_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """FP8 W^T (e4m3 codes uint8 [K, N], float32 scales [ceil(K / FP8_BLOCK), N]) -> float32 [K, N]: each value
+    times its block's scale, as DequantizeLinear computes it."""
+    k = codes.shape[0]
+    return E4M3[codes] * np.repeat(scales.astype(np.float32), FP8_BLOCK, 0)[:k]

@@ -17,7 +17,7 @@ from mtp_trt.exporters.loader import dequantize_fp8, load_checkpoint, quantize_f
 
 def _is_fp8_target(name: str, t: torch.Tensor) -> bool:
     """The official V3/R1 checkpoints quantize every linear weight but the router, embedding and head."""
-    return t.dim() == 2 and name.endswith("proj.weight") and "embed" not in name
+    return t.dim() == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight")) and "embed" not in name
 
 
 def write_fp8_checkpoint(src, dst, block, shards: int = 1):

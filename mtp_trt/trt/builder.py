@@ -29,6 +29,7 @@ from mtp_trt.validate import check_output_dir
 DEFAULT_MAX_PREFILL = 512
 KERNEL_MAX_BATCH = 65535  # mtp_mla_decode's limit
 KERNEL_MIN_ARCH = (8, 0)
+FP8_MIN_ARCH = (8, 9)  # FP8 (e4m3) weights: Ada, Hopper, Blackwell
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 ONNX_TYPES = {1: "fp32", 10: "fp16", 16: "bf16", 6: "int32", 7: "int64"}  # onnx.TensorProto elem types
 Progress = Callable[[str], None]
@@ -140,6 +141,22 @@ def check_archs(archs: list[str]) -> None:
 
 
 # -------------------------------------------------------------------------------------- build
+def quant_archs(m: Manifest, archs: list[str], spec: str | None) -> list[str]:
+    """The architectures an export's weights can be built for: FP8 weights need compute capability 8.9 or newer
+    (TensorRT for RTX refuses FP8 below it).  The default without a GPU (`auto`: every buildable architecture)
+    keeps those; any other request naming an older one is refused in one line."""
+    if m.quant.name != "fp8":
+        return archs
+    old = [a for a in archs if a == "ampere+" or tuple(map(int, a.split("."))) < FP8_MIN_ARCH]
+    if old and (spec or "auto").strip().lower() == "auto" and len(old) < len(archs):
+        return [a for a in archs if a not in old]
+    if old:
+        raise MtpTrtError(f"--target-arch {', '.join(old)}: the export's FP8 weights (--quant fp8) need compute "
+                          f"capability {'.'.join(map(str, FP8_MIN_ARCH))} or newer; build for 8.9 or later, or "
+                          f"export with --quant int4 or int8")
+    return archs
+
+
 class _Log:
     """TensorRT's log: kept in memory, written to build.log, errors quoted in exceptions."""
 
@@ -228,7 +245,7 @@ def build(export_dir: str | Path, out: str | Path, precision: str | None = None,
     for g in m.graphs.values():  # unknown custom ops: before any TensorRT work
         custom_nodes(onnx.load(str(m.root / g.file), load_external_data=False), g.file)
     api = compat.load(flavour)
-    archs = api.resolve_archs(target_arch)
+    archs = quant_archs(m, api.resolve_archs(target_arch), target_arch)
     check_archs(archs)
     impl = cpp_plugins.use(api.trt, plugins)  # "cpp" or "python"
     progress(f"{api.flavour} {api.version}: {impl} plugins")
