@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mtp_trt.backend import OrtBackend
+from mtp_trt.backend import OrtBackend, chunks
+from mtp_trt.contract import CacheSlot, cache_slot
 from mtp_trt.cli import app
 from mtp_trt.decode import DecodeOptions, Sequence, generate, sequence_rng
 from mtp_trt.errors import MtpTrtError
@@ -217,11 +218,11 @@ def test_planning_from_real_engine_directories(setup):
 
 
 def test_plan_helpers():
-    assert plan.cache_slot("kv_3") == plan.CacheSlot("target", 3)
-    assert plan.cache_slot("mtp_kv") == plan.CacheSlot("mtp0", 0)
-    assert plan.cache_slot("mtp_kv_2") == plan.CacheSlot("mtp2", 0, -2)
-    assert plan.cache_slot("kv", "mtp1") == plan.CacheSlot("mtp1", 0)
-    assert plan.chunks(11, 8) == [(0, 8), (8, 3)] and plan.chunks(8, 8) == [(0, 8)]
+    assert cache_slot("kv_3") == CacheSlot("target", 3)
+    assert cache_slot("mtp_kv") == CacheSlot("mtp0", 0)
+    assert cache_slot("mtp_kv_2") == CacheSlot("mtp2", 0, -2)
+    assert cache_slot("kv", "mtp1") == CacheSlot("mtp1", 0)
+    assert chunks(11, 8) == [(0, 8), (8, 3)] and chunks(8, 8) == [(0, 8)]
     assert "1.00 GiB" in plan.memory_problem(2 ** 30, 2 ** 29) and plan.memory_problem(1, 2) is None
 
 
@@ -369,10 +370,10 @@ def test_pinned_memory_only_for_outputs_read(setup):
         backend.prepare(K, greedy)
         backend.allocate(4, 64)
         assert ("logits" in backend.host_at["target"]) != greedy
-        logits = 4 * backend.s_max * vocab * 4
+        logits = 4 * backend.max_s * vocab * 4
         assert (backend.out_host.nbytes < logits) == greedy
         ios = list(backend.ios.values())
-        assert backend.device.memory[backend.out_dev].nbytes == plan.output_layout(ios, 4, 64, backend.s_max)[1]
+        assert backend.device.memory[backend.out_dev].nbytes == plan.output_layout(ios, 4, 64, backend.max_s)[1]
     seqs, _ = generate(backend, PROMPTS, _opts(K, sampling=SamplingParams(temperature=0.9)))  # still allocated
     assert all(s.generated for s in seqs)
 

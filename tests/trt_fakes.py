@@ -12,6 +12,7 @@ import ctypes
 
 import numpy as np
 
+from mtp_trt.contract import cache_slot
 from mtp_trt.manifest import Manifest
 from mtp_trt.plugins import ort_lib
 from mtp_trt.trt import plan
@@ -172,7 +173,7 @@ class FakeEngine:
         if self.lowering == "plugin":  # the attention plugin's in-place writes
             for cache, new in zip(self.ref.kv_inputs, self.ref.kv_outputs):
                 assert addresses[cache + "_out"] == addresses[cache], "aliased output not bound to its input"
-                start = feed["past_len"] + plan.cache_slot(cache).offset
+                start = feed["past_len"] + cache_slot(cache).offset
                 rows = out[new]
                 if cache in self.io.commits:  # a tree step: the path's rows are an output for the runtime to commit;
                     path = self.io.commits[cache]  # the plugin wrote the tree's nodes there, not the path: garbage

@@ -21,7 +21,8 @@ from mtp_trt import __version__, ops
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.plugins.ort_lib import DOMAIN as ORT_CPU_DOMAIN
 from mtp_trt.fsutil import atomic_directory, write_atomic
-from mtp_trt.manifest import DTYPES, GraphSpec, Manifest, sha256
+from mtp_trt.contract import DTYPES
+from mtp_trt.manifest import GraphSpec, Manifest, sha256
 from mtp_trt.trt import manifest as em
 from mtp_trt.trt import plan
 from mtp_trt.validate import check_output_dir
