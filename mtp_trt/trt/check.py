@@ -256,7 +256,7 @@ def decode_comparison(engines, ref: Manifest, precision: str, seed: int = 0, max
         equal = [g.generated for g in got] == [w.generated for w in want]
         ok &= equal or precision != "fp32"
         lines.append(f"  decode nextn {nextn}: {same}/{max(len(pairs), 1)} tokens equal ONNX Runtime's"
-                     f"{'' if equal else ' (differ)'}, {stats.mean_accepted:.2f} tokens per step")
+                     f"{'' if equal else ' (differ)'}, {stats.mean_acceptance_length:.2f} tokens per step")
     return ok, lines
 
 
