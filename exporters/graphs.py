@@ -437,7 +437,7 @@ class VanillaStepGraph(_Graph):
     its window of K + k rows, each module with its own cache.
 
     Window of depth k: rows start_k = past_len + 1 - k onwards (its cache holds rows < start_k: the
-    runtime's invariant mtp_len[k] = main_len + 1 - k), row j embedding the token at position
+    runtime's invariant mtp_past_len[k] = past_len + 1 - k), row j embedding the token at position
     past_len + 1 + j -- an accepted token for j <= num_accepted, else the draft of depth j - num_accepted
     made earlier in this step -- with depth k-1's hidden state at the same row: `carry` for the first row
     (kept from the previous step), then depth k-1's window.  Depth k drafts from row

@@ -3,7 +3,7 @@ it as the eagle tree does (exporters/tree.py), then draft the next tree with MTP
 level k of the tree.
 
 Rows, as VanillaStepGraph's: q = past_len + num_accepted (the row that predicted the bonus); module k's window
-starts at start_k = past_len + 1 - k (its cache holds rows < start_k: mtp_len[k] = main_len + 1 - k), and module k
+starts at start_k = past_len + 1 - k (its cache holds rows < start_k: mtp_past_len[k] = past_len + 1 - k), and module k
 at row i takes module k-1's hidden at row i (module 0: the main model) and the token at position i + k.  Module k
 runs once per step, over D + 1 window rows and (k >= 2) level k's expansion, in one block call:
 

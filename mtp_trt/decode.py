@@ -21,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from mtp_trt import contract as C
 from mtp_trt.backend import Backend
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
 from mtp_trt.tree import TreeShape, chain_tree
@@ -175,19 +176,19 @@ def draft(backend: Backend, st: State, seqs, hidden: np.ndarray, start: np.ndarr
     for i, s in enumerate(active):
         toks[i, :rows[i]] = s.tokens[start[i] + 1: q[i] + 2]
     out = backend.mtp(0, mtp_graphs[0], n, hidden[:, :rows.max()], toks, start.astype(np.int32), logits=logits)
-    d, p = _pick(out, "draft_logits", "draft_tokens", rows - 1, active)
+    d, p = _pick(out, C.DRAFT_LOGITS, C.DRAFT_TOKENS, rows - 1, active)
     st.drafts[:n, 0] = d
     if qd is not None:
         qd.append(p)
     if backend.manifest.mtp_mode == "eagle":
         st.mtp_past_len[:n, 0] = q + 1
-        h = out["hidden_out"][np.arange(n), rows - 1][:, None]
+        h = out[C.HIDDEN_OUT][np.arange(n), rows - 1][:, None]
         for depth in range(2, k + 1):
             out = backend.mtp(0, mtp_graphs[0], n, h, st.drafts[:n, depth - 2, None],
                               (q + depth - 1).astype(np.int32), logits=logits)
-            d, p = _pick(out, "draft_logits", "draft_tokens", np.zeros(n, int), active)
+            d, p = _pick(out, C.DRAFT_LOGITS, C.DRAFT_TOKENS, np.zeros(n, int), active)
             st.drafts[:n, depth - 1] = d
-            h = out["hidden_out"]
+            h = out[C.HIDDEN_OUT]
             if qd is not None:
                 qd.append(p)
     else:
@@ -205,14 +206,14 @@ def _draft_vanilla(backend, st, active, out1, start1, q, opts, qd) -> None:
     """Depths 2..K of vanilla mode (see the module docstring)."""
     n, k = st.n, opts.nextn
     if st.carry is None:
-        st.carry = np.zeros((len(st.order), k, out1["hidden_out"].shape[-1]), out1["hidden_out"].dtype)
+        st.carry = np.zeros((len(st.order), k, out1[C.HIDDEN_OUT].shape[-1]), out1[C.HIDDEN_OUT].dtype)
     st.mtp_past_len[:n, 0] = q + 1
     prev_out, prev_start = out1, start1  # depth d-1's outputs cover rows prev_start .. q
     for depth in range(2, k + 1):
         start = st.mtp_past_len[:n, depth - 1].copy()  # first uncommitted row of this depth
         rows = q - start + 1
         width = rows.max()
-        hid = np.zeros((n, width, prev_out["hidden_out"].shape[-1]), prev_out["hidden_out"].dtype)
+        hid = np.zeros((n, width, prev_out[C.HIDDEN_OUT].shape[-1]), prev_out[C.HIDDEN_OUT].dtype)
         toks = np.zeros((n, width), np.int32)
         for i, s in enumerate(active):
             for r in range(rows[i]):
@@ -220,17 +221,17 @@ def _draft_vanilla(backend, st, active, out1, start1, q, opts, qd) -> None:
                 pos = row + depth  # the token this row embeds: t_{row + depth}
                 toks[i, r] = s.tokens[pos] if pos <= q[i] + 1 else st.drafts[i, pos - q[i] - 2]
                 j = row - prev_start[i]
-                hid[i, r] = prev_out["hidden_out"][i, j] if j >= 0 else st.carry[i, depth - 1]
+                hid[i, r] = prev_out[C.HIDDEN_OUT][i, j] if j >= 0 else st.carry[i, depth - 1]
         out = backend.mtp(depth - 1, backend.manifest.mtp_graphs[depth - 1], n, hid, toks,
                           start.astype(np.int32), logits=qd is not None)
-        d, p = _pick(out, "draft_logits", "draft_tokens", rows - 1, active)
+        d, p = _pick(out, C.DRAFT_LOGITS, C.DRAFT_TOKENS, rows - 1, active)
         st.drafts[:n, depth - 1] = d
         if qd is not None:
             qd.append(p)
         # Commit rows up to q + 1 - depth; keep depth d-1's hidden at the next step's first row.  A prompt
         # shorter than the depth commits nothing yet: the window starts at row 0 (there is no row before it).
         new_start = np.maximum(q + 2 - depth, 0)
-        st.carry[np.arange(n), depth - 1] = prev_out["hidden_out"][np.arange(n), new_start - prev_start]
+        st.carry[np.arange(n), depth - 1] = prev_out[C.HIDDEN_OUT][np.arange(n), new_start - prev_start]
         st.mtp_past_len[:n, depth - 1] = new_start
         prev_out, prev_start = out, start
 
@@ -245,17 +246,17 @@ def verify(backend: Backend, st: State, seqs, opts: DecodeOptions) -> tuple[np.n
     before = st.thinking[:n].copy()
     out = backend.target(n, ids, st.past_len[:n], before, opts.relaxed_topk, opts.relaxed_delta,
                          logits=_samples(active))
-    tokens, num = out["accepted_tokens"].copy(), out["num_accepted"].copy()
-    st.thinking[:n] = out["thinking_out"]
+    tokens, num = out[C.ACCEPTED_TOKENS].copy(), out[C.NUM_ACCEPTED].copy()
+    st.thinking[:n] = out[C.THINKING_OUT]
     for i, s in enumerate(active):
         if s.sampling.greedy:
             continue
-        p = probabilities(out["logits"][i:i + 1], s.sampling)
+        p = probabilities(out[C.LOGITS][i:i + 1], s.sampling)
         q = st.q_dist[i:i + 1] if st.q_dist is not None and opts.nextn else np.zeros((1, 0, p.shape[-1]))
         t, m = speculative_accept(p, q, st.drafts[i:i + 1], s.rng)
         tokens[i], num[i] = t[0], m[0]
         st.thinking[i] = thinking_after(t[0, :m[0] + 1], before[i], opts.think_ids)
-    return tokens, num, out["hidden_states"]
+    return tokens, num, out[C.HIDDEN_STATES]
 
 
 def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOptions, rows: int) -> None:
@@ -269,17 +270,17 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
     carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
     rest = (st.past_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
     out = backend.tree_step(tree, n, ids, st.tree_parents[:n], *rest) if tree else backend.step(n, ids, *rest)
-    st.thinking[:n] = out["thinking_out"]
-    accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
+    st.thinking[:n] = out[C.THINKING_OUT]
+    accept(st, seqs, out[C.ACCEPTED_TOKENS], out[C.NUM_ACCEPTED], stats, opts, rows)
     if not k:
         return
     if tree:
-        st.tree_tokens[:n], st.tree_parents[:n] = out["tree_tokens"], out["tree_parents_out"]
+        st.tree_tokens[:n], st.tree_parents[:n] = out[C.TREE_TOKENS], out[C.TREE_PARENTS_OUT]
     else:
-        st.drafts[:n] = out["drafts"]
+        st.drafts[:n] = out[C.DRAFTS]
         st.mtp_past_len[:n] = st.past_len[:n, None] + 1 - np.arange(1, st.mtp_past_len.shape[1] + 1)
-    if "carry_out" in out:
-        st.carry[:n, 1:] = out["carry_out"]
+    if C.CARRY_OUT in out:
+        st.carry[:n, 1:] = out[C.CARRY_OUT]
     for i, s in enumerate(_active(st, seqs)):
         if s.finish_reason is None:  # a tree step logs its tokens, then its parents
             drafts = st.tree_tokens[i].tolist() + st.tree_parents[i].tolist() if tree else st.drafts[i].tolist()
@@ -430,10 +431,10 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     for i, s in enumerate(seqs):
         take = min(width, lens[i] - j.done[i])
         if take > 0:
-            j.hidden[i].append(out["hidden_states"][i, :take])
+            j.hidden[i].append(out[C.HIDDEN_STATES][i, :take])
         if ends[i]:
-            row = {key: out[key][i:i + 1] for key in ("target_tokens", "logits") if key in out}
-            j.last[i] = _pick(row, "logits", "target_tokens", np.array([take - 1]), [s])[0][0]
+            row = {key: out[key][i:i + 1] for key in (C.TARGET_TOKENS, C.LOGITS) if key in out}
+            j.last[i] = _pick(row, C.LOGITS, C.TARGET_TOKENS, np.array([take - 1]), [s])[0][0]
     j.done = np.minimum(j.done + width, lens)
     joined = bool((j.done == lens).all())
     if joined:

@@ -258,7 +258,7 @@ class TrtBackend(Backend):
         self.shape_key, self.rows, self.slot_bytes = (batch, rows, self.sampling), rows, slot
 
     def release(self) -> None:
-        """Free the caches and buffers (the captured graphs use their addresses: dropped too)."""
+        """Free the caches and buffers (the captured CUDA graphs use their addresses: dropped too)."""
         for exe in self.captured.values():
             self.device.destroy_graph(exe)
         self.captured, self.last_run = {}, {}
@@ -332,20 +332,20 @@ class TrtBackend(Backend):
     def run(self, graph, n, feed, fetch, family=C.mtp_family(0), replay=False):
         """Stages the inputs, binds the call's shapes and addresses, and enqueues it: eagerly, or (replay) captured
         into a CUDA graph and replayed (the module docstring)."""
-        name, io = graph, self.ios[graph]
+        io = self.ios[graph]
         s = next(feed[k].shape[1] for k in (C.INPUT_IDS, C.NEXT_TOKENS) if k in feed)
         profile = plan.choose_profile(self.em.profiles, s, n)
-        ctx = self.context(name, profile)
+        ctx = self.context(graph, profile)
         dims = {"B": n, "S": s, "T": self.rows}
         past_len = feed[C.PAST_LEN]
-        for j in self.offsets[name]:
+        for j in self.offsets[graph]:
             feed = feed | {past_len_minus(j): (past_len - j).astype(np.int32)}
-        wanted = {t.name for t in io.data_inputs} | {past_len_minus(j) for j in self.offsets[name]}
+        wanted = {t.name for t in io.data_inputs} | {past_len_minus(j) for j in self.offsets[graph]}
         staged = {k: self.buffers[k].stage(v) for k, v in feed.items() if k in wanted and v is not None}
-        if missing := [k for k in fetch if k not in self.host_at[name]]:
-            raise MtpTrtError(f"internal: {name}.engine's {', '.join(missing)} read, but prepare() was told the decode "
+        if missing := [k for k in fetch if k not in self.host_at[graph]]:
+            raise MtpTrtError(f"internal: {graph}.engine's {', '.join(missing)} read, but prepare() was told the decode "
                               f"is greedy")
-        key, ctx_key = (name, n, s), (name, profile)
+        key, ctx_key = (graph, n, s), (graph, profile)
         self._bind(ctx_key, ctx, io, dims, family)  # replays too: the context's shapes as at capture
         if replay and key in self.captured:
             self.device.launch(self.captured[key])
@@ -366,7 +366,7 @@ class TrtBackend(Backend):
                 self._enqueue(ctx, io, staged, dims, family, fetch)
         self.last_run[ctx_key] = key  # the context's shapes are this call's now, and have run
         self.device.sync()
-        return {k: self._read(name, k, dims) for k in fetch}
+        return {k: self._read(graph, k, dims) for k in fetch}
 
     def _read(self, engine: str, name: str, dims: dict) -> np.ndarray:
         spec = self.ios[engine].specs[name]
