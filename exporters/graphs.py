@@ -322,15 +322,15 @@ class _Graph(nn.Module):
         # all quantized matmuls that give every row the same bits however many rows run
         self.fold = True
 
-    def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
+    def group(self, b, s, write_pos: Tensor, past_len: Tensor, cache: Tensor,
               extra: tuple[Tensor, Tensor] | None = None, new_visible: Tensor | None = None,
               positions: Tensor | None = None) -> Group:
-        """The block group of S rows per sequence at write_pos + 0..S-1 (or `positions`) over `cache` (valid_len
-        valid rows); extra / new_visible: see Mask."""
+        """The block group of S rows per sequence at write_pos + 0..S-1 (or `positions`) over `cache` (past_len
+        committed rows); extra / new_visible: see Mask."""
         dims = Dims(b, s)
         heads = self.model.cfg.num_attention_heads
         if self.lowering == "onnx":
-            return Group(self.rope, dims, write_pos, Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible),
+            return Group(self.rope, dims, write_pos, Mask(dims, heads, past_len, cache.shape[1], extra, new_visible),
                          self.moe, positions, fused=self.fused, cpu=self.cpu, fold=self.fold,
                          index_rope=self.index_rope, gather=self.few_tokens)
         return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold)

@@ -12,8 +12,9 @@ C one cache row (ModelConfig.cache_dim), K drafts per step (nextn), N tree nodes
 Lengths: `past_len` is the one name of a cache's committed length: rows 0 .. past_len-1 of a sequence's cache
 hold committed tokens, and a graph call writes its S new rows at past_len .. past_len+S-1 (the decode loop
 rewinds by moving past_len back).  The target's caches and each MTP module's keep their own: the decode loop
-calls the latter `mtp_past_len`.  In the exporters' graph code the same value is the attention's write position
-(`write_pos`, the row where the call's first new row goes).
+calls the latter `mtp_past_len`.  A distinct concept keeps its own name: `write_pos` in the exporters' graph
+code, the row where a block group's first new row goes -- past_len for the rows a call commits, further on for
+a step's speculative MTP rows (depth k of an eagle step: past_len + num_accepted + k - 1).
 """
 
 from __future__ import annotations
@@ -94,8 +95,6 @@ TARGET_OUTPUTS = (ACCEPTED_TOKENS, NUM_ACCEPTED, THINKING_OUT, TARGET_TOKENS, HI
 MTP_OUTPUTS = (HIDDEN_OUT, DRAFT_TOKENS, DRAFT_PROBS)
 STEP_OUTPUTS = (ACCEPTED_TOKENS, NUM_ACCEPTED, THINKING_OUT, DRAFTS, TREE_TOKENS, TREE_PARENTS_OUT, CARRY_OUT)
 SAMPLED_OUTPUTS = (LOGITS, DRAFT_LOGITS)
-# step/tree inputs the decode loop passes (a graph takes those it has: step_0 has no relaxed_*)
-STEP_INPUTS = (INPUT_IDS, PAST_LEN, THINKING, RELAXED_TOPK, RELAXED_DELTA, TREE_PARENTS, CARRY)
 
 
 def target_kv(i: int) -> str:

@@ -159,7 +159,7 @@ def verify_export(manifest: Manifest, force: bool = False) -> dict:
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     name: str
-    dtype: str  # fp32 | fp16 | bf16 | int32
+    dtype: str  # one of contract.TENSOR_DTYPES
     shape: list[int | str]  # symbolic dims by name: B, S, T, ...
 
 
