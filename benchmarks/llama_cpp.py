@@ -150,7 +150,7 @@ def worker(kind: str, *args) -> None:
             out = fn()
             # one whole generation's seconds (mtp-trt's call also ran the one-token generation first)
             seconds = time.perf_counter() - t0 - (fn.first if kind == "mtp" else 0.0)
-            extra = {"mean_accepted": fn.stats.mean_accepted} if kind == "mtp" else {}
+            extra = {"mean_acceptance_length": fn.stats.mean_acceptance_length} if kind == "mtp" else {}
             print(json.dumps({"seconds": seconds, "first": fn.first, "generated": out, **extra}), flush=True)
         else:
             print(json.dumps({"peak_rss_mb": peak_rss_mb()}), flush=True)
@@ -285,12 +285,12 @@ def main():
                    "nextn": k[2] if k[0] == "mtp" else None, "decode_tokens_per_second": rate[k]["decode"],
                    "best_decode_tokens_per_second": rate[k]["best"], "tokens_per_second": rate[k]["with_prompt"],
                    "peak_rss_mb": rss[k], "first_difference_from": label(ref_key), "first_difference": first_diff,
-                   "mean_accepted": rs[-1].get("mean_accepted"),
+                   "mean_acceptance_length": rs[-1].get("mean_acceptance_length"),
                    "runs": [{x: r[x] for x in ("seconds", "first")} for r in rs]}
             report.append(row)
             print(f"{size:5s} {label(k):26s} decode {rate[k]['decode']:8.1f} tokens/s (best round "
                   f"{rate[k]['best']:8.1f}; with the prompt {rate[k]['with_prompt']:8.1f}), peak RSS {rss[k]:6.0f} MB"
-                  + (f", {row['mean_accepted']:.2f} tokens/step" if k[0] == "mtp" and k[2] else "")
+                  + (f", {row['mean_acceptance_length']:.2f} tokens/step" if k[0] == "mtp" and k[2] else "")
                   + ("" if k == ref_key else f"; tokens = {label(ref_key)}'s: "
                      + ("yes" if first_diff is None else f"no (first difference at new token {first_diff})")),
                   flush=True)
@@ -327,7 +327,7 @@ def print_tables(report: list[dict], tables: list[dict]) -> None:
     print("\n| checkpoint | engine | decode tokens/s (median) | best round | peak RSS MB | tokens/step |")
     print("|---|---|---|---|---|---|")
     for r in report:
-        acc = f"{r['mean_accepted']:.2f}" if r["nextn"] else ""
+        acc = f"{r['mean_acceptance_length']:.2f}" if r["nextn"] else ""
         print(f"| {r['size']} | {r['engine']} | {r['decode_tokens_per_second']:.1f} | "
               f"{r['best_decode_tokens_per_second']:.1f} | {r['peak_rss_mb']:.0f} | {acc} |")
     if tables:

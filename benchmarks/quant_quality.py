@@ -141,8 +141,8 @@ def mtp_run(export: Path, windows: np.ndarray, prompts: list[list[int]], tokens:
     mtp = {}
     for k in range(1, NEXTN + 1):
         seqs, st = one_at_a_time(backend, prompts, DecodeOptions(nextn=k, max_new_tokens=tokens))
-        rate = st.acceptance_rate
-        mtp[k] = {"tokens_per_step": st.mean_accepted, "position_rates": rate,
+        rate = st.acceptance_rate_per_pos
+        mtp[k] = {"tokens_per_step": st.mean_acceptance_length, "position_rates": rate,
                   "position_rates_given_previous": [r / p if p else 0.0 for r, p in zip(rate, [1.0] + rate[:-1])],
                   "same_tokens_as_nextn0": [list(s.generated) for s in seqs] == greedy,
                   "differences_from_nextn0": [[i, d] for i, (s, g) in enumerate(zip(seqs, greedy))

@@ -117,7 +117,7 @@ def time_child(paths: list[str], nextn: list[int], tokens: int, rounds: int, thr
         seqs, stats = results[(p, n)]
         new = len(seqs[0].generated)
         out[f"{p}|{n}"] = {"tokens_per_second": new / statistics.median(ts), "tokens": new,
-                           "mean_accepted": stats.mean_accepted, "generated": seqs[0].generated}
+                           "mean_acceptance_length": stats.mean_acceptance_length, "generated": seqs[0].generated}
     return out
 
 

@@ -114,7 +114,7 @@ def tokens_per_step(be: OrtBackend, ids: list, m: Manifest, depth: int, shape, n
     steps = accepted = 0
     for x in ids:
         _, stats = generate(be, [x], opts)
-        steps, accepted = steps + stats.seq_steps, accepted + stats.accepted_tokens
+        steps, accepted = steps + stats.num_drafts, accepted + stats.num_emitted_tokens
     return accepted / steps
 
 

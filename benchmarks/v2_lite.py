@@ -122,7 +122,7 @@ def decode_child(path: str, nextn: int, tokens: int, rounds: int, threads: int) 
         seqs, stats = fn()
         times.append(time.perf_counter() - t0)
     return {"tokens_per_second": len(seqs[0].generated) / statistics.median(times), "peak_rss_mb": peak_rss_mb(),
-            "mean_accepted": stats.mean_accepted}
+            "mean_acceptance_length": stats.mean_acceptance_length}
 
 
 def child(*args) -> dict:
@@ -159,7 +159,7 @@ def main() -> None:
     for nextn in (0, 1):
         d = child("decode", str(out), nextn, a.tokens, a.rounds, a.threads)
         print(f"decode nextn {nextn}: {d['tokens_per_second']:.2f} tokens/s, peak RSS {d['peak_rss_mb']:.0f} MB "
-              f"(mean accepted {d['mean_accepted']:.2f})", flush=True)
+              f"(mean accepted {d['mean_acceptance_length']:.2f})", flush=True)
     if a.llama_python:
         llama_q4_k_m(ckpt, a)
 

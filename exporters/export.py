@@ -40,100 +40,14 @@ from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initial
 from mtp_trt.tokenizer import check_vocab, load_tokenizer
 from mtp_trt.config import MAX_NEXTN
 from mtp_trt.validate import cache_bytes, check_export_memory, check_memory, check_mtp_modules, check_output_dir
-from mtp_trt.manifest import DTYPES, FORMAT, FORMAT_VERSION, MTP_MODES, seal, sha256
-
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from mtp_trt import contract as C
+from mtp_trt.contract import DTYPES
+from mtp_trt.manifest import FORMAT, FORMAT_VERSION, MTP_MODES, seal, sha256
 OPSET = 18
 DEFAULT_MAX_SEQ_LEN = 4096
 WEIGHTS_FILE, INLINE_BYTES, WEIGHTS_ALIGN = "weights.bin", 1024, 4096
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 Progress = Callable[[str], None]
-
-
-def _spec(name: str, dtype: str, shape: list) -> dict:
-    return {"name": name, "dtype": dtype, "shape": shape}
-
-
-def commit_spec(cache: str, dtype: str, cfg: ModelConfig, lowering: str, rows="S") -> dict:
-    """The output that commits cache input `cache`: its new rows (`onnx`: new_kv_i / mtp_new_kv..., [B, rows, C],
-    written back by the runtime) or the cache itself after the graph's writes (`plugin`: <cache>_out [B, T, C],
-    aliased to the input: TensorRT binds both to one buffer)."""
-    if lowering == "plugin":
-        return _spec(f"{cache}_out", dtype, ["B", "T", cfg.cache_dim])
-    name = "mtp_new_" + cache[4:] if cache.startswith("mtp_") else "new_" + cache
-    return _spec(name, dtype, ["B", rows, cfg.cache_dim])
-
-
-def target_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
-    kv = [_spec(f"kv_{i}", dtype, ["B", "T", cfg.cache_dim]) for i in range(cfg.num_hidden_layers)]
-    inputs = [_spec("input_ids", "int32", ["B", "S"]), _spec("past_len", "int32", ["B"]),
-              _spec("thinking", "int32", ["B"]), _spec("relaxed_topk", "int32", []),
-              _spec("relaxed_delta", "fp32", []), *kv]
-    outputs = [_spec("accepted_tokens", "int32", ["B", "S"]), _spec("num_accepted", "int32", ["B"]),
-               _spec("thinking_out", "int32", ["B"]), _spec("target_tokens", "int32", ["B", "S"]),
-               _spec("hidden_states", dtype, ["B", "S", cfg.hidden_size]),
-               _spec("logits", "fp32", ["B", "S", cfg.vocab_size])]
-    outputs += [commit_spec(t["name"], dtype, cfg, lowering) for t in kv]
-    return inputs, outputs
-
-
-def step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[list[dict], list[dict]]:
-    """The step graph's S is K + 1, fixed at export; step_0 (plain decoding) has no relaxed-acceptance
-    inputs, no MTP cache and no drafts."""
-    t_in, t_out = target_io(cfg, dtype, lowering)
-    mtp = nextn > 0
-    inputs = [t for t in t_in if mtp or not t["name"].startswith("relaxed_")]
-    inputs += [_spec("mtp_kv", dtype, ["B", "T", cfg.cache_dim])] * mtp
-    outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])] * mtp
-    outputs += t_out[6:] + [commit_spec("mtp_kv", dtype, cfg, lowering)] * mtp
-    fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
-    return [fix(t) for t in inputs], [fix(t) for t in outputs]
-
-
-def vanilla_step_io(cfg: ModelConfig, dtype: str, lowering: str, nextn: int) -> tuple[list[dict], list[dict]]:
-    """VanillaStepGraph: S = K + 1 fixed; one MTP cache per depth; depth k's new rows are K + k wide."""
-    t_in, t_out = target_io(cfg, dtype, lowering)
-    carry = nextn > 1
-    inputs = t_in + [_spec(f"mtp_kv_{k}", dtype, ["B", "T", cfg.cache_dim]) for k in range(nextn)]
-    inputs += [_spec("carry", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
-    outputs = t_out[:3] + [_spec("drafts", "int32", ["B", nextn])]
-    outputs += [_spec("carry_out", dtype, ["B", nextn - 1, cfg.hidden_size])] * carry
-    outputs += t_out[6:] + [commit_spec(f"mtp_kv_{k}", dtype, cfg, lowering, nextn + k + 1) for k in range(nextn)]
-    fix = lambda spec: {**spec, "shape": [nextn + 1 if d == "S" else d for d in spec["shape"]]}  # noqa: E731
-    return [fix(t) for t in inputs], [fix(t) for t in outputs]
-
-
-def tree_io(cfg: ModelConfig, dtype: str, lowering: str, tree: tuple[int, int, int],
-            mtp_mode: str = "eagle") -> tuple[list[dict], list[dict]]:
-    """TreeStepGraph (exporters/tree.py) or VanillaTreeStepGraph (exporters/tree_vanilla.py) of depth D, top-k and
-    budget N: N + 1 tokens in (the root, then the tree), the path's D + 1 rows out; the next tree's tokens and
-    parents replace the chain's drafts.  Vanilla: the vanilla step's caches and carry, each module's D + 1 window
-    rows out."""
-    d, _, n = tree
-    if mtp_mode == "vanilla":
-        inputs, outputs = vanilla_step_io(cfg, dtype, lowering, d)
-        outputs = [{**o, "shape": ["B", d + 1, o["shape"][2]]} if o["name"].startswith("mtp_new_kv_") else o
-                   for o in outputs]
-    else:
-        inputs, outputs = step_io(cfg, dtype, lowering, d)
-    fix = lambda spec: {**spec, "shape": [n + 1 if x == d + 1 and spec["name"] == "input_ids" else x  # noqa: E731
-                                          for x in spec["shape"]]}
-    inputs = [fix(inputs[0]), _spec("tree_parents", "int32", ["B", n]), *inputs[1:]]
-    tree = [_spec("tree_tokens", "int32", ["B", n]), _spec("tree_parents_out", "int32", ["B", n])]
-    outputs = [o for o in outputs if o["name"] != "drafts"]
-    outputs = outputs[:3] + tree + outputs[3:]
-    if lowering == "plugin":  # the verified nodes' rows sit at past_len + node: the runtime commits the path's
-        outputs += [_spec(f"path_kv_{i}", dtype, ["B", d + 1, cfg.cache_dim]) for i in range(cfg.num_hidden_layers)]
-    return inputs, outputs
-
-
-def mtp_io(cfg: ModelConfig, dtype: str, lowering: str) -> tuple[list[dict], list[dict]]:
-    inputs = [_spec("hidden", dtype, ["B", "S", cfg.hidden_size]), _spec("next_tokens", "int32", ["B", "S"]),
-              _spec("past_len", "int32", ["B"]), _spec("kv", dtype, ["B", "T", cfg.cache_dim])]
-    outputs = [_spec("hidden_out", dtype, ["B", "S", cfg.hidden_size]), _spec("draft_tokens", "int32", ["B", "S"]),
-               _spec("draft_probs", "fp32", ["B", "S"]), _spec("draft_logits", "fp32", ["B", "S", cfg.vocab_size]),
-               commit_spec("kv", dtype, cfg, lowering)]
-    return inputs, outputs
 
 
 def _example(spec: dict, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
@@ -142,13 +56,13 @@ def _example(spec: dict, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
     dims = {"B": 2, "S": 3, "T": 8}
     shape = [dims.get(d, d) for d in spec["shape"]]  # fixed dims (the step graph's K + 1) stay as they are
     gen = torch.Generator().manual_seed(zlib.crc32(spec["name"].encode()))
-    if spec["name"] in ("input_ids", "next_tokens"):
+    if spec["name"] in (C.INPUT_IDS, C.NEXT_TOKENS):
         return torch.randint(0, cfg.vocab_size, shape, dtype=torch.int32, generator=gen)
-    if spec["name"] == "past_len":
+    if spec["name"] == C.PAST_LEN:
         return torch.tensor([5, 2], dtype=torch.int32)
-    if spec["name"] == "relaxed_topk":
+    if spec["name"] == C.RELAXED_TOPK:
         return torch.tensor(3, dtype=torch.int32)
-    if spec["name"] == "relaxed_delta":
+    if spec["name"] == C.RELAXED_DELTA:
         return torch.tensor(0.5, dtype=torch.float32)
     if spec["dtype"] == "int32":
         return torch.zeros(shape, dtype=torch.int32)
@@ -296,7 +210,7 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
     if max_seq_len < 2 * nextn + 3:
         raise MtpTrtError(f"--max-seq-len {max_seq_len} leaves no room for a prompt with --nextn {nextn} (a decode "
                           f"step needs 2 nextn + 2 rows)")
-    size = TORCH_DTYPES[dtype].itemsize
+    size = C.dtype(dtype).itemsize
     check_memory(cache_bytes(cfg, cfg.num_hidden_layers + max(nextn, 1), max_batch, max_seq_len, size) +
                  8 * max_seq_len * cfg.qk_rope_head_dim,
                  f"--max-batch {max_batch} x --max-seq-len {max_seq_len}: the caches the export is made for")
@@ -304,7 +218,7 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
     if (ckpt / "tokenizer.json").is_file():  # a broken one fails now, not at `mtp-trt run`
         check_vocab(load_tokenizer(ckpt / "tokenizer.json"), cfg.vocab_size, ckpt / "tokenizer.json")
     eos_token_ids(ckpt, cfg)
-    check_export_memory(cfg, TORCH_DTYPES[dtype].itemsize, str(ckpt / "config.json"))
+    check_export_memory(cfg, C.dtype(dtype).itemsize, str(ckpt / "config.json"))
     return cfg, nextn, max_seq_len
 
 
@@ -389,7 +303,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
     progress(f"reading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
-    tdtype = TORCH_DTYPES[dtype]
+    tdtype = C.dtype(dtype).torch_dtype()
     with freed_memory_returned():
         return _export(ckpt, out, cfg, nextn, modules, mtp_mode, dtype, tdtype, lowering, max_batch, max_seq_len,
                        progress, moe_form, shapes, cpu_ops, scheme)
@@ -450,42 +364,39 @@ def configure(module, moe_form: str | None, cpu_ops: bool, scheme: quant.Scheme 
     return module
 
 
+def graph_module(model: DeepseekV3, name: str, mtp_mode: str, lowering: str, think_ids) -> torch.nn.Module:
+    """The module traced for graph `name` of the contract (mtp_trt/contract.py)."""
+    if name == C.TARGET:
+        return TargetGraph(model, lowering, think_ids)
+    kind, _, index = name.partition("_")
+    if kind == "mtp":
+        return MtpGraph(model, int(index), lowering)
+    if kind == "step":
+        n = int(index)
+        if mtp_mode == "vanilla" and n > 0:
+            return VanillaStepGraph(model, n, lowering, think_ids)
+        return StepGraph(model, n, lowering, think_ids)
+    tree_graph = VanillaTreeStepGraph if mtp_mode == "vanilla" else TreeStepGraph
+    return tree_graph(model, *C.tree_dims(name), lowering, think_ids)
+
+
 def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, mtp_mode: str, dtype: str,
             tdtype: torch.dtype, lowering: str, max_batch: int, max_seq_len: int, progress: Progress,
             moe_form: str | None, shapes: tuple, cpu_ops: bool, scheme: quant.Scheme) -> Path:
     model, params, read = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)
     think_ids, tokenizer = special_token_ids(ckpt)
     with atomic_directory(out) as tmp, WeightStore(tmp / WEIGHTS_FILE, WEIGHTS_ALIGN) as store:
-        jobs = [("target", TargetGraph(model, lowering, think_ids), target_io(cfg, dtype, lowering),
-                 [f"kv_{i}" for i in range(cfg.num_hidden_layers)])]
-        jobs += [(f"mtp_{k}", MtpGraph(model, k, lowering), mtp_io(cfg, dtype, lowering), ["kv"])
-                 for k in range(modules)]
-        # The whole greedy step in one call, for every nextn 0..K (StepGraph: plain decoding and eagle;
-        # VanillaStepGraph).
-        target_kv = [f"kv_{i}" for i in range(cfg.num_hidden_layers)]
-        for n in range(nextn + 1):
-            if mtp_mode == "vanilla" and n > 0:
-                jobs.append((f"step_{n}", VanillaStepGraph(model, n, lowering, think_ids),
-                             vanilla_step_io(cfg, dtype, lowering, n), target_kv + [f"mtp_kv_{k}" for k in range(n)]))
-            else:
-                jobs.append((f"step_{n}", StepGraph(model, n, lowering, think_ids), step_io(cfg, dtype, lowering, n),
-                             target_kv + ["mtp_kv"] * (n > 0)))
-        tree_graph = VanillaTreeStepGraph if mtp_mode == "vanilla" else TreeStepGraph
-        jobs += [(t.graph, tree_graph(model, t.depth, t.topk, t.budget, lowering, think_ids),
-                  tree_io(cfg, dtype, lowering, (t.depth, t.topk, t.budget), mtp_mode),
-                  target_kv + (["mtp_kv"] if mtp_mode == "eagle" else [f"mtp_kv_{k}" for k in range(t.depth)]))
-                 for t in shapes]
+        contract = C.graph_contract(cfg, nextn, modules, mtp_mode, dtype, lowering,
+                                    tuple((t.depth, t.topk, t.budget) for t in shapes))
         graphs, tables = {}, {}
-        for name, module, io, kv_inputs in jobs:
+        for name, io in contract.items():
             progress(f"exporting {name}.onnx")
-            module = configure(module, moe_form, cpu_ops, scheme).eval()
-            table = _export_graph(module, io, tmp / f"{name}.onnx", cfg, tdtype, lowering, params, read, store, scheme)
+            module = configure(graph_module(model, name, mtp_mode, lowering, think_ids), moe_form, cpu_ops,
+                               scheme).eval()
+            table = _export_graph(module, (io["inputs"], io["outputs"]), tmp / f"{name}.onnx", cfg, tdtype, lowering,
+                                  params, read, store, scheme)
             tables[f"{name}.onnx"] = table
-            kv_outputs = [commit_spec(n, dtype, cfg, lowering)["name"] for n in kv_inputs]
-            graphs[name] = {"file": f"{name}.onnx", "inputs": io[0], "outputs": io[1], "kv_inputs": kv_inputs,
-                            "kv_outputs": kv_outputs}
-            if name.startswith("tree_") and lowering == "plugin":  # rows the runtime writes after the engine
-                graphs[name]["commits"] = {f"kv_{i}": f"path_kv_{i}" for i in range(cfg.num_hidden_layers)}
+            graphs[name] = {"file": f"{name}.onnx", **io}
         progress(f"hashing {WEIGHTS_FILE}")
         store.close()
         weights = {"file": WEIGHTS_FILE, "sha256": sha256(tmp / WEIGHTS_FILE), "bytes": (tmp / WEIGHTS_FILE).stat().st_size,

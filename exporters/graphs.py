@@ -344,15 +344,15 @@ class _Graph(nn.Module):
         # all quantized matmuls that give every row the same bits however many rows run
         self.fold = True
 
-    def group(self, b, s, write_pos: Tensor, valid_len: Tensor, cache: Tensor,
+    def group(self, b, s, write_pos: Tensor, past_len: Tensor, cache: Tensor,
               extra: tuple[Tensor, Tensor] | None = None, new_visible: Tensor | None = None,
               positions: Tensor | None = None) -> Group:
-        """The block group of S rows per sequence at write_pos + 0..S-1 (or `positions`) over `cache` (valid_len
-        valid rows); extra / new_visible: see Mask."""
+        """The block group of S rows per sequence at write_pos + 0..S-1 (or `positions`) over `cache` (past_len
+        committed rows); extra / new_visible: see Mask."""
         dims = Dims(b, s)
         heads = self.model.cfg.num_attention_heads
         if self.lowering == "onnx":
-            return Group(self.rope, dims, write_pos, Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible),
+            return Group(self.rope, dims, write_pos, Mask(dims, heads, past_len, cache.shape[1], extra, new_visible),
                          self.moe, positions, fused=self.fused, cpu=self.cpu, fold=self.fold,
                          index_rope=self.index_rope, gather=self.few_tokens)
         return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold)
@@ -369,12 +369,7 @@ class _Graph(nn.Module):
 
 class TargetGraph(_Graph):
     """Main model for prefill (S prompt tokens) and verification (S = K + 1), with acceptance in-graph.
-
-    inputs : input_ids [B, S] int32, past_len [B] int32, thinking [B] int32, relaxed_topk [] int32,
-             relaxed_delta [] float32, kv_0 .. kv_{L-1} [B, T, Dl+Dr] (one T for all caches)
-    outputs: accepted_tokens [B, S] int32, num_accepted [B] int32, thinking_out [B] int32,
-             target_tokens [B, S] int32 (argmax), hidden_states [B, S, D], logits [B, S, V] float32,
-             then new_kv_0 .. new_kv_{L-1} [B, S, Dl+Dr] (onnx) or kv_0_out .. kv_{L-1}_out (plugin)."""
+    Inputs and outputs: contract.target_io (mtp_trt/contract.py)."""
 
     def forward(self, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, *caches):
         _, h, logits, commits = self.main(input_ids, past_len, caches)
@@ -383,12 +378,8 @@ class TargetGraph(_Graph):
 
 
 class MtpGraph(_Graph):
-    """One MTP module over its own latent cache.
-
-    inputs : hidden [B, S, D], next_tokens [B, S] int32, past_len [B] int32, kv [B, T, Dl+Dr]
-    outputs: hidden_out [B, S, D], draft_tokens [B, S] int32, draft_probs [B, S] float32 (softmax
-             probability of the draft), draft_logits [B, S, V] float32, then new_kv [B, S, Dl+Dr] (onnx) or
-             kv_out (plugin)."""
+    """One MTP module over its own latent cache.  Inputs and outputs: contract.mtp_io (mtp_trt/contract.py);
+    draft_probs is the softmax probability of the draft."""
 
     def __init__(self, model: DeepseekV3, k: int, lowering: str):
         super().__init__(model, lowering)
@@ -408,14 +399,10 @@ class StepGraph(_Graph):
     the K + 1 verified rows and depths 2..K one row each, drafting the next step's K tokens.  K = 0 (both
     modes): plain decoding, the main model and its argmax, with no acceptance to compute.
 
-    inputs : as TargetGraph (S = K + 1 exactly; K = 0: without relaxed_topk / relaxed_delta), then (K > 0)
-             mtp_kv [B, T, Dl+Dr] (the MTP module's cache)
-    outputs: accepted_tokens, num_accepted, thinking_out (as TargetGraph), (K > 0) drafts [B, K] int32,
-             then in the onnx lowering new_kv_0 .. new_kv_{L-1} and (K > 0) mtp_new_kv [B, K+1, Dl+Dr]
-             (depth 1's rows; the deeper rows are speculative and need no commit).  In the plugin lowering
-             every attention node writes its rows in place, depth k at row past_len + num_accepted + k - 1,
-             the MTP depths one after another through the cache (depth k's cache input is depth k-1's
-             kv_cache_out), and the outputs are kv_0_out .. kv_{L-1}_out and (K > 0) mtp_kv_out."""
+    Inputs and outputs: contract.step_io (mtp_trt/contract.py); the onnx lowering commits depth 1's rows of the
+    MTP cache (the deeper rows are speculative and need no commit).  In the plugin lowering every attention node
+    writes its rows in place, depth k at row past_len + num_accepted + k - 1, the MTP depths one after another
+    through the cache (depth k's cache input is depth k-1's kv_cache_out)."""
 
     few_tokens = True
 
@@ -459,21 +446,17 @@ class VanillaStepGraph(_Graph):
     its window of K + k rows, each module with its own cache.
 
     Window of depth k: rows start_k = past_len + 1 - k onwards (its cache holds rows < start_k: the
-    runtime's invariant mtp_len[k] = main_len + 1 - k), row j embedding the token at position
+    runtime's invariant mtp_past_len[k] = past_len + 1 - k), row j embedding the token at position
     past_len + 1 + j -- an accepted token for j <= num_accepted, else the draft of depth j - num_accepted
     made earlier in this step -- with depth k-1's hidden state at the same row: `carry` for the first row
     (kept from the previous step), then depth k-1's window.  Depth k drafts from row
     q = past_len + num_accepted (window row num_accepted + k - 1); rows up to q + 1 - k (window rows
     0..num_accepted) hold only accepted tokens: the next step starts after them.
 
-    inputs : as TargetGraph (S = K + 1 exactly), then mtp_kv_0 .. mtp_kv_{K-1} [B, T, Dl+Dr] and (K > 1)
-             carry [B, K-1, D] (for k = 1..K-1, depth k's hidden at row past_len - k: the first row of depth
-             k+1's window, from the previous step)
-    outputs: accepted_tokens, num_accepted, thinking_out, drafts [B, K], (K > 1) carry_out [B, K-1, D]
-             (depth k's hidden at window row num_accepted: the next step's carry), then in the onnx lowering
-             new_kv_0 .. new_kv_{L-1} and mtp_new_kv_{k-1} [B, K+k, Dl+Dr] for each depth k (rows from
-             start_k: the first num_accepted + 1 are final, later ones are overwritten next step), in the
-             plugin lowering kv_0_out .. kv_{L-1}_out and mtp_kv_0_out .. mtp_kv_{K-1}_out."""
+    Inputs and outputs: contract.vanilla_step_io (mtp_trt/contract.py): carry (K > 1) holds, for k = 1..K-1,
+    depth k's hidden at row past_len - k (the first row of depth k+1's window, from the previous step), carry_out
+    depth k's hidden at window row num_accepted (the next step's carry); the onnx lowering's rows of depth k are
+    committed from start_k: the first num_accepted + 1 are final, later ones are overwritten next step."""
 
     few_tokens = True
 

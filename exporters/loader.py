@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from mtp_trt.config import ModelConfig
+from mtp_trt.contract import BY_SAFETENSORS
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import atomic_directory
 from mtp_trt.validate import safetensors_files, safetensors_header
@@ -33,9 +34,7 @@ from mtp_trt.exporters.model import DeepseekV3, rope_tables
 
 Tensor = torch.Tensor
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-             "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+ST_DTYPES = {name: d.torch_dtype() for name, d in BY_SAFETENSORS.items()}
 
 
 # ----------------------------------------------------------------------------------------- FP8

@@ -33,11 +33,12 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from mtp_trt.contract import DTYPE_TABLE
 from mtp_trt.exporters.model import DeepseekV3
 
 Tensor = torch.Tensor
-ONNX_TYPES = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int16: 5, torch.int32: 6, torch.int64: 7,
-              torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
+# the dtypes of the tensors a graph stores (ONNX data types; fp8 is not one of them)
+ONNX_TYPES = {d.torch_dtype(): d.onnx for d in DTYPE_TABLE.values() if not d.name.startswith("fp8")}
 TORCH_TYPES = {v: k for k, v in ONNX_TYPES.items()}
 
 

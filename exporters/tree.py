@@ -193,15 +193,11 @@ class TreeStepGraph(_Graph):
     """One greedy tree step in one call (see the module docstring): verify the tree, accept, commit the path's
     rows, draft the next tree.  Eagle mode (one MTP module), both lowerings.
 
-    inputs : input_ids [B, N+1] int32 (the root `last`, then the nodes), tree_parents [B, N] int32, past_len [B],
-             thinking [B], relaxed_topk [], relaxed_delta [], kv_0 .. kv_{L-1}, mtp_kv [B, T, Dl+Dr]
-    outputs: accepted_tokens [B, D+1] (the path's drafts, the bonus, then -1), num_accepted [B], thinking_out [B],
-             tree_tokens [B, N], tree_parents_out [B, N] (the next tree), then in the onnx lowering new_kv_0 ..
-             new_kv_{L-1} [B, D+1, Dl+Dr] (the path's rows in order: the runtime commits them at past_len like a
-             chain's) and mtp_new_kv [B, D+1, Dl+Dr] (MTP depth 1's rows over the path); in the plugin lowering
-             kv_0_out .. kv_{L-1}_out and mtp_kv_out (aliased: the attention nodes wrote the tree's rows at
-             past_len + node) and path_kv_0 .. path_kv_{L-1} [B, D+1, Dl+Dr] (the path's rows, for the runtime to
-             commit at past_len: the graph's `commits`)."""
+    Inputs and outputs: contract.tree_io (mtp_trt/contract.py).  accepted_tokens holds the path's drafts, the
+    bonus, then -1; tree_tokens and tree_parents_out the next tree.  The onnx lowering returns the path's rows in
+    order (the runtime commits them at past_len like a chain's) and MTP depth 1's rows over the path; in the plugin
+    lowering the attention nodes wrote the tree's rows at past_len + node, and path_kv_i (the graph's `commits`)
+    are the path's rows, for the runtime to commit at past_len."""
 
     few_tokens = True
 

@@ -3,7 +3,7 @@ it as the eagle tree does (exporters/tree.py), then draft the next tree with MTP
 level k of the tree.
 
 Rows, as VanillaStepGraph's: q = past_len + num_accepted (the row that predicted the bonus); module k's window
-starts at start_k = past_len + 1 - k (its cache holds rows < start_k: mtp_len[k] = main_len + 1 - k), and module k
+starts at start_k = past_len + 1 - k (its cache holds rows < start_k: mtp_past_len[k] = past_len + 1 - k), and module k
 at row i takes module k-1's hidden at row i (module 0: the main model) and the token at position i + k.  Module k
 runs once per step, over D + 1 window rows and (k >= 2) level k's expansion, in one block call:
 
@@ -39,17 +39,11 @@ class VanillaTreeStepGraph(TreeStepGraph):
     """One greedy vanilla tree step in one call (see the module docstring): verify, accept and commit as
     TreeStepGraph, then draft the next tree with modules 1..D.
 
-    inputs : input_ids [B, N+1] int32, tree_parents [B, N] int32, past_len [B], thinking [B], relaxed_topk [],
-             relaxed_delta [], kv_0 .. kv_{L-1}, mtp_kv_0 .. mtp_kv_{D-1} [B, T, Dl+Dr] (module k's cache: rows
-             < past_len + 1 - k valid) and (D > 1) carry [B, D-1, H] (module k's hidden at row past_len - k,
-             k = 1..D-1)
-    outputs: accepted_tokens [B, D+1], num_accepted [B], thinking_out [B], tree_tokens [B, N],
-             tree_parents_out [B, N], (D > 1) carry_out [B, D-1, H] (module k's window row num_accepted), then in
-             the onnx lowering new_kv_0 .. new_kv_{L-1} [B, D+1, Dl+Dr] (the path's rows, committed at past_len)
-             and mtp_new_kv_{k-1} [B, D+1, Dl+Dr] (module k's window rows, committed at past_len + 1 - k: the
-             first num_accepted + 1 are final); in the plugin lowering kv_0_out .. kv_{L-1}_out,
-             mtp_kv_0_out .. mtp_kv_{D-1}_out (aliased; module k's window written at past_len + 1 - k, its
-             expansion after it) and path_kv_0 .. path_kv_{L-1} [B, D+1, Dl+Dr] (the graph's `commits`)."""
+    Inputs and outputs: contract.tree_io (mtp_trt/contract.py), vanilla: module k's cache holds rows
+    < past_len + 1 - k, carry (D > 1) module k's hidden at row past_len - k (k = 1..D-1), carry_out module k's
+    window row num_accepted; the onnx lowering commits module k's window rows at past_len + 1 - k (the first
+    num_accepted + 1 are final); the plugin lowering writes module k's window at past_len + 1 - k, its expansion
+    after it."""
 
     def forward(self, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta, *rest):
         layers, d_max = len(self.model.model.layers), self.depth

@@ -16,33 +16,67 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from mtp_trt import contract as C
+from mtp_trt.contract import cache_slot, mtp_family
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.manifest import Manifest, cache_slot
+from mtp_trt.manifest import Manifest
 from mtp_trt.tree import tree_spec
 from mtp_trt.validate import cache_bytes, check_memory
 
-TARGET_OUTPUTS = ("accepted_tokens", "num_accepted", "thinking_out", "target_tokens", "hidden_states")
-
-
 class Backend(ABC):
-    """What the decode loop needs from an execution engine."""
+    """What the decode loop needs from an execution engine.  The graphs' calls (target, mtp, step, tree_step:
+    their inputs by the contract's names, what they return) are built here once, over one call each backend
+    implements: `run` (one graph on slots 0..n-1, its cache rows committed).  A backend whose graphs take at most
+    `max_s` new tokens per call (TensorRT's optimization profiles) runs longer target and MTP calls as chunks."""
 
     manifest: Manifest
+    max_s: int | None = None  # the most new tokens one call takes (None: any)
 
     @abstractmethod
     def allocate(self, batch: int, rows: int) -> None:
         """(Re)allocate every cache for `batch` sequences of `rows` tokens."""
 
     @abstractmethod
+    def run(self, graph: str, n: int, feed: dict[str, np.ndarray], fetch: list[str], family: str = mtp_family(0),
+            replay: bool = False) -> dict[str, np.ndarray]:
+        """Run graph `graph` on slots 0..n-1 with the inputs in `feed` that it has (+ its caches: `family`, the
+        persistent cache of an MTP graph's `kv`) and commit its new rows at past_len; returns the outputs `fetch`.
+        replay: the call repeats every step with the same shapes (the step and tree graphs: worth capturing)."""
+
+    @abstractmethod
+    def has_graph(self, graph: str) -> bool:
+        """Whether this backend can run graph `graph`."""
+
     def target(self, n: int, input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray,
                relaxed_topk: int, relaxed_delta: float, logits: bool) -> dict[str, np.ndarray]:
         """Run the target graph on slots 0..n-1 and commit its rows.  Returns TARGET_OUTPUTS (+ logits)."""
+        feed = verify_feed(input_ids, past_len, thinking, relaxed_topk, relaxed_delta)
+        fetch = [*C.TARGET_OUTPUTS, *[C.LOGITS] * logits]
+        return self.chunked(C.TARGET, n, feed, (C.INPUT_IDS,), fetch, {C.TARGET_TOKENS, C.HIDDEN_STATES, C.LOGITS})
 
-    @abstractmethod
     def mtp(self, cache: int, graph: str, n: int, hidden: np.ndarray, next_tokens: np.ndarray,
             past_len: np.ndarray, logits: bool) -> dict[str, np.ndarray]:
         """Run MTP graph `graph` over MTP cache `cache` on slots 0..n-1 and commit its rows.
         Returns hidden_out, draft_tokens, draft_probs (+ draft_logits)."""
+        feed = {C.HIDDEN: hidden.astype(C.dtype(self.manifest.dtype).host, copy=False),
+                C.NEXT_TOKENS: next_tokens.astype(np.int32, copy=False),
+                C.PAST_LEN: past_len.astype(np.int32, copy=False)}
+        fetch = [*C.MTP_OUTPUTS, *[C.DRAFT_LOGITS] * logits]
+        return self.chunked(graph, n, feed, (C.HIDDEN, C.NEXT_TOKENS), fetch, set(fetch), C.mtp_family(cache))
+
+    def chunked(self, graph: str, n: int, feed: dict, split: tuple[str, ...], fetch: list[str], concat: set[str],
+                family: str = mtp_family(0)) -> dict[str, np.ndarray]:
+        """`run`, as chunks at past_len + start where S exceeds max_s: the inputs in `split` are cut along S, the
+        outputs in `concat` joined along S, the others come from the last chunk."""
+        s = feed[split[0]].shape[1]
+        if self.max_s is None or s <= self.max_s:
+            return self.run(graph, n, feed, fetch, family)
+        parts = []
+        for start, length in chunks(s, self.max_s):
+            piece = feed | {k: feed[k][:, start:start + length] for k in split}
+            piece[C.PAST_LEN] = (feed[C.PAST_LEN] + start).astype(np.int32)
+            parts.append(self.run(graph, n, piece, fetch, family))
+        return {k: np.concatenate([p[k] for p in parts], 1) if k in concat else parts[-1][k] for k in fetch}
 
     def prepare(self, nextn: int, greedy: bool, tree: str | None = None) -> None:
         """Load everything a decode with these options runs (called before it, so that timings exclude it)."""
@@ -51,15 +85,15 @@ class Backend(ABC):
         """The graphs a decode with these options runs: the target (prefill), the MTP graphs (the first
         drafts; every step's when not fused), the step graph when there is one, or the tree graph `tree`
         (DecodeOptions.tree_graph)."""
-        graphs = ["target", *dict.fromkeys(self.manifest.mtp_graphs[:nextn])]
+        graphs = [C.TARGET, *dict.fromkeys(self.manifest.mtp_graphs[:nextn])]
         if tree:
             return graphs + [tree]
-        return graphs + ([f"step_{nextn}"] if greedy and self.has_step(nextn) else [])
+        return graphs + ([C.step_graph(nextn)] if greedy and self.has_step(nextn) else [])
 
     def has_step(self, nextn: int) -> bool:
         """Whether `step` can run a whole greedy decode step with `nextn` drafts in one call (the export has
         a `step_{nextn}` graph)."""
-        return False
+        return self.has_graph(C.step_graph(nextn))
 
     def step(self, n: int, input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray, relaxed_topk: int,
              relaxed_delta: float, carry: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -67,7 +101,8 @@ class Backend(ABC):
         committing the target's rows and the MTP caches'.  carry [n, K-1, D]: vanilla's hidden states kept
         from the previous step.  Returns accepted_tokens, num_accepted, thinking_out and (K > 0) drafts and
         (vanilla, K > 1) carry_out."""
-        raise NotImplementedError
+        feed = verify_feed(input_ids, past_len, thinking, relaxed_topk, relaxed_delta) | {C.CARRY: carry}
+        return self._step(C.step_graph(input_ids.shape[1] - 1), n, feed)
 
     def tree_step(self, graph: str, n: int, input_ids: np.ndarray, tree_parents: np.ndarray, past_len: np.ndarray,
                   thinking: np.ndarray, relaxed_topk: int, relaxed_delta: float,
@@ -77,11 +112,33 @@ class Backend(ABC):
         Commits the accepted path's rows (and vanilla's window rows of every module).  Returns accepted_tokens,
         num_accepted, thinking_out, the next tree: tree_tokens, tree_parents_out, and (vanilla, D > 1)
         carry_out."""
-        raise MtpTrtError(f"{self.manifest.root}: this backend has no tree step; use --tree-topk 1")
+        feed = verify_feed(input_ids, past_len, thinking, relaxed_topk, relaxed_delta)
+        return self._step(graph, n, feed | {C.TREE_PARENTS: tree_parents.astype(np.int32, copy=False),
+                                            C.CARRY: carry})
+
+    def _step(self, graph: str, n: int, feed: dict) -> dict[str, np.ndarray]:
+        """A step or tree graph: the inputs it has, the STEP_OUTPUTS it has."""
+        g = self.manifest.graphs[graph]
+        inputs, outputs = {t.name for t in g.inputs}, {t.name for t in g.outputs}
+        feed = {k: v for k, v in feed.items() if k in inputs and v is not None}
+        return self.run(graph, n, feed, [k for k in C.STEP_OUTPUTS if k in outputs], replay=True)
 
     @abstractmethod
     def swap_slots(self, i: int, j: int) -> None:
         """Exchange the cached rows of slots i and j (used when a sequence finishes)."""
+
+
+def chunks(s: int, size: int) -> list[tuple[int, int]]:
+    """(start, length) pieces of S rows, each at most `size` rows."""
+    return [(i, min(size, s - i)) for i in range(0, s, size)]
+
+
+def verify_feed(input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray, relaxed_topk: int,
+                relaxed_delta: float) -> dict[str, np.ndarray]:
+    """The inputs of a verifying graph (target, step, tree) that the decode loop passes."""
+    return {C.INPUT_IDS: input_ids.astype(np.int32, copy=False), C.PAST_LEN: past_len.astype(np.int32, copy=False),
+            C.THINKING: thinking.astype(np.int32, copy=False), C.RELAXED_TOPK: np.array(relaxed_topk, np.int32),
+            C.RELAXED_DELTA: np.array(relaxed_delta, np.float32)}
 
 
 def default_threads() -> int:
@@ -96,7 +153,7 @@ def default_threads() -> int:
 # ~1.1x speed).
 SHARE_WEIGHTS_BYTES = 128 << 20
 # ONNX data type -> numpy dtype of the weights a session can be handed (others load the usual way)
-ONNX_NUMPY = {1: np.float32, 2: np.uint8, 10: np.float16, 6: np.int32, 7: np.int64, 9: np.bool_, 11: np.float64}
+ONNX_NUMPY = {C.dtype(t).onnx: C.dtype(t).host for t in ("fp32", "uint8", "fp16", "int32", "int64", "bool", "fp64")}
 
 
 class OrtBackend(Backend):
@@ -129,7 +186,7 @@ class OrtBackend(Backend):
     always for quantized weights (mtp-trt's quantized operators read them in place)."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
-                 prepack: tuple[str, ...] = ("step_", "tree_"), spin: bool = True):
+                 prepack: tuple[str, ...] = (C.STEP_PREFIX, C.TREE_PREFIX), spin: bool = True):
         import onnxruntime as ort
 
         if manifest.lowering != "onnx":
@@ -150,8 +207,8 @@ class OrtBackend(Backend):
         self.mapped: np.ndarray | None = None  # weights.bin, mapped on first use
         self.shared: dict[tuple, object] = {}  # (offset, ONNX type, dims) -> its OrtValue over the mapping
         self.sessions: dict[str, ort.InferenceSession] = {}  # created on first use: a run needs only some
-        self.plans: dict[str, tuple] = {}  # step graph -> how to feed and commit it (_step_plan)
-        self.np_dtype = np.float16 if manifest.dtype == "fp16" else np.float32
+        self.plans: dict[tuple[str, str], tuple] = {}  # (graph, MTP cache family) -> how to feed and commit it
+        self.np_dtype = C.dtype(manifest.dtype).host
         self.caches: dict[str, list[np.ndarray]] = {}
         self.written = np.zeros(0, np.int64)  # allocate
 
@@ -222,8 +279,8 @@ class OrtBackend(Backend):
         check_memory(cache_bytes(m.config, m.config.num_hidden_layers + n_mtp, batch, rows,
                                  np.dtype(self.np_dtype).itemsize),
                      f"{m.root}: the caches of {batch} sequences x {rows} rows")
-        self.caches = {"target": [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
-        self.caches |= {f"mtp{k}": [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
+        self.caches = {C.TARGET_FAMILY: [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
+        self.caches |= {C.mtp_family(k): [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
         self.written = np.zeros(batch, np.int64)  # per slot: rows below this were ever written (swap_slots)
 
     def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
@@ -238,64 +295,33 @@ class OrtBackend(Backend):
                     cache[b, lo:hi] = new[b, lo - p:hi - p]
                 self.written[b] = max(self.written[b], hi)
 
-    def target(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, logits):
-        g = self.manifest.graphs["target"]
-        caches = self.caches["target"]
-        feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking,
-                "relaxed_topk": np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32)}
-        feed |= {name: c[:n] for name, c in zip(g.kv_inputs, caches)}
-        names = list(TARGET_OUTPUTS) + (["logits"] if logits else []) + g.kv_outputs
-        out = dict(zip(names, self.session("target").run(names, feed)))
-        self._commit([c[:n] for c in caches], [out.pop(k) for k in g.kv_outputs], past_len)
-        return out
+    def has_graph(self, graph):
+        return graph in self.manifest.graphs
 
-    def mtp(self, cache, graph, n, hidden, next_tokens, past_len, logits):
-        caches = self.caches[f"mtp{cache}"]
-        feed = {"hidden": hidden.astype(self.np_dtype, copy=False), "next_tokens": next_tokens,
-                "past_len": past_len, "kv": caches[0][:n]}
-        names = ["hidden_out", "draft_tokens", "draft_probs"] + (["draft_logits"] if logits else []) + ["new_kv"]
-        out = dict(zip(names, self.session(graph).run(names, feed)))
-        self._commit([caches[0][:n]], [out.pop("new_kv")], past_len)
-        return out
-
-    def has_step(self, nextn):
-        return f"step_{nextn}" in self.manifest.graphs
-
-    def _step_plan(self, name: str):
-        """How to feed and commit step graph `name`, worked out on first use: its non-cache input names, its
-        output names (new rows last) and, per window offset from past_len, its caches as (input name, cache
-        family, index, new-rows output): kv_i (target), mtp_kv (eagle), mtp_kv_j (vanilla depth j + 1,
+    def _plan(self, graph: str, family: str):
+        """How to feed and commit graph `graph` over MTP cache `family`, worked out on first use: its input names
+        and, per window offset from past_len, its caches as (input name, cache family, index, new-rows output):
+        kv_i (target), kv (an MTP graph's own: `family`), mtp_kv (eagle step), mtp_kv_j (vanilla depth j + 1,
         whose window starts j rows earlier)."""
-        if name not in self.plans:
-            g = self.manifest.graphs[name]
+        if (graph, family) not in self.plans:
+            g = self.manifest.graphs[graph]
             groups: dict[int, list[tuple[str, str, int, str]]] = {}
             for kv, new in zip(g.kv_inputs, g.kv_outputs):
-                slot = cache_slot(kv)
+                slot = cache_slot(kv, family)
                 groups.setdefault(slot.offset, []).append((kv, slot.family, slot.index, new))
-            outputs = [t.name for t in g.outputs if t.name not in g.kv_outputs] + g.kv_outputs
-            self.plans[name] = ({t.name for t in g.inputs} - set(g.kv_inputs), outputs, sorted(groups.items()))
-        return self.plans[name]
+            self.plans[graph, family] = ({t.name for t in g.inputs} - set(g.kv_inputs), g.kv_outputs,
+                                         sorted(groups.items()))
+        return self.plans[graph, family]
 
-    def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, carry=None):
-        return self._run_step(f"step_{input_ids.shape[1] - 1}", n, input_ids, past_len, thinking, relaxed_topk,
-                              relaxed_delta, carry=carry)
-
-    def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta,
-                  carry=None):
-        return self._run_step(graph, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta,
-                              tree_parents=tree_parents, carry=carry)
-
-    def _run_step(self, name, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, **extra):
-        """Run step or tree graph `name` on slots 0..n-1 and commit its rows (_step_plan)."""
-        inputs, names, groups = self._step_plan(name)
-        feed = {"input_ids": input_ids, "past_len": past_len, "thinking": thinking, "relaxed_topk":
-                np.array(relaxed_topk, np.int32), "relaxed_delta": np.array(relaxed_delta, np.float32), **extra}
+    def run(self, graph, n, feed, fetch, family=mtp_family(0), replay=False):
+        inputs, kv_outputs, groups = self._plan(graph, family)
         feed = {k: v for k, v in feed.items() if k in inputs}
-        feed |= {kv: self.caches[family][i][:n] for _, entries in groups for kv, family, i, _ in entries}
-        out = dict(zip(names, self.session(name).run(names, feed)))
+        feed |= {kv: self.caches[fam][i][:n] for _, entries in groups for kv, fam, i, _ in entries}
+        names = fetch + kv_outputs
+        out = dict(zip(names, self.session(graph).run(names, feed)))
         for offset, entries in groups:  # one index computation per window offset
-            self._commit([self.caches[family][i][:n] for _, family, i, _ in entries],
-                         [out.pop(new) for *_, new in entries], past_len + offset)
+            self._commit([self.caches[fam][i][:n] for _, fam, i, _ in entries],
+                         [out.pop(new) for *_, new in entries], feed[C.PAST_LEN] + offset)
         return out
 
     def swap_slots(self, i, j):

@@ -205,12 +205,13 @@ def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, rep
             rows.append({"engine": engine, "mode": mode, "batch": batch, "nextn": nextn, "tree": tree,
                          "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
                          "round_seconds": rounds,
-                         "mean_accepted": stats.mean_accepted, "acceptance_rate": stats.acceptance_rate,
+                         "mean_acceptance_length": stats.mean_acceptance_length,
+                         "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
                          "same_tokens_as_nextn0": [s.generated for s in seqs] == generated})
             label = "" if engine == "mtp-trt/onnxruntime" else f"{engine[8:]} "
             shape = f" tree {tree}" if tree else ""
             progress(f"{label}{mode:7s} batch {batch} nextn {nextn}{shape}: {tokens / seconds:8.1f} tokens/s, "
-                     f"{stats.mean_accepted:.2f} tokens/step")
+                     f"{stats.mean_acceptance_length:.2f} tokens/step")
     return rows
 
 
@@ -236,16 +237,17 @@ def summarize(rows: list[dict]) -> list[dict]:
             row = {"batch": batch, "engine": engine, "mode": mode,
                    "nextn0_over_transformers": ratio(base, hf) if hf else None,
                    "best_nextn": best["nextn"], "speedup_over_nextn0": speedup,
-                   "mean_accepted": best["mean_accepted"],
-                   "speedup_over_mean_accepted": speedup / best["mean_accepted"],
-                   "step_cost_over_plain_step": best["mean_accepted"] / speedup}
+                   "mean_acceptance_length": best["mean_acceptance_length"],
+                   "speedup_over_mean_acceptance_length": speedup / best["mean_acceptance_length"],
+                   "step_cost_over_plain_step": best["mean_acceptance_length"] / speedup}
             trees = [r for r in mine if r.get("tree")]
             if trees:
                 tree = max(trees, key=lambda r: ratio(r, base))
                 chain = next((r for r in drafting if r["nextn"] == tree["nextn"]), best)
+                length = tree["mean_acceptance_length"]
                 row |= {"best_tree": tree["tree"], "tree_speedup_over_nextn0": ratio(tree, base),
-                        "tree_over_best_chain": ratio(tree, best), "tree_mean_accepted": tree["mean_accepted"],
-                        "tree_accepted_over_chain_same_depth": tree["mean_accepted"] - chain["mean_accepted"]}
+                        "tree_over_best_chain": ratio(tree, best), "tree_mean_acceptance_length": length,
+                        "tree_acceptance_length_over_chain_same_depth": length - chain["mean_acceptance_length"]}
             out.append(row)
     return out
 

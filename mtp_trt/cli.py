@@ -373,10 +373,10 @@ def run(
         if r.message:
             typer.secho(f"note: {r.message}", fg="yellow", err=True)
     s = report.summary()
-    rates = " ".join(f"{a:.2f}" for a in s["acceptance_rate_per_position"]) or "-"
+    rates = " ".join(f"{a:.2f}" for a in s["acceptance_rate_per_pos"]) or "-"
     tree = f" tree {s['tree']} (depth:top-k:budget)" if s.get("tree") else ""
     typer.secho(f"\n{s['new_tokens']} new tokens in {s['seconds']:.2f} s ({s['tokens_per_second']:.1f} tokens/s), "
-                f"{manifest.mtp_mode} nextn={s['nextn']}{tree}: {s['mean_accepted_tokens_per_step']:.2f} tokens per "
+                f"{manifest.mtp_mode} nextn={s['nextn']}{tree}: {s['mean_acceptance_length']:.2f} tokens per "
                 f"step, acceptance per draft {'depth' if tree else 'position'}: {rates}", fg="green", err=True)
 
 
@@ -514,14 +514,15 @@ def bench(
     for r in b.summarize(rows):
         hf = f"{r['nextn0_over_transformers']:.2f}x" if r["nextn0_over_transformers"] else "-"
         typer.echo(f"{r['batch']:>5}  {r['engine'][8:]:<26}  {r['mode']:<7}  {hf:>19}  {r['best_nextn']:>10}  {r['speedup_over_nextn0']:6.2f}x"
-                   f"  {r['mean_accepted']:13.2f}  {r['speedup_over_mean_accepted']:16.2f}"
+                   f"  {r['mean_acceptance_length']:13.2f}  {r['speedup_over_mean_acceptance_length']:16.2f}"
                    f"  {r['step_cost_over_plain_step']:14.2f}x")
     for r in b.summarize(rows):
         if r.get("best_tree"):
             typer.echo(f"batch {r['batch']} {r['engine'][8:]} {r['mode']}: best tree {r['best_tree']} "
                        f"(depth:top-k:budget) {r['tree_speedup_over_nextn0']:.2f}x nextn 0, "
-                       f"{r['tree_over_best_chain']:.2f}x the best chain; {r['tree_mean_accepted']:.2f} tokens/step, "
-                       f"{r['tree_accepted_over_chain_same_depth']:+.2f} over the chain of its depth")
+                       f"{r['tree_over_best_chain']:.2f}x the best chain; "
+                       f"{r['tree_mean_acceptance_length']:.2f} tokens/step, "
+                       f"{r['tree_acceptance_length_over_chain_same_depth']:+.2f} over the chain of its depth")
     differ = [f"{r['mode']} batch {r['batch']} nextn {r['nextn']}{' tree ' + r['tree'] if r.get('tree') else ''}"
               for r in rows if r.get("same_tokens_as_nextn0") is False]
     if differ:

@@ -1,12 +1,12 @@
 """The MTP speculative decoding loop: prefill -> draft -> verify -> accept -> rewind, over explicit state.
 
-Positions: the target cache holds rows 0..main_len-1 of each sequence; `last` is the newest accepted
-token, not yet in the cache.  A verify step feeds [last, d_1..d_K] at positions main_len..main_len+K;
-the target accepts n drafts and a bonus token, so the hidden state at row q = main_len + n predicted
-the bonus, rows main_len..q are committed and the rest is rewound (main_len = q + 1: later steps
+Positions: the target cache holds rows 0..past_len-1 of each sequence; `last` is the newest accepted
+token, not yet in the cache.  A verify step feeds [last, d_1..d_K] at positions past_len..past_len+K;
+the target accepts n drafts and a bonus token, so the hidden state at row q = past_len + n predicted
+the bonus, rows past_len..q are committed and the rest is rewound (past_len = q + 1: later steps
 overwrite the rejected rows).  MTP row i takes (h_i, t_{i+1}) and predicts t_{i+2}.
 
-  eagle   : one MTP module and cache.  Depth 1 runs rows main_len_old..q (true tokens) and drafts
+  eagle   : one MTP module and cache.  Depth 1 runs rows past_len_old..q (true tokens) and drafts
             d_1 from row q; depth k > 1 runs one row at q + k - 1 on depth k-1's output hidden and
             d_{k-1} (those rows are speculative and overwritten next step).
   vanilla : module k at depth k, each with its own cache.  Depth k row i takes depth k-1's hidden at
@@ -21,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from mtp_trt import contract as C
 from mtp_trt.backend import Backend
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
 from mtp_trt.tree import TreeShape, chain_tree
@@ -58,39 +59,54 @@ class State:
 
     order: np.ndarray  # [B] sequence index of each slot
     n: int  # active slots
-    main_len: np.ndarray  # [B] target cache rows
+    past_len: np.ndarray  # [B] target cache rows
     last: np.ndarray  # [B] newest accepted token
     thinking: np.ndarray  # [B] thinking flag after `last`
     drafts: np.ndarray  # [B, K]
     q_dist: np.ndarray | None  # [B, K, V] drafter distributions (sampling only)
-    mtp_len: np.ndarray  # [B, depths] committed rows of each MTP cache (eagle: 1 column)
-    carry: np.ndarray | None  # [B, K, D] vanilla: depth k-1's hidden at row mtp_len[:, k-1]
+    mtp_past_len: np.ndarray  # [B, depths] committed rows of each MTP cache (eagle: 1 column)
+    carry: np.ndarray | None  # [B, K, D] vanilla: depth k-1's hidden at row mtp_past_len[:, k-1]
     tree_tokens: np.ndarray | None = None  # [B, N] tree drafting: the next step's tree (mtp_trt/tree.py)
     tree_parents: np.ndarray | None = None  # [B, N]
 
 
 @dataclasses.dataclass
 class Stats:
+    """A decode's speculative-decoding figures, under vLLM's names: a draft is the K tokens one sequence's verify
+    step checks (K = 0: plain steps); accepted tokens are accepted drafts, without the bonus token each step adds."""
+
     steps: int = 0  # batched verify steps
-    seq_steps: int = 0  # sum over sequences of verify steps
-    accepted_tokens: int = 0  # sum over sequence-steps of (drafts accepted + 1)
-    proposed: np.ndarray | None = None  # [K] drafts proposed at each position
-    accepted: np.ndarray | None = None  # [K] drafts accepted at each position
+    num_drafts: int = 0  # verify steps summed over the sequences
+    num_accepted_tokens_per_pos: np.ndarray | None = None  # [K] drafts accepted at each position
 
     @property
-    def mean_accepted(self) -> float:
-        """Mean tokens per verify step (accepted drafts + the bonus)."""
-        return self.accepted_tokens / max(self.seq_steps, 1)
+    def num_accepted_tokens(self) -> int:
+        return int(self.num_accepted_tokens_per_pos.sum())
 
     @property
-    def acceptance_rate(self) -> list[float]:
-        return [float(a / p) if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+    def num_draft_tokens(self) -> int:
+        """Draft tokens verified: K per draft (a tree's depth: one path's)."""
+        return self.num_drafts * len(self.num_accepted_tokens_per_pos)
+
+    @property
+    def num_emitted_tokens(self) -> int:
+        """Tokens the verify steps emitted: the accepted drafts and each step's bonus token."""
+        return self.num_accepted_tokens + self.num_drafts
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean tokens per verify step of a sequence (accepted drafts + the bonus)."""
+        return self.num_emitted_tokens / max(self.num_drafts, 1)
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        """The share of the drafts accepted at each position."""
+        return [float(a / self.num_drafts) if self.num_drafts else 0.0 for a in self.num_accepted_tokens_per_pos]
 
     def __add__(self, other: Stats) -> Stats:
         """The figures of two decodes with the same nextn taken together."""
-        return Stats(self.steps + other.steps, self.seq_steps + other.seq_steps,
-                     self.accepted_tokens + other.accepted_tokens, self.proposed + other.proposed,
-                     self.accepted + other.accepted)
+        return Stats(self.steps + other.steps, self.num_drafts + other.num_drafts,
+                     self.num_accepted_tokens_per_pos + other.num_accepted_tokens_per_pos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +163,9 @@ def _active(st: State, seqs) -> list[Sequence]:
 # ------------------------------------------------------------------------------------------- steps
 def draft(backend: Backend, st: State, seqs, hidden: np.ndarray, start: np.ndarray, opts: DecodeOptions) -> None:
     """Fill st.drafts (and st.q_dist) for the active slots.  `hidden` [n, S, D] is the target's output for
-    rows start .. start+S-1; the last accepted position is q = main_len - 1 (main_len already advanced)."""
+    rows start .. start+S-1; the last accepted position is q = past_len - 1 (past_len already advanced)."""
     n, k = st.n, opts.nextn
-    q = st.main_len[:n] - 1
+    q = st.past_len[:n] - 1
     active = _active(st, seqs)
     logits = _samples(active)
     mtp_graphs = backend.manifest.mtp_graphs
@@ -160,19 +176,19 @@ def draft(backend: Backend, st: State, seqs, hidden: np.ndarray, start: np.ndarr
     for i, s in enumerate(active):
         toks[i, :rows[i]] = s.tokens[start[i] + 1: q[i] + 2]
     out = backend.mtp(0, mtp_graphs[0], n, hidden[:, :rows.max()], toks, start.astype(np.int32), logits=logits)
-    d, p = _pick(out, "draft_logits", "draft_tokens", rows - 1, active)
+    d, p = _pick(out, C.DRAFT_LOGITS, C.DRAFT_TOKENS, rows - 1, active)
     st.drafts[:n, 0] = d
     if qd is not None:
         qd.append(p)
     if backend.manifest.mtp_mode == "eagle":
-        st.mtp_len[:n, 0] = q + 1
-        h = out["hidden_out"][np.arange(n), rows - 1][:, None]
+        st.mtp_past_len[:n, 0] = q + 1
+        h = out[C.HIDDEN_OUT][np.arange(n), rows - 1][:, None]
         for depth in range(2, k + 1):
             out = backend.mtp(0, mtp_graphs[0], n, h, st.drafts[:n, depth - 2, None],
                               (q + depth - 1).astype(np.int32), logits=logits)
-            d, p = _pick(out, "draft_logits", "draft_tokens", np.zeros(n, int), active)
+            d, p = _pick(out, C.DRAFT_LOGITS, C.DRAFT_TOKENS, np.zeros(n, int), active)
             st.drafts[:n, depth - 1] = d
-            h = out["hidden_out"]
+            h = out[C.HIDDEN_OUT]
             if qd is not None:
                 qd.append(p)
     else:
@@ -190,14 +206,14 @@ def _draft_vanilla(backend, st, active, out1, start1, q, opts, qd) -> None:
     """Depths 2..K of vanilla mode (see the module docstring)."""
     n, k = st.n, opts.nextn
     if st.carry is None:
-        st.carry = np.zeros((len(st.order), k, out1["hidden_out"].shape[-1]), out1["hidden_out"].dtype)
-    st.mtp_len[:n, 0] = q + 1
+        st.carry = np.zeros((len(st.order), k, out1[C.HIDDEN_OUT].shape[-1]), out1[C.HIDDEN_OUT].dtype)
+    st.mtp_past_len[:n, 0] = q + 1
     prev_out, prev_start = out1, start1  # depth d-1's outputs cover rows prev_start .. q
     for depth in range(2, k + 1):
-        start = st.mtp_len[:n, depth - 1].copy()  # first uncommitted row of this depth
+        start = st.mtp_past_len[:n, depth - 1].copy()  # first uncommitted row of this depth
         rows = q - start + 1
         width = rows.max()
-        hid = np.zeros((n, width, prev_out["hidden_out"].shape[-1]), prev_out["hidden_out"].dtype)
+        hid = np.zeros((n, width, prev_out[C.HIDDEN_OUT].shape[-1]), prev_out[C.HIDDEN_OUT].dtype)
         toks = np.zeros((n, width), np.int32)
         for i, s in enumerate(active):
             for r in range(rows[i]):
@@ -205,18 +221,18 @@ def _draft_vanilla(backend, st, active, out1, start1, q, opts, qd) -> None:
                 pos = row + depth  # the token this row embeds: t_{row + depth}
                 toks[i, r] = s.tokens[pos] if pos <= q[i] + 1 else st.drafts[i, pos - q[i] - 2]
                 j = row - prev_start[i]
-                hid[i, r] = prev_out["hidden_out"][i, j] if j >= 0 else st.carry[i, depth - 1]
+                hid[i, r] = prev_out[C.HIDDEN_OUT][i, j] if j >= 0 else st.carry[i, depth - 1]
         out = backend.mtp(depth - 1, backend.manifest.mtp_graphs[depth - 1], n, hid, toks,
                           start.astype(np.int32), logits=qd is not None)
-        d, p = _pick(out, "draft_logits", "draft_tokens", rows - 1, active)
+        d, p = _pick(out, C.DRAFT_LOGITS, C.DRAFT_TOKENS, rows - 1, active)
         st.drafts[:n, depth - 1] = d
         if qd is not None:
             qd.append(p)
         # Commit rows up to q + 1 - depth; keep depth d-1's hidden at the next step's first row.  A prompt
         # shorter than the depth commits nothing yet: the window starts at row 0 (there is no row before it).
         new_start = np.maximum(q + 2 - depth, 0)
-        st.carry[np.arange(n), depth - 1] = prev_out["hidden_out"][np.arange(n), new_start - prev_start]
-        st.mtp_len[:n, depth - 1] = new_start
+        st.carry[np.arange(n), depth - 1] = prev_out[C.HIDDEN_OUT][np.arange(n), new_start - prev_start]
+        st.mtp_past_len[:n, depth - 1] = new_start
         prev_out, prev_start = out, start
 
 
@@ -228,62 +244,60 @@ def verify(backend: Backend, st: State, seqs, opts: DecodeOptions) -> tuple[np.n
     active = _active(st, seqs)
     ids = np.concatenate([st.last[:n, None], st.drafts[:n]], 1).astype(np.int32)
     before = st.thinking[:n].copy()
-    out = backend.target(n, ids, st.main_len[:n], before, opts.relaxed_topk, opts.relaxed_delta,
+    out = backend.target(n, ids, st.past_len[:n], before, opts.relaxed_topk, opts.relaxed_delta,
                          logits=_samples(active))
-    tokens, num = out["accepted_tokens"].copy(), out["num_accepted"].copy()
-    st.thinking[:n] = out["thinking_out"]
+    tokens, num = out[C.ACCEPTED_TOKENS].copy(), out[C.NUM_ACCEPTED].copy()
+    st.thinking[:n] = out[C.THINKING_OUT]
     for i, s in enumerate(active):
         if s.sampling.greedy:
             continue
-        p = probabilities(out["logits"][i:i + 1], s.sampling)
+        p = probabilities(out[C.LOGITS][i:i + 1], s.sampling)
         q = st.q_dist[i:i + 1] if st.q_dist is not None and opts.nextn else np.zeros((1, 0, p.shape[-1]))
         t, m = speculative_accept(p, q, st.drafts[i:i + 1], s.rng)
         tokens[i], num[i] = t[0], m[0]
         st.thinking[i] = thinking_after(t[0, :m[0] + 1], before[i], opts.think_ids)
-    return tokens, num, out["hidden_states"]
+    return tokens, num, out[C.HIDDEN_STATES]
 
 
 def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOptions, rows: int) -> None:
     """Greedy: verify, accept and draft in one backend call: the export's `step_K` graph, or with
     opts.tree_graph its tree graph (verify the tree, accept its longest path, commit it, draft the next tree:
     exporters/tree.py, exporters/tree_vanilla.py).  Vanilla passes and keeps the carried hidden states of
-    depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds rows < main_len + 1 - k, as after the
+    depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds rows < past_len + 1 - k, as after the
     separate graphs."""
     n, k, tree = st.n, opts.nextn, opts.tree_graph
     ids = np.concatenate([st.last[:n, None], (st.tree_tokens if tree else st.drafts)[:n]], 1).astype(np.int32)
     carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
-    rest = (st.main_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
+    rest = (st.past_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
     out = backend.tree_step(tree, n, ids, st.tree_parents[:n], *rest) if tree else backend.step(n, ids, *rest)
-    st.thinking[:n] = out["thinking_out"]
-    accept(st, seqs, out["accepted_tokens"], out["num_accepted"], stats, opts, rows)
+    st.thinking[:n] = out[C.THINKING_OUT]
+    accept(st, seqs, out[C.ACCEPTED_TOKENS], out[C.NUM_ACCEPTED], stats, opts, rows)
     if not k:
         return
     if tree:
-        st.tree_tokens[:n], st.tree_parents[:n] = out["tree_tokens"], out["tree_parents_out"]
+        st.tree_tokens[:n], st.tree_parents[:n] = out[C.TREE_TOKENS], out[C.TREE_PARENTS_OUT]
     else:
-        st.drafts[:n] = out["drafts"]
-        st.mtp_len[:n] = st.main_len[:n, None] + 1 - np.arange(1, st.mtp_len.shape[1] + 1)
-    if "carry_out" in out:
-        st.carry[:n, 1:] = out["carry_out"]
+        st.drafts[:n] = out[C.DRAFTS]
+        st.mtp_past_len[:n] = st.past_len[:n, None] + 1 - np.arange(1, st.mtp_past_len.shape[1] + 1)
+    if C.CARRY_OUT in out:
+        st.carry[:n, 1:] = out[C.CARRY_OUT]
     for i, s in enumerate(_active(st, seqs)):
         if s.finish_reason is None:  # a tree step logs its tokens, then its parents
             drafts = st.tree_tokens[i].tolist() + st.tree_parents[i].tolist() if tree else st.drafts[i].tolist()
-            s.draft_log.append((int(st.main_len[i]) - 1, drafts))
+            s.draft_log.append((int(st.past_len[i]) - 1, drafts))
 
 
 def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, opts: DecodeOptions,
            rows: int) -> np.ndarray:
     """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions.
-    Returns the start rows of this step (the old main_len) for the MTP depth-1 update."""
+    Returns the start rows of this step (the old past_len) for the MTP depth-1 update."""
     n = st.n
-    start = st.main_len[:n].copy()
-    st.main_len[:n] += num + 1
+    start = st.past_len[:n].copy()
+    st.past_len[:n] += num + 1
     st.last[:n] = tokens[np.arange(n), num]
     stats.steps += 1
-    stats.seq_steps += n
-    stats.accepted_tokens += int((num + 1).sum())
-    stats.proposed += n
-    stats.accepted += (num[:, None] > np.arange(opts.nextn)).sum(0)
+    stats.num_drafts += n
+    stats.num_accepted_tokens_per_pos += (num[:, None] > np.arange(opts.nextn)).sum(0)
     for i, s in enumerate(_active(st, seqs)):
         s.steps += 1
         new = tokens[i, :num[i] + 1].tolist()
@@ -295,7 +309,7 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
                 break
         if s.finish_reason is None and len(s.generated) >= s.max_new_tokens:
             s.finish_reason = "length"
-        if s.finish_reason is None and st.main_len[i] + 2 * opts.nextn + 2 > rows:
+        if s.finish_reason is None and st.past_len[i] + 2 * opts.nextn + 2 > rows:
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
     return start
 
@@ -305,7 +319,7 @@ def _swap(backend: Backend, st: State, i: int, j: int, *extra: np.ndarray) -> No
     if i == j:
         return
     backend.swap_slots(i, j)
-    for arr in (st.order, st.main_len, st.last, st.thinking, st.drafts, st.mtp_len, st.q_dist, st.carry,
+    for arr in (st.order, st.past_len, st.last, st.thinking, st.drafts, st.mtp_past_len, st.q_dist, st.carry,
                 st.tree_tokens, st.tree_parents, *extra):
         if arr is not None:
             arr[[i, j]] = arr[[j, i]]
@@ -371,11 +385,11 @@ def open_batch(backend: Backend, opts: DecodeOptions, capacity: int, rows: int, 
     k = opts.nextn
     depths = 1 if backend.manifest.mtp_mode == "eagle" else max(k, 1)
     zeros = lambda *shape: np.zeros((capacity, *shape), np.int32)  # noqa: E731
-    st = State(order=np.full(capacity, -1, np.int64), n=0, main_len=zeros(), last=zeros(), thinking=zeros(),
-               drafts=zeros(k), q_dist=None, mtp_len=zeros(depths), carry=None)
+    st = State(order=np.full(capacity, -1, np.int64), n=0, past_len=zeros(), last=zeros(), thinking=zeros(),
+               drafts=zeros(k), q_dist=None, mtp_past_len=zeros(depths), carry=None)
     if opts.tree_graph:
         st.tree_tokens, st.tree_parents = zeros(opts.tree.budget), zeros(opts.tree.budget)
-    stats = Stats(proposed=np.zeros(k, np.int64), accepted=np.zeros(k, np.int64))
+    stats = Stats(num_accepted_tokens_per_pos=np.zeros(k, np.int64))
     return Batch(st, {}, stats, opts, rows)
 
 
@@ -417,10 +431,10 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     for i, s in enumerate(seqs):
         take = min(width, lens[i] - j.done[i])
         if take > 0:
-            j.hidden[i].append(out["hidden_states"][i, :take])
+            j.hidden[i].append(out[C.HIDDEN_STATES][i, :take])
         if ends[i]:
-            row = {key: out[key][i:i + 1] for key in ("target_tokens", "logits") if key in out}
-            j.last[i] = _pick(row, "logits", "target_tokens", np.array([take - 1]), [s])[0][0]
+            row = {key: out[key][i:i + 1] for key in (C.TARGET_TOKENS, C.LOGITS) if key in out}
+            j.last[i] = _pick(row, C.LOGITS, C.TARGET_TOKENS, np.array([take - 1]), [s])[0][0]
     j.done = np.minimum(j.done + width, lens)
     joined = bool((j.done == lens).all())
     if joined:
@@ -442,7 +456,7 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
     the first drafts, the first stop conditions."""
     st, opts, j = batch.st, batch.opts, batch.joining
     m = len(seqs)
-    st.main_len[:m], st.last[:m], st.mtp_len[:m] = lens, j.last, 0
+    st.past_len[:m], st.last[:m], st.mtp_past_len[:m] = lens, j.last, 0
     st.thinking[:m] = [thinking_after([t], f, opts.think_ids) for t, f in zip(j.last.tolist(), thinking)]
     for s, t in zip(seqs, j.last.tolist()):
         s.tokens.append(t)
@@ -473,8 +487,8 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     if not st.n:
         return
     greedy = not _samples(_active(st, seqs))
-    # vanilla's step and tree graphs need every depth's window to start at row >= 0 (main_len >= K - 1)
-    early = backend.manifest.mtp_mode == "vanilla" and st.main_len[:st.n].min() < opts.nextn - 1
+    # vanilla's step and tree graphs need every depth's window to start at row >= 0 (past_len >= K - 1)
+    early = backend.manifest.mtp_mode == "vanilla" and st.past_len[:st.n].min() < opts.nextn - 1
     if greedy and not early and (opts.tree_graph or backend.has_step(opts.nextn)):
         fused_step(backend, st, seqs, batch.stats, opts, batch.rows)
         if on_accept:

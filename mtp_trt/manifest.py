@@ -13,7 +13,6 @@ they had, in `cache_dir("verified")`; later calls re-hash only files whose stat 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mtp_trt.config import ModelConfig
+from mtp_trt.contract import DTYPES, TARGET, TENSOR_DTYPES, mtp_graph, step_graph
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import FILE_NAME, SHA256, Int, Map, OneOf, Opt, cache_dir, check_fields, parse_json, read_json, \
     write_atomic
@@ -32,13 +32,11 @@ FORMAT_VERSION = 1
 # revisions", says what each changed), so exports cached by `mtp-trt run` are redone rather than reused.
 EXPORTER_REVISION = 19
 MTP_MODES = ("eagle", "vanilla")
-DTYPES = ("fp32", "fp16", "bf16")
-NUMPY_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int32": "int32", "int64": "int64"}
 MANIFEST_DIGEST = "manifest_sha256"  # the manifest's own digest (seal): every field that decides the output
 
 # Every field of manifest.json the runtime reads, with its type (fsutil.check_fields); the config is checked by
 # ModelConfig, the relations between fields by _check_consistency.
-TENSOR_SCHEMA = {"name": str, "dtype": OneOf(*NUMPY_DTYPES), "shape": [object]}
+TENSOR_SCHEMA = {"name": str, "dtype": OneOf(*TENSOR_DTYPES), "shape": [object]}
 GRAPH_SCHEMA = {"file": FILE_NAME, "sha256": SHA256, "inputs": [TENSOR_SCHEMA], "outputs": [TENSOR_SCHEMA],
                 "kv_inputs": [str], "kv_outputs": [str], "commits?": Map(str)}
 TABLE_ROW = [str, Int(0), Int(0), Int(0), [Int(0)]]  # name, offset, bytes, ONNX data type, dims
@@ -161,7 +159,7 @@ def verify_export(manifest: Manifest, force: bool = False) -> dict:
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     name: str
-    dtype: str  # fp32 | fp16 | bf16 | int32
+    dtype: str  # one of contract.TENSOR_DTYPES
     shape: list[int | str]  # symbolic dims by name: B, S, T, ...
 
 
@@ -186,32 +184,6 @@ class GraphSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheSlot:
-    """Where a graph's cache input lives: persistent cache `family` (target | mtp0 | mtp1 ...), buffer `index`
-    of it, and the row offset of the graph's window from past_len (vanilla step depth j + 1: -j)."""
-
-    family: str
-    index: int
-    offset: int = 0
-
-
-@functools.cache
-def cache_slot(name: str, mtp_family: str = "mtp0") -> CacheSlot:
-    """kv_i -> target[i]; kv (an MTP graph's own cache) -> `mtp_family`; mtp_kv -> mtp0 (eagle step);
-    mtp_kv_j -> mtp{j} at offset -j (vanilla step: depth j + 1's window starts j rows earlier)."""
-    if name == "kv":
-        return CacheSlot(mtp_family, 0)
-    if name == "mtp_kv":
-        return CacheSlot("mtp0", 0)
-    if name.startswith("mtp_kv_"):
-        j = int(name.removeprefix("mtp_kv_"))
-        return CacheSlot(f"mtp{j}", 0, -j)
-    if name.startswith("kv_"):
-        return CacheSlot("target", int(name.removeprefix("kv_")))
-    raise MtpTrtError(f"{name!r} is not a cache input of the graph contract (kv_i, kv, mtp_kv, mtp_kv_j)")
-
-
-@dataclasses.dataclass(frozen=True)
 class Manifest:
     root: Path
     raw: dict[str, Any]
@@ -230,7 +202,7 @@ class Manifest:
     @property
     def mtp_graphs(self) -> list[str]:
         """Graph used for each draft depth: eagle reuses mtp_0 K times, vanilla uses mtp_k at depth k."""
-        return ["mtp_0" if self.mtp_mode == "eagle" else f"mtp_{k}" for k in range(self.nextn)]
+        return [mtp_graph(0 if self.mtp_mode == "eagle" else k) for k in range(self.nextn)]
 
     @classmethod
     def load(cls, root: str | Path, verify_hashes: bool = False) -> Manifest:
@@ -292,7 +264,7 @@ def _check_consistency(path: Path, m: Manifest) -> None:
                                  f"{m.config.max_position_embeddings}")
     if m.nextn >= len(m.graphs):  # at least target and step_0..step_nextn
         raise bad("nextn", f"is {m.nextn}, but only {len(m.graphs)} graphs are listed")
-    need = ["target", *dict.fromkeys(m.mtp_graphs), *(f"step_{n}" for n in range(m.nextn + 1))]
+    need = [TARGET, *dict.fromkeys(m.mtp_graphs), *(step_graph(n) for n in range(m.nextn + 1))]
     missing = [g for g in need if g not in m.graphs]
     if missing:
         raise bad("nextn", f"is {m.nextn} ({m.mtp_mode}), but graph(s) {', '.join(missing)} are not listed")

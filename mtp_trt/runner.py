@@ -192,9 +192,10 @@ class RunReport:
     def summary(self) -> dict:
         return {"new_tokens": self.new_tokens, "seconds": round(self.seconds, 4),
                 "tokens_per_second": round(self.tokens_per_second, 2), "nextn": self.nextn,
-                "tree": self.tree, "steps": self.stats.steps,
-                "mean_accepted_tokens_per_step": round(self.stats.mean_accepted, 4),
-                "acceptance_rate_per_position": [round(a, 4) for a in self.stats.acceptance_rate]}
+                "tree": self.tree, "steps": self.stats.steps, "num_drafts": self.stats.num_drafts,
+                "num_draft_tokens": self.stats.num_draft_tokens, "num_accepted_tokens": self.stats.num_accepted_tokens,
+                "mean_acceptance_length": round(self.stats.mean_acceptance_length, 4),
+                "acceptance_rate_per_pos": [round(a, 4) for a in self.stats.acceptance_rate_per_pos]}
 
 
 class Runner:

@@ -61,9 +61,9 @@ class EngineFigures:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict = dataclasses.field(default_factory=dict)  # finish reason -> requests
-    drafts: int = 0  # sequence-steps that verified drafts
-    draft_tokens: int = 0
-    accepted_per_pos: np.ndarray | None = None
+    num_drafts: int = 0  # verify steps of a sequence with drafts (decode.Stats)
+    num_draft_tokens: int = 0
+    num_accepted_tokens_per_pos: np.ndarray | None = None
     recent: deque = dataclasses.field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) per step
 
 
@@ -96,7 +96,7 @@ class Engine:
         self.admitting = True
         self.stopping = False
         self.outbox: dict[asyncio.AbstractEventLoop, list] = {}  # this round's events, by the loop they go to
-        self.figures = EngineFigures(accepted_per_pos=np.zeros(opts.nextn, np.int64))
+        self.figures = EngineFigures(num_accepted_tokens_per_pos=np.zeros(opts.nextn, np.int64))
         self.thread = threading.Thread(target=self._loop, name="mtp-trt-engine", daemon=True)
 
     # ------------------------------------------------------------------ called from any thread
@@ -210,7 +210,7 @@ class Engine:
             self.figures.prompt_tokens += sum(len(r.seq.prompt) for r in new)
         if batch.joining:
             prefill_chunk(backend, batch, self.chunk)
-        before = (batch.stats.seq_steps, batch.stats.accepted.copy())
+        before = (batch.stats.num_drafts, batch.stats.num_draft_tokens, batch.stats.num_accepted_tokens_per_pos.copy())
         if batch.st.n:
             step(backend, batch, self._stop_strings)
         self._count_drafts(*before)
@@ -231,12 +231,12 @@ class Engine:
         if hit and r.seq.finish_reason is None:
             r.seq.finish_reason = "stop"
 
-    def _count_drafts(self, seq_steps: int, accepted: np.ndarray) -> None:
+    def _count_drafts(self, drafts: int, draft_tokens: int, accepted_per_pos: np.ndarray) -> None:
         s, f = self.batch.stats, self.figures
         if self.opts.nextn:
-            f.drafts += s.seq_steps - seq_steps
-            f.draft_tokens += (s.seq_steps - seq_steps) * self.opts.nextn
-            f.accepted_per_pos += s.accepted - accepted
+            f.num_drafts += s.num_drafts - drafts
+            f.num_draft_tokens += s.num_draft_tokens - draft_tokens
+            f.num_accepted_tokens_per_pos += s.num_accepted_tokens_per_pos - accepted_per_pos
 
     def _events(self) -> None:
         """Send each request its new text; end the finished ones and let them go."""

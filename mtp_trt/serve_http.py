@@ -352,7 +352,7 @@ def _mtp(r) -> dict:
     """A request's MTP figures: verify steps, and tokens per step (accepted drafts + the bonus)."""
     steps = r.seq.steps
     per_step = (len(r.seq.generated) - 1) / steps if steps else 0.0  # the first token comes from the prefill
-    return {"steps": steps, "mean_accepted_tokens_per_step": round(per_step, 4)}
+    return {"steps": steps, "mean_acceptance_length": round(per_step, 4)}
 
 
 class _Collector:
@@ -381,13 +381,13 @@ class _Collector:
         yield success
         yield one(self.gauge, "mtp_trt:generation_tokens_per_second", "Tokens generated per second, last 10 s.",
                   e.tokens_per_second())
-        yield one(self.counter, "vllm:spec_decode_num_drafts", "Verify steps of a sequence with drafts.", f.drafts)
-        yield one(self.counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", f.draft_tokens)
+        yield one(self.counter, "vllm:spec_decode_num_drafts", "Verify steps of a sequence with drafts.", f.num_drafts)
+        yield one(self.counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", f.num_draft_tokens)
         yield one(self.counter, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                  int(f.accepted_per_pos.sum()))
+                  int(f.num_accepted_tokens_per_pos.sum()))
         per_pos = self.counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
                                labels=["model_name", "position"])
-        for pos, count in enumerate(f.accepted_per_pos.tolist()):
+        for pos, count in enumerate(f.num_accepted_tokens_per_pos.tolist()):
             per_pos.add_metric([self.model_id, str(pos)], count)
         yield per_pos
 

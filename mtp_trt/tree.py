@@ -14,6 +14,7 @@ import re
 import numpy as np
 
 from mtp_trt.config import MAX_NEXTN
+from mtp_trt.contract import tree_dims, tree_graph
 from mtp_trt.errors import MtpTrtError
 
 
@@ -25,7 +26,7 @@ class TreeShape:
 
     @property
     def graph(self) -> str:
-        return f"tree_{self.depth}_{self.topk}_{self.budget}"
+        return tree_graph(self.depth, self.topk, self.budget)
 
     @property
     def spec(self) -> str:
@@ -39,8 +40,7 @@ class TreeShape:
 
 def tree_spec(graph: str) -> str:
     """DEPTH:TOPK:BUDGET of tree graph `graph` (TreeShape.graph's inverse), as --trees takes it."""
-    depth, topk, budget = graph.removeprefix("tree_").split("_")
-    return f"{depth}:{topk}:{budget}"
+    return "{}:{}:{}".format(*tree_dims(graph))
 
 
 # The trees an export carries by default, in either mode (each one step graph), as DEPTH:TOPK:BUDGET; chosen by

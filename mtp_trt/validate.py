@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+from mtp_trt.contract import BY_SAFETENSORS
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import Int, Map, check_fields, parse_json, read_json
 
@@ -178,8 +179,7 @@ def merge_spec_config(spec, source: Path, nextn: int | None, mtp_mode: str | Non
 
 
 # ------------------------------------------------------------------------------ checkpoint files
-ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-               "I8": 1, "U8": 1, "BOOL": 1}
+ST_ITEMSIZE = {name: d.itemsize for name, d in BY_SAFETENSORS.items()}
 ST_ENTRY = {"dtype": str, "shape": [Int(0)], "data_offsets": [Int(0), Int(0)]}
 
 

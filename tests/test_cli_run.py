@@ -46,8 +46,8 @@ def test_run_json_batch_and_nextn_zero_agree(ckpt, tmp_path):
     assert [x["prompt"] for x in runs[2]["results"]] == ["import os", "def f(x):", "class A:"]
     assert [x["tokens"] for x in runs[0]["results"]] == [x["tokens"] for x in runs[2]["results"]]
     s = runs[2]["summary"]
-    assert s["new_tokens"] == 48 and s["nextn"] == 2 and len(s["acceptance_rate_per_position"]) == 2
-    assert s["mean_accepted_tokens_per_step"] > 1
+    assert s["new_tokens"] == 48 and s["nextn"] == 2 and len(s["acceptance_rate_per_pos"]) == 2
+    assert s["mean_acceptance_length"] > 1
 
 
 def test_run_with_speculative_configs(ckpt, tmp_path):
@@ -104,7 +104,7 @@ def test_bench_times_every_configuration_and_writes_json_and_plot(ckpt, tmp_path
         [(m, b, n, "") for m in ("eagle", "vanilla") for b in (1, 2) for n in range(3)]
         + [(m, b, 2, "2:2:4") for m in ("eagle", "vanilla") for b in (1, 2)])  # the default tree up to depth 2
     assert all(x["same_tokens_as_nextn0"] and x["tokens_per_second"] > 0 for x in mine)
-    assert all(1 <= x["mean_accepted"] <= x["nextn"] + 1 for x in mine)
+    assert all(1 <= x["mean_acceptance_length"] <= x["nextn"] + 1 for x in mine)
     assert {x["batch"] for x in data["runs"] if x["engine"] == "transformers.generate"} == {1, 2}
     assert len(data["summary"]) == 4 and all(s["nextn0_over_transformers"] > 0 for s in data["summary"])
     assert {s["mode"]: s.get("best_tree") for s in data["summary"]} == {"eagle": "2:2:4", "vanilla": "2:2:4"}
@@ -118,12 +118,12 @@ def test_bench_summary_judges_the_fastest_drafting_nextn():
 
     def row(nextn, tps, accepted):
         return {"engine": "mtp-trt/onnxruntime", "mode": "vanilla", "batch": 8, "nextn": nextn,
-                "tokens_per_second": tps, "mean_accepted": accepted}
+                "tokens_per_second": tps, "mean_acceptance_length": accepted}
     rows = [row(0, 100.0, 1.0), row(1, 90.0, 1.8), row(2, 80.0, 2.4),
             {"engine": "transformers.generate", "mode": "-", "batch": 8, "nextn": 0, "tokens_per_second": 20.0}]
     (s,) = summarize(rows)
     assert (s["best_nextn"], s["nextn0_over_transformers"]) == (1, 5.0)
-    assert s["speedup_over_nextn0"] == pytest.approx(0.9) and s["speedup_over_mean_accepted"] == pytest.approx(0.5)
+    assert s["speedup_over_nextn0"] == pytest.approx(0.9) and s["speedup_over_mean_acceptance_length"] == pytest.approx(0.5)
     assert s["step_cost_over_plain_step"] == pytest.approx(2.0)  # a step of nextn 1 costs two plain steps
 
 
@@ -132,13 +132,13 @@ def test_bench_summary_sets_the_best_tree_against_the_chains():
 
     def row(nextn, tps, accepted, tree=None):
         return {"engine": "mtp-trt/onnxruntime", "mode": "eagle", "batch": 1, "nextn": nextn, "tree": tree,
-                "tokens_per_second": tps, "mean_accepted": accepted}
+                "tokens_per_second": tps, "mean_acceptance_length": accepted}
     rows = [row(0, 100.0, 1.0), row(1, 120.0, 1.8), row(3, 110.0, 2.8), row(3, 132.0, 3.3, "3:2:6"),
             row(3, 125.0, 3.4, "3:3:8")]
     (s,) = summarize(rows)
     assert (s["best_nextn"], s["best_tree"]) == (1, "3:2:6")  # the chains' best is judged without the trees
     assert s["tree_over_best_chain"] == pytest.approx(1.1) and s["tree_speedup_over_nextn0"] == pytest.approx(1.32)
-    assert s["tree_accepted_over_chain_same_depth"] == pytest.approx(0.5)  # against nextn 3's chain
+    assert s["tree_acceptance_length_over_chain_same_depth"] == pytest.approx(0.5)  # against nextn 3's chain
 
 
 def test_bench_ratios_pair_the_runs_of_each_round():

@@ -41,8 +41,8 @@ def test_greedy_mtp_equals_plain_greedy(setup, mode, nextn):
     seqs, stats = generate(backends[mode], PROMPTS, DecodeOptions(nextn=nextn, max_new_tokens=NEW, eos_ids=(EOS,)))
     assert [s.generated for s in seqs] == reference
     if nextn:
-        assert 1.3 < stats.mean_accepted < nextn + 1, "drafts must be partly accepted for this test to bite"
-        assert 0 < stats.acceptance_rate[0] < 1
+        assert 1.3 < stats.mean_acceptance_length < nextn + 1, "drafts must be partly accepted for this test to bite"
+        assert 0 < stats.acceptance_rate_per_pos[0] < 1
 
 
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
@@ -82,7 +82,7 @@ def test_wrong_drafter_still_gives_greedy_output(setup, mode):
     seqs, stats = generate(RandomDrafts(backends[mode]), PROMPTS, DecodeOptions(nextn=K, max_new_tokens=NEW,
                                                                                  eos_ids=(EOS,)))
     assert [s.generated for s in seqs] == reference
-    assert stats.mean_accepted < 1.2, "random drafts should be rejected (and rewound) on nearly every step"
+    assert stats.mean_acceptance_length < 1.2, "random drafts should be rejected (and rewound) on nearly every step"
 
 
 class _NoStep:
@@ -164,9 +164,9 @@ def test_relaxed_acceptance_follows_the_thinking_flag(setup):
     seqs, stats = generate(be, [open_], relaxed)
     generated = seqs[0].generated
     if THINK[1] not in generated:
-        assert stats.mean_accepted == K + 1, "every draft is accepted while thinking"
+        assert stats.mean_acceptance_length == K + 1, "every draft is accepted while thinking"
     else:  # the flag switched off at </think>: from there on acceptance is strict again
-        assert stats.mean_accepted > 1
+        assert stats.mean_acceptance_length > 1
 
 
 def test_thinking_flag_switches_off_at_end_token(setup):
@@ -177,7 +177,7 @@ def test_thinking_flag_switches_off_at_end_token(setup):
                                          think_ids=THINK))
     s = seqs[0]
     assert THINK[1] in s.generated
-    assert stats.mean_accepted < K + 1, "after </think> not every (wrong) draft may be accepted"
+    assert stats.mean_acceptance_length < K + 1, "after </think> not every (wrong) draft may be accepted"
 
 
 class _ForceEndThink(RandomDrafts):

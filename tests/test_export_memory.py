@@ -18,6 +18,7 @@ import onnx
 import pytest
 import torch
 
+from mtp_trt import contract as C
 from mtp_trt.exporters.export import export
 from mtp_trt.exporters.streaming import fold_graph
 from mtp_trt.manifest import Manifest
@@ -103,7 +104,7 @@ def test_experts_are_read_one_at_a_time(tmp_path):
     cfg = ModelConfig.from_file(ckpt / "config.json")
     model, params, read = export_mod._placeholders(ckpt, cfg, 0, torch.float32, 64)
     graph = export_mod.configure(TargetGraph(model, "onnx"), None, True).eval()
-    traced = export_mod._trace(graph, export_mod.target_io(cfg, "fp32", "onnx"), cfg, torch.float32, "onnx")
+    traced = export_mod._trace(graph, C.target_io(cfg, "fp32", "onnx"), cfg, torch.float32, "onnx")
     _, values = fold_graph(traced, params)
     moe = next(n for n in traced.graph.node if n.op_type == "MoE")
     for name in moe.input[3:5]:  # fc1 [E, 2I, D] (gate/up interleaved), fc2 [E, D, I]
@@ -126,7 +127,7 @@ def test_streamed_initializers_equal_torchs_own_folding(tmp_path):
     out = export(ckpt, tmp_path / "out", nextn=1, max_seq_len=32)
     streamed = onnx.load(str(out / "target.onnx"))  # external data resolved from weights.bin
     cfg_model = load_checkpoint(ckpt, nextn=1, max_positions=32)
-    io = export_mod.target_io(cfg_model.cfg, "fp32", "onnx")
+    io = C.target_io(cfg_model.cfg, "fp32", "onnx")
     args = tuple(export_mod._example(s, cfg_model.cfg, torch.float32) for s in io[0])
     axes = {s["name"]: {i: d for i, d in enumerate(s["shape"]) if isinstance(d, str)} for s in io[0] + io[1]}
     ref_path = tmp_path / "ref.onnx"

@@ -223,7 +223,7 @@ def test_stop_seed_and_mtp_figures(server, demo):
     assert alone.results[0].text == a  # `mtp-trt run --seed 3` draws the same
     r = call(server.url, "POST", "/v1/completions", {"model": "demo-chat", "prompt": PROMPTS[2], "max_tokens": NEW,
                                                      "temperature": 0, "mtp_stats": True}).json()
-    assert 0 < r["mtp"]["steps"] < NEW - 1 and r["mtp"]["mean_accepted_tokens_per_step"] > 1
+    assert 0 < r["mtp"]["steps"] < NEW - 1 and r["mtp"]["mean_acceptance_length"] > 1
 
 
 def test_cancelled_stream_leaves_the_others_intact(server):

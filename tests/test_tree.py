@@ -46,7 +46,7 @@ def check_greedy_tree(be, prompts, reference, tree: TreeShape, options) -> None:
     batch (both modes' tests)."""
     seqs, stats = generate(be, prompts, options(tree))
     assert [s.generated for s in seqs] == reference
-    assert 1.3 < stats.mean_accepted <= tree.depth + 1, "trees must be partly accepted for this test to bite"
+    assert 1.3 < stats.mean_acceptance_length <= tree.depth + 1, "trees must be partly accepted for this test to bite"
     alone, _ = generate(be, [prompts[1]], options(tree))  # the batch does not change a sequence's output
     assert alone[0].generated == reference[1]
 
@@ -55,7 +55,7 @@ def check_accepts_more(be, options) -> None:
     """A 3:3:12 tree accepts more tokens per step than the chain of depth 3 (both modes' tests)."""
     _, chain = generate(be, PROMPTS, options(None))
     _, tree = generate(be, PROMPTS, options(TreeShape(3, 3, 12)))
-    assert tree.mean_accepted > chain.mean_accepted
+    assert tree.mean_acceptance_length > chain.mean_acceptance_length
 
 
 @pytest.mark.parametrize("spec", TREES.split(","))
@@ -89,7 +89,7 @@ def test_random_trees_are_lossless(setup):
     _, be, reference = setup
     seqs, stats = generate(RandomTrees(be), PROMPTS, opts(TreeShape(3, 3, 12)))
     assert [s.generated for s in seqs] == reference
-    assert stats.mean_accepted < 1.3, "random trees should be rejected on nearly every step"
+    assert stats.mean_acceptance_length < 1.3, "random trees should be rejected on nearly every step"
 
 
 class PlantedTrees(RandomTrees):
@@ -120,7 +120,7 @@ def test_tree_step_finds_the_correct_path_anywhere(setup):
     _, be, reference = setup
     seqs, stats = generate(PlantedTrees(be, PROMPTS[0] + reference[0]), PROMPTS[:1], opts(TreeShape(3, 3, 12)))
     assert seqs[0].generated == reference[0]
-    assert stats.mean_accepted > 1.5
+    assert stats.mean_acceptance_length > 1.5
 
 
 # ------------------------------------------------------------------ the verify graph, node by node
@@ -410,7 +410,7 @@ def test_demo_tree_decoding_equals_transformers_generate(tmp_path, mode):
     seqs, tree = generate(runner.backend, ids, runner.options(3, tree_topk=3, max_new_tokens=new))
     assert [s.generated for s in seqs] == want
     _, chain = generate(runner.backend, ids, runner.options(3, max_new_tokens=new))
-    assert tree.mean_accepted > chain.mean_accepted
+    assert tree.mean_acceptance_length > chain.mean_acceptance_length
 
 
 @pytest.mark.parametrize("shape", [TreeShape(2, 2, 4), TreeShape(3, 3, 8), TreeShape(16, 16, 128), TreeShape(12, 10, 99)])

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mtp_trt.backend import OrtBackend
+from mtp_trt.backend import OrtBackend, chunks
+from mtp_trt.contract import CacheSlot, cache_slot
 from mtp_trt.cli import app
 from mtp_trt.decode import DecodeOptions, Sequence, generate, sequence_rng
 from mtp_trt.errors import MtpTrtError
@@ -83,7 +84,7 @@ def test_greedy_decode_equals_onnxruntime(setup, greedy, lowering, graphs):
         got, stats = _tokens(backend, PROMPTS, _opts(n))
         assert got == want[n], f"nextn {n}"
         if n:
-            assert stats.mean_accepted > 1
+            assert stats.mean_acceptance_length > 1
         launches = backend.device.counts["graph_launches"]
         assert (launches > 0) == graphs, "the fused steps replay captured graphs exactly when asked"
 
@@ -104,7 +105,7 @@ def test_tree_decoding_equals_onnxruntime(setup, greedy, lowering):
     for graphs in (True, False):
         backend = fake_backend(engines[lowering], ref, cuda_graphs=graphs)
         seqs, stats = generate(backend, PROMPTS, opts)
-        assert [s.generated for s in seqs] == greedy[0] and stats.mean_accepted > 1
+        assert [s.generated for s in seqs] == greedy[0] and stats.mean_acceptance_length > 1
         assert [s.draft_log for s in seqs] == trees  # the same trees: every MTP cache row where ONNX Runtime has it
         assert (backend.device.counts["graph_launches"] > 0) == graphs
         assert backend.kernels.calls > 0  # the path's rows were committed by the runtime
@@ -140,7 +141,7 @@ def test_forced_rejections_rewind(setup, greedy):
     backend.step = scrambled
     got, stats = _tokens(backend, PROMPTS, _opts(K))
     assert got == greedy[0]
-    assert stats.mean_accepted < 1.5
+    assert stats.mean_acceptance_length < 1.5
 
 
 def test_a_decode_step_allocates_nothing_and_copies_no_cache(setup):
@@ -217,11 +218,11 @@ def test_planning_from_real_engine_directories(setup):
 
 
 def test_plan_helpers():
-    assert plan.cache_slot("kv_3") == plan.CacheSlot("target", 3)
-    assert plan.cache_slot("mtp_kv") == plan.CacheSlot("mtp0", 0)
-    assert plan.cache_slot("mtp_kv_2") == plan.CacheSlot("mtp2", 0, -2)
-    assert plan.cache_slot("kv", "mtp1") == plan.CacheSlot("mtp1", 0)
-    assert plan.chunks(11, 8) == [(0, 8), (8, 3)] and plan.chunks(8, 8) == [(0, 8)]
+    assert cache_slot("kv_3") == CacheSlot("target", 3)
+    assert cache_slot("mtp_kv") == CacheSlot("mtp0", 0)
+    assert cache_slot("mtp_kv_2") == CacheSlot("mtp2", 0, -2)
+    assert cache_slot("kv", "mtp1") == CacheSlot("mtp1", 0)
+    assert chunks(11, 8) == [(0, 8), (8, 3)] and chunks(8, 8) == [(0, 8)]
     assert "1.00 GiB" in plan.memory_problem(2 ** 30, 2 ** 29) and plan.memory_problem(1, 2) is None
 
 
@@ -369,10 +370,10 @@ def test_pinned_memory_only_for_outputs_read(setup):
         backend.prepare(K, greedy)
         backend.allocate(4, 64)
         assert ("logits" in backend.host_at["target"]) != greedy
-        logits = 4 * backend.s_max * vocab * 4
+        logits = 4 * backend.max_s * vocab * 4
         assert (backend.out_host.nbytes < logits) == greedy
         ios = list(backend.ios.values())
-        assert backend.device.memory[backend.out_dev].nbytes == plan.output_layout(ios, 4, 64, backend.s_max)[1]
+        assert backend.device.memory[backend.out_dev].nbytes == plan.output_layout(ios, 4, 64, backend.max_s)[1]
     seqs, _ = generate(backend, PROMPTS, _opts(K, sampling=SamplingParams(temperature=0.9)))  # still allocated
     assert all(s.generated for s in seqs)
 

@@ -12,12 +12,13 @@ import ctypes
 
 import numpy as np
 
+from mtp_trt import contract as C
+from mtp_trt.contract import cache_slot
 from mtp_trt.manifest import Manifest
 from mtp_trt.plugins import ort_lib
 from mtp_trt.trt import plan
 from mtp_trt.trt.runtime import EngineLoader
 
-NP = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32}
 
 
 def view(ptr: int, shape, dtype) -> np.ndarray:
@@ -99,7 +100,7 @@ class HostKernels:
     """mtp_mla_kv_commit on host memory: cache[b, len[b] + s] = rows[b, s] (rows past the buffer skipped)."""
 
     def __init__(self, device: HostDevice, dtype: str):
-        self.device, self.dtype, self.calls = device, NP[dtype], 0
+        self.device, self.dtype, self.calls = device, C.dtype(dtype).host, 0
 
     def mla_kv_commit(self, dtype, kv_cache, cache_len, new_rows, B, S, D, T_max, stream=0):
         self.calls += 1
@@ -163,7 +164,7 @@ class FakeEngine:
 
     def run(self, shapes: dict, addresses: dict) -> None:
         specs = self.io.specs
-        feed = {n: view(addresses[n], shapes[n], NP[specs[n].dtype]).copy() for n in shapes}
+        feed = {n: view(addresses[n], shapes[n], C.dtype(specs[n].dtype).host).copy() for n in shapes}
         names = [o.name for o in self.session.get_outputs()]
         out = dict(zip(names, self.session.run(names, feed)))
         for name, value in out.items():
@@ -172,13 +173,13 @@ class FakeEngine:
         if self.lowering == "plugin":  # the attention plugin's in-place writes
             for cache, new in zip(self.ref.kv_inputs, self.ref.kv_outputs):
                 assert addresses[cache + "_out"] == addresses[cache], "aliased output not bound to its input"
-                start = feed["past_len"] + plan.cache_slot(cache).offset
+                start = feed["past_len"] + cache_slot(cache).offset
                 rows = out[new]
                 if cache in self.io.commits:  # a tree step: the path's rows are an output for the runtime to commit;
                     path = self.io.commits[cache]  # the plugin wrote the tree's nodes there, not the path: garbage
                     view(addresses[path], rows.shape, rows.dtype)[...] = rows  # here (finite: ONNX Runtime's masked
                     rows = np.full((rows.shape[0], feed["input_ids"].shape[1], rows.shape[2]), 1e3, rows.dtype)  # reads)
-                write_rows(view(addresses[cache], shapes[cache], NP[specs[cache].dtype]), rows, start)
+                write_rows(view(addresses[cache], shapes[cache], C.dtype(specs[cache].dtype).host), rows, start)
 
 
 class FakeLoader(EngineLoader):

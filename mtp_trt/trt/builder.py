@@ -21,7 +21,9 @@ from mtp_trt import __version__, ops
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.plugins.ort_lib import DOMAIN as ORT_CPU_DOMAIN
 from mtp_trt.fsutil import atomic_directory, write_atomic
-from mtp_trt.manifest import DTYPES, GraphSpec, Manifest, sha256
+from mtp_trt import contract as C
+from mtp_trt.contract import DTYPES, TENSOR_DTYPES
+from mtp_trt.manifest import GraphSpec, Manifest, sha256
 from mtp_trt.trt import manifest as em
 from mtp_trt.trt import plan
 from mtp_trt.validate import check_output_dir
@@ -31,7 +33,7 @@ KERNEL_MAX_BATCH = 65535  # mtp_mla_decode's limit
 KERNEL_MIN_ARCH = (8, 0)
 FP8_MIN_ARCH = (8, 9)  # FP8 (e4m3) weights: Ada, Hopper, Blackwell
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-ONNX_TYPES = {1: "fp32", 10: "fp16", 16: "bf16", 6: "int32", 7: "int64"}  # onnx.TensorProto elem types
+ONNX_TYPES = {C.dtype(name).onnx: name for name in TENSOR_DTYPES}  # onnx.TensorProto elem types
 Progress = Callable[[str], None]
 
 

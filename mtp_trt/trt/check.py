@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtp_trt import contract as C
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.manifest import Manifest, check_files, check_seal, sha256
 from mtp_trt.trt import manifest as em
@@ -34,7 +35,6 @@ EXIT_CODES = {"passed": 0, "failed": 1, "skipped": 3}
 # (atol, rtol) of float outputs by engine precision.  fp32: the same math in another order;
 # fp16/bf16 engines against the fp32 reference: rounding of weights and activations.
 TOLERANCES = {"fp32": (1e-3, 1e-3), "fp16": (5e-2, 5e-2), "bf16": (2e-1, 1e-1)}
-NUMPY = {"fp32": np.float32, "fp16": np.float16, "int32": np.int32}
 
 
 @dataclasses.dataclass
@@ -95,19 +95,19 @@ def make_inputs(graph, dims: dict[str, int], vocab: int, rng: np.random.Generato
     """Random, valid inputs of one graph: ids in the vocabulary, past_len + S <= T, and past_len >= K - 1
     for a vanilla step graph (K MTP caches; depth k's window starts at past_len + 1 - k)."""
     b, s, t = dims["B"], dims["S"], dims["T"]
-    low = max(sum(spec.name.startswith("mtp_kv_") for spec in graph.inputs) - 1, 0)
+    low = max(sum(spec.name.startswith(C.VANILLA_KV) for spec in graph.inputs) - 1, 0)
     feed = {}
     for spec in graph.inputs:
         shape = [dims[d] if isinstance(d, str) else d for d in spec.shape]
-        if spec.name in ("input_ids", "next_tokens"):
+        if spec.name in (C.INPUT_IDS, C.NEXT_TOKENS):
             feed[spec.name] = rng.integers(0, vocab, shape, dtype=np.int32)
-        elif spec.name == "past_len":
+        elif spec.name == C.PAST_LEN:
             feed[spec.name] = rng.integers(min(low, t - s), t - s + 1, b, dtype=np.int32)
-        elif spec.name == "thinking":
+        elif spec.name == C.THINKING:
             feed[spec.name] = rng.integers(0, 2, b, dtype=np.int32)
-        elif spec.name == "relaxed_topk":
+        elif spec.name == C.RELAXED_TOPK:
             feed[spec.name] = np.array(3, dtype=np.int32)
-        elif spec.name == "relaxed_delta":
+        elif spec.name == C.RELAXED_DELTA:
             feed[spec.name] = np.array(0.3, dtype=np.float32)
         elif spec.dtype == "int32":
             feed[spec.name] = np.zeros(shape, np.int32)
@@ -124,8 +124,8 @@ def _to_engine_dtype(feed: dict, graph) -> dict:
             import torch
 
             x = torch.from_numpy(x).to(torch.bfloat16)
-        elif spec.dtype in NUMPY:
-            x = x.astype(NUMPY[spec.dtype])
+        else:
+            x = x.astype(C.dtype(spec.dtype).host)
         out[spec.name] = x
     return out
 
@@ -256,7 +256,7 @@ def decode_comparison(engines, ref: Manifest, precision: str, seed: int = 0, max
         equal = [g.generated for g in got] == [w.generated for w in want]
         ok &= equal or precision != "fp32"
         lines.append(f"  decode nextn {nextn}: {same}/{max(len(pairs), 1)} tokens equal ONNX Runtime's"
-                     f"{'' if equal else ' (differ)'}, {stats.mean_accepted:.2f} tokens per step")
+                     f"{'' if equal else ' (differ)'}, {stats.mean_acceptance_length:.2f} tokens per step")
     return ok, lines
 
 

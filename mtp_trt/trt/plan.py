@@ -14,16 +14,16 @@ import math
 
 from mtp_trt import validate
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.manifest import CacheSlot, GraphSpec, Manifest, TensorSpec, cache_slot  # noqa: F401 (the runtime's)
+from mtp_trt import contract as C
+from mtp_trt.manifest import GraphSpec, Manifest, TensorSpec
 from mtp_trt.trt import manifest as em
 
-ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int32": 4, "int64": 8}
 GENERATION, PREFILL = "generation", "prefill"
 
 
 def cache_families(m: Manifest) -> dict[str, int]:
     """{family: buffers}: the target's one per layer, then one per MTP cache (eagle: 1; vanilla: K)."""
-    return {"target": m.config.num_hidden_layers} | {f"mtp{k}": 1 for k in range(len(set(m.mtp_graphs)))}
+    return {C.TARGET_FAMILY: m.config.num_hidden_layers} | {C.mtp_family(k): 1 for k in range(len(set(m.mtp_graphs)))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,18 +99,13 @@ def max_chunk(profiles: list[dict]) -> int:
     return max(p["dims"]["S"][2] for p in profiles)
 
 
-def chunks(s: int, size: int) -> list[tuple[int, int]]:
-    """(start, length) pieces of S rows, each at most `size` rows."""
-    return [(i, min(size, s - i)) for i in range(0, s, size)]
-
-
 def shape(spec: TensorSpec, dims: dict[str, int]) -> tuple[int, ...]:
     """A tensor's concrete shape: symbolic dims (B, S, T) from `dims`, fixed dims as they are."""
     return tuple(dims[d] if isinstance(d, str) else int(d) for d in spec.shape)
 
 
 def nbytes(spec: TensorSpec, dims: dict[str, int]) -> int:
-    return math.prod(shape(spec, dims)) * ITEMSIZE[spec.dtype]
+    return math.prod(shape(spec, dims)) * C.dtype(spec.dtype).itemsize
 
 
 ALIGN = 256  # byte alignment of every tensor placed in a shared region
@@ -148,7 +143,7 @@ def output_layout(ios: list[EngineIO], batch: int, rows: int, s_max: int,
 
 def cache_bytes(m: Manifest, batch: int, rows: int) -> int:
     """Device memory of every persistent cache for `batch` sequences of `rows` rows."""
-    return validate.cache_bytes(m.config, sum(cache_families(m).values()), batch, rows, ITEMSIZE[m.dtype])
+    return validate.cache_bytes(m.config, sum(cache_families(m).values()), batch, rows, C.dtype(m.dtype).itemsize)
 
 
 def runtime_problem(m: em.EngineManifest, cc: str | None, why_no_gpu: str, flavour_version: str | None,

@@ -33,19 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-from mtp_trt.backend import TARGET_OUTPUTS, Backend
+from mtp_trt import contract as C
+from mtp_trt.backend import Backend
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.trt import manifest as em
 from mtp_trt.trt import plan
 from mtp_trt.tree import tree_spec
 
-HOST_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16, "int32": np.int32}  # bf16: raw bits
-DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
-MTP_OUTPUTS = ["hidden_out", "draft_tokens", "draft_probs"]
-# what a step or tree engine returns to the decode loop (those of them the engine has)
-STEP_OUTPUTS = ["accepted_tokens", "num_accepted", "thinking_out", "drafts", "tree_tokens", "tree_parents_out",
-                "carry_out"]
-SAMPLED_OUTPUTS = ["logits", "draft_logits"]  # read only when sampling
+# the outputs the decode loop reads (those of them an engine has; logits only when sampling)
+READ_OUTPUTS = set(C.TARGET_OUTPUTS) | set(C.MTP_OUTPUTS) | set(C.STEP_OUTPUTS)
 
 
 class EngineLoader:
@@ -155,10 +151,10 @@ class TrtBackend(Backend):
         for name, io in self.ios.items():
             plan.check_aliases(io, self.em.engines[name].aliases)
         self.offsets = {name: self._commit_offsets(io) for name, io in self.ios.items()}  # past_len - j commits
-        self.s_max = plan.max_chunk(self.em.profiles)
+        self.max_s = plan.max_chunk(self.em.profiles)
         self.engines: dict[str, object] = share.engines if share is not None else {}
         self.contexts: dict[tuple[str, int], object] = {}
-        self.graphs: dict[tuple, object] = {}  # (engine, n, s) -> captured step
+        self.captured: dict[tuple, object] = {}  # (engine, n, s) -> its CUDA graph (a captured step)
         self.last_run: dict[tuple[str, int], tuple] = {}  # context -> (engine, n, s) of its last enqueue or replay
         self.bound: dict[tuple[str, int], dict] = {}  # context -> {tensor: address or shape} last set
         self.caches: dict[str, list[int]] = {}
@@ -168,7 +164,7 @@ class TrtBackend(Backend):
         self.host_at: dict[str, dict[str, int]] = {}  # engine -> {output read: offset in the pinned region}
         self.sampling = False  # whether the decode being prepared reads logits
         self.shape_key: tuple | None = None
-        self.itemsize = plan.ITEMSIZE[m.dtype]
+        self.itemsize = C.dtype(m.dtype).itemsize
 
     def _default_device(self):
         from mtp_trt.trt import compat
@@ -239,12 +235,11 @@ class TrtBackend(Backend):
         if self.shape_key == (batch, rows, self.sampling):
             return  # the same caches serve the next decode: lengths start at 0 again
         self.release()
-        ios, s_max = list(self.ios.values()), max(self.s_max, m.nextn + 1)
+        ios, s_max = list(self.ios.values()), max(self.max_s, m.nextn + 1)
         sizes = plan.buffer_sizes(ios, batch, rows, s_max)
         offsets = {j for js in self.offsets.values() for j in js}
-        sizes |= {f"past_len_minus{j}": 4 * batch for j in offsets}  # vanilla step commits at past_len - j (onnx)
-        read = set(TARGET_OUTPUTS) | set(MTP_OUTPUTS) | set(STEP_OUTPUTS) | (set(SAMPLED_OUTPUTS) if self.sampling
-                                                                            else set())
+        sizes |= {past_len_minus(j): 4 * batch for j in offsets}  # vanilla step commits at past_len - j (onnx)
+        read = READ_OUTPUTS | (set(C.SAMPLED_OUTPUTS) if self.sampling else set())
         self.out_at, out_bytes = plan.output_layout(ios, batch, rows, s_max)
         self.host_at, host_bytes = plan.output_layout(ios, batch, rows, s_max, read)
         slot = rows * m.config.latent_dim * self.itemsize
@@ -263,10 +258,10 @@ class TrtBackend(Backend):
         self.shape_key, self.rows, self.slot_bytes = (batch, rows, self.sampling), rows, slot
 
     def release(self) -> None:
-        """Free the caches and buffers (the captured graphs use their addresses: dropped too)."""
-        for exe in self.graphs.values():
+        """Free the caches and buffers (the captured CUDA graphs use their addresses: dropped too)."""
+        for exe in self.captured.values():
             self.device.destroy_graph(exe)
-        self.graphs, self.last_run = {}, {}
+        self.captured, self.last_run = {}, {}
         for bufs in self.caches.values():
             for p in bufs:
                 self.device.free(p)
@@ -285,10 +280,10 @@ class TrtBackend(Backend):
         """j > 0 where a cache's rows are committed at past_len - j (vanilla step depths, onnx lowering)."""
         if self.lowering != "onnx":
             return []
-        return sorted({-plan.cache_slot(k).offset for k in io.kv_inputs if k != "kv"} - {0})
+        return sorted({-C.cache_slot(k).offset for k in io.kv_inputs if k != C.MTP_GRAPH_KV} - {0})
 
     # --------------------------------------------------------------------------------- calls
-    def _bind(self, key, ctx, io: plan.EngineIO, dims: dict, mtp_family: str) -> None:
+    def _bind(self, key, ctx, io: plan.EngineIO, dims: dict, family: str) -> None:
         """Shapes and addresses of every tensor of a call (TensorRT calls only where they changed)."""
         bound = self.bound[key]
 
@@ -300,7 +295,7 @@ class TrtBackend(Backend):
 
         addr = {}
         for t in io.inputs:
-            slot = plan.cache_slot(t.name, mtp_family) if t.name in io.kv_inputs else None
+            slot = C.cache_slot(t.name, family) if t.name in io.kv_inputs else None
             addr[t.name] = self.caches[slot.family][slot.index] if slot else self.buffers[t.name].dev
             put("shape", t.name, plan.shape(t, dims), ctx.set_input_shape)
             put("address", t.name, addr[t.name], ctx.set_tensor_address)
@@ -312,7 +307,7 @@ class TrtBackend(Backend):
         """Device address of an engine's (non-aliased) output in the shared region."""
         return self.out_dev + self.out_at[engine][name]
 
-    def _enqueue(self, ctx, io: plan.EngineIO, staged: dict[str, int], dims: dict, mtp_family: str,
+    def _enqueue(self, ctx, io: plan.EngineIO, staged: dict[str, int], dims: dict, family: str,
                  fetch: list[str]) -> None:
         """Everything one call puts on the stream: input copies, the engine, the commits (onnx lowering), the
         copies of the fetched outputs."""
@@ -324,105 +319,64 @@ class TrtBackend(Backend):
             raise MtpTrtError(f"{io.name}.engine: TensorRT could not enqueue the engine: "
                               f"{self.loader.messages(mark) or 'no message from TensorRT'}")
         for cache, new in io.commits.items():
-            slot = plan.cache_slot(cache, mtp_family)
+            slot = C.cache_slot(cache, family)
             s_new = plan.shape(io.specs[new], dims)[1]
-            lens = self.buffers["past_len" if slot.offset == 0 else f"past_len_minus{-slot.offset}"].dev
-            self.kernels.mla_kv_commit(DTYPE_CODES[self.manifest.dtype], self.caches[slot.family][slot.index], lens,
+            lens = self.buffers[C.PAST_LEN if slot.offset == 0 else past_len_minus(-slot.offset)].dev
+            self.kernels.mla_kv_commit(C.dtype(self.manifest.dtype).kernel, self.caches[slot.family][slot.index], lens,
                                        self.output(io.name, new), dims["B"], s_new, self.manifest.config.latent_dim,
                                        self.rows, dev.stream)
         for name in fetch:
             dev.copy("d2h", self.out_host_ptr + self.host_at[io.name][name], self.output(io.name, name),
                      plan.nbytes(io.specs[name], dims))
 
-    def _call(self, name: str, n: int, feed: dict[str, np.ndarray], fetch: list[str], mtp_family: str = "mtp0",
-              graph: bool = False) -> dict[str, np.ndarray]:
-        io = self.ios[name]
-        s = next(feed[k].shape[1] for k in ("input_ids", "next_tokens") if k in feed)
+    def run(self, graph, n, feed, fetch, family=C.mtp_family(0), replay=False):
+        """Stages the inputs, binds the call's shapes and addresses, and enqueues it: eagerly, or (replay) captured
+        into a CUDA graph and replayed (the module docstring)."""
+        io = self.ios[graph]
+        s = next(feed[k].shape[1] for k in (C.INPUT_IDS, C.NEXT_TOKENS) if k in feed)
         profile = plan.choose_profile(self.em.profiles, s, n)
-        ctx = self.context(name, profile)
+        ctx = self.context(graph, profile)
         dims = {"B": n, "S": s, "T": self.rows}
-        past_len = feed["past_len"]
-        for j in self.offsets[name]:
-            feed = feed | {f"past_len_minus{j}": (past_len - j).astype(np.int32)}
-        wanted = {t.name for t in io.data_inputs} | {k for k in feed if k.startswith("past_len")}
+        past_len = feed[C.PAST_LEN]
+        for j in self.offsets[graph]:
+            feed = feed | {past_len_minus(j): (past_len - j).astype(np.int32)}
+        wanted = {t.name for t in io.data_inputs} | {past_len_minus(j) for j in self.offsets[graph]}
         staged = {k: self.buffers[k].stage(v) for k, v in feed.items() if k in wanted and v is not None}
-        if missing := [k for k in fetch if k not in self.host_at[name]]:
-            raise MtpTrtError(f"internal: {name}.engine's {', '.join(missing)} read, but prepare() was told the decode "
+        if missing := [k for k in fetch if k not in self.host_at[graph]]:
+            raise MtpTrtError(f"internal: {graph}.engine's {', '.join(missing)} read, but prepare() was told the decode "
                               f"is greedy")
-        key, ctx_key = (name, n, s), (name, profile)
-        self._bind(ctx_key, ctx, io, dims, mtp_family)  # replays too: the context's shapes as at capture
-        if graph and key in self.graphs:
-            self.device.launch(self.graphs[key])
+        key, ctx_key = (graph, n, s), (graph, profile)
+        self._bind(ctx_key, ctx, io, dims, family)  # replays too: the context's shapes as at capture
+        if replay and key in self.captured:
+            self.device.launch(self.captured[key])
         else:
             # capture only right after an eager run of these shapes on this context: the first enqueue after a
             # shape change may do set-up work that a CUDA graph cannot hold
-            capture = graph and self.cuda_graphs and self.last_run.get(ctx_key) == key
+            capture = replay and self.cuda_graphs and self.last_run.get(ctx_key) == key
             if capture:
                 self.device.begin_capture()
                 try:
-                    self._enqueue(ctx, io, staged, dims, mtp_family, fetch)
-                    self.graphs[key] = self.device.end_capture()
+                    self._enqueue(ctx, io, staged, dims, family, fetch)
+                    self.captured[key] = self.device.end_capture()
                 except BaseException:
                     self.device.abort_capture()
                     raise
-                self.device.launch(self.graphs[key])
+                self.device.launch(self.captured[key])
             else:
-                self._enqueue(ctx, io, staged, dims, mtp_family, fetch)
+                self._enqueue(ctx, io, staged, dims, family, fetch)
         self.last_run[ctx_key] = key  # the context's shapes are this call's now, and have run
         self.device.sync()
-        return {k: self._read(name, k, dims) for k in fetch}
+        return {k: self._read(graph, k, dims) for k in fetch}
 
     def _read(self, engine: str, name: str, dims: dict) -> np.ndarray:
         spec = self.ios[engine].specs[name]
         shape, at = plan.shape(spec, dims), self.host_at[engine][name]
         n = plan.nbytes(spec, dims)
-        return self.out_host[at:at + n].view(HOST_DTYPES[spec.dtype]).reshape(shape).copy()
-
-    def _chunked(self, name: str, n: int, feed: dict, split: tuple[str, ...], fetch: list[str], concat: set[str],
-                 mtp_family: str = "mtp0") -> dict[str, np.ndarray]:
-        """A call whose S exceeds the engines' longest profile, as chunks at past_len + start; outputs in `concat`
-        are joined along S, the others come from the last chunk."""
-        s = feed[split[0]].shape[1]
-        parts = []
-        for start, length in plan.chunks(s, self.s_max):
-            piece = feed | {k: feed[k][:, start:start + length] for k in split}
-            piece["past_len"] = (feed["past_len"] + start).astype(np.int32)
-            parts.append(self._call(name, n, piece, fetch, mtp_family))
-        return {k: np.concatenate([p[k] for p in parts], 1) if k in concat else parts[-1][k] for k in fetch}
+        return self.out_host[at:at + n].view(C.dtype(spec.dtype).host).reshape(shape).copy()
 
     # ------------------------------------------------------------------------------- Backend
-    def target(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, logits):
-        feed = {"input_ids": input_ids.astype(np.int32), "past_len": past_len.astype(np.int32),
-                "thinking": thinking.astype(np.int32), "relaxed_topk": np.array(relaxed_topk, np.int32),
-                "relaxed_delta": np.array(relaxed_delta, np.float32)}
-        fetch = list(TARGET_OUTPUTS) + (["logits"] if logits else [])
-        return self._chunked("target", n, feed, ("input_ids",), fetch,
-                             {"target_tokens", "hidden_states", "logits"})
-
-    def mtp(self, cache, graph, n, hidden, next_tokens, past_len, logits):
-        feed = {"hidden": hidden, "next_tokens": next_tokens.astype(np.int32), "past_len": past_len.astype(np.int32)}
-        fetch = MTP_OUTPUTS + (["draft_logits"] if logits else [])
-        return self._chunked(graph, n, feed, ("hidden", "next_tokens"), fetch, set(fetch), mtp_family=f"mtp{cache}")
-
-    def has_step(self, nextn):
-        return f"step_{nextn}" in self.em.engines
-
-    def step(self, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, carry=None):
-        return self._run_step(f"step_{input_ids.shape[1] - 1}", n, input_ids, past_len, thinking, relaxed_topk,
-                              relaxed_delta, carry=carry)
-
-    def tree_step(self, graph, n, input_ids, tree_parents, past_len, thinking, relaxed_topk, relaxed_delta,
-                  carry=None):
-        return self._run_step(graph, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta,
-                              tree_parents=tree_parents.astype(np.int32), carry=carry)
-
-    def _run_step(self, name, n, input_ids, past_len, thinking, relaxed_topk, relaxed_delta, **extra):
-        """Run step or tree engine `name` on slots 0..n-1 (its commits included) -> its STEP_OUTPUTS."""
-        feed = {"input_ids": input_ids.astype(np.int32), "past_len": past_len.astype(np.int32),
-                "thinking": thinking.astype(np.int32), "relaxed_topk": np.array(relaxed_topk, np.int32),
-                "relaxed_delta": np.array(relaxed_delta, np.float32), **extra}
-        outputs = {t.name for t in self.ios[name].outputs}
-        return self._call(name, n, feed, [k for k in STEP_OUTPUTS if k in outputs], graph=True)
+    def has_graph(self, graph):
+        return graph in self.em.engines
 
     def swap_slots(self, i, j):
         for bufs in self.caches.values():
@@ -431,3 +385,8 @@ class TrtBackend(Backend):
                 self.device.copy("d2d", self.scratch, a, self.slot_bytes)
                 self.device.copy("d2d", a, b, self.slot_bytes)
                 self.device.copy("d2d", b, self.scratch, self.slot_bytes)
+
+
+def past_len_minus(j: int) -> str:
+    """The staging buffer of past_len - j: where a vanilla step's depth j + 1 commits (onnx lowering)."""
+    return f"{C.PAST_LEN}_minus{j}"
