@@ -98,6 +98,25 @@ def test_mla_device_attributes_are_read_once_per_device(emu_lib, host, monkeypat
     assert counts[0] != (0, 0) and counts[0] == counts[1] == counts[2]
 
 
+@pytest.mark.parametrize("name", ["small-fp32", "small-fp16-tc", "odd-bf16-simt", "force-simt-bf16"])
+def test_mla_sparse_decode_emulated(emu_lib, host, name):
+    G.run_mla_sparse(host, emu_lib, **dict(G.MLA_SPARSE_CASES)[name])
+
+
+def test_mla_sparse_decode_emulated_deepseek_dims(emu_lib, host):
+    G.run_mla_sparse(host, emu_lib, B=1, S=2, H=16, Dl=512, Dr=64, Di=128, T_max=100, cache_len=[60], K=48,
+                     dtype="bfloat16", num_splits=2, empty_query=True)
+
+
+@pytest.mark.parametrize("name", ["fewer-rows-than-K", "ties-bf16", "ties-tree-fp16", "random-fp32"])
+def test_dsa_select_emulated(emu_lib, host, name):
+    G.run_dsa_select(host, emu_lib, **dict(G.DSA_SELECT_CASES)[name])
+
+
+def test_dsa_select_emulated_deepseek_heads(emu_lib, host):
+    G.run_dsa_select(host, emu_lib, B=1, S=2, Hi=64, Di=128, T_max=300, cache_len=[290], K=64, dtype="bfloat16")
+
+
 def test_kv_commit_emulated(emu_lib, host):
     G.test_mla_kv_commit_alone(host, emu_lib)
 
