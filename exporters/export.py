@@ -368,14 +368,17 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
 
 
 def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None, scheme: quant.Scheme) -> None:
-    """DeepSeek Sparse Attention runs in the onnx lowering's standard operators on ONNX Runtime, unquantized: the
-    other requests are refused in one line (never exported with dense attention)."""
+    """DeepSeek Sparse Attention runs unquantized, in the onnx lowering's standard operators (ONNX Runtime) or the
+    plugin lowering's MlaSparseAttention nodes (TensorRT) where every layer has its own indexer: the other requests
+    are refused in one line (never exported with dense attention)."""
     if not cfg.dsa:
         return
     what = f"{ckpt / 'config.json'}: {cfg.architecture} (DeepSeek Sparse Attention)"
-    if lowering == "plugin":
-        raise MtpTrtError(f"--lowering plugin: {what} has no TensorRT plugin for its sparse attention; export with "
-                          "--lowering onnx")
+    shared = [i for i in range(cfg.num_hidden_layers) if not cfg.has_indexer(i)]
+    if lowering == "plugin" and shared:
+        raise MtpTrtError(f"--lowering plugin: {what}: layer(s) {', '.join(map(str, shared[:4]))} share the previous "
+                          "layer's selection (indexer_types \"shared\"), which the TensorRT plugin does not take; "
+                          "export with --lowering onnx")
     if moe_form == "tensorrt":
         raise MtpTrtError(f"--moe-form tensorrt: {what} is not supported in TensorRT engines; leave --moe-form out")
     if scheme.quantized:

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_trt.exporters.lowering import Dims, Mask, MlaGenerationAttentionOp, accept_op, attend, flag_after
+from mtp_trt.exporters.lowering import (Dims, Mask, MlaGenerationAttentionOp, MlaSparseAttentionOp, accept_op, attend,
+                                         flag_after)
 from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, Indexer, MoE, as_fp32
 from mtp_trt.exporters.moe import moe_forward, swiglu
 from mtp_trt.exporters.ort_ops import CpuMlaOp, RotaryOp, add_norm
@@ -113,6 +114,17 @@ class TopK(torch.autograd.Function):
         return g.op("TopK", x, kk, axis_i=-1, largest_i=1, sorted_i=1, outputs=2)
 
 
+def indexer_queries(indexer: Indexer, x: Tensor, c_q: Tensor, group: Group) -> tuple[Tensor, Tensor]:
+    """The group's indexer queries [B, S, Hi, Di] (wq_b c_q, roped on the first Dr dims) and head weights [B, S, Hi]
+    (fp32: weights_proj(x) / sqrt(Hi)), as the model's Indexer computes them."""
+    cfg, dims = indexer.cfg, group.dims
+    hi, di, dr = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    cos, sin = group.index_rope.at(group.positions)
+    q = dims.view(indexer.wq_b(c_q), hi, di)  # [B, S, Hi, Di]
+    q = torch.cat([group.index_rope(q[..., :dr], cos[:, :, None], sin[:, :, None]), q[..., dr:]], -1)
+    return q, as_fp32(indexer.weights_proj(x)) * hi**-0.5
+
+
 def sparse_selection(indexer: Indexer, x: Tensor, c_q: Tensor, keys: Tensor, cache: Tensor, group: Group):
     """DSA's selection for the group's queries (the model's Indexer and select_topk in standard operators) over the
     rows `attend` reads: the cache buffer's T, the mask's R extra rows, the S new rows.  x [B, S, D] the block's
@@ -121,14 +133,11 @@ def sparse_selection(indexer: Indexer, x: Tensor, c_q: Tensor, keys: Tensor, cac
     elsewhere), or, where the group gathers (few tokens: group.gather), the selected rows' indices [B, S, K] and
     whether each is visible [B, S, K] (K = min(index_topk, T + R + S))."""
     cfg, dims, mask = indexer.cfg, group.dims, group.mask
-    hi, di, lat, dr = cfg.index_n_heads, cfg.index_head_dim, cfg.latent_dim, cfg.qk_rope_head_dim
+    hi, di, lat = cfg.index_n_heads, cfg.index_head_dim, cfg.latent_dim
     parts = [cache[..., lat:]] + ([] if mask.extra_rows is None else [mask.extra_rows[..., lat:]]) + [keys]
     k_all = as_fp32(torch.cat(parts, 1))  # [B, T + R + S, Di]
-    cos, sin = group.index_rope.at(group.positions)
-    q = dims.view(indexer.wq_b(c_q), hi, di)  # [B, S, Hi, Di]
-    q = torch.cat([group.index_rope(q[..., :dr], cos[:, :, None], sin[:, :, None]), q[..., dr:]], -1)
+    q, w = indexer_queries(indexer, x, c_q, group)  # [B, S, Hi, Di], [B, S, Hi]
     scores = F.relu(torch.matmul(as_fp32(dims.rows(q, di)), k_all.transpose(1, 2)) * di**-0.5)  # [B, S*Hi, T+R+S]
-    w = as_fp32(indexer.weights_proj(x)) * hi**-0.5  # [B, S, Hi]
     index = torch.matmul(dims.view(w, 1, hi), dims.view(scores, hi, -1)).reshape(dims.b, dims.s, -1)  # [B, S, T+R+S]
     visible = mask.seen_rows()
     values, top = TopK.apply(torch.where(visible, index, float("-inf")), cfg.index_topk)  # [B, S, K]
@@ -246,7 +255,9 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
         keys = indexer_keys(indexer, x, group) if indexer is not None else \
             torch.zeros_like(x[..., :1]).expand(-1, -1, cfg.index_head_dim)
         latent = torch.cat([latent, keys], -1)  # [B, S, C]
-        if indexer is not None:
+        if lowering == "plugin":  # the plugin selects (export refuses layers without their own indexer)
+            index_qw = indexer_queries(indexer, x, c_q, group)
+        elif indexer is not None:
             group.selection = sparse_selection(indexer, x, c_q, keys, cache, group)
     if new_rows is not None:
         new_rows.append(latent)
@@ -257,7 +268,10 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
         o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.valid_len, mask.visible, nh, cfg.softmax_scale)
     else:
         q_abs = torch.cat([dims.view(q_lat, nh, dl), dims.view(q_pe, nh, dr)], -1)  # [B, S, H, Dl+Dr]
-        if lowering == "plugin":
+        if lowering == "plugin" and cfg.dsa:
+            o_lat, latent = MlaSparseAttentionOp.apply(q_abs, latent, cache, group.write_pos, *index_qw, dl,
+                                                       cfg.softmax_scale, cfg.index_topk, group.tree_mask)
+        elif lowering == "plugin":
             o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl,
                                                            cfg.softmax_scale, group.tree_mask)
         else:
@@ -333,7 +347,8 @@ class _Graph(nn.Module):
             return Group(self.rope, dims, write_pos, Mask(dims, heads, valid_len, cache.shape[1], extra, new_visible),
                          self.moe, positions, fused=self.fused, cpu=self.cpu, fold=self.fold,
                          index_rope=self.index_rope, gather=self.few_tokens)
-        return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold)
+        return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold,
+                     index_rope=self.index_rope)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:
         """The main model over the S rows at past_len (one block group) -> (group, hidden, logits, new rows)."""
