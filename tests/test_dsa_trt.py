@@ -52,15 +52,21 @@ def test_decomposed_contract_matches_the_kernel_references(tree):
 
 
 @pytest.fixture(scope="module")
-def plugin_export(tmp_path_factory):
-    """A DeepSeek-V3.2 checkpoint (index_topk 4) exported in the plugin lowering: eagle, K = 2, one tree."""
-    root = tmp_path_factory.mktemp("dsa-plugin")
+def dsa_ckpt(tmp_path_factory):
+    """A DeepSeek-V3.2 checkpoint (index_topk 4) with two MTP layers."""
+    root = tmp_path_factory.mktemp("dsa-ckpt")
     hf = make_draftable(make_dsa_model("DeepseekV32ForCausalLM", index_topk=4, index_n_heads=2, index_head_dim=16),
                         0.1)
     hf.save_pretrained(root / "ckpt")
     append_mtp_layers(root / "ckpt", 2)
-    return export(root / "ckpt", root / "export", nextn=2, mtp_mode="eagle", lowering="plugin", max_batch=2,
-                  max_seq_len=64, trees="2:2:4")
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def plugin_export(dsa_ckpt, tmp_path_factory):
+    """The checkpoint exported in the plugin lowering: eagle, K = 2, one tree."""
+    return export(dsa_ckpt, tmp_path_factory.mktemp("dsa-plugin") / "export", nextn=2, mtp_mode="eagle",
+                  lowering="plugin", max_batch=2, max_seq_len=64, trees="2:2:4")
 
 
 def test_plugin_lowering_emits_sparse_attention_nodes(plugin_export):
@@ -109,15 +115,46 @@ def test_build_engines_with_the_sparse_plugin(plugin_export, tmp_path, plugins):
 
     if plugins == "cpp" and cpp_plugins.find_library() is None:
         pytest.skip(f"{cpp_plugins.LIB_NAME} is not built (cmake -S plugins/cpp -B plugins/cpp/build)")
+    _check_engines(plugin_export, _build(plugin_export, tmp_path / "engines", plugins))
+
+
+def _build(export_dir, out, plugins: str):
+    from mtp_trt.trt import compat
+
     api, cc = compat.load("auto"), compat.gpu()[0]
     arch = "native" if cc and cc in api.buildable_archs() else "8.9"
-    out = tmp_path / "engines"
-    r = CliRunner().invoke(app, ["build", str(plugin_export), "-o", str(out), "--target-arch", arch, "--plugins",
-                                 plugins])
+    r = CliRunner().invoke(app, ["build", str(export_dir), "-o", str(out), "--target-arch", arch, "--plugins",
+                                 plugins, "--max-prefill", "8"])
     assert r.exit_code == 0, r.output
+    return out
+
+
+def _check_engines(plugin_export, out):
     info = json.loads((out / "engines.json").read_text())
     m = Manifest.load(plugin_export)
     for name, e in info["engines"].items():
         assert e["plugin_layers"].get("MlaSparseAttention", 0) >= 1 and "MlaGenerationAttention" not in \
             e["plugin_layers"], (name, e["plugin_layers"])
     assert set(info["engines"]) == set(m.graphs)
+
+
+def test_check_compares_dense_and_sparse_regimes():
+    """mtp-trt check's comparisons of DSA engines: a dense regime (every visible row selected, enforced at every
+    precision) and, where the cache is longer than index_topk, a sparse one enforced for fp32 engines only; dense
+    MLA keeps its one comparison over the whole cache.  make_inputs keeps past_len within the regime."""
+    from types import SimpleNamespace
+
+    from mtp_trt.trt import check
+
+    dsa = SimpleNamespace(dsa=True, index_topk=32)
+    assert check.regimes(SimpleNamespace(dsa=False), 64, 3, "bf16") == [check.Regime("", 61, True)]
+    assert check.regimes(dsa, 64, 3, "fp32") == [check.Regime("dense", 26, True), check.Regime("sparse", 61, True)]
+    assert check.regimes(dsa, 64, 3, "bf16") == [check.Regime("dense", 26, True), check.Regime("sparse", 61, False)]
+    assert check.regimes(dsa, 20, 3, "fp16") == [check.Regime("dense", 17, True)]  # the cache never exceeds top-k
+    graph = SimpleNamespace(inputs=[SimpleNamespace(name="input_ids", shape=["B", "S"], dtype="int32"),
+                                    SimpleNamespace(name="past_len", shape=["B"], dtype="int32")])
+    rng = np.random.default_rng(0)
+    for max_past in (0, 5, None):
+        for _ in range(20):
+            feed = check.make_inputs(graph, {"B": 4, "S": 3, "T": 64}, 10, rng, max_past)
+            assert feed["past_len"].max() <= (61 if max_past is None else max_past)

@@ -151,3 +151,18 @@ def test_gather_emulated(emu_lib, host, B, Kp1, D, dtype):
 @pytest.mark.parametrize("B,K,N,D,dtype", [(1, 1, 2, 7168, "bfloat16"), (7, 16, 17, 33, "float32"), (5, 4, 2, 5, "float16")])
 def test_window_emulated(emu_lib, host, in_place, B, K, N, D, dtype):
     G.test_window_update(host, emu_lib, in_place, B, K, N, D, dtype)
+
+
+def test_dsa_benchmark_launches_emulated(emu_lib, monkeypatch):
+    """plugins/bench_kernels.py's DSA benchmark on small dims: its launches are valid (the kernel library checks every
+    argument), the attention runs on the selection the select launch left, and the byte counts are as documented."""
+    from mtp_trt.plugins import bench_kernels as bk
+
+    for name, value in {"HI": 4, "DI": 16, "TOPK": 8, "DL": 64, "DR": 16}.items():
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk.Bench, "timed", lambda self, fn, iters, warmup: (fn(0), 0.5)[1])
+    r = bk.bench_dsa(bk.Bench(HostRuntime()), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 1, 40, 4, 2,
+                     "bfloat16", 1)
+    assert r["select_bytes"] == 40 * 16 * 2 + 6 * 2 * 40 * 4 + 2 * 4 * 16 * 2 + 2 * 8 * 4
+    assert r["attend_bytes"] == 2 * 8 * 80 * 2 + 2 * 4 * 80 * 2 + 2 * 4 * 64 * 2
+    assert r["select_GBps"] == r["select_bytes"] / 0.5e6
