@@ -189,6 +189,20 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
         def destroy(self):
             pass
 
+    def attention_format(pos: int, in_out, num_inputs: int, fixed: dict, mask_at: int) -> bool:
+        """The attention plugins' formats: linear; q one of fp32/fp16/bf16; the inputs in `fixed` of that type; the
+        optional tree mask (input mask_at) bool; every other tensor q's type."""
+        d = in_out[pos].desc
+        if d.format != trt.TensorFormat.LINEAR:
+            return False
+        if pos == 0:
+            return d.type in floats
+        if pos in fixed:
+            return d.type == fixed[pos]
+        if pos == mask_at and num_inputs == mask_at + 1:
+            return d.type == trt.bool  # the tree mask: one byte per entry, as the kernels read it
+        return d.type == in_out[0].desc.type
+
     class MlaGenerationAttention(Base):
         OP = ops.MLA_GENERATION_ATTENTION
         FIELDS = (("kv_lora_rank", I32, int), ("softmax_scale", F, float))
@@ -212,16 +226,7 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
 
         @_reported
         def supports_format_combination(self, pos, in_out, num_inputs):
-            d = in_out[pos].desc
-            if d.format != trt.TensorFormat.LINEAR:
-                return False
-            if pos == 0:
-                return d.type in floats
-            if pos == 3:
-                return d.type == trt.int32
-            if pos == 4 and num_inputs == 5:
-                return d.type == trt.bool  # the tree mask: one byte per entry, as the kernel reads it
-            return d.type == in_out[0].desc.type  # new_rows, kv_cache, out, kv_cache_out
+            return attention_format(pos, in_out, num_inputs, {3: trt.int32}, 4)
 
         @_reported
         def get_workspace_size(self, inp, out):
@@ -287,18 +292,7 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
 
         @_reported
         def supports_format_combination(self, pos, in_out, num_inputs):
-            d = in_out[pos].desc
-            if d.format != trt.TensorFormat.LINEAR:
-                return False
-            if pos == 0:
-                return d.type in floats
-            if pos == 3:
-                return d.type == trt.int32
-            if pos == 5:
-                return d.type == trt.float32
-            if pos == 6 and num_inputs == 7:
-                return d.type == trt.bool
-            return d.type == in_out[0].desc.type  # new_rows, kv_cache, index_q, out, kv_cache_out
+            return attention_format(pos, in_out, num_inputs, {3: trt.int32, 5: trt.float32}, 6)
 
         @_reported
         def get_workspace_size(self, inp, out):

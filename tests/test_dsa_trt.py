@@ -69,6 +69,12 @@ def plugin_export(dsa_ckpt, tmp_path_factory):
                   lowering="plugin", max_batch=2, max_seq_len=64, trees="2:2:4")
 
 
+@pytest.fixture(scope="module")
+def python_engines(plugin_export, tmp_path_factory):
+    """The export's engines, built with the Python plugins (TensorRT for RTX needs no GPU)."""
+    return _build(plugin_export, tmp_path_factory.mktemp("dsa-engines") / "engines", "python")
+
+
 def test_plugin_lowering_emits_sparse_attention_nodes(plugin_export):
     """Every attention of every graph is one MlaSparseAttention node (none of the dense plugin) with the checkpoint's
     index_topk; the tree graph's nodes take the tree mask; the caches are the latent plus the indexer key."""
@@ -106,8 +112,9 @@ def test_shared_indexer_layers_are_refused_in_the_plugin_lowering(tmp_path):
 
 
 @pytest.mark.trt
+@pytest.mark.slow
 @pytest.mark.parametrize("plugins", ["python", "cpp"])
-def test_build_engines_with_the_sparse_plugin(plugin_export, tmp_path, plugins):
+def test_build_engines_with_the_sparse_plugin(request, plugin_export, tmp_path, plugins):
     """`mtp-trt build` of the export: every graph's MlaSparseAttention nodes become our plugin layers (the builder
     counts them per op) and the engines build, with the Python plugins and with the C++ ones where
     libmtp_trt_plugins.so is built."""
@@ -115,7 +122,31 @@ def test_build_engines_with_the_sparse_plugin(plugin_export, tmp_path, plugins):
 
     if plugins == "cpp" and cpp_plugins.find_library() is None:
         pytest.skip(f"{cpp_plugins.LIB_NAME} is not built (cmake -S plugins/cpp -B plugins/cpp/build)")
-    _check_engines(plugin_export, _build(plugin_export, tmp_path / "engines", plugins))
+    engines = request.getfixturevalue("python_engines") if plugins == "python" else \
+        _build(plugin_export, tmp_path / "engines", plugins)
+    _check_engines(plugin_export, engines)
+
+
+@pytest.mark.trt
+@pytest.mark.slow
+def test_runtime_decodes_dsa_engines_as_onnxruntime(dsa_ckpt, python_engines, tmp_path):
+    """TrtBackend on the DSA engines, over the host stand-ins of tests/trt_fakes.py (each engine runs its graph's
+    onnx lowering on ONNX Runtime and writes the cache rows -- latent and indexer key -- in place, as the plugin
+    does): caches of the wider rows, their bindings, chunked prefill and the tree path's commits give ONNX Runtime's
+    greedy tokens for nextn 0..2 and a tree, on prompts longer than index_topk."""
+    from mtp_trt.backend import OrtBackend
+    from mtp_trt.decode import DecodeOptions, generate
+    from mtp_trt.tree import TreeShape
+    from trt_fakes import fake_backend
+
+    ref = Manifest.load(export(dsa_ckpt, tmp_path / "onnx", nextn=2, mtp_mode="eagle", max_batch=2, max_seq_len=64,
+                               trees="2:2:4"))
+    prompts = [[5, 17, 33, 2, 8, 41, 7, 19, 60, 3, 11], [70, 71, 72, 9, 30]]
+    for opts in [DecodeOptions(nextn=n, max_new_tokens=12) for n in range(3)] + \
+            [DecodeOptions(nextn=2, max_new_tokens=12, tree=TreeShape(2, 2, 4))]:
+        want = [s.generated for s in generate(OrtBackend(ref), prompts, opts)[0]]
+        got = [s.generated for s in generate(fake_backend(python_engines, ref), prompts, opts)[0]]
+        assert got == want, opts
 
 
 def _build(export_dir, out, plugins: str):

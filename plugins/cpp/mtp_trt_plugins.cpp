@@ -134,6 +134,31 @@ class PluginBase : public IPluginV3, public IPluginV3OneCore, public IPluginV3On
     PluginFieldCollection mCollection{};
 };
 
+// The attention plugins' formats: linear; q one of fp32/fp16/bf16; past_len int32; the tree mask (the optional
+// last input, at mask_at) bool; index_weights (at weights_at, MlaSparseAttention) fp32; every other tensor q's type.
+bool attention_format(int32_t pos, const DynamicPluginTensorDesc* io, int32_t nbInputs, int past_at, int mask_at,
+                      int weights_at) {
+    const PluginTensorDesc& d = io[pos].desc;
+    if (d.format != TensorFormat::kLINEAR) return false;
+    if (pos == 0) return d.type == DataType::kFLOAT || d.type == DataType::kHALF || d.type == DataType::kBF16;
+    if (pos == past_at) return d.type == DataType::kINT32;
+    if (pos == weights_at) return d.type == DataType::kFLOAT;
+    if (pos == mask_at && nbInputs > mask_at) return d.type == DataType::kBOOL;
+    return d.type == io[0].desc.type;
+}
+
+// SM count of the current device (kMaxSms when it cannot be read), asked once per plugin object.
+int device_sms(int& cached) {
+    if (cached <= 0) {
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&cached, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+            cached = ct::kMaxSms;
+        }
+    }
+    return cached;
+}
+
 struct MlaOp {
     static constexpr const char* kName = ct::mla::kName;
     static constexpr const auto& kInputs = ct::mla::kInputs;
@@ -207,12 +232,7 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
     bool supportsFormatCombination(int32_t pos, const DynamicPluginTensorDesc* io, int32_t nbInputs,
                                    int32_t nbOutputs) noexcept override {
         if (bad_io(nbInputs, nbOutputs, "supportsFormatCombination")) return false;
-        const PluginTensorDesc& d = io[pos].desc;
-        if (d.format != TensorFormat::kLINEAR) return false;
-        if (pos == ct::mla::kQ) return d.type == DataType::kFLOAT || d.type == DataType::kHALF || d.type == DataType::kBF16;
-        if (pos == ct::mla::kPastLen) return d.type == DataType::kINT32;
-        if (pos == ct::mla::kTreeMask && nbInputs > ct::mla::kTreeMask) return d.type == DataType::kBOOL;
-        return d.type == io[ct::mla::kQ].desc.type;  // new_rows, kv_cache, out, kv_cache_out
+        return attention_format(pos, io, nbInputs, ct::mla::kPastLen, ct::mla::kTreeMask, -1);
     }
 
     size_t getWorkspaceSize(const DynamicPluginTensorDesc* in, int32_t nbInputs, const DynamicPluginTensorDesc*,
@@ -240,14 +260,8 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
         mDr = static_cast<int>(q.d[3]) - dl(), mT = static_cast<int>(cache.d[1]);
         mDtype = kernel_dtype(in[ct::mla::kQ].type);
         mTreeMask = nbInputs > ct::mla::kTreeMask;
-        if (mNumSms <= 0) {
-            int dev = 0;
-            if (cudaGetDevice(&dev) != cudaSuccess ||
-                cudaDeviceGetAttribute(&mNumSms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-                mNumSms = ct::kMaxSms;
-            }
-        }
-        mSplits = std::min(mtp_mla_decode_num_splits(mB, mS, mH, mT, mNumSms), mla_splits_bound(mB, mS, mH, mT));
+        mSplits = std::min(mtp_mla_decode_num_splits(mB, mS, mH, mT, device_sms(mNumSms)),
+                           mla_splits_bound(mB, mS, mH, mT));
         mWorkspace = mtp_mla_decode_workspace_size(mB, mS, mH, dl(), mSplits);
         if (static_cast<int64_t>(mWorkspace) != mla_workspace_size(mB, mS, mH, dl(), mSplits)) {
             error("MlaGenerationAttention: the kernel library's split-KV workspace differs from workspace.h");
@@ -341,13 +355,8 @@ class SparsePlugin final : public PluginBase<SparsePlugin, SparseOp> {
     bool supportsFormatCombination(int32_t pos, const DynamicPluginTensorDesc* io, int32_t nbInputs,
                                    int32_t nbOutputs) noexcept override {
         if (bad_io(nbInputs, nbOutputs, "supportsFormatCombination")) return false;
-        const PluginTensorDesc& d = io[pos].desc;
-        if (d.format != TensorFormat::kLINEAR) return false;
-        if (pos == ct::sparse::kQ) return d.type == DataType::kFLOAT || d.type == DataType::kHALF || d.type == DataType::kBF16;
-        if (pos == ct::sparse::kPastLen) return d.type == DataType::kINT32;
-        if (pos == ct::sparse::kIndexWeights) return d.type == DataType::kFLOAT;
-        if (pos == ct::sparse::kTreeMask && nbInputs > ct::sparse::kTreeMask) return d.type == DataType::kBOOL;
-        return d.type == io[ct::sparse::kQ].desc.type;  // new_rows, kv_cache, index_q, out, kv_cache_out
+        return attention_format(pos, io, nbInputs, ct::sparse::kPastLen, ct::sparse::kTreeMask,
+                                ct::sparse::kIndexWeights);
     }
 
     size_t getWorkspaceSize(const DynamicPluginTensorDesc* in, int32_t nbInputs, const DynamicPluginTensorDesc*,
@@ -375,14 +384,7 @@ class SparsePlugin final : public PluginBase<SparsePlugin, SparseOp> {
         mHi = static_cast<int>(iq.d[2]), mDi = static_cast<int>(iq.d[3]);
         mDtype = kernel_dtype(in[ct::sparse::kQ].type);
         mTreeMask = nbInputs > ct::sparse::kTreeMask;
-        if (mNumSms <= 0) {
-            int dev = 0;
-            if (cudaGetDevice(&dev) != cudaSuccess ||
-                cudaDeviceGetAttribute(&mNumSms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-                mNumSms = ct::kMaxSms;
-            }
-        }
-        mSplits = std::min(mtp_mla_decode_num_splits(mB * mS, 1, mH, topk(), mNumSms),
+        mSplits = std::min(mtp_mla_decode_num_splits(mB * mS, 1, mH, topk(), device_sms(mNumSms)),
                            sparse_splits_bound(mB, mS, mH, topk()));
         mWorkspace = sparse_workspace_size(mB, mS, mH, dl(), mT, topk(), mSplits);
         if (static_cast<int64_t>(mtp_dsa_select_workspace_size(mB, mS, mT)) != mWorkspace.scores ||
