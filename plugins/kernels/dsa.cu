@@ -210,22 +210,8 @@ extern "C" cudaError_t mtp_dsa_select(mtp_dtype dtype, const void* q_index, cons
     if (!workspace || workspace_bytes < mtp_dsa_select_workspace_size(B, S, T_max)) return cudaErrorInvalidValue;
     const size_t smem = sizeof(float) * (static_cast<size_t>(Hi) * dsa_q_stride(Di) + Hi);
     if (smem > 48 * 1024) return cudaErrorInvalidValue;
-    DsaParams p;
-    p.q = q_index;
-    p.w = weights;
-    p.cache = kv_cache;
-    p.cache_len = cache_len;
-    p.mask = mask;
-    p.scores = static_cast<float*>(workspace);
-    p.selected = selected;
-    p.S = S;
-    p.Hi = Hi;
-    p.Di = Di;
-    p.C = C;
-    p.key_offset = key_offset;
-    p.T_max = T_max;
-    p.K = K;
-    p.scale = scale;
+    const DsaParams p{q_index, weights, kv_cache, cache_len, mask, static_cast<float*>(workspace), selected,
+                      S, Hi, Di, C, key_offset, T_max, K, scale};  // (in DsaParams' order)
     const dim3 grid(static_cast<unsigned>((T_max + SC_THREADS - 1) / SC_THREADS), S, B);
     MTP_DISPATCH_DTYPE(dtype, T, dsa_score_kernel<T><<<grid, SC_THREADS, smem, stream>>>(p));
     cudaError_t err = cudaGetLastError();
