@@ -189,3 +189,19 @@ def test_check_compares_dense_and_sparse_regimes():
         for _ in range(20):
             feed = check.make_inputs(graph, {"B": 4, "S": 3, "T": 64}, 10, rng, max_past)
             assert feed["past_len"].max() <= (61 if max_past is None else max_past)
+
+
+def test_sparse_workspace_bound_covers_every_shape_of_the_profile():
+    """The workspace MlaSparseAttention reserves at build time (sparse_workspace_bound) holds what enqueue lays out
+    for every (B, S) of the profile on GPUs of any SM count: the index scores, the selected rows and the split-KV
+    partials at the split count enqueue uses (the kernel library's, capped at sparse_splits_bound)."""
+    from mtp_trt.plugins import trt_plugins as tp
+
+    for b_range, s_range, H, Dl, T, K in [((1, 8), (1, 4), 128, 512, 4096, 2048), ((1, 2), (1, 64), 16, 64, 64, 4),
+                                          ((2, 3), (3, 3), 1, 16, 100, 7)]:
+        bound = tp.sparse_workspace_bound(b_range, s_range, H, Dl, T, K)
+        for b in range(b_range[0], b_range[1] + 1):
+            for s in range(s_range[0], s_range[1] + 1):
+                for sms in (1, 46, 108, 132, 192):
+                    splits = min(tp.mla_num_splits(b * s, 1, H, K, sms), tp.sparse_splits_bound(b, s, H, K))
+                    assert sum(tp.sparse_workspace_size(b, s, H, Dl, T, K, splits)) <= bound, (b, s, sms)
