@@ -298,7 +298,7 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     ckpt, out = Path(ckpt), Path(out)
     scheme = quant.scheme(quant_scheme, group_size)
     cfg, nextn, max_seq_len = check_request(ckpt, out, nextn, mtp_mode, dtype, lowering, max_batch, max_seq_len)
-    check_dsa(cfg, ckpt, lowering, moe_form)
+    check_dsa(cfg, ckpt, lowering, moe_form, scheme)
     cpu_ops = check_cpu_ops(cpu_ops, lowering, dtype, moe_form, scheme)
     shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
@@ -309,18 +309,24 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                        progress, moe_form, shapes, cpu_ops, scheme)
 
 
-def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None) -> None:
-    """DeepSeek Sparse Attention runs on ONNX Runtime in the onnx lowering (mtp-trt's CPU operators, or standard
-    operators without them; quantized weights too, its indexer in float): the other requests are refused in one line
-    (never exported with dense attention)."""
+def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None, scheme: quant.Scheme) -> None:
+    """DeepSeek Sparse Attention runs in the onnx lowering (ONNX Runtime: mtp-trt's CPU operators, or standard operators
+    without them; quantized weights too, its indexer in float) and, unquantized, in the plugin lowering's
+    MlaSparseAttention nodes (TensorRT) where every layer has its own indexer: the other requests are refused in one
+    line (never exported with dense attention)."""
     if not cfg.dsa:
         return
     what = f"{ckpt / 'config.json'}: {cfg.architecture} (DeepSeek Sparse Attention)"
-    if lowering == "plugin":
-        raise MtpTrtError(f"--lowering plugin: {what} has no TensorRT plugin for its sparse attention; export with "
-                          "--lowering onnx")
+    shared = [i for i in range(cfg.num_hidden_layers) if not cfg.has_indexer(i)]
+    if lowering == "plugin" and shared:
+        raise MtpTrtError(f"--lowering plugin: {what}: layer(s) {', '.join(map(str, shared[:4]))} share the previous "
+                          "layer's selection (indexer_types \"shared\"), which the TensorRT plugin does not take; "
+                          "export with --lowering onnx")
     if moe_form == "tensorrt":
         raise MtpTrtError(f"--moe-form tensorrt: {what} is not supported in TensorRT engines; leave --moe-form out")
+    if lowering == "plugin" and scheme.quantized:
+        raise MtpTrtError(f"--quant {scheme.name} --lowering plugin: {what} has TensorRT engines with unquantized "
+                          "weights only; leave --quant out, or export with --lowering onnx")
 
 
 def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None,

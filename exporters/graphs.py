@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_trt.exporters.lowering import Dims, Mask, MlaGenerationAttentionOp, accept_op, attend, flag_after
+from mtp_trt.exporters.lowering import (Dims, Mask, MlaGenerationAttentionOp, MlaSparseAttentionOp, accept_op, attend,
+                                         flag_after)
 from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, Indexer, MoE, as_fp32
 from mtp_trt.exporters.moe import moe_forward, swiglu
 from mtp_trt.exporters.ort_ops import CpuIndexerOp, CpuMlaOp, RotaryOp, add_norm
@@ -265,6 +266,8 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
         keys = indexer_keys(indexer, x, group) if indexer is not None else \
             torch.zeros_like(x[..., :1]).expand(-1, -1, cfg.index_head_dim)
         latent = torch.cat([latent, keys], -1)  # [B, S, C]
+        if lowering == "plugin":  # the plugin selects (export refuses layers without their own indexer)
+            index_qw = indexer_queries(indexer, x, c_q, group)
     if new_rows is not None:
         new_rows.append(latent)
     flat = lowering == "onnx" and group.cpu  # the CPU attention node: o_lat [B, S, H*Dl]
@@ -276,10 +279,13 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
         o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.valid_len, mask.visible, group.selection, nh,
                                cfg.softmax_scale)
     else:
-        if indexer is not None:
+        if indexer is not None and lowering != "plugin":
             group.selection = sparse_selection(indexer, x, c_q, keys, cache, group)
         q_abs = torch.cat([dims.view(q_lat, nh, dl), dims.view(q_pe, nh, dr)], -1)  # [B, S, H, Dl+Dr]
-        if lowering == "plugin":
+        if lowering == "plugin" and cfg.dsa:
+            o_lat, latent = MlaSparseAttentionOp.apply(q_abs, latent, cache, group.write_pos, *index_qw, dl,
+                                                       cfg.softmax_scale, cfg.index_topk, group.tree_mask)
+        elif lowering == "plugin":
             o_lat, latent = MlaGenerationAttentionOp.apply(q_abs, latent, cache, group.write_pos, dl,
                                                            cfg.softmax_scale, group.tree_mask)
         else:
@@ -355,7 +361,8 @@ class _Graph(nn.Module):
             return Group(self.rope, dims, write_pos, Mask(dims, heads, past_len, cache.shape[1], extra, new_visible),
                          self.moe, positions, fused=self.fused, cpu=self.cpu, fold=self.fold,
                          index_rope=self.index_rope, gather=self.few_tokens)
-        return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold)
+        return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold,
+                     index_rope=self.index_rope)
 
     def main(self, input_ids: Tensor, past_len: Tensor, caches) -> tuple[Group, Tensor, Tensor, list[Tensor]]:
         """The main model over the S rows at past_len (one block group) -> (group, hidden, logits, new rows)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from mtp_trt import ops
 from mtp_trt.exporters.model import as_fp32
@@ -150,6 +151,53 @@ class MlaGenerationAttentionOp(torch.autograd.Function):
         inputs = (q, new_rows, cache, past_len) + (() if tree_mask is None else (tree_mask,))
         return g.op("mtp_trt::MlaGenerationAttention", *inputs, kv_lora_rank_i=kv_lora_rank,
                     softmax_scale_f=scale, plugin_version_s=str(ops.VERSION), outputs=2)
+
+
+def mla_sparse_decomposed(q: Tensor, new_rows: Tensor, cache: Tensor, past_len: Tensor, index_q: Tensor,
+                          index_weights: Tensor, kv_lora_rank: int, scale: float, index_topk: int,
+                          tree_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The MlaSparseAttention contract on its own: q [B, S, H, Dl+Dr], new_rows [B, S, C] (latent then indexer key),
+    cache [B, T, C] with past_len [B] valid rows, index_q [B, S, Hi, Di], index_weights [B, S, Hi] (fp32), tree_mask
+    [B, S, S] or None (causal) -> (out [B, S, H, Dl], the cache with the new rows written).  Each query attends to the
+    index_topk visible rows of highest index score (ties: the earlier row)."""
+    b, s, h, width = q.shape
+    cache = commit_rows(cache, new_rows, past_len)
+    keys = as_fp32(cache[..., width:])  # [B, T, Di]
+    scores = F.relu(torch.matmul(as_fp32(index_q), keys[:, None].transpose(2, 3)) * keys.shape[-1]**-0.5)
+    index = torch.matmul(index_weights[:, :, None], scores)[:, :, 0]  # [B, S, T]
+    j = torch.arange(cache.shape[1])[None, None, :] - past_len[:, None, None].long()  # new row j of each row
+    if tree_mask is None:
+        new_seen = j <= torch.arange(s)[None, :, None]
+    else:
+        new_seen = tree_mask.gather(2, j.clamp(0, s - 1).expand(b, s, -1))
+    visible = (j < 0) | ((j < s) & new_seen)  # [B, S, T]
+    masked = torch.where(visible, index, float("-inf"))
+    top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :index_topk]  # ties: the earlier row
+    picked = (torch.zeros_like(index).scatter(-1, top, 1.0) > 0) & visible
+    rows = as_fp32(cache[..., :width])  # [B, T, Dl+Dr]
+    att = torch.matmul(as_fp32(q), rows[:, None].transpose(2, 3)) * scale  # [B, S, H, T]
+    att = att + torch.where(picked, 0.0, float("-inf"))[:, :, None]
+    return torch.matmul(att.softmax(-1), rows[:, None, :, :kv_lora_rank]).to(q.dtype), cache
+
+
+class MlaSparseAttentionOp(torch.autograd.Function):
+    """Plugin lowering of DeepSeek Sparse Attention: one `mtp_trt::MlaSparseAttention` node -> (out, kv_cache_out),
+    the indexer's selection and the attention over the selected rows in one plugin, the cache aliased as
+    MlaGenerationAttention's; with a tree_mask [B, S, S] (bool) a seventh input.  When traced it computes
+    mla_sparse_decomposed."""
+
+    @staticmethod
+    def forward(ctx, q, new_rows, cache, past_len, index_q, index_weights, kv_lora_rank: int, scale: float,
+                index_topk: int, tree_mask=None):
+        return mla_sparse_decomposed(q, new_rows, cache, past_len, index_q, index_weights, kv_lora_rank, scale,
+                                     index_topk, tree_mask)
+
+    @staticmethod
+    def symbolic(g, q, new_rows, cache, past_len, index_q, index_weights, kv_lora_rank: int, scale: float,
+                 index_topk: int, tree_mask=None):
+        inputs = (q, new_rows, cache, past_len, index_q, index_weights) + (() if tree_mask is None else (tree_mask,))
+        return g.op("mtp_trt::MlaSparseAttention", *inputs, kv_lora_rank_i=kv_lora_rank, softmax_scale_f=scale,
+                    index_topk_i=index_topk, plugin_version_s=str(ops.VERSION), outputs=2)
 
 
 # ------------------------------------------------------------------------------------ acceptance

@@ -51,7 +51,34 @@ MLA_GENERATION_ATTENTION = OpSpec(
              ("kv_cache_out", "same dtype [B, T, Dl+Dr]: kv_cache with the new rows written (aliased to input 2)")),
     optional=1,
 )
-ALIASES = {"MlaGenerationAttention": {1: 2}, "MtpAccept": {}}  # op -> {output index: aliased input index}
+MLA_SPARSE_ATTENTION = OpSpec(
+    name="MlaSparseAttention",
+    doc="DeepSeek Sparse Attention: MLA over the rows DSA's lightning indexer selects.  Writes the S new rows (latent "
+        "then indexer key, C values each) into the cache at rows past_len[b] .. past_len[b]+S-1, scores every row "
+        "query s of sequence b sees (as MlaGenerationAttention: the cached rows and the new rows causally or by "
+        "tree_mask) with I = sum_j w[j] ReLU(index_q[j] . key / sqrt(Di)), keys being the last Di values of each "
+        "row, selects the index_topk rows of highest I (every visible row when there are fewer; ties: the earlier "
+        "row), and attends over those alone (V: the first Dl values of each row).  The write is in place: "
+        "kv_cache_out is aliased to kv_cache.",
+    inputs=(
+        ("q", "fp32/fp16/bf16 [B, S, H, Dl+Dr]: q_nope absorbed through W^UK, then roped q_pe"),
+        ("new_rows", "same dtype [B, S, C]: normed c_kv, roped k_pe, then the indexer key (C = Dl+Dr+Di)"),
+        ("kv_cache", "same dtype [B, T, C]: the persistent cache of this layer (written in place)"),
+        ("past_len", "int32 [B]: valid cached rows of each sequence before this step"),
+        ("index_q", "same dtype [B, S, Hi, Di]: the indexer's queries, roped"),
+        ("index_weights", "fp32 [B, S, Hi]: the indexer's head weights, weights_proj(x) / sqrt(Hi)"),
+        ("tree_mask", "bool [B, S, S] (optional): new row j visible to new row s (tree attention; absent: causal)"),
+    ),
+    attributes=(
+        ("kv_lora_rank", "int: Dl"),
+        ("softmax_scale", "float: qk_head_dim^-0.5 times YaRN's mscale^2"),
+        ("index_topk", "int: rows each query attends to"),
+    ),
+    outputs=(("out", "same dtype [B, S, H, Dl]: softmax(scale q.row) @ row[:Dl] over the selected rows"),
+             ("kv_cache_out", "same dtype [B, T, C]: kv_cache with the new rows written (aliased to input 2)")),
+    optional=1,
+)
+ALIASES = {"MlaGenerationAttention": {1: 2}, "MlaSparseAttention": {1: 2}, "MtpAccept": {}}  # op -> {output: input}
 
 MTP_ACCEPT = OpSpec(
     name="MtpAccept",
@@ -79,4 +106,4 @@ MTP_ACCEPT = OpSpec(
     ),
 )
 
-OPS = {op.name: op for op in (MLA_GENERATION_ATTENTION, MTP_ACCEPT)}
+OPS = {op.name: op for op in (MLA_GENERATION_ATTENTION, MLA_SPARSE_ATTENTION, MTP_ACCEPT)}

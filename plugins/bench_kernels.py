@@ -1,4 +1,4 @@
-"""Benchmark of the MLA decode kernel against the GPU's copy bandwidth.
+"""Benchmark of the MLA decode and DeepSeek Sparse Attention kernels against the GPU's copy bandwidth.
 
     python -m mtp_trt.plugins.bench_kernels [--dtype bf16] [--json FILE] [--quick]
 
@@ -9,6 +9,10 @@
    out bytes) / median kernel time (CUDA events around each launch; the launch includes the split
    combine).  Several cache buffers are rotated so that the working set exceeds L2 and every
    launch streams from memory.  The table shows the % of the copy bandwidth.
+3. DeepSeek Sparse Attention (DeepSeek-V3.2's shapes: 64 indexer heads of 128, index_topk 2048, rows of 576 latent
+   values and a 128-value key; H = 128; the S of the MLA table): mtp_dsa_select (bytes: every visible row's key,
+   the fp32 scores written once and read by its five passes, the queries, the selected rows) and
+   mtp_mla_sparse_decode over the 2048 selected rows (bytes: the selected latent rows, q, out), each timed alone.
 
 Needs cuda-python and an NVIDIA GPU (exits with a message otherwise); builds the kernels with nvcc
 on first use (see cuda_lib).
@@ -126,6 +130,53 @@ def bench_mla(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: 
             "GBps": moved / (ms * 1e-3) / 1e9}
 
 
+HI, DI, TOPK, H_DSA = 64, 128, 2048, 128
+DSA_BT = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (32, 8192)]
+QUICK_DSA_BT = [(1, 32768), (8, 32768)]
+
+
+def bench_dsa(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: str, iters: int) -> dict:
+    import numpy as np
+
+    es, D, C = 2, DL + DR, DL + DR + DI
+    cache_bytes = B * T * C * es
+    rot = max(1, min(8, math.ceil(3 * info["l2_bytes"] / cache_bytes)))
+    caches = [b.alloc(cache_bytes) for _ in range(rot)]
+    for c in caches:
+        b.fill(c, cache_bytes)
+    iq_bytes, q_bytes, out_bytes = B * S * HI * DI * es, B * S * H * D * es, B * S * H * DL * es
+    iq, w, q, out = b.alloc(iq_bytes), b.alloc(B * S * HI * 4), b.alloc(q_bytes), b.alloc(out_bytes)
+    for p, n in ((iq, iq_bytes), (w, B * S * HI * 4), (q, q_bytes)):
+        b.fill(p, n)
+    lens = np.full(B, T - S, np.int32)
+    d_len = b.alloc(lens.nbytes)
+    b.ck(b.rt.cudaMemcpy(d_len, lens.ctypes.data, lens.nbytes, b.rt.cudaMemcpyKind.cudaMemcpyHostToDevice), "H2D")
+    sel = b.alloc(B * S * TOPK * 4)
+    sel_ws_bytes = lib.dsa_select_workspace_size(B, S, T)
+    sel_ws = b.alloc(sel_ws_bytes)
+    ns = lib.mla_decode_num_splits(B * S, 1, H, TOPK, info["sm_count"])
+    ws_bytes = lib.mla_decode_workspace_size(B, S, H, DL, ns)
+    ws = b.alloc(ws_bytes) if ws_bytes else 0
+
+    def select(i):
+        lib.dsa_select(dtype, iq, w, caches[i % rot], d_len, 0, sel, sel_ws, sel_ws_bytes, B, S, HI, DI, C, D, T,
+                       TOPK, DI**-0.5)
+
+    select_ms = b.timed(select, iters, 3)  # leaves a valid selection in `sel` for the attention below
+
+    def attend(i):
+        lib.mla_sparse_decode(dtype, q, caches[i % rot], d_len, 0, sel, out, ws, ws_bytes, B, S, H, DL, DR, C, T,
+                              TOPK, 1.0 / math.sqrt(192), ns)
+
+    attend_ms = b.timed(attend, iters, 3)
+    b.free_all()
+    select_bytes = B * T * DI * es + 6 * B * S * T * 4 + iq_bytes + B * S * TOPK * 4
+    attend_bytes = B * S * TOPK * D * es + q_bytes + out_bytes
+    return {"B": B, "T": T, "H": H, "S": S, "topk": TOPK, "splits": ns,
+            "select_us": select_ms * 1e3, "select_bytes": select_bytes, "select_GBps": select_bytes / select_ms / 1e6,
+            "attend_us": attend_ms * 1e3, "attend_bytes": attend_bytes, "attend_GBps": attend_bytes / attend_ms / 1e6}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mtp_trt.plugins.bench_kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -174,10 +225,26 @@ def main(argv=None) -> int:
                 results.append(r)
                 print(f"{B:>4} {T:>7} {B * T:>7} {H:>4} {S:>2} {r['splits']:>6} {r['time_us']:>9.1f} "
                       f"{r['GBps']:>7.0f} {r['pct_copy']:>6.1f}%", flush=True)
+    print(f"DeepSeek Sparse Attention {dtype}: mtp_dsa_select ({HI} heads x {DI}, top {TOPK}) and "
+          f"mtp_mla_sparse_decode (H={H_DSA}, Dl={DL} Dr={DR}):")
+    hdr = (f"{'B':>4} {'T':>7} {'S':>2} {'select us':>10} {'GB/s':>7} {'% copy':>7} {'attend us':>10} {'GB/s':>7} "
+           f"{'% copy':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    dsa = []
+    for S in [int(x) for x in args.seq.split(",")]:
+        for B, T in QUICK_DSA_BT if args.quick else DSA_BT:
+            if B * T * (DL + DR + DI) * 2 * 2 + B * S * T * 4 > info["global_mem_bytes"] * 0.8:
+                continue
+            r = bench_dsa(b, lib, info, B, T, H_DSA, S, dtype, args.iters)
+            dsa.append(r)
+            print(f"{B:>4} {T:>7} {S:>2} {r['select_us']:>10.1f} {r['select_GBps']:>7.0f} "
+                  f"{100 * r['select_GBps'] / copy_gbps:>6.1f}% {r['attend_us']:>10.1f} {r['attend_GBps']:>7.0f} "
+                  f"{100 * r['attend_GBps'] / copy_gbps:>6.1f}%", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": info, "dtype": dtype, "flags": flags, "copy_GBps": copy_gbps, "mla_decode": results},
-                      f, indent=2)
+            json.dump({"device": info, "dtype": dtype, "flags": flags, "copy_GBps": copy_gbps, "mla_decode": results,
+                       "dsa": dsa}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 

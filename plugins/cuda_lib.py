@@ -39,11 +39,11 @@ from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import cache_dir
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SOURCES = ("mla_decode.cu", "accept.cu", "gather.cu", "api.cu")
+SOURCES = ("mla_decode.cu", "dsa.cu", "accept.cu", "gather.cu", "api.cu")
 HEADERS = ("mtp_kernels.h", "common.cuh")
 DEFAULT_ARCHS = ("80", "86", "89", "90a", "100", "120")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
-ABI_VERSION = 3  # 3: mtp_accept_relaxed_dev takes draft_stride and separate thinking_in / thinking_out
+ABI_VERSION = 4  # 3: mtp_accept_relaxed_dev takes draft_stride, thinking_in / thinking_out; 4: DSA's kernels
 
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "f32": 0, "f16": 1, "bf16": 2, "fp32": 0, "fp16": 1}
 MLA_FORCE_SIMT = 1
@@ -298,6 +298,10 @@ _SIGNATURES = {
     "mtp_mla_decode_workspace_size": (_Z, [_I, _I, _I, _I, _I]),
     "mtp_mla_decode": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _Z, _I, _I, _I, _I, _I, _I, _F, _I, _I, _P]),
     "mtp_mla_kv_commit": (_I, [_I, _P, _P, _P, _I, _I, _I, _I, _P]),
+    "mtp_mla_sparse_decode": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _Z, _I, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I,
+                                   _P]),
+    "mtp_dsa_select_workspace_size": (_Z, [_I, _I, _I]),
+    "mtp_dsa_select": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _Z, _I, _I, _I, _I, _I, _I, _I, _I, _F, _P]),
     "mtp_accept_strict": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P]),
     "mtp_accept_relaxed": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _I, _I, _P]),
     "mtp_accept_relaxed_dev": (_I, [_I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _I, _I, _P]),
@@ -360,6 +364,24 @@ class KernelLib:
     def mla_kv_commit(self, dtype, kv_cache, cache_len, new_rows, B, S, D, T_max, stream=0) -> None:
         self._check("mtp_mla_kv_commit", self.lib.mtp_mla_kv_commit(
             dtype_code(dtype), _ptr(kv_cache), _ptr(cache_len), _ptr(new_rows), B, S, D, T_max, _ptr(stream)))
+
+    def mla_sparse_decode(self, dtype, q, kv_cache, cache_len, new_rows, selected, out, workspace, workspace_bytes,
+                          B, S, H, Dl, Dr, C, T_max, K, scale, num_splits, flags=0, stream=0) -> None:
+        self._check("mtp_mla_sparse_decode", self.lib.mtp_mla_sparse_decode(
+            dtype_code(dtype), _ptr(q), _ptr(kv_cache), _ptr(cache_len), _ptr(new_rows), _ptr(selected), _ptr(out),
+            _ptr(workspace), int(workspace_bytes), B, S, H, Dl, Dr, C, T_max, K, float(scale), num_splits, flags,
+            _ptr(stream)))
+
+    # ---- DeepSeek Sparse Attention's indexer
+    def dsa_select_workspace_size(self, B, S, T_max) -> int:
+        return int(self.lib.mtp_dsa_select_workspace_size(B, S, T_max))
+
+    def dsa_select(self, dtype, q_index, weights, kv_cache, cache_len, mask, selected, workspace, workspace_bytes,
+                   B, S, Hi, Di, C, key_offset, T_max, K, scale, stream=0) -> None:
+        self._check("mtp_dsa_select", self.lib.mtp_dsa_select(
+            dtype_code(dtype), _ptr(q_index), _ptr(weights), _ptr(kv_cache), _ptr(cache_len), _ptr(mask),
+            _ptr(selected), _ptr(workspace), int(workspace_bytes), B, S, Hi, Di, C, key_offset, T_max, K,
+            float(scale), _ptr(stream)))
 
     # ---- acceptance
     def accept_strict(self, dtype, logits, target_ids, drafts, out_tokens, num_accepted, last_index, B, K, V,

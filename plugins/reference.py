@@ -126,6 +126,104 @@ def mla_num_splits(B: int, S: int, H: int, max_len: int, num_sms: int) -> int:
     return max(n, 1)
 
 
+def mla_sparse_decode(q, kv_cache, cache_len, selected, *, dl: int, scale: float, new_rows=None):
+    """Sparse MLA (mtp_mla_sparse_decode).  q [B, S, H, D], kv_cache [B, T_max, C] (C >= D: the first D values of
+    a row are its latent), selected [B, S, K] cache rows (-1 or out of range: skipped), new_rows [B, S, C] or None.
+    Returns (out [B, S, H, dl] float64, cache after the commit): softmax over the listed rows only."""
+    q = np.asarray(q)
+    B, S, H, D = q.shape
+    cache = mla_kv_commit(kv_cache, cache_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
+    T_max = cache.shape[1]
+    out = np.zeros((B, S, H, dl), dtype=np.float64)
+    for b in range(B):
+        for s in range(S):
+            rows = [int(r) for r in selected[b, s] if 0 <= r < T_max]
+            if not rows:
+                continue
+            kv = cache[b, rows, :D].astype(np.float64)  # [n, D]
+            scores = scale * (q[b, s].astype(np.float64) @ kv.T)  # [H, n]
+            e = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, s] = (e / e.sum(-1, keepdims=True)) @ kv[:, :dl]
+    return out, cache
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. DeepSeek Sparse Attention's lightning indexer
+# ---------------------------------------------------------------------------------------------
+def dsa_scores(q_index, weights, keys, *, scale: float) -> np.ndarray:
+    """Index scores I [S, T] of one sequence: I[s, t] = sum_j w[s, j] max(0, scale q[s, j] . k[t]), in float64.
+    q_index [S, Hi, Di], weights [S, Hi], keys [T, Di]."""
+    qk = np.einsum("sjd,td->sjt", np.asarray(q_index, np.float64), np.asarray(keys, np.float64)) * scale
+    return np.einsum("sj,sjt->st", np.asarray(weights, np.float64), np.maximum(qk, 0.0))
+
+
+def topk_rows(scores, visible, k: int) -> np.ndarray:
+    """The selection rule of mtp_dsa_select on one query: of the visible rows (visible [T] bool), the k with the
+    highest scores [T] -- all of them when at most k are visible -- ties to the earlier row (ONNX TopK's rule), a
+    NaN above every number; -> [k] int32, the rows ascending, then -1."""
+    scores, visible = np.asarray(scores), np.asarray(visible, bool)
+    rows = np.flatnonzero(visible)
+    key = np.where(np.isnan(scores[rows]), np.inf, scores[rows])
+    nan = np.isnan(scores[rows])
+    order = np.lexsort((rows, -key, ~nan))  # NaN first, then score descending, then the earlier row
+    out = np.full(k, -1, np.int32)
+    pick = np.sort(rows[order[:k]])
+    out[:len(pick)] = pick
+    return out
+
+
+def dsa_select(q_index, weights, kv_cache, cache_len, *, key_offset: int, k: int, scale: float, mask=None,
+               scores_dtype=np.float32):
+    """mtp_dsa_select: q_index [B, S, Hi, Di], weights [B, S, Hi], kv_cache [B, T_max, C] (the new rows already
+    committed), cache_len [B], mask [B, S, S] or None (causal).  -> (selected [B, S, k] int32, scores [B, S, L] with
+    L = min(cache_len + S, T_max) per sequence padded with NaN).  The scores are rounded to `scores_dtype` before
+    the selection (the kernel's are fp32)."""
+    q_index = np.asarray(q_index)
+    B, S, Hi, Di = q_index.shape
+    T_max = kv_cache.shape[1]
+    selected = np.full((B, S, k), -1, np.int32)
+    all_scores = np.full((B, S, T_max), np.nan)
+    for b in range(B):
+        c = int(np.clip(cache_len[b], 0, T_max))
+        L = min(c + S, T_max)
+        keys = np.asarray(kv_cache[b, :L, key_offset:key_offset + Di])
+        sc = dsa_scores(q_index[b], weights[b], keys, scale=scale).astype(scores_dtype)  # [S, L]
+        vis = mla_visible(c, L, S, None if mask is None else mask[b])
+        for s in range(S):
+            selected[b, s] = topk_rows(sc[s], vis[s], k)
+        all_scores[b, :, :L] = sc
+    return selected, all_scores
+
+
+def selections_agree(got, want, scores, *, rtol: float) -> tuple[bool, str]:
+    """Whether two selections [..., K] (ascending rows, then -1) of the same queries agree up to rounding: the same
+    number of rows, and every row in one but not the other scored within rtol * max |score| of the query's
+    threshold (the lowest score `want` selected), so only near-ties were broken differently.  scores [..., T]
+    are `want`'s.  -> (ok, the first disagreement in words)."""
+    got, want, scores = np.asarray(got), np.asarray(want), np.asarray(scores, np.float64)
+    for idx in np.ndindex(*want.shape[:-1]):
+        g, w, sc = got[idx], want[idx], scores[idx]
+        g_rows, w_rows = g[g >= 0], w[w >= 0]
+        where = f"query {tuple(int(i) for i in idx)}"
+        if len(g_rows) != len(w_rows) or np.any(g[len(g_rows):] != -1):
+            return False, f"{where}: {len(g_rows)} rows selected, expected {len(w_rows)}"
+        if len(set(g_rows.tolist())) != len(g_rows) or np.any(np.diff(g_rows) <= 0):
+            return False, f"{where}: rows not strictly ascending: {g_rows.tolist()[:8]} ..."
+        extra = np.setdiff1d(g_rows, w_rows)
+        if extra.size == 0:
+            continue
+        if np.any(extra >= sc.shape[0]) or np.any(np.isnan(sc[extra])):
+            return False, f"{where}: row(s) {extra.tolist()[:4]} are not visible"
+        thr = sc[w_rows].min()
+        tol = rtol * max(np.nanmax(np.abs(sc)), 1e-30)
+        swapped = np.concatenate([extra, np.setdiff1d(w_rows, g_rows)])
+        off = np.abs(sc[swapped] - thr) > tol
+        if off.any():
+            r = int(swapped[off][0])
+            return False, f"{where}: row {r} (score {sc[r]!r}) differs, threshold {thr!r}, tolerance {tol:.3g}"
+    return True, ""
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Acceptance
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""TensorRT IPluginV3 plugins (Python) for the two custom ops of the `plugin` lowering (mtp_trt/ops.py).
+"""TensorRT IPluginV3 plugins (Python) for the custom ops of the `plugin` lowering (mtp_trt/ops.py).
 
 `register(trt)` registers one IPluginCreatorV3One per op with the plugin registry of the given
 TensorRT module (`tensorrt` or `tensorrt_rtx`), under the op's name, version `ops.VERSION` and the
@@ -17,6 +17,9 @@ plugin is created for the runtime phase (engine deserialization), never inside e
   (IPluginV3OneBuildV2.get_aliased_input, builder preview feature ALIASED_PLUGIN_IO_10_03), so TensorRT gives
   both the same buffer (enqueue checks it).  The split count and workspace of each (B, S, H, T) are worked out
   once per plugin instance (one execution context, one device): a call is one ctypes call, the launch.
+* MlaSparseAttention (DeepSeek Sparse Attention) -> mtp_mla_kv_commit (the new rows with their indexer keys, in
+  place), mtp_dsa_select (the indexer's scores and top-k over the committed cache) and mtp_mla_sparse_decode over
+  the selected rows; the scores, the selected rows and the split-KV partials share the TensorRT workspace.
 * MtpAccept -> mtp_accept_relaxed_dev (kernel ABI 3; relaxed_topk <= 0 is strict), reading the
   drafts in place from input_ids + 1 with stride S and writing the flags to thinking_out: no
   workspace, no copies.  relaxed_topk and relaxed_delta stay device scalars that the kernels read
@@ -83,6 +86,25 @@ def mla_workspace_bound(b_range: tuple[int, int], s_range: tuple[int, int], H: i
                 break
             best = max(best, mla_workspace_size(b, s, H, Dl, mla_splits_bound(b, s, H, max_len)))
     return best
+
+
+def sparse_workspace_size(B: int, S: int, H: int, Dl: int, T: int, K: int, num_splits: int) -> tuple[int, int, int]:
+    """MlaSparseAttention's workspace parts for one shape: (index scores fp32 [B*S, T] = mtp_dsa_select's workspace,
+    the selected rows int32 [B*S, K], the split-KV partials of mtp_mla_sparse_decode), each 256-byte aligned."""
+    return _align(B * S * T * 4), _align(B * S * K * 4), mla_workspace_size(B * S, 1, H, Dl, num_splits)
+
+
+def sparse_splits_bound(B: int, S: int, H: int, K: int) -> int:
+    """The split count MlaSparseAttention's enqueue may use at most: each query token is a sequence of K rows."""
+    return mla_splits_bound(B * S, 1, H, K)
+
+
+def sparse_workspace_bound(b_range: tuple[int, int], s_range: tuple[int, int], H: int, Dl: int, max_len: int,
+                           K: int) -> int:
+    """MlaSparseAttention's workspace for every (B, S) of the ranges: each part at its largest."""
+    lo, hi = max(1, b_range[0]) * max(1, s_range[0]), max(1, b_range[1]) * max(1, s_range[1])
+    scores, selected, _ = sparse_workspace_size(hi, 1, H, Dl, max_len, K, 1)
+    return scores + selected + mla_workspace_bound((lo, hi), (1, 1), H, Dl, K)
 
 
 def _field(fc, name: str, kind):
@@ -167,6 +189,20 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
         def destroy(self):
             pass
 
+    def attention_format(pos: int, in_out, num_inputs: int, fixed: dict, mask_at: int) -> bool:
+        """The attention plugins' formats: linear; q one of fp32/fp16/bf16; the inputs in `fixed` of that type; the
+        optional tree mask (input mask_at) bool; every other tensor q's type."""
+        d = in_out[pos].desc
+        if d.format != trt.TensorFormat.LINEAR:
+            return False
+        if pos == 0:
+            return d.type in floats
+        if pos in fixed:
+            return d.type == fixed[pos]
+        if pos == mask_at and num_inputs == mask_at + 1:
+            return d.type == trt.bool  # the tree mask: one byte per entry, as the kernels read it
+        return d.type == in_out[0].desc.type
+
     class MlaGenerationAttention(Base):
         OP = ops.MLA_GENERATION_ATTENTION
         FIELDS = (("kv_lora_rank", I32, int), ("softmax_scale", F, float))
@@ -190,16 +226,7 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
 
         @_reported
         def supports_format_combination(self, pos, in_out, num_inputs):
-            d = in_out[pos].desc
-            if d.format != trt.TensorFormat.LINEAR:
-                return False
-            if pos == 0:
-                return d.type in floats
-            if pos == 3:
-                return d.type == trt.int32
-            if pos == 4 and num_inputs == 5:
-                return d.type == trt.bool  # the tree mask: one byte per entry, as the kernel reads it
-            return d.type == in_out[0].desc.type  # new_rows, kv_cache, out, kv_cache_out
+            return attention_format(pos, in_out, num_inputs, {3: trt.int32}, 4)
 
         @_reported
         def get_workspace_size(self, inp, out):
@@ -236,6 +263,76 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
             _kernels().mla_decode(DTYPE_CODES[input_desc[0].type.name], inputs[0], outputs[1], inputs[3], inputs[1],
                                   inputs[4] if len(input_desc) == 5 else None,  # the tree mask, else causal
                                   outputs[0], workspace if ws else None, ws, B, S, H, dl, D - dl, T,
+                                  self.values["softmax_scale"], splits, 0, stream)
+
+    class MlaSparseAttention(Base):
+        OP = ops.MLA_SPARSE_ATTENTION
+        FIELDS = (("kv_lora_rank", I32, int), ("softmax_scale", F, float), ("index_topk", I32, int))
+
+        @_reported
+        def get_output_data_types(self, input_types):
+            return [input_types[0], input_types[2]]
+
+        @_reported
+        def get_output_shapes(self, inputs, shape_inputs, exprs):
+            q, rows, cache, _, iq, iw = inputs[:6]
+            ranks = [len(x) for x in inputs]
+            if ranks[:6] != [4, 3, 3, 1, 4, 3] or ranks[6:] not in ([], [3]):
+                raise ValueError("expected q [B, S, H, D], new_rows [B, S, C], kv_cache [B, T, C], past_len [B], "
+                                 "index_q [B, S, Hi, Di], index_weights [B, S, Hi] and optionally tree_mask [B, S, S]")
+            dims = [d.get_constant_value() if d.is_constant() else None for d in (q[3], iq[3], rows[2], cache[2])]
+            d, di = dims[0], dims[1]
+            if d is not None and d <= self.values["kv_lora_rank"]:
+                raise ValueError(f"q's last dim {d} must exceed kv_lora_rank {self.values['kv_lora_rank']}")
+            if None not in (d, di) and any(c is not None and c != d + di for c in dims[2:]):
+                raise ValueError(f"new_rows and kv_cache rows must hold q's {d} values and the {di}-value indexer "
+                                 f"key, got {dims[2:]}")
+            return [trt.DimsExprs([q[0], q[1], q[2], exprs.constant(self.values["kv_lora_rank"])]),
+                    trt.DimsExprs([cache[0], cache[1], cache[2]])]
+
+        @_reported
+        def supports_format_combination(self, pos, in_out, num_inputs):
+            return attention_format(pos, in_out, num_inputs, {3: trt.int32, 5: trt.float32}, 6)
+
+        @_reported
+        def get_workspace_size(self, inp, out):
+            q, cache = inp[0], inp[2]
+            return sparse_workspace_bound((q.min[0], q.max[0]), (q.min[1], q.max[1]), q.max[2],
+                                          self.values["kv_lora_rank"], cache.max[1], self.values["index_topk"])
+
+        def __init__(self, values: dict):
+            super().__init__(values)
+            self.launches: dict[tuple, tuple] = {}  # (B, S, H, T) -> (splits, workspace parts) on this device
+
+        def launch_plan(self, B: int, S: int, H: int, T: int) -> tuple[int, tuple[int, int, int]]:
+            """(split count, workspace parts) of a shape, asked of the kernel library once per shape."""
+            if (plan := self.launches.get((B, S, H, T))) is None:
+                dl, k, lib = self.values["kv_lora_rank"], self.values["index_topk"], _kernels()
+                splits = min(lib.mla_decode_num_splits(B * S, 1, H, k, 0), sparse_splits_bound(B, S, H, k))
+                parts = sparse_workspace_size(B, S, H, dl, T, k, splits)
+                if (lib.dsa_select_workspace_size(B, S, T), lib.mla_decode_workspace_size(B, S, H, dl, splits)) != \
+                        (parts[0], parts[2]):
+                    raise RuntimeError("the kernel library's workspace sizes differ from plugins/trt_plugins.py's "
+                                       "sparse_workspace_size")
+                plan = self.launches[(B, S, H, T)] = (splits, parts)
+            return plan
+
+        @_reported
+        def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
+            B, S, H, D = input_desc[0].dims
+            T, C = input_desc[2].dims[1], input_desc[2].dims[2]
+            hi, di = input_desc[4].dims[2], input_desc[4].dims[3]
+            if outputs[1] != inputs[2]:
+                raise RuntimeError(f"kv_cache_out is bound to {outputs[1]:#x}, not to kv_cache's buffer "
+                                   f"{inputs[2]:#x}: TensorRT did not alias them (build with aliased plugin I/O)")
+            splits, (scores, selected, partials) = self.launch_plan(B, S, H, T)
+            dl, k, lib = self.values["kv_lora_rank"], self.values["index_topk"], _kernels()
+            dtype, cache, sel = DTYPE_CODES[input_desc[0].type.name], outputs[1], workspace + scores
+            lib.mla_kv_commit(dtype, cache, inputs[3], inputs[1], B, S, C, T, stream)  # the new rows and their keys
+            lib.dsa_select(dtype, inputs[4], inputs[5], cache, inputs[3], inputs[6] if len(input_desc) == 7 else None,
+                           sel, workspace, scores, B, S, hi, di, C, D, T, k, di**-0.5, stream)
+            lib.mla_sparse_decode(dtype, inputs[0], cache, inputs[3], None, sel, outputs[0],
+                                  sel + selected if partials else None, partials, B, S, H, dl, D - dl, C, T, k,
                                   self.values["softmax_scale"], splits, 0, stream)
 
     class MtpAccept(Base):
@@ -284,8 +381,8 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
             def create_plugin(self, name, fc, phase):
                 try:
                     values = {n: kind(_field(fc, n, kind)) for n, _, kind in plugin.FIELDS}
-                    if plugin is MlaGenerationAttention and not (values["kv_lora_rank"] > 0
-                                                                 and math.isfinite(values["softmax_scale"])):
+                    if plugin is not MtpAccept and not (values["kv_lora_rank"] > 0 and values.get("index_topk", 1) > 0
+                                                        and math.isfinite(values["softmax_scale"])):
                         raise ValueError(f"bad attributes {values}")
                 except Exception as e:
                     with _lock:
@@ -305,14 +402,14 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
         Creator.__name__ = plugin.__name__ + "Creator"
         return Creator
 
-    return {p.OP.name: (p, creator_for(p)) for p in (MlaGenerationAttention, MtpAccept)}
+    return {p.OP.name: (p, creator_for(p)) for p in (MlaGenerationAttention, MlaSparseAttention, MtpAccept)}
 
 
 _registered: dict[int, list] = {}  # id(trt module) -> creators (kept alive: the registry holds raw pointers)
 
 
 def register(trt) -> list:
-    """Register the creators of both plugins with trt's plugin registry (once per module)."""
+    """Register the creators of the plugins with trt's plugin registry (once per module)."""
     with _lock:
         if id(trt) in _registered:
             return _registered[id(trt)]

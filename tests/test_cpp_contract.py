@@ -89,9 +89,13 @@ PROBE = r"""
 int main() {
     long long b0, b1, s0, s1, H, Dl, T;
     while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &b0, &b1, &s0, &s1, &H, &Dl, &T) == 7)
-        std::printf("%lld %d %lld\n", static_cast<long long>(mtp_trt::mla_workspace_bound(b0, b1, s0, s1, H, Dl, T)),
+        std::printf("%lld %d %lld %lld %d %lld\n",
+                    static_cast<long long>(mtp_trt::mla_workspace_bound(b0, b1, s0, s1, H, Dl, T)),
                     mtp_trt::mla_splits_bound(b1, s1, H, T),
-                    static_cast<long long>(mtp_trt::mla_workspace_size(b1, s1, H, Dl, mtp_trt::mla_num_splits(b1, s1, H, T, 132))));
+                    static_cast<long long>(mtp_trt::mla_workspace_size(b1, s1, H, Dl, mtp_trt::mla_num_splits(b1, s1, H, T, 132))),
+                    static_cast<long long>(mtp_trt::sparse_workspace_bound(b0, b1, s0, s1, H, Dl, T, 2048)),
+                    mtp_trt::sparse_splits_bound(b1, s1, H, 2048),
+                    static_cast<long long>(mtp_trt::sparse_workspace_size(b1, s1, H, Dl, T, 2048, 3).total()));
     return 0;
 }
 """
@@ -110,10 +114,14 @@ def test_workspace_formulas_match_python(tmp_path):
                            capture_output=True, text=True).stdout.split("\n")
     for c, line in zip(cases, lines):
         b0, b1, s0, s1, H, Dl, T = c
-        bound, splits, size = (int(x) for x in line.split())
+        bound, splits, size, sparse_bound, sparse_splits, sparse_size = (int(x) for x in line.split())
         assert bound == tp.mla_workspace_bound((b0, b1), (s0, s1), H, Dl, T), c
         assert splits == tp.mla_splits_bound(b1, s1, H, T), c
         assert size == tp.mla_workspace_size(b1, s1, H, Dl, tp.mla_num_splits(b1, s1, H, T, 132)), c
+        # MlaSparseAttention (index_topk 2048): scores, selected rows and split partials
+        assert sparse_bound == tp.sparse_workspace_bound((b0, b1), (s0, s1), H, Dl, T, 2048), c
+        assert sparse_splits == tp.sparse_splits_bound(b1, s1, H, 2048), c
+        assert sparse_size == sum(tp.sparse_workspace_size(b1, s1, H, Dl, T, 2048, 3)), c
     assert any(int(line.split()[0]) > 0 for line in lines if line), "no case exercised a split workspace"
 
 

@@ -20,6 +20,7 @@ from mtp_trt.trt import compat, cpp_plugins
 
 pytestmark = pytest.mark.trt
 FIELDS = {"MlaGenerationAttention": {"kv_lora_rank": 32, "softmax_scale": 0.125},
+          "MlaSparseAttention": {"kv_lora_rank": 32, "softmax_scale": 0.125, "index_topk": 16},
           "MtpAccept": {"think_start_id": 90, "think_end_id": 91}}
 
 
@@ -82,6 +83,12 @@ def _model(op: str, dtype=TensorProto.FLOAT16, tree_mask: bool = False):
         ins = [v("q", dtype, ["B", "S", 4, 40]), v("new_rows", dtype, ["B", "S", 40]), v("kv", dtype, ["B", "T", 40]),
                v("past_len", TensorProto.INT32, ["B"])] + [v("tree_mask", TensorProto.BOOL, ["B", "S", "S"])] * tree_mask
         outs = [v("out", dtype, ["B", "S", 4, 32]), v("kv_out", dtype, ["B", "T", 40])]
+    elif op == "MlaSparseAttention":  # rows of 40 latent values and a 16-value indexer key; 2 indexer heads
+        ins = [v("q", dtype, ["B", "S", 4, 40]), v("dsa_rows", dtype, ["B", "S", 56]), v("dsa_kv", dtype, ["B", "T", 56]),
+               v("past_len", TensorProto.INT32, ["B"]), v("index_q", dtype, ["B", "S", 2, 16]),
+               v("index_weights", TensorProto.FLOAT, ["B", "S", 2])] + \
+            [v("tree_mask", TensorProto.BOOL, ["B", "S", "S"])] * tree_mask
+        outs = [v("out", dtype, ["B", "S", 4, 32]), v("kv_out", dtype, ["B", "T", 56])]
     else:
         ins = [v("logits", TensorProto.FLOAT, ["B", "S", 96]), v("input_ids", TensorProto.INT32, ["B", "S"]),
                v("thinking", TensorProto.INT32, ["B"]), v("relaxed_topk", TensorProto.INT32, []),
@@ -99,7 +106,9 @@ SHAPES = {"q": [(1, 1, 4, 40), (2, 3, 4, 40), (4, 3, 4, 40)], "new_rows": [(1, 1
           "kv": [(1, 1, 40), (2, 64, 40), (4, 2048, 40)], "past_len": [(1,), (2,), (4,)],
           "logits": [(1, 1, 96), (2, 3, 96), (4, 3, 96)], "input_ids": [(1, 1), (2, 3), (4, 3)],
           "thinking": [(1,), (2,), (4,)], "relaxed_topk": [(), (), ()], "relaxed_delta": [(), (), ()],
-          "tree_mask": [(1, 1, 1), (2, 3, 3), (4, 3, 3)]}
+          "tree_mask": [(1, 1, 1), (2, 3, 3), (4, 3, 3)], "dsa_rows": [(1, 1, 56), (2, 3, 56), (4, 3, 56)],
+          "dsa_kv": [(1, 1, 56), (2, 64, 56), (4, 2048, 56)], "index_q": [(1, 1, 2, 16), (2, 3, 2, 16), (4, 3, 2, 16)],
+          "index_weights": [(1, 1, 2), (2, 3, 2), (4, 3, 2)]}
 
 
 def _build(api, model: onnx.ModelProto, impl: str):
@@ -164,20 +173,22 @@ def test_engines_cross_implementations(api, op):
     outs_cpp, eng_cpp = _build(api, model, "cpp")
     outs_py, eng_py = _build(api, model, "python")
     assert outs_cpp == outs_py
-    aliases = {"kv_out": "kv"} if op == "MlaGenerationAttention" else {}
+    aliases = {"MlaGenerationAttention": {"kv_out": "kv"}, "MlaSparseAttention": {"kv_out": "dsa_kv"}}.get(op, {})
     _check_engine(api, eng_cpp, aliases, impl="python")
     _check_engine(api, eng_py, aliases, impl="cpp")
 
 
-def test_tree_masked_attention_builds_with_either_implementation(api):
-    """The optional fifth input, the tree mask (bool [B, S, S]), is accepted by both implementations' format and
-    shape checks and gives the same outputs and aliasing as the four-input node."""
-    model = _model("MlaGenerationAttention", TensorProto.FLOAT, tree_mask=True)
+@pytest.mark.parametrize("op, cache, width", [("MlaGenerationAttention", "kv", 40), ("MlaSparseAttention", "dsa_kv", 56)])
+def test_tree_masked_attention_builds_with_either_implementation(api, op, cache, width):
+    """The optional last input, the tree mask (bool [B, S, S]), is accepted by both implementations' format and
+    shape checks and gives the same outputs and aliasing as the node without it."""
+    model = _model(op, TensorProto.FLOAT, tree_mask=True)
     outs_cpp, eng_cpp = _build(api, model, "cpp")
     outs_py, eng_py = _build(api, model, "python")
-    assert outs_cpp == outs_py == [("out", (-1, -1, 4, 32), api.trt.float32), ("kv_out", (-1, -1, 40), api.trt.float32)]
-    _check_engine(api, eng_cpp, {"kv_out": "kv"}, impl="python")
-    _check_engine(api, eng_py, {"kv_out": "kv"}, impl="cpp")
+    f32 = api.trt.float32
+    assert outs_cpp == outs_py == [("out", (-1, -1, 4, 32), f32), ("kv_out", (-1, -1, width), f32)]
+    _check_engine(api, eng_cpp, {"kv_out": cache}, impl="python")
+    _check_engine(api, eng_py, {"kv_out": cache}, impl="cpp")
 
 
 @pytest.mark.slow

@@ -240,8 +240,9 @@ def test_ties_keep_the_earlier_rows(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("option, message", [
-    (["--lowering", "plugin"], "--lowering plugin: {cfg}: DeepseekV32ForCausalLM (DeepSeek Sparse Attention) has no "
-                               "TensorRT plugin for its sparse attention; export with --lowering onnx"),
+    (["--quant", "int8", "--lowering", "plugin"],
+     "--quant int8 --lowering plugin: {cfg}: DeepseekV32ForCausalLM (DeepSeek Sparse Attention) has TensorRT engines "
+     "with unquantized weights only; leave --quant out, or export with --lowering onnx"),
     (["--moe-form", "tensorrt"], "--moe-form tensorrt: {cfg}: DeepseekV32ForCausalLM (DeepSeek Sparse Attention) is "
                                  "not supported in TensorRT engines; leave --moe-form out"),
 ])
@@ -272,6 +273,6 @@ def test_tensorrt_build_is_refused(case):
     from mtp_trt.trt.builder import load_export
 
     out = case[2]
-    with pytest.raises(MtpTrtError, match=r"\(DeepSeek Sparse Attention\) runs on ONNX Runtime only; TensorRT "
-                                          r"engines of it are not supported"):
+    with pytest.raises(MtpTrtError, match=r"\(DeepSeek Sparse Attention\) runs in TensorRT engines through the "
+                                          r"MlaSparseAttention plugin only: re-export with --lowering plugin"):
         load_export(out)

@@ -75,7 +75,7 @@ def host(monkeypatch):
 def _desc(trt, arr: np.ndarray):
     d = trt.PluginTensorDesc()
     d.dims = trt.Dims(list(arr.shape))
-    d.type = {np.float32: trt.float32, np.float16: trt.float16, np.int32: trt.int32}[arr.dtype.type]
+    d.type = {np.float32: trt.float32, np.float16: trt.float16, np.int32: trt.int32, np.bool_: trt.bool}[arr.dtype.type]
     d.format = trt.TensorFormat.LINEAR
     return d
 
@@ -202,3 +202,46 @@ def test_serialized_fields_round_trip(host):
         again = creator_cls().create_plugin("n", fields, trt.TensorRTPhase.RUNTIME)
         assert again.values == pytest.approx(values) and again.plugin_name == name
         assert again.clone().values == again.values
+
+
+@pytest.mark.parametrize("dtype,tree", [(np.float32, False), (np.float16, True)])
+def test_sparse_attention_enqueue_runs_the_kernels(monkeypatch, dtype, tree):
+    """MlaSparseAttention's enqueue on the CUDA kernels themselves, compiled for the CPU under the host emulation
+    (tests/kernels/emu): the KV commit of rows with their indexer keys, the indexer's top-k and sparse MLA, in the
+    workspace reserved at build time, equal the op contract's torch form (mla_sparse_decomposed) on integer-valued
+    indexer inputs (exact scores, many ties: the earlier row wins on both sides)."""
+    from kernels.emu import build as emu_build
+
+    from mtp_trt.exporters.lowering import mla_sparse_decomposed
+    from mtp_trt.fsutil import cache_dir
+    from mtp_trt.plugins import cuda_lib
+    from mtp_trt.trt import compat
+
+    if why := emu_build.unavailable_reason():
+        pytest.skip(f"kernel emulation: {why}")
+    lib = cuda_lib.KernelLib(emu_build.build_emulated_library(cache_dir("emu")))
+    monkeypatch.setattr(tp, "_kernels", lambda: lib)
+    trt = compat.load("auto").trt
+    B, S, H, Dl, Dr, Hi, Di, T, K, scale = 2, 3, 4, 32, 8, 2, 16, 40, 6, 0.17
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((B, S, H, Dl + Dr)).astype(dtype)
+    rows = np.concatenate([rng.standard_normal((B, S, Dl + Dr)), rng.integers(-1, 2, (B, S, Di))], -1).astype(dtype)
+    cache = np.concatenate([rng.standard_normal((B, T, Dl + Dr)), rng.integers(-1, 2, (B, T, Di))], -1).astype(dtype)
+    iq = rng.integers(-1, 2, (B, S, Hi, Di)).astype(dtype)
+    iw = rng.integers(0, 3, (B, S, Hi)).astype(np.float32)
+    past = np.array([2, 30], np.int32)
+    mask = (np.tril(rng.integers(0, 2, (B, S, S))) | np.eye(S, dtype=np.int64)).astype(np.bool_) if tree else None
+    before = cache.copy()
+    out = np.full((B, S, H, Dl), np.nan, dtype)
+    ws = np.zeros(tp.sparse_workspace_bound((1, B), (1, S), H, Dl, T, K), np.uint8)
+    plugin = tp.plugin_classes(trt)["MlaSparseAttention"][0]({"kv_lora_rank": Dl, "softmax_scale": scale,
+                                                              "index_topk": K})
+    ins = [q, rows, cache, past, iq, iw] + ([mask] if tree else [])
+    plugin.enqueue([_desc(trt, a) for a in ins], [_desc(trt, out), _desc(trt, cache)], [_ptr(a) for a in ins], [_ptr(out), _ptr(cache)],
+                   _ptr(ws), 0)
+    t = (lambda a: torch.from_numpy(a.astype(np.float32)))
+    want, committed = mla_sparse_decomposed(t(q), t(rows), t(before), torch.from_numpy(past), t(iq), t(iw), Dl, scale,
+                                            K, None if mask is None else torch.from_numpy(mask))
+    tol = 1e-5 if dtype == np.float32 else 2e-3
+    np.testing.assert_allclose(out.astype(np.float32), want.numpy(), atol=tol, rtol=tol)
+    np.testing.assert_array_equal(cache.astype(np.float32), committed.numpy())  # in place, keys included

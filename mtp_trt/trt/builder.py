@@ -42,9 +42,9 @@ def load_export(export_dir: str | Path) -> Manifest:
     """An export in either lowering: `plugin` (the mtp_trt plugins: in-place cache writes, fused acceptance)
     or `onnx` (standard operators only: engines any TensorRT application loads without our plugins)."""
     m = Manifest.load(export_dir, verify_hashes=True)  # checks format and format version
-    if m.config.dsa:
-        raise MtpTrtError(f"{m.root}: {m.config.architecture} (DeepSeek Sparse Attention) runs on ONNX Runtime only; "
-                          "TensorRT engines of it are not supported")
+    if m.config.dsa and m.lowering != "plugin":
+        raise MtpTrtError(f"{m.root}: {m.config.architecture} (DeepSeek Sparse Attention) runs in TensorRT engines "
+                          "through the MlaSparseAttention plugin only: re-export with --lowering plugin")
     return m
 
 

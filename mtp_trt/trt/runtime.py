@@ -242,7 +242,7 @@ class TrtBackend(Backend):
         read = READ_OUTPUTS | (set(C.SAMPLED_OUTPUTS) if self.sampling else set())
         self.out_at, out_bytes = plan.output_layout(ios, batch, rows, s_max)
         self.host_at, host_bytes = plan.output_layout(ios, batch, rows, s_max, read)
-        slot = rows * m.config.latent_dim * self.itemsize
+        slot = rows * m.config.cache_dim * self.itemsize
         activations = plan.activation_bytes(
             {(n, p): self.loader.activation_bytes(e) for n, e in self.engines.items()
              for p in range(len(self.em.profiles))}, set(self.contexts))
@@ -323,7 +323,7 @@ class TrtBackend(Backend):
             s_new = plan.shape(io.specs[new], dims)[1]
             lens = self.buffers[C.PAST_LEN if slot.offset == 0 else past_len_minus(-slot.offset)].dev
             self.kernels.mla_kv_commit(C.dtype(self.manifest.dtype).kernel, self.caches[slot.family][slot.index], lens,
-                                       self.output(io.name, new), dims["B"], s_new, self.manifest.config.latent_dim,
+                                       self.output(io.name, new), dims["B"], s_new, self.manifest.config.cache_dim,
                                        self.rows, dev.stream)
         for name in fetch:
             dev.copy("d2h", self.out_host_ptr + self.host_at[io.name][name], self.output(io.name, name),

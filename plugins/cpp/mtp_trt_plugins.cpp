@@ -1,4 +1,4 @@
-// mtp_trt_plugins.cpp -- libmtp_trt_plugins.so: the two custom ops of the `plugin` lowering
+// mtp_trt_plugins.cpp -- libmtp_trt_plugins.so: the custom ops of the `plugin` lowering
 // (mtp_trt/ops.py, table in op_contract.h) as C++ TensorRT IPluginV3 plugins, the C++ twins of
 // the Python plugins in plugins/trt_plugins.py: same names, version, namespace, fields, inputs,
 // outputs, aliasing and workspace, so an engine built with either runs with the other.
@@ -6,6 +6,8 @@
 //   MlaGenerationAttention -> mtp_mla_decode (plugins/kernels/mla_decode.cu): writes new_rows into
 //     the cache in place (output kv_cache_out is aliased to input kv_cache: getAliasedInput(1)
 //     == 2, IPluginV3OneBuildV2, builder preview feature kALIASED_PLUGIN_IO_10_03) and attends.
+//   MlaSparseAttention -> mtp_mla_kv_commit, mtp_dsa_select (plugins/kernels/dsa.cu) and mtp_mla_sparse_decode:
+//     DeepSeek Sparse Attention (the new rows committed in place, the indexer's top-k, MLA over those rows).
 //   MtpAccept -> mtp_accept_relaxed_dev (plugins/kernels/accept.cu, kernel ABI 3): drafts read in
 //     place from input_ids + 1 (stride S), thinking -> thinking_out; no workspace, no copies.
 //
@@ -61,7 +63,7 @@ mtp_dtype kernel_dtype(DataType t) {
 
 // The op's fields as values: ints and floats in the order of the contract's field table.
 struct FieldValues {
-    int32_t i[2] = {0, 0};
+    int32_t i[2] = {0, 0};  // (MlaSparseAttention: kv_lora_rank, index_topk)
     float f[2] = {0.f, 0.f};
 };
 
@@ -132,6 +134,31 @@ class PluginBase : public IPluginV3, public IPluginV3OneCore, public IPluginV3On
     PluginFieldCollection mCollection{};
 };
 
+// The attention plugins' formats: linear; q one of fp32/fp16/bf16; past_len int32; the tree mask (the optional
+// last input, at mask_at) bool; index_weights (at weights_at, MlaSparseAttention) fp32; every other tensor q's type.
+bool attention_format(int32_t pos, const DynamicPluginTensorDesc* io, int32_t nbInputs, int past_at, int mask_at,
+                      int weights_at) {
+    const PluginTensorDesc& d = io[pos].desc;
+    if (d.format != TensorFormat::kLINEAR) return false;
+    if (pos == 0) return d.type == DataType::kFLOAT || d.type == DataType::kHALF || d.type == DataType::kBF16;
+    if (pos == past_at) return d.type == DataType::kINT32;
+    if (pos == weights_at) return d.type == DataType::kFLOAT;
+    if (pos == mask_at && nbInputs > mask_at) return d.type == DataType::kBOOL;
+    return d.type == io[0].desc.type;
+}
+
+// SM count of the current device (kMaxSms when it cannot be read), asked once per plugin object.
+int device_sms(int& cached) {
+    if (cached <= 0) {
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&cached, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+            cached = ct::kMaxSms;
+        }
+    }
+    return cached;
+}
+
 struct MlaOp {
     static constexpr const char* kName = ct::mla::kName;
     static constexpr const auto& kInputs = ct::mla::kInputs;
@@ -139,6 +166,14 @@ struct MlaOp {
     static constexpr const auto& kFields = ct::mla::kFields;
     static constexpr const auto& kAliasedInput = ct::mla::kAliasedInput;
     static constexpr int kOptionalInputs = ct::mla::kOptionalInputs;
+};
+struct SparseOp {
+    static constexpr const char* kName = ct::sparse::kName;
+    static constexpr const auto& kInputs = ct::sparse::kInputs;
+    static constexpr const auto& kOutputs = ct::sparse::kOutputs;
+    static constexpr const auto& kFields = ct::sparse::kFields;
+    static constexpr const auto& kAliasedInput = ct::sparse::kAliasedInput;
+    static constexpr int kOptionalInputs = ct::sparse::kOptionalInputs;
 };
 struct AcceptOp {
     static constexpr const char* kName = ct::accept::kName;
@@ -197,12 +232,7 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
     bool supportsFormatCombination(int32_t pos, const DynamicPluginTensorDesc* io, int32_t nbInputs,
                                    int32_t nbOutputs) noexcept override {
         if (bad_io(nbInputs, nbOutputs, "supportsFormatCombination")) return false;
-        const PluginTensorDesc& d = io[pos].desc;
-        if (d.format != TensorFormat::kLINEAR) return false;
-        if (pos == ct::mla::kQ) return d.type == DataType::kFLOAT || d.type == DataType::kHALF || d.type == DataType::kBF16;
-        if (pos == ct::mla::kPastLen) return d.type == DataType::kINT32;
-        if (pos == ct::mla::kTreeMask && nbInputs > ct::mla::kTreeMask) return d.type == DataType::kBOOL;
-        return d.type == io[ct::mla::kQ].desc.type;  // new_rows, kv_cache, out, kv_cache_out
+        return attention_format(pos, io, nbInputs, ct::mla::kPastLen, ct::mla::kTreeMask, -1);
     }
 
     size_t getWorkspaceSize(const DynamicPluginTensorDesc* in, int32_t nbInputs, const DynamicPluginTensorDesc*,
@@ -230,14 +260,8 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
         mDr = static_cast<int>(q.d[3]) - dl(), mT = static_cast<int>(cache.d[1]);
         mDtype = kernel_dtype(in[ct::mla::kQ].type);
         mTreeMask = nbInputs > ct::mla::kTreeMask;
-        if (mNumSms <= 0) {
-            int dev = 0;
-            if (cudaGetDevice(&dev) != cudaSuccess ||
-                cudaDeviceGetAttribute(&mNumSms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-                mNumSms = ct::kMaxSms;
-            }
-        }
-        mSplits = std::min(mtp_mla_decode_num_splits(mB, mS, mH, mT, mNumSms), mla_splits_bound(mB, mS, mH, mT));
+        mSplits = std::min(mtp_mla_decode_num_splits(mB, mS, mH, mT, device_sms(mNumSms)),
+                           mla_splits_bound(mB, mS, mH, mT));
         mWorkspace = mtp_mla_decode_workspace_size(mB, mS, mH, dl(), mSplits);
         if (static_cast<int64_t>(mWorkspace) != mla_workspace_size(mB, mS, mH, dl(), mSplits)) {
             error("MlaGenerationAttention: the kernel library's split-KV workspace differs from workspace.h");
@@ -270,6 +294,146 @@ class MlaPlugin final : public PluginBase<MlaPlugin, MlaOp> {
     int mB = 0, mS = 0, mH = 0, mDr = 0, mT = 0, mSplits = 1, mNumSms = 0;
     bool mTreeMask = false;  // a fifth input: the tree mask [B, S, S]
     size_t mWorkspace = 0;
+    mtp_dtype mDtype = MTP_DTYPE_F32;
+};
+
+// ---- MlaSparseAttention -------------------------------------------------------------------------
+// The new rows (with their indexer keys) committed in place, the indexer's scores and top-k over the cache
+// (mtp_dsa_select), then MLA over the selected rows (mtp_mla_sparse_decode); workspace: scores | selected rows |
+// split-KV partials.
+class SparsePlugin final : public PluginBase<SparsePlugin, SparseOp> {
+   public:
+    using PluginBase::PluginBase;
+
+    int32_t dl() const { return mValues.i[0]; }
+    int32_t topk() const { return mValues.i[1]; }
+    float scale() const { return mValues.f[0]; }
+
+    int32_t getOutputDataTypes(DataType* out, int32_t nbOutputs, const DataType* in, int32_t nbInputs)
+        const noexcept override {
+        if (bad_io(nbInputs, nbOutputs, "getOutputDataTypes")) return -1;
+        out[ct::sparse::kOut] = in[ct::sparse::kQ];
+        out[ct::sparse::kKvCacheOut] = in[ct::sparse::kKvCache];
+        return 0;
+    }
+
+    int32_t getOutputShapes(const DimsExprs* in, int32_t nbInputs, const DimsExprs*, int32_t, DimsExprs* out,
+                            int32_t nbOutputs, IExprBuilder& exprs) noexcept override {
+        if (bad_io(nbInputs, nbOutputs, "getOutputShapes")) return -1;
+        const int ranks[] = {4, 3, 3, 1, 4, 3, 3};
+        for (int k = 0; k < nbInputs; ++k) {
+            if (in[k].nbDims != ranks[k]) {
+                error("MlaSparseAttention: expected q [B, S, H, D], new_rows [B, S, C], kv_cache [B, T, C], past_len "
+                      "[B], index_q [B, S, Hi, Di], index_weights [B, S, Hi] and optionally tree_mask [B, S, S]");
+                return -1;
+            }
+        }
+        const DimsExprs &q = in[ct::sparse::kQ], &cache = in[ct::sparse::kKvCache];
+        const IDimensionExpr *d = q.d[3], *di = in[ct::sparse::kIndexQ].d[3];
+        if (d->isConstant() && d->getConstantValue() <= dl()) {
+            error("MlaSparseAttention: q's last dim " + std::to_string(d->getConstantValue()) +
+                  " must exceed kv_lora_rank " + std::to_string(dl()));
+            return -1;
+        }
+        if (d->isConstant() && di->isConstant()) {
+            const int64_t c = d->getConstantValue() + di->getConstantValue();
+            for (const IDimensionExpr* row : {in[ct::sparse::kNewRows].d[2], cache.d[2]}) {
+                if (row->isConstant() && row->getConstantValue() != c) {
+                    error("MlaSparseAttention: new_rows and kv_cache rows must hold q's values and the indexer key (" +
+                          std::to_string(c) + "), got " + std::to_string(row->getConstantValue()));
+                    return -1;
+                }
+            }
+        }
+        DimsExprs& o = out[ct::sparse::kOut];
+        o.nbDims = 4;
+        o.d[0] = q.d[0], o.d[1] = q.d[1], o.d[2] = q.d[2], o.d[3] = exprs.constant(dl());
+        out[ct::sparse::kKvCacheOut] = cache;
+        return 0;
+    }
+
+    bool supportsFormatCombination(int32_t pos, const DynamicPluginTensorDesc* io, int32_t nbInputs,
+                                   int32_t nbOutputs) noexcept override {
+        if (bad_io(nbInputs, nbOutputs, "supportsFormatCombination")) return false;
+        return attention_format(pos, io, nbInputs, ct::sparse::kPastLen, ct::sparse::kTreeMask,
+                                ct::sparse::kIndexWeights);
+    }
+
+    size_t getWorkspaceSize(const DynamicPluginTensorDesc* in, int32_t nbInputs, const DynamicPluginTensorDesc*,
+                            int32_t nbOutputs) const noexcept override {
+        if (bad_io(nbInputs, nbOutputs, "getWorkspaceSize")) return 0;
+        const DynamicPluginTensorDesc &q = in[ct::sparse::kQ], &cache = in[ct::sparse::kKvCache];
+        return static_cast<size_t>(sparse_workspace_bound(q.min.d[0], q.max.d[0], q.min.d[1], q.max.d[1], q.max.d[2],
+                                                          dl(), cache.max.d[1], topk()));
+    }
+
+    int32_t configurePlugin(const DynamicPluginTensorDesc* in, int32_t nbInputs, const DynamicPluginTensorDesc*,
+                            int32_t nbOutputs) noexcept override {
+        if (bad_io(nbInputs, nbOutputs, "configurePlugin")) return -1;
+        const int64_t d = in[ct::sparse::kQ].desc.dims.d[3];  // -1 while dynamic
+        return d < 0 || d > dl() ? 0 : -1;
+    }
+
+    int32_t onShapeChange(const PluginTensorDesc* in, int32_t nbInputs, const PluginTensorDesc*,
+                          int32_t nbOutputs) noexcept override {
+        if (bad_io(nbInputs, nbOutputs, "onShapeChange")) return -1;
+        const Dims &q = in[ct::sparse::kQ].dims, &cache = in[ct::sparse::kKvCache].dims,
+                   &iq = in[ct::sparse::kIndexQ].dims;
+        mB = static_cast<int>(q.d[0]), mS = static_cast<int>(q.d[1]), mH = static_cast<int>(q.d[2]);
+        mD = static_cast<int>(q.d[3]), mT = static_cast<int>(cache.d[1]), mC = static_cast<int>(cache.d[2]);
+        mHi = static_cast<int>(iq.d[2]), mDi = static_cast<int>(iq.d[3]);
+        mDtype = kernel_dtype(in[ct::sparse::kQ].type);
+        mTreeMask = nbInputs > ct::sparse::kTreeMask;
+        mSplits = std::min(mtp_mla_decode_num_splits(mB * mS, 1, mH, topk(), device_sms(mNumSms)),
+                           sparse_splits_bound(mB, mS, mH, topk()));
+        mWorkspace = sparse_workspace_size(mB, mS, mH, dl(), mT, topk(), mSplits);
+        if (static_cast<int64_t>(mtp_dsa_select_workspace_size(mB, mS, mT)) != mWorkspace.scores ||
+            static_cast<int64_t>(mtp_mla_decode_workspace_size(mB, mS, mH, dl(), mSplits)) != mWorkspace.partials) {
+            error("MlaSparseAttention: the kernel library's workspace sizes differ from workspace.h");
+            return -1;
+        }
+        return 0;
+    }
+
+    int32_t enqueue(const PluginTensorDesc*, const PluginTensorDesc*, const void* const* inputs, void* const* outputs,
+                    void* workspace, cudaStream_t stream) noexcept override {
+        void* cache = outputs[ct::sparse::kKvCacheOut];
+        if (cache != inputs[ct::sparse::kKvCache]) {
+            error("MlaSparseAttention: kv_cache_out is not bound to kv_cache's buffer (aliased I/O)");
+            return -1;
+        }
+        const auto* past = static_cast<const int32_t*>(inputs[ct::sparse::kPastLen]);
+        char* ws = static_cast<char*>(workspace);
+        auto* selected = reinterpret_cast<int32_t*>(ws + mWorkspace.scores);
+        cudaError_t e = mtp_mla_kv_commit(mDtype, cache, past, inputs[ct::sparse::kNewRows], mB, mS, mC, mT, stream);
+        const char* what = "mtp_mla_kv_commit";
+        if (e == cudaSuccess) {
+            what = "mtp_dsa_select";
+            e = mtp_dsa_select(mDtype, inputs[ct::sparse::kIndexQ],
+                               static_cast<const float*>(inputs[ct::sparse::kIndexWeights]), cache, past,
+                               mTreeMask ? static_cast<const uint8_t*>(inputs[ct::sparse::kTreeMask]) : nullptr,
+                               selected, ws, static_cast<size_t>(mWorkspace.scores), mB, mS, mHi, mDi, mC, mD, mT,
+                               topk(), 1.0f / std::sqrt(static_cast<float>(mDi)), stream);
+        }
+        if (e == cudaSuccess) {
+            what = "mtp_mla_sparse_decode";
+            e = mtp_mla_sparse_decode(mDtype, inputs[ct::sparse::kQ], cache, past, nullptr, selected,
+                                      outputs[ct::sparse::kOut],
+                                      mWorkspace.partials ? ws + mWorkspace.scores + mWorkspace.selected : nullptr,
+                                      static_cast<size_t>(mWorkspace.partials), mB, mS, mH, dl(), mD - dl(), mC, mT,
+                                      topk(), scale(), mSplits, 0, stream);
+        }
+        if (e != cudaSuccess) {
+            error(std::string("MlaSparseAttention: ") + what + ": " + cudaGetErrorString(e));
+            return -1;
+        }
+        return 0;
+    }
+
+   private:
+    int mB = 0, mS = 0, mH = 0, mD = 0, mT = 0, mC = 0, mHi = 0, mDi = 0, mSplits = 1, mNumSms = 0;
+    bool mTreeMask = false;
+    SparseWorkspace mWorkspace{0, 0, 0};
     mtp_dtype mDtype = MTP_DTYPE_F32;
 };
 
@@ -382,10 +546,11 @@ class Creator final : public IPluginCreatorV3One {
                     v.f[nf++] = static_cast<float>(x);
                 }
             }
-            if constexpr (std::is_same_v<Plugin, MlaPlugin>) {
-                if (!(v.i[0] > 0 && std::isfinite(v.f[0]))) {
+            if constexpr (!std::is_same_v<Plugin, AcceptPlugin>) {
+                const bool topk_ok = std::is_same_v<Plugin, MlaPlugin> || v.i[1] > 0;
+                if (!(v.i[0] > 0 && topk_ok && std::isfinite(v.f[0]))) {
                     error(std::string(Op::kName) + " plugin for node '" + (name ? name : "") +
-                          "': bad attributes (kv_lora_rank must be > 0, softmax_scale finite)");
+                          "': bad attributes (kv_lora_rank and index_topk must be > 0, softmax_scale finite)");
                     return nullptr;
                 }
             }
@@ -435,9 +600,10 @@ __attribute__((visibility("default"))) void setLoggerFinder(ILoggerFinder* finde
 
 __attribute__((visibility("default"))) IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
     static mtp_trt::Creator<mtp_trt::MlaPlugin, mtp_trt::MlaOp> mla;
+    static mtp_trt::Creator<mtp_trt::SparsePlugin, mtp_trt::SparseOp> sparse;
     static mtp_trt::Creator<mtp_trt::AcceptPlugin, mtp_trt::AcceptOp> accept;
-    static IPluginCreatorInterface* const creators[] = {&mla, &accept};
-    nbCreators = 2;
+    static IPluginCreatorInterface* const creators[] = {&mla, &sparse, &accept};
+    nbCreators = 3;
     return creators;
 }
 

@@ -37,6 +37,17 @@ enum Input { kQ = 0, kNewRows = 1, kKvCache = 2, kPastLen = 3, kTreeMask = 4 };
 enum Output { kOut = 0, kKvCacheOut = 1 };
 }  // namespace mla
 
+namespace sparse {  // MlaSparseAttention
+inline constexpr char kName[] = "MlaSparseAttention";
+inline constexpr const char* kInputs[] = {"q", "new_rows", "kv_cache", "past_len", "index_q", "index_weights", "tree_mask"};
+inline constexpr int kOptionalInputs = 1;  // tree_mask may be left out (then causal)
+inline constexpr const char* kOutputs[] = {"out", "kv_cache_out"};
+inline constexpr Field kFields[] = {{"kv_lora_rank", FieldType::kInt32}, {"softmax_scale", FieldType::kFloat32}, {"index_topk", FieldType::kInt32}};
+inline constexpr int kAliasedInput[] = {-1, 2};
+enum Input { kQ = 0, kNewRows = 1, kKvCache = 2, kPastLen = 3, kIndexQ = 4, kIndexWeights = 5, kTreeMask = 6 };
+enum Output { kOut = 0, kKvCacheOut = 1 };
+}  // namespace sparse
+
 namespace accept {  // MtpAccept
 inline constexpr char kName[] = "MtpAccept";
 inline constexpr const char* kInputs[] = {"logits", "input_ids", "thinking", "relaxed_topk", "relaxed_delta"};

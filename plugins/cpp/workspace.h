@@ -52,6 +52,29 @@ inline int64_t mla_workspace_bound(int64_t b_lo, int64_t b_hi, int64_t s_lo, int
     return best;
 }
 
+// MlaSparseAttention's workspace parts for one shape (trt_plugins.py sparse_workspace_size): index scores fp32
+// [B*S, T], selected rows int32 [B*S, K], split-KV partials of every query token as a sequence of K rows.
+struct SparseWorkspace {
+    int64_t scores, selected, partials;
+    int64_t total() const { return scores + selected + partials; }
+};
+inline SparseWorkspace sparse_workspace_size(int64_t B, int64_t S, int64_t H, int64_t Dl, int64_t T, int64_t K,
+                                             int64_t num_splits) {
+    return {align256(B * S * T * 4), align256(B * S * K * 4), mla_workspace_size(B * S, 1, H, Dl, num_splits)};
+}
+
+// The split count MlaSparseAttention may use at most.
+inline int sparse_splits_bound(int64_t B, int64_t S, int64_t H, int64_t K) { return mla_splits_bound(B * S, 1, H, K); }
+
+// MlaSparseAttention's workspace for every (B, S) in the ranges: each part at its largest.
+inline int64_t sparse_workspace_bound(int64_t b_lo, int64_t b_hi, int64_t s_lo, int64_t s_hi, int64_t H, int64_t Dl,
+                                      int64_t max_len, int64_t K) {
+    const int64_t lo = std::max<int64_t>(1, b_lo) * std::max<int64_t>(1, s_lo);
+    const int64_t hi = std::max<int64_t>(1, b_hi) * std::max<int64_t>(1, s_hi);
+    const SparseWorkspace w = sparse_workspace_size(hi, 1, H, Dl, max_len, K, 1);
+    return w.scores + w.selected + mla_workspace_bound(lo, hi, 1, 1, H, Dl, K);
+}
+
 }  // namespace mtp_trt
 
 #endif  // MTP_TRT_WORKSPACE_H

@@ -10,6 +10,10 @@
 // Causal cut: without a tree mask a query tile stops at the last row its last query may see (cache
 // length + its new-token index), so a prefill tile reads only its own prefix of the new rows (half the
 // work of a long prompt); splits past it are empty and weigh nothing in the combine.
+// Sparse mode (DeepSeek Sparse Attention, mtp_mla_sparse_decode): every query token is a "sequence" of its own
+// (grid z = B * S, one new token, H query rows) whose rows are the K cache rows its index list names, in list
+// order; a slot holding -1 (or a row outside the cache) is hidden.  The same kernels, the row loads and the
+// visibility test going through the list.
 // Device attributes (SM count, opt-in shared memory) are read once per device and each kernel's
 // shared-memory limit is raised once per device, not on every launch.
 #include <math.h>
@@ -30,11 +34,18 @@ struct MlaParams {
     float* opart;   // [B*M][nsplit][Dl] when nsplit > 1
     float2* ml;     // [B*M][nsplit] (max, sum)
     int S, H, Dl, D, T_max, nsplit;
+    int stride;          // values per cache row (D, or more: DSA rows continue with the indexer key)
+    const int32_t* sel;  // sparse mode: [B*Sq][K] cache rows per query token (-1: none); NULL: dense
+    int K, Sq;           // sparse mode: slots per query token, query tokens per sequence
     float scale_log2;
 };
 
 // Rows c .. of sequence b: c = clamped cache_len, returns L = rows after the commit.
 __device__ __forceinline__ int seq_rows(const MlaParams& p, int b, int& c) {
+    if (p.sel) {  // the K slots of query token b
+        c = 0;
+        return p.K;
+    }
     int cl = p.cache_len[b];
     cl = max(0, min(cl, p.T_max));
     c = cl;
@@ -44,7 +55,7 @@ __device__ __forceinline__ int seq_rows(const MlaParams& p, int b, int& c) {
 // Rows a query tile must read: the causal limit of its last query row m_last (cache length c + its new-token
 // index + 1), or all L rows with a tree mask (any new row may be visible).
 __device__ __forceinline__ int tile_rows(const MlaParams& p, int L, int c, int m_last) {
-    return p.mask ? L : min(L, c + m_last / p.H + 1);
+    return (p.mask || p.sel) ? L : min(L, c + m_last / p.H + 1);
 }
 
 // [start, end) rows of split `sp` (chunk rounded up to the tile; may be empty).
@@ -62,6 +73,25 @@ __device__ __forceinline__ bool visible(int t, int c, int s, int S, const uint8_
     if (t < c) return true;
     const int j = t - c;
     return mask_b ? (mask_b[s * S + j] != 0) : (j <= s);
+}
+
+// Cache row behind row (or slot) t of sequence b, -1 if it is hidden (sparse mode); dense: t itself.
+__device__ __forceinline__ int cache_row(const MlaParams& p, int b, int t) {
+    if (!p.sel) return t;
+    const int r = p.sel[static_cast<size_t>(b) * p.K + t];
+    return (r >= 0 && r < p.T_max) ? r : -1;
+}
+
+// visible() for row (or slot) t of sequence b: sparse mode: the slot names a row.
+__device__ __forceinline__ bool row_visible(const MlaParams& p, int b, int t, int c, int s, const uint8_t* mask_b) {
+    return p.sel ? cache_row(p, b, t) >= 0 : visible(t, c, s, p.S, mask_b);
+}
+
+// The cache rows of sequence b (sparse mode: of the sequence query token b belongs to).
+template <typename T>
+__device__ __forceinline__ const T* cache_of(const MlaParams& p, int b) {
+    const int seq = p.sel ? b / p.Sq : b;
+    return static_cast<const T*>(p.cache) + static_cast<size_t>(seq) * p.T_max * p.stride;
 }
 
 // =============================================================================================
@@ -122,7 +152,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
     split_range(L, p.nsplit, sp, TC_TT, start, end);
     end = min(end, tile_rows(p, L, c, m0 + nq - 1));
     const int ntiles = end > start ? (end - start + TC_TT - 1) / TC_TT : 0;
-    const T* cache_b = static_cast<const T*>(p.cache) + static_cast<size_t>(b) * p.T_max * D;
+    const T* cache_b = cache_of<T>(p, b);
     const T* q_b = static_cast<const T*>(p.q) + static_cast<size_t>(b) * M * D;
     const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
     const int D8 = D >> 3;  // 16-byte chunks per row
@@ -139,9 +169,9 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
         for (int i = tid; i < TC_TT * D8; i += TC_THREADS) {
             const int r = i / D8, k8 = i - r * D8;
             const int t = t0 + r;
-            const bool ok = t < end;
-            cp_async16(dst + r * RS + k8 * 8, cache_b + static_cast<size_t>(ok ? t : start) * D + k8 * 8,
-                       ok);
+            const int row = t < end ? cache_row(p, b, t) : -1;
+            const bool ok = row >= 0;
+            cp_async16(dst + r * RS + k8 * 8, cache_b + static_cast<size_t>(ok ? row : 0) * p.stride + k8 * 8, ok);
         }
     };
 
@@ -238,7 +268,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
             if (r < nq) {  // warp-uniform
                 const int s = (m0 + r) / p.H;
                 const int t = t0 + lane;
-                const bool ok = t < end && visible(t, c, s, p.S, mask_b);
+                const bool ok = t < end && row_visible(p, b, t, c, s, mask_b);
                 float x = -INFINITY;
                 if (ok) {
                     float acc_s = 0.f;
@@ -395,7 +425,7 @@ __global__ void __launch_bounds__(SM_THREADS) mla_simt_kernel(const MlaParams p)
     split_range(L, p.nsplit, sp, SM_TT, start, end);
     end = min(end, tile_rows(p, L, c, min(m0 + SM_QB, M) - 1));
     const int ntiles = end > start ? (end - start + SM_TT - 1) / SM_TT : 0;
-    const T* cache_b = static_cast<const T*>(p.cache) + static_cast<size_t>(b) * p.T_max * D;
+    const T* cache_b = cache_of<T>(p, b);
     const T* q_b = static_cast<const T*>(p.q) + static_cast<size_t>(b) * M * D;
     const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
 
@@ -419,8 +449,8 @@ __global__ void __launch_bounds__(SM_THREADS) mla_simt_kernel(const MlaParams p)
         __syncthreads();  // previous tile consumed
         for (int i = tid; i < SM_TT * D; i += SM_THREADS) {
             const int r = i / D, d = i - r * D;
-            const int t = t0 + r;
-            sK[r * KS + d] = t < end ? to_f<T>(cache_b[static_cast<size_t>(t) * D + d]) : 0.f;
+            const int row = t0 + r < end ? cache_row(p, b, t0 + r) : -1;
+            sK[r * KS + d] = row >= 0 ? to_f<T>(cache_b[static_cast<size_t>(row) * p.stride + d]) : 0.f;
         }
         __syncthreads();
 #pragma unroll
@@ -433,7 +463,7 @@ __global__ void __launch_bounds__(SM_THREADS) mla_simt_kernel(const MlaParams p)
             const float* qr = sQ + r * D;
             float x = 0.f;
             for (int d = 0; d < D; ++d) x = fmaf(qr[d], kr[d], x);
-            const bool ok = t < end && visible(t, c, s, p.S, mask_b);
+            const bool ok = t < end && row_visible(p, b, t, c, s, mask_b);
             x = ok ? x * p.scale_log2 : -INFINITY;
             const float m_new = fmaxf(mrun[qi], warp_max(x));
             float pv = 0.f, alpha = 1.f;
@@ -640,6 +670,87 @@ extern "C" cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const 
     return cudaGetLastError();
 }
 
+namespace mtp {
+namespace {
+
+// The attention launch of both entry points, p filled but for the workspace: `nseq` sequences (grid z) of
+// p.S * p.H query rows each.
+cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, void* workspace, int flags, cudaStream_t stream) {
+    const long long M = static_cast<long long>(p.S) * p.H;
+    const int D = p.D, Dl = p.Dl, Dr = p.D - p.Dl;
+    p.scale_log2 *= 1.4426950408889634f;
+    p.opart = nullptr;
+    p.ml = nullptr;
+    if (p.nsplit > 1) {
+        const size_t rows = static_cast<size_t>(nseq) * M * p.nsplit;
+        p.opart = static_cast<float*>(workspace);
+        p.ml = reinterpret_cast<float2*>(static_cast<char*>(workspace) + align_up(rows * Dl * sizeof(float), 256));
+    }
+
+    const int smem_max = max_optin_smem();
+    const bool row_ok = p.stride == D || (static_cast<size_t>(p.stride) * dtype_size(dtype)) % 16 == 0;
+    const bool tc_ok = (dtype == MTP_DTYPE_F16 || dtype == MTP_DTYPE_BF16) && !(flags & MTP_MLA_FORCE_SIMT) &&
+                       Dl % 16 == 0 && Dr % 16 == 0 && Dl >= 16 && Dl <= 8 * TC_MAXNB * 8 && D <= TC_MAXD &&
+                       row_ok && aligned16(p.q) && aligned16(p.cache) && aligned16(p.out);
+    cudaError_t err = cudaSuccess;
+    if (tc_ok && tc_smem_bytes(D, 1) <= static_cast<size_t>(smem_max)) {
+        const bool two = !(flags & MTP_MLA_SINGLE_STAGE) && tc_smem_bytes(D, 2) <= static_cast<size_t>(smem_max);
+        const dim3 grid(static_cast<unsigned>((M + TC_QT - 1) / TC_QT), p.nsplit, nseq);
+        const size_t smem = tc_smem_bytes(D, two ? 2 : 1);
+        if (dtype == MTP_DTYPE_F16)
+            err = two ? launch_attn<mla_tc_kernel<__half, 2>>(grid, TC_THREADS, smem, stream, p)
+                      : launch_attn<mla_tc_kernel<__half, 1>>(grid, TC_THREADS, smem, stream, p);
+        else
+            err = two ? launch_attn<mla_tc_kernel<__nv_bfloat16, 2>>(grid, TC_THREADS, smem, stream, p)
+                      : launch_attn<mla_tc_kernel<__nv_bfloat16, 1>>(grid, TC_THREADS, smem, stream, p);
+    } else {
+        const size_t smem = simt_smem_bytes(D);
+        if (smem > static_cast<size_t>(smem_max)) return cudaErrorInvalidValue;
+        const dim3 grid(static_cast<unsigned>((M + SM_QB - 1) / SM_QB), p.nsplit, nseq);
+        MTP_DISPATCH_DTYPE(dtype, T, err = launch_attn<mla_simt_kernel<T>>(grid, SM_THREADS, smem, stream, p));
+    }
+    if (err != cudaSuccess) return err;
+
+    if (p.nsplit > 1) {
+        const long long rows = static_cast<long long>(nseq) * M;
+        const unsigned blocks = static_cast<unsigned>((rows + CB_THREADS / 32 - 1) / (CB_THREADS / 32));
+        const float* opart = p.opart;
+        const float2* ml = p.ml;
+        void* out = p.out;
+        const int nsplit = p.nsplit;
+        MTP_DISPATCH_DTYPE(dtype, T,
+                           mla_combine_kernel<T><<<blocks, CB_THREADS, 0, stream>>>(
+                               opart, ml, static_cast<T*>(out), rows, nsplit, Dl));
+        err = cudaGetLastError();
+    }
+    return err;
+}
+
+MlaParams mla_params(const void* q, const void* kv_cache, const int32_t* cache_len, void* out, int S, int H, int Dl,
+                     int Dr, int stride, int T_max, float scale, int num_splits) {
+    MlaParams p;
+    p.q = q;
+    p.cache = kv_cache;
+    p.cache_len = cache_len;
+    p.mask = nullptr;
+    p.out = out;
+    p.S = S;
+    p.H = H;
+    p.Dl = Dl;
+    p.D = Dl + Dr;
+    p.T_max = T_max;
+    p.nsplit = num_splits;
+    p.stride = stride;
+    p.sel = nullptr;
+    p.K = 0;
+    p.Sq = 1;
+    p.scale_log2 = scale;  // times log2 e in launch_mla
+    return p;
+}
+
+}  // namespace
+}  // namespace mtp
+
 extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_cache,
                                       const int32_t* cache_len, const void* new_rows,
                                       const uint8_t* mask, void* out, void* workspace,
@@ -664,60 +775,35 @@ extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_c
         const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, cache_len, new_rows, B, S, D, T_max, stream);
         if (e != cudaSuccess) return e;
     }
-
-    MlaParams p;
-    p.q = q;
-    p.cache = kv_cache;
-    p.cache_len = cache_len;
+    MlaParams p = mla_params(q, kv_cache, cache_len, out, S, H, Dl, Dr, D, T_max, scale, num_splits);
     p.mask = mask;
-    p.out = out;
-    p.S = S;
-    p.H = H;
-    p.Dl = Dl;
-    p.D = D;
-    p.T_max = T_max;
-    p.nsplit = num_splits;
-    p.scale_log2 = scale * 1.4426950408889634f;
-    p.opart = nullptr;
-    p.ml = nullptr;
-    if (num_splits > 1) {
-        const size_t rows = static_cast<size_t>(B) * M * num_splits;
-        p.opart = static_cast<float*>(workspace);
-        p.ml = reinterpret_cast<float2*>(static_cast<char*>(workspace) +
-                                         align_up(rows * Dl * sizeof(float), 256));
-    }
+    return launch_mla(static_cast<mtp_dtype>(dtype), p, B, workspace, flags, stream);
+}
 
-    const int smem_max = max_optin_smem();
-    const bool tc_ok = (dtype == MTP_DTYPE_F16 || dtype == MTP_DTYPE_BF16) && !(flags & MTP_MLA_FORCE_SIMT) &&
-                       Dl % 16 == 0 && Dr % 16 == 0 && Dl >= 16 && Dl <= 8 * TC_MAXNB * 8 && D <= TC_MAXD &&
-                       aligned16(q) && aligned16(kv_cache) && aligned16(out);
-    cudaError_t err = cudaSuccess;
-    if (tc_ok && tc_smem_bytes(D, 1) <= static_cast<size_t>(smem_max)) {
-        const bool two = !(flags & MTP_MLA_SINGLE_STAGE) && tc_smem_bytes(D, 2) <= static_cast<size_t>(smem_max);
-        const dim3 grid(static_cast<unsigned>((M + TC_QT - 1) / TC_QT), num_splits, B);
-        const size_t smem = tc_smem_bytes(D, two ? 2 : 1);
-        if (dtype == MTP_DTYPE_F16)
-            err = two ? launch_attn<mla_tc_kernel<__half, 2>>(grid, TC_THREADS, smem, stream, p)
-                      : launch_attn<mla_tc_kernel<__half, 1>>(grid, TC_THREADS, smem, stream, p);
-        else
-            err = two ? launch_attn<mla_tc_kernel<__nv_bfloat16, 2>>(grid, TC_THREADS, smem, stream, p)
-                      : launch_attn<mla_tc_kernel<__nv_bfloat16, 1>>(grid, TC_THREADS, smem, stream, p);
-    } else {
-        const size_t smem = simt_smem_bytes(D);
-        if (smem > static_cast<size_t>(smem_max)) return cudaErrorInvalidValue;
-        const dim3 grid(static_cast<unsigned>((M + SM_QB - 1) / SM_QB), num_splits, B);
-        MTP_DISPATCH_DTYPE(dtype, T, err = launch_attn<mla_simt_kernel<T>>(grid, SM_THREADS, smem, stream, p));
+extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, void* kv_cache,
+                                             const int32_t* cache_len, const void* new_rows,
+                                             const int32_t* selected, void* out, void* workspace,
+                                             size_t workspace_bytes, int B, int S, int H, int Dl, int Dr,
+                                             int C, int T_max, int K, float scale, int num_splits,
+                                             int flags, cudaStream_t stream) {
+    if (!dtype_ok(dtype) || B < 0 || S <= 0 || H <= 0 || Dl <= 0 || Dl > 32 * SM_NC || Dr < 0 ||
+        C < Dl + Dr || T_max <= 0 || K <= 0 || num_splits < 1 || num_splits > MTP_MLA_MAX_SPLITS)
+        return cudaErrorInvalidValue;
+    if (B == 0) return cudaSuccess;
+    if (!q || !kv_cache || !cache_len || !selected || !out) return cudaErrorInvalidValue;
+    if (static_cast<long long>(B) * S > 65535 || static_cast<long long>(B) * S * K > (1LL << 31) - 1 ||
+        H > (1 << 24))
+        return cudaErrorInvalidValue;
+    if (num_splits > 1 &&
+        (!workspace || workspace_bytes < mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits)))
+        return cudaErrorInvalidValue;
+    if (new_rows) {
+        const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, cache_len, new_rows, B, S, C, T_max, stream);
+        if (e != cudaSuccess) return e;
     }
-    if (err != cudaSuccess) return err;
-
-    if (num_splits > 1) {
-        const long long rows = static_cast<long long>(B) * M;
-        const unsigned blocks = static_cast<unsigned>((rows + CB_THREADS / 32 - 1) / (CB_THREADS / 32));
-        const float2* ml = p.ml;
-        MTP_DISPATCH_DTYPE(dtype, T,
-                           mla_combine_kernel<T><<<blocks, CB_THREADS, 0, stream>>>(
-                               p.opart, ml, static_cast<T*>(out), rows, num_splits, Dl));
-        err = cudaGetLastError();
-    }
-    return err;
+    MlaParams p = mla_params(q, kv_cache, cache_len, out, 1, H, Dl, Dr, C, T_max, scale, num_splits);
+    p.sel = selected;
+    p.K = K;
+    p.Sq = S;
+    return launch_mla(static_cast<mtp_dtype>(dtype), p, B * S, workspace, flags, stream);
 }

@@ -25,7 +25,7 @@ typedef enum mtp_dtype {
     MTP_DTYPE_BF16 = 2  /* bfloat16 (__nv_bfloat16) */
 } mtp_dtype;
 
-/* Version of this interface (bumped on any incompatible change): 3. */
+/* Version of this interface (bumped on any change of its functions): 4. */
 int mtp_kernels_abi_version(void);
 /* cudaGetErrorString / cudaGetLastError of the CUDA runtime linked into this library. */
 const char* mtp_error_string(int err);
@@ -92,6 +92,24 @@ cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_cache, const
 cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* cache_len,
                               const void* new_rows, int B, int S, int D, int T_max,
                               cudaStream_t stream);
+
+/* Sparse MLA (DeepSeek Sparse Attention): query token s of sequence b attends only to the cache rows its
+ * index list names, the same kernels as mtp_mla_decode reading the rows through the list.
+ *   q         [B, S, H, D]   dtype   as mtp_mla_decode (D = Dl + Dr)
+ *   kv_cache  [B, T_max, C]  dtype   C >= D values per row: the latent first (DSA rows continue with the
+ *                                    indexer key); only the first D are read
+ *   cache_len [B]            int32   valid rows before this step
+ *   new_rows  [B, S, C]      dtype   or NULL: written (all C values) to rows cache_len[b] + s first
+ *   selected  [B, S, K]      int32   cache rows of sequence b that query (b, s) attends to; a slot holding -1
+ *                                    (or a row outside 0 .. T_max-1) is skipped (mtp_dsa_select's output)
+ *   out       [B, S, H, Dl]  dtype   softmax(scale q . row) @ row[:Dl] over the listed rows; zeros if none
+ * Every query token is its own sequence of K slots: num_splits = mtp_mla_decode_num_splits(B * S, 1, H, K, sms),
+ * workspace = mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits).  B * S <= 65535.  Paths and precision as
+ * mtp_mla_decode (the tensor-core path also needs C * sizeof(dtype) % 16 == 0). */
+cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, void* kv_cache, const int32_t* cache_len,
+                                  const void* new_rows, const int32_t* selected, void* out, void* workspace,
+                                  size_t workspace_bytes, int B, int S, int H, int Dl, int Dr, int C, int T_max,
+                                  int K, float scale, int num_splits, int flags, cudaStream_t stream);
 
 /* ============================================================================================
  * 2. Acceptance of K draft tokens per sequence.  Common outputs (all int32):
@@ -186,6 +204,28 @@ cudaError_t mtp_window_update(mtp_dtype dtype, const int32_t* win_tokens_in,
                               const void* new_hidden, const int32_t* num_accepted,
                               int32_t* win_tokens_out, void* win_hidden_out, int B, int K, int N,
                               int D, cudaStream_t stream);
+
+/* ============================================================================================
+ * 4. DeepSeek Sparse Attention: the lightning indexer's selection.
+ *
+ *   q_index   [B, S, Hi, Di]  dtype   the indexer's queries (roped), Hi <= 64, Hi * ceil8(Di) * 4 + 4 Hi <= 48 KiB
+ *   weights   [B, S, Hi]      float   the per-head weights (weights_proj(x) / sqrt(Hi))
+ *   kv_cache  [B, T_max, C]   dtype   row t holds its indexer key at values key_offset .. key_offset + Di - 1;
+ *                                     the S new rows must already be committed (rows cache_len[b] + s)
+ *   cache_len [B]             int32   valid rows before this step
+ *   mask      [B, S, S]       uint8   or NULL: which new rows query s sees, as mtp_mla_decode (NULL: causal)
+ *   selected  [B, S, K]       int32   out: the rows query (b, s) attends to, ascending, then -1
+ * Score of a visible row t: I = sum_j weights[j] * max(0, scale * q_index[j] . key_t), fp32 (scale = Di^-0.5).
+ * The rows with the K highest scores are selected -- every visible row when there are at most K; among equal
+ * scores the earlier row wins (ONNX TopK's rule); a NaN score ranks above every number.
+ * Workspace: fp32 scores [B * S][T_max] (mtp_dsa_select_workspace_size).
+ * ========================================================================================== */
+size_t mtp_dsa_select_workspace_size(int B, int S, int T_max);
+
+cudaError_t mtp_dsa_select(mtp_dtype dtype, const void* q_index, const float* weights, const void* kv_cache,
+                           const int32_t* cache_len, const uint8_t* mask, int32_t* selected, void* workspace,
+                           size_t workspace_bytes, int B, int S, int Hi, int Di, int C, int key_offset, int T_max,
+                           int K, float scale, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

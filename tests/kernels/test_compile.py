@@ -65,6 +65,16 @@ def test_attention_kernels_do_not_spill_on_sm90a(compiled):
         assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
 
 
+def test_indexer_kernels_do_not_spill(compiled):
+    """DSA's scoring (one accumulator per indexer head in registers, three dtypes) and selection kernels, every arch."""
+    res, _, _ = compiled
+    entries = ptxas_entries(next(r.log for r in res if r.source == "dsa.cu"))
+    assert {e[1] for e in entries} == {f"sm_{a}" for a in ARCHS}
+    assert len([e for e in entries if e[1] == "sm_90a"]) == 4, entries  # score x 3 dtypes, select
+    for name, arch, stack, st, ld in entries:
+        assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
+
+
 def test_nvcc_command_lists_the_sources_and_archs(tmp_path):
     cmd = cuda_lib.nvcc_command(cuda_lib.SOURCES, tmp_path / "x.so", "sm_80,90a")
     assert cmd[0].endswith("nvcc")
@@ -100,3 +110,17 @@ def test_library_host_functions_without_gpu(tmp_path, monkeypatch):
     with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):
         lib.accept_rejection("float32", 16, 16, 16, 16, 16, 16, 16, 1, 3, 1 << 24)
     lib.gather_last_hidden("float16", 0, 0, 0, 0, 4, 8)  # B = 0: nothing to do, success
+    # DeepSeek Sparse Attention: workspace sizes and argument checks
+    assert lib.dsa_select_workspace_size(2, 3, 1000) == -(-2 * 3 * 1000 * 4 // 256) * 256
+    assert lib.dsa_select_workspace_size(0, 3, 1000) == 0
+    for bad in (dict(Hi=65), dict(Di=0), dict(K=0), dict(C=100)):  # > 64 heads, no key, no slot, key past the row
+        args = dict(B=1, S=2, Hi=64, Di=128, C=704, key_offset=576, T_max=100, K=16) | bad
+        with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):
+            lib.dsa_select("bfloat16", 16, 16, 16, 16, 0, 16, 16, 1 << 20, scale=0.1, **args)
+    with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):  # workspace missing
+        lib.dsa_select("bfloat16", 16, 16, 16, 16, 0, 16, 0, 0, 1, 2, 64, 128, 704, 576, 100, 16, 0.1)
+    with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):  # C < Dl + Dr
+        lib.mla_sparse_decode("bfloat16", 16, 16, 16, 0, 16, 16, 0, 0, 1, 1, 16, 512, 64, 500, 100, 8, 0.1, 1)
+    with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):  # B * S > 65535 sequences
+        lib.mla_sparse_decode("bfloat16", 16, 16, 16, 0, 16, 16, 0, 0, 40000, 2, 16, 512, 64, 704, 100, 8, 0.1, 1)
+    lib.mla_sparse_decode("bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 16, 512, 64, 704, 100, 8, 0.1, 1)  # B = 0

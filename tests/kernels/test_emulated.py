@@ -98,6 +98,25 @@ def test_mla_device_attributes_are_read_once_per_device(emu_lib, host, monkeypat
     assert counts[0] != (0, 0) and counts[0] == counts[1] == counts[2]
 
 
+@pytest.mark.parametrize("name", ["small-fp32", "small-fp16-tc", "odd-bf16-simt", "force-simt-bf16"])
+def test_mla_sparse_decode_emulated(emu_lib, host, name):
+    G.run_mla_sparse(host, emu_lib, **dict(G.MLA_SPARSE_CASES)[name])
+
+
+def test_mla_sparse_decode_emulated_deepseek_dims(emu_lib, host):
+    G.run_mla_sparse(host, emu_lib, B=1, S=2, H=16, Dl=512, Dr=64, Di=128, T_max=100, cache_len=[60], K=48,
+                     dtype="bfloat16", num_splits=2, empty_query=True)
+
+
+@pytest.mark.parametrize("name", ["fewer-rows-than-K", "ties-bf16", "ties-tree-fp16", "random-fp32"])
+def test_dsa_select_emulated(emu_lib, host, name):
+    G.run_dsa_select(host, emu_lib, **dict(G.DSA_SELECT_CASES)[name])
+
+
+def test_dsa_select_emulated_deepseek_heads(emu_lib, host):
+    G.run_dsa_select(host, emu_lib, B=1, S=2, Hi=64, Di=128, T_max=300, cache_len=[290], K=64, dtype="bfloat16")
+
+
 def test_kv_commit_emulated(emu_lib, host):
     G.test_mla_kv_commit_alone(host, emu_lib)
 
@@ -132,3 +151,18 @@ def test_gather_emulated(emu_lib, host, B, Kp1, D, dtype):
 @pytest.mark.parametrize("B,K,N,D,dtype", [(1, 1, 2, 7168, "bfloat16"), (7, 16, 17, 33, "float32"), (5, 4, 2, 5, "float16")])
 def test_window_emulated(emu_lib, host, in_place, B, K, N, D, dtype):
     G.test_window_update(host, emu_lib, in_place, B, K, N, D, dtype)
+
+
+def test_dsa_benchmark_launches_emulated(emu_lib, monkeypatch):
+    """plugins/bench_kernels.py's DSA benchmark on small dims: its launches are valid (the kernel library checks every
+    argument), the attention runs on the selection the select launch left, and the byte counts are as documented."""
+    from mtp_trt.plugins import bench_kernels as bk
+
+    for name, value in {"HI": 4, "DI": 16, "TOPK": 8, "DL": 64, "DR": 16}.items():
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk.Bench, "timed", lambda self, fn, iters, warmup: (fn(0), 0.5)[1])
+    r = bk.bench_dsa(bk.Bench(HostRuntime()), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 1, 40, 4, 2,
+                     "bfloat16", 1)
+    assert r["select_bytes"] == 40 * 16 * 2 + 6 * 2 * 40 * 4 + 2 * 4 * 16 * 2 + 2 * 8 * 4
+    assert r["attend_bytes"] == 2 * 8 * 80 * 2 + 2 * 4 * 80 * 2 + 2 * 4 * 64 * 2
+    assert r["select_GBps"] == r["select_bytes"] / 0.5e6

@@ -172,6 +172,128 @@ def test_mla_kv_commit_alone(gpu, lib):
 
 
 # ---------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention: the indexer's selection and sparse MLA
+# ---------------------------------------------------------------------------------------------
+def run_mla_sparse(gpu, lib, *, B, S, H, Dl, Dr, Di, T_max, cache_len, K, dtype, num_splits=None, flags=0, seed=0,
+                   empty_query=False):
+    """mtp_mla_sparse_decode on random index lists (rows of the cache after the commit, some slots -1, any order);
+    rows are [latent | indexer key] (C = Dl + Dr + Di), only the latent is attended."""
+    rng = np.random.default_rng(seed)
+    D, C = Dl + Dr, Dl + Dr + Di
+    cache_len = np.asarray(cache_len, np.int32)
+    q_s, q = to_storage(rng.standard_normal((B, S, H, D), np.float32), dtype)
+    c_s, cache = to_storage(rng.standard_normal((B, T_max, C), np.float32), dtype)
+    n_s, new = to_storage(rng.standard_normal((B, S, C), np.float32), dtype)
+    sel = np.full((B, S, K), -1, np.int32)
+    for b in range(B):
+        for s in range(S):
+            rows = rng.permutation(int(cache_len[b]) + s + 1)[:int(rng.integers(1, K + 1))]
+            sel[b, s, :len(rows)] = rows
+    if empty_query:
+        sel[0, 0] = -1  # a query token with no row: zeros
+        sel[-1, -1, -1] = T_max + 5  # out of range: skipped
+    scale = 1.5 / math.sqrt(D)
+    want, cache_after = ref.mla_sparse_decode(q, cache, cache_len, sel, dl=Dl, scale=scale, new_rows=new)
+    d_cache = gpu.upload(c_s)
+    out_bytes = B * S * H * Dl * ESIZE[dtype]
+    d_out = gpu.alloc(out_bytes)
+    gpu.poison(d_out, out_bytes, POISON_F)
+    ns = num_splits if num_splits is not None else lib.mla_decode_num_splits(B * S, 1, H, K, gpu.num_sms())
+    ws_bytes = lib.mla_decode_workspace_size(B, S, H, Dl, ns)
+    d_ws = gpu.alloc(ws_bytes) if ws_bytes else 0
+    gpu.poison(d_ws, ws_bytes, POISON_F)
+    lib.mla_sparse_decode(dtype, gpu.upload(q_s), d_cache, gpu.upload(cache_len), gpu.upload(n_s), gpu.upload(sel),
+                          d_out, d_ws, ws_bytes, B, S, H, Dl, Dr, C, T_max, K, scale, ns, flags)
+    gpu.sync("mtp_mla_sparse_decode")
+    got = from_storage(gpu.download(d_out, (B, S, H, Dl), storage_dtype(dtype)), dtype)
+    atol, rtol = TOL[dtype]
+    assert_close(got, want, atol=atol, rtol=rtol, name=f"mla_sparse_decode {dtype} B={B} S={S} H={H} K={K}")
+    if empty_query:
+        assert_equal(got[0, 0], np.zeros((H, Dl), np.float32), name="query with no selected row")
+    got_cache = from_storage(gpu.download(d_cache, (B, T_max, C), storage_dtype(dtype)), dtype)
+    assert_equal(got_cache, np.asarray(cache_after, np.float32), name="cache after commit")
+
+
+MLA_SPARSE_CASES = [
+    ("v32-bf16-S4", dict(B=2, S=4, H=16, Dl=512, Dr=64, Di=128, T_max=300, cache_len=[0, 290], K=64,
+                         dtype="bfloat16", empty_query=True)),
+    ("v32-fp16-H128-splits", dict(B=1, S=2, H=128, Dl=512, Dr=64, Di=128, T_max=3000, cache_len=[2900], K=2048,
+                                  dtype="float16", num_splits=8)),
+    ("small-fp32", dict(B=3, S=3, H=4, Dl=64, Dr=16, Di=32, T_max=70, cache_len=[0, 5, 60], K=8, dtype="float32",
+                        empty_query=True)),
+    ("small-fp16-tc", dict(B=2, S=2, H=8, Dl=64, Dr=16, Di=16, T_max=90, cache_len=[3, 80], K=40, dtype="float16",
+                           num_splits=3)),
+    ("odd-bf16-simt", dict(B=2, S=1, H=3, Dl=33, Dr=5, Di=7, T_max=50, cache_len=[9, 40], K=12, dtype="bfloat16")),
+    ("force-simt-bf16", dict(B=1, S=3, H=16, Dl=128, Dr=32, Di=64, T_max=200, cache_len=[150], K=100,
+                             dtype="bfloat16", flags=cuda_lib.MLA_FORCE_SIMT, num_splits=2)),
+    ("B32-S2-K512-bf16", dict(B=32, S=2, H=16, Dl=512, Dr=64, Di=128, T_max=1030, cache_len=[(31 * i) % 1000
+                                                                                             for i in range(32)],
+                              K=512, dtype="bfloat16")),
+]
+
+
+@pytest.mark.parametrize("case", [c[1] for c in MLA_SPARSE_CASES], ids=[c[0] for c in MLA_SPARSE_CASES])
+def test_mla_sparse_decode(gpu, lib, case):
+    run_mla_sparse(gpu, lib, **case)
+
+
+def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, cache_len, K, dtype, mask=None, ties=False, seed=0):
+    """mtp_dsa_select against reference.dsa_select.  ties: small integer queries, keys and weights (every score
+    exact in fp32 whatever the summation order, many equal): the selection must be identical, ties to the earlier
+    row.  Otherwise N(0, 1) data: rows may differ from the reference only where the two scores of the exchanged
+    rows lie within the fp32 summation error of each other (reference.selections_agree)."""
+    rng = np.random.default_rng(seed)
+    C, off = 24 + Di, 24  # a row: 24 latent values, then the indexer key
+    cache_len = np.asarray(cache_len, np.int32)
+    if ties:
+        qv = rng.integers(-1, 2, (B, S, Hi, Di)).astype(np.float32)
+        cv = rng.integers(-1, 2, (B, T_max, C)).astype(np.float32)
+        wv = rng.integers(0, 3, (B, S, Hi)).astype(np.float32)
+        scale = 0.25
+    else:
+        qv = rng.standard_normal((B, S, Hi, Di), np.float32)
+        cv = rng.standard_normal((B, T_max, C), np.float32)
+        wv = rng.standard_normal((B, S, Hi)).astype(np.float32)
+        scale = Di**-0.5
+    if isinstance(mask, str) and mask == "tree":
+        mask = (np.tril(rng.integers(0, 2, (B, S, S))) | np.eye(S, dtype=np.int64)).astype(np.uint8)
+    q_s, q = to_storage(qv, dtype)
+    c_s, cache = to_storage(cv, dtype)  # the new rows are committed already
+    want, scores = ref.dsa_select(q, wv, cache, cache_len, key_offset=off, k=K, scale=scale, mask=mask)
+    ws = lib.dsa_select_workspace_size(B, S, T_max)
+    d_ws = gpu.alloc(ws)
+    gpu.poison(d_ws, ws, POISON_F)
+    d_sel = gpu.alloc(B * S * K * 4)
+    gpu.poison(d_sel, B * S * K * 4, POISON_I)
+    lib.dsa_select(dtype, gpu.upload(q_s), gpu.upload(wv), gpu.upload(c_s), gpu.upload(cache_len),
+                   ptr_or_0(gpu, mask), d_sel, d_ws, ws, B, S, Hi, Di, C, off, T_max, K, scale)
+    gpu.sync("mtp_dsa_select")
+    got = gpu.download(d_sel, (B, S, K), np.int32)
+    if ties:
+        assert_equal(got, want, name=f"dsa_select {dtype} (exact scores)")
+    else:
+        ok, why = ref.selections_agree(got, want, scores, rtol=1e-5 * Hi)
+        assert ok, f"dsa_select {dtype}: {why}"
+
+
+DSA_SELECT_CASES = [
+    ("fewer-rows-than-K", dict(B=2, S=2, Hi=4, Di=16, T_max=40, cache_len=[0, 30], K=64, dtype="float32")),
+    ("ties-bf16", dict(B=2, S=3, Hi=8, Di=32, T_max=700, cache_len=[100, 690], K=50, dtype="bfloat16", ties=True)),
+    ("ties-tree-fp16", dict(B=2, S=4, Hi=4, Di=16, T_max=300, cache_len=[20, 290], K=17, dtype="float16", ties=True,
+                            mask="tree")),
+    ("random-fp32", dict(B=3, S=2, Hi=16, Di=64, T_max=2000, cache_len=[0, 1000, 1990], K=256, dtype="float32")),
+    ("v32-bf16", dict(B=1, S=4, Hi=64, Di=128, T_max=20000, cache_len=[19990], K=2048, dtype="bfloat16")),
+    ("glm5-fp16-tree", dict(B=2, S=5, Hi=32, Di=128, T_max=5000, cache_len=[700, 4990], K=512, dtype="float16",
+                            mask="tree")),
+]
+
+
+@pytest.mark.parametrize("case", [c[1] for c in DSA_SELECT_CASES], ids=[c[0] for c in DSA_SELECT_CASES])
+def test_dsa_select(gpu, lib, case):
+    run_dsa_select(gpu, lib, **case)
+
+
+# ---------------------------------------------------------------------------------------------
 # acceptance
 # ---------------------------------------------------------------------------------------------
 def alloc_accept_outputs(gpu, B, K):

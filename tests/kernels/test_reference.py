@@ -114,6 +114,72 @@ def test_num_splits_heuristic():
 
 
 # ---------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention
+# ---------------------------------------------------------------------------------------------
+def test_mla_sparse_over_every_visible_row_is_dense():
+    """Listing exactly the rows a query sees (any order, padded with -1) gives mtp_mla_decode's dense output, and
+    the latent's trailing indexer-key values are never attended."""
+    rng = np.random.default_rng(8)
+    B, S, H, dl, dr, di, T = 2, 3, 4, 8, 4, 5, 20
+    q = rng.standard_normal((B, S, H, dl + dr))
+    cache = rng.standard_normal((B, T, dl + dr + di))
+    new = rng.standard_normal((B, S, dl + dr + di))
+    cl = np.array([0, 9], np.int32)
+    sel = np.full((B, S, 16), -1, np.int32)
+    for b in range(B):
+        for s in range(S):
+            rows = rng.permutation(int(cl[b]) + s + 1)
+            sel[b, s, :len(rows)] = rows
+    got, cache_after = ref.mla_sparse_decode(q, cache, cl, sel, dl=dl, scale=0.3, new_rows=new)
+    want, _ = ref.mla_decode(q, cache[..., :dl + dr], cl, dl=dl, scale=0.3, new_rows=new[..., :dl + dr])
+    assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert_equal(cache_after, ref.mla_kv_commit(cache, cl, new))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-3, 3), min_size=1, max_size=40), st.integers(1, 12), st.data())
+def test_topk_rows_matches_sorting(values, k, data):
+    """topk_rows against Python's sort on (score descending, row ascending), NaN first."""
+    vis = data.draw(st.lists(st.booleans(), min_size=len(values), max_size=len(values)))
+    scores = np.array(values, np.float32)
+    if data.draw(st.booleans()):
+        scores[data.draw(st.integers(0, len(values) - 1))] = np.nan
+    ranked = sorted((t for t in range(len(values)) if vis[t]),
+                    key=lambda t: (not np.isnan(scores[t]), -np.nan_to_num(scores[t]), t))
+    want = sorted(ranked[:k]) + [-1] * (k - min(k, len(ranked)))
+    assert ref.topk_rows(scores, vis, k).tolist() == want
+
+
+def test_dsa_select_matches_the_indexer_formula():
+    """dsa_select's scores against a per-row loop of I[s, t] = sum_j w[s, j] ReLU(q[s, j] . k[t] * scale) over the
+    visible rows, and its selection against the loop's ranking."""
+    rng = np.random.default_rng(9)
+    B, S, hi, di, C, off, T, K = 1, 3, 4, 6, 10, 4, 30, 7
+    q = rng.standard_normal((B, S, hi, di))
+    w = rng.standard_normal((B, S, hi))
+    cache = rng.standard_normal((B, T, C))
+    cl = np.array([20], np.int32)
+    sel, scores = ref.dsa_select(q, w, cache, cl, key_offset=off, k=K, scale=0.4, scores_dtype=np.float64)
+    for s in range(S):
+        seen = list(range(20 + s + 1))
+        loop = {t: sum(w[0, s, j] * max(0.0, float(q[0, s, j] @ cache[0, t, off:off + di]) * 0.4) for j in range(hi))
+                for t in seen}
+        for t in seen:
+            assert math.isclose(scores[0, s, t], loop[t], rel_tol=1e-12, abs_tol=1e-12)
+        assert sel[0, s].tolist() == sorted(sorted(seen, key=lambda t: (-loop[t], t))[:K])
+
+
+def test_selections_agree_tolerates_only_near_ties():
+    scores = np.array([[5.0, 1.0, 3.0, 3.0 + 1e-7, 0.5]])
+    want = np.array([[0, 3, -1]])
+    assert ref.selections_agree(np.array([[0, 2, -1]]), want, scores, rtol=1e-6)[0]  # a near tie swapped
+    ok, why = ref.selections_agree(np.array([[0, 1, -1]]), want, scores, rtol=1e-6)
+    assert not ok and "row 1" in why
+    assert not ref.selections_agree(np.array([[0, -1, -1]]), want, scores, rtol=1e-6)[0]  # a row missing
+    assert not ref.selections_agree(np.array([[3, 0, -1]]), want, scores, rtol=1e-6)[0]  # not ascending
+
+
+# ---------------------------------------------------------------------------------------------
 # strict / relaxed acceptance
 # ---------------------------------------------------------------------------------------------
 def strict_loop(logits, drafts):
