@@ -156,7 +156,7 @@ def cpu_selection(indexer: Indexer, x: Tensor, c_q: Tensor, rows: Tensor, cache:
     cfg, mask = indexer.cfg, group.mask
     q, w = indexer_queries(indexer, x, c_q, group)
     return CpuIndexerOp.apply(group.dims.view(q, cfg.index_n_heads * cfg.index_head_dim), w, rows, cache,
-                              mask.valid_len, mask.visible, cfg.index_n_heads, cfg.index_topk,
+                              mask.past_len, mask.visible, cfg.index_n_heads, cfg.index_topk,
                               cfg.index_head_dim**-0.5)
 
 
@@ -276,7 +276,7 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
         rows = latent if mask.extra_rows is None else torch.cat([mask.extra_rows, latent], 1)
         if indexer is not None:
             group.selection = cpu_selection(indexer, x, c_q, rows, cache, group)
-        o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.valid_len, mask.visible, group.selection, nh,
+        o_lat = CpuMlaOp.apply(q_lat, q_pe, rows, cache, mask.past_len, mask.visible, group.selection, nh,
                                cfg.softmax_scale)
     else:
         if indexer is not None and lowering != "plugin":

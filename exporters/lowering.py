@@ -38,7 +38,7 @@ class Dims:
 class Mask:
     """The onnx lowering's attention visibility for a block group, built once per group when first used.  For the
     decomposed attention (`attend`), additive float32 biases (0 visible, -inf hidden) per query row r = s*H + h:
-    `past` [B, 1, T] over the cache buffer's T rows (valid: < valid_len), `new` [B or 1, S*H, R + S] over
+    `past` [B, 1, T] over the cache buffer's T rows (valid: < past_len), `new` [B or 1, S*H, R + S] over
     `extra_rows` [B, R, Dl+Dr] (rows of this step that are not in the buffer, visible where extra_visible [B, R],
     or per query token [B, S, R]) and the S new rows: causally, or where new_visible [B, S, S] says (tree
     attention: each node sees its ancestors and itself).  With one new row and no extra rows `new` is None: the
@@ -46,15 +46,15 @@ class Mask:
     `visible` [B or 1, S, R + S] bool per query token, None where it is causal with no extra rows (the node's
     default)."""
 
-    def __init__(self, dims: Dims, heads: int, valid_len: Tensor, t, extra: tuple[Tensor, Tensor] | None = None,
+    def __init__(self, dims: Dims, heads: int, past_len: Tensor, t, extra: tuple[Tensor, Tensor] | None = None,
                  new_visible: Tensor | None = None):
-        self.dims, self.heads, self.valid_len, self.t = dims, heads, valid_len, t
+        self.dims, self.heads, self.past_len, self.t = dims, heads, past_len, t
         self.extra_rows, self._extra_seen = (None, None) if extra is None else extra
         self._new_visible = new_visible
 
     @functools.cached_property
     def past(self) -> Tensor:
-        return _bias(torch.arange(self.t) < self.valid_len[:, None])[:, None, :]
+        return _bias(torch.arange(self.t) < self.past_len[:, None])[:, None, :]
 
     def _seen(self) -> Tensor:
         """Which rows each query token sees, [B or 1, S, R + S] bool: the extra rows, then the new rows (causally
@@ -78,7 +78,7 @@ class Mask:
 
     def seen_rows(self) -> Tensor:
         """Which rows each query token sees, [B, S, T + R + S] bool: the valid cache rows, then _seen's."""
-        past = (torch.arange(self.t) < self.valid_len[:, None])[:, None, :].expand(-1, self.dims.s, -1)
+        past = (torch.arange(self.t) < self.past_len[:, None])[:, None, :].expand(-1, self.dims.s, -1)
         return torch.cat([past, self._seen().expand(self.dims.b, -1, -1)], -1)
 
     @functools.cached_property

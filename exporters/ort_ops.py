@@ -171,12 +171,12 @@ def cpu_moe(moe, x: Tensor) -> Tensor:
     return CpuMoEOp.apply(x, gate.weight, bias.float(), fc1, fc2, sfc1, sfc2, cpu_moe_attrs(gate))
 
 
-def _seen(valid_len: Tensor, visible: Tensor | None, b: int, s: int, r: int, t: int) -> Tensor:
-    """Which of the T cache rows then the R rows each query token sees, [B, S, T + R] bool: cached rows < valid_len,
+def _seen(past_len: Tensor, visible: Tensor | None, b: int, s: int, r: int, t: int) -> Tensor:
+    """Which of the T cache rows then the R rows each query token sees, [B, S, T + R] bool: cached rows < past_len,
     and `visible` [B or 1, S, R] (None: causal over the last S rows, the rows before them all seen)."""
     if visible is None:
         visible = (torch.arange(r)[None, :] <= torch.arange(s)[:, None] + (r - s))[None]
-    return torch.cat([(torch.arange(t)[None, :] < valid_len[:, None])[:, None, :].expand(b, s, t),
+    return torch.cat([(torch.arange(t)[None, :] < past_len[:, None])[:, None, :].expand(b, s, t),
                       visible.expand(b, s, r)], -1)
 
 
@@ -187,20 +187,20 @@ def _absent(g):
 
 class CpuMlaOp(torch.autograd.Function):
     """Absorbed MLA as one `mtp_trt.cpu::MlaAttention` node: q_lat [B, S, H*Dl] (queries absorbed through W^UK),
-    q_pe [B, S, H*Dr] (roped), rows [B, R, C] (C >= Dl + Dr: the latent first), cache [B, T, C], valid_len [B] int32
-    (cached rows < valid_len are seen), visible [B or 1, S, R] bool (which rows each query token sees; None: causal
+    q_pe [B, S, H*Dr] (roped), rows [B, R, C] (C >= Dl + Dr: the latent first), cache [B, T, C], past_len [B] int32
+    (cached rows < past_len are seen), visible [B or 1, S, R] bool (which rows each query token sees; None: causal
     over the last S rows, the rows before them all seen), selected [B, S, K] int32 or None (DeepSeek Sparse
     Attention: the rows each query token attends to, indices into the T cache rows then the R rows, -1: none; it
-    replaces valid_len and visible) -> [B, S, H*Dl]: per head, softmax(scale * [q_lat; q_pe] . k) over the seen rows
+    replaces past_len and visible) -> [B, S, H*Dl]: per head, softmax(scale * [q_lat; q_pe] . k) over the seen rows
     k, times their first Dl dims."""
 
     @staticmethod
-    def forward(ctx, q_lat, q_pe, rows, cache, valid_len, visible, selected, heads: int, scale: float):
+    def forward(ctx, q_lat, q_pe, rows, cache, past_len, visible, selected, heads: int, scale: float):
         b, s, _ = q_lat.shape
         r, t = rows.shape[1], cache.shape[1]
         q = torch.cat([q_lat.unflatten(-1, (heads, -1)), q_pe.unflatten(-1, (heads, -1))], -1).float()
         if selected is None:
-            seen = _seen(valid_len, visible, b, s, r, t)
+            seen = _seen(past_len, visible, b, s, r, t)
         else:
             picked = selected.long()
             picked = torch.where(picked < 0, t + r, picked)  # -1: a column past the rows, dropped
@@ -212,8 +212,8 @@ class CpuMlaOp(torch.autograd.Function):
         return (p @ keys[..., :dl]).flatten(-2).to(q_lat.dtype)
 
     @staticmethod
-    def symbolic(g, q_lat, q_pe, rows, cache, valid_len, visible, selected, heads: int, scale: float):
-        ins = (q_lat, q_pe, rows, cache, valid_len)
+    def symbolic(g, q_lat, q_pe, rows, cache, past_len, visible, selected, heads: int, scale: float):
+        ins = (q_lat, q_pe, rows, cache, past_len)
         if selected is not None:
             ins += (_absent(g) if visible is None else visible, selected)
         elif visible is not None:
@@ -225,17 +225,17 @@ class CpuMlaOp(torch.autograd.Function):
 class CpuIndexerOp(torch.autograd.Function):
     """DeepSeek Sparse Attention's lightning indexer and top-k selection as one `mtp_trt.cpu::LightningIndexer` node:
     q [B, S, Hi*Di] (the indexer's queries, roped), weights [B, S, Hi] (its head weights), rows [B, R, C] and cache
-    [B, T, C] (each row's indexer key its last Di values), valid_len, visible as CpuMlaOp -> selected [B, S, K] int32,
+    [B, T, C] (each row's indexer key its last Di values), past_len, visible as CpuMlaOp -> selected [B, S, K] int32,
     K = min(topk, T + R): per query token the topk seen rows of highest I[t] = sum_j weights[j] * ReLU(scale *
     q_j . k_t), the earlier row among equal scores, in ascending order, -1 after them where fewer are seen."""
 
     @staticmethod
-    def forward(ctx, q, weights, rows, cache, valid_len, visible, heads: int, topk: int, scale: float):
+    def forward(ctx, q, weights, rows, cache, past_len, visible, heads: int, topk: int, scale: float):
         b, s, _ = q.shape
         r, t = rows.shape[1], cache.shape[1]
         keys = torch.cat([cache, rows], 1)[..., -(q.shape[-1] // heads):].float()[:, None]  # [B, 1, T+R, Di]
         scores = torch.relu(q.unflatten(-1, (heads, -1)).float() @ keys.transpose(-1, -2) * scale)  # [B, S, Hi, T+R]
-        index = torch.where(_seen(valid_len, visible, b, s, r, t), (weights.float()[..., None] * scores).sum(-2),
+        index = torch.where(_seen(past_len, visible, b, s, r, t), (weights.float()[..., None] * scores).sum(-2),
                             float("-inf"))
         values, order = torch.sort(index, stable=True, dim=-1, descending=True)  # (ties: the earlier row first)
         k = min(topk, t + r)
@@ -243,7 +243,7 @@ class CpuIndexerOp(torch.autograd.Function):
         return torch.where(picked < t + r, picked, -1).to(torch.int32)
 
     @staticmethod
-    def symbolic(g, q, weights, rows, cache, valid_len, visible, heads: int, topk: int, scale: float):
-        ins = (q, weights, rows, cache, valid_len) + (() if visible is None else (visible,))
+    def symbolic(g, q, weights, rows, cache, past_len, visible, heads: int, topk: int, scale: float):
+        ins = (q, weights, rows, cache, past_len) + (() if visible is None else (visible,))
         y = g.op(f"{CPU_DOMAIN}::LightningIndexer", *ins, heads_i=heads, topk_i=topk, scale_f=scale)
         return y.setType(q.type().with_dtype(torch.int32).with_sizes([None] * 3))

@@ -32,7 +32,8 @@ from mtp_trt.errors import MtpTrtError
 class DType:
     """One tensor dtype under each library's name.  `host`: the NumPy dtype its bytes are read as (bf16 and fp8
     have none: their raw bits as unsigned ints); `onnx`: the TensorProto data type; `torch`: the torch attribute's
-    name; `safetensors`: the checkpoint header's; `kernel`: the dtype code of mtp-trt's CUDA kernels."""
+    name; `safetensors`: the checkpoint header's; `kernel`: the dtype code of mtp-trt's CUDA kernels (`mtp_dtype` of
+    mtp_kernels.h); `tensorrt`: the name of TensorRT's DataType member."""
 
     name: str
     host: type
@@ -40,6 +41,7 @@ class DType:
     torch: str
     safetensors: str
     kernel: int | None = None
+    tensorrt: str | None = None
 
     @property
     def itemsize(self) -> int:
@@ -53,22 +55,23 @@ class DType:
 
 DTYPE_TABLE = {d.name: d for d in (
     DType("fp64", np.float64, 11, "float64", "F64"),
-    DType("fp32", np.float32, 1, "float32", "F32", 0),
-    DType("fp16", np.float16, 10, "float16", "F16", 1),
-    DType("bf16", np.uint16, 16, "bfloat16", "BF16", 2),
-    DType("fp8e4m3", np.uint8, 17, "float8_e4m3fn", "F8_E4M3"),
+    DType("fp32", np.float32, 1, "float32", "F32", 0, "FLOAT"),
+    DType("fp16", np.float16, 10, "float16", "F16", 1, "HALF"),
+    DType("bf16", np.uint16, 16, "bfloat16", "BF16", 2, "BF16"),
+    DType("fp8e4m3", np.uint8, 17, "float8_e4m3fn", "F8_E4M3", None, "FP8"),
     DType("fp8e5m2", np.uint8, 19, "float8_e5m2", "F8_E5M2"),
-    DType("int64", np.int64, 7, "int64", "I64"),
-    DType("int32", np.int32, 6, "int32", "I32"),
+    DType("int64", np.int64, 7, "int64", "I64", None, "INT64"),
+    DType("int32", np.int32, 6, "int32", "I32", None, "INT32"),
     DType("int16", np.int16, 5, "int16", "I16"),
-    DType("int8", np.int8, 3, "int8", "I8"),
-    DType("uint8", np.uint8, 2, "uint8", "U8"),
-    DType("bool", np.bool_, 9, "bool", "BOOL"),
+    DType("int8", np.int8, 3, "int8", "I8", None, "INT8"),
+    DType("uint8", np.uint8, 2, "uint8", "U8", None, "UINT8"),
+    DType("bool", np.bool_, 9, "bool", "BOOL", None, "BOOL"),
 )}
 DTYPES = ("fp32", "fp16", "bf16")  # an export's (its weights, activations and caches)
 TENSOR_DTYPES = (*DTYPES, "int32", "int64")  # a graph input's or output's
 BY_ONNX = {d.onnx: d for d in DTYPE_TABLE.values()}
 BY_SAFETENSORS = {d.safetensors: d for d in DTYPE_TABLE.values()}
+KERNEL_DTYPES = {d.name: d for d in DTYPE_TABLE.values() if d.kernel is not None}  # the CUDA kernels' dtypes
 
 
 def dtype(name: str) -> DType:

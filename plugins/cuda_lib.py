@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtp_trt import contract as C
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import cache_dir
 
@@ -45,7 +46,7 @@ DEFAULT_ARCHS = ("80", "86", "89", "90a", "100", "120")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
 ABI_VERSION = 4  # 3: mtp_accept_relaxed_dev takes draft_stride, thinking_in / thinking_out; 4: DSA's kernels
 
-DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "f32": 0, "f16": 1, "bf16": 2, "fp32": 0, "fp16": 1}
+DTYPES = {alias: d.kernel for d in C.KERNEL_DTYPES.values() for alias in (d.name, d.torch)}  # fp32 or float32 -> 0 ...
 MLA_FORCE_SIMT = 1
 MLA_SINGLE_STAGE = 2
 
@@ -354,21 +355,21 @@ class KernelLib:
     def mla_decode_workspace_size(self, B, S, H, Dl, num_splits) -> int:
         return int(self.lib.mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits))
 
-    def mla_decode(self, dtype, q, kv_cache, cache_len, new_rows, mask, out, workspace, workspace_bytes, B, S, H,
+    def mla_decode(self, dtype, q, kv_cache, past_len, new_rows, mask, out, workspace, workspace_bytes, B, S, H,
                    Dl, Dr, T_max, scale, num_splits, flags=0, stream=0) -> None:
         self._check("mtp_mla_decode", self.lib.mtp_mla_decode(
-            dtype_code(dtype), _ptr(q), _ptr(kv_cache), _ptr(cache_len), _ptr(new_rows), _ptr(mask), _ptr(out),
+            dtype_code(dtype), _ptr(q), _ptr(kv_cache), _ptr(past_len), _ptr(new_rows), _ptr(mask), _ptr(out),
             _ptr(workspace), int(workspace_bytes), B, S, H, Dl, Dr, T_max, float(scale), num_splits, flags,
             _ptr(stream)))
 
-    def mla_kv_commit(self, dtype, kv_cache, cache_len, new_rows, B, S, D, T_max, stream=0) -> None:
+    def mla_kv_commit(self, dtype, kv_cache, past_len, new_rows, B, S, D, T_max, stream=0) -> None:
         self._check("mtp_mla_kv_commit", self.lib.mtp_mla_kv_commit(
-            dtype_code(dtype), _ptr(kv_cache), _ptr(cache_len), _ptr(new_rows), B, S, D, T_max, _ptr(stream)))
+            dtype_code(dtype), _ptr(kv_cache), _ptr(past_len), _ptr(new_rows), B, S, D, T_max, _ptr(stream)))
 
-    def mla_sparse_decode(self, dtype, q, kv_cache, cache_len, new_rows, selected, out, workspace, workspace_bytes,
+    def mla_sparse_decode(self, dtype, q, kv_cache, past_len, new_rows, selected, out, workspace, workspace_bytes,
                           B, S, H, Dl, Dr, C, T_max, K, scale, num_splits, flags=0, stream=0) -> None:
         self._check("mtp_mla_sparse_decode", self.lib.mtp_mla_sparse_decode(
-            dtype_code(dtype), _ptr(q), _ptr(kv_cache), _ptr(cache_len), _ptr(new_rows), _ptr(selected), _ptr(out),
+            dtype_code(dtype), _ptr(q), _ptr(kv_cache), _ptr(past_len), _ptr(new_rows), _ptr(selected), _ptr(out),
             _ptr(workspace), int(workspace_bytes), B, S, H, Dl, Dr, C, T_max, K, float(scale), num_splits, flags,
             _ptr(stream)))
 
@@ -376,10 +377,10 @@ class KernelLib:
     def dsa_select_workspace_size(self, B, S, T_max) -> int:
         return int(self.lib.mtp_dsa_select_workspace_size(B, S, T_max))
 
-    def dsa_select(self, dtype, q_index, weights, kv_cache, cache_len, mask, selected, workspace, workspace_bytes,
+    def dsa_select(self, dtype, q_index, weights, kv_cache, past_len, mask, selected, workspace, workspace_bytes,
                    B, S, Hi, Di, C, key_offset, T_max, K, scale, stream=0) -> None:
         self._check("mtp_dsa_select", self.lib.mtp_dsa_select(
-            dtype_code(dtype), _ptr(q_index), _ptr(weights), _ptr(kv_cache), _ptr(cache_len), _ptr(mask),
+            dtype_code(dtype), _ptr(q_index), _ptr(weights), _ptr(kv_cache), _ptr(past_len), _ptr(mask),
             _ptr(selected), _ptr(workspace), int(workspace_bytes), B, S, Hi, Di, C, key_offset, T_max, K,
             float(scale), _ptr(stream)))
 

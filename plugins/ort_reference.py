@@ -142,11 +142,11 @@ def qmoe(x, gate, bias, fc1, fc1_scales, fc2, fc2_scales, shared_fc1=None, share
     return y
 
 
-def mla_attention(q_lat, q_pe, rows, cache, valid_len, visible=None, selected=None, *, heads, scale):
+def mla_attention(q_lat, q_pe, rows, cache, past_len, visible=None, selected=None, *, heads, scale):
     """Absorbed MLA: q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C] (C >= Dl+Dr: the keys
-    are each row's first Dl+Dr values), valid_len [B], visible [B or 1, S, R] bool or None (causal over the last S
+    are each row's first Dl+Dr values), past_len [B], visible [B or 1, S, R] bool or None (causal over the last S
     rows, all rows before them seen) -> [B, S, H*Dl]: each head of each query token attends to the cached rows
-    t < valid_len and the rows it sees; where selected [B, S, K] (indices into the T cache rows then the R rows,
+    t < past_len and the rows it sees; where selected [B, S, K] (indices into the T cache rows then the R rows,
     -1: none) is given, to exactly the rows it names instead."""
     b, s, _ = q_lat.shape
     r, t_len = rows.shape[1], cache.shape[1]
@@ -154,7 +154,7 @@ def mla_attention(q_lat, q_pe, rows, cache, valid_len, visible=None, selected=No
     dl, c = q_lat.shape[-1] // heads, q.shape[-1]
     out = np.zeros((b, s, heads, dl))
     for bi in range(b):
-        n = int(np.clip(valid_len[bi], 0, t_len))
+        n = int(np.clip(past_len[bi], 0, t_len))
         every = np.concatenate([cache[bi], rows[bi]])[:, :c].astype(np.float64)  # [T + R, C]
         for si in range(s):
             if selected is not None:
@@ -180,10 +180,10 @@ def index_scores(q, weights, keys, *, heads, scale):
     return np.maximum(scale * dots, 0.0) @ np.asarray(weights, np.float64)
 
 
-def lightning_indexer(q, weights, rows, cache, valid_len, visible=None, *, heads, topk, scale):
+def lightning_indexer(q, weights, rows, cache, past_len, visible=None, *, heads, topk, scale):
     """The LightningIndexer op: q [B, S, Hi*Di] (roped), weights [B, S, Hi], rows [B, R, C], cache [B, T, C] (the
-    indexer key: each row's last Di values), valid_len [B], visible as mla_attention -> selected [B, S, K] int32,
-    K = min(topk, T + R): for each query token the visible rows (cached rows < valid_len, then the rows it sees)
+    indexer key: each row's last Di values), past_len [B], visible as mla_attention -> selected [B, S, K] int32,
+    K = min(topk, T + R): for each query token the visible rows (cached rows < past_len, then the rows it sees)
     with the topk highest index_scores, the earlier row first among equal scores, as indices into the T cache rows
     then the R rows, in ascending order, -1 after them where fewer rows are visible."""
     b, s, _ = q.shape
@@ -192,7 +192,7 @@ def lightning_indexer(q, weights, rows, cache, valid_len, visible=None, *, heads
     k = min(topk, t_len + r)
     out = np.full((b, s, k), -1, np.int32)
     for bi in range(b):
-        n = int(np.clip(valid_len[bi], 0, t_len))
+        n = int(np.clip(past_len[bi], 0, t_len))
         every = np.concatenate([cache[bi], rows[bi]])[:, -di:]  # [T + R, Di]
         for si in range(s):
             seen = (np.arange(r) <= si + r - s) if visible is None else np.asarray(visible[bi % len(visible), si])

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-# dtype codes of mtp_kernels.h (enum mtp_dtype)
-DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
-DTYPE_CODES = {"float32": DTYPE_F32, "float16": DTYPE_F16, "bfloat16": DTYPE_BF16}
-
 # The relaxed kernel keeps a per-position flag in bit 30 of out_tokens; ids stay below it.
 MAX_VOCAB = 1 << 30
 # Rejection sampling: quantisation of the weights and of the uniform (mtp_kernels.h).
@@ -58,14 +54,14 @@ def round_to(x, dtype: str) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # 1. MLA generation attention
 # ---------------------------------------------------------------------------------------------
-def mla_kv_commit(kv_cache, cache_len, new_rows) -> np.ndarray:
-    """Copy of kv_cache [B, T_max, D] with new_rows [B, S, D] written at rows cache_len[b] + s
-    (rows at or past T_max are skipped; cache_len is clamped to [0, T_max])."""
+def mla_kv_commit(kv_cache, past_len, new_rows) -> np.ndarray:
+    """Copy of kv_cache [B, T_max, D] with new_rows [B, S, D] written at rows past_len[b] + s
+    (rows at or past T_max are skipped; past_len is clamped to [0, T_max])."""
     cache = np.array(kv_cache, copy=True)
     B, T_max, _ = cache.shape
     S = new_rows.shape[1]
     for b in range(B):
-        c = int(np.clip(cache_len[b], 0, T_max))
+        c = int(np.clip(past_len[b], 0, T_max))
         for s in range(S):
             if c + s < T_max:
                 cache[b, c + s] = new_rows[b, s]
@@ -88,20 +84,20 @@ def mla_visible(cache_len_b: int, L: int, S: int, mask_b=None) -> np.ndarray:
     return cached | new
 
 
-def mla_decode(q, kv_cache, cache_len, *, dl: int, scale: float, new_rows=None, mask=None):
+def mla_decode(q, kv_cache, past_len, *, dl: int, scale: float, new_rows=None, mask=None):
     """MLA decode (mtp_mla_decode).
 
-    q [B, S, H, D], kv_cache [B, T_max, D], cache_len [B], new_rows [B, S, D] or None,
+    q [B, S, H, D], kv_cache [B, T_max, D], past_len [B], new_rows [B, S, D] or None,
     mask [B, S, S] or None.  Returns (out [B, S, H, dl] float64, cache after the commit).
     out[b, s, h] = softmax(scale * q . row_t) @ row_t[:dl] over the visible rows t; zeros if none.
     """
     q = np.asarray(q)
     B, S, H, D = q.shape
-    cache = mla_kv_commit(kv_cache, cache_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
+    cache = mla_kv_commit(kv_cache, past_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
     T_max = cache.shape[1]
     out = np.zeros((B, S, H, dl), dtype=np.float64)
     for b in range(B):
-        c = int(np.clip(cache_len[b], 0, T_max))
+        c = int(np.clip(past_len[b], 0, T_max))
         L = min(c + S, T_max)
         rows = cache[b, :L].astype(np.float64)                          # [L, D]
         scores = scale * np.einsum("shd,td->sht", q[b].astype(np.float64), rows)
@@ -126,13 +122,13 @@ def mla_num_splits(B: int, S: int, H: int, max_len: int, num_sms: int) -> int:
     return max(n, 1)
 
 
-def mla_sparse_decode(q, kv_cache, cache_len, selected, *, dl: int, scale: float, new_rows=None):
+def mla_sparse_decode(q, kv_cache, past_len, selected, *, dl: int, scale: float, new_rows=None):
     """Sparse MLA (mtp_mla_sparse_decode).  q [B, S, H, D], kv_cache [B, T_max, C] (C >= D: the first D values of
     a row are its latent), selected [B, S, K] cache rows (-1 or out of range: skipped), new_rows [B, S, C] or None.
     Returns (out [B, S, H, dl] float64, cache after the commit): softmax over the listed rows only."""
     q = np.asarray(q)
     B, S, H, D = q.shape
-    cache = mla_kv_commit(kv_cache, cache_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
+    cache = mla_kv_commit(kv_cache, past_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
     T_max = cache.shape[1]
     out = np.zeros((B, S, H, dl), dtype=np.float64)
     for b in range(B):
@@ -172,11 +168,11 @@ def topk_rows(scores, visible, k: int) -> np.ndarray:
     return out
 
 
-def dsa_select(q_index, weights, kv_cache, cache_len, *, key_offset: int, k: int, scale: float, mask=None,
+def dsa_select(q_index, weights, kv_cache, past_len, *, key_offset: int, k: int, scale: float, mask=None,
                scores_dtype=np.float32):
     """mtp_dsa_select: q_index [B, S, Hi, Di], weights [B, S, Hi], kv_cache [B, T_max, C] (the new rows already
-    committed), cache_len [B], mask [B, S, S] or None (causal).  -> (selected [B, S, k] int32, scores [B, S, L] with
-    L = min(cache_len + S, T_max) per sequence padded with NaN).  The scores are rounded to `scores_dtype` before
+    committed), past_len [B], mask [B, S, S] or None (causal).  -> (selected [B, S, k] int32, scores [B, S, L] with
+    L = min(past_len + S, T_max) per sequence padded with NaN).  The scores are rounded to `scores_dtype` before
     the selection (the kernel's are fp32)."""
     q_index = np.asarray(q_index)
     B, S, Hi, Di = q_index.shape
@@ -184,7 +180,7 @@ def dsa_select(q_index, weights, kv_cache, cache_len, *, key_offset: int, k: int
     selected = np.full((B, S, k), -1, np.int32)
     all_scores = np.full((B, S, T_max), np.nan)
     for b in range(B):
-        c = int(np.clip(cache_len[b], 0, T_max))
+        c = int(np.clip(past_len[b], 0, T_max))
         L = min(c + S, T_max)
         keys = np.asarray(kv_cache[b, :L, key_offset:key_offset + Di])
         sc = dsa_scores(q_index[b], weights[b], keys, scale=scale).astype(scores_dtype)  # [S, L]

@@ -35,14 +35,14 @@ import traceback
 
 import numpy as np
 
-from mtp_trt import ops
+from mtp_trt import contract as C, ops
 
 PLUGIN_VERSION = str(ops.VERSION)
 PLUGIN_NAMESPACE = ""
 TC_QT = 32  # query rows per tile of mtp_mla_decode (mla_decode.cu)
 MAX_SPLITS = 256  # MTP_MLA_MAX_SPLITS
 MAX_SMS = 192  # workspace is reserved for GPUs with up to this many SMs; bigger ones get fewer splits
-DTYPE_CODES = {"FLOAT": 0, "HALF": 1, "BF16": 2}  # mtp_dtype of mtp_kernels.h by trt.DataType name
+DTYPE_CODES = {d.tensorrt: d.kernel for d in C.KERNEL_DTYPES.values()}  # mtp_dtype of mtp_kernels.h by trt.DataType name
 
 errors: list[str] = []  # messages of exceptions raised inside plugin callbacks (TensorRT only sees a failure)
 created: dict[str, int] = {}  # op name -> plugins created by the creators (any phase)

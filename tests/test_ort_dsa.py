@@ -50,7 +50,7 @@ def names(inputs: dict, order: list[str]) -> list[str]:
     return out
 
 
-INDEXER_INPUTS = ["iq", "iw", "rows", "cache", "valid_len", "visible"]
+INDEXER_INPUTS = ["iq", "iw", "rows", "cache", "past_len", "visible"]
 
 
 def indexer(ins: dict, heads: int, topk: int, scale: float, threads: int = 2) -> np.ndarray:
@@ -67,13 +67,13 @@ def dsa_inputs(rng, b, s, h, dl, dr, hi, di, t, r, mask=None, valid=None):
         keys = rng.standard_normal((*ins[name].shape[:2], di)).astype(np.float32)
         ins[name] = np.concatenate([ins[name], keys], -1)
     if valid is not None:
-        ins["valid_len"] = np.array(valid, np.int32)
+        ins["past_len"] = np.array(valid, np.int32)
     return ins | dict(iq=rng.standard_normal((b, s, hi * di)).astype(np.float32),
                       iw=rng.standard_normal((b, s, hi)).astype(np.float32))
 
 
 def ref_indexer(ins, hi, topk, scale):
-    return ref.lightning_indexer(ins["iq"], ins["iw"], ins["rows"], ins["cache"], ins["valid_len"], ins["visible"],
+    return ref.lightning_indexer(ins["iq"], ins["iw"], ins["rows"], ins["cache"], ins["past_len"], ins["visible"],
                                  heads=hi, topk=topk, scale=scale)
 
 
@@ -117,7 +117,7 @@ def test_indexer_ties_keep_the_earlier_rows():
 
 # ---------------------------------------------------------------------------- attention over the selection
 def mla(ins: dict, heads: int, scale: float, threads: int = 2) -> np.ndarray:
-    order = ["q_lat", "q_pe", "rows", "cache", "valid_len", "visible", "selected"]
+    order = ["q_lat", "q_pe", "rows", "cache", "past_len", "visible", "selected"]
     return run_graph([("MlaAttention", names(ins, order), "y", dict(heads=heads, scale=scale))], ins,
                      {"y": TensorProto.FLOAT}, threads)[0]
 
@@ -153,7 +153,7 @@ def test_a_shared_layer_reuses_the_selection():
     ins = dsa_inputs(rng, 1, 2, 4, 16, 8, 8, 32, 400, 2, valid=[400])
     ins2 = dict(ins, q_lat=rng.standard_normal(ins["q_lat"].shape).astype(np.float32))
     feeds = dict(ins, q_lat2=ins2["q_lat"])
-    rows = ["rows", "cache", "valid_len"]
+    rows = ["rows", "cache", "past_len"]
     nodes = [("LightningIndexer", ["iq", "iw", *rows], "sel", dict(heads=8, topk=50, scale=0.2)),
              ("MlaAttention", ["q_lat", "q_pe", *rows, "", "sel"], "y1", dict(heads=4, scale=0.3)),
              ("MlaAttention", ["q_lat2", "q_pe", *rows, "", "sel"], "y2", dict(heads=4, scale=0.3))]
@@ -161,7 +161,7 @@ def test_a_shared_layer_reuses_the_selection():
     want = ref_indexer(ins, 8, 50, 0.2)
     np.testing.assert_array_equal(sel, want)
     for q, y in ((ins, y1), (ins2, y2)):
-        close(y, ref.mla_attention(q["q_lat"], q["q_pe"], q["rows"], q["cache"], q["valid_len"], selected=want,
+        close(y, ref.mla_attention(q["q_lat"], q["q_pe"], q["rows"], q["cache"], q["past_len"], selected=want,
                                    heads=4, scale=0.3))
 
 

@@ -117,7 +117,7 @@ def mla_inputs(rng, b, s, h, dl, dr, t, r, mask):
                 q_pe=rng.standard_normal((b, s, h * dr)).astype(np.float32),
                 rows=rng.standard_normal((b, r, c)).astype(np.float32),
                 cache=rng.standard_normal((b, t, c)).astype(np.float32),
-                valid_len=rng.integers(-2, t + 3, b).astype(np.int32),  # out of range too: clamped to [0, T]
+                past_len=rng.integers(-2, t + 3, b).astype(np.int32),  # out of range too: clamped to [0, T]
                 visible=visible)
 
 
@@ -147,9 +147,9 @@ def test_mla_attention_equals_the_gpu_kernels_reference():
 
     b, s, h, dl, dr, t = 2, 3, 4, 16, 8, 20
     ins = mla_inputs(np.random.default_rng(3), b, s, h, dl, dr, t, s, None)
-    ins["valid_len"] = np.array([5, 11], np.int32)
+    ins["past_len"] = np.array([5, 11], np.int32)
     q = np.concatenate([ins["q_lat"].reshape(b, s, h, dl), ins["q_pe"].reshape(b, s, h, dr)], -1)
-    want, _ = reference.mla_decode(q, ins["cache"], ins["valid_len"], dl=dl, scale=0.3, new_rows=ins["rows"])
+    want, _ = reference.mla_decode(q, ins["cache"], ins["past_len"], dl=dl, scale=0.3, new_rows=ins["rows"])
     close(run_node("MlaAttention", ins, dict(heads=h, scale=0.3)), want.reshape(b, s, h * dl))
 
 

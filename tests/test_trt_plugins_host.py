@@ -37,12 +37,12 @@ class HostKernels:
     def mla_decode_workspace_size(self, B, S, H, Dl, num_splits):
         return tp.mla_workspace_size(B, S, H, Dl, num_splits)
 
-    def mla_decode(self, dtype, q, kv_cache, cache_len, new_rows, mask, out, workspace, workspace_bytes, B, S, H,
+    def mla_decode(self, dtype, q, kv_cache, past_len, new_rows, mask, out, workspace, workspace_bytes, B, S, H,
                    Dl, Dr, T_max, scale, num_splits, flags=0, stream=0):
         self.calls.append(dict(splits=num_splits, workspace=workspace, workspace_bytes=workspace_bytes, mask=mask))
         dt, D = NP[dtype], Dl + Dr
         cache = _view(kv_cache, (B, T_max, D), dt)
-        lens = _view(cache_len, (B,), np.int32)
+        lens = _view(past_len, (B,), np.int32)
         o, committed = reference.mla_decode(_view(q, (B, S, H, D), dt), cache.copy(), lens.copy(), dl=Dl, scale=scale,
                                             new_rows=_view(new_rows, (B, S, D), dt) if new_rows else None)
         cache[...] = committed

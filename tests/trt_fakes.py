@@ -102,11 +102,11 @@ class HostKernels:
     def __init__(self, device: HostDevice, dtype: str):
         self.device, self.dtype, self.calls = device, C.dtype(dtype).host, 0
 
-    def mla_kv_commit(self, dtype, kv_cache, cache_len, new_rows, B, S, D, T_max, stream=0):
+    def mla_kv_commit(self, dtype, kv_cache, past_len, new_rows, B, S, D, T_max, stream=0):
         self.calls += 1
 
         def run():
-            lens = view(cache_len, (B,), np.int32)
+            lens = view(past_len, (B,), np.int32)
             write_rows(view(kv_cache, (B, T_max, D), self.dtype), view(new_rows, (B, S, D), self.dtype), lens)
 
         self.device.work(run)

@@ -23,7 +23,7 @@ struct DsaParams {
     const void* q;        // [B, S, Hi, Di]
     const float* w;       // [B, S, Hi]
     const void* cache;    // [B, T_max, C], key at key_offset
-    const int32_t* cache_len;
+    const int32_t* past_len;
     const uint8_t* mask;  // [B, S, S] or NULL (causal)
     float* scores;        // [B*S][T_max]
     int32_t* selected;    // [B, S, K]
@@ -33,7 +33,7 @@ struct DsaParams {
 
 // Rows 0 .. L-1 of sequence b exist after the commit; c = clamped cache length.
 __device__ __forceinline__ int dsa_rows(const DsaParams& p, int b, int& c) {
-    c = max(0, min(static_cast<int>(p.cache_len[b]), p.T_max));
+    c = max(0, min(static_cast<int>(p.past_len[b]), p.T_max));
     return min(c + p.S, p.T_max);
 }
 
@@ -198,7 +198,7 @@ extern "C" size_t mtp_dsa_select_workspace_size(int B, int S, int T_max) {
 }
 
 extern "C" cudaError_t mtp_dsa_select(mtp_dtype dtype, const void* q_index, const float* weights,
-                                      const void* kv_cache, const int32_t* cache_len, const uint8_t* mask,
+                                      const void* kv_cache, const int32_t* past_len, const uint8_t* mask,
                                       int32_t* selected, void* workspace, size_t workspace_bytes, int B, int S,
                                       int Hi, int Di, int C, int key_offset, int T_max, int K, float scale,
                                       cudaStream_t stream) {
@@ -206,11 +206,11 @@ extern "C" cudaError_t mtp_dsa_select(mtp_dtype dtype, const void* q_index, cons
         key_offset + Di > C || T_max <= 0 || K <= 0 || B > 65535 || S > 65535)
         return cudaErrorInvalidValue;
     if (B == 0) return cudaSuccess;
-    if (!q_index || !weights || !kv_cache || !cache_len || !selected) return cudaErrorInvalidValue;
+    if (!q_index || !weights || !kv_cache || !past_len || !selected) return cudaErrorInvalidValue;
     if (!workspace || workspace_bytes < mtp_dsa_select_workspace_size(B, S, T_max)) return cudaErrorInvalidValue;
     const size_t smem = sizeof(float) * (static_cast<size_t>(Hi) * dsa_q_stride(Di) + Hi);
     if (smem > 48 * 1024) return cudaErrorInvalidValue;
-    const DsaParams p{q_index, weights, kv_cache, cache_len, mask, static_cast<float*>(workspace), selected,
+    const DsaParams p{q_index, weights, kv_cache, past_len, mask, static_cast<float*>(workspace), selected,
                       S, Hi, Di, C, key_offset, T_max, K, scale};  // (in DsaParams' order)
     const dim3 grid(static_cast<unsigned>((T_max + SC_THREADS - 1) / SC_THREADS), S, B);
     MTP_DISPATCH_DTYPE(dtype, T, dsa_score_kernel<T><<<grid, SC_THREADS, smem, stream>>>(p));

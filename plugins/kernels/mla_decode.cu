@@ -28,7 +28,7 @@ namespace {
 struct MlaParams {
     const void* q;
     const void* cache;
-    const int32_t* cache_len;
+    const int32_t* past_len;
     const uint8_t* mask;
     void* out;      // used when nsplit == 1
     float* opart;   // [B*M][nsplit][Dl] when nsplit > 1
@@ -40,13 +40,13 @@ struct MlaParams {
     float scale_log2;
 };
 
-// Rows c .. of sequence b: c = clamped cache_len, returns L = rows after the commit.
+// Rows c .. of sequence b: c = clamped past_len, returns L = rows after the commit.
 __device__ __forceinline__ int seq_rows(const MlaParams& p, int b, int& c) {
     if (p.sel) {  // the K slots of query token b
         c = 0;
         return p.K;
     }
-    int cl = p.cache_len[b];
+    int cl = p.past_len[b];
     cl = max(0, min(cl, p.T_max));
     c = cl;
     return min(cl + p.S, p.T_max);
@@ -549,14 +549,14 @@ __global__ void __launch_bounds__(CB_THREADS) mla_combine_kernel(const float* __
 }
 
 // =============================================================================================
-// KV commit: cache[b][cache_len[b] + s] = new_rows[b][s], copied in units U.
+// KV commit: cache[b][past_len[b] + s] = new_rows[b][s], copied in units U.
 // =============================================================================================
 template <typename U>
-__global__ void kv_commit_kernel(U* __restrict__ cache, const int32_t* __restrict__ cache_len,
+__global__ void kv_commit_kernel(U* __restrict__ cache, const int32_t* __restrict__ past_len,
                                  const U* __restrict__ new_rows, int S, int units, int T_max) {
     const int row = blockIdx.x;
     const int b = row / S, s = row - b * S;
-    const int c = max(0, min(static_cast<int>(cache_len[b]), T_max));
+    const int c = max(0, min(static_cast<int>(past_len[b]), T_max));
     const int t = c + s;
     if (t >= T_max) return;
     U* dst = cache + (static_cast<size_t>(b) * T_max + t) * units;
@@ -645,26 +645,26 @@ extern "C" size_t mtp_mla_decode_workspace_size(int B, int S, int H, int Dl, int
     return align_up(rows * Dl * sizeof(float), 256) + align_up(rows * sizeof(float2), 256);
 }
 
-extern "C" cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* cache_len,
+extern "C" cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* past_len,
                                          const void* new_rows, int B, int S, int D, int T_max,
                                          cudaStream_t stream) {
     if (!dtype_ok(dtype) || B < 0 || S < 0 || D <= 0 || T_max <= 0) return cudaErrorInvalidValue;
     if (B == 0 || S == 0) return cudaSuccess;
-    if (!kv_cache || !cache_len || !new_rows) return cudaErrorInvalidValue;
+    if (!kv_cache || !past_len || !new_rows) return cudaErrorInvalidValue;
     if (static_cast<long long>(B) * S > 0x7fffffffLL) return cudaErrorInvalidValue;
     const size_t bytes = static_cast<size_t>(D) * dtype_size(dtype);
     const dim3 grid(static_cast<unsigned>(B * S));
     if (bytes % 16 == 0 && aligned16(kv_cache) && aligned16(new_rows)) {
-        kv_commit_kernel<uint4><<<grid, 64, 0, stream>>>(static_cast<uint4*>(kv_cache), cache_len,
+        kv_commit_kernel<uint4><<<grid, 64, 0, stream>>>(static_cast<uint4*>(kv_cache), past_len,
                                                          static_cast<const uint4*>(new_rows), S,
                                                          static_cast<int>(bytes / 16), T_max);
     } else if (bytes % 4 == 0) {
         kv_commit_kernel<uint32_t><<<grid, 128, 0, stream>>>(
-            static_cast<uint32_t*>(kv_cache), cache_len, static_cast<const uint32_t*>(new_rows), S,
+            static_cast<uint32_t*>(kv_cache), past_len, static_cast<const uint32_t*>(new_rows), S,
             static_cast<int>(bytes / 4), T_max);
     } else {
         kv_commit_kernel<uint16_t><<<grid, 128, 0, stream>>>(
-            static_cast<uint16_t*>(kv_cache), cache_len, static_cast<const uint16_t*>(new_rows), S,
+            static_cast<uint16_t*>(kv_cache), past_len, static_cast<const uint16_t*>(new_rows), S,
             static_cast<int>(bytes / 2), T_max);
     }
     return cudaGetLastError();
@@ -726,12 +726,12 @@ cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, void* workspace,
     return err;
 }
 
-MlaParams mla_params(const void* q, const void* kv_cache, const int32_t* cache_len, void* out, int S, int H, int Dl,
+MlaParams mla_params(const void* q, const void* kv_cache, const int32_t* past_len, void* out, int S, int H, int Dl,
                      int Dr, int stride, int T_max, float scale, int num_splits) {
     MlaParams p;
     p.q = q;
     p.cache = kv_cache;
-    p.cache_len = cache_len;
+    p.past_len = past_len;
     p.mask = nullptr;
     p.out = out;
     p.S = S;
@@ -752,7 +752,7 @@ MlaParams mla_params(const void* q, const void* kv_cache, const int32_t* cache_l
 }  // namespace mtp
 
 extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_cache,
-                                      const int32_t* cache_len, const void* new_rows,
+                                      const int32_t* past_len, const void* new_rows,
                                       const uint8_t* mask, void* out, void* workspace,
                                       size_t workspace_bytes, int B, int S, int H, int Dl, int Dr,
                                       int T_max, float scale, int num_splits, int flags,
@@ -761,7 +761,7 @@ extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_c
         T_max <= 0 || num_splits < 1 || num_splits > MTP_MLA_MAX_SPLITS || B > 65535)
         return cudaErrorInvalidValue;
     if (B == 0) return cudaSuccess;
-    if (!q || !kv_cache || !cache_len || !out) return cudaErrorInvalidValue;
+    if (!q || !kv_cache || !past_len || !out) return cudaErrorInvalidValue;
     const long long M = static_cast<long long>(S) * H;
     const int D = Dl + Dr;
     if (M > (1LL << 24) || static_cast<long long>(S) * S > (1LL << 30)) return cudaErrorInvalidValue;
@@ -772,16 +772,16 @@ extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_c
     }
 
     if (new_rows) {
-        const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, cache_len, new_rows, B, S, D, T_max, stream);
+        const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, past_len, new_rows, B, S, D, T_max, stream);
         if (e != cudaSuccess) return e;
     }
-    MlaParams p = mla_params(q, kv_cache, cache_len, out, S, H, Dl, Dr, D, T_max, scale, num_splits);
+    MlaParams p = mla_params(q, kv_cache, past_len, out, S, H, Dl, Dr, D, T_max, scale, num_splits);
     p.mask = mask;
     return launch_mla(static_cast<mtp_dtype>(dtype), p, B, workspace, flags, stream);
 }
 
 extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, void* kv_cache,
-                                             const int32_t* cache_len, const void* new_rows,
+                                             const int32_t* past_len, const void* new_rows,
                                              const int32_t* selected, void* out, void* workspace,
                                              size_t workspace_bytes, int B, int S, int H, int Dl, int Dr,
                                              int C, int T_max, int K, float scale, int num_splits,
@@ -790,7 +790,7 @@ extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, voi
         C < Dl + Dr || T_max <= 0 || K <= 0 || num_splits < 1 || num_splits > MTP_MLA_MAX_SPLITS)
         return cudaErrorInvalidValue;
     if (B == 0) return cudaSuccess;
-    if (!q || !kv_cache || !cache_len || !selected || !out) return cudaErrorInvalidValue;
+    if (!q || !kv_cache || !past_len || !selected || !out) return cudaErrorInvalidValue;
     if (static_cast<long long>(B) * S > 65535 || static_cast<long long>(B) * S * K > (1LL << 31) - 1 ||
         H > (1 << 24))
         return cudaErrorInvalidValue;
@@ -798,10 +798,10 @@ extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, voi
         (!workspace || workspace_bytes < mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits)))
         return cudaErrorInvalidValue;
     if (new_rows) {
-        const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, cache_len, new_rows, B, S, C, T_max, stream);
+        const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, past_len, new_rows, B, S, C, T_max, stream);
         if (e != cudaSuccess) return e;
     }
-    MlaParams p = mla_params(q, kv_cache, cache_len, out, 1, H, Dl, Dr, C, T_max, scale, num_splits);
+    MlaParams p = mla_params(q, kv_cache, past_len, out, 1, H, Dl, Dr, C, T_max, scale, num_splits);
     p.sel = selected;
     p.K = K;
     p.Sq = S;

@@ -37,26 +37,26 @@ int mtp_get_last_error(void);
  *   D = Dl + Dr (Dl = kv_lora_rank, Dr = rope dim);  M = S * H query rows per sequence.
  *   q          [B, S, H, D]   dtype   (q_nope absorbed through W_UK | roped q_pe)
  *   kv_cache   [B, T_max, D]  dtype   row t of sequence b = [c_kv (Dl) | k_pe (Dr)]
- *   cache_len  [B]            int32   valid rows of sequence b BEFORE this step (not modified)
+ *   past_len   [B]            int32   valid rows of sequence b BEFORE this step (not modified)
  *   new_rows   [B, S, D]      dtype   or NULL.  When given, row s is first written to cache row
- *                                     cache_len[b] + s (the "KV commit"); when NULL the rows are
+ *                                     past_len[b] + s (the "KV commit"); when NULL the rows are
  *                                     assumed to be in the cache already.
  *   mask       [B, S, S]      uint8   or NULL.  NULL: causal -- query s sees cache rows
- *                                     t <= cache_len[b] + s.  Given: query s sees every cached row
- *                                     t < cache_len[b] and new row j iff mask[b][s][j] != 0 (tree
+ *                                     t <= past_len[b] + s.  Given: query s sees every cached row
+ *                                     t < past_len[b] and new row j iff mask[b][s][j] != 0 (tree
  *                                     drafts; the diagonal should normally be 1).
  *   out        [B, S, H, Dl]  dtype   out = softmax(scale * q . row) @ row[:Dl] over the visible
  *                                     rows (V is the first Dl values of the same latent row).  A
  *                                     query that sees no row gets zeros.
  *   scale: softmax scale (include the YaRN mscale^2 / sqrt(Dqk) yourself).
- *   The caller guarantees cache_len[b] + S <= T_max; the kernels clamp (never write or read past
+ *   The caller guarantees past_len[b] + S <= T_max; the kernels clamp (never write or read past
  *   row T_max - 1) but the result is then meaningless.
  *
  * Precision: fp32 accumulation everywhere.  fp16/bf16: the probabilities are rounded to the input
  * type before the P.V product (as in FlashAttention); the softmax denominator sums those rounded
  * values, so the weights used are exactly normalised.
  *
- * Split-KV (flash decoding): the rows 0 .. L-1 (L = cache_len[b] + S) of each sequence are cut
+ * Split-KV (flash decoding): the rows 0 .. L-1 (L = past_len[b] + S) of each sequence are cut
  * into `num_splits` contiguous chunks (chunk = ceil(L / num_splits) rounded up to the 32-row tile,
  * computed on the device from the real L, so every split has work whatever the lengths); each
  * (sequence, split, tile of 32 query rows) block writes unnormalised partial outputs plus its
@@ -75,7 +75,7 @@ int mtp_get_last_error(void);
 
 /* Number of KV splits for a launch: enough (sequence x split x query-tile) blocks to fill
  * `num_sms` SMs about twice, no split shorter than ~256 rows of max_len, at most 256.
- * max_len: upper bound of cache_len[b] + S (e.g. T_max).  num_sms <= 0: ask the current device. */
+ * max_len: upper bound of past_len[b] + S (e.g. T_max).  num_sms <= 0: ask the current device. */
 int mtp_mla_decode_num_splits(int B, int S, int H, int max_len, int num_sms);
 
 /* Bytes of workspace mtp_mla_decode needs (0 when num_splits <= 1):
@@ -83,13 +83,13 @@ int mtp_mla_decode_num_splits(int B, int S, int H, int max_len, int num_sms);
  * [B*S*H][num_splits][2] (max in log2 units), each part 256-byte aligned. */
 size_t mtp_mla_decode_workspace_size(int B, int S, int H, int Dl, int num_splits);
 
-cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_cache, const int32_t* cache_len,
+cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_cache, const int32_t* past_len,
                            const void* new_rows, const uint8_t* mask, void* out, void* workspace,
                            size_t workspace_bytes, int B, int S, int H, int Dl, int Dr, int T_max,
                            float scale, int num_splits, int flags, cudaStream_t stream);
 
-/* The KV commit alone: kv_cache[b][cache_len[b] + s] = new_rows[b][s] (rows >= T_max skipped). */
-cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* cache_len,
+/* The KV commit alone: kv_cache[b][past_len[b] + s] = new_rows[b][s] (rows >= T_max skipped). */
+cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* past_len,
                               const void* new_rows, int B, int S, int D, int T_max,
                               cudaStream_t stream);
 
@@ -98,15 +98,15 @@ cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* ca
  *   q         [B, S, H, D]   dtype   as mtp_mla_decode (D = Dl + Dr)
  *   kv_cache  [B, T_max, C]  dtype   C >= D values per row: the latent first (DSA rows continue with the
  *                                    indexer key); only the first D are read
- *   cache_len [B]            int32   valid rows before this step
- *   new_rows  [B, S, C]      dtype   or NULL: written (all C values) to rows cache_len[b] + s first
+ *   past_len [B]            int32   valid rows before this step
+ *   new_rows  [B, S, C]      dtype   or NULL: written (all C values) to rows past_len[b] + s first
  *   selected  [B, S, K]      int32   cache rows of sequence b that query (b, s) attends to; a slot holding -1
  *                                    (or a row outside 0 .. T_max-1) is skipped (mtp_dsa_select's output)
  *   out       [B, S, H, Dl]  dtype   softmax(scale q . row) @ row[:Dl] over the listed rows; zeros if none
  * Every query token is its own sequence of K slots: num_splits = mtp_mla_decode_num_splits(B * S, 1, H, K, sms),
  * workspace = mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits).  B * S <= 65535.  Paths and precision as
  * mtp_mla_decode (the tensor-core path also needs C * sizeof(dtype) % 16 == 0). */
-cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, void* kv_cache, const int32_t* cache_len,
+cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, void* kv_cache, const int32_t* past_len,
                                   const void* new_rows, const int32_t* selected, void* out, void* workspace,
                                   size_t workspace_bytes, int B, int S, int H, int Dl, int Dr, int C, int T_max,
                                   int K, float scale, int num_splits, int flags, cudaStream_t stream);
@@ -211,8 +211,8 @@ cudaError_t mtp_window_update(mtp_dtype dtype, const int32_t* win_tokens_in,
  *   q_index   [B, S, Hi, Di]  dtype   the indexer's queries (roped), Hi <= 64, Hi * ceil8(Di) * 4 + 4 Hi <= 48 KiB
  *   weights   [B, S, Hi]      float   the per-head weights (weights_proj(x) / sqrt(Hi))
  *   kv_cache  [B, T_max, C]   dtype   row t holds its indexer key at values key_offset .. key_offset + Di - 1;
- *                                     the S new rows must already be committed (rows cache_len[b] + s)
- *   cache_len [B]             int32   valid rows before this step
+ *                                     the S new rows must already be committed (rows past_len[b] + s)
+ *   past_len [B]             int32   valid rows before this step
  *   mask      [B, S, S]       uint8   or NULL: which new rows query s sees, as mtp_mla_decode (NULL: causal)
  *   selected  [B, S, K]       int32   out: the rows query (b, s) attends to, ascending, then -1
  * Score of a visible row t: I = sum_j weights[j] * max(0, scale * q_index[j] . key_t), fp32 (scale = Di^-0.5).
@@ -223,7 +223,7 @@ cudaError_t mtp_window_update(mtp_dtype dtype, const int32_t* win_tokens_in,
 size_t mtp_dsa_select_workspace_size(int B, int S, int T_max);
 
 cudaError_t mtp_dsa_select(mtp_dtype dtype, const void* q_index, const float* weights, const void* kv_cache,
-                           const int32_t* cache_len, const uint8_t* mask, int32_t* selected, void* workspace,
+                           const int32_t* past_len, const uint8_t* mask, int32_t* selected, void* workspace,
                            size_t workspace_bytes, int B, int S, int Hi, int Di, int C, int key_offset, int T_max,
                            int K, float scale, cudaStream_t stream);
 

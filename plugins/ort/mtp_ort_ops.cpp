@@ -4,10 +4,10 @@
 //
 //   MoE(x [..., D], gate [E, D], bias [E]?, fc1 [E, 2I, D], fc2 [E, D, I], shared_fc1 [2Is, D]?, shared_fc2 [D, Is]?)
 //                                                                   -> [..., D]       (DeepSeekMoE, router included)
-//   MlaAttention(q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C], valid_len [B] int32,
+//   MlaAttention(q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C], past_len [B] int32,
 //                visible [B|1, S, R] bool?, selected [B, S, K] int32?)
 //                                                                   -> [B, S, H*Dl]   (absorbed MLA, C >= Dl + Dr)
-//   LightningIndexer(q [B, S, Hi*Di], weights [B, S, Hi], rows [B, R, C], cache [B, T, C], valid_len [B] int32,
+//   LightningIndexer(q [B, S, Hi*Di], weights [B, S, Hi], rows [B, R, C], cache [B, T, C], past_len [B] int32,
 //                    visible [B|1, S, R] bool?)                    -> [B, S, K] int32 (DSA's top-k rows)
 //   QMatMul(x [..., K], w uint8 [N, K/bs, blob], scales [N, K/bs]) -> [..., N]       (x W^T, W quantized)
 //   QMoE(x, gate, bias?, fc1 uint8 [E, 2I, D/bs, blob], fc1_scales [E, 2I, D/bs], fc2 uint8 [E, D, I/bs, blob],
@@ -503,7 +503,7 @@ struct Rows {
     View rows, cache, valid, vis;
     int64_t b = 0, s_len = 0, t_len = 0, r_len = 0, c = 0;
 
-    // inputs at `first` (rows), first + 1 (cache), first + 2 (valid_len), first + 3 (visible?), for B x S query
+    // inputs at `first` (rows), first + 1 (cache), first + 2 (past_len), first + 3 (visible?), for B x S query
     // tokens whose rows have at least `need` values.
     OrtStatus* read(const Call& call, size_t first, int64_t b_, int64_t s_, int64_t need, const std::string& want) {
         b = b_, s_len = s_;
@@ -518,7 +518,7 @@ struct Rows {
             return call.error("rows " + rows.str() + " and cache " + cache.str() + " must be [B, R, C] and [B, T, C] " +
                               want);
         if (valid.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || valid.size() != b)
-            return call.error("valid_len " + valid.str() + " must be int32 [B]");
+            return call.error("past_len " + valid.str() + " must be int32 [B]");
         if (r_len < s_len) return call.error("rows " + rows.str() + " has fewer rows than the " + std::to_string(s_len) +
                                              " query tokens");
         if (vis.present && (vis.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL || vis.shape.size() != 3 ||

@@ -58,7 +58,7 @@ def test_mla_decode_emulated_single_stage_small_smem(emu_lib, host, monkeypatch)
     # an sm_86/89-sized shared memory (99 KB): the tensor-core path without double buffering
     monkeypatch.setenv("MTP_EMU_SMEM_OPTIN", "101376")
     monkeypatch.setenv("MTP_EMU_DEVICE", "3")  # device facts are read once per device: a device of its own
-    G.run_mla(host, emu_lib, B=2, S=2, H=20, Dl=512, Dr=64, T_max=90, cache_len=[7, 88], dtype="float16",
+    G.run_mla(host, emu_lib, B=2, S=2, H=20, Dl=512, Dr=64, T_max=90, past_len=[7, 88], dtype="float16",
               num_splits=3)
 
 
@@ -72,7 +72,7 @@ def test_mla_prefill_reads_only_the_causal_prefix(emu_lib, host):
     """A prefill (128 new tokens, 2 heads: 8 query tiles of 16 tokens) without a mask: each query tile reads the
     rows up to its last token's, not all 128, so it loads about 30% less than the same visibility as an explicit
     mask (which may open any new row); both equal the NumPy reference."""
-    case = dict(B=1, S=128, H=2, Dl=64, Dr=16, T_max=160, cache_len=[0], dtype="float16", num_splits=1)
+    case = dict(B=1, S=128, H=2, Dl=64, Dr=16, T_max=160, past_len=[0], dtype="float16", num_splits=1)
     loads = []
     for mask in (None, "causal"):
         before = _count(emu_lib, "cp_async")
@@ -89,7 +89,7 @@ def test_mla_device_attributes_are_read_once_per_device(emu_lib, host, monkeypat
     """The SM count and the opt-in shared memory are queried, and the kernel's shared-memory limit raised, on the
     first launch on a device, not on later ones."""
     monkeypatch.setenv("MTP_EMU_DEVICE", "7")  # a device no other test used in this process
-    case = dict(B=1, S=1, H=16, Dl=512, Dr=64, T_max=40, cache_len=[0], dtype="float16", num_splits=1)
+    case = dict(B=1, S=1, H=16, Dl=512, Dr=64, T_max=40, past_len=[0], dtype="float16", num_splits=1)
     counts = []
     for _ in range(3):
         G.run_mla(host, emu_lib, **case)
@@ -104,7 +104,7 @@ def test_mla_sparse_decode_emulated(emu_lib, host, name):
 
 
 def test_mla_sparse_decode_emulated_deepseek_dims(emu_lib, host):
-    G.run_mla_sparse(host, emu_lib, B=1, S=2, H=16, Dl=512, Dr=64, Di=128, T_max=100, cache_len=[60], K=48,
+    G.run_mla_sparse(host, emu_lib, B=1, S=2, H=16, Dl=512, Dr=64, Di=128, T_max=100, past_len=[60], K=48,
                      dtype="bfloat16", num_splits=2, empty_query=True)
 
 
@@ -114,7 +114,7 @@ def test_dsa_select_emulated(emu_lib, host, name):
 
 
 def test_dsa_select_emulated_deepseek_heads(emu_lib, host):
-    G.run_dsa_select(host, emu_lib, B=1, S=2, Hi=64, Di=128, T_max=300, cache_len=[290], K=64, dtype="bfloat16")
+    G.run_dsa_select(host, emu_lib, B=1, S=2, Hi=64, Di=128, T_max=300, past_len=[290], K=64, dtype="bfloat16")
 
 
 def test_kv_commit_emulated(emu_lib, host):

@@ -53,12 +53,12 @@ def ptr_or_0(gpu, arr):
 # ---------------------------------------------------------------------------------------------
 # MLA decode
 # ---------------------------------------------------------------------------------------------
-def run_mla(gpu, lib, *, B, S, H, Dl, Dr, T_max, cache_len, dtype, mask=None, commit=True, num_splits=None,
+def run_mla(gpu, lib, *, B, S, H, Dl, Dr, T_max, past_len, dtype, mask=None, commit=True, num_splits=None,
             flags=0, seed=0, no_visible=False):
     rng = np.random.default_rng(seed)
     D = Dl + Dr
-    cache_len = np.asarray(cache_len, np.int32)
-    assert cache_len.shape == (B,) and np.all(cache_len + S <= T_max)
+    past_len = np.asarray(past_len, np.int32)
+    assert past_len.shape == (B,) and np.all(past_len + S <= T_max)
     q_s, q = to_storage(rng.standard_normal((B, S, H, D), np.float32), dtype)
     c_s, cache = to_storage(rng.standard_normal((B, T_max, D), np.float32), dtype)
     n_s, new = to_storage(rng.standard_normal((B, S, D), np.float32), dtype)
@@ -67,15 +67,15 @@ def run_mla(gpu, lib, *, B, S, H, Dl, Dr, T_max, cache_len, dtype, mask=None, co
     if isinstance(mask, str) and mask == "tree":
         mask = (np.tril(rng.integers(0, 2, (B, S, S))) | np.eye(S, dtype=np.int64)).astype(np.uint8)
         if no_visible:
-            mask[0, 0, :] = 0  # with cache_len[0] == 0: query 0 of sequence 0 sees nothing -> zeros
+            mask[0, 0, :] = 0  # with past_len[0] == 0: query 0 of sequence 0 sees nothing -> zeros
     if not commit:  # the new rows are already in the cache
-        c_s = ref.mla_kv_commit(c_s, cache_len, n_s)
+        c_s = ref.mla_kv_commit(c_s, past_len, n_s)
         cache = from_storage(c_s, dtype)
     scale = 1.5 / math.sqrt(D)
-    want, cache_after = ref.mla_decode(q, cache, cache_len, dl=Dl, scale=scale, new_rows=new if commit else None,
+    want, cache_after = ref.mla_decode(q, cache, past_len, dl=Dl, scale=scale, new_rows=new if commit else None,
                                        mask=mask)
 
-    d_q, d_cache, d_len = gpu.upload(q_s), gpu.upload(c_s), gpu.upload(cache_len)
+    d_q, d_cache, d_len = gpu.upload(q_s), gpu.upload(c_s), gpu.upload(past_len)
     d_new = gpu.upload(n_s) if commit else 0
     d_mask = ptr_or_0(gpu, mask)
     out_bytes = B * S * H * Dl * ESIZE[dtype]
@@ -100,40 +100,40 @@ def run_mla(gpu, lib, *, B, S, H, Dl, Dr, T_max, cache_len, dtype, mask=None, co
 
 MLA_CASES = [
     # id, kwargs
-    ("empty-cache-S1-H16", dict(B=1, S=1, H=16, Dl=512, Dr=64, T_max=40, cache_len=[0], dtype="float16")),
-    ("ds-bf16-S4-B2", dict(B=2, S=4, H=16, Dl=512, Dr=64, T_max=131, cache_len=[37, 127], dtype="bfloat16")),
-    ("ds-H128-tree-bf16", dict(B=3, S=3, H=128, Dl=512, Dr=64, T_max=1100, cache_len=[0, 517, 1001],
+    ("empty-cache-S1-H16", dict(B=1, S=1, H=16, Dl=512, Dr=64, T_max=40, past_len=[0], dtype="float16")),
+    ("ds-bf16-S4-B2", dict(B=2, S=4, H=16, Dl=512, Dr=64, T_max=131, past_len=[37, 127], dtype="bfloat16")),
+    ("ds-H128-tree-bf16", dict(B=3, S=3, H=128, Dl=512, Dr=64, T_max=1100, past_len=[0, 517, 1001],
                                dtype="bfloat16", mask="tree", num_splits=4, no_visible=True)),
-    ("ds-H128-fp16-1split", dict(B=2, S=2, H=128, Dl=512, Dr=64, T_max=300, cache_len=[33, 298 - 2],
+    ("ds-H128-fp16-1split", dict(B=2, S=2, H=128, Dl=512, Dr=64, T_max=300, past_len=[33, 298 - 2],
                                  dtype="float16", num_splits=1)),
-    ("B64-H16-fp16", dict(B=64, S=1, H=16, Dl=512, Dr=64, T_max=333, cache_len=list(range(0, 320, 5)),
+    ("B64-H16-fp16", dict(B=64, S=1, H=16, Dl=512, Dr=64, T_max=333, past_len=list(range(0, 320, 5)),
                           dtype="float16")),
-    ("B64-H16-bf16-S2", dict(B=64, S=2, H=16, Dl=512, Dr=64, T_max=97, cache_len=[(7 * i) % 95 for i in range(64)],
+    ("B64-H16-bf16-S2", dict(B=64, S=2, H=16, Dl=512, Dr=64, T_max=97, past_len=[(7 * i) % 95 for i in range(64)],
                              dtype="bfloat16")),
-    ("B1-T32k-H128-fp16", dict(B=1, S=1, H=128, Dl=512, Dr=64, T_max=32768, cache_len=[32767], dtype="float16")),
-    ("B1-T20k-H16-bf16-S2", dict(B=1, S=2, H=16, Dl=512, Dr=64, T_max=20011, cache_len=[20001], dtype="bfloat16")),
-    ("demo-64-16-fp32", dict(B=3, S=3, H=4, Dl=64, Dr=16, T_max=70, cache_len=[0, 5, 67], dtype="float32")),
-    ("demo-64-16-fp16", dict(B=3, S=3, H=4, Dl=64, Dr=16, T_max=70, cache_len=[0, 5, 67], dtype="float16")),
-    ("demo-128-32-bf16-tree", dict(B=2, S=5, H=8, Dl=128, Dr=32, T_max=260, cache_len=[100, 255], dtype="bfloat16",
+    ("B1-T32k-H128-fp16", dict(B=1, S=1, H=128, Dl=512, Dr=64, T_max=32768, past_len=[32767], dtype="float16")),
+    ("B1-T20k-H16-bf16-S2", dict(B=1, S=2, H=16, Dl=512, Dr=64, T_max=20011, past_len=[20001], dtype="bfloat16")),
+    ("demo-64-16-fp32", dict(B=3, S=3, H=4, Dl=64, Dr=16, T_max=70, past_len=[0, 5, 67], dtype="float32")),
+    ("demo-64-16-fp16", dict(B=3, S=3, H=4, Dl=64, Dr=16, T_max=70, past_len=[0, 5, 67], dtype="float16")),
+    ("demo-128-32-bf16-tree", dict(B=2, S=5, H=8, Dl=128, Dr=32, T_max=260, past_len=[100, 255], dtype="bfloat16",
                                    mask="tree")),
-    ("Dl32-Dr32-fp16", dict(B=2, S=1, H=3, Dl=32, Dr=32, T_max=50, cache_len=[1, 49], dtype="float16")),
-    ("Dl16-Dr0-bf16", dict(B=2, S=3, H=2, Dl=16, Dr=0, T_max=40, cache_len=[0, 30], dtype="bfloat16")),
-    ("D640-bf16", dict(B=2, S=2, H=16, Dl=512, Dr=128, T_max=150, cache_len=[20, 140], dtype="bfloat16")),
-    ("odd-48-8-fp16-simt", dict(B=2, S=2, H=5, Dl=48, Dr=8, T_max=45, cache_len=[3, 40], dtype="float16")),
-    ("odd-33-5-fp32", dict(B=2, S=3, H=3, Dl=33, Dr=5, T_max=100, cache_len=[9, 90], dtype="float32", mask="tree")),
-    ("odd-33-5-bf16", dict(B=2, S=1, H=3, Dl=33, Dr=5, T_max=100, cache_len=[9, 90], dtype="bfloat16")),
-    ("fp32-ds-dims", dict(B=2, S=2, H=16, Dl=512, Dr=64, T_max=200, cache_len=[0, 150], dtype="float32")),
-    ("force-simt-fp16", dict(B=2, S=2, H=16, Dl=512, Dr=64, T_max=200, cache_len=[10, 150], dtype="float16",
+    ("Dl32-Dr32-fp16", dict(B=2, S=1, H=3, Dl=32, Dr=32, T_max=50, past_len=[1, 49], dtype="float16")),
+    ("Dl16-Dr0-bf16", dict(B=2, S=3, H=2, Dl=16, Dr=0, T_max=40, past_len=[0, 30], dtype="bfloat16")),
+    ("D640-bf16", dict(B=2, S=2, H=16, Dl=512, Dr=128, T_max=150, past_len=[20, 140], dtype="bfloat16")),
+    ("odd-48-8-fp16-simt", dict(B=2, S=2, H=5, Dl=48, Dr=8, T_max=45, past_len=[3, 40], dtype="float16")),
+    ("odd-33-5-fp32", dict(B=2, S=3, H=3, Dl=33, Dr=5, T_max=100, past_len=[9, 90], dtype="float32", mask="tree")),
+    ("odd-33-5-bf16", dict(B=2, S=1, H=3, Dl=33, Dr=5, T_max=100, past_len=[9, 90], dtype="bfloat16")),
+    ("fp32-ds-dims", dict(B=2, S=2, H=16, Dl=512, Dr=64, T_max=200, past_len=[0, 150], dtype="float32")),
+    ("force-simt-fp16", dict(B=2, S=2, H=16, Dl=512, Dr=64, T_max=200, past_len=[10, 150], dtype="float16",
                              flags=cuda_lib.MLA_FORCE_SIMT)),
-    ("force-simt-bf16-tree", dict(B=2, S=4, H=16, Dl=512, Dr=64, T_max=200, cache_len=[0, 150], dtype="bfloat16",
+    ("force-simt-bf16-tree", dict(B=2, S=4, H=16, Dl=512, Dr=64, T_max=200, past_len=[0, 150], dtype="bfloat16",
                                   flags=cuda_lib.MLA_FORCE_SIMT, mask="tree", no_visible=True)),
-    ("single-stage-fp16", dict(B=2, S=3, H=16, Dl=512, Dr=64, T_max=500, cache_len=[80, 490], dtype="float16",
+    ("single-stage-fp16", dict(B=2, S=3, H=16, Dl=512, Dr=64, T_max=500, past_len=[80, 490], dtype="float16",
                                flags=cuda_lib.MLA_SINGLE_STAGE)),
-    ("precommitted-bf16", dict(B=2, S=3, H=16, Dl=256, Dr=64, T_max=128, cache_len=[0, 64], dtype="bfloat16",
+    ("precommitted-bf16", dict(B=2, S=3, H=16, Dl=256, Dr=64, T_max=128, past_len=[0, 64], dtype="bfloat16",
                                commit=False)),
-    ("many-splits-fp16", dict(B=1, S=1, H=16, Dl=512, Dr=64, T_max=5000, cache_len=[4000], dtype="float16",
+    ("many-splits-fp16", dict(B=1, S=1, H=16, Dl=512, Dr=64, T_max=5000, past_len=[4000], dtype="float16",
                               num_splits=256)),
-    ("splits-gt-rows-bf16", dict(B=2, S=2, H=16, Dl=512, Dr=64, T_max=64, cache_len=[0, 3], dtype="bfloat16",
+    ("splits-gt-rows-bf16", dict(B=2, S=2, H=16, Dl=512, Dr=64, T_max=64, past_len=[0, 3], dtype="bfloat16",
                                  num_splits=7)),
 ]
 
@@ -151,8 +151,8 @@ def test_mla_decode_random_shapes(gpu, lib, seed):
     Dr = int(rng.choice([0, 16, 32, 64, 8]))
     B, S, H = int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.choice([1, 2, 16, 20, 128]))
     T_max = int(rng.integers(S, 700))
-    cache_len = rng.integers(0, T_max - S + 1, B)
-    run_mla(gpu, lib, B=B, S=S, H=H, Dl=Dl, Dr=Dr, T_max=T_max, cache_len=cache_len, dtype=dtype,
+    past_len = rng.integers(0, T_max - S + 1, B)
+    run_mla(gpu, lib, B=B, S=S, H=H, Dl=Dl, Dr=Dr, T_max=T_max, past_len=past_len, dtype=dtype,
             mask="tree" if seed % 4 == 1 else None, num_splits=None if seed % 2 else int(rng.integers(1, 40)),
             seed=seed)
 
@@ -174,26 +174,26 @@ def test_mla_kv_commit_alone(gpu, lib):
 # ---------------------------------------------------------------------------------------------
 # DeepSeek Sparse Attention: the indexer's selection and sparse MLA
 # ---------------------------------------------------------------------------------------------
-def run_mla_sparse(gpu, lib, *, B, S, H, Dl, Dr, Di, T_max, cache_len, K, dtype, num_splits=None, flags=0, seed=0,
+def run_mla_sparse(gpu, lib, *, B, S, H, Dl, Dr, Di, T_max, past_len, K, dtype, num_splits=None, flags=0, seed=0,
                    empty_query=False):
     """mtp_mla_sparse_decode on random index lists (rows of the cache after the commit, some slots -1, any order);
     rows are [latent | indexer key] (C = Dl + Dr + Di), only the latent is attended."""
     rng = np.random.default_rng(seed)
     D, C = Dl + Dr, Dl + Dr + Di
-    cache_len = np.asarray(cache_len, np.int32)
+    past_len = np.asarray(past_len, np.int32)
     q_s, q = to_storage(rng.standard_normal((B, S, H, D), np.float32), dtype)
     c_s, cache = to_storage(rng.standard_normal((B, T_max, C), np.float32), dtype)
     n_s, new = to_storage(rng.standard_normal((B, S, C), np.float32), dtype)
     sel = np.full((B, S, K), -1, np.int32)
     for b in range(B):
         for s in range(S):
-            rows = rng.permutation(int(cache_len[b]) + s + 1)[:int(rng.integers(1, K + 1))]
+            rows = rng.permutation(int(past_len[b]) + s + 1)[:int(rng.integers(1, K + 1))]
             sel[b, s, :len(rows)] = rows
     if empty_query:
         sel[0, 0] = -1  # a query token with no row: zeros
         sel[-1, -1, -1] = T_max + 5  # out of range: skipped
     scale = 1.5 / math.sqrt(D)
-    want, cache_after = ref.mla_sparse_decode(q, cache, cache_len, sel, dl=Dl, scale=scale, new_rows=new)
+    want, cache_after = ref.mla_sparse_decode(q, cache, past_len, sel, dl=Dl, scale=scale, new_rows=new)
     d_cache = gpu.upload(c_s)
     out_bytes = B * S * H * Dl * ESIZE[dtype]
     d_out = gpu.alloc(out_bytes)
@@ -202,7 +202,7 @@ def run_mla_sparse(gpu, lib, *, B, S, H, Dl, Dr, Di, T_max, cache_len, K, dtype,
     ws_bytes = lib.mla_decode_workspace_size(B, S, H, Dl, ns)
     d_ws = gpu.alloc(ws_bytes) if ws_bytes else 0
     gpu.poison(d_ws, ws_bytes, POISON_F)
-    lib.mla_sparse_decode(dtype, gpu.upload(q_s), d_cache, gpu.upload(cache_len), gpu.upload(n_s), gpu.upload(sel),
+    lib.mla_sparse_decode(dtype, gpu.upload(q_s), d_cache, gpu.upload(past_len), gpu.upload(n_s), gpu.upload(sel),
                           d_out, d_ws, ws_bytes, B, S, H, Dl, Dr, C, T_max, K, scale, ns, flags)
     gpu.sync("mtp_mla_sparse_decode")
     got = from_storage(gpu.download(d_out, (B, S, H, Dl), storage_dtype(dtype)), dtype)
@@ -215,18 +215,18 @@ def run_mla_sparse(gpu, lib, *, B, S, H, Dl, Dr, Di, T_max, cache_len, K, dtype,
 
 
 MLA_SPARSE_CASES = [
-    ("v32-bf16-S4", dict(B=2, S=4, H=16, Dl=512, Dr=64, Di=128, T_max=300, cache_len=[0, 290], K=64,
+    ("v32-bf16-S4", dict(B=2, S=4, H=16, Dl=512, Dr=64, Di=128, T_max=300, past_len=[0, 290], K=64,
                          dtype="bfloat16", empty_query=True)),
-    ("v32-fp16-H128-splits", dict(B=1, S=2, H=128, Dl=512, Dr=64, Di=128, T_max=3000, cache_len=[2900], K=2048,
+    ("v32-fp16-H128-splits", dict(B=1, S=2, H=128, Dl=512, Dr=64, Di=128, T_max=3000, past_len=[2900], K=2048,
                                   dtype="float16", num_splits=8)),
-    ("small-fp32", dict(B=3, S=3, H=4, Dl=64, Dr=16, Di=32, T_max=70, cache_len=[0, 5, 60], K=8, dtype="float32",
+    ("small-fp32", dict(B=3, S=3, H=4, Dl=64, Dr=16, Di=32, T_max=70, past_len=[0, 5, 60], K=8, dtype="float32",
                         empty_query=True)),
-    ("small-fp16-tc", dict(B=2, S=2, H=8, Dl=64, Dr=16, Di=16, T_max=90, cache_len=[3, 80], K=40, dtype="float16",
+    ("small-fp16-tc", dict(B=2, S=2, H=8, Dl=64, Dr=16, Di=16, T_max=90, past_len=[3, 80], K=40, dtype="float16",
                            num_splits=3)),
-    ("odd-bf16-simt", dict(B=2, S=1, H=3, Dl=33, Dr=5, Di=7, T_max=50, cache_len=[9, 40], K=12, dtype="bfloat16")),
-    ("force-simt-bf16", dict(B=1, S=3, H=16, Dl=128, Dr=32, Di=64, T_max=200, cache_len=[150], K=100,
+    ("odd-bf16-simt", dict(B=2, S=1, H=3, Dl=33, Dr=5, Di=7, T_max=50, past_len=[9, 40], K=12, dtype="bfloat16")),
+    ("force-simt-bf16", dict(B=1, S=3, H=16, Dl=128, Dr=32, Di=64, T_max=200, past_len=[150], K=100,
                              dtype="bfloat16", flags=cuda_lib.MLA_FORCE_SIMT, num_splits=2)),
-    ("B32-S2-K512-bf16", dict(B=32, S=2, H=16, Dl=512, Dr=64, Di=128, T_max=1030, cache_len=[(31 * i) % 1000
+    ("B32-S2-K512-bf16", dict(B=32, S=2, H=16, Dl=512, Dr=64, Di=128, T_max=1030, past_len=[(31 * i) % 1000
                                                                                              for i in range(32)],
                               K=512, dtype="bfloat16")),
 ]
@@ -237,14 +237,14 @@ def test_mla_sparse_decode(gpu, lib, case):
     run_mla_sparse(gpu, lib, **case)
 
 
-def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, cache_len, K, dtype, mask=None, ties=False, seed=0):
+def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, past_len, K, dtype, mask=None, ties=False, seed=0):
     """mtp_dsa_select against reference.dsa_select.  ties: small integer queries, keys and weights (every score
     exact in fp32 whatever the summation order, many equal): the selection must be identical, ties to the earlier
     row.  Otherwise N(0, 1) data: rows may differ from the reference only where the two scores of the exchanged
     rows lie within the fp32 summation error of each other (reference.selections_agree)."""
     rng = np.random.default_rng(seed)
     C, off = 24 + Di, 24  # a row: 24 latent values, then the indexer key
-    cache_len = np.asarray(cache_len, np.int32)
+    past_len = np.asarray(past_len, np.int32)
     if ties:
         qv = rng.integers(-1, 2, (B, S, Hi, Di)).astype(np.float32)
         cv = rng.integers(-1, 2, (B, T_max, C)).astype(np.float32)
@@ -259,13 +259,13 @@ def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, cache_len, K, dtype, mask=N
         mask = (np.tril(rng.integers(0, 2, (B, S, S))) | np.eye(S, dtype=np.int64)).astype(np.uint8)
     q_s, q = to_storage(qv, dtype)
     c_s, cache = to_storage(cv, dtype)  # the new rows are committed already
-    want, scores = ref.dsa_select(q, wv, cache, cache_len, key_offset=off, k=K, scale=scale, mask=mask)
+    want, scores = ref.dsa_select(q, wv, cache, past_len, key_offset=off, k=K, scale=scale, mask=mask)
     ws = lib.dsa_select_workspace_size(B, S, T_max)
     d_ws = gpu.alloc(ws)
     gpu.poison(d_ws, ws, POISON_F)
     d_sel = gpu.alloc(B * S * K * 4)
     gpu.poison(d_sel, B * S * K * 4, POISON_I)
-    lib.dsa_select(dtype, gpu.upload(q_s), gpu.upload(wv), gpu.upload(c_s), gpu.upload(cache_len),
+    lib.dsa_select(dtype, gpu.upload(q_s), gpu.upload(wv), gpu.upload(c_s), gpu.upload(past_len),
                    ptr_or_0(gpu, mask), d_sel, d_ws, ws, B, S, Hi, Di, C, off, T_max, K, scale)
     gpu.sync("mtp_dsa_select")
     got = gpu.download(d_sel, (B, S, K), np.int32)
@@ -277,13 +277,13 @@ def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, cache_len, K, dtype, mask=N
 
 
 DSA_SELECT_CASES = [
-    ("fewer-rows-than-K", dict(B=2, S=2, Hi=4, Di=16, T_max=40, cache_len=[0, 30], K=64, dtype="float32")),
-    ("ties-bf16", dict(B=2, S=3, Hi=8, Di=32, T_max=700, cache_len=[100, 690], K=50, dtype="bfloat16", ties=True)),
-    ("ties-tree-fp16", dict(B=2, S=4, Hi=4, Di=16, T_max=300, cache_len=[20, 290], K=17, dtype="float16", ties=True,
+    ("fewer-rows-than-K", dict(B=2, S=2, Hi=4, Di=16, T_max=40, past_len=[0, 30], K=64, dtype="float32")),
+    ("ties-bf16", dict(B=2, S=3, Hi=8, Di=32, T_max=700, past_len=[100, 690], K=50, dtype="bfloat16", ties=True)),
+    ("ties-tree-fp16", dict(B=2, S=4, Hi=4, Di=16, T_max=300, past_len=[20, 290], K=17, dtype="float16", ties=True,
                             mask="tree")),
-    ("random-fp32", dict(B=3, S=2, Hi=16, Di=64, T_max=2000, cache_len=[0, 1000, 1990], K=256, dtype="float32")),
-    ("v32-bf16", dict(B=1, S=4, Hi=64, Di=128, T_max=20000, cache_len=[19990], K=2048, dtype="bfloat16")),
-    ("glm5-fp16-tree", dict(B=2, S=5, Hi=32, Di=128, T_max=5000, cache_len=[700, 4990], K=512, dtype="float16",
+    ("random-fp32", dict(B=3, S=2, Hi=16, Di=64, T_max=2000, past_len=[0, 1000, 1990], K=256, dtype="float32")),
+    ("v32-bf16", dict(B=1, S=4, Hi=64, Di=128, T_max=20000, past_len=[19990], K=2048, dtype="bfloat16")),
+    ("glm5-fp16-tree", dict(B=2, S=5, Hi=32, Di=128, T_max=5000, past_len=[700, 4990], K=512, dtype="float16",
                             mask="tree")),
 ]
 

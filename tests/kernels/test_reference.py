@@ -40,14 +40,14 @@ def test_bf16_matches_ml_dtypes_when_available():
 # ---------------------------------------------------------------------------------------------
 # MLA decode
 # ---------------------------------------------------------------------------------------------
-def mla_loop(q, cache, cache_len, dl, scale, new_rows, mask):
+def mla_loop(q, cache, past_len, dl, scale, new_rows, mask):
     """Per-query scalar loop: the definition written out plainly."""
     B, S, H, D = q.shape
     cache = [[list(map(float, r)) for r in cache[b]] for b in range(B)]
     T_max = len(cache[0])
     out = np.zeros((B, S, H, dl))
     for b in range(B):
-        c = min(max(int(cache_len[b]), 0), T_max)
+        c = min(max(int(past_len[b]), 0), T_max)
         if new_rows is not None:
             for s in range(S):
                 if c + s < T_max:
@@ -74,14 +74,14 @@ def test_mla_decode_matches_loop(use_mask, commit):
     B, S, H, dl, dr, T = 3, 3, 2, 6, 3, 9
     q = rng.standard_normal((B, S, H, dl + dr))
     cache = rng.standard_normal((B, T, dl + dr))
-    cache_len = np.array([0, 4, 7], np.int32)  # empty; middle; the last clamps at T (7 + 3 > 9)
+    past_len = np.array([0, 4, 7], np.int32)  # empty; middle; the last clamps at T (7 + 3 > 9)
     new_rows = rng.standard_normal((B, S, dl + dr)) if commit else None
     mask = None
     if use_mask:
         mask = rng.integers(0, 2, (B, S, S)).astype(np.uint8)
-        mask[0, 1, :] = 0  # query with no visible row at all (cache_len 0): zeros
-    got, new_cache = ref.mla_decode(q, cache, cache_len, dl=dl, scale=0.3, new_rows=new_rows, mask=mask)
-    want = mla_loop(q, cache, cache_len, dl, 0.3, new_rows, mask)
+        mask[0, 1, :] = 0  # query with no visible row at all (past_len 0): zeros
+    got, new_cache = ref.mla_decode(q, cache, past_len, dl=dl, scale=0.3, new_rows=new_rows, mask=mask)
+    want = mla_loop(q, cache, past_len, dl, 0.3, new_rows, mask)
     assert_close(got, want, atol=1e-12, rtol=1e-10, name="mla_decode")
     if use_mask:
         assert_equal(got[0, 1], np.zeros((H, dl)))
