@@ -11,8 +11,8 @@
 //   prefill : target(prompt, past_len 0) -> first token, hidden states
 //             mtp_0 depth 1 over the prompt rows (hidden = target's, next tokens = prompt[1:] + first)
 //             mtp_0 depths 2..K one row each (hidden = previous depth's, token = previous draft)
-//   step    : step_K([last, d1..dK], past_len = main_len) -> accepted tokens, n, next drafts,
-//             thinking flag; main_len += n + 1.  Rewinding rejected rows is only this length update:
+//   step    : step_K([last, d1..dK], past_len) -> accepted tokens, n, next drafts,
+//             thinking flag; past_len += n + 1.  Rewinding rejected rows is only this length update:
 //             the next step overwrites them.
 //
 // The latent caches are allocated once; every cache input of an engine and its aliased output
@@ -333,7 +333,7 @@ int run(const Options& opt) {
     target->enqueue(stream);
     const int32_t first = fetch(target->output("target_tokens"), L)[L - 1];
     std::vector<int32_t> out_ids{first};
-    int main_len = L, last = first;
+    int past_len = L, last = first;
     thinking = thinking_after({first}, thinking, think_start, think_end);
     std::vector<int32_t> drafts(K);
     if (K) {  // eagle drafting over the prompt: depth 1 over rows 0..L-1, depths 2..K one row each
@@ -354,7 +354,7 @@ int run(const Options& opt) {
         for (int depth = 2; depth <= K; ++depth) {
             mtp->bind(with_caches({{"hidden", {h.ptr, dims({1, 1, D})}},
                                    {"next_tokens", s.ints("next", {drafts[depth - 2]}, dims({1, 1}))},
-                                   {"past_len", s.ints("past", {main_len - 1 + depth - 1}, dims({1}))}}));
+                                   {"past_len", s.ints("past", {past_len - 1 + depth - 1}, dims({1}))}}));
             mtp->enqueue(stream);
             drafts[depth - 1] = fetch(mtp->output("draft_tokens"), 1)[0];
             check(cudaMemcpyAsync(h.ptr, mtp->output("hidden_out"), row_bytes, cudaMemcpyDeviceToDevice, stream),
@@ -391,10 +391,10 @@ int run(const Options& opt) {
     long steps = 0, accepted_total = 0;
     bool done = std::find(eos.begin(), eos.end(), first) != eos.end() || opt.max_new_tokens <= 1;
     const auto t1 = std::chrono::steady_clock::now();
-    while (!done && main_len + 2 * K + 2 <= rows) {
+    while (!done && past_len + 2 * K + 2 <= rows) {
         io->ids[0] = last;
         std::copy(drafts.begin(), drafts.end(), io->ids + 1);
-        io->past_len = main_len;
+        io->past_len = past_len;
         io->thinking = thinking;
         if (exec) {
             check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
@@ -418,7 +418,7 @@ int run(const Options& opt) {
             done = std::find(eos.begin(), eos.end(), io->accepted[j]) != eos.end() ||
                    static_cast<int>(out_ids.size()) >= opt.max_new_tokens;
         }
-        main_len += n + 1;  // rewinds the rejected rows: the next step overwrites them
+        past_len += n + 1;  // rewinds the rejected rows: the next step overwrites them
         last = io->accepted[n];
         thinking = io->thinking_out;
         std::copy(io->drafts, io->drafts + K, drafts.begin());
