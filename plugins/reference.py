@@ -84,6 +84,14 @@ def mla_visible(cache_len_b: int, L: int, S: int, mask_b=None) -> np.ndarray:
     return cached | new
 
 
+def _decode_start(q, kv_cache, past_len, new_rows, dl: int):
+    """A decode kernel's first steps: (q as an array, the cache after the commit of new_rows if given, zeroed
+    out [B, S, H, dl] float64)."""
+    q = np.asarray(q)
+    cache = mla_kv_commit(kv_cache, past_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
+    return q, cache, np.zeros((*q.shape[:3], dl), dtype=np.float64)
+
+
 def mla_decode(q, kv_cache, past_len, *, dl: int, scale: float, new_rows=None, mask=None):
     """MLA decode (mtp_mla_decode).
 
@@ -91,11 +99,9 @@ def mla_decode(q, kv_cache, past_len, *, dl: int, scale: float, new_rows=None, m
     mask [B, S, S] or None.  Returns (out [B, S, H, dl] float64, cache after the commit).
     out[b, s, h] = softmax(scale * q . row_t) @ row_t[:dl] over the visible rows t; zeros if none.
     """
-    q = np.asarray(q)
+    q, cache, out = _decode_start(q, kv_cache, past_len, new_rows, dl)
     B, S, H, D = q.shape
-    cache = mla_kv_commit(kv_cache, past_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
     T_max = cache.shape[1]
-    out = np.zeros((B, S, H, dl), dtype=np.float64)
     for b in range(B):
         c = int(np.clip(past_len[b], 0, T_max))
         L = min(c + S, T_max)
@@ -126,11 +132,9 @@ def mla_sparse_decode(q, kv_cache, past_len, selected, *, dl: int, scale: float,
     """Sparse MLA (mtp_mla_sparse_decode).  q [B, S, H, D], kv_cache [B, T_max, C] (C >= D: the first D values of
     a row are its latent), selected [B, S, K] cache rows (-1 or out of range: skipped), new_rows [B, S, C] or None.
     Returns (out [B, S, H, dl] float64, cache after the commit): softmax over the listed rows only."""
-    q = np.asarray(q)
+    q, cache, out = _decode_start(q, kv_cache, past_len, new_rows, dl)
     B, S, H, D = q.shape
-    cache = mla_kv_commit(kv_cache, past_len, new_rows) if new_rows is not None else np.asarray(kv_cache)
     T_max = cache.shape[1]
-    out = np.zeros((B, S, H, dl), dtype=np.float64)
     for b in range(B):
         for s in range(S):
             rows = [int(r) for r in selected[b, s] if 0 <= r < T_max]
