@@ -35,7 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtp_trt import contract as C
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import cache_dir
 
@@ -46,7 +45,6 @@ DEFAULT_ARCHS = ("80", "86", "89", "90a", "100", "120")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
 ABI_VERSION = 4  # 3: mtp_accept_relaxed_dev takes draft_stride, thinking_in / thinking_out; 4: DSA's kernels
 
-DTYPES = {alias: d.kernel for d in C.KERNEL_DTYPES.values() for alias in (d.name, d.torch)}  # fp32 or float32 -> 0 ...
 MLA_FORCE_SIMT = 1
 MLA_SINGLE_STAGE = 2
 
@@ -318,9 +316,12 @@ def dtype_code(dtype) -> int:
             raise MtpTrtError(f"bad dtype code {dtype}")
         return dtype
     name = getattr(dtype, "name", str(dtype)).lower()
-    if name not in DTYPES:
+    from mtp_trt import contract as C  # here: the library loads where NumPy is absent (gpu_check in a bare checkout)
+
+    codes = {alias: d.kernel for d in C.KERNEL_DTYPES.values() for alias in (d.name, d.torch)}  # fp32, float32 -> 0
+    if name not in codes:
         raise MtpTrtError(f"unsupported dtype {dtype!r} (float32, float16 or bfloat16)")
-    return DTYPES[name]
+    return codes[name]
 
 
 def _ptr(x) -> int | None:
