@@ -23,6 +23,7 @@ from mtp_trt.manifest import Manifest
 from mtp_trt.tree import tree_spec
 from mtp_trt.validate import cache_bytes, check_memory
 
+
 class Backend(ABC):
     """What the decode loop needs from an execution engine.  The graphs' calls (target, mtp, step, tree_step:
     their inputs by the contract's names, what they return) are built here once, over one call each backend
