@@ -118,11 +118,16 @@ class Backend(ABC):
                                             C.CARRY: carry})
 
     def _step(self, graph: str, n: int, feed: dict) -> dict[str, np.ndarray]:
-        """A step or tree graph: the inputs it has, the STEP_OUTPUTS it has."""
-        g = self.manifest.graphs[graph]
-        inputs, outputs = {t.name for t in g.inputs}, {t.name for t in g.outputs}
+        """A step or tree graph: the inputs it has, the STEP_OUTPUTS it has (worked out once per graph: a step
+        runs on every decode step)."""
+        names = self.__dict__.setdefault("_step_names", {})
+        if graph not in names:
+            g = self.manifest.graphs[graph]
+            outputs = {t.name for t in g.outputs}
+            names[graph] = ({t.name for t in g.inputs}, [k for k in C.STEP_OUTPUTS if k in outputs])
+        inputs, fetch = names[graph]
         feed = {k: v for k, v in feed.items() if k in inputs and v is not None}
-        return self.run(graph, n, feed, [k for k in C.STEP_OUTPUTS if k in outputs], replay=True)
+        return self.run(graph, n, feed, fetch, replay=True)
 
     @abstractmethod
     def swap_slots(self, i: int, j: int) -> None:
