@@ -78,24 +78,37 @@ def run_mla(gpu, lib, *, B, S, H, Dl, Dr, T_max, past_len, dtype, mask=None, com
     d_q, d_cache, d_len = gpu.upload(q_s), gpu.upload(c_s), gpu.upload(past_len)
     d_new = gpu.upload(n_s) if commit else 0
     d_mask = ptr_or_0(gpu, mask)
-    out_bytes = B * S * H * Dl * ESIZE[dtype]
-    d_out = gpu.alloc(out_bytes)
-    gpu.poison(d_out, out_bytes, POISON_F)
     ns = num_splits if num_splits is not None else lib.mla_decode_num_splits(B, S, H, T_max, gpu.num_sms())
-    ws_bytes = lib.mla_decode_workspace_size(B, S, H, Dl, ns)
-    d_ws = gpu.alloc(ws_bytes) if ws_bytes else 0
-    gpu.poison(d_ws, ws_bytes, POISON_F)
+    d_out, d_ws, ws_bytes = decode_buffers(gpu, lib, B, S, H, Dl, dtype, ns)
     lib.mla_decode(dtype, d_q, d_cache, d_len, d_new, d_mask, d_out, d_ws, ws_bytes, B, S, H, Dl, Dr, T_max, scale,
                    ns, flags)
     gpu.sync("mtp_mla_decode")
-    got = from_storage(gpu.download(d_out, (B, S, H, Dl), storage_dtype(dtype)), dtype)
-    atol, rtol = TOL[dtype]
-    assert_close(got, want, atol=atol, rtol=rtol, name=f"mla_decode {dtype} B={B} S={S} H={H} splits={ns}")
-    if no_visible:
-        assert_equal(got[0, 0], np.zeros((H, Dl), np.float32), name="query with no visible row")
-    got_cache = from_storage(gpu.download(d_cache, (B, T_max, D), storage_dtype(dtype)), dtype)
-    assert_equal(got_cache, np.asarray(cache_after, np.float32), name="cache after commit")
+    check_decoded(gpu, dtype, d_out, d_cache, want, cache_after, f"mla_decode {dtype} B={B} S={S} H={H} splits={ns}",
+                  "query with no visible row" if no_visible else None)
     return ns
+
+
+def decode_buffers(gpu, lib, B, S, H, Dl, dtype, ns):
+    """A decode kernel's output [B, S, H, Dl] and workspace for `ns` splits, both poisoned: (d_out, d_ws, bytes)."""
+    out_bytes = B * S * H * Dl * ESIZE[dtype]
+    d_out = gpu.alloc(out_bytes)
+    gpu.poison(d_out, out_bytes, POISON_F)
+    ws_bytes = lib.mla_decode_workspace_size(B, S, H, Dl, ns)
+    d_ws = gpu.alloc(ws_bytes) if ws_bytes else 0
+    gpu.poison(d_ws, ws_bytes, POISON_F)
+    return d_out, d_ws, ws_bytes
+
+
+def check_decoded(gpu, dtype, d_out, d_cache, want, cache_after, name, empty_query=None):
+    """A decode kernel's output against the reference's `want` [B, S, H, Dl] (query [0, 0] all zeros where
+    `empty_query` names why), and the cache after its commit against `cache_after`, bit for bit."""
+    got = from_storage(gpu.download(d_out, want.shape, storage_dtype(dtype)), dtype)
+    atol, rtol = TOL[dtype]
+    assert_close(got, want, atol=atol, rtol=rtol, name=name)
+    if empty_query:
+        assert_equal(got[0, 0], np.zeros(want.shape[2:], np.float32), name=empty_query)
+    got_cache = from_storage(gpu.download(d_cache, cache_after.shape, storage_dtype(dtype)), dtype)
+    assert_equal(got_cache, np.asarray(cache_after, np.float32), name="cache after commit")
 
 
 MLA_CASES = [
@@ -195,23 +208,13 @@ def run_mla_sparse(gpu, lib, *, B, S, H, Dl, Dr, Di, T_max, past_len, K, dtype, 
     scale = 1.5 / math.sqrt(D)
     want, cache_after = ref.mla_sparse_decode(q, cache, past_len, sel, dl=Dl, scale=scale, new_rows=new)
     d_cache = gpu.upload(c_s)
-    out_bytes = B * S * H * Dl * ESIZE[dtype]
-    d_out = gpu.alloc(out_bytes)
-    gpu.poison(d_out, out_bytes, POISON_F)
     ns = num_splits if num_splits is not None else lib.mla_decode_num_splits(B * S, 1, H, K, gpu.num_sms())
-    ws_bytes = lib.mla_decode_workspace_size(B, S, H, Dl, ns)
-    d_ws = gpu.alloc(ws_bytes) if ws_bytes else 0
-    gpu.poison(d_ws, ws_bytes, POISON_F)
+    d_out, d_ws, ws_bytes = decode_buffers(gpu, lib, B, S, H, Dl, dtype, ns)
     lib.mla_sparse_decode(dtype, gpu.upload(q_s), d_cache, gpu.upload(past_len), gpu.upload(n_s), gpu.upload(sel),
                           d_out, d_ws, ws_bytes, B, S, H, Dl, Dr, C, T_max, K, scale, ns, flags)
     gpu.sync("mtp_mla_sparse_decode")
-    got = from_storage(gpu.download(d_out, (B, S, H, Dl), storage_dtype(dtype)), dtype)
-    atol, rtol = TOL[dtype]
-    assert_close(got, want, atol=atol, rtol=rtol, name=f"mla_sparse_decode {dtype} B={B} S={S} H={H} K={K}")
-    if empty_query:
-        assert_equal(got[0, 0], np.zeros((H, Dl), np.float32), name="query with no selected row")
-    got_cache = from_storage(gpu.download(d_cache, (B, T_max, C), storage_dtype(dtype)), dtype)
-    assert_equal(got_cache, np.asarray(cache_after, np.float32), name="cache after commit")
+    check_decoded(gpu, dtype, d_out, d_cache, want, cache_after, f"mla_sparse_decode {dtype} B={B} S={S} H={H} K={K}",
+                  "query with no selected row" if empty_query else None)
 
 
 MLA_SPARSE_CASES = [
