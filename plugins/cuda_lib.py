@@ -43,10 +43,11 @@ SOURCES = ("mla_decode.cu", "dsa.cu", "accept.cu", "gather.cu", "api.cu")
 HEADERS = ("mtp_kernels.h", "common.cuh")
 DEFAULT_ARCHS = ("80", "86", "89", "90a", "100", "120")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
-ABI_VERSION = 4  # 3: mtp_accept_relaxed_dev takes draft_stride, thinking_in / thinking_out; 4: DSA's kernels
+ABI_VERSION = 5  # 4: DSA's kernels; 5: num_splits is the persistent grid's parts (workspace: P + B - 1 slots)
 
 MLA_FORCE_SIMT = 1
 MLA_SINGLE_STAGE = 2
+MLA_FORCE_V1 = 4
 
 
 class CudaKernelError(MtpTrtError):

@@ -118,14 +118,63 @@ def mla_decode(q, kv_cache, past_len, *, dl: int, scale: float, new_rows=None, m
     return out, cache
 
 
+# The work split of mtp_mla_decode (mla_decode.cu), in Python: the TensorRT plugins reserve workspace with these and
+# the tests check the kernels' schedule against them.
+MLA_ROW_BLOCK = 64    # query rows per block that the num_splits rule counts (v2's largest block)
+MLA_TILE_ROWS = 32    # KV rows per tile that the num_splits rule counts (v2's largest tile)
+MLA_MIN_TILES = 2     # a part of the persistent grid takes at least this many tiles (V2_MIN_TILES)
+MLA_MAX_SPLITS = 256  # MTP_MLA_MAX_SPLITS
+
+
 def mla_num_splits(B: int, S: int, H: int, max_len: int, num_sms: int) -> int:
-    """Mirror of mtp_mla_decode_num_splits (the heuristic; for documentation and tests)."""
+    """mtp_mla_decode_num_splits: the parts P of the persistent grid -- one wave of 64-row blocks, at most one part
+    per MLA_MIN_TILES tiles of B * max_len rows, at most 256; 1 (one block per sequence) when the row blocks alone
+    fill the GPU."""
     if min(B, S, H, max_len) <= 0:
         return 1
-    qtiles = -(-S * H // 32)
-    n = -(-num_sms // (B * qtiles))
-    n = min(n, -(-max_len // 128), 256)
-    return max(n, 1)
+    mblocks = -(-S * H // MLA_ROW_BLOCK)
+    by_len = -(-(B * -(-max_len // MLA_TILE_ROWS)) // MLA_MIN_TILES)
+    return max(1, min(num_sms // mblocks, by_len, MLA_MAX_SPLITS))
+
+
+def _align256(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+def mla_workspace_size(B: int, S: int, H: int, Dl: int, num_splits: int) -> int:
+    """mtp_mla_decode_workspace_size: P + B - 1 slots of S * H fp32 partial rows and their (max, sum), then the
+    schedule (int32 [P][4], int32 [B * S][2]); 0 for one part."""
+    if num_splits <= 1 or min(B, S, H, Dl) <= 0:
+        return 0
+    rows = (num_splits + B - 1) * S * H
+    return _align256(rows * Dl * 4) + _align256(rows * 8) + _align256(num_splits * 16) + _align256(B * S * 8)
+
+
+def mla_schedule(tiles, parts: int, min_tiles: int = MLA_MIN_TILES):
+    """The persistent grid's schedule (mla_v2_schedule_kernel): the tiles of every sequence, in order, cut into
+    `parts` runs of `payload = max(ceil(total / parts), min_tiles)` tiles.  Returns (runs, seqs): runs[p] =
+    (first sequence, first tile, last sequence, end tile) or None for an empty part; seqs[b] = (first part, parts)."""
+    tiles = [int(n) for n in tiles]
+    total = sum(tiles)
+    payload = max(-(-total // parts), min_tiles)
+    starts = np.concatenate([[0], np.cumsum(tiles)]).astype(int)
+    runs: list = [None] * parts
+    for p in range(parts):
+        g0, g1 = p * payload, min((p + 1) * payload, total)
+        if g0 >= total:
+            continue
+        bf = int(np.searchsorted(starts, g0, side="right")) - 1
+        bl = int(np.searchsorted(starts, g1, side="left")) - 1
+        runs[p] = (bf, g0 - int(starts[bf]), bl, g1 - int(starts[bl]))
+    seqs = [(int(starts[b]) // payload, (int(starts[b]) + n - 1) // payload - int(starts[b]) // payload + 1)
+            for b, n in enumerate(tiles)]
+    return runs, seqs
+
+
+def mla_run_segments(run, tiles) -> list[int]:
+    """The tiles of each sequence that a part's run (mla_schedule) covers, in order."""
+    bf, tf, bl, tl = run
+    return [(tl if b == bl else tiles[b]) - (tf if b == bf else 0) for b in range(bf, bl + 1)]
 
 
 def mla_sparse_decode(q, kv_cache, past_len, selected, *, dl: int, scale: float, new_rows=None):

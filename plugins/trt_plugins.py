@@ -36,12 +36,11 @@ import traceback
 import numpy as np
 
 from mtp_trt import contract as C, ops
+from mtp_trt.plugins.reference import MLA_MAX_SPLITS as MAX_SPLITS, MLA_ROW_BLOCK, mla_num_splits, mla_workspace_size
 
 PLUGIN_VERSION = str(ops.VERSION)
 PLUGIN_NAMESPACE = ""
-TC_QT = 32  # query rows per tile of mtp_mla_decode (mla_decode.cu)
-MAX_SPLITS = 256  # MTP_MLA_MAX_SPLITS
-MAX_SMS = 192  # workspace is reserved for GPUs with up to this many SMs; bigger ones get fewer splits
+MAX_SMS = 192  # workspace is reserved for GPUs with up to this many SMs; bigger ones get fewer parts
 DTYPE_CODES = {d.tensorrt: d.kernel for d in C.KERNEL_DTYPES.values()}  # mtp_dtype of mtp_kernels.h by trt.DataType name
 
 errors: list[str] = []  # messages of exceptions raised inside plugin callbacks (TensorRT only sees a failure)
@@ -53,36 +52,19 @@ def _align(n: int, a: int = 256) -> int:
     return (n + a - 1) // a * a
 
 
-def mla_num_splits(B: int, S: int, H: int, max_len: int, num_sms: int) -> int:
-    """mtp_mla_decode_num_splits of mla_decode.cu, in Python (for workspace bounds without a GPU)."""
-    if B <= 0 or S <= 0 or H <= 0 or max_len <= 0:
-        return 1
-    per_split = B * ((S * H + TC_QT - 1) // TC_QT)
-    n = min((num_sms + per_split - 1) // per_split, (max_len + 127) // 128, MAX_SPLITS)
-    return max(1, n)
-
-
-def mla_workspace_size(B: int, S: int, H: int, Dl: int, num_splits: int) -> int:
-    """mtp_mla_decode_workspace_size of mla_decode.cu, in Python."""
-    if num_splits <= 1 or min(B, S, H, Dl) <= 0:
-        return 0
-    rows = B * S * H * num_splits
-    return _align(rows * Dl * 4) + _align(rows * 8)
-
-
 def mla_splits_bound(B: int, S: int, H: int, max_len: int) -> int:
     return mla_num_splits(B, S, H, max_len, MAX_SMS)
 
 
 def mla_workspace_bound(b_range: tuple[int, int], s_range: tuple[int, int], H: int, Dl: int, max_len: int) -> int:
     """Workspace for every (B, S) of the ranges with splits_bound(B, S, H, max_len): enqueue never
-    uses more, since it caps its split count at that bound (and the bound grows with max_len)."""
+    uses more, since it caps its part count at that bound (and the bound grows with max_len)."""
     b_lo, b_hi = max(1, b_range[0]), max(1, b_range[1])
     s_lo, s_hi = max(1, s_range[0]), max(1, s_range[1])
     best = 0
     for b in range(b_lo, b_hi + 1):
         for s in range(s_lo, s_hi + 1):
-            if b * ((s * H + TC_QT - 1) // TC_QT) >= MAX_SMS:  # one split from here on (grows with s)
+            if (s * H + MLA_ROW_BLOCK - 1) // MLA_ROW_BLOCK >= MAX_SMS:  # one part from here on (grows with s)
                 break
             best = max(best, mla_workspace_size(b, s, H, Dl, mla_splits_bound(b, s, H, max_len)))
     return best

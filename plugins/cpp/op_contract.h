@@ -14,9 +14,12 @@ inline constexpr char kVersionString[] = "3";     // the plugin version string (
 inline constexpr char kNamespace[] = "";          // the plugin namespace the ONNX parser looks up
 inline constexpr char kDomain[] = "mtp_trt";      // ops.DOMAIN (ONNX domain of the nodes)
 
-// Split-KV workspace reservation of MlaGenerationAttention (trt_plugins.py: TC_QT, MAX_SPLITS,
-// MAX_SMS): engines built by either implementation reserve the same bytes.
-inline constexpr int kTcQt = 32;
+// Workspace reservation of MlaGenerationAttention (plugins/reference.py: MLA_ROW_BLOCK, MLA_TILE_ROWS,
+// MLA_MIN_TILES, MLA_MAX_SPLITS; trt_plugins.py: MAX_SMS): engines built by either implementation reserve the
+// same bytes.
+inline constexpr int kRowBlock = 64;
+inline constexpr int kTileRows = 32;
+inline constexpr int kMinTiles = 2;
 inline constexpr int kMaxSplits = 256;
 inline constexpr int kMaxSms = 192;
 

@@ -1,6 +1,6 @@
-// workspace.h -- split counts and the split-KV workspace of MlaGenerationAttention, the same
-// formulas as plugins/trt_plugins.py (mla_num_splits, mla_workspace_size, mla_splits_bound,
-// mla_workspace_bound) and mla_decode.cu, so an engine reserves the same workspace whichever
+// workspace.h -- part counts and the workspace of MlaGenerationAttention's persistent grid, the same
+// formulas as plugins/reference.py (mla_num_splits, mla_workspace_size), plugins/trt_plugins.py
+// (mla_splits_bound, mla_workspace_bound) and mla_decode.cu, so an engine reserves the same workspace whichever
 // implementation built it.  Plain C++17, no TensorRT or CUDA: tests/test_cpp_contract.py compiles
 // it with g++ into a small program and compares its numbers with the Python functions.
 #ifndef MTP_TRT_WORKSPACE_H
@@ -16,20 +16,21 @@ namespace mtp_trt {
 
 inline int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 
-// mtp_mla_decode_num_splits for a GPU with num_sms SMs.
+// mtp_mla_decode_num_splits for a GPU with num_sms SMs: the parts of the persistent grid.
 inline int mla_num_splits(int64_t B, int64_t S, int64_t H, int64_t max_len, int64_t num_sms) {
     if (B <= 0 || S <= 0 || H <= 0 || max_len <= 0) return 1;
-    const int64_t per_split = B * ((S * H + contract::kTcQt - 1) / contract::kTcQt);
-    const int64_t n = std::min({(num_sms + per_split - 1) / per_split, (max_len + 127) / 128,
-                                static_cast<int64_t>(contract::kMaxSplits)});
+    const int64_t mblocks = (S * H + contract::kRowBlock - 1) / contract::kRowBlock;
+    const int64_t by_len = (B * ((max_len + contract::kTileRows - 1) / contract::kTileRows) + contract::kMinTiles - 1) /
+                           contract::kMinTiles;
+    const int64_t n = std::min({num_sms / mblocks, by_len, static_cast<int64_t>(contract::kMaxSplits)});
     return static_cast<int>(std::max<int64_t>(1, n));
 }
 
-// mtp_mla_decode_workspace_size.
+// mtp_mla_decode_workspace_size: P + B - 1 slots of partial rows, their (max, sum), the schedule.
 inline int64_t mla_workspace_size(int64_t B, int64_t S, int64_t H, int64_t Dl, int64_t num_splits) {
     if (num_splits <= 1 || std::min({B, S, H, Dl}) <= 0) return 0;
-    const int64_t rows = B * S * H * num_splits;
-    return align256(rows * Dl * 4) + align256(rows * 8);
+    const int64_t rows = (num_splits + B - 1) * S * H;
+    return align256(rows * Dl * 4) + align256(rows * 8) + align256(num_splits * 16) + align256(B * S * 8);
 }
 
 // The split count enqueue may use at most (what the workspace was reserved for).
@@ -45,7 +46,7 @@ inline int64_t mla_workspace_bound(int64_t b_lo, int64_t b_hi, int64_t s_lo, int
     int64_t best = 0;
     for (int64_t b = b_lo; b <= b_hi; ++b) {
         for (int64_t s = s_lo; s <= s_hi; ++s) {
-            if (b * ((s * H + contract::kTcQt - 1) / contract::kTcQt) >= contract::kMaxSms) break;  // one split on
+            if ((s * H + contract::kRowBlock - 1) / contract::kRowBlock >= contract::kMaxSms) break;  // one part on
             best = std::max(best, mla_workspace_size(b, s, H, Dl, mla_splits_bound(b, s, H, max_len)));
         }
     }

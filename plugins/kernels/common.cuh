@@ -76,6 +76,19 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- ldmatrix: four 8x8 matrices of 16-bit elements ------------------------------------------
+// Lanes 8m .. 8m+7 give the addresses of rows 0..7 of matrix m (16 bytes each, 16-byte aligned).
+// Register m of lane i receives matrix m's (row i/4, cols 2(i%4), 2(i%4)+1): for a row-major 16x16
+// block given as matrices (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15),
+// (rows 8-15, cols 8-15), that is the A fragment of mma.m16n8k16.
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* row_addr) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row_addr));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(s)
+                 : "memory");
+}
+
 // ---- ldmatrix: four 8x8 matrices of 16-bit elements, transposed ------------------------------
 // Lanes 8m .. 8m+7 give the addresses of rows 0..7 of matrix m (16 bytes each, 16-byte aligned).
 // Register m of lane i receives matrix m's elements (row 2(i%4), col i/4) in the low half and

@@ -30,10 +30,12 @@ struct MlaParams {
     const void* cache;
     const int32_t* past_len;
     const uint8_t* mask;
-    void* out;      // used when nsplit == 1
-    float* opart;   // [B*M][nsplit][Dl] when nsplit > 1
-    float2* ml;     // [B*M][nsplit] (max, sum)
-    int S, H, Dl, D, T_max, nsplit;
+    void* out;      // written directly by a sequence's only split
+    float* opart;   // fp32 partial outputs: v1 [B*M][nsplit][Dl]; v2 [slot][M][Dl]
+    float2* ml;     // (max, sum) of each partial output: v1 [B*M][nsplit]; v2 [slot][M]
+    int4* part_sched;  // v2 persistent grid: per part (first sequence, first tile, last sequence, end tile)
+    int2* seq_sched;   // v2 persistent grid: per sequence (first part, number of parts)
+    int S, H, Dl, D, T_max, nsplit;  // v2: nsplit = parts of the persistent grid (1: one block per sequence)
     int stride;          // values per cache row (D, or more: DSA rows continue with the indexer key)
     const int32_t* sel;  // sparse mode: [B*Sq][K] cache rows per query token (-1: none); NULL: dense
     int K, Sq;           // sparse mode: slots per query token, query tokens per sequence
@@ -92,6 +94,446 @@ template <typename T>
 __device__ __forceinline__ const T* cache_of(const MlaParams& p, int b) {
     const int seq = p.sel ? b / p.Sq : b;
     return static_cast<const T*>(p.cache) + static_cast<size_t>(seq) * p.T_max * p.stride;
+}
+
+// =============================================================================================
+// v2: DeepSeek's shapes (Dl = 512, Dr = 64), fp16 / bf16.  One pass over the latent cache serves R query rows.
+//
+// Rows are packed m = s * H + h; a block takes R = min(64, M rounded up to 16) consecutive rows (an "m-block"),
+// so at H = 128 a KV tile read into shared memory serves 64 heads at once, and at H = 16 one block holds all the
+// heads of up to 4 MTP tokens: the cache is read once per m-block, not once per 32 query rows.
+// Block = 8 warps.  Per KV tile of KT rows:
+//   scores   QK warp (rg, cg) computes S[16 rows x NW columns] over all 576 dimensions with mma.sync (Q and K
+//            fragments by ldmatrix from shared memory); the scores stay in registers.
+//   softmax  the row max is exchanged between the CG warps of a row through shared memory; each warp keeps the
+//            running max and its own share of the running sum; P goes to shared memory rounded to T.
+//   P V      every warp owns 64 of the 512 output columns for all R rows (R / 16 x 8 mma tiles: 128 fp32
+//            registers per thread at R = 64).
+// The P.V of tile i runs beside the scores of tile i+1 (software pipeline), so a tile costs two block barriers:
+//   X  tile i landed; P(i-1) and its rescale factors visible; every read of iteration i-1 done
+//      -> prefetch tile i+1 (3 stages: i-1 is still read by P.V, i by the scores)
+//      -> scores(i) and their row max | P(i-1).V(i-1)
+//   Y  row maxes visible; P(i-1) consumed -> softmax(i): P(i), the rescale factors
+// Shared memory (16-bit elements, rows padded by 8 elements: 1168 B = 292 words = 4 mod 32, so ldmatrix's eight
+// 16-byte rows hit distinct banks): sQ [R][584], sK [3][KT][584], sP [R][KT+8], fp32 sMax [CG][R], sAlpha [R],
+// sL [CG][R], sM [R].  KT = 32 where shared memory allows (sm_90 / sm_100: 193 KB at R = 64), else 16
+// (A100: 135 KB; 99 KB parts: R <= 32, 95 KB).
+//
+// Grid (m-block, part): nsplit == 1: part = sequence, one block per (m-block, sequence), output written directly.
+// nsplit = P > 1 (persistent): the tiles of all sequences, in order, are cut into P equal runs by
+// mla_v2_schedule_kernel on the device from past_len (so the grid does not depend on the lengths: CUDA graphs and
+// TensorRT need that); part p takes run p, which may end in one sequence and go on in the next.  A sequence run
+// by one part is written directly; otherwise each of its parts writes fp32 partials to slot p + b (unique,
+// since parts and sequences advance together) and mla_v2_combine_kernel merges them.  The m-blocks of a part
+// are adjacent in launch order (blockIdx.x), so the blocks that read a tile run together and share it in L2.
+// =============================================================================================
+constexpr int V2_DL = 512;
+constexpr int V2_D = 576;
+constexpr int V2_RS = V2_D + 8;   // row stride of sQ and sK (elements)
+constexpr int V2_CHUNKS = V2_D / 8;  // 16-byte chunks per row
+constexpr int V2_THREADS = 256;
+constexpr int V2_STAGES = 3;
+constexpr int V2_MIN_TILES = 2;  // a part takes at least this many tiles (its Q load and epilogue are not free)
+
+template <int R, int KT>
+struct V2 {
+    static constexpr int RG = R / 16;                                   // row groups of the scores
+    static constexpr int CG = (8 / RG) < (KT / 8) ? 8 / RG : KT / 8;    // column groups of the scores
+    static constexpr int NW = KT / CG;                                   // score columns per warp: 8 or 16
+    static constexpr int QK_WARPS = RG * CG;
+    static constexpr int RB = R / 16;                                    // row blocks of P.V
+    static constexpr int PS = KT + 8;                                    // row stride of sP (elements)
+    static constexpr size_t K_OFF = static_cast<size_t>(R) * V2_RS * 2;
+    static constexpr size_t P_OFF = K_OFF + static_cast<size_t>(V2_STAGES) * KT * V2_RS * 2;
+    static constexpr size_t MAX_OFF = P_OFF + static_cast<size_t>(R) * PS * 2;
+    static constexpr size_t ALPHA_OFF = MAX_OFF + sizeof(float) * CG * R;
+    static constexpr size_t L_OFF = ALPHA_OFF + sizeof(float) * R;
+    static constexpr size_t M_OFF = L_OFF + sizeof(float) * CG * R;
+    static constexpr size_t BYTES = M_OFF + sizeof(float) * R;
+    static_assert(NW == 8 || NW == 16, "score columns per warp");
+    static_assert(QK_WARPS <= 8, "warps");
+};
+
+// Tiles of KT rows that sequence b attends over (dense: the rows after the commit; sparse: the K slots).
+__device__ __forceinline__ int v2_tiles(const MlaParams& p, int b, int KT) {
+    int c;
+    return (seq_rows(p, b, c) + KT - 1) / KT;
+}
+
+// One block: the persistent schedule of `nseq` sequences over P parts (and nothing else).  Part p takes global
+// tiles [p * payload, (p + 1) * payload), payload = max(ceil(total / P), V2_MIN_TILES); empty parts get x = -1.
+__device__ void v2_schedule(const MlaParams& p, int nseq, int KT) {
+    __shared__ int s_warp[32];
+    __shared__ int s_carry;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const int P = p.nsplit;
+    // pass 1: the total
+    int local = 0;
+    for (int b = tid; b < nseq; b += blockDim.x) local += v2_tiles(p, b, KT);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) local += __shfl_xor_sync(kFullMask, local, o);
+    if (lane == 0) s_warp[warp] = local;
+    if (tid == 0) s_carry = 0;
+    __syncthreads();
+    int total = 0;
+    for (int w = 0; w < nwarps; ++w) total += s_warp[w];
+    int payload = (total + P - 1) / P;
+    payload = max(payload, V2_MIN_TILES);
+    for (int q = tid; q < P; q += blockDim.x)
+        if (static_cast<long long>(q) * payload >= total) p.part_sched[q] = make_int4(-1, 0, -1, 0);
+    __syncthreads();  // s_warp is reused below
+    // pass 2: an exclusive scan of the tile counts, chunk by chunk
+    for (int b0 = 0; b0 < nseq; b0 += blockDim.x) {
+        const int b = b0 + tid;
+        const int n = b < nseq ? v2_tiles(p, b, KT) : 0;
+        int incl = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(kFullMask, incl, o);
+            if (lane >= o) incl += v;
+        }
+        if (lane == 31) s_warp[warp] = incl;
+        __syncthreads();
+        int before = s_carry;
+        for (int w = 0; w < warp; ++w) before += s_warp[w];
+        const int start = before + incl - n;
+        if (b < nseq) {
+            const int first = start / payload, last = (start + n - 1) / payload;
+            p.seq_sched[b] = make_int2(first, last - first + 1);
+            for (int q = first; q <= last; ++q) {
+                const int q0 = q * payload, q1 = min((q + 1) * payload, total);
+                if (q0 >= start) reinterpret_cast<int2*>(p.part_sched + q)[0] = make_int2(b, q0 - start);
+                if (q1 <= start + n) reinterpret_cast<int2*>(p.part_sched + q)[1] = make_int2(b, q1 - start);
+            }
+        }
+        __syncthreads();
+        if (tid == blockDim.x - 1) s_carry = before + incl;
+        __syncthreads();
+    }
+}
+
+// Before the attention: the KV commit (blocks 0 .. B*S-1, rows in 16-byte units, when new_rows is given) and, in
+// the last block, the persistent schedule (when P > 1).
+__global__ void __launch_bounds__(128) mla_v2_prologue_kernel(const MlaParams p, uint4* cache, const uint4* new_rows,
+                                                              int ncommit, int S, int units, int nseq, int KT) {
+    if (static_cast<int>(blockIdx.x) < ncommit) {
+        const int row = blockIdx.x;
+        const int b = row / S, s = row - b * S;
+        const int c = max(0, min(static_cast<int>(p.past_len[b]), p.T_max));
+        const int t = c + s;
+        if (t >= p.T_max) return;
+        uint4* dst = cache + (static_cast<size_t>(b) * p.T_max + t) * units;
+        const uint4* src = new_rows + static_cast<size_t>(row) * units;
+        for (int i = threadIdx.x; i < units; i += blockDim.x) dst[i] = src[i];
+        return;
+    }
+    v2_schedule(p, nseq, KT);
+}
+
+template <typename T, int R, int KT>
+__global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p) {
+    using C = V2<R, KT>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = reinterpret_cast<T*>(smem_raw + C::K_OFF);
+    T* sP = reinterpret_cast<T*>(smem_raw + C::P_OFF);
+    float* sMax = reinterpret_cast<float*>(smem_raw + C::MAX_OFF);
+    float* sAlpha = reinterpret_cast<float*>(smem_raw + C::ALPHA_OFF);
+    float* sL = reinterpret_cast<float*>(smem_raw + C::L_OFF);
+    float* sM = reinterpret_cast<float*>(smem_raw + C::M_OFF);
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, c4 = lane & 3;
+    const int M = p.S * p.H;
+    const int m0 = blockIdx.x * R;
+    const int nq = min(R, M - m0);  // query rows of this block
+    // score role: warp (rg, cg) -> rows rg*16 + {g, g+8}, columns cg*NW + 8 nb + 2 c4 + {0, 1} of each tile
+    const bool qk = warp < C::QK_WARPS;
+    const int rg = warp % C::RG, cg = warp / C::RG;
+    const int row_of[2] = {rg * 16 + g, rg * 16 + g + 8};
+    int tok_of[2];  // the new token (s) of each score row, for the causal or tree mask
+#pragma unroll
+    for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
+
+    // This block's run: sequences bf .. bl, tiles [tf, ...) of bf to [..., te) of bl.
+    int bf, tf, bl, tl;
+    if (p.nsplit > 1) {
+        const int4 run = p.part_sched[blockIdx.y];
+        if (run.x < 0) return;  // an empty part: the whole block leaves
+        bf = run.x, tf = run.y, bl = run.z, tl = run.w;
+    } else {
+        bf = bl = blockIdx.y;
+        tf = 0;
+        tl = v2_tiles(p, bf, KT);
+    }
+
+    for (int b = bf; b <= bl; ++b) {
+        int c;
+        const int L = seq_rows(p, b, c);
+        const int nt = (L + KT - 1) / KT;
+        const int tb = b == bf ? tf : 0;
+        int te = b == bl ? tl : nt;
+        const bool direct = tb == 0 && te == nt;  // the sequence's only part
+        const int lim = tile_rows(p, L, c, m0 + nq - 1);  // rows this m-block may see (the causal cut)
+        te = min(te, (lim + KT - 1) / KT);
+        const int n = max(0, te - tb);
+        const T* cache_b = cache_of<T>(p, b);
+        const T* q_b = static_cast<const T*>(p.q) + (static_cast<size_t>(b) * M + m0) * V2_D;
+        const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
+
+        auto load_tile = [&](int i, int stage) {  // tile tb + i into stage
+            T* dst = sK + stage * KT * V2_RS;
+            const int t0 = (tb + i) * KT;
+            for (int e = tid; e < KT * V2_CHUNKS; e += V2_THREADS) {
+                const int r = e / V2_CHUNKS, k8 = e - r * V2_CHUNKS;
+                const int t = t0 + r;
+                const int row = t < L ? cache_row(p, b, t) : -1;
+                cp_async16(dst + r * V2_RS + k8 * 8,
+                           cache_b + static_cast<size_t>(row >= 0 ? row : 0) * p.stride + k8 * 8, row >= 0);
+            }
+        };
+        if (n > 0) {
+            for (int e = tid; e < R * V2_CHUNKS; e += V2_THREADS) {
+                const int r = e / V2_CHUNKS, k8 = e - r * V2_CHUNKS;
+                cp_async16(sQ + r * V2_RS + k8 * 8, q_b + static_cast<size_t>(r < nq ? r : 0) * V2_D + k8 * 8, r < nq);
+            }
+            load_tile(0, 0);
+        }
+        cp_async_commit();
+
+        float acc[C::RB][8][4];
+#pragma unroll
+        for (int rb = 0; rb < C::RB; ++rb)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[rb][j][e] = 0.f;
+        float sc[C::NW / 8][4];
+        float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+        // O = alpha * O + P . V over the tile in `stage` (every warp: its 64 columns, all R rows)
+        auto pv = [&](int stage) {
+            const T* sV = sK + stage * KT * V2_RS;
+#pragma unroll
+            for (int rb = 0; rb < C::RB; ++rb) {
+                const float a0 = sAlpha[rb * 16 + g], a1 = sAlpha[rb * 16 + g + 8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    acc[rb][j][0] *= a0;
+                    acc[rb][j][1] *= a0;
+                    acc[rb][j][2] *= a1;
+                    acc[rb][j][3] *= a1;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; ++kk) {
+                uint32_t a[C::RB][4];
+#pragma unroll
+                for (int rb = 0; rb < C::RB; ++rb)
+                    ldsm_x4(a[rb][0], a[rb][1], a[rb][2], a[rb][3],
+                            sP + (rb * 16 + (lane & 15)) * C::PS + kk * 16 + (lane >> 4) * 8);
+                const T* vrow = sV + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * V2_RS + warp * 64 + (lane >> 4) * 8;
+#pragma unroll
+                for (int j = 0; j < 8; j += 2) {
+                    uint32_t b00, b01, b10, b11;
+                    ldsm_x4_trans(b00, b01, b10, b11, vrow + j * 8);
+#pragma unroll
+                    for (int rb = 0; rb < C::RB; ++rb) {
+                        Mma<T>::run(acc[rb][j], a[rb][0], a[rb][1], a[rb][2], a[rb][3], b00, b01);
+                        Mma<T>::run(acc[rb][j + 1], a[rb][0], a[rb][1], a[rb][2], a[rb][3], b10, b11);
+                    }
+                }
+            }
+        };
+
+        for (int i = 0; i < n; ++i) {
+            const int stage = i % V2_STAGES;
+            cp_async_wait<0>();
+            __syncthreads();  // X
+            if (i + 1 < n) load_tile(i + 1, (i + 1) % V2_STAGES);
+            cp_async_commit();
+            const int t0 = (tb + i) * KT;
+            if (qk) {
+                // ---- scores S = Q . K^T for 16 rows x NW columns, all 576 dimensions
+#pragma unroll
+                for (int nb = 0; nb < C::NW / 8; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sc[nb][e] = 0.f;
+                const T* sKt = sK + stage * KT * V2_RS;
+                const T* qa = sQ + (rg * 16 + (lane & 15)) * V2_RS + (lane >> 4) * 8;
+                if constexpr (C::NW == 16) {
+                    const T* kb = sKt + (cg * 16 + ((lane >> 4) << 3) + (lane & 7)) * V2_RS + ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+                    for (int ks = 0; ks < V2_D / 16; ++ks) {
+                        uint32_t a0, a1, a2, a3, b00, b01, b10, b11;
+                        ldsm_x4(a0, a1, a2, a3, qa + ks * 16);
+                        ldsm_x4(b00, b01, b10, b11, kb + ks * 16);
+                        Mma<T>::run(sc[0], a0, a1, a2, a3, b00, b01);
+                        Mma<T>::run(sc[1], a0, a1, a2, a3, b10, b11);
+                    }
+                } else {
+                    const T* kb = sKt + (cg * 8 + (lane & 7)) * V2_RS + (lane >> 3) * 8;
+#pragma unroll 2
+                    for (int ks = 0; ks < V2_D / 16; ks += 2) {
+                        uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+                        ldsm_x4(b0, b1, b2, b3, kb + ks * 16);
+                        ldsm_x4(a0, a1, a2, a3, qa + ks * 16);
+                        Mma<T>::run(sc[0], a0, a1, a2, a3, b0, b1);
+                        ldsm_x4(a0, a1, a2, a3, qa + ks * 16 + 16);
+                        Mma<T>::run(sc[0], a0, a1, a2, a3, b2, b3);
+                    }
+                }
+                // ---- scale to log2 units, hide what the row may not see, this warp's row max
+                const bool all_visible = !p.sel && t0 + KT <= c;  // only cached rows: every query sees them
+                float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+                for (int nb = 0; nb < C::NW / 8; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int h = e >> 1;
+                        const int t = t0 + cg * C::NW + nb * 8 + 2 * c4 + (e & 1);
+                        bool ok = row_of[h] < nq;
+                        if (!all_visible) ok = ok && t < L && row_visible(p, b, t, c, tok_of[h], mask_b);
+                        const float x = ok ? sc[nb][e] * p.scale_log2 : -INFINITY;
+                        sc[nb][e] = x;
+                        mx[h] = fmaxf(mx[h], x);
+                    }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+                    if (c4 == 0) sMax[cg * R + row_of[h]] = mx[h];
+                }
+            }
+            if (i > 0) pv((i - 1) % V2_STAGES);
+            __syncthreads();  // Y
+            if (qk) {
+                // ---- online softmax: the tile's row max over the CG warps, P rounded to T, this warp's row sums
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = row_of[h];
+                    float tmax = sMax[r];
+#pragma unroll
+                    for (int w = 1; w < C::CG; ++w) tmax = fmaxf(tmax, sMax[w * R + r]);
+                    const float m_new = fmaxf(m_run[h], tmax);
+                    const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+                    float ls = 0.f;
+#pragma unroll
+                    for (int nb = 0; nb < C::NW / 8; ++nb) {
+                        const float x0 = sc[nb][2 * h], x1 = sc[nb][2 * h + 1];
+                        const float p0 = x0 == -INFINITY ? 0.f : exp2f(x0 - m_new);
+                        const float p1 = x1 == -INFINITY ? 0.f : exp2f(x1 - m_new);
+                        const T q0 = from_f<T>(p0), q1 = from_f<T>(p1);
+                        *reinterpret_cast<uint32_t*>(sP + r * C::PS + cg * C::NW + nb * 8 + 2 * c4) = pack2_raw(q0, q1);
+                        ls += to_f<T>(q0) + to_f<T>(q1);  // the denominator sums the rounded weights
+                    }
+                    l_run[h] = l_run[h] * alpha + ls;
+                    m_run[h] = m_new;
+                    if (cg == 0 && c4 == 0) sAlpha[r] = alpha;
+                }
+            }
+        }
+        if (n > 0) {
+            __syncthreads();  // P of the last tile visible
+            pv((n - 1) % V2_STAGES);
+        }
+
+        // ---- epilogue: row sums over the quad and the CG warps; direct output or fp32 partials
+        if (qk) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float l = l_run[h];
+                l += __shfl_xor_sync(kFullMask, l, 1);
+                l += __shfl_xor_sync(kFullMask, l, 2);
+                if (c4 == 0) {
+                    sL[cg * R + row_of[h]] = l;
+                    if (cg == 0) sM[row_of[h]] = m_run[h];
+                }
+            }
+        }
+        __syncthreads();
+        const int slot = blockIdx.y + b;  // persistent grid: part + sequence, unique per (sequence, part)
+#pragma unroll
+        for (int rb = 0; rb < C::RB; ++rb)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = rb * 16 + g + 8 * h;
+                if (r >= nq) continue;
+                float l = sL[r];
+#pragma unroll
+                for (int w = 1; w < C::CG; ++w) l += sL[w * R + r];
+                const float inv = direct ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
+                const size_t orow = direct ? static_cast<size_t>(b) * M + m0 + r : static_cast<size_t>(slot) * M + m0 + r;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = warp * 64 + j * 8 + 2 * c4;
+                    const float v0 = acc[rb][j][2 * h] * inv, v1 = acc[rb][j][2 * h + 1] * inv;
+                    if (direct)
+                        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + orow * V2_DL + col) = pack2<T>(v0, v1);
+                    else
+                        *reinterpret_cast<float2*>(p.opart + orow * V2_DL + col) = make_float2(v0, v1);
+                }
+                if (!direct && warp == 0 && c4 == 0) p.ml[orow] = make_float2(sM[r], l);
+            }
+        __syncthreads();  // sL / sM read; shared memory free for the next sequence
+    }
+}
+
+// Combine of the persistent grid: one warp per query row of a sequence run by several parts.
+// out = sum_k w_k O_k / sum_k w_k l_k, w_k = 2^(m_k - max m); empty parts have m = -inf, l = 0, O = 0 (weight 0).
+constexpr int V2C_THREADS = 128;
+
+template <typename T>
+__global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaParams p, int nseq) {
+    __shared__ float sw[V2C_THREADS / 32][MTP_MLA_MAX_SPLITS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int M = p.S * p.H;
+    const long long row = static_cast<long long>(blockIdx.x) * (V2C_THREADS / 32) + warp;
+    if (row >= static_cast<long long>(nseq) * M) return;  // whole warp leaves; no block barrier below
+    const int b = static_cast<int>(row / M), m = static_cast<int>(row - static_cast<long long>(b) * M);
+    const int2 ss = p.seq_sched[b];
+    if (ss.y <= 1) return;  // written directly by its only part
+    const size_t base = static_cast<size_t>(ss.x + b) * M + m;  // (slot of its first part, row)
+    float mx = -INFINITY;
+    for (int k = lane; k < ss.y; k += 32) mx = fmaxf(mx, p.ml[base + static_cast<size_t>(k) * M].x);
+    mx = warp_max(mx);
+    float lsum = 0.f;
+    for (int k = lane; k < ss.y; k += 32) {
+        const float2 v = p.ml[base + static_cast<size_t>(k) * M];
+        const float w = mx == -INFINITY ? 0.f : exp2f(v.x - mx);
+        sw[warp][k] = w;
+        lsum += w * v.y;
+    }
+    lsum = warp_sum(lsum);
+    __syncwarp();
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    const float4* o = reinterpret_cast<const float4*>(p.opart + base * V2_DL) + lane;
+    const size_t step = static_cast<size_t>(M) * V2_DL / 4;  // float4s from one slot to the next
+    float4 a[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int k = 0; k < ss.y; ++k) {
+        const float w = sw[warp][k];
+        float4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = o[k * step + 32 * j];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            a[j].x = fmaf(w, v[j].x, a[j].x);
+            a[j].y = fmaf(w, v[j].y, a[j].y);
+            a[j].z = fmaf(w, v[j].z, a[j].z);
+            a[j].w = fmaf(w, v[j].w, a[j].w);
+        }
+    }
+    T* out = static_cast<T*>(p.out) + (static_cast<size_t>(b) * M + m) * V2_DL + 4 * lane;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        uint2 pk;
+        pk.x = pack2<T>(a[j].x * inv, a[j].y * inv);
+        pk.y = pack2<T>(a[j].z * inv, a[j].w * inv);
+        *reinterpret_cast<uint2*>(out + 128 * j) = pk;
+    }
 }
 
 // =============================================================================================
@@ -627,22 +1069,28 @@ cudaError_t launch_attn(dim3 grid, int threads, size_t smem, cudaStream_t stream
 
 using namespace mtp;
 
+// Parts of the persistent grid: one wave of 64-row m-blocks (floor(SMs / m-blocks)), no more parts than tiles of
+// 32 rows allow at V2_MIN_TILES each, at most MTP_MLA_MAX_SPLITS; 1 (one block per sequence) when the m-blocks
+// alone fill the GPU.  Depends on the shape and an upper bound of the lengths only, never on the lengths.
 extern "C" int mtp_mla_decode_num_splits(int B, int S, int H, int max_len, int num_sms) {
     if (B <= 0 || S <= 0 || H <= 0 || max_len <= 0) return 1;
     if (num_sms <= 0) num_sms = current_num_sms();
-    const long long qtiles = (static_cast<long long>(S) * H + TC_QT - 1) / TC_QT;
-    const long long per_split = static_cast<long long>(B) * qtiles;
-    long long n = (num_sms + per_split - 1) / per_split;     // about one full wave
-    const long long by_len = (max_len + 127) / 128;          // at least ~128 rows per split
+    const long long mblocks = (static_cast<long long>(S) * H + 63) / 64;
+    long long n = num_sms / mblocks;
+    const long long by_len = (static_cast<long long>(B) * ((max_len + 31) / 32) + V2_MIN_TILES - 1) / V2_MIN_TILES;
     n = n < by_len ? n : by_len;
     n = n < MTP_MLA_MAX_SPLITS ? n : MTP_MLA_MAX_SPLITS;
     return static_cast<int>(n < 1 ? 1 : n);
 }
 
+// Workspace of P = num_splits parts over B sequences of S * H rows: P + B - 1 slots of fp32 partial outputs and
+// their (max, sum), then the schedule (an int4 per part, an int2 per sequence; sparse decode: per query token).
 extern "C" size_t mtp_mla_decode_workspace_size(int B, int S, int H, int Dl, int num_splits) {
     if (num_splits <= 1 || B <= 0 || S <= 0 || H <= 0 || Dl <= 0) return 0;
-    const size_t rows = static_cast<size_t>(B) * S * H * num_splits;
-    return align_up(rows * Dl * sizeof(float), 256) + align_up(rows * sizeof(float2), 256);
+    const size_t rows = (static_cast<size_t>(num_splits) + B - 1) * S * H;
+    return align_up(rows * Dl * sizeof(float), 256) + align_up(rows * sizeof(float2), 256) +
+           align_up(static_cast<size_t>(num_splits) * sizeof(int4), 256) +
+           align_up(static_cast<size_t>(B) * S * sizeof(int2), 256);
 }
 
 extern "C" cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* past_len,
@@ -673,41 +1121,133 @@ extern "C" cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const 
 namespace mtp {
 namespace {
 
-// The attention launch of both entry points, p filled but for the workspace: `nseq` sequences (grid z) of
-// p.S * p.H query rows each.
-cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, void* workspace, int flags, cudaStream_t stream) {
+// The rows a launch commits to the cache before attending: new_rows [nseq_commit, S, C] at past_len + s.
+struct Commit {
+    const void* rows;  // NULL: nothing to commit
+    int B, S, C;
+};
+
+// v2's tile and block sizes for this device, or false where v2 does not serve the launch (other dims or dtypes,
+// misaligned rows, MTP_MLA_FORCE_V1 / MTP_MLA_FORCE_SIMT, too little shared memory).
+bool v2_config(mtp_dtype dtype, const MlaParams& p, long long M, int flags, int& R, int& KT, size_t& smem) {
+    const bool ok = (dtype == MTP_DTYPE_F16 || dtype == MTP_DTYPE_BF16) && !(flags & (MTP_MLA_FORCE_SIMT | MTP_MLA_FORCE_V1)) &&
+                    p.Dl == V2_DL && p.D == V2_D && (static_cast<size_t>(p.stride) * 2) % 16 == 0 && aligned16(p.q) &&
+                    aligned16(p.cache) && aligned16(p.out);
+    if (!ok) return false;
+    const size_t optin = static_cast<size_t>(max_optin_smem());
+    KT = V2<64, 32>::BYTES <= optin ? 32 : 16;
+    R = M <= 16 ? 16 : M <= 32 ? 32 : 64;
+    auto bytes = [&](int r) {
+        if (KT == 32) return r == 64 ? V2<64, 32>::BYTES : r == 32 ? V2<32, 32>::BYTES : V2<16, 32>::BYTES;
+        return r == 64 ? V2<64, 16>::BYTES : r == 32 ? V2<32, 16>::BYTES : V2<16, 16>::BYTES;
+    };
+    while (R > 16 && bytes(R) > optin) R /= 2;
+    smem = bytes(R);
+    return smem <= optin;
+}
+
+template <typename T>
+cudaError_t launch_v2(MlaParams& p, int nseq, int R, int KT, size_t smem, cudaStream_t stream) {
+    const dim3 grid(static_cast<unsigned>((static_cast<long long>(p.S) * p.H + R - 1) / R),
+                    static_cast<unsigned>(p.nsplit > 1 ? p.nsplit : nseq));
+#define MTP_V2_CASE(r, kt) \
+    if (R == r && KT == kt) return launch_attn<mla_v2_kernel<T, r, kt>>(grid, V2_THREADS, smem, stream, p);
+    MTP_V2_CASE(64, 32) MTP_V2_CASE(32, 32) MTP_V2_CASE(16, 32) MTP_V2_CASE(64, 16) MTP_V2_CASE(32, 16)
+    MTP_V2_CASE(16, 16)
+#undef MTP_V2_CASE
+    return cudaErrorInvalidValue;
+}
+
+// The attention launch of both entry points, p filled but for the workspace: `nseq` sequences of p.S * p.H query
+// rows each, after committing `commit`.  v2 where it serves the launch (DeepSeek's dims, fp16 / bf16), else the
+// general kernels (tensor-core, SIMT) with ceil((P + nseq - 1) / nseq) KV splits per sequence, which fit the same
+// workspace.
+cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, const Commit& commit, void* workspace, int flags,
+                       cudaStream_t stream) {
     const long long M = static_cast<long long>(p.S) * p.H;
     const int D = p.D, Dl = p.Dl, Dr = p.D - p.Dl;
     p.scale_log2 *= 1.4426950408889634f;
     p.opart = nullptr;
     p.ml = nullptr;
+    p.part_sched = nullptr;
+    p.seq_sched = nullptr;
+    const int parts = p.nsplit;
+    cudaError_t err = cudaSuccess;
+
+    int R = 0, KT = 0;
+    size_t smem = 0;
+    if (v2_config(dtype, p, M, flags, R, KT, smem)) {
+        if (parts > 1) {
+            const size_t rows = (static_cast<size_t>(parts) + nseq - 1) * M;
+            char* ws = static_cast<char*>(workspace);
+            p.opart = reinterpret_cast<float*>(ws);
+            ws += align_up(rows * Dl * sizeof(float), 256);
+            p.ml = reinterpret_cast<float2*>(ws);
+            ws += align_up(rows * sizeof(float2), 256);
+            p.part_sched = reinterpret_cast<int4*>(ws);
+            ws += align_up(static_cast<size_t>(parts) * sizeof(int4), 256);
+            p.seq_sched = reinterpret_cast<int2*>(ws);
+        }
+        const size_t row_bytes = static_cast<size_t>(commit.C) * dtype_size(dtype);
+        const bool fused = commit.rows && row_bytes % 16 == 0 && aligned16(commit.rows);
+        if (commit.rows && !fused) {
+            err = mtp_mla_kv_commit(dtype, const_cast<void*>(p.cache), p.past_len, commit.rows, commit.B, commit.S,
+                                    commit.C, p.T_max, stream);
+            if (err != cudaSuccess) return err;
+        }
+        const int ncommit = fused ? commit.B * commit.S : 0;
+        if (ncommit > 0 || parts > 1) {
+            mla_v2_prologue_kernel<<<ncommit + (parts > 1 ? 1 : 0), 128, 0, stream>>>(
+                p, static_cast<uint4*>(const_cast<void*>(p.cache)), static_cast<const uint4*>(commit.rows), ncommit,
+                commit.S, static_cast<int>(row_bytes / 16), nseq, KT);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        }
+        if (dtype == MTP_DTYPE_F16)
+            err = launch_v2<__half>(p, nseq, R, KT, smem, stream);
+        else
+            err = launch_v2<__nv_bfloat16>(p, nseq, R, KT, smem, stream);
+        if (err != cudaSuccess || parts <= 1) return err;
+        const long long rows = static_cast<long long>(nseq) * M;
+        const unsigned blocks = static_cast<unsigned>((rows + V2C_THREADS / 32 - 1) / (V2C_THREADS / 32));
+        if (dtype == MTP_DTYPE_F16)
+            mla_v2_combine_kernel<__half><<<blocks, V2C_THREADS, 0, stream>>>(p, nseq);
+        else
+            mla_v2_combine_kernel<__nv_bfloat16><<<blocks, V2C_THREADS, 0, stream>>>(p, nseq);
+        return cudaGetLastError();
+    }
+
+    // ---- the general kernels
+    if (commit.rows) {
+        err = mtp_mla_kv_commit(dtype, const_cast<void*>(p.cache), p.past_len, commit.rows, commit.B, commit.S,
+                                commit.C, p.T_max, stream);
+        if (err != cudaSuccess) return err;
+    }
+    p.nsplit = parts > 1 ? min((parts + nseq - 1) / nseq, MTP_MLA_MAX_SPLITS) : 1;
     if (p.nsplit > 1) {
         const size_t rows = static_cast<size_t>(nseq) * M * p.nsplit;
         p.opart = static_cast<float*>(workspace);
         p.ml = reinterpret_cast<float2*>(static_cast<char*>(workspace) + align_up(rows * Dl * sizeof(float), 256));
     }
-
     const int smem_max = max_optin_smem();
     const bool row_ok = p.stride == D || (static_cast<size_t>(p.stride) * dtype_size(dtype)) % 16 == 0;
     const bool tc_ok = (dtype == MTP_DTYPE_F16 || dtype == MTP_DTYPE_BF16) && !(flags & MTP_MLA_FORCE_SIMT) &&
                        Dl % 16 == 0 && Dr % 16 == 0 && Dl >= 16 && Dl <= 8 * TC_MAXNB * 8 && D <= TC_MAXD &&
                        row_ok && aligned16(p.q) && aligned16(p.cache) && aligned16(p.out);
-    cudaError_t err = cudaSuccess;
     if (tc_ok && tc_smem_bytes(D, 1) <= static_cast<size_t>(smem_max)) {
         const bool two = !(flags & MTP_MLA_SINGLE_STAGE) && tc_smem_bytes(D, 2) <= static_cast<size_t>(smem_max);
         const dim3 grid(static_cast<unsigned>((M + TC_QT - 1) / TC_QT), p.nsplit, nseq);
-        const size_t smem = tc_smem_bytes(D, two ? 2 : 1);
+        const size_t tsmem = tc_smem_bytes(D, two ? 2 : 1);
         if (dtype == MTP_DTYPE_F16)
-            err = two ? launch_attn<mla_tc_kernel<__half, 2>>(grid, TC_THREADS, smem, stream, p)
-                      : launch_attn<mla_tc_kernel<__half, 1>>(grid, TC_THREADS, smem, stream, p);
+            err = two ? launch_attn<mla_tc_kernel<__half, 2>>(grid, TC_THREADS, tsmem, stream, p)
+                      : launch_attn<mla_tc_kernel<__half, 1>>(grid, TC_THREADS, tsmem, stream, p);
         else
-            err = two ? launch_attn<mla_tc_kernel<__nv_bfloat16, 2>>(grid, TC_THREADS, smem, stream, p)
-                      : launch_attn<mla_tc_kernel<__nv_bfloat16, 1>>(grid, TC_THREADS, smem, stream, p);
+            err = two ? launch_attn<mla_tc_kernel<__nv_bfloat16, 2>>(grid, TC_THREADS, tsmem, stream, p)
+                      : launch_attn<mla_tc_kernel<__nv_bfloat16, 1>>(grid, TC_THREADS, tsmem, stream, p);
     } else {
-        const size_t smem = simt_smem_bytes(D);
-        if (smem > static_cast<size_t>(smem_max)) return cudaErrorInvalidValue;
+        const size_t ssmem = simt_smem_bytes(D);
+        if (ssmem > static_cast<size_t>(smem_max)) return cudaErrorInvalidValue;
         const dim3 grid(static_cast<unsigned>((M + SM_QB - 1) / SM_QB), p.nsplit, nseq);
-        MTP_DISPATCH_DTYPE(dtype, T, err = launch_attn<mla_simt_kernel<T>>(grid, SM_THREADS, smem, stream, p));
+        MTP_DISPATCH_DTYPE(dtype, T, err = launch_attn<mla_simt_kernel<T>>(grid, SM_THREADS, ssmem, stream, p));
     }
     if (err != cudaSuccess) return err;
 
@@ -771,13 +1311,9 @@ extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_c
             return cudaErrorInvalidValue;
     }
 
-    if (new_rows) {
-        const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, past_len, new_rows, B, S, D, T_max, stream);
-        if (e != cudaSuccess) return e;
-    }
     MlaParams p = mla_params(q, kv_cache, past_len, out, S, H, Dl, Dr, D, T_max, scale, num_splits);
     p.mask = mask;
-    return launch_mla(static_cast<mtp_dtype>(dtype), p, B, workspace, flags, stream);
+    return launch_mla(static_cast<mtp_dtype>(dtype), p, B, Commit{new_rows, B, S, D}, workspace, flags, stream);
 }
 
 extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, void* kv_cache,
@@ -797,13 +1333,9 @@ extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, voi
     if (num_splits > 1 &&
         (!workspace || workspace_bytes < mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits)))
         return cudaErrorInvalidValue;
-    if (new_rows) {
-        const cudaError_t e = mtp_mla_kv_commit(dtype, kv_cache, past_len, new_rows, B, S, C, T_max, stream);
-        if (e != cudaSuccess) return e;
-    }
     MlaParams p = mla_params(q, kv_cache, past_len, out, 1, H, Dl, Dr, C, T_max, scale, num_splits);
     p.sel = selected;
     p.K = K;
     p.Sq = S;
-    return launch_mla(static_cast<mtp_dtype>(dtype), p, B * S, workspace, flags, stream);
+    return launch_mla(static_cast<mtp_dtype>(dtype), p, B * S, Commit{new_rows, B, S, C}, workspace, flags, stream);
 }

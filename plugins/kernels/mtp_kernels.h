@@ -25,7 +25,7 @@ typedef enum mtp_dtype {
     MTP_DTYPE_BF16 = 2  /* bfloat16 (__nv_bfloat16) */
 } mtp_dtype;
 
-/* Version of this interface (bumped on any change of its functions): 4. */
+/* Version of this interface (bumped on any change of its functions): 5. */
 int mtp_kernels_abi_version(void);
 /* cudaGetErrorString / cudaGetLastError of the CUDA runtime linked into this library. */
 const char* mtp_error_string(int err);
@@ -56,31 +56,38 @@ int mtp_get_last_error(void);
  * type before the P.V product (as in FlashAttention); the softmax denominator sums those rounded
  * values, so the weights used are exactly normalised.
  *
- * Split-KV (flash decoding): the rows 0 .. L-1 (L = past_len[b] + S) of each sequence are cut
- * into `num_splits` contiguous chunks (chunk = ceil(L / num_splits) rounded up to the 32-row tile,
- * computed on the device from the real L, so every split has work whatever the lengths); each
- * (sequence, split, tile of 32 query rows) block writes unnormalised partial outputs plus its
- * running max and sum to the workspace, and a combine kernel merges them.  num_splits == 1
- * writes `out` directly (no workspace needed, pass NULL/0).
+ * Work split (num_splits): num_splits == 1 -- one block per (block of query rows, sequence), `out`
+ * written directly, no workspace (pass NULL/0).  num_splits = P > 1 -- a persistent grid of P "parts"
+ * per block of query rows, independent of the lengths (CUDA graphs and TensorRT need that): a
+ * schedule worked out on the device from past_len cuts the KV tiles of all sequences, in order, into
+ * P equal runs; a sequence run by one part is written directly, the others' parts write fp32 partial
+ * outputs with their running max and sum to the workspace and a combine kernel merges them.  Use
+ * mtp_mla_decode_num_splits for P.
  *
- * Paths: fp16/bf16 with Dl % 16 == 0, Dr % 16 == 0, 16 <= Dl <= 512, Dl + Dr <= 640, 16-byte aligned
- * pointers -> tensor-core path (mma.sync m16n8k16, one latent row loaded once per block and used
- * by its 32 query rows); everything else (fp32, odd dims) -> SIMT path (Dl <= 512).
- * flags: MTP_MLA_FORCE_SIMT forces the SIMT path (for testing); MTP_MLA_SINGLE_STAGE disables the
- * cp.async double buffering of the tensor-core path (otherwise used when shared memory allows).
+ * Paths: DeepSeek's dims (Dl = 512, Dr = 64; GLM-4.7-Flash's too), fp16/bf16, 16-byte aligned
+ * pointers -> v2 (one pass over the latent cache serves up to 64 query rows: all heads and MTP
+ * tokens of a block of rows; scores in registers; mma.sync; 3-stage cp.async).  Other fp16/bf16
+ * shapes with Dl % 16 == 0, Dr % 16 == 0, 16 <= Dl <= 512, Dl + Dr <= 640 -> the general tensor-core
+ * kernel (32 query rows per block) with ceil((P + B - 1) / B) KV splits per sequence; everything else
+ * (fp32, odd dims) -> SIMT (Dl <= 512).  docs/kernels.md describes each.
+ * flags: MTP_MLA_FORCE_SIMT forces the SIMT path (for testing); MTP_MLA_FORCE_V1 the general
+ * tensor-core kernel (benchmarking); MTP_MLA_SINGLE_STAGE disables the general tensor-core
+ * kernel's cp.async double buffering.
  * ========================================================================================== */
 #define MTP_MLA_FORCE_SIMT 1
-#define MTP_MLA_SINGLE_STAGE 2 /* tensor-core path: no double buffering (benchmarking) */
+#define MTP_MLA_SINGLE_STAGE 2 /* general tensor-core kernel: no double buffering (benchmarking) */
+#define MTP_MLA_FORCE_V1 4     /* DeepSeek's dims served by the general kernels, not v2 (benchmarking) */
 #define MTP_MLA_MAX_SPLITS 256
 
-/* Number of KV splits for a launch: enough (sequence x split x query-tile) blocks to fill
- * `num_sms` SMs about twice, no split shorter than ~256 rows of max_len, at most 256.
- * max_len: upper bound of past_len[b] + S (e.g. T_max).  num_sms <= 0: ask the current device. */
+/* Parts of the persistent grid for a launch: floor(num_sms / ceil(S*H / 64)) -- one wave of blocks of
+ * 64 query rows --, at most one part per two 32-row tiles of B * max_len rows, at most 256; 1 when the
+ * row blocks alone fill the GPU.  max_len: upper bound of past_len[b] + S (e.g. T_max).
+ * num_sms <= 0: ask the current device. */
 int mtp_mla_decode_num_splits(int B, int S, int H, int max_len, int num_sms);
 
-/* Bytes of workspace mtp_mla_decode needs (0 when num_splits <= 1):
- * fp32 partial outputs [B*S*H][num_splits][Dl] followed by fp32 (max, sum) pairs
- * [B*S*H][num_splits][2] (max in log2 units), each part 256-byte aligned. */
+/* Bytes of workspace mtp_mla_decode needs (0 when num_splits <= 1), with P = num_splits and
+ * rows = (P + B - 1) * S * H: fp32 partial outputs [rows][Dl], fp32 (max, sum) pairs [rows][2] (max in
+ * log2 units), the schedule (int32 [P][4], int32 [B * S][2]), each part 256-byte aligned. */
 size_t mtp_mla_decode_workspace_size(int B, int S, int H, int Dl, int num_splits);
 
 cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_cache, const int32_t* past_len,

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -43,8 +44,18 @@ using std::min;
 
 namespace emu {
 
-enum Count { kAttribute, kFuncAttribute, kCpAsync, kCounts };
-extern std::atomic<long> counts[kCounts];  // calls the tests count (emu_runtime.cpp: mtp_emu_count)
+enum Count { kAttribute, kFuncAttribute, kCpAsync, kSyncthreads, kCounts };
+extern std::atomic<long> counts[kCounts];  // calls the tests count (emu_runtime.cpp: mtp_emu_count);
+                                           // kSyncthreads counts block barriers once per block (thread 0)
+
+// The cp.async trace (emu_runtime.cpp: mtp_emu_trace): while on, every cp.async source address with the
+// block that issued it (blockIdx x | y << 21 | z << 42), so tests can check which bytes each block reads.
+struct Trace {
+    std::mutex mu;
+    bool on = false;
+    std::vector<unsigned long long> rows;  // pairs: block id, address
+};
+extern Trace trace;
 
 struct Warp {
     explicit Warp(int n) : bar(n) {}
@@ -130,7 +141,10 @@ auto launcher(K kernel, dim3 g, dim3 b, size_t smem = 0, cudaStream_t = nullptr)
 #define blockDim (emu::ctx.bdim)
 #define gridDim (emu::ctx.gdim)
 
-inline void __syncthreads() { emu::ctx.block->bar->arrive_and_wait(); }
+inline void __syncthreads() {
+    if (emu::ctx.tid.x == 0 && emu::ctx.tid.y == 0 && emu::ctx.tid.z == 0) ++emu::counts[emu::kSyncthreads];
+    emu::ctx.block->bar->arrive_and_wait();
+}
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::ctx.warp->bar.arrive_and_wait(); }
 
 template <typename T>

@@ -7,6 +7,13 @@
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
     ++emu::counts[emu::kCpAsync];
+    if (pred && emu::trace.on) {
+        const unsigned long long id = emu::ctx.bid.x | (static_cast<unsigned long long>(emu::ctx.bid.y) << 21) |
+                                      (static_cast<unsigned long long>(emu::ctx.bid.z) << 42);
+        std::lock_guard<std::mutex> lock(emu::trace.mu);
+        emu::trace.rows.push_back(id);
+        emu::trace.rows.push_back(reinterpret_cast<unsigned long long>(gmem));
+    }
     if (emu::deferred_cp_async()) {
         emu::ctx.open.push_back({smem, gmem, pred});
         return;
@@ -91,6 +98,23 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32
         std::memcpy(&hi, hi_row + 2 * (l / 4), 2);
         r[m] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
     }
+    w.bar.arrive_and_wait();
+    r0 = r[0];
+    r1 = r[1];
+    r2 = r[2];
+    r3 = r[3];
+}
+
+// ldmatrix .x4 (not transposed): lanes 8m..8m+7 address the rows of matrix m; lane i gets
+// (row i/4, cols 2(i%4), 2(i%4)+1) of each matrix.
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* row_addr) {
+    emu::Warp& w = *emu::ctx.warp;
+    const int l = emu::ctx.lane;
+    w.slot[l] = reinterpret_cast<unsigned long long>(row_addr);
+    w.bar.arrive_and_wait();
+    uint32_t r[4];
+    for (int m = 0; m < 4; ++m)
+        std::memcpy(&r[m], reinterpret_cast<const unsigned char*>(w.slot[8 * m + l / 4]) + 4 * (l % 4), 4);
     w.bar.arrive_and_wait();
     r0 = r[0];
     r1 = r[1];

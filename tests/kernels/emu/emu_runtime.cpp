@@ -10,11 +10,27 @@ static int env_int(const char* name, int dflt) {
 
 namespace emu {
 std::atomic<long> counts[kCounts];
+Trace trace;
 }
 
 extern "C" {
-// Calls counted by the emulation (emu::Count): device-attribute queries, shared-memory limit raises, cp.async.
+// Calls counted by the emulation (emu::Count): device-attribute queries, shared-memory limit raises, cp.async,
+// block barriers.
 long mtp_emu_count(int which) { return emu::counts[which].load(); }
+
+// on = 1: start the cp.async trace (cleared); on = 0: stop it, copy up to `cap` pairs (block id, address) to `out`
+// and return how many pairs it holds.
+long mtp_emu_trace(int on, unsigned long long* out, long cap) {
+    std::lock_guard<std::mutex> lock(emu::trace.mu);
+    emu::trace.on = on != 0;
+    if (on) {
+        emu::trace.rows.clear();
+        return 0;
+    }
+    const long n = static_cast<long>(emu::trace.rows.size() / 2);
+    if (out) std::memcpy(out, emu::trace.rows.data(), sizeof(unsigned long long) * 2 * std::min(n, cap));
+    return n;
+}
 
 cudaError_t cudaGetDevice(int* d) {
     *d = env_int("MTP_EMU_DEVICE", 0);
