@@ -111,13 +111,14 @@ __device__ __forceinline__ const T* cache_of(const MlaParams& p, int b) {
 //            registers per thread at R = 64).
 // The P.V of tile i runs beside the scores of tile i+1 (software pipeline), so a tile costs two block barriers:
 //   X  tile i landed; P(i-1) and its rescale factors visible; every read of iteration i-1 done
-//      -> prefetch tile i+1 (3 stages: i-1 is still read by P.V, i by the scores)
+//      -> prefetch tile i+NS-2 (NS stages: i-1 is still read by P.V, i by the scores)
 //      -> scores(i) and their row max | P(i-1).V(i-1)
 //   Y  row maxes visible; P(i-1) consumed -> softmax(i): P(i), the rescale factors
 // Shared memory (16-bit elements, rows padded by 8 elements: 1168 B = 292 words = 4 mod 32, so ldmatrix's eight
-// 16-byte rows hit distinct banks): sQ [R][584], sK [3][KT][584], sP [R][KT+8], fp32 sMax [CG][R], sAlpha [R],
-// sL [CG][R], sM [R].  KT = 32 where shared memory allows (sm_90 / sm_100: 193 KB at R = 64), else 16
-// (A100: 135 KB; 99 KB parts: R <= 32, 95 KB).
+// 16-byte rows hit distinct banks): sQ [R][584], sK [NS][KT][584], sP [R][KT+8], fp32 sMax [CG][R], sAlpha [R],
+// sL [CG][R], sM [R].  KT = 32 where shared memory allows (sm_90 / sm_100: 193 KB at R = 64, 3 stages), else 16
+// (A100: 154 KB at R = 64, 4 stages; 99 KB parts: R <= 32, 95 KB, 3 stages).  Fewer query rows leave room for
+// more stages (up to 5), so the memory-bound shapes (H = 16) keep more tiles in flight.
 //
 // Grid (m-block, part): nsplit == 1: part = sequence, one block per (m-block, sequence), output written directly.
 // nsplit = P > 1 (persistent): the tiles of all sequences, in order, are cut into P equal runs by
@@ -132,7 +133,6 @@ constexpr int V2_D = 576;
 constexpr int V2_RS = V2_D + 8;   // row stride of sQ and sK (elements)
 constexpr int V2_CHUNKS = V2_D / 8;  // 16-byte chunks per row
 constexpr int V2_THREADS = 256;
-constexpr int V2_STAGES = 3;
 constexpr int V2_MIN_TILES = 2;  // a part takes at least this many tiles (its Q load and epilogue are not free)
 
 template <int R, int KT>
@@ -143,8 +143,12 @@ struct V2 {
     static constexpr int QK_WARPS = RG * CG;
     static constexpr int RB = R / 16;                                    // row blocks of P.V
     static constexpr int PS = KT + 8;                                    // row stride of sP (elements)
+    // KV stages: the scores read tile i, P.V tile i-1, so tiles i+1 .. i+NS-2 can be in flight.  As many as
+    // fit beside sQ: with KT = 32 in 227 KB (sm_90, sm_100), with KT = 16 in 99 KB (R <= 32) or 163 KB (R = 64).
+    static constexpr int NS = KT == 32 ? (R == 64 ? 3 : R == 32 ? 4 : 5) : (R == 32 ? 3 : 4);
+    static constexpr int AHEAD = NS - 2;                                 // tiles in flight
     static constexpr size_t K_OFF = static_cast<size_t>(R) * V2_RS * 2;
-    static constexpr size_t P_OFF = K_OFF + static_cast<size_t>(V2_STAGES) * KT * V2_RS * 2;
+    static constexpr size_t P_OFF = K_OFF + static_cast<size_t>(NS) * KT * V2_RS * 2;
     static constexpr size_t MAX_OFF = P_OFF + static_cast<size_t>(R) * PS * 2;
     static constexpr size_t ALPHA_OFF = MAX_OFF + sizeof(float) * CG * R;
     static constexpr size_t L_OFF = ALPHA_OFF + sizeof(float) * R;
@@ -292,14 +296,16 @@ __global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p
                            cache_b + static_cast<size_t>(row >= 0 ? row : 0) * p.stride + k8 * 8, row >= 0);
             }
         };
-        if (n > 0) {
+        if (n > 0)
             for (int e = tid; e < R * V2_CHUNKS; e += V2_THREADS) {
                 const int r = e / V2_CHUNKS, k8 = e - r * V2_CHUNKS;
                 cp_async16(sQ + r * V2_RS + k8 * 8, q_b + static_cast<size_t>(r < nq ? r : 0) * V2_D + k8 * 8, r < nq);
             }
-            load_tile(0, 0);
+#pragma unroll
+        for (int i = 0; i < C::AHEAD; ++i) {  // Q and the first tiles, a cp.async group each
+            if (i < n) load_tile(i, i);
+            cp_async_commit();
         }
-        cp_async_commit();
 
         float acc[C::RB][8][4];
 #pragma unroll
@@ -347,10 +353,10 @@ __global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p
         };
 
         for (int i = 0; i < n; ++i) {
-            const int stage = i % V2_STAGES;
-            cp_async_wait<0>();
-            __syncthreads();  // X
-            if (i + 1 < n) load_tile(i + 1, (i + 1) % V2_STAGES);
+            const int stage = i % C::NS;
+            cp_async_wait<C::AHEAD - 1>();  // tile i (group i) landed
+            __syncthreads();                 // X
+            if (i + C::AHEAD < n) load_tile(i + C::AHEAD, (i + C::AHEAD) % C::NS);  // its stage was last read by P.V(i-2)
             cp_async_commit();
             const int t0 = (tb + i) * KT;
             if (qk) {
@@ -405,7 +411,7 @@ __global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p
                     if (c4 == 0) sMax[cg * R + row_of[h]] = mx[h];
                 }
             }
-            if (i > 0) pv((i - 1) % V2_STAGES);
+            if (i > 0) pv((i - 1) % C::NS);
             __syncthreads();  // Y
             if (qk) {
                 // ---- online softmax: the tile's row max over the CG warps, P rounded to T, this warp's row sums
@@ -435,7 +441,7 @@ __global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p
         }
         if (n > 0) {
             __syncthreads();  // P of the last tile visible
-            pv((n - 1) % V2_STAGES);
+            pv((n - 1) % C::NS);
         }
 
         // ---- epilogue: row sums over the quad and the CG warps; direct output or fp32 partials

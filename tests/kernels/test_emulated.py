@@ -55,11 +55,11 @@ def test_mla_decode_emulated(emu_lib, host, name):
 
 
 def test_mla_decode_emulated_single_stage_small_smem(emu_lib, host, monkeypatch):
-    # an sm_86/89-sized shared memory (99 KB): the tensor-core path without double buffering
+    # an sm_86/89-sized shared memory (99 KB): the general tensor-core kernel without double buffering
     monkeypatch.setenv("MTP_EMU_SMEM_OPTIN", "101376")
     monkeypatch.setenv("MTP_EMU_DEVICE", "3")  # device facts are read once per device: a device of its own
     G.run_mla(host, emu_lib, B=2, S=2, H=20, Dl=512, Dr=64, T_max=90, past_len=[7, 88], dtype="float16",
-              num_splits=3)
+              num_splits=3, flags=cuda_lib.MLA_FORCE_V1)
 
 
 def _count(lib, which: str) -> int:
