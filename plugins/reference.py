@@ -122,7 +122,7 @@ def mla_decode(q, kv_cache, past_len, *, dl: int, scale: float, new_rows=None, m
 # the tests check the kernels' schedule against them.
 MLA_ROW_BLOCK = 64    # query rows per block that the num_splits rule counts (v2's largest block)
 MLA_TILE_ROWS = 32    # KV rows per tile that the num_splits rule counts (v2's largest tile)
-MLA_MIN_TILES = 2     # a part of the persistent grid takes at least this many tiles (V2_MIN_TILES)
+MLA_MIN_TILES = 4     # a part of the persistent grid takes at least this many tiles (V2_MIN_TILES)
 MLA_MAX_SPLITS = 256  # MTP_MLA_MAX_SPLITS
 
 

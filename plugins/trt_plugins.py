@@ -292,7 +292,7 @@ def plugin_classes(trt) -> dict[str, tuple[type, type]]:
                 dl, k, lib = self.values["kv_lora_rank"], self.values["index_topk"], _kernels()
                 splits = min(lib.mla_decode_num_splits(B * S, 1, H, k, 0), sparse_splits_bound(B, S, H, k))
                 parts = sparse_workspace_size(B, S, H, dl, T, k, splits)
-                if (lib.dsa_select_workspace_size(B, S, T), lib.mla_decode_workspace_size(B, S, H, dl, splits)) != \
+                if (lib.dsa_select_workspace_size(B, S, T), lib.mla_decode_workspace_size(B * S, 1, H, dl, splits)) != \
                         (parts[0], parts[2]):
                     raise RuntimeError("the kernel library's workspace sizes differ from plugins/trt_plugins.py's "
                                        "sparse_workspace_size")

@@ -388,7 +388,7 @@ class SparsePlugin final : public PluginBase<SparsePlugin, SparseOp> {
                            sparse_splits_bound(mB, mS, mH, topk()));
         mWorkspace = sparse_workspace_size(mB, mS, mH, dl(), mT, topk(), mSplits);
         if (static_cast<int64_t>(mtp_dsa_select_workspace_size(mB, mS, mT)) != mWorkspace.scores ||
-            static_cast<int64_t>(mtp_mla_decode_workspace_size(mB, mS, mH, dl(), mSplits)) != mWorkspace.partials) {
+            static_cast<int64_t>(mtp_mla_decode_workspace_size(mB * mS, 1, mH, dl(), mSplits)) != mWorkspace.partials) {
             error("MlaSparseAttention: the kernel library's workspace sizes differ from workspace.h");
             return -1;
         }

@@ -19,7 +19,7 @@ inline constexpr char kDomain[] = "mtp_trt";      // ops.DOMAIN (ONNX domain of 
 // same bytes.
 inline constexpr int kRowBlock = 64;
 inline constexpr int kTileRows = 32;
-inline constexpr int kMinTiles = 2;
+inline constexpr int kMinTiles = 4;
 inline constexpr int kMaxSplits = 256;
 inline constexpr int kMaxSms = 192;
 

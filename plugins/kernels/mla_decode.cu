@@ -133,7 +133,8 @@ constexpr int V2_D = 576;
 constexpr int V2_RS = V2_D + 8;   // row stride of sQ and sK (elements)
 constexpr int V2_CHUNKS = V2_D / 8;  // 16-byte chunks per row
 constexpr int V2_THREADS = 256;
-constexpr int V2_MIN_TILES = 2;  // a part takes at least this many tiles (its Q load and epilogue are not free)
+constexpr int V2_MIN_TILES = 4;  // a part takes at least this many tiles: its Q load and its partials (128 KB at
+                                 // R = 64) cost about as much as reading a few tiles
 
 template <int R, int KT>
 struct V2 {
@@ -1337,7 +1338,7 @@ extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, voi
         H > (1 << 24))
         return cudaErrorInvalidValue;
     if (num_splits > 1 &&
-        (!workspace || workspace_bytes < mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits)))
+        (!workspace || workspace_bytes < mtp_mla_decode_workspace_size(B * S, 1, H, Dl, num_splits)))
         return cudaErrorInvalidValue;
     MlaParams p = mla_params(q, kv_cache, past_len, out, 1, H, Dl, Dr, C, T_max, scale, num_splits);
     p.sel = selected;

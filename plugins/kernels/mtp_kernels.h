@@ -80,7 +80,7 @@ int mtp_get_last_error(void);
 #define MTP_MLA_MAX_SPLITS 256
 
 /* Parts of the persistent grid for a launch: floor(num_sms / ceil(S*H / 64)) -- one wave of blocks of
- * 64 query rows --, at most one part per two 32-row tiles of B * max_len rows, at most 256; 1 when the
+ * 64 query rows --, at most one part per four 32-row tiles of B * max_len rows, at most 256; 1 when the
  * row blocks alone fill the GPU.  max_len: upper bound of past_len[b] + S (e.g. T_max).
  * num_sms <= 0: ask the current device. */
 int mtp_mla_decode_num_splits(int B, int S, int H, int max_len, int num_sms);
@@ -111,7 +111,7 @@ cudaError_t mtp_mla_kv_commit(mtp_dtype dtype, void* kv_cache, const int32_t* pa
  *                                    (or a row outside 0 .. T_max-1) is skipped (mtp_dsa_select's output)
  *   out       [B, S, H, Dl]  dtype   softmax(scale q . row) @ row[:Dl] over the listed rows; zeros if none
  * Every query token is its own sequence of K slots: num_splits = mtp_mla_decode_num_splits(B * S, 1, H, K, sms),
- * workspace = mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits).  B * S <= 65535.  Paths and precision as
+ * workspace = mtp_mla_decode_workspace_size(B * S, 1, H, Dl, num_splits).  B * S <= 65535.  Paths and precision as
  * mtp_mla_decode (the tensor-core path also needs C * sizeof(dtype) % 16 == 0). */
 cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, void* kv_cache, const int32_t* past_len,
                                   const void* new_rows, const int32_t* selected, void* out, void* workspace,

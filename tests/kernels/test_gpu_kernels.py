@@ -222,7 +222,7 @@ def run_mla_sparse(gpu, lib, *, B, S, H, Dl, Dr, Di, T_max, past_len, K, dtype, 
     want, cache_after = ref.mla_sparse_decode(q, cache, past_len, sel, dl=Dl, scale=scale, new_rows=new)
     d_cache = gpu.upload(c_s)
     ns = num_splits if num_splits is not None else lib.mla_decode_num_splits(B * S, 1, H, K, gpu.num_sms())
-    d_out, d_ws, ws_bytes = decode_buffers(gpu, lib, B, S, H, Dl, dtype, ns)
+    d_out, d_ws, ws_bytes = decode_buffers(gpu, lib, B * S, 1, H, Dl, dtype, ns)
     lib.mla_sparse_decode(dtype, gpu.upload(q_s), d_cache, gpu.upload(past_len), gpu.upload(n_s), gpu.upload(sel),
                           d_out, d_ws, ws_bytes, B, S, H, Dl, Dr, C, T_max, K, scale, ns, flags)
     gpu.sync("mtp_mla_sparse_decode")

@@ -70,7 +70,7 @@ def test_ragged_lengths_over_many_parts(emu_lib, host):
 
 
 def test_more_parts_than_tiles(emu_lib, host):
-    """A part per tile and empty parts beyond (their blocks leave at once); one part per two tiles by default."""
+    """Parts of four tiles and empty parts beyond (their blocks leave at once)."""
     G.run_mla(host, emu_lib, B=1, S=1, H=16, Dl=DL, Dr=D - DL, T_max=70, past_len=[60], dtype="float16",
               num_splits=40)
 

@@ -106,13 +106,13 @@ def test_mla_causal_equals_lower_triangular_mask():
 
 
 def test_num_splits_rule():
-    """Parts of the persistent grid: one wave of 64-row blocks, no more parts than pairs of 32-row tiles, <= 256."""
+    """Parts of the persistent grid: one wave of 64-row blocks, no more parts than fours of 32-row tiles, <= 256."""
     assert ref.mla_num_splits(1, 1, 128, 32768, 132) == 66      # 2 row blocks: 132 // 2
     assert ref.mla_num_splits(64, 1, 128, 4096, 132) == 66      # the same grid whatever B: the lengths are shared
     assert ref.mla_num_splits(64, 4, 128, 4096, 132) == 16      # 8 row blocks
     assert ref.mla_num_splits(1, 1, 16, 32768, 132) == 132
     assert ref.mla_num_splits(64, 4, 16, 4096, 132) == 132      # S = 4 at H = 16 is still one row block
-    assert ref.mla_num_splits(1, 1, 16, 300, 132) == 5          # 10 tiles of 32 rows
+    assert ref.mla_num_splits(1, 1, 16, 300, 132) == 3          # 10 tiles of 32 rows
     assert ref.mla_num_splits(1, 1, 16, 10**6, 1000) == 256
     assert ref.mla_num_splits(1, 128, 128, 4096, 132) == 1      # a prefill: 256 row blocks fill the GPU
     assert ref.mla_workspace_size(2, 3, 16, 512, 1) == 0
@@ -121,14 +121,16 @@ def test_num_splits_rule():
 
 
 def test_schedule_cuts_the_tiles_into_equal_runs():
-    runs, seqs = ref.mla_schedule([2, 5], 4)  # payload max(ceil(7 / 4), 2) = 2
+    runs, seqs = ref.mla_schedule([2, 5], 4, min_tiles=2)  # payload max(ceil(7 / 4), 2) = 2
     assert runs == [(0, 0, 0, 2), (1, 0, 1, 2), (1, 2, 1, 4), (1, 4, 1, 5)]
     assert seqs == [(0, 1), (1, 3)]
-    runs, seqs = ref.mla_schedule([3, 1, 4], 3)  # payload 3: part 1 runs from sequence 1 into sequence 2
+    runs, seqs = ref.mla_schedule([3, 1, 4], 3, min_tiles=2)  # payload 3: part 1 runs from sequence 1 into 2
     assert runs == [(0, 0, 0, 3), (1, 0, 2, 2), (2, 2, 2, 4)]
     assert seqs == [(0, 1), (1, 1), (1, 2)]
     runs, seqs = ref.mla_schedule([1], 8)  # more parts than tiles: the rest are empty
     assert runs == [(0, 0, 0, 1)] + [None] * 7 and seqs == [(0, 1)]
+    runs, seqs = ref.mla_schedule([9], 8)  # at least 4 tiles a part
+    assert runs == [(0, 0, 0, 4), (0, 4, 0, 8), (0, 8, 0, 9)] + [None] * 5 and seqs == [(0, 3)]
 
 
 @pytest.mark.parametrize("H,S", [(128, 1), (128, 2), (128, 4), (16, 1), (16, 4), (20, 3), (64, 2)])
