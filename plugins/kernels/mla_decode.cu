@@ -989,10 +989,9 @@ __global__ void __launch_bounds__(CB_THREADS) mla_combine_kernel(const float* __
     const float* o = opart + row * nsplit * Dl;
     for (int col = lane; col < Dl; col += 32) {
         float a = 0.f;
-        for (int i = 0; i < nsplit; ++i) {
-            const float w = sw[warp][i];
-            if (w != 0.f) a = fmaf(w, o[static_cast<size_t>(i) * Dl + col], a);
-        }
+#pragma unroll 4
+        for (int i = 0; i < nsplit; ++i)  // no branch: empty splits wrote O = 0 and weigh 0
+            a = fmaf(sw[warp][i], o[static_cast<size_t>(i) * Dl + col], a);
         out[row * Dl + col] = from_f<T>(a * inv);
     }
 }
