@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p
 #pragma unroll
     for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
 
-    // This block's run: sequences bf .. bl, tiles [tf, ...) of bf to [..., te) of bl.
+    // This block's run: sequences bf .. bl, from tile tf of bf to tile tl (exclusive) of bl.
     int bf, tf, bl, tl;
     if (p.nsplit > 1) {
         const int4 run = p.part_sched[blockIdx.y];
