@@ -41,6 +41,7 @@ from mtp_trt.plugins.reference import MLA_MAX_SPLITS as MAX_SPLITS, MLA_ROW_BLOC
 PLUGIN_VERSION = str(ops.VERSION)
 PLUGIN_NAMESPACE = ""
 MAX_SMS = 192  # workspace is reserved for GPUs with up to this many SMs; bigger ones get fewer parts
+DSA_STATE_BYTES = 20992  # MTP_DSA_STATE_BYTES: mtp_dsa_select's histograms and counts per query token
 DTYPE_CODES = {d.tensorrt: d.kernel for d in C.KERNEL_DTYPES.values()}  # mtp_dtype of mtp_kernels.h by trt.DataType name
 
 errors: list[str] = []  # messages of exceptions raised inside plugin callbacks (TensorRT only sees a failure)
@@ -70,10 +71,18 @@ def mla_workspace_bound(b_range: tuple[int, int], s_range: tuple[int, int], H: i
     return best
 
 
+def dsa_workspace_size(B: int, S: int, T: int) -> int:
+    """mtp_dsa_select_workspace_size of dsa.cu, in Python: the index scores as 32-bit keys [B*S, ceil4(T)], then
+    DSA_STATE_BYTES per query token, each part 256-byte aligned."""
+    if B <= 0 or S <= 0 or T <= 0:
+        return 0
+    return _align(B * S * _align(T, 4) * 4) + _align(B * S * DSA_STATE_BYTES)
+
+
 def sparse_workspace_size(B: int, S: int, H: int, Dl: int, T: int, K: int, num_splits: int) -> tuple[int, int, int]:
-    """MlaSparseAttention's workspace parts for one shape: (index scores fp32 [B*S, T] = mtp_dsa_select's workspace,
-    the selected rows int32 [B*S, K], the split-KV partials of mtp_mla_sparse_decode), each 256-byte aligned."""
-    return _align(B * S * T * 4), _align(B * S * K * 4), mla_workspace_size(B * S, 1, H, Dl, num_splits)
+    """MlaSparseAttention's workspace parts for one shape: (mtp_dsa_select's workspace, the selected rows int32
+    [B*S, K], the split-KV partials of mtp_mla_sparse_decode), each 256-byte aligned."""
+    return dsa_workspace_size(B, S, T), _align(B * S * K * 4), mla_workspace_size(B * S, 1, H, Dl, num_splits)
 
 
 def sparse_splits_bound(B: int, S: int, H: int, K: int) -> int:

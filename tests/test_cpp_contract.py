@@ -32,7 +32,8 @@ def parse_contract(text: str) -> dict:
 
     out = {"version": int(const("kVersion")), "version_string": const("kVersionString").strip('"'),
            "namespace": const("kNamespace").strip('"'), "domain": const("kDomain").strip('"'),
-           "constants": {k: int(const(k)) for k in ("kRowBlock", "kTileRows", "kMinTiles", "kMaxSplits", "kMaxSms")}, "ops": {}}
+           "constants": {k: int(const(k)) for k in ("kRowBlock", "kTileRows", "kMinTiles", "kMaxSplits", "kMaxSms",
+                                                    "kDsaStateBytes")}, "ops": {}}
     for body in re.findall(r"namespace \w+ \{  // \w+\n(.*?)\n\}  // namespace", text, re.S):
         name = re.search(r'kName\[\] = "(\w+)";', body).group(1)
         strings = {k: re.findall(r'"(\w+)"', re.search(rf"{k}\[\] = \{{(.*?)\}};", body).group(1))
@@ -78,7 +79,7 @@ def test_ops_match_ops_py(contract):
 def test_workspace_constants(contract):
     assert contract["constants"] == {"kRowBlock": ref.MLA_ROW_BLOCK, "kTileRows": ref.MLA_TILE_ROWS,
                                      "kMinTiles": ref.MLA_MIN_TILES, "kMaxSplits": ref.MLA_MAX_SPLITS,
-                                     "kMaxSms": tp.MAX_SMS}
+                                     "kMaxSms": tp.MAX_SMS, "kDsaStateBytes": tp.DSA_STATE_BYTES}
 
 
 def test_parser_sees_an_edit():

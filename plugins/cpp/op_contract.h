@@ -22,6 +22,9 @@ inline constexpr int kTileRows = 32;
 inline constexpr int kMinTiles = 4;
 inline constexpr int kMaxSplits = 256;
 inline constexpr int kMaxSms = 192;
+// mtp_dsa_select's workspace (trt_plugins.py DSA_STATE_BYTES = MTP_DSA_STATE_BYTES): histograms and counts per
+// query token after the index scores.
+inline constexpr int kDsaStateBytes = 20992;
 
 enum class FieldType { kInt32, kFloat32 };
 struct Field {

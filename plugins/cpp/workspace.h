@@ -53,15 +53,22 @@ inline int64_t mla_workspace_bound(int64_t b_lo, int64_t b_hi, int64_t s_lo, int
     return best;
 }
 
-// MlaSparseAttention's workspace parts for one shape (trt_plugins.py sparse_workspace_size): index scores fp32
-// [B*S, T], selected rows int32 [B*S, K], split-KV partials of every query token as a sequence of K rows.
+// mtp_dsa_select_workspace_size (trt_plugins.py dsa_workspace_size): the index scores as 32-bit keys
+// [B*S, ceil4(T)], then kDsaStateBytes per query token.
+inline int64_t dsa_workspace_size(int64_t B, int64_t S, int64_t T) {
+    if (B <= 0 || S <= 0 || T <= 0) return 0;
+    return align256(B * S * ((T + 3) / 4 * 4) * 4) + align256(B * S * contract::kDsaStateBytes);
+}
+
+// MlaSparseAttention's workspace parts for one shape (trt_plugins.py sparse_workspace_size): mtp_dsa_select's
+// workspace, selected rows int32 [B*S, K], split-KV partials of every query token as a sequence of K rows.
 struct SparseWorkspace {
     int64_t scores, selected, partials;
     int64_t total() const { return scores + selected + partials; }
 };
 inline SparseWorkspace sparse_workspace_size(int64_t B, int64_t S, int64_t H, int64_t Dl, int64_t T, int64_t K,
                                              int64_t num_splits) {
-    return {align256(B * S * T * 4), align256(B * S * K * 4), mla_workspace_size(B * S, 1, H, Dl, num_splits)};
+    return {dsa_workspace_size(B, S, T), align256(B * S * K * 4), mla_workspace_size(B * S, 1, H, Dl, num_splits)};
 }
 
 // The split count MlaSparseAttention may use at most.

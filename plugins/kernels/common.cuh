@@ -60,6 +60,33 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// ---- block-wide prefix sum ------------------------------------------------------------------
+// Exclusive prefix sum of one value per thread over a block of THREADS threads (threadIdx.x order); *total gets
+// the block's sum.  s_warp: THREADS / 32 shared slots.  Two barriers, so s_warp may be reused right after.
+template <int THREADS, typename V>
+__device__ __forceinline__ V block_exclusive_scan(V v, V* s_warp, V* total) {
+    static_assert(THREADS % 32 == 0, "whole warps");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    V x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const V y = __shfl_up_sync(kFullMask, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) s_warp[warp] = x;
+    __syncthreads();
+    V before = 0, sum = 0;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) {
+        const V n = s_warp[w];
+        if (w < warp) before += n;
+        sum += n;
+    }
+    __syncthreads();
+    *total = sum;
+    return before + x - v;
+}
+
 #ifndef MTP_EMULATE_DEVICE
 // ---- cp.async (sm_80+) ----------------------------------------------------------------------
 // Copies 16 bytes global -> shared; when !pred, writes 16 zero bytes and reads nothing.

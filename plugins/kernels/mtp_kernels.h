@@ -222,11 +222,15 @@ cudaError_t mtp_window_update(mtp_dtype dtype, const int32_t* win_tokens_in,
  *   past_len [B]             int32   valid rows before this step
  *   mask      [B, S, S]       uint8   or NULL: which new rows query s sees, as mtp_mla_decode (NULL: causal)
  *   selected  [B, S, K]       int32   out: the rows query (b, s) attends to, ascending, then -1
- * Score of a visible row t: I = sum_j weights[j] * max(0, scale * q_index[j] . key_t), fp32 (scale = Di^-0.5).
- * The rows with the K highest scores are selected -- every visible row when there are at most K; among equal
- * scores the earlier row wins (ONNX TopK's rule); a NaN score ranks above every number.
- * Workspace: fp32 scores [B * S][T_max] (mtp_dsa_select_workspace_size).
+ * Score of a visible row t: I = sum_j weights[j] * max(0, scale * q_index[j] . key_t), fp32 (scale = Di^-0.5;
+ * a NaN product stays NaN, as numpy.maximum).  The rows with the K highest scores are selected -- every visible
+ * row when there are at most K; among equal scores the earlier row wins (ONNX TopK's rule; -0 equals +0); a NaN
+ * score ranks above every number.
+ * Workspace (16-byte aligned): per query token the scores as 32-bit keys [T_max rounded up to 4], then per query
+ * token MTP_DSA_STATE_BYTES of histograms and counts; each part 256-byte aligned:
+ *   align256(B * S * ceil4(T_max) * 4) + align256(B * S * MTP_DSA_STATE_BYTES)  (mtp_dsa_select_workspace_size).
  * ========================================================================================== */
+#define MTP_DSA_STATE_BYTES 20992
 size_t mtp_dsa_select_workspace_size(int B, int S, int T_max);
 
 cudaError_t mtp_dsa_select(mtp_dtype dtype, const void* q_index, const float* weights, const void* kv_cache,

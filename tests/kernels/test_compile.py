@@ -11,6 +11,7 @@ import pytest
 
 from mtp_trt.plugins import cuda_lib
 from mtp_trt.plugins import reference as ref
+from mtp_trt.plugins import trt_plugins as tp
 
 ARCHS = ["80", "86", "89", "90a", "100", "120"]
 
@@ -71,11 +72,15 @@ def test_attention_kernels_do_not_spill(compiled):
 
 
 def test_indexer_kernels_do_not_spill(compiled):
-    """DSA's scoring (one accumulator per indexer head in registers, three dtypes) and selection kernels, every arch."""
+    """DSA's kernels, every arch: the histogram clear, the tensor-core scoring (fp16/bf16: 16 rows x 64 heads of
+    accumulators and a tile of keys in registers), the SIMT scoring (one accumulator per indexer head, three
+    dtypes), the one-block selection and the four chunked selection passes."""
     res, _, _ = compiled
     entries = ptxas_entries(next(r.log for r in res if r.source == "dsa.cu"))
     assert {e[1] for e in entries} == {f"sm_{a}" for a in ARCHS}
-    assert len([e for e in entries if e[1] == "sm_90a"]) == 4, entries  # score x 3 dtypes, select
+    names = sorted(re.search(r"dsa_[a-z_]+_kernel", e[0]).group(0) for e in entries if e[1] == "sm_90a")
+    assert names == ["dsa_score_simt_kernel"] * 3 + ["dsa_score_tc_kernel"] * 2 + ["dsa_select_one_kernel"] + \
+        ["dsa_select_pass_kernel"] * 4 + ["dsa_zero_kernel"], names
     for name, arch, stack, st, ld in entries:
         assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
 
@@ -114,7 +119,9 @@ def test_library_host_functions_without_gpu(tmp_path, monkeypatch):
         lib.accept_rejection("float32", 16, 16, 16, 16, 16, 16, 16, 1, 3, 1 << 24)
     lib.gather_last_hidden("float16", 0, 0, 0, 0, 4, 8)  # B = 0: nothing to do, success
     # DeepSeek Sparse Attention: workspace sizes and argument checks
-    assert lib.dsa_select_workspace_size(2, 3, 1000) == -(-2 * 3 * 1000 * 4 // 256) * 256
+    for B, S, T in [(2, 3, 1000), (1, 1, 131071), (64, 4, 33), (3, 1, 1)]:  # the plugins' replica of the formula
+        assert lib.dsa_select_workspace_size(B, S, T) == tp.dsa_workspace_size(B, S, T)
+    assert lib.dsa_select_workspace_size(2, 3, 1000) == -(-2 * 3 * 1000 * 4 // 256) * 256 + 2 * 3 * 20992
     assert lib.dsa_select_workspace_size(0, 3, 1000) == 0
     for bad in (dict(Hi=65), dict(Di=0), dict(K=0), dict(C=100)):  # > 64 heads, no key, no slot, key past the row
         args = dict(B=1, S=2, Hi=64, Di=128, C=704, key_offset=576, T_max=100, K=16) | bad

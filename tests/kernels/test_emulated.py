@@ -108,7 +108,9 @@ def test_mla_sparse_decode_emulated_deepseek_dims(emu_lib, host):
                      dtype="bfloat16", num_splits=2, empty_query=True)
 
 
-@pytest.mark.parametrize("name", ["fewer-rows-than-K", "ties-bf16", "ties-tree-fp16", "random-fp32"])
+@pytest.mark.parametrize("name", ["fewer-rows-than-K", "ties-bf16", "ties-tree-fp16", "random-fp32", "nan-rows-bf16",
+                                  "all-equal-fp16-tree", "chunks-ties-bf16-ragged", "chunks-nan-tree-fp16",
+                                  "chunks-equal-bf16", "chunks-simt-fp32"])
 def test_dsa_select_emulated(emu_lib, host, name):
     G.run_dsa_select(host, emu_lib, **dict(G.DSA_SELECT_CASES)[name])
 

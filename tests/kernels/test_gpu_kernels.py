@@ -253,17 +253,20 @@ def test_mla_sparse_decode(gpu, lib, case):
     run_mla_sparse(gpu, lib, **case)
 
 
-def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, past_len, K, dtype, mask=None, ties=False, seed=0):
+def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, past_len, K, dtype, mask=None, ties=False, equal=False,
+                   nan_rows=(), seed=0):
     """mtp_dsa_select against reference.dsa_select.  ties: small integer queries, keys and weights (every score
     exact in fp32 whatever the summation order, many equal): the selection must be identical, ties to the earlier
-    row.  Otherwise N(0, 1) data: rows may differ from the reference only where the two scores of the exchanged
-    rows lie within the fp32 summation error of each other (reference.selections_agree)."""
+    row.  equal: every key the same (all scores tie: the first K visible rows).  nan_rows: cache rows whose key gets
+    a NaN (their scores are NaN, above every number).  Otherwise N(0, 1) data: rows may differ from the reference
+    only where the two scores of the exchanged rows lie within the fp32 summation error of each other
+    (reference.selections_agree)."""
     rng = np.random.default_rng(seed)
     C, off = 24 + Di, 24  # a row: 24 latent values, then the indexer key
     past_len = np.asarray(past_len, np.int32)
-    if ties:
+    if ties or equal:
         qv = rng.integers(-1, 2, (B, S, Hi, Di)).astype(np.float32)
-        cv = rng.integers(-1, 2, (B, T_max, C)).astype(np.float32)
+        cv = np.ones((B, T_max, C), np.float32) if equal else rng.integers(-1, 2, (B, T_max, C)).astype(np.float32)
         wv = rng.integers(0, 3, (B, S, Hi)).astype(np.float32)
         scale = 0.25
     else:
@@ -273,6 +276,8 @@ def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, past_len, K, dtype, mask=No
         scale = Di**-0.5
     if isinstance(mask, str) and mask == "tree":
         mask = (np.tril(rng.integers(0, 2, (B, S, S))) | np.eye(S, dtype=np.int64)).astype(np.uint8)
+    for r in nan_rows:
+        cv[:, r, off + Di // 2] = np.nan
     q_s, q = to_storage(qv, dtype)
     c_s, cache = to_storage(cv, dtype)  # the new rows are committed already
     want, scores = ref.dsa_select(q, wv, cache, past_len, key_offset=off, k=K, scale=scale, mask=mask)
@@ -285,7 +290,7 @@ def run_dsa_select(gpu, lib, *, B, S, Hi, Di, T_max, past_len, K, dtype, mask=No
                    ptr_or_0(gpu, mask), d_sel, d_ws, ws, B, S, Hi, Di, C, off, T_max, K, scale)
     gpu.sync("mtp_dsa_select")
     got = gpu.download(d_sel, (B, S, K), np.int32)
-    if ties:
+    if ties or equal:
         assert_equal(got, want, name=f"dsa_select {dtype} (exact scores)")
     else:
         ok, why = ref.selections_agree(got, want, scores, rtol=1e-5 * Hi)
@@ -301,6 +306,22 @@ DSA_SELECT_CASES = [
     ("v32-bf16", dict(B=1, S=4, Hi=64, Di=128, T_max=20000, past_len=[19990], K=2048, dtype="bfloat16")),
     ("glm5-fp16-tree", dict(B=2, S=5, Hi=32, Di=128, T_max=5000, past_len=[700, 4990], K=512, dtype="float16",
                             mask="tree")),
+    ("nan-rows-bf16", dict(B=2, S=2, Hi=8, Di=32, T_max=600, past_len=[50, 590], K=40, dtype="bfloat16", ties=True,
+                           nan_rows=[3, 17, 400, 401])),
+    ("all-equal-fp16-tree", dict(B=2, S=3, Hi=12, Di=64, T_max=900, past_len=[0, 897], K=100, dtype="float16",
+                                 equal=True, mask="tree")),
+    # T_max > 32768: several blocks per query token select, each over a chunk of the rows
+    ("chunks-ties-bf16-ragged", dict(B=2, S=1, Hi=8, Di=32, T_max=33000, past_len=[100, 32990], K=300,
+                                     dtype="bfloat16", ties=True)),
+    ("chunks-nan-tree-fp16", dict(B=1, S=2, Hi=16, Di=64, T_max=33000, past_len=[32990], K=2048, dtype="float16",
+                                  ties=True, mask="tree", nan_rows=[5, 9000, 32900])),
+    ("chunks-equal-bf16", dict(B=1, S=1, Hi=8, Di=32, T_max=33000, past_len=[32990], K=777, dtype="bfloat16",
+                               equal=True)),
+    ("chunks-simt-fp32", dict(B=1, S=1, Hi=4, Di=16, T_max=33000, past_len=[32000], K=100, dtype="float32",
+                              ties=True)),
+    ("chunks-B4-S3-bf16-tree", dict(B=4, S=3, Hi=64, Di=128, T_max=70000, past_len=[69990, 40000, 1000, 33000],
+                                    K=2048, dtype="bfloat16", ties=True, mask="tree", nan_rows=[7, 60000])),
+    ("v32-T128k-bf16", dict(B=1, S=1, Hi=64, Di=128, T_max=131072, past_len=[131071], K=2048, dtype="bfloat16")),
 ]
 
 

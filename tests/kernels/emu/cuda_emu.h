@@ -173,8 +173,9 @@ inline cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attr, int va
     return cudaFuncSetAttribute(reinterpret_cast<const void*>(entry), attr, value);
 }
 
-// Shared-memory atomics and bit casts of the kernels (dsa.cu).
+// Atomics and bit casts of the kernels (dsa.cu).
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
 inline unsigned __float_as_uint(float x) {
     unsigned u;
     std::memcpy(&u, &x, sizeof u);
