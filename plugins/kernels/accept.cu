@@ -1,22 +1,76 @@
 // accept.cu -- acceptance of draft tokens: strict (greedy), relaxed (thinking phase) and
 // rejection sampling.  Interface and semantics: mtp_kernels.h.  References: plugins/reference.py.
 //
-// Greedy family: kernel 1 has one block per (sequence, position) row of the logits and writes
-// the row's argmax into out_tokens (the relaxed variant also a "relaxed ok" flag in bit 30);
-// kernel 2 has one thread per sequence, walks the K positions and rewrites out_tokens in place.
-// Rejection sampling: one block per sequence; thread 0 runs the acceptance tests (single elements
-// of p and q), then the block samples the final token by an exact integer inverse CDF.
+// A logits row (V values) is read by a cluster of up to 8 blocks (sm_90+; one block per row elsewhere), each taking
+// a contiguous part with 16-byte loads; the blocks merge their partial results through distributed shared memory,
+// so no workspace is needed and everything stays in one launch.  The cluster size is chosen so that the rows x
+// blocks fill the GPU (at B = 1, K = 3: 4 rows x 8 blocks).
+//
+// Greedy family: kernel 1 writes each (sequence, position) row's argmax into out_tokens (the relaxed variant also a
+// "relaxed ok" flag in bit 30): per block the argmax (ties -> lowest index, NaN first), and for the relaxed test the
+// online log-sum-exp and the count of tokens ranked before the draft, merged in the cluster's first block.  Kernel 2
+// has one thread per sequence, walks the K positions and rewrites out_tokens in place.
+// Rejection sampling: one cluster per sequence.  Every block runs the acceptance tests (single elements of p and
+// q), sums the integer weights of its part, reads the other blocks' sums, and the block whose part holds the
+// threshold finds the token by an ordered scan.  Weights are exact integers (no floating-point sums), so the token
+// does not depend on the split.
 #include <math.h>
+
+#include <atomic>
 
 #include "common.cuh"
 
 namespace mtp {
 namespace {
 
-constexpr int AR_THREADS = 512;
+constexpr int AC_THREADS = 256;
+constexpr int AC_WARPS = AC_THREADS / 32;
+constexpr int AC_MAX_CLUSTER = 8;    // the portable cluster size
+constexpr int AC_MIN_VALUES = 2048;  // a row is split only into parts of at least this many values
 constexpr int32_t kOkBit = 1 << 30;
 constexpr int32_t kIdMask = kOkBit - 1;
 
+// This block's part [j0, j1) of a row of V values split over the cluster (parts start at multiples of 8 values).
+__device__ __forceinline__ void row_part(int V, int& j0, int& j1) {
+    const int cs = static_cast<int>(cluster_size()), per = ((V + cs - 1) / cs + 7) / 8 * 8;
+    j0 = min(V, static_cast<int>(cluster_rank()) * per);
+    j1 = min(V, j0 + per);
+}
+
+// f(j, a[j], b[j]) for every j in [j0, j1), spread over the block (b[j] = 0 when b is null): 16-byte loads, four in
+// flight per thread, where both rows are equally aligned; element loads at the ends or when they are not.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_value(const T* a, const T* b, int j0, int j1, F&& f) {
+    constexpr int N = 16 / sizeof(T);
+    const int tid = threadIdx.x;
+    const unsigned ma = reinterpret_cast<uintptr_t>(a + j0) & 15u;
+    const unsigned mb = b ? reinterpret_cast<uintptr_t>(b + j0) & 15u : ma;
+    const int ja = ma == mb ? min(j1, j0 + static_cast<int>(((16u - ma) & 15u) / sizeof(T))) : j1;
+    for (int j = j0 + tid; j < ja; j += AC_THREADS) f(j, to_f<T>(a[j]), b ? to_f<T>(b[j]) : 0.f);
+    const int nvec = (j1 - ja) / N;
+    const uint4* av = reinterpret_cast<const uint4*>(a + ja);
+    const uint4* bv = b ? reinterpret_cast<const uint4*>(b + ja) : nullptr;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int i0 = tid; i0 < nvec; i0 += 4 * AC_THREADS) {
+        uint4 ua[4], ub[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = i0 + k * AC_THREADS;
+            ua[k] = i < nvec ? av[i] : zero;
+            ub[k] = bv && i < nvec ? bv[i] : zero;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int i = i0 + k * AC_THREADS;
+            if (i >= nvec) break;
+#pragma unroll
+            for (int e = 0; e < N; ++e) f(ja + i * N + e, unpack16<T>(ua[k], e), unpack16<T>(ub[k], e));
+        }
+    }
+    for (int j = ja + nvec * N + tid; j < j1; j += AC_THREADS) f(j, to_f<T>(a[j]), b ? to_f<T>(b[j]) : 0.f);
+}
+
+// ---- greedy family -------------------------------------------------------------------------------------------
 // numpy.argmax order: a NaN beats any number (first NaN wins); ties -> lowest index.
 __device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
     const bool n1 = isnan(v1), n2 = isnan(v2);
@@ -33,19 +87,48 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
     m = mn;
 }
 
+// A part of a row: its argmax (value, index); for the relaxed test the log-sum-exp (max, sum) and the tokens
+// ranked before the draft.
+struct RowStats {
+    float bv;
+    int bi;
+    float mt, st;
+    int cnt;
+};
+
+template <bool RELAXED>
+__device__ __forceinline__ void merge_stats(RowStats& x, float bv, int bi, float mt, float st, int cnt) {
+    if (better(bv, bi, x.bv, x.bi)) {
+        x.bv = bv;
+        x.bi = bi;
+    }
+    if (RELAXED) {
+        lse_merge(x.mt, x.st, mt, st);
+        x.cnt += cnt;
+    }
+}
+
+struct GreedyShared {
+    RowStats warp[AC_WARPS];
+    RowStats block;  // read by the cluster's first block
+};
+
 template <typename T, bool RELAXED>
-__global__ void __launch_bounds__(AR_THREADS) greedy_rows_kernel(const T* __restrict__ logits,
+__global__ void __launch_bounds__(AC_THREADS, 1) greedy_rows_kernel(const T* __restrict__ logits,
                                                                  const int32_t* __restrict__ drafts,
                                                                  int draft_stride,
                                                                  int32_t* __restrict__ out_tokens,
                                                                  int K, int V, int topk, float delta,
                                                                  const int32_t* __restrict__ topk_dev,
                                                                  const float* __restrict__ delta_dev) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    GreedyShared& sh = *reinterpret_cast<GreedyShared*>(smem_raw);
     if (RELAXED && topk_dev) {  // the scalars live in device memory (no host sync needed to launch)
         topk = *topk_dev;
         delta = *delta_dev;
     }
-    const long long row = blockIdx.x;
+    const unsigned cs = cluster_size();
+    const long long row = blockIdx.x / cs;
     const int b = static_cast<int>(row / (K + 1)), i = static_cast<int>(row % (K + 1));
     const T* x = logits + row * V;
     const int tid = threadIdx.x;
@@ -56,71 +139,58 @@ __global__ void __launch_bounds__(AR_THREADS) greedy_rows_kernel(const T* __rest
     const bool d_ok = test && d >= 0 && d < V;
     const float ld = d_ok ? to_f<T>(x[d]) : 0.f;
 
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    float mt = -INFINITY, st = 0.f;  // online log-sum-exp
-    int cnt = 0;                     // tokens ranked before d
-    for (int j = tid; j < V; j += AR_THREADS) {
-        const float v = to_f<T>(x[j]);
-        if (better(v, j, bv, bi)) {
-            bv = v;
-            bi = j;
+    RowStats st{-INFINITY, 0x7fffffff, -INFINITY, 0.f, 0};
+    int j0, j1;
+    row_part(V, j0, j1);
+    for_each_value<T>(x, nullptr, j0, j1, [&](int j, float v, float) {
+        if (better(v, j, st.bv, st.bi)) {
+            st.bv = v;
+            st.bi = j;
         }
         if (RELAXED && d_ok) {
-            cnt += (v > ld || (v == ld && j < d)) ? 1 : 0;
-            if (v > mt) {
-                st = st * expf(mt - v) + 1.f;  // expf(-inf) = 0 on the first element
-                mt = v;
+            st.cnt += (v > ld || (v == ld && j < d)) ? 1 : 0;
+            if (v > st.mt) {
+                st.st = st.st * expf(st.mt - v) + 1.f;  // expf(-inf) = 0 on the first element
+                st.mt = v;
             } else if (v != -INFINITY) {
-                st += expf(v - mt);
+                st.st += expf(v - st.mt);
             }
         }
-    }
-    // warp reduce
+    });
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float v2 = __shfl_xor_sync(kFullMask, bv, o);
-        const int i2 = __shfl_xor_sync(kFullMask, bi, o);
-        if (better(v2, i2, bv, bi)) {
-            bv = v2;
-            bi = i2;
-        }
+        const float bv = __shfl_xor_sync(kFullMask, st.bv, o);
+        const int bi = __shfl_xor_sync(kFullMask, st.bi, o);
+        float mt = 0.f, s2 = 0.f;
+        int cnt = 0;
         if (RELAXED) {
-            const float m2 = __shfl_xor_sync(kFullMask, mt, o);
-            const float s2 = __shfl_xor_sync(kFullMask, st, o);
-            lse_merge(mt, st, m2, s2);
-            cnt += __shfl_xor_sync(kFullMask, cnt, o);
+            mt = __shfl_xor_sync(kFullMask, st.mt, o);
+            s2 = __shfl_xor_sync(kFullMask, st.st, o);
+            cnt = __shfl_xor_sync(kFullMask, st.cnt, o);
         }
+        merge_stats<RELAXED>(st, bv, bi, mt, s2, cnt);
     }
-    __shared__ float s_bv[AR_THREADS / 32], s_mt[AR_THREADS / 32], s_st[AR_THREADS / 32];
-    __shared__ int s_bi[AR_THREADS / 32], s_cnt[AR_THREADS / 32];
-    const int warp = tid >> 5, lane = tid & 31;
-    if (lane == 0) {
-        s_bv[warp] = bv;
-        s_bi[warp] = bi;
-        s_mt[warp] = mt;
-        s_st[warp] = st;
-        s_cnt[warp] = cnt;
-    }
+    if ((tid & 31) == 0) sh.warp[tid >> 5] = st;
     __syncthreads();
     if (tid == 0) {
-        for (int w = 1; w < AR_THREADS / 32; ++w) {
-            if (better(s_bv[w], s_bi[w], bv, bi)) {
-                bv = s_bv[w];
-                bi = s_bi[w];
-            }
-            if (RELAXED) {
-                lse_merge(mt, st, s_mt[w], s_st[w]);
-                cnt += s_cnt[w];
-            }
+        for (int w = 1; w < AC_WARPS; ++w) merge_stats<RELAXED>(st, sh.warp[w].bv, sh.warp[w].bi, sh.warp[w].mt,
+                                                                sh.warp[w].st, sh.warp[w].cnt);
+        sh.block = st;
+    }
+    cluster_sync();
+    if (cluster_rank() == 0 && tid == 0) {
+        for (unsigned r = 1; r < cs; ++r) {
+            const RowStats o = *cluster_peer(&sh.block, r);
+            merge_stats<RELAXED>(st, o.bv, o.bi, o.mt, o.st, o.cnt);
         }
-        int32_t res = bi;
-        if (RELAXED && d_ok && cnt < topk && st > 0.f) {
-            const float pd = expf(ld - mt) / st, p1 = 1.f / st;
+        int32_t res = st.bi;
+        if (RELAXED && d_ok && st.cnt < topk && st.st > 0.f) {
+            const float pd = expf(ld - st.mt) / st.st, p1 = 1.f / st.st;
             if (pd >= p1 - delta) res |= kOkBit;
         }
         out_tokens[row] = res;
     }
+    cluster_sync();  // the peers' shared memory stays until the first block has read it
 }
 
 __device__ __forceinline__ int think_update(int th, int tok, int start_id, int end_id) {
@@ -161,53 +231,70 @@ __global__ void greedy_finalize_kernel(const int32_t* src, const int32_t* __rest
     if (thinking_out) thinking_out[b] = th;
 }
 
-// ---- rejection sampling --------------------------------------------------------------------
-constexpr int RS_THREADS = 512;
-
+// ---- rejection sampling --------------------------------------------------------------------------------------
+// W = floor(min(max(w, 0), 1) * 2^40), exactly, from the float's bits (NaN -> 0): w = m * 2^(e - 150) for a
+// normal w with m the 24-bit significand, so W = m shifted by e - 110; w < 2^-40 gives 0.
 __device__ __forceinline__ unsigned long long quantize_w(float w) {
     w = fminf(fmaxf(w, 0.f), 1.f);  // NaN -> 0
-    return static_cast<unsigned long long>(static_cast<double>(w) * 1099511627776.0);  // * 2^40
+    const uint32_t u = __float_as_uint(w);
+    const int e = static_cast<int>((u >> 23) & 0xffu);  // -0 has e = 0 too
+    if (e == 0) return 0;
+    const unsigned long long m = (u & 0x7fffffu) | 0x800000u;
+    const int sh = e - 110;
+    return sh >= 0 ? m << sh : (sh > -24 ? m >> -sh : 0ull);
 }
 
+struct RejectShared {
+    unsigned long long warp[AC_WARPS];
+    unsigned long long total[2];  // this block's weight sum, per pass (read by the other blocks)
+    int n, tok;
+};
+
+// The smallest j in [j0, j1) with W_j0 + ... + W_j > target (the caller knows the part's sum exceeds target): the
+// part in segments of AC_THREADS x 8 values, each thread 8 consecutive ones, a block scan per segment.
 template <typename T>
-__device__ __forceinline__ unsigned long long weight(const T* prow, const T* qrow, int j) {
-    const float pv = to_f<T>(prow[j]);
-    if (!qrow) return quantize_w(pv);
-    const float qv = to_f<T>(qrow[j]);
-    return quantize_w(pv - qv);
-}
-
-// Block-wide exclusive scan (and total) of one value per thread.
-__device__ unsigned long long block_exclusive_scan(unsigned long long v, unsigned long long& total) {
-    __shared__ unsigned long long s_w[RS_THREADS / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned long long inc = v;
+__device__ int find_token(const T* prow, const T* qrow, int j0, int j1, unsigned long long target, RejectShared& sh) {
+    constexpr int PER = 8;
+    unsigned long long cum = 0;
+    for (int s0 = j0; s0 < j1; s0 += AC_THREADS * PER) {
+        const int a0 = s0 + static_cast<int>(threadIdx.x) * PER;
+        unsigned long long w[PER], mine = 0;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned long long y = __shfl_up_sync(kFullMask, inc, o);
-        if (lane >= o) inc += y;
+        for (int e = 0; e < PER; ++e) {
+            const int j = a0 + e;
+            w[e] = j < j1 ? quantize_w(to_f<T>(prow[j]) - (qrow ? to_f<T>(qrow[j]) : 0.f)) : 0ull;
+            mine += w[e];
+        }
+        unsigned long long seg;
+        const unsigned long long before = cum + block_exclusive_scan<AC_THREADS>(mine, sh.warp, &seg);
+        if (before <= target && target < before + mine) {  // exactly one thread
+            unsigned long long c = before;
+            for (int e = 0; e < PER; ++e) {
+                c += w[e];
+                if (c > target) {
+                    sh.tok = a0 + e;
+                    break;
+                }
+            }
+        }
+        cum += seg;
+        if (cum > target) break;  // block-uniform
     }
-    if (lane == 31) s_w[warp] = inc;
     __syncthreads();
-    unsigned long long before = 0, tot = 0;
-    for (int w = 0; w < RS_THREADS / 32; ++w) {
-        if (w < warp) before += s_w[w];
-        tot += s_w[w];
-    }
-    __syncthreads();  // s_w may be reused by a later call
-    total = tot;
-    return before + inc - v;
+    return sh.tok;
 }
 
 template <typename T>
-__global__ void __launch_bounds__(RS_THREADS) rejection_kernel(
+__global__ void __launch_bounds__(AC_THREADS, 1) rejection_kernel(
     const T* __restrict__ p, const T* __restrict__ q, const int32_t* __restrict__ drafts,
     const float* __restrict__ uniforms, int32_t* __restrict__ out_tokens,
     int32_t* __restrict__ num_accepted, int32_t* __restrict__ last_index, int K, int V) {
-    __shared__ int s_n, s_tok;
-    const int b = blockIdx.x, tid = threadIdx.x;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    RejectShared& sh = *reinterpret_cast<RejectShared*>(smem_raw);
+    const unsigned cs = cluster_size(), rank = cluster_rank();
+    const int b = static_cast<int>(blockIdx.x / cs), tid = threadIdx.x;
     const float* u = uniforms + static_cast<long long>(b) * (K + 1);
-    if (tid == 0) {
+    if (tid == 0) {  // every block of the cluster: the K tests are a few element reads
         int n = 0;
         for (; n < K; ++n) {
             const int d = drafts[static_cast<long long>(b) * K + n];
@@ -217,51 +304,82 @@ __global__ void __launch_bounds__(RS_THREADS) rejection_kernel(
             const bool acc = qd > 0.f ? (u[n] < pd / qd) : (pd > 0.f);
             if (!acc) break;
         }
-        s_n = n;
-        s_tok = 0;  // degenerate rows (all weights 0) give token 0
+        sh.n = n;
     }
     __syncthreads();
-    const int n = s_n;
+    const int n = sh.n;
     const T* prow = p + (static_cast<long long>(b) * (K + 1) + n) * V;
     const T* qrow = n < K ? q + (static_cast<long long>(b) * K + n) * V : nullptr;
+    int j0, j1;
+    row_part(V, j0, j1);
 
-    const int chunk = (V + RS_THREADS - 1) / RS_THREADS;
-    const int j0 = min(V, tid * chunk), j1 = min(V, j0 + chunk);
-    unsigned long long mine = 0, total = 0, before = 0;
+    // Weight sums: this block's part (mine), the parts before it (before) and the row (total).
+    unsigned long long mine = 0, before = 0, total = 0;
     for (int pass = 0; pass < 2; ++pass) {
-        mine = 0;
-        for (int j = j0; j < j1; ++j) mine += weight<T>(prow, qrow, j);
-        before = block_exclusive_scan(mine, total);
-        if (total != 0 || !qrow) break;  // block-uniform
+        unsigned long long w = 0;
+        for_each_value<T>(prow, qrow, j0, j1, [&](int, float pv, float qv) { w += quantize_w(pv - qv); });
+        block_exclusive_scan<AC_THREADS>(w, sh.warp, &mine);
+        if (tid == 0) sh.total[pass] = mine;
+        cluster_sync();
+        before = total = 0;
+        for (unsigned r = 0; r < cs; ++r) {
+            const unsigned long long t = *cluster_peer(&sh.total[pass], r);
+            if (r < rank) before += t;
+            total += t;
+        }
+        if (total != 0 || !qrow) break;  // the same in every block
         qrow = nullptr;                  // residual vanished: sample from p
     }
+    int32_t* o = out_tokens + static_cast<long long>(b) * (K + 1);
     if (total != 0) {
         float uf = u[K];
         uf = (uf >= 0.f) ? uf : 0.f;  // also NaN -> 0
         unsigned long long U = static_cast<unsigned long long>(uf * 16777216.0f);  // floor(u * 2^24)
         U = U > 16777215ull ? 16777215ull : U;
         const unsigned long long lo = U * total, hi = __umul64hi(U, total);
-        const unsigned long long thr = (hi << 40) | (lo >> 24);  // floor(U * total / 2^24)
-        if (before <= thr && thr < before + mine) {  // exactly one thread
-            unsigned long long cum = before;
-            for (int j = j0; j < j1; ++j) {
-                cum += weight<T>(prow, qrow, j);
-                if (cum > thr) {
-                    s_tok = j;
-                    break;
-                }
-            }
+        const unsigned long long thr = (hi << 40) | (lo >> 24);  // floor(U * total / 2^24) < total
+        if (before <= thr && thr < before + mine) {  // exactly one block
+            const int tok = find_token<T>(prow, qrow, j0, j1, thr - before, sh);
+            if (tid == 0) o[n] = tok;
         }
     }
-    __syncthreads();
-    if (tid == 0) {
-        int32_t* o = out_tokens + static_cast<long long>(b) * (K + 1);
+    if (rank == 0 && tid == 0) {
         for (int i = 0; i < n; ++i) o[i] = drafts[static_cast<long long>(b) * K + i];
-        o[n] = s_tok;
+        if (total == 0) o[n] = 0;  // degenerate rows (all weights 0) give token 0
         for (int i = n + 1; i <= K; ++i) o[i] = -1;
         num_accepted[b] = n;
         last_index[b] = n;
     }
+    cluster_sync();  // the peers' sums stay until every block has read them
+}
+
+// ---- launch shape --------------------------------------------------------------------------------------------
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_num_sms[kMaxDevices], g_clusters[kMaxDevices];  // per device; 0: not asked yet
+
+// Blocks per row: 1 where clusters cannot be launched (before sm_90, or code JIT-compiled from older PTX), else the
+// smallest power of two that gives the SMs a block each, at most 8 and no part under AC_MIN_VALUES values.
+int blocks_per_row(long long rows, int V) {
+    int dev = -1;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+        cudaGetLastError();
+        return 1;
+    }
+    if (g_clusters[dev].load(std::memory_order_relaxed) == 0) {
+        cudaFuncAttributes attr{};
+        const bool ok = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(greedy_rows_kernel<float, false>)) ==
+                            cudaSuccess && attr.ptxVersion >= 90;
+        int sms = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 1;
+        cudaGetLastError();
+        g_num_sms[dev].store(sms, std::memory_order_relaxed);
+        g_clusters[dev].store(ok ? 2 : 1, std::memory_order_relaxed);
+    }
+    if (g_clusters[dev].load(std::memory_order_relaxed) != 2) return 1;
+    const int sms = g_num_sms[dev].load(std::memory_order_relaxed);
+    int cs = 1;
+    while (cs < AC_MAX_CLUSTER && rows * cs < sms && static_cast<long long>(V) >= 2LL * cs * AC_MIN_VALUES) cs *= 2;
+    return cs;
 }
 
 // last_index NULL is allowed (the callers that require it check it themselves).
@@ -282,18 +400,24 @@ cudaError_t greedy_common(mtp_dtype dtype, const void* logits, const int32_t* ta
     if (logits) {
         if (!dtype_ok(dtype)) return cudaErrorInvalidValue;
         flags = relaxed && (topk > 0 || topk_dev) && K > 0;
+        const int cs = blocks_per_row(rows, V);
+        if (rows * cs > 0x7fffffffLL) return cudaErrorInvalidValue;
+        const unsigned blocks = static_cast<unsigned>(rows * cs);
+        cudaError_t e = cudaSuccess;
         if (flags) {
             MTP_DISPATCH_DTYPE(dtype, T,
-                               greedy_rows_kernel<T, true><<<static_cast<unsigned>(rows), AR_THREADS, 0, stream>>>(
-                                   static_cast<const T*>(logits), drafts, draft_stride, out_tokens, K, V, topk, delta, topk_dev,
-                                   delta_dev));
+                               e = launch_clusters(greedy_rows_kernel<T, true>, blocks, AC_THREADS,
+                                                   sizeof(GreedyShared), stream, cs, static_cast<const T*>(logits),
+                                                   drafts, draft_stride, out_tokens, K, V, topk, delta, topk_dev,
+                                                   delta_dev));
         } else {
             MTP_DISPATCH_DTYPE(dtype, T,
-                               greedy_rows_kernel<T, false><<<static_cast<unsigned>(rows), AR_THREADS, 0, stream>>>(
-                                   static_cast<const T*>(logits), drafts, draft_stride, out_tokens, K, V, 0, 0.f, nullptr,
-                                   nullptr));
+                               e = launch_clusters(greedy_rows_kernel<T, false>, blocks, AC_THREADS,
+                                                   sizeof(GreedyShared), stream, cs, static_cast<const T*>(logits),
+                                                   drafts, draft_stride, out_tokens, K, V, 0, 0.f,
+                                                   static_cast<const int32_t*>(nullptr),
+                                                   static_cast<const float*>(nullptr)));
         }
-        const cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) return e;
         src = out_tokens;
     }
@@ -349,9 +473,13 @@ extern "C" cudaError_t mtp_accept_rejection(mtp_dtype dtype, const void* p, cons
     if (B == 0) return cudaSuccess;
     if (!p || !uniforms || !out_tokens || !num_accepted || !last_index || (K > 0 && (!q || !drafts)))
         return cudaErrorInvalidValue;
+    const int cs = blocks_per_row(B, V);
+    if (static_cast<long long>(B) * cs > 0x7fffffffLL) return cudaErrorInvalidValue;
+    cudaError_t e = cudaSuccess;
     MTP_DISPATCH_DTYPE(dtype, T,
-                       rejection_kernel<T><<<B, RS_THREADS, 0, stream>>>(
-                           static_cast<const T*>(p), static_cast<const T*>(q), drafts, uniforms, out_tokens,
-                           num_accepted, last_index, K, V));
-    return cudaGetLastError();
+                       e = launch_clusters(rejection_kernel<T>, static_cast<unsigned>(B * cs), AC_THREADS,
+                                           sizeof(RejectShared), stream, cs, static_cast<const T*>(p),
+                                           static_cast<const T*>(q), drafts, uniforms, out_tokens, num_accepted,
+                                           last_index, K, V));
+    return e;
 }

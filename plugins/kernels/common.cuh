@@ -48,6 +48,21 @@ template <typename T> __device__ __forceinline__ uint32_t lds32(const T* p) {
     return *reinterpret_cast<const uint32_t*>(p);
 }
 
+// Value e (0 .. 16 / sizeof(T) - 1, a constant after unrolling) of a 16-byte load, as float.
+template <typename T> __device__ __forceinline__ float unpack16(const uint4& u, int e);
+__device__ __forceinline__ uint32_t word_of(const uint4& u, int w) { return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w; }
+template <> __device__ __forceinline__ float unpack16<float>(const uint4& u, int e) {
+    return __uint_as_float(word_of(u, e));
+}
+template <> __device__ __forceinline__ float unpack16<__half>(const uint4& u, int e) {
+    const uint32_t w = word_of(u, e >> 1);
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(e & 1 ? w >> 16 : w & 0xffffu)));
+}
+template <> __device__ __forceinline__ float unpack16<__nv_bfloat16>(const uint4& u, int e) {
+    const uint32_t w = word_of(u, e >> 1);
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(e & 1 ? w >> 16 : w & 0xffffu)));
+}
+
 // ---- warp reductions ----------------------------------------------------------------------
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -88,6 +103,60 @@ __device__ __forceinline__ V block_exclusive_scan(V v, V* s_warp, V* total) {
 }
 
 #ifndef MTP_EMULATE_DEVICE
+// ---- thread-block clusters (sm_90+) -----------------------------------------------------------
+// The cluster's size and this block's rank in it (1 and 0 in code built for an earlier arch, which the launchers
+// never start as clusters: cluster_launch_possible), a barrier over all its threads that also orders their
+// shared-memory accesses (__syncthreads without clusters), and the address of a shared variable in another block
+// of the cluster (distributed shared memory).
+__device__ __forceinline__ unsigned cluster_size() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return __clusterSizeInBlocks();
+#else
+    return 1;
+#endif
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return __clusterRelativeBlockRank();
+#else
+    return 0;
+#endif
+}
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __cluster_barrier_arrive();
+    __cluster_barrier_wait();
+#else
+    __syncthreads();
+#endif
+}
+template <typename T> __device__ __forceinline__ T* cluster_peer(T* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    return static_cast<T*>(__cluster_map_shared_rank(p, rank));
+#else
+    return p;
+#endif
+}
+
+// Launch kernel<<<blocks, threads, smem, stream>>>(args...) in clusters of `cluster` consecutive blocks (1: none).
+template <typename... Params, typename... Args>
+cudaError_t launch_clusters(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem,
+                            cudaStream_t stream, unsigned cluster, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = cluster > 1 ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
 // ---- cp.async (sm_80+) ----------------------------------------------------------------------
 // Copies 16 bytes global -> shared; when !pred, writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {

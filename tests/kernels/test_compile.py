@@ -1,6 +1,6 @@
 """Compile every kernel with nvcc for sm_80, sm_86, sm_89, sm_90a, sm_100 and sm_120 (no GPU needed),
-check ptxas reports no spills / stack for the attention kernels, and exercise the library's host-only
-functions.  Skipped when nvcc is absent.  About a minute on 2 cores."""
+check ptxas reports no spills / stack for the attention, indexer and acceptance kernels, and exercise the library's
+host-only functions.  Skipped when nvcc is absent.  About a minute on 2 cores."""
 
 from __future__ import annotations
 
@@ -81,6 +81,17 @@ def test_indexer_kernels_do_not_spill(compiled):
     names = sorted(re.search(r"dsa_[a-z_]+_kernel", e[0]).group(0) for e in entries if e[1] == "sm_90a")
     assert names == ["dsa_score_simt_kernel"] * 3 + ["dsa_score_tc_kernel"] * 2 + ["dsa_select_one_kernel"] + \
         ["dsa_select_pass_kernel"] * 4 + ["dsa_zero_kernel"], names
+    for name, arch, stack, st, ld in entries:
+        assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
+
+
+def test_acceptance_kernels_do_not_spill(compiled):
+    """The acceptance kernels (a row read by a cluster of blocks with 16-byte loads, four in flight per thread), every
+    arch: argmax rows (three dtypes x strict / relaxed), the per-sequence walk, rejection sampling (three dtypes)."""
+    res, _, _ = compiled
+    entries = ptxas_entries(next(r.log for r in res if r.source == "accept.cu"))
+    assert {e[1] for e in entries} == {f"sm_{a}" for a in ARCHS}
+    assert len([e for e in entries if e[1] == "sm_90a"]) == 10, entries
     for name, arch, stack, st, ld in entries:
         assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
 

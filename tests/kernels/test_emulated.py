@@ -123,9 +123,21 @@ def test_kv_commit_emulated(emu_lib, host):
     G.test_mla_kv_commit_alone(host, emu_lib)
 
 
-@pytest.mark.parametrize("B,K,V,dtype", [(1, 0, 17, "float32"), (7, 3, 1000, "float16"), (2, 16, 129280, "float32")])
+# Rows of 129280 or 20001 values are read by clusters of 4 or 8 blocks (the emulated GPU has 132 SMs and sm_90's
+# clusters); 20001 fp16 values make rows that start off 16-byte boundaries, and p and q rows aligned differently.
+@pytest.mark.parametrize("B,K,V,dtype", [(1, 0, 17, "float32"), (7, 3, 1000, "float16"), (2, 16, 129280, "float32"),
+                                         (1, 3, 129280, "bfloat16"), (2, 3, 20001, "float16")])
 def test_accept_strict_emulated(emu_lib, host, B, K, V, dtype):
     G.test_accept_strict(host, emu_lib, B, K, V, dtype)
+
+
+def test_accept_without_clusters_emulated(emu_lib, host, monkeypatch):
+    """Code built for GPUs before sm_90 (no clusters): one block per row, the same results."""
+    monkeypatch.setenv("MTP_EMU_PTX", "80")
+    monkeypatch.setenv("MTP_EMU_DEVICE", "5")  # launch facts are read once per device: a device of its own
+    G.test_accept_strict(host, emu_lib, 1, 3, 129280, "bfloat16")
+    G.test_accept_relaxed(host, emu_lib, 2, 3, 20001, "float16", 4, 0.3, "device-plugin")
+    G.test_accept_rejection(host, emu_lib, 3, 2, 20001, "float16")
 
 
 @pytest.mark.parametrize("B,K,V,dtype,topk,delta,scalars", [(5, 3, 50, "float32", 3, 0.3, "host"),
@@ -133,13 +145,14 @@ def test_accept_strict_emulated(emu_lib, host, B, K, V, dtype):
                                                              (5, 3, 50, "float32", 3, 0.3, "device-plugin"),
                                                              (6, 4, 200, "float16", 4, 0.4, "device-gap"),
                                                              (3, 0, 40, "float32", 3, 0.3, "device-plugin"),
+                                                             (2, 3, 20001, "float16", 4, 0.3, "device-gap"),
                                                              (8, 5, 300, "bfloat16", 0, 0.5, "device-gap")])
 def test_accept_relaxed_emulated(emu_lib, host, B, K, V, dtype, topk, delta, scalars):
     G.test_accept_relaxed(host, emu_lib, B, K, V, dtype, topk, delta, scalars)
 
 
 @pytest.mark.parametrize("B,K,V,dtype", [(1, 0, 10, "float32"), (8, 3, 1000, "float32"), (3, 16, 129280, "float32"),
-                                         (5, 4, 129280, "bfloat16")])
+                                         (5, 4, 129280, "bfloat16"), (3, 2, 20001, "float16")])
 def test_accept_rejection_emulated(emu_lib, host, B, K, V, dtype):
     G.test_accept_rejection(host, emu_lib, B, K, V, dtype)
 

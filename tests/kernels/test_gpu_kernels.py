@@ -359,17 +359,19 @@ def drafts_with_prefix(rng, tgt, K, V):
 
 STRICT_CASES = [(1, 0, 17, "float32"), (7, 3, 1000, "float16"), (4, 16, 129280, "bfloat16"),
                 (64, 3, 129280, "float16"), (64, 16, 1, "float32"), (33, 5, 4096, "float32"),
-                (2, 16, 129280, "float32"), (16, 8, 513, "bfloat16")]
+                (2, 16, 129280, "float32"), (16, 8, 513, "bfloat16"), (1, 3, 129280, "bfloat16"),
+                (2, 3, 20001, "float16")]
 
 
 @pytest.mark.parametrize("B,K,V,dtype", STRICT_CASES)
 def test_accept_strict(gpu, lib, B, K, V, dtype):
     rng = np.random.default_rng(B * 1000 + K * 10 + V)
     x = rng.standard_normal((B, K + 1, V), np.float32)
-    if V > 3:  # explicit ties at the maximum, lowest index must win
+    if V > 3:  # explicit ties at the maximum, lowest index must win; a row with two NaNs: the first wins
         rows = rng.random((B, K + 1)) < 0.3
         j1, j2 = rng.integers(0, V, 2)
         x[rows, j1] = x[rows, j2] = 10.0
+        x[-1, -1, [V - 1, V // 2 + 1]] = np.nan
     x_s, x_r = to_storage(x, dtype)
     tgt = ref.argmax_ids(x_r)
     drafts = drafts_with_prefix(rng, tgt, K, V)
@@ -454,7 +456,8 @@ def softmax_rows(z):
 
 
 REJECTION_CASES = [(1, 0, 10, "float32"), (8, 3, 1000, "float32"), (3, 16, 129280, "float32"),
-                   (64, 3, 4096, "float16"), (5, 4, 129280, "bfloat16"), (64, 16, 7, "float32")]
+                   (64, 3, 4096, "float16"), (5, 4, 129280, "bfloat16"), (64, 16, 7, "float32"),
+                   (1, 3, 129280, "bfloat16"), (3, 2, 20001, "float16")]
 
 
 @pytest.mark.parametrize("B,K,V,dtype", REJECTION_CASES)

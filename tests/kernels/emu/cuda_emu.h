@@ -1,7 +1,7 @@
 // cuda_emu.h -- host emulation of the CUDA execution model, enough to run the mtp-trt kernels on
 // a CPU for tests (g++ -std=c++20 -pthread; force-included before each kernel source).
 //
-// Blocks run one after another; the threads of a block run as std::threads.  __syncthreads is a
+// Blocks run one after another (the blocks of a cluster together); the threads of a block run as std::threads.  __syncthreads is a
 // std::barrier over the block, warp shuffles / __syncwarp / mma use a per-warp barrier and
 // exchange slots.  Threads that return are dropped from both barriers (as exited threads on
 // Volta+).  Dynamic shared memory is filled with 0xFF bytes (NaN for fp16/bf16/fp32) before
@@ -82,6 +82,9 @@ struct Ctx {
     Block* block = nullptr;
     Warp* warp = nullptr;
     int lane = 0;
+    unsigned cluster_rank = 0, cluster_size = 1;
+    std::barrier<>* cluster_bar = nullptr;       // null: not a cluster launch
+    std::vector<Block*>* cluster_blocks = nullptr;
     std::vector<PendingCopy> open;
     std::vector<std::vector<PendingCopy>> groups;
 };
@@ -97,33 +100,50 @@ inline bool deferred_cp_async() {
 
 inline unsigned char* dyn_smem() { return ctx.block->smem.data(); }
 
+// Blocks x .. x + cluster - 1 (same y, z) form a cluster and run at the same time; clusters run one after another.
 template <typename K, typename... Args>
-void run_grid(K kernel, dim3 g, dim3 b, size_t smem, Args... args) {
+void run_grid(K kernel, dim3 g, dim3 b, size_t smem, unsigned cluster, Args... args) {
     const int nthreads = static_cast<int>(b.x * b.y * b.z);
+    cluster = std::max(1u, cluster);
     for (unsigned bz = 0; bz < g.z; ++bz)
         for (unsigned by = 0; by < g.y; ++by)
-            for (unsigned bx = 0; bx < g.x; ++bx) {
-                Block blk;
-                blk.bar = std::make_unique<std::barrier<>>(nthreads);
-                for (int w = 0; w * 32 < nthreads; ++w) blk.warps.push_back(std::make_unique<Warp>(std::min(32, nthreads - w * 32)));
-                blk.smem.assign(std::max<size_t>(smem, 16), 0xFF);
+            for (unsigned bx0 = 0; bx0 < g.x; bx0 += cluster) {
+                std::vector<std::unique_ptr<Block>> blks;
+                std::vector<Block*> members;
+                for (unsigned c = 0; c < cluster; ++c) {
+                    auto blk = std::make_unique<Block>();
+                    blk->bar = std::make_unique<std::barrier<>>(nthreads);
+                    for (int w = 0; w * 32 < nthreads; ++w) blk->warps.push_back(std::make_unique<Warp>(std::min(32, nthreads - w * 32)));
+                    blk->smem.assign(std::max<size_t>(smem, 16), 0xFF);
+                    members.push_back(blk.get());
+                    blks.push_back(std::move(blk));
+                }
+                std::barrier<> cluster_bar(static_cast<std::ptrdiff_t>(cluster) * nthreads);
                 std::vector<std::thread> ts;
-                ts.reserve(nthreads);
-                for (int t = 0; t < nthreads; ++t) {
-                    ts.emplace_back([&, t]() {
-                        ctx.tid = make_uint3(t % b.x, (t / b.x) % b.y, t / (b.x * b.y));
-                        ctx.bid = make_uint3(bx, by, bz);
-                        ctx.bdim = b;
-                        ctx.gdim = g;
-                        ctx.block = &blk;
-                        ctx.warp = blk.warps[t / 32].get();
-                        ctx.lane = t % 32;
-                        ctx.open.clear();
-                        ctx.groups.clear();
-                        kernel(args...);
-                        ctx.warp->bar.arrive_and_drop();
-                        blk.bar->arrive_and_drop();
-                    });
+                ts.reserve(cluster * nthreads);
+                for (unsigned c = 0; c < cluster; ++c) {
+                    for (int t = 0; t < nthreads; ++t) {
+                        ts.emplace_back([&, c, t]() {
+                            Block& blk = *members[c];
+                            ctx.tid = make_uint3(t % b.x, (t / b.x) % b.y, t / (b.x * b.y));
+                            ctx.bid = make_uint3(bx0 + c, by, bz);
+                            ctx.bdim = b;
+                            ctx.gdim = g;
+                            ctx.block = &blk;
+                            ctx.warp = blk.warps[t / 32].get();
+                            ctx.lane = t % 32;
+                            ctx.cluster_rank = c;
+                            ctx.cluster_size = cluster;
+                            ctx.cluster_bar = cluster > 1 ? &cluster_bar : nullptr;
+                            ctx.cluster_blocks = &members;
+                            ctx.open.clear();
+                            ctx.groups.clear();
+                            kernel(args...);
+                            ctx.warp->bar.arrive_and_drop();
+                            blk.bar->arrive_and_drop();
+                            if (cluster > 1) cluster_bar.arrive_and_drop();
+                        });
+                    }
                 }
                 for (auto& th : ts) th.join();
             }
@@ -131,7 +151,7 @@ void run_grid(K kernel, dim3 g, dim3 b, size_t smem, Args... args) {
 
 template <typename K>
 auto launcher(K kernel, dim3 g, dim3 b, size_t smem = 0, cudaStream_t = nullptr) {
-    return [=](auto... args) { run_grid(kernel, g, b, smem, args...); };
+    return [=](auto... args) { run_grid(kernel, g, b, smem, 1u, args...); };
 }
 
 }  // namespace emu
@@ -176,6 +196,11 @@ inline cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attr, int va
 // Atomics and bit casts of the kernels (dsa.cu).
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline float __uint_as_float(unsigned u) {
+    float x;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
 inline unsigned __float_as_uint(float x) {
     unsigned u;
     std::memcpy(&u, &x, sizeof u);

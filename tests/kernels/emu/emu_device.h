@@ -1,4 +1,4 @@
-// emu_device.h -- host versions of the asm primitives of plugins/kernels/common.cuh (included
+// emu_device.h -- host versions of the asm and cluster primitives of plugins/kernels/common.cuh (included
 // there, inside namespace mtp, when MTP_EMULATE_DEVICE names this file).  Tests only.
 //
 // The mma emulation rebuilds the 16x16 A and 16x8 B matrices from all 32 lanes' registers with
@@ -120,4 +120,25 @@ __device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2
     r1 = r[1];
     r2 = r[2];
     r3 = r[3];
+}
+
+// Thread-block clusters: the blocks of a cluster run at the same time (cuda_emu.h run_grid), with one barrier over
+// all their threads; a peer's shared variable is the same offset in its dynamic shared memory.
+inline unsigned cluster_size() { return emu::ctx.cluster_size; }
+inline unsigned cluster_rank() { return emu::ctx.cluster_rank; }
+inline void cluster_sync() {
+    if (emu::ctx.cluster_bar)
+        emu::ctx.cluster_bar->arrive_and_wait();
+    else
+        __syncthreads();
+}
+template <typename T> T* cluster_peer(T* p, unsigned rank) {
+    const auto off = reinterpret_cast<const unsigned char*>(p) - emu::ctx.block->smem.data();
+    return reinterpret_cast<T*>((*emu::ctx.cluster_blocks)[rank]->smem.data() + off);
+}
+template <typename... Params, typename... Args>
+cudaError_t launch_clusters(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t smem, cudaStream_t,
+                            unsigned cluster, Args... args) {
+    emu::run_grid(kernel, dim3(blocks), dim3(threads), smem, cluster, static_cast<Params>(args)...);
+    return cudaSuccess;
 }

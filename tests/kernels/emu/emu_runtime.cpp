@@ -1,6 +1,7 @@
 // emu_runtime.cpp -- the few CUDA runtime calls the kernel launchers make, for the host emulation.
 // Device properties come from MTP_EMU_SMS (default 132) and MTP_EMU_SMEM_OPTIN (default 232448,
-// an H100; 101376 for an sm_86/89 GPU); cudaGetDevice returns MTP_EMU_DEVICE (default 0).
+// an H100; 101376 for an sm_86/89 GPU); cudaGetDevice returns MTP_EMU_DEVICE (default 0); kernels report the PTX
+// arch MTP_EMU_PTX (default 90).
 #include "cuda_emu.h"
 
 static int env_int(const char* name, int dflt) {
@@ -43,6 +44,12 @@ cudaError_t cudaDeviceGetAttribute(int* v, enum cudaDeviceAttr attr, int) {
         case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = env_int("MTP_EMU_SMEM_OPTIN", 232448); break;
         default: *v = 0;
     }
+    return cudaSuccess;
+}
+// The PTX arch kernels are built from: MTP_EMU_PTX (default 90, clusters; 80: none).
+cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes* attr, const void*) {
+    *attr = cudaFuncAttributes{};
+    attr->ptxVersion = attr->binaryVersion = env_int("MTP_EMU_PTX", 90);
     return cudaSuccess;
 }
 cudaError_t cudaFuncSetAttribute(const void*, enum cudaFuncAttribute, int) {
