@@ -8,8 +8,9 @@ TensorRT are used where present.  In order:
 3. every test that needs a GPU (pytest marker `gpu`): those that need no TensorRT (the CUDA kernels against their
    NumPy references, the device layer's CUDA-graph capture and replay), and with TensorRT the engine tests too
    (engines against ONNX Runtime, `mtp-trt check` on them);
-4. the kernel benchmarks (plugins/bench_kernels.py, quick shapes): the MLA decode bandwidth at batch 64, cache
-   4096, 128 heads, one new token, against the card's device-to-device copy bandwidth;
+4. the kernel benchmarks (plugins/bench_kernels.py, quick shapes, against PyTorch where it has CUDA): the MLA decode
+   bandwidth at batch 64, cache 4096, 128 heads, one new token, against the card's device-to-device copy bandwidth;
+   DeepSeek Sparse Attention's top-2048 selection over 131072 cached rows at batch 1; acceptance at batch 1;
 
 then prints one summary.  Exit status 0: everything ran and passed; 1: a failure; 3: skipped, no GPU here (each
 step says why).  Nothing heavy is imported before it is needed.
@@ -142,6 +143,20 @@ def headline(bench: dict) -> str:
             f"copy, {row['time_us']:.1f} us")
 
 
+def more_headlines(bench: dict) -> list[str]:
+    """The DSA selection at batch 1 over 131072 rows and the acceptance kernels at batch 1, in words (where measured)."""
+    lines = []
+    if row := next((r for r in bench.get("dsa", []) if (r["B"], r["T"], r["S"]) == (1, 131072, 1)), None):
+        vs = f", {row['select_x_torch']:.1f}x PyTorch" if "select_x_torch" in row else ""
+        lines.append(f"DSA top-{row['topk']} selection at batch 1, cache 131072, 1 new token: {row['select_us']:.1f} us "
+                     f"({row['select_TFLOPS']:.0f} TFLOPS{vs}); sparse MLA over the selected rows: "
+                     f"{row['attend_us']:.1f} us")
+    if row := next((r for r in bench.get("accept", []) if r["B"] == 1), None):
+        lines.append(f"acceptance at batch 1, {row['K']} drafts, vocabulary {row['V']}: strict {row['strict_us']:.1f} "
+                     f"us, relaxed {row['relaxed_us']:.1f} us, rejection sampling {row['rejection_us']:.1f} us")
+    return lines
+
+
 def check(root: Path = ROOT) -> tuple[int, list[str], dict]:
     """Run every step -> (exit status, the summary's lines, everything as data)."""
     env = environment()
@@ -180,7 +195,7 @@ def check(root: Path = ROOT) -> tuple[int, list[str], dict]:
         lines.append(f"kernel benchmarks: failed: {bench['error']}")
         status = 1
     else:
-        lines.append(headline(bench))
+        lines += [headline(bench), *more_headlines(bench)]
     return status, lines, data
 
 

@@ -72,6 +72,17 @@ def test_bench_headline():
     assert "not measured" in gpu_check.headline({"mla_decode": []})
 
 
+def test_more_headlines():
+    bench = {"dsa": [{"B": 1, "T": 32768, "S": 1}, {"B": 1, "T": 131072, "S": 1, "topk": 2048, "select_us": 61.23,
+                                                    "select_TFLOPS": 35.1, "select_x_torch": 4.04, "attend_us": 20.0}],
+             "accept": [{"B": 1, "K": 3, "V": 129280, "strict_us": 4.0, "relaxed_us": 5.25, "rejection_us": 6.0}]}
+    assert gpu_check.more_headlines(bench) == [
+        "DSA top-2048 selection at batch 1, cache 131072, 1 new token: 61.2 us (35 TFLOPS, 4.0x PyTorch); sparse MLA "
+        "over the selected rows: 20.0 us",
+        "acceptance at batch 1, 3 drafts, vocabulary 129280: strict 4.0 us, relaxed 5.2 us, rejection sampling 6.0 us"]
+    assert gpu_check.more_headlines({"mla_decode": []}) == []
+
+
 def test_summary_and_status_on_a_gpu_machine(monkeypatch):
     """With a GPU (stood in): a failed test or benchmark makes the status 1, all passing 0."""
     env = {"python": "3", "driver_cuda": "12.8", "compute_capability": "9.0", "no_gpu": "", "cuda_runtime": "12.8",

@@ -50,7 +50,9 @@ template <typename T> __device__ __forceinline__ uint32_t lds32(const T* p) {
 
 // Value e (0 .. 16 / sizeof(T) - 1, a constant after unrolling) of a 16-byte load, as float.
 template <typename T> __device__ __forceinline__ float unpack16(const uint4& u, int e);
-__device__ __forceinline__ uint32_t word_of(const uint4& u, int w) { return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w; }
+__device__ __forceinline__ uint32_t word_of(const uint4& u, int w) {
+    return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w;
+}
 template <> __device__ __forceinline__ float unpack16<float>(const uint4& u, int e) {
     return __uint_as_float(word_of(u, e));
 }

@@ -7,12 +7,12 @@
 //
 // 1. dsa_zero_kernel clears the histograms the later kernels add into.
 // 2. Scoring, grid (512-row chunk, query token, sequence).  fp16/bf16 with Di % 32 == 0, Di <= 128 and 16-byte
-//    aligned rows: tensor cores.  8 warps; each takes 16-row tiles, loads its rows' keys straight into mma A
-//    fragments (16-byte loads; each chunk of the next tile's as soon as this tile's is used) and multiplies them with the query held
-//    in shared memory (B fragments, 16-byte loads): all Hi heads x 16 rows in 32 fp32 accumulators per lane, then
-//    the weighted ReLU sum over the heads in registers and a quad shuffle.  Otherwise a SIMT kernel, one thread per
-//    row.  Both write the keys and add a histogram of their top 11 bits (shared memory, then one global atomic per
-//    non-empty bin) into the token's first histogram: the scores are read once.
+//    aligned rows: tensor cores.  8 warps; each takes 16-row tiles and loads its rows' keys straight into mma A
+//    fragments (16-byte loads; each chunk of the next tile's as soon as this tile's is used), multiplied with the
+//    query held in shared memory (B fragments, 16-byte loads): all Hi heads x 16 rows in 32 fp32 accumulators per
+//    lane, then the weighted ReLU sum over the heads in registers and a quad shuffle.  Otherwise a SIMT kernel, one
+//    thread per row.  Both write the keys and add a histogram of their top 11 bits (shared memory, then one global
+//    atomic per non-empty bin) into the token's first histogram: the scores are read once.
 // 3. Selection, an exact radix select of the K-th largest key from the histograms.  T_max <= 32768: one 512-thread
 //    block per token (dsa_select_one_kernel) refines bits 20..10 and 9..0 among the rows of the cut bin in shared
 //    memory, then writes the rows in order.  Larger: the rows are cut into chunks of >= 8192 (at most 64 per
@@ -326,14 +326,21 @@ __device__ void refine_rows(const uint32_t* keys, int lo, int hi, uint32_t prefi
     __syncthreads();
 }
 
+// Of keys k[0 .. min(n, 4) - 1]: how many are above thr (high word) and equal to it (low word).
+__device__ __forceinline__ unsigned long long above_equal(const uint32_t (&k)[4], uint32_t thr, int n) {
+    unsigned long long c = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c += (k[j] > thr ? 1ull << 32 : 0ull) + (k[j] == thr && j < n ? 1ull : 0ull);
+    return c;
+}
+
 // Rows lo .. hi-1 above thr (high word) and equal to it (low word), summed over the block (every thread gets it).
 __device__ unsigned long long count_rows(const uint32_t* keys, int lo, int hi, uint32_t thr, SelShared& sh) {
     unsigned long long mine = 0;
     for (int t0 = lo + 4 * static_cast<int>(threadIdx.x); t0 < hi; t0 += SEL_STEP) {
         uint32_t k[4];
         load_keys4(keys, t0, hi, k);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mine += (k[j] > thr ? 1ull << 32 : 0ull) + (k[j] == thr && t0 + j < hi ? 1ull : 0ull);
+        mine += above_equal(k, thr, hi - t0);
     }
     unsigned long long total;
     block_exclusive_scan<SEL_THREADS>(mine, sh.warp64, &total);
@@ -349,8 +356,7 @@ __device__ void emit_rows(const uint32_t* keys, int lo, int hi, uint32_t thr, in
         uint32_t k[4];
         load_keys4(keys, t0, hi, k);
         unsigned long long mine = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mine += (k[j] > thr ? 1ull << 32 : 0ull) + (k[j] == thr && t0 + j < hi ? 1ull : 0ull);
+        mine += above_equal(k, thr, hi - t0);
         unsigned long long total;
         const unsigned long long before = block_exclusive_scan<SEL_THREADS>(mine, sh.warp64, &total);
         int a = above + static_cast<int>(before >> 32), e = equal + static_cast<int>(before & 0xffffffffu);
@@ -456,7 +462,10 @@ __global__ void __launch_bounds__(SEL_THREADS) dsa_select_pass_kernel(const DsaP
     }
     if (threadIdx.x == 0) {
         int above = 0, equal = 0;
-        for (int j = 0; j < g; ++j) above += static_cast<int>(counts[2 * j]), equal += static_cast<int>(counts[2 * j + 1]);
+        for (int j = 0; j < g; ++j) {
+            above += static_cast<int>(counts[2 * j]);
+            equal += static_cast<int>(counts[2 * j + 1]);
+        }
         sh.base_above = above;
         sh.base_equal = equal;
     }

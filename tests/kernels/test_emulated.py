@@ -168,16 +168,47 @@ def test_window_emulated(emu_lib, host, in_place, B, K, N, D, dtype):
     G.test_window_update(host, emu_lib, in_place, B, K, N, D, dtype)
 
 
-def test_dsa_benchmark_launches_emulated(emu_lib, monkeypatch):
-    """plugins/bench_kernels.py's DSA benchmark on small dims: its launches are valid (the kernel library checks every
-    argument), the attention runs on the selection the select launch left, and the byte counts are as documented."""
+@pytest.fixture()
+def small_bench(monkeypatch):
+    """plugins/bench_kernels.py on small dims, each timed call made once and taken as 0.5 ms."""
     from mtp_trt.plugins import bench_kernels as bk
 
     for name, value in {"HI": 4, "DI": 16, "TOPK": 8, "DL": 64, "DR": 16}.items():
         monkeypatch.setattr(bk, name, value)
-    monkeypatch.setattr(bk.Bench, "timed", lambda self, fn, iters, warmup: (fn(0), 0.5)[1])
+    monkeypatch.setattr(bk.Bench, "timed", lambda self, fn, iters, warmup=3: (fn(0, 0), 0.5)[1])
+    return bk
+
+
+def test_mla_benchmark_launches_emulated(emu_lib, small_bench):
+    """The MLA table's launches are valid (the kernel library checks every argument); bytes and FLOPs count the rows
+    each sequence reads (T rows, or its ragged length + S)."""
+    bk = small_bench
+    b = bk.Bench(HostRuntime(), seed=1)
+    info = {"l2_bytes": 1 << 16, "sm_count": 132}
+    r = bk.bench_mla(b, emu_lib, info, 2, 40, 4, 2, "bfloat16", 1, 0)
+    assert r["bytes"] == 2 * 40 * 80 * 2 + 2 * 2 * 4 * 80 * 2 + 2 * 2 * 4 * 64 * 2
+    assert r["flops"] == 2 * 2 * 4 * (2 * 40) * (80 + 64) and r["GBps"] == r["bytes"] / 0.5e6
+    assert r["TFLOPS"] == r["flops"] / 0.5e9 and "torch_us" not in r
+    assert r["rows"] == 2 * 40
+    r = bk.bench_mla(bk.Bench(HostRuntime(), seed=1), emu_lib, info, 2, 40, 4, 2, "bfloat16", 1, 0, ragged=True)
+    assert r["ragged"] and 2 * 2 <= r["rows"] < 2 * 40 and r["flops"] == 2 * 2 * 4 * r["rows"] * (80 + 64)
+
+
+def test_dsa_benchmark_launches_emulated(emu_lib, small_bench):
+    """The DSA table: valid launches, the attention runs on the selection the select launch left, and the byte and
+    FLOP counts are as documented."""
+    bk = small_bench
     r = bk.bench_dsa(bk.Bench(HostRuntime()), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 1, 40, 4, 2,
                      "bfloat16", 1)
-    assert r["select_bytes"] == 40 * 16 * 2 + 6 * 2 * 40 * 4 + 2 * 4 * 16 * 2 + 2 * 8 * 4
+    assert r["select_bytes"] == 40 * 16 * 2 + 2 * 4 * 16 * 2 + 2 * 4 * 4 + 2 * 8 * 4
+    assert r["select_flops"] == 2 * 2 * 40 * 4 * 16
     assert r["attend_bytes"] == 2 * 8 * 80 * 2 + 2 * 4 * 80 * 2 + 2 * 4 * 64 * 2
     assert r["select_GBps"] == r["select_bytes"] / 0.5e6
+
+
+def test_accept_benchmark_launches_emulated(emu_lib, small_bench):
+    bk = small_bench
+    r = bk.bench_accept(bk.Bench(HostRuntime()), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 2, 3, 5000,
+                        "bfloat16", 1)
+    assert r["strict_bytes"] == r["relaxed_bytes"] == 2 * 4 * 5000 * 2 and r["rejection_bytes"] == 2 * 2 * 5000 * 2
+    assert r["strict_GBps"] == r["strict_bytes"] / 0.5e6

@@ -1,9 +1,9 @@
 // cuda_emu.h -- host emulation of the CUDA execution model, enough to run the mtp-trt kernels on
 // a CPU for tests (g++ -std=c++20 -pthread; force-included before each kernel source).
 //
-// Blocks run one after another (the blocks of a cluster together); the threads of a block run as std::threads.  __syncthreads is a
-// std::barrier over the block, warp shuffles / __syncwarp / mma use a per-warp barrier and
-// exchange slots.  Threads that return are dropped from both barriers (as exited threads on
+// Blocks run one after another (the blocks of a cluster together); the threads of a block run as
+// std::threads.  __syncthreads is a std::barrier over the block, warp shuffles / __syncwarp / mma use
+// a per-warp barrier and exchange slots.  Threads that return are dropped from both barriers (as exited threads on
 // Volta+).  Dynamic shared memory is filled with 0xFF bytes (NaN for fp16/bf16/fp32) before
 // each block.  cp.async copies happen at issue ("immediate") or at the wait that retires their
 // group ("deferred"), chosen by MTP_EMU_CP_ASYNC=deferred, to flush out missing waits.
@@ -113,7 +113,8 @@ void run_grid(K kernel, dim3 g, dim3 b, size_t smem, unsigned cluster, Args... a
                 for (unsigned c = 0; c < cluster; ++c) {
                     auto blk = std::make_unique<Block>();
                     blk->bar = std::make_unique<std::barrier<>>(nthreads);
-                    for (int w = 0; w * 32 < nthreads; ++w) blk->warps.push_back(std::make_unique<Warp>(std::min(32, nthreads - w * 32)));
+                    for (int w = 0; w * 32 < nthreads; ++w)
+                        blk->warps.push_back(std::make_unique<Warp>(std::min(32, nthreads - w * 32)));
                     blk->smem.assign(std::max<size_t>(smem, 16), 0xFF);
                     members.push_back(blk.get());
                     blks.push_back(std::move(blk));
