@@ -128,7 +128,7 @@ class Bench:
                 graph = self.ck(rt.cudaStreamEndCapture(stream), "end capture")
             launch = self.ck(rt.cudaGraphInstantiate(graph, 0), "instantiate")
             run = lambda: self.ck(rt.cudaGraphLaunch(launch, stream), "graph launch")  # noqa: E731
-        except RuntimeError:
+        except (RuntimeError, cuda_lib.CudaKernelError):  # a launch refused inside the capture, or the capture itself
             rt.cudaGetLastError()
             launch = None
 

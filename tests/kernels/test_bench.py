@@ -54,6 +54,18 @@ def test_timed_launches_back_to_back_where_capture_fails():
     assert calls == [0] + list(range(4)) * bk.REPLAYS
 
 
+def test_timed_falls_back_when_a_launch_fails_inside_the_capture():
+    from mtp_trt.plugins import cuda_lib
+
+    rt = Recorder()
+
+    def fn(i, stream):
+        if rt.capturing:
+            raise cuda_lib.CudaKernelError("mtp_x: CUDA error 901 (operation not permitted when stream is capturing)")
+
+    assert bk.Bench(rt).timed(fn, iters=3, warmup=1) == 6.0 / 3 and "cudaGraphLaunch" not in rt.log
+
+
 def test_random_values_are_seeded_bounded_and_distinct():
     for dtype in ("bfloat16", "float16", "float32"):
         a = bk.Bench(None, seed=3).values(50_000, dtype)
