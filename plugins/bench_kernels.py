@@ -312,7 +312,7 @@ def bench_dsa(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: 
     sel_ws_bytes = lib.dsa_select_workspace_size(B, S, T)
     sel_ws = b.alloc(sel_ws_bytes)
     ns = lib.mla_decode_num_splits(B * S, 1, H, TOPK, info["sm_count"])
-    ws_bytes = lib.mla_decode_workspace_size(B, S, H, DL, ns)
+    ws_bytes = lib.mla_decode_workspace_size(B * S, 1, H, DL, ns)
     ws = b.alloc(ws_bytes) if ws_bytes else 0
 
     def select(i, stream):

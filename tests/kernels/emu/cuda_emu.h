@@ -3,11 +3,12 @@
 //
 // Blocks run one after another (the blocks of a cluster together); the threads of a block run as
 // std::threads.  __syncthreads is a std::barrier over the block, warp shuffles / __syncwarp / mma use
-// a per-warp barrier and exchange slots.  Threads that return are dropped from both barriers (as exited threads on
-// Volta+).  Dynamic shared memory is filled with 0xFF bytes (NaN for fp16/bf16/fp32) before
+// a per-warp barrier and exchange slots.  Threads that return are dropped from the barriers (as exited
+// threads on Volta+).  Dynamic shared memory is filled with 0xFF bytes (NaN for fp16/bf16/fp32) before
 // each block.  cp.async copies happen at issue ("immediate") or at the wait that retires their
 // group ("deferred"), chosen by MTP_EMU_CP_ASYNC=deferred, to flush out missing waits.
-// Static __shared__ variables become function statics (shared by all blocks: blocks are serial).
+// Static __shared__ variables become function statics (shared by all blocks: blocks are serial, so
+// kernels launched in clusters keep their shared state in dynamic shared memory).
 #pragma once
 
 #include <cuda_bf16.h>
