@@ -354,29 +354,22 @@ __global__ void __launch_bounds__(AC_THREADS, 1) rejection_kernel(
 }
 
 // ---- launch shape --------------------------------------------------------------------------------------------
-constexpr int kMaxDevices = 64;
-std::atomic<int> g_num_sms[kMaxDevices], g_clusters[kMaxDevices];  // per device; 0: not asked yet
+std::atomic<int> g_clusters[kMaxDevices];  // per device: 0 not asked yet, 1 no clusters, 2 clusters
 
 // Blocks per row: 1 where clusters cannot be launched (before sm_90, or code JIT-compiled from older PTX), else the
 // smallest power of two that gives the SMs a block each, at most 8 and no part under AC_MIN_VALUES values.
 int blocks_per_row(long long rows, int V) {
-    int dev = -1;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-        cudaGetLastError();
-        return 1;
-    }
+    const int dev = current_device();
+    if (dev < 0 || dev >= kMaxDevices) return 1;
     if (g_clusters[dev].load(std::memory_order_relaxed) == 0) {
         cudaFuncAttributes attr{};
         const bool ok = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(greedy_rows_kernel<float, false>)) ==
                             cudaSuccess && attr.ptxVersion >= 90;
-        int sms = 0;
-        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) sms = 1;
         cudaGetLastError();
-        g_num_sms[dev].store(sms, std::memory_order_relaxed);
         g_clusters[dev].store(ok ? 2 : 1, std::memory_order_relaxed);
     }
     if (g_clusters[dev].load(std::memory_order_relaxed) != 2) return 1;
-    const int sms = g_num_sms[dev].load(std::memory_order_relaxed);
+    const int sms = current_num_sms();
     int cs = 1;
     while (cs < AC_MAX_CLUSTER && rows * cs < sms && static_cast<long long>(V) >= 2LL * cs * AC_MIN_VALUES) cs *= 2;
     return cs;

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "mtp_kernels.h"
 
 namespace mtp {
@@ -241,6 +243,46 @@ inline bool dtype_ok(int t) { return t == MTP_DTYPE_F32 || t == MTP_DTYPE_F16 ||
 
 // Kernel launch status: the launch error if any (clears it), else success.
 inline cudaError_t launch_status() { return cudaGetLastError(); }
+
+// ---- per-device facts, read once per device ---------------------------------------------------------
+// Per-device facts read once (devices 0..kMaxDevices-1; others are queried on every call).  Racing first
+// calls store the same values.
+constexpr int kMaxDevices = 64;
+
+struct DeviceFacts {
+    std::atomic<int> num_sms{0}, smem_optin{0};
+};
+inline DeviceFacts g_devices[kMaxDevices];
+
+inline int current_device() {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return dev;
+}
+
+inline int device_attribute(std::atomic<int> DeviceFacts::*slot, cudaDeviceAttr attr, int fallback) {
+    const int dev = current_device();
+    const bool cached = dev >= 0 && dev < kMaxDevices;
+    if (cached) {
+        const int v = (g_devices[dev].*slot).load(std::memory_order_relaxed);
+        if (v > 0) return v;
+    }
+    int n = 0;
+    if (dev < 0 || cudaDeviceGetAttribute(&n, attr, dev) != cudaSuccess || n <= 0) {
+        cudaGetLastError();
+        return fallback;
+    }
+    if (cached) (g_devices[dev].*slot).store(n, std::memory_order_relaxed);
+    return n;
+}
+
+inline int current_num_sms() { return device_attribute(&DeviceFacts::num_sms, cudaDevAttrMultiProcessorCount, 132); }
+inline int max_optin_smem() {
+    return device_attribute(&DeviceFacts::smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
+}
 
 }  // namespace mtp
 

@@ -1012,45 +1012,6 @@ __global__ void kv_commit_kernel(U* __restrict__ cache, const int32_t* __restric
     for (int i = threadIdx.x; i < units; i += blockDim.x) dst[i] = src[i];
 }
 
-// Per-device facts read once (devices 0..kMaxDevices-1; others are queried on every call).  Racing first
-// calls store the same values.
-constexpr int kMaxDevices = 64;
-
-struct DeviceFacts {
-    std::atomic<int> num_sms{0}, smem_optin{0};
-};
-DeviceFacts g_devices[kMaxDevices];
-
-int current_device() {
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) {
-        cudaGetLastError();
-        return -1;
-    }
-    return dev;
-}
-
-int device_attribute(std::atomic<int> DeviceFacts::*slot, cudaDeviceAttr attr, int fallback) {
-    const int dev = current_device();
-    const bool cached = dev >= 0 && dev < kMaxDevices;
-    if (cached) {
-        const int v = (g_devices[dev].*slot).load(std::memory_order_relaxed);
-        if (v > 0) return v;
-    }
-    int n = 0;
-    if (dev < 0 || cudaDeviceGetAttribute(&n, attr, dev) != cudaSuccess || n <= 0) {
-        cudaGetLastError();
-        return fallback;
-    }
-    if (cached) (g_devices[dev].*slot).store(n, std::memory_order_relaxed);
-    return n;
-}
-
-int current_num_sms() { return device_attribute(&DeviceFacts::num_sms, cudaDevAttrMultiProcessorCount, 132); }
-int max_optin_smem() {
-    return device_attribute(&DeviceFacts::smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
-}
-
 // Launch an attention kernel; its dynamic shared-memory limit is raised to the device's opt-in maximum the
 // first time it is launched on a device (one bit per device and kernel).
 template <auto Kernel>
