@@ -171,6 +171,45 @@ def mla_attention(q_lat, q_pe, rows, cache, past_len, visible=None, selected=Non
     return out.reshape(b, s, heads * dl)
 
 
+def rms_norm(x, w, eps):
+    """x [..., n] -> w * x / sqrt(mean(x^2) + eps), float64."""
+    x = np.asarray(x, np.float64)
+    return w * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+def rope(x, cos, sin, interleave):
+    """x [..., Dr] rotated by cos/sin [..., Dr/2] (broadcast): pairs (2i, 2i+1) if interleave, else (i, i + Dr/2)."""
+    x = np.asarray(x, np.float64)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).reshape(x.shape)
+    x1, x2 = np.split(x, 2, -1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def mla_self_attention(q, kv, kv_norm, positions, cos, sin, cache, past_len, extra=None, visible=None, w_uk=None,
+                       w_uv=None, *, heads, scale, eps, interleave):
+    """MlaSelfAttention: q [B, S, H*F + H*Dr] (every head's nope part, absorbed through w_uk [H, Dn, Dl], or its
+    absorbed latent part without w_uk; then every head's rope part), kv [B, S, Dl+Dr] (c_kv, k_pe before norm and
+    RoPE), kv_norm [Dl], positions [B, S], cos/sin [P, Dr/2], cache [B, T, Dl+Dr], past_len [B], extra [B, R, Dl+Dr]
+    or None, visible [B or 1, S, R+S] or None (causal), w_uv [H, Dv, Dl] or None -> (out [B, S, H*Dv or H*Dl], the
+    new rows [B, S, Dl+Dr]): the new rows' c_kv normed and k_pe roped, each head's query absorbed and roped, then
+    mla_attention over the cache, the extra rows and the new rows, then W^UV."""
+    b, s, _ = q.shape
+    dl, dr = len(kv_norm), 2 * cos.shape[1]
+    c, sn = cos[positions].astype(np.float64), sin[positions].astype(np.float64)  # [B, S, Dr/2]
+    rows = np.concatenate([rms_norm(kv[..., :dl], kv_norm, eps), rope(kv[..., dl:], c, sn, interleave)], -1)
+    first = q[..., :q.shape[-1] - heads * dr].reshape(b, s, heads, -1).astype(np.float64)
+    q_pe = rope(q[..., q.shape[-1] - heads * dr:].reshape(b, s, heads, dr), c[:, :, None], sn[:, :, None], interleave)
+    q_lat = first if w_uk is None else np.einsum("bshn,hnc->bshc", first, w_uk)
+    every = rows if extra is None else np.concatenate([extra, rows], 1)
+    out = mla_attention(q_lat.reshape(b, s, -1), q_pe.reshape(b, s, -1), every, cache, past_len, visible,
+                        heads=heads, scale=scale)
+    if w_uv is not None:
+        out = np.einsum("bshc,hvc->bshv", out.reshape(b, s, heads, dl), w_uv).reshape(b, s, -1)
+    return out, rows
+
+
 # ------------------------------------------------------------------------------- DeepSeek Sparse Attention
 def index_scores(q, weights, keys, *, heads, scale):
     """The lightning indexer for one query token: q [Hi*Di], weights [Hi], keys [N, Di] -> I [N] (float64),

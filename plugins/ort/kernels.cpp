@@ -517,6 +517,24 @@ const char* index_path_name() {
     return names[int(index_path())];
 }
 
+void rms_norm_row(const float* x, size_t n, const float* w, float eps, float* y) {
+    float ss = 0.f;
+    for (size_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    const float r = 1.f / std::sqrt(ss / float(n) + eps);
+    for (size_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+void rope_heads(float* x, size_t heads, size_t ld, size_t dr, const float* cos, const float* sin, bool interleave) {
+    const size_t half = dr / 2, step = interleave ? 2 : 1, other = interleave ? 1 : half;
+    for (size_t h = 0; h < heads; ++h)
+        for (size_t i = 0; i < half; ++i) {
+            float* a = x + h * ld + i * step;
+            const float x1 = a[0], x2 = a[other];
+            a[0] = x1 * cos[i] - x2 * sin[i];
+            a[other] = x2 * cos[i] + x1 * sin[i];
+        }
+}
+
 void swiglu_pairs(const float* h, size_t m, size_t ldh, size_t units, float* a, size_t lda) {
     if (use_avx2()) return swiglu_pairs_avx2(h, m, ldh, units, a, lda);
     for (size_t i = 0; i < m; ++i)

@@ -39,6 +39,14 @@ void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float s
 void mla_attend_rows(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* const* keys,
                      size_t n, float* scores, float* out, size_t ldo);
 
+// RMSNorm of one row of n values: y = w * x / sqrt(mean(x^2) + eps) (y may be x).
+void rms_norm_row(const float* x, size_t n, const float* w, float eps, float* y);
+
+// RoPE in place on `heads` vectors of dr values (ld apart) at one position: cos/sin [dr / 2] the position's
+// table rows; interleave: pairs (2i, 2i + 1) (DeepSeek's layout), else (i, i + dr / 2).  The products and sums of
+// exporters/model.py apply_rope: (x1 cos - x2 sin, x2 cos + x1 sin).
+void rope_heads(float* x, size_t heads, size_t ld, size_t dr, const float* cos, const float* sin, bool interleave);
+
 // DeepSeek Sparse Attention's lightning indexer for one query token over n key rows (row t: di floats at
 // keys + t * ld): I[t] = sum_j w[j] * max(0, scale * q[j] . k_t) for heads j < heads, q [heads, di].
 // Fused: each tile of rows is scored for every head at once, no [heads, n] product is kept.
