@@ -591,6 +591,12 @@ struct Rows {
     }
 };
 
+// The attention's work items: one per query token, its heads split further where there are few tokens (decode), into
+// groups of at least two heads (the score and value products take two heads per pass over the rows).
+size_t head_splits(size_t tokens, size_t heads) {
+    return tokens >= 4 ? 1 : std::min<size_t>(std::max<size_t>(heads / 2, 1), (4 + tokens - 1) / tokens);
+}
+
 // Reusable per-thread table of row pointers (DeepSeek Sparse Attention's selected rows).
 const float** row_table(size_t n) {
     thread_local std::vector<const float*> buf;
@@ -629,8 +635,7 @@ struct MlaAttentionKernel {
         float* out = nullptr;
         MTP_RETURN_IF(c.output(0, {b, s_len, h * dl}, &out));
         const size_t tokens = size_t(b * s_len), n_ch = size_t(ch), ld = size_t(in.c);
-        // one task per query token, its heads split further where there are few tokens (decode)
-        const size_t splits = tokens >= 4 ? 1 : std::min<size_t>(size_t(h), (4 + tokens - 1) / tokens);
+        const size_t splits = head_splits(tokens, size_t(h));
         const size_t per = (size_t(h) + splits - 1) / splits;
         auto work = [&](size_t item) {
             const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
@@ -764,7 +769,7 @@ struct MlaSelfAttentionKernel {
             }
             all = joined.data();
         }
-        const size_t splits = tokens >= 4 ? 1 : std::min<size_t>(size_t(h), (4 + tokens - 1) / tokens);
+        const size_t splits = head_splits(tokens, size_t(h));
         const size_t per = (size_t(h) + splits - 1) / splits, n_ch = size_t(ch), qw = size_t(h * (dn + dr));
         auto work = [&](size_t item) {
             const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
