@@ -70,16 +70,16 @@ def moe(x, gate, bias, fc1, fc2, shared_fc1=None, shared_fc2=None, *, top_k, n_g
 
 
 # ------------------------------------------------------------------------------------ quantized weights
-ACT_BLOCK = 32  # activation values per int8 scale
+ACT_BLOCK = 8  # activation values per int8 scale
 
 
 def quantize_activations(x, k_padded):
-    """x [M, K] float32 -> (q int8 [M, K32], scales float32 [M, K32 / 32]), K zero-padded to k_padded and then
-    to K32, a multiple of 32: per 32 values scale = max|x| / 127 and q = round-half-even(x / scale), in float32
-    (a zero block: scale 0, q 0)."""
+    """x [M, K] float32 -> (q int8 [M, K32], scales float32 [M, K32 / ACT_BLOCK]), K zero-padded to k_padded and
+    then to K32, a multiple of 32: per ACT_BLOCK values scale = max|x| / 127 and q = round-half-even(x / scale), in
+    float32 (a block of zeros: scale 0, q 0)."""
     x = np.asarray(x, np.float32)
     m, k = x.shape
-    k32 = -(-k_padded // ACT_BLOCK) * ACT_BLOCK
+    k32 = -(-k_padded // 32) * 32
     blocks = np.zeros((m, k32), np.float32)
     blocks[:, :k] = x
     blocks = blocks.reshape(m, -1, ACT_BLOCK)
@@ -96,18 +96,18 @@ def weight_levels(data, k_padded, bits):
 
 def qmatmul(x, data, scales, *, k, bits, block_size):
     """The QMatMul op: x [M, K] float32, data uint8 [N, K/bs, bs*bits/8], scales [N, K/bs] -> [M, N] (float64):
-    x quantized as quantize_activations, then per 16 values (each inside one activation block and one weight
-    block) the exact integer dot product times both scales, summed."""
+    x quantized as quantize_activations, then per ACT_BLOCK values (each inside one activation block and one
+    weight block) the exact integer dot product times both scales, summed."""
     n, nb, _ = data.shape
     kp = nb * block_size
     xq, xs = quantize_activations(x, kp)
     wq = weight_levels(data, kp, bits)  # [N, Kp]
-    groups = kp // 16
-    xg = xq[:, :kp].astype(np.int64).reshape(len(xq), groups, 16)
-    dots = np.einsum("mgi,ngi->mng", xg, wq.reshape(n, groups, 16))  # exact, int64
+    groups = kp // ACT_BLOCK
+    xg = xq[:, :kp].astype(np.int64).reshape(len(xq), groups, ACT_BLOCK)
+    dots = np.einsum("mgi,ngi->mng", xg, wq.reshape(n, groups, ACT_BLOCK))  # exact, int64
     g = np.arange(groups)
-    scale = xs[:, g * 16 // ACT_BLOCK].astype(np.float64)[:, None, :] * \
-        scales[:, g * 16 // block_size].astype(np.float64)[None, :, :]
+    scale = xs[:, g].astype(np.float64)[:, None, :] * \
+        scales[:, g * ACT_BLOCK // block_size].astype(np.float64)[None, :, :]
     return (dots * scale).sum(-1)
 
 

@@ -122,7 +122,7 @@ def test_quantized_export_computes_the_reference_on_the_dequantized_weights(ckpt
         ref = load_checkpoint(rounded, max_positions=64)(torch.from_numpy(ids).long())[0].numpy()
     exact = ort_lib.session(dequantized_graph(out / "target.onnx")).run(["logits"], feed)[0]
     np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=1e-4)
-    # As exported, the activations are rounded to int8 per 32 values: on this random model most positions stay
+    # As exported, the activations are rounded to int8 per 8 values: on this random model most positions stay
     # close and a few drift (ONNX Runtime's own MatMulNBits with int8 activations drifts the same way).
     quantized = ort_lib.session(str(out / "target.onnx")).run(["logits"], feed)[0]
     assert np.median(np.abs(quantized - ref)) < 0.02 * np.abs(ref).max()

@@ -90,14 +90,14 @@ struct QWeights {
     QWeights from_row(size_t j) const { return {data + j * row_bytes(), scales + j * blocks(), k, block, bits}; }
 };
 
-// Activation rows quantized to int8 for the products with one weight format: per 32 values, scale =
-// max|x| / 127 and q = round-half-even(x / scale) (a zero block: scale 0, q 0), K zero-padded to the
-// weight's padded K.  A row takes qrow_bytes(w) bytes, laid out as qrows_dot wants them (kernels.cpp).
+// Activation rows quantized to int8 for the products with one weight format: per 8 values, scale =
+// max|x| / 127 and q = round-half-even(x / scale) (8 zeros: scale 0, q 0), K zero-padded to the weight's padded
+// K.  A row takes qrow_bytes(w) bytes, laid out as qrows_dot wants them (kernels.cpp).
 size_t qrow_bytes(const QWeights& w);
 void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint8_t* qx);
 
-// y[i * ldy + j] = sum over blocks of (x's scale * w's scale * sum(xq * wq)) for i < m rows of qx
-// (qrow_bytes(w) apart) and j < n rows of w; each block's sum of integer products is exact.
+// y[i * ldy + j] = sum over 8-value parts of (x's scale * w's scale * sum(xq * wq)) for i < m rows of qx
+// (qrow_bytes(w) apart) and j < n rows of w; each part's sum of integer products is exact.
 void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy);
 
 // The instruction set of the quantized products: "scalar", "avx2", "avx-vnni" or "avx512-vnni" (chosen once

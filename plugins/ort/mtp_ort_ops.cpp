@@ -27,7 +27,7 @@
 // fc1 holds each expert's gate and up rows interleaved (row 2j = gate_j, 2j + 1 = up_j); all weights are in
 // nn.Linear's [out, in] layout and are read in place.  Quantized weights are mtp_trt/quant.py's format
 // (MatMulNBits' layout: K/bs = ceil(K / block_size) blocks of blob = block_size * bits / 8 bytes, no zero
-// points); their products take int8 activations, quantized per 32 values (as MatMulNBits' accuracy_level 4).  Attributes and semantics: docs/architecture.md ("CPU
+// points); their products take int8 activations, quantized per 8 values (MatMulNBits' accuracy_level 4 takes 32).  Attributes and semantics: docs/architecture.md ("CPU
 // operators").  The arithmetic is in kernels.cpp; this file checks shapes, splits the work over ONNX Runtime's
 // intra-op threads (KernelContext_ParallelFor) and reports bad input as an ONNX Runtime error naming the op,
 // input and shape.
