@@ -99,7 +99,8 @@ def main():
     ok, why = ort_lib.available()
     if not ok:
         raise SystemExit(f"mtp-trt's CPU operators are not available here: {why}")
-    times = {name: best_call(m, feed, a.threads, a.calls) for name, (m, feed) in cases(np.random.default_rng(0)).items()}
+    models = cases(np.random.default_rng(0))
+    times = {name: best_call(m, feed, a.threads, a.calls) for name, (m, feed) in models.items()}
     empty = next(iter(times.values()))
     print(f"{a.threads} thread(s), the fastest of {a.calls} calls; an empty session's run: {empty:.1f} us")
     for name, us in list(times.items())[1:]:

@@ -294,8 +294,8 @@ class CpuMlaSelfOp(torch.autograd.Function):
 
 class CpuAcceptOp(torch.autograd.Function):
     """Draft acceptance as one `mtp_trt.cpu::MtpAccept` node: logits [B, S, V] (fp32), input_ids [B, S], thinking [B],
-    relaxed_topk [] and relaxed_delta [] (None, None: strict, a plain step) -> (accepted_tokens [B, S], num_accepted [B],
-    thinking_out [B]), int32: exporters/lowering.py accept_decomposed."""
+    relaxed_topk [] and relaxed_delta [] (None, None: strict, a plain step) -> (accepted_tokens [B, S],
+    num_accepted [B], thinking_out [B]), int32: exporters/lowering.py accept_decomposed."""
 
     @staticmethod
     def forward(ctx, logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id: int,

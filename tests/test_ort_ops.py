@@ -230,8 +230,9 @@ def test_mla_self_attention_is_mla_attention_after_the_projections():
     q = torch.from_numpy(ins["q"])
     q_lat = torch.einsum("bshn,hnc->bshc", q[..., :h * dn].unflatten(-1, (h, dn)), torch.from_numpy(ins["w_uk"]))
     q_pe = apply_rope(q[..., h * dn:].unflatten(-1, (h, dr)), cos[:, :, None], sin[:, :, None], True)
-    o_lat = run_node("MlaAttention", dict(q_lat=q_lat.flatten(-2).numpy(), q_pe=q_pe.flatten(-2).numpy(), rows=want_rows,
-                                          cache=ins["cache"], past_len=ins["past_len"]), dict(heads=h, scale=0.2))
+    o_lat = run_node("MlaAttention", dict(q_lat=q_lat.flatten(-2).numpy(), q_pe=q_pe.flatten(-2).numpy(),
+                                          rows=want_rows, cache=ins["cache"], past_len=ins["past_len"]),
+                     dict(heads=h, scale=0.2))
     want = np.einsum("bshc,hvc->bshv", o_lat.reshape(b, s, h, dl), ins["w_uv"]).reshape(b, s, h * dv)
     close(rows, want_rows, 1e-6)
     close(out, want, 1e-5)
@@ -249,7 +250,8 @@ def test_mla_self_attention_rows_do_not_depend_on_their_neighbours():
     one = {k: v for k, v in ins.items()}
     one["cache"] = ins["cache"].copy()
     one["cache"][0, 10:12] = rows[0, :2]
-    one.update(q=ins["q"][:, 2:], kv=ins["kv"][:, 2:], positions=ins["positions"][:, 2:], past_len=np.array([12], np.int32))
+    one.update(q=ins["q"][:, 2:], kv=ins["kv"][:, 2:], positions=ins["positions"][:, 2:],
+               past_len=np.array([12], np.int32))
     out1, rows1 = run_node("MlaSelfAttention", one, attrs, outputs=2)
     assert np.array_equal(rows1[0, 0], rows[0, 2]) and np.array_equal(out1[0, 0], out[0, 2])
 
