@@ -2,7 +2,7 @@
 DeepSeek-V3.2-layout checkpoint (benchmarks/dsa_decode.py's layout) and a prompt of random tokens, each layer's
 indexer is run on the float model's own inputs (teacher-forced, one layer at a time) twice: with its float weights,
 and with its three matrices (`wq_b`, `wk`, `weights_proj`) computed as mtp-trt's QMatMul computes them (weights on
-the scheme's grid, activations rounded to int8 per 32 values: plugins/ort_reference.py qmatmul).  Printed per
+the scheme's grid, activations rounded to int8 per 8 values: plugins/ort_reference.py qmatmul).  Printed per
 scheme, over every query token that sees more than index_topk rows: the share whose top-k set is unchanged, and
 the mean share of the k rows kept.  Not run in CI.
 

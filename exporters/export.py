@@ -367,6 +367,8 @@ def configure(module, moe_form: str | None, cpu_ops: bool, scheme: quant.Scheme 
     module.fused = module.fused and moe_form != "tensorrt"  # ONNX Runtime's fused operators: not in TensorRT
     if cpu_ops:  # mtp-trt's CPU operators: MoE (unless another form was asked for) and attention (DSA's included)
         module.cpu, module.moe = True, moe_form or "cpu"
+        # the dense MLPs too where quantized (a float MLP keeps ONNX Runtime's MatMul over pre-packed weights)
+        module.cpu_mlp = scheme.quantized and module.moe == "cpu"
     return module
 
 

@@ -22,7 +22,8 @@ from mtp_trt.exporters.lowering import (Dims, Mask, MlaGenerationAttentionOp, Ml
                                          flag_after)
 from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, Indexer, MoE, as_fp32
 from mtp_trt.exporters.moe import moe_forward, swiglu
-from mtp_trt.exporters.ort_ops import CpuIndexerOp, CpuMlaOp, RotaryOp, add_norm
+from mtp_trt.exporters.ort_ops import (CpuAcceptOp, CpuIndexerOp, CpuMlaOp, CpuMlaSelfOp, RotaryOp, add_norm,
+                                       cpu_mlp)
 
 Tensor = torch.Tensor
 
@@ -69,13 +70,15 @@ class Group:
 
     def __init__(self, rope: Rope, dims: Dims, write_pos: Tensor, mask: Mask | None, moe: str = "static",
                  positions: Tensor | None = None, tree_mask: Tensor | None = None, fused: bool = False,
-                 cpu: bool = False, fold: bool = True, index_rope: Rope | None = None, gather: bool = False):
+                 cpu: bool = False, fold: bool = True, index_rope: Rope | None = None, gather: bool = False,
+                 cpu_mlp: bool = False):
         self.rope, self.dims, self.write_pos, self.mask, self.fused = rope, dims, write_pos, mask, fused
         self.index_rope = index_rope  # DSA: the indexer's RoPE (its own pair layout)
         self.selection = None  # DSA: the last indexer's selection (sparse_selection), for layers that share it
         self.gather = gather  # DSA: attend to the selected rows gathered (few tokens) rather than masked
         self.fold = fold  # W^UK / W^UV folded into the projections where smaller (folded_mla)
         self.cpu = cpu  # mtp-trt's CPU operators (plugins/ort) for the attention (and, by self.moe, the MoE)
+        self.cpu_mlp = cpu_mlp  # and for the dense MLPs (quantized exports: fp32 ones keep ONNX Runtime's MatMul)
         assert fused or not cpu, "the CPU operators take the fused graphs' flat queries"
         self.tree_mask = tree_mask  # plugin lowering: which new rows each new row sees [B, S, S] (None: causal)
         self.moe = moe  # the MoE form (exporters/moe.py FORMS)
@@ -235,8 +238,58 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
     block's input norm can be one node), its own FFN branch returned unadded: -> (h, ffn, commit)."""
     attn: MLA = layer.self_attn
     cfg, dims = attn.cfg, group.dims
-    nh, dn, dr, dl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     x, h = add_norm(h, delta, layer.input_layernorm, group.fused)
+    if lowering == "onnx" and group.cpu and not cfg.dsa:  # one MlaSelfAttention node from the projections to W^UV
+        o, latent = cpu_attention(attn, x, group, cache)
+        if new_rows is not None:
+            new_rows.append(latent)
+    else:
+        o, latent = attention(attn, x, group, cache, lowering, new_rows)
+    x, h = add_norm(h, o, layer.post_attention_layernorm, group.fused)
+    if isinstance(layer.mlp, MoE):
+        ffn = moe_forward(layer.mlp, x, dims.b, dims.s, group.moe)
+    else:
+        ffn = cpu_mlp(layer.mlp, x) if group.cpu_mlp else swiglu(layer.mlp, x)
+    return h, ffn, latent
+
+
+def q_up(attn: MLA, wq: Tensor | None) -> tuple[Tensor, int]:
+    """The query up-projection with its rows reordered for the fused graphs: every head's absorbed latent rows (wq,
+    folded) or nope rows, then every head's rope rows (RoPE follows) -> (the matrix, the first part's rows per head)."""
+    cfg = attn.cfg
+    w_up = wq if wq is not None else attn.q_proj.weight if cfg.q_lora_rank is None else attn.q_b_proj.weight
+    first = cfg.kv_lora_rank if wq is not None else cfg.qk_nope_head_dim
+    w = w_up.view(cfg.num_attention_heads, first + cfg.qk_rope_head_dim, -1)
+    return torch.cat([w[:, :first].flatten(0, 1), w[:, first:].flatten(0, 1)]), first
+
+
+def cpu_attention(attn: MLA, x: Tensor, group: Group, cache: Tensor) -> tuple[Tensor, Tensor]:
+    """MLA on the CPU operators (onnx lowering, no DeepSeek Sparse Attention): the projections, then one
+    MlaSelfAttention node (exporters/ort_ops.py CpuMlaSelfOp) -> (the residual branch [B, S, D], the new rows)."""
+    cfg, mask = attn.cfg, group.mask
+    dl, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    if cfg.q_lora_rank is None:
+        c_q, kv = x, attn.kv_a_proj_with_mqa(x)
+    else:  # W^DQ and W^DKV in one matmul
+        c_q, kv = linear_cat(x, attn.q_a_proj, attn.kv_a_proj_with_mqa).split([cfg.q_lora_rank, dl + dr], -1)
+        c_q = attn.q_a_layernorm(c_q)
+    wq, wo = folded_mla(attn) if group.fold else (None, None)
+    w_uk, w_uv = attn.w_uk_uv()
+    q = F.linear(c_q, q_up(attn, wq)[0])
+    o, latent = CpuMlaSelfOp.apply(q, kv, attn.kv_a_layernorm.weight, group.positions, cache, mask.past_len,
+                                   mask.extra_rows, mask.visible, None if wq is not None else w_uk,
+                                   None if wo is not None else w_uv, group.rope.tables, cfg.num_attention_heads,
+                                   cfg.softmax_scale, attn.kv_a_layernorm.eps, int(group.rope.interleave))
+    return (attn.o_proj(o) if wo is None else F.linear(o, wo, attn.o_proj.bias)), latent
+
+
+def attention(attn: MLA, x: Tensor, group: Group, cache: Tensor, lowering: str,
+              new_rows: list | None = None) -> tuple[Tensor, Tensor]:
+    """MLA in the graphs' other forms (either lowering; DeepSeek Sparse Attention's included) -> (the residual
+    branch [B, S, D], the lowering's commit: the new rows, or the cache with them written); `new_rows`: see
+    block_forward."""
+    cfg, dims = attn.cfg, group.dims
+    nh, dn, dr, dl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
         c_q, (c_kv, k_pe) = x, attn.kv_a_proj_with_mqa(x).split([dl, dr], -1)
     else:  # W^DQ and W^DKV in one matmul
@@ -245,11 +298,8 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
     wq, wo = folded_mla(attn) if group.fold else (None, None)
     w_uk, w_uv = attn.w_uk_uv()  # [H, Dn, Dl], [H, Dv, Dl] (unused where folded)
     if group.fused:  # rows reordered: every head's latent (folded) or nope rows, then every head's rope rows
-        w_up = wq if wq is not None else attn.q_proj.weight if cfg.q_lora_rank is None else attn.q_b_proj.weight
-        first = dl if wq is not None else dn
-        w = w_up.view(nh, first + dr, -1)
-        q_first, q_pe = F.linear(c_q, torch.cat([w[:, :first].flatten(0, 1), w[:, first:].flatten(0, 1)])).split(
-            [nh * first, nh * dr], -1)  # [B, S, H*first], [B, S, H*Dr]: RoPE on q_pe as it comes
+        w_up, first = q_up(attn, wq)
+        q_first, q_pe = F.linear(c_q, w_up).split([nh * first, nh * dr], -1)  # RoPE on q_pe as it comes
         q_pe = group.rope.fused(q_pe, group.positions, nh)
         q_lat = q_first if wq is not None else dims.view(torch.matmul(dims.view(q_first, nh, 1, dn), w_uk), nh * dl)
     else:
@@ -299,9 +349,7 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
     else:
         o = torch.matmul(dims.view(o_lat, nh, 1, dl), w_uv.transpose(1, 2))  # W^UV: [B, S, H, 1, Dv]
         o = attn.o_proj(dims.view(o, nh * cfg.v_head_dim))
-    x, h = add_norm(h, o, layer.post_attention_layernorm, group.fused)
-    ffn = moe_forward(layer.mlp, x, dims.b, dims.s, group.moe) if isinstance(layer.mlp, MoE) else swiglu(layer.mlp, x)
-    return h, ffn, latent
+    return o, latent
 
 
 # ----------------------------------------------------------------------------------------- graphs
@@ -317,11 +365,15 @@ def main_forward(m: DeepseekV3, group: Group, input_ids, caches, lowering: str, 
     return h, m.lm_head(h).float(), commits
 
 
-def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, group: Group, cache, lowering: str):
+def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, group: Group, cache, lowering: str,
+              first_row: bool = True):
     """MTP module k on the group's rows: h' = eh_proj([enorm(emb); hnorm(hidden)]) then its block.
-    -> (hidden_out [B, S, D] before shared_head.norm, commit)."""
+    -> (hidden_out [B, S, D] before shared_head.norm, commit).  first_row: whether a row may sit at position 0,
+    whose embedding is zeroed (not in an eagle step or tree, whose rows start at past_len >= 1)."""
     layer = m.mtp[k]
-    emb = m.model.embed_tokens(next_tokens) * (group.positions != 0)[..., None].to(hidden.dtype)
+    emb = m.model.embed_tokens(next_tokens)
+    if first_row:
+        emb = emb * (group.positions != 0)[..., None].to(hidden.dtype)
     h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
     return block_forward(layer, h, group, cache, lowering)
 
@@ -346,6 +398,7 @@ class _Graph(nn.Module):
         self.moe = "ort" if lowering == "onnx" else "gather" if self.few_tokens else "static"
         self.fused = lowering == "onnx"  # ONNX Runtime's fused operators (exporters/ort_ops.py); off for TensorRT
         self.cpu = False  # mtp-trt's CPU operators (plugins/ort) for attention; export.py sets it with the MoE form
+        self.cpu_mlp = False  # and for the dense MLPs (export.py: quantized exports)
         # folded_mla where it is smaller; off for quantized weights (export.configure), whose projections are then
         # all quantized matmuls that give every row the same bits however many rows run
         self.fold = True
@@ -360,7 +413,7 @@ class _Graph(nn.Module):
         if self.lowering == "onnx":
             return Group(self.rope, dims, write_pos, Mask(dims, heads, past_len, cache.shape[1], extra, new_visible),
                          self.moe, positions, fused=self.fused, cpu=self.cpu, fold=self.fold,
-                         index_rope=self.index_rope, gather=self.few_tokens)
+                         index_rope=self.index_rope, gather=self.few_tokens, cpu_mlp=self.cpu_mlp)
         return Group(self.rope, dims, write_pos, None, self.moe, positions, new_visible, fold=self.fold,
                      index_rope=self.index_rope)
 
@@ -370,7 +423,10 @@ class _Graph(nn.Module):
         return (group, *main_forward(self.model, group, input_ids, caches, self.lowering))
 
     def accept(self, logits, input_ids, thinking, relaxed_topk, relaxed_delta):
-        """In-graph acceptance of input_ids[:, 1:] -> (accepted_tokens, num_accepted, thinking_out)."""
+        """In-graph acceptance of input_ids[:, 1:] -> (accepted_tokens, num_accepted, thinking_out); relaxed_topk
+        and relaxed_delta None: strict (the CPU operators' node only)."""
+        if self.lowering == "onnx" and self.cpu:
+            return CpuAcceptOp.apply(logits, input_ids, thinking, relaxed_topk, relaxed_delta, *self.think_ids)
         return accept_op(self.lowering)(logits, input_ids, thinking, relaxed_topk, relaxed_delta, *self.think_ids)
 
 
@@ -422,13 +478,15 @@ class StepGraph(_Graph):
         (relaxed_topk, relaxed_delta), caches = (rest[:2], rest[2:]) if self.nextn else ((None, None), rest)
         b, s = input_ids.shape
         group, h, logits, commits = self.main(input_ids, past_len, caches[:layers])  # MTP depth 1's group too
+        if self.nextn == 0 and self.lowering == "onnx" and self.cpu:  # the argmax and its flag in one node
+            return (*self.accept(logits, input_ids, thinking, None, None), *commits)
         if self.nextn == 0:
             token = logits.argmax(-1).to(torch.int32)  # [B, 1]
             flag = flag_after(thinking[:, None] != 0, token, *self.think_ids)[:, 0].to(torch.int32)
             return (token, torch.zeros_like(past_len), flag, *commits)
         accepted, num, thinking_out = self.accept(logits, input_ids, thinking, relaxed_topk, relaxed_delta)
         cache = caches[layers]
-        h1, commit1 = mtp_block(m, 0, h, accepted.clamp(min=0), group, cache, self.lowering)
+        h1, commit1 = mtp_block(m, 0, h, accepted.clamp(min=0), group, cache, self.lowering, first_row=False)
         h_prev = row_at(h1, num.long(), m.cfg.hidden_size)  # row past_len + num
         d = draft_token(m, 0, h_prev)  # [B, 1]
         drafts = [d]
@@ -437,7 +495,7 @@ class StepGraph(_Graph):
         extra = None if plugin else (commit1, torch.arange(s)[None, :] <= num[:, None])  # depth 1's accepted rows
         for k in range(2, self.nextn + 1):
             group_k = self.group(b, 1, past_len + num + (k - 1), past_len, cache, extra)
-            h_prev, commit = mtp_block(m, 0, h_prev, d, group_k, mtp_cache, self.lowering)
+            h_prev, commit = mtp_block(m, 0, h_prev, d, group_k, mtp_cache, self.lowering, first_row=False)
             d = draft_token(m, 0, h_prev)
             drafts.append(d)
             if plugin:

@@ -13,6 +13,10 @@ plugins/ort_lib.py), used where the export's `cpu_ops` is on (export.check_cpu_o
     com.microsoft::MoE; reads only the selected experts' rows, in place;
   * MlaAttention: absorbed MLA over the cached and the new latent rows with their masks -- one node instead
     of ~13 -- or, with DeepSeek Sparse Attention, over the rows the indexer selected;
+  * MlaSelfAttention: MLA from the projections' outputs to W^UV (the new rows' norm and RoPE, the queries' RoPE
+    and W^UK, MlaAttention's attention, W^UV) -- one node instead of ~15 (without DeepSeek Sparse Attention);
+  * MoE without routed experts: a dense SwiGLU MLP -- one node instead of five (quantized exports);
+  * MtpAccept: the drafts' acceptance (exporters/lowering.py accept_decomposed) -- one node instead of ~100;
   * LightningIndexer: DeepSeek Sparse Attention's indexer scores over every seen row and its top-k selection --
     one node instead of ~12, with no [heads x rows] product kept.
 """
@@ -148,6 +152,27 @@ class CpuMoEOp(torch.autograd.Function):
         return y.setType(x.type())
 
 
+class CpuMlpOp(torch.autograd.Function):
+    """A dense SwiGLU MLP as one `mtp_trt.cpu::MoE` node without routed experts: x [.., D], fc1 [2I, D] (gate/up
+    interleaved), fc2 [D, I] -> [.., D]."""
+
+    @staticmethod
+    def forward(ctx, x, fc1, fc2):
+        return _swiglu(x, fc1, fc2)
+
+    @staticmethod
+    def symbolic(g, x, fc1, fc2):
+        none = _absent(g)
+        y = g.op(f"{CPU_DOMAIN}::MoE", x, none, none, none, none, fc1, fc2, top_k_i=0, n_group_i=1, topk_group_i=1,
+                 softmax_i=0, group_top2_i=0, norm_topk_prob_i=0, routed_scaling_factor_f=1.0)
+        return y.setType(x.type())
+
+
+def cpu_mlp(mlp, x: Tensor) -> Tensor:
+    """The dense MLP `mlp` (exporters/model.py MLP) on x [B, S, D] as one node."""
+    return CpuMlpOp.apply(x, _interleaved(mlp.gate_proj.weight, mlp.up_proj.weight), mlp.down_proj.weight)
+
+
 def _swiglu(x: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor:
     """x [.., D] through fc1 [.., 2I, D] (gate/up interleaved), silu(gate) * up, fc2 [.., D, I] -> [.., D]."""
     h = (fc1 @ x[..., None])[..., 0]
@@ -220,6 +245,75 @@ class CpuMlaOp(torch.autograd.Function):
             ins += (visible,)
         y = g.op(f"{CPU_DOMAIN}::MlaAttention", *ins, heads_i=heads, scale_f=scale)
         return y.setType(q_lat.type())
+
+
+class CpuMlaSelfOp(torch.autograd.Function):
+    """MLA from the projections to W^UV as one `mtp_trt.cpu::MlaSelfAttention` node -> (o [B, S, H*Dv], or
+    [B, S, H*Dl] without w_uv; the new cache rows [B, S, Dl+Dr]).  q [B, S, H*F + H*Dr]: every head's first part
+    (its nope part, F = Dn, absorbed through w_uk [H, Dn, Dl]; or, without w_uk, already absorbed: F = Dl), then
+    every head's rope part, not yet roped; kv [B, S, Dl+Dr]: kv_a_proj_with_mqa's output (c_kv not yet normed, k_pe
+    not yet roped); kv_norm [Dl] (kv_a_layernorm's weight, eps); positions [B, S] int64 (RoPE's, into the tables
+    (cos, sin [P, Dr/2] as NumPy arrays, and the dtype) with `interleave`); cache [B, T, Dl+Dr], past_len [B] int32;
+    extra [B, R, Dl+Dr] or None (rows of this step before the new ones); visible [B or 1, S, R+S] bool or None
+    (causal: CpuMlaOp's); w_uv [H, Dv, Dl] or None (folded into the output projection)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, kv_norm, positions, cache, past_len, extra, visible, w_uk, w_uv, tables: tuple,
+                heads: int, scale: float, eps: float, interleave: int):
+        *tables, dtype = tables
+        cos, sin = (torch.from_numpy(t).to(dtype)[positions] for t in tables)  # [B, S, Dr/2]
+        dl, dr = kv_norm.shape[0], 2 * cos.shape[-1]
+        c_kv, k_pe = kv.split([dl, dr], -1)
+        rows = torch.cat([rms_norm(c_kv, kv_norm, eps), apply_rope(k_pe, cos, sin, bool(interleave))], -1)
+        first, q_pe = q.split([q.shape[-1] - heads * dr, heads * dr], -1)
+        q_pe = apply_rope(q_pe.unflatten(-1, (heads, dr)), cos[:, :, None], sin[:, :, None], bool(interleave))
+        q_lat = first.unflatten(-1, (heads, -1))
+        if w_uk is not None:
+            q_lat = torch.einsum("bshn,hnc->bshc", q_lat, w_uk)
+        every = rows if extra is None else torch.cat([extra, rows], 1)
+        o = CpuMlaOp.forward(ctx, q_lat.flatten(-2), q_pe.flatten(-2), every, cache, past_len, visible, None, heads,
+                             scale)
+        if w_uv is not None:
+            o = torch.einsum("bshc,hvc->bshv", o.unflatten(-1, (heads, dl)), w_uv).flatten(-2)
+        return o, rows
+
+    @staticmethod
+    def symbolic(g, q, kv, kv_norm, positions, cache, past_len, extra, visible, w_uk, w_uv, tables: tuple,
+                 heads: int, scale: float, eps: float, interleave: int):
+        *tables, dtype = tables
+        cos, sin = (g.op("Constant", value_t=torch.from_numpy(t).to(dtype)) for t in tables)
+        optional = [extra, visible, w_uk, w_uv]
+        while optional and optional[-1] is None:  # trailing absent inputs left out
+            optional.pop()
+        optional = [_absent(g) if t is None else t for t in optional]
+        o, rows = g.op(f"{CPU_DOMAIN}::MlaSelfAttention", q, kv, kv_norm, positions, cos, sin, cache, past_len,
+                       *optional, heads_i=heads, scale_f=scale, eps_f=eps, interleave_i=interleave, outputs=2)
+        width = kv.type().sizes()[-1] if kv.type().sizes() else None
+        return o.setType(q.type().with_sizes([None] * 3)), rows.setType(kv.type().with_sizes([None, None, width]))
+
+
+class CpuAcceptOp(torch.autograd.Function):
+    """Draft acceptance as one `mtp_trt.cpu::MtpAccept` node: logits [B, S, V] (fp32), input_ids [B, S], thinking [B],
+    relaxed_topk [] and relaxed_delta [] (None, None: strict, a plain step) -> (accepted_tokens [B, S],
+    num_accepted [B], thinking_out [B]), int32: exporters/lowering.py accept_decomposed."""
+
+    @staticmethod
+    def forward(ctx, logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id: int,
+                think_end_id: int):
+        from mtp_trt.exporters.lowering import accept_decomposed
+
+        if relaxed_topk is None:
+            relaxed_topk, relaxed_delta = torch.tensor(0, dtype=torch.int32), torch.tensor(0.0)
+        return accept_decomposed(logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id,
+                                 think_end_id)
+
+    @staticmethod
+    def symbolic(g, logits, input_ids, thinking, relaxed_topk, relaxed_delta, think_start_id: int,
+                 think_end_id: int):
+        relaxed = () if relaxed_topk is None else (relaxed_topk, relaxed_delta)
+        outs = g.op(f"{CPU_DOMAIN}::MtpAccept", logits, input_ids, thinking, *relaxed, think_start_id_i=think_start_id,
+                    think_end_id_i=think_end_id, outputs=3)
+        return tuple(o.setType(input_ids.type().with_sizes([None] * r)) for o, r in zip(outs, (2, 1, 1)))
 
 
 class CpuIndexerOp(torch.autograd.Function):

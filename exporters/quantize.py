@@ -335,15 +335,24 @@ def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, sche
 
 def _qmoe(node: onnx.NodeProto, values: dict, scheme: quant.Scheme, add) -> onnx.NodeProto:
     """mtp_trt.cpu::MoE -> QMoE: each expert matrix input (fc1 [E, 2I, D], fc2 [E, D, I], shared [2Is, D] and
-    [D, Is]) as its quantized data and scales."""
+    [D, Is]) as its quantized data and scales.  A node without routed experts (a dense MLP) takes matmul_scheme's
+    bits for each of its two matrices (`down_bits`: the down-projection's)."""
     ins = list(node.input)
     out = ins[:3]
-    for name in ins[3:]:
+    dense = ins[3] == ""
+    bits = {}
+    for i, name in enumerate(ins[3:]):
+        if name == "":  # an absent input (no routed experts: a dense MLP)
+            out += ["", ""]
+            continue
         v = values.get(name)
-        if name == "" or v is None:
+        if v is None:
             raise ValueError(f"{node.name}: MoE input {name!r} is not a weight")
         *rows, k = v.tensor.shape
-        out += add(name, v, scheme, tuple(rows), k, transposed=False)
+        s = matmul_scheme(_params(v), scheme) if dense else scheme
+        bits["down" if i % 2 else "up"] = s.bits  # inputs fc1, fc2, shared_fc1, shared_fc2
+        out += add(name, v, s, tuple(rows), k, transposed=False)
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return helper.make_node("QMoE", out, list(node.output), name=node.name, domain=CPU_DOMAIN, bits=scheme.bits,
-                            block_size=scheme.block_size, **attrs)
+    down = {"down_bits": bits["down"]} if bits["down"] != bits["up"] else {}
+    return helper.make_node("QMoE", out, list(node.output), name=node.name, domain=CPU_DOMAIN, bits=bits["up"],
+                            block_size=scheme.block_size, **attrs, **down)

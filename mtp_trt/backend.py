@@ -216,6 +216,7 @@ class OrtBackend(Backend):
         self.plans: dict[tuple[str, str], tuple] = {}  # (graph, MTP cache family) -> how to feed and commit it
         self.np_dtype = C.dtype(manifest.dtype).host
         self.caches: dict[str, list[np.ndarray]] = {}
+        self.views: dict[tuple, dict[str, np.ndarray]] = {}
         self.written = np.zeros(0, np.int64)  # allocate
 
     def session(self, name: str):
@@ -287,6 +288,7 @@ class OrtBackend(Backend):
                      f"{m.root}: the caches of {batch} sequences x {rows} rows")
         self.caches = {C.TARGET_FAMILY: [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
         self.caches |= {C.mtp_family(k): [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
+        self.views = {}  # (graph, family, n) -> its cache inputs (_cache_views)
         self.written = np.zeros(batch, np.int64)  # per slot: rows below this were ever written (swap_slots)
 
     def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
@@ -319,15 +321,23 @@ class OrtBackend(Backend):
                                          sorted(groups.items()))
         return self.plans[graph, family]
 
+    def _cache_views(self, graph: str, family: str, n: int, groups) -> dict[str, np.ndarray]:
+        """The cache inputs of graph `graph` over slots 0..n-1: views made once per (graph, family, n) until the
+        caches are reallocated."""
+        key = (graph, family, n)
+        if key not in self.views:
+            self.views[key] = {kv: self.caches[fam][i][:n] for _, entries in groups for kv, fam, i, _ in entries}
+        return self.views[key]
+
     def run(self, graph, n, feed, fetch, family=mtp_family(0), replay=False):
         inputs, kv_outputs, groups = self._plan(graph, family)
-        feed = {k: v for k, v in feed.items() if k in inputs}
-        feed |= {kv: self.caches[fam][i][:n] for _, entries in groups for kv, fam, i, _ in entries}
+        views = self._cache_views(graph, family, n, groups)
+        feed = {k: v for k, v in feed.items() if k in inputs} | views
         names = fetch + kv_outputs
         out = dict(zip(names, self.session(graph).run(names, feed)))
         for offset, entries in groups:  # one index computation per window offset
-            self._commit([self.caches[fam][i][:n] for _, fam, i, _ in entries],
-                         [out.pop(new) for *_, new in entries], feed[C.PAST_LEN] + offset)
+            self._commit([views[kv] for kv, *_ in entries], [out.pop(new) for *_, new in entries],
+                         feed[C.PAST_LEN] + offset)
         return out
 
     def swap_slots(self, i, j):

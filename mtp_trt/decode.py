@@ -46,6 +46,11 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
 
+    @property
+    def num_generated(self) -> int:
+        """len(generated), without the copy."""
+        return len(self.tokens) - len(self.prompt)
+
 
 def sequence_rng(seed: int, index: int = 0) -> np.random.Generator:
     """The random draws of sequence `index` of a decode seeded with `seed`: its own stream, so that what it
@@ -298,18 +303,18 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
     stats.steps += 1
     stats.num_drafts += n
     stats.num_accepted_tokens_per_pos += (num[:, None] > np.arange(opts.nextn)).sum(0)
-    for i, s in enumerate(_active(st, seqs)):
+    # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most)
+    for s, row, m, past in zip(_active(st, seqs), tokens.tolist(), num.tolist(), st.past_len[:n].tolist()):
         s.steps += 1
-        new = tokens[i, :num[i] + 1].tolist()
-        room = s.max_new_tokens - len(s.generated)
-        for t in new[:room]:
+        room = s.max_new_tokens - s.num_generated
+        for t in row[:min(m + 1, room)]:
             s.tokens.append(t)
             if t in opts.eos_ids:
                 s.finish_reason = "stop"
                 break
-        if s.finish_reason is None and len(s.generated) >= s.max_new_tokens:
+        if s.finish_reason is None and s.num_generated >= s.max_new_tokens:
             s.finish_reason = "length"
-        if s.finish_reason is None and st.past_len[i] + 2 * opts.nextn + 2 > rows:
+        if s.finish_reason is None and past + 2 * opts.nextn + 2 > rows:
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
     return start
 

@@ -70,16 +70,16 @@ def moe(x, gate, bias, fc1, fc2, shared_fc1=None, shared_fc2=None, *, top_k, n_g
 
 
 # ------------------------------------------------------------------------------------ quantized weights
-ACT_BLOCK = 32  # activation values per int8 scale
+ACT_BLOCK = 8  # activation values per int8 scale
 
 
 def quantize_activations(x, k_padded):
-    """x [M, K] float32 -> (q int8 [M, K32], scales float32 [M, K32 / 32]), K zero-padded to k_padded and then
-    to K32, a multiple of 32: per 32 values scale = max|x| / 127 and q = round-half-even(x / scale), in float32
-    (a zero block: scale 0, q 0)."""
+    """x [M, K] float32 -> (q int8 [M, K32], scales float32 [M, K32 / ACT_BLOCK]), K zero-padded to k_padded and
+    then to K32, a multiple of 32: per ACT_BLOCK values scale = max|x| / 127 and q = round-half-even(x / scale), in
+    float32 (a block of zeros: scale 0, q 0)."""
     x = np.asarray(x, np.float32)
     m, k = x.shape
-    k32 = -(-k_padded // ACT_BLOCK) * ACT_BLOCK
+    k32 = -(-k_padded // 32) * 32
     blocks = np.zeros((m, k32), np.float32)
     blocks[:, :k] = x
     blocks = blocks.reshape(m, -1, ACT_BLOCK)
@@ -96,18 +96,18 @@ def weight_levels(data, k_padded, bits):
 
 def qmatmul(x, data, scales, *, k, bits, block_size):
     """The QMatMul op: x [M, K] float32, data uint8 [N, K/bs, bs*bits/8], scales [N, K/bs] -> [M, N] (float64):
-    x quantized as quantize_activations, then per 16 values (each inside one activation block and one weight
-    block) the exact integer dot product times both scales, summed."""
+    x quantized as quantize_activations, then per ACT_BLOCK values (each inside one activation block and one
+    weight block) the exact integer dot product times both scales, summed."""
     n, nb, _ = data.shape
     kp = nb * block_size
     xq, xs = quantize_activations(x, kp)
     wq = weight_levels(data, kp, bits)  # [N, Kp]
-    groups = kp // 16
-    xg = xq[:, :kp].astype(np.int64).reshape(len(xq), groups, 16)
-    dots = np.einsum("mgi,ngi->mng", xg, wq.reshape(n, groups, 16))  # exact, int64
+    groups = kp // ACT_BLOCK
+    xg = xq[:, :kp].astype(np.int64).reshape(len(xq), groups, ACT_BLOCK)
+    dots = np.einsum("mgi,ngi->mng", xg, wq.reshape(n, groups, ACT_BLOCK))  # exact, int64
     g = np.arange(groups)
-    scale = xs[:, g * 16 // ACT_BLOCK].astype(np.float64)[:, None, :] * \
-        scales[:, g * 16 // block_size].astype(np.float64)[None, :, :]
+    scale = xs[:, g].astype(np.float64)[:, None, :] * \
+        scales[:, g * ACT_BLOCK // block_size].astype(np.float64)[None, :, :]
     return (dots * scale).sum(-1)
 
 
@@ -169,6 +169,45 @@ def mla_attention(q_lat, q_pe, rows, cache, past_len, visible=None, selected=Non
                 p = np.exp(z - z.max())
                 out[bi, si, h] = (p / p.sum()) @ keys[:, :dl]
     return out.reshape(b, s, heads * dl)
+
+
+def rms_norm(x, w, eps):
+    """x [..., n] -> w * x / sqrt(mean(x^2) + eps), float64."""
+    x = np.asarray(x, np.float64)
+    return w * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+def rope(x, cos, sin, interleave):
+    """x [..., Dr] rotated by cos/sin [..., Dr/2] (broadcast): pairs (2i, 2i+1) if interleave, else (i, i + Dr/2)."""
+    x = np.asarray(x, np.float64)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).reshape(x.shape)
+    x1, x2 = np.split(x, 2, -1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def mla_self_attention(q, kv, kv_norm, positions, cos, sin, cache, past_len, extra=None, visible=None, w_uk=None,
+                       w_uv=None, *, heads, scale, eps, interleave):
+    """MlaSelfAttention: q [B, S, H*F + H*Dr] (every head's nope part, absorbed through w_uk [H, Dn, Dl], or its
+    absorbed latent part without w_uk; then every head's rope part), kv [B, S, Dl+Dr] (c_kv, k_pe before norm and
+    RoPE), kv_norm [Dl], positions [B, S], cos/sin [P, Dr/2], cache [B, T, Dl+Dr], past_len [B], extra [B, R, Dl+Dr]
+    or None, visible [B or 1, S, R+S] or None (causal), w_uv [H, Dv, Dl] or None -> (out [B, S, H*Dv or H*Dl], the
+    new rows [B, S, Dl+Dr]): the new rows' c_kv normed and k_pe roped, each head's query absorbed and roped, then
+    mla_attention over the cache, the extra rows and the new rows, then W^UV."""
+    b, s, _ = q.shape
+    dl, dr = len(kv_norm), 2 * cos.shape[1]
+    c, sn = cos[positions].astype(np.float64), sin[positions].astype(np.float64)  # [B, S, Dr/2]
+    rows = np.concatenate([rms_norm(kv[..., :dl], kv_norm, eps), rope(kv[..., dl:], c, sn, interleave)], -1)
+    first = q[..., :q.shape[-1] - heads * dr].reshape(b, s, heads, -1).astype(np.float64)
+    q_pe = rope(q[..., q.shape[-1] - heads * dr:].reshape(b, s, heads, dr), c[:, :, None], sn[:, :, None], interleave)
+    q_lat = first if w_uk is None else np.einsum("bshn,hnc->bshc", first, w_uk)
+    every = rows if extra is None else np.concatenate([extra, rows], 1)
+    out = mla_attention(q_lat.reshape(b, s, -1), q_pe.reshape(b, s, -1), every, cache, past_len, visible,
+                        heads=heads, scale=scale)
+    if w_uv is not None:
+        out = np.einsum("bshc,hvc->bshv", out.reshape(b, s, heads, dl), w_uv).reshape(b, s, -1)
+    return out, rows
 
 
 # ------------------------------------------------------------------------------- DeepSeek Sparse Attention

@@ -62,9 +62,10 @@ def dequantized_graph(path: Path) -> bytes:
             nodes.append(helper.make_node("MatMul", [node.input[0], w], list(node.output), name=node.name))
         elif node.op_type == "QMoE":
             ins = list(node.input[:3])
-            for data, scales in zip(node.input[3::2], node.input[4::2]):
-                ins.append(float_weight(data, scales, _unpadded(node, data, arrays), attrs["bits"], False))
-            kept = {k: v for k, v in attrs.items() if k not in ("bits", "block_size")}
+            for i, (data, scales) in enumerate(zip(node.input[3::2], node.input[4::2])):
+                bits = attrs.get("down_bits", attrs["bits"]) if i % 2 else attrs["bits"]  # fc1, fc2, shared fc1, fc2
+                ins.append(data and float_weight(data, scales, _unpadded(node, data, arrays), bits, False))
+            kept = {k: v for k, v in attrs.items() if k not in ("bits", "block_size", "down_bits")}
             nodes.append(helper.make_node("MoE", ins, list(node.output), name=node.name, domain=node.domain, **kept))
         elif node.op_type == "GatherBlockQuantized":
             data = arrays[node.input[0]]
@@ -81,11 +82,9 @@ def dequantized_graph(path: Path) -> bytes:
 
 
 def _unpadded(node: onnx.NodeProto, data: str, arrays: dict) -> int:
-    """An expert matrix's K: fc1's and shared fc1's is x's width D (= fc2's rows), fc2's is fc1's rows / 2."""
+    """An expert matrix's K: fc1's and shared fc1's is x's width D (= its fc2's rows), fc2's is its fc1's rows / 2
+    (inputs fc1 3, fc2 5, shared fc1 7, shared fc2 9)."""
     ins = list(node.input)
-    fc2 = arrays[ins[5]]
-    d = fc2.shape[-3]
-    if data in (ins[3], ins[7] if len(ins) > 7 else None):
-        return d
-    fc1 = arrays[ins[3] if data == ins[5] else ins[7]]
-    return fc1.shape[-3] // 2
+    at = ins.index(data)
+    fc1, fc2 = (arrays[ins[3]], arrays[ins[5]]) if at in (3, 5) else (arrays[ins[7]], arrays[ins[9]])
+    return fc2.shape[-3] if at in (3, 7) else fc1.shape[-3] // 2

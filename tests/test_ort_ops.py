@@ -24,21 +24,24 @@ pytestmark = pytest.mark.skipif(not ort_lib.available()[0], reason=f"mtp_trt.cpu
 
 RTOL = 2e-6
 TYPES = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.bool_: TensorProto.BOOL,
-         np.uint8: TensorProto.UINT8}
+         np.uint8: TensorProto.UINT8, np.int64: TensorProto.INT64}
 
 
-def run_node(op: str, inputs: dict, attrs: dict, constants: dict = (), threads: int = 2) -> np.ndarray:
-    """One mtp_trt.cpu node: `inputs` fed (name -> array, None: left out), `constants` as initializers."""
+def run_node(op: str, inputs: dict, attrs: dict, constants: dict = (), threads: int = 2, outputs: int = 1,
+             out_type: int = TensorProto.FLOAT):
+    """One mtp_trt.cpu node: `inputs` fed (name -> array, None: left out), `constants` as initializers -> its output
+    (its `outputs` outputs, where more than one, all of `out_type`)."""
     constants = dict(constants)
     names = list(inputs)
     while names and inputs[names[-1]] is None:  # trailing optional inputs are simply absent
         names.pop()
     fed = {n: a for n, a in inputs.items() if a is not None and n not in constants}
+    ys = ["y"] if outputs == 1 else [f"y{i}" for i in range(outputs)]
     graph = helper.make_graph(
-        [helper.make_node(op, [n if inputs[n] is not None else "" for n in names], ["y"], domain=ort_lib.DOMAIN,
+        [helper.make_node(op, [n if inputs[n] is not None else "" for n in names], ys, domain=ort_lib.DOMAIN,
                           **attrs)], "g",
         [helper.make_tensor_value_info(n, TYPES[a.dtype.type], a.shape) for n, a in fed.items()],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info(y, out_type, None) for y in ys],
         [numpy_helper.from_array(a, n) for n, a in constants.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ort_lib.DOMAIN, 1)])
     model.ir_version = 9
@@ -46,7 +49,8 @@ def run_node(op: str, inputs: dict, attrs: dict, constants: dict = (), threads: 
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    return ort_lib.session(model.SerializeToString(), options).run(None, fed)[0]
+    out = ort_lib.session(model.SerializeToString(), options).run(None, fed)
+    return out[0] if outputs == 1 else out
 
 
 def close(y, want, rtol=RTOL):
@@ -151,6 +155,147 @@ def test_mla_attention_equals_the_gpu_kernels_reference():
     q = np.concatenate([ins["q_lat"].reshape(b, s, h, dl), ins["q_pe"].reshape(b, s, h, dr)], -1)
     want, _ = reference.mla_decode(q, ins["cache"], ins["past_len"], dl=dl, scale=0.3, new_rows=ins["rows"])
     close(run_node("MlaAttention", ins, dict(heads=h, scale=0.3)), want.reshape(b, s, h * dl))
+
+
+def test_moe_without_routed_experts_is_a_dense_mlp():
+    """No gate and no routed weights: the shared experts alone, i.e. a dense SwiGLU MLP (the fused graphs' dense
+    layers)."""
+    ins = moe_inputs(np.random.default_rng(2), 3, 40, 4, 12, 24)
+    ins.update(gate=None, bias=None, fc1=None, fc2=None)
+    attrs = dict(top_k=0, n_group=1, topk_group=1, softmax=0, group_top2=0, norm_topk_prob=0, routed_scaling_factor=1.0)
+    y = run_node("MoE", ins, attrs, constants={n: a for n, a in ins.items() if n != "x" and a is not None})
+    close(y, ref.swiglu(ins["x"], ins["shared_fc1"], ins["shared_fc2"]))
+
+
+# ---------------------------------------------------------------------------------- MlaSelfAttention
+def mla_self_inputs(rng, b, s, h, dn, dl, dr, dv, t, r, mask, absorb):
+    """MlaSelfAttention's inputs: queries before W^UK (absorb) or already absorbed, kv before norm and RoPE, random
+    tables, positions anywhere in them; r extra rows."""
+    c, p = dl + dr, 50
+    visible = None
+    if mask:
+        visible = rng.random((b if mask == "batch" else 1, s, r + s)) < 0.5
+        visible[:, np.arange(s), r + np.arange(s)] = True  # a token sees its own row
+    angles = rng.uniform(0, 6, (p, dr // 2))
+    return dict(q=rng.standard_normal((b, s, h * ((dn if absorb else dl) + dr))).astype(np.float32),
+                kv=(rng.standard_normal((b, s, c)) * 3).astype(np.float32),
+                kv_norm=rng.uniform(0.5, 1.5, dl).astype(np.float32),
+                positions=rng.integers(0, p, (b, s)).astype(np.int64),
+                cos=np.cos(angles).astype(np.float32), sin=np.sin(angles).astype(np.float32),
+                cache=rng.standard_normal((b, t, c)).astype(np.float32),
+                past_len=rng.integers(-2, t + 3, b).astype(np.int32),
+                extra=rng.standard_normal((b, r, c)).astype(np.float32) if r else None, visible=visible,
+                w_uk=(rng.standard_normal((h, dn, dl)) / np.sqrt(dn)).astype(np.float32) if absorb else None,
+                w_uv=(rng.standard_normal((h, dv, dl)) / np.sqrt(dl)).astype(np.float32) if absorb else None)
+
+
+MLA_SELF_CASES = [  # b, s, h, dn, dl, dr, dv, t, r, mask, absorb, interleave
+    (1, 1, 4, 64, 64, 32, 64, 100, 0, None, True, 1),  # the demo's decode step, quantized export (W^UK, W^UV)
+    (1, 1, 4, 64, 64, 32, 64, 100, 0, None, False, 1),  # folded into the projections (fp32 export)
+    (2, 4, 8, 24, 40, 16, 20, 30, 0, None, True, 0),  # verify 4 rows, RoPE in halves
+    (2, 3, 3, 12, 20, 8, 12, 17, 2, "shared", True, 1),  # extra rows (a step's deeper MTP depths)
+    (2, 5, 2, 8, 8, 8, 16, 9, 0, "batch", False, 0),  # a tree mask per sequence
+    (1, 3, 1, 10, 12, 4, 6, 0, 0, None, True, 1),  # an empty cache, one head, widths off the vector width
+]
+
+
+@pytest.mark.parametrize("case", MLA_SELF_CASES,
+                         ids=lambda c: "b{}-s{}-h{}-dl{}-dr{}-t{}-r{}-{}-absorb{}-il{}".format(*c[:3], *c[4:6], *c[7:]))
+def test_mla_self_attention_matches_reference(case):
+    b, s, h, dn, dl, dr, dv, t, r, mask, absorb, interleave = case
+    ins = mla_self_inputs(np.random.default_rng(list(case[:9])), b, s, h, dn, dl, dr, dv, t, r, mask, absorb)
+    attrs = dict(heads=h, scale=0.7 / np.sqrt(dl + dr), eps=1e-6, interleave=interleave)
+    consts = {n: ins[n] for n in ("kv_norm", "cos", "sin", "w_uk", "w_uv") if ins[n] is not None}
+    out, rows = run_node("MlaSelfAttention", ins, attrs, consts, outputs=2)
+    want_out, want_rows = ref.mla_self_attention(**ins, **attrs)
+    close(rows, want_rows)
+    close(out, want_out, 1e-5)  # (W^UK, the attention and W^UV in float32: three sums deep)
+
+
+def test_mla_self_attention_is_mla_attention_after_the_projections():
+    """Independent of the reference above: norm and RoPE by the exporter's own PyTorch functions
+    (exporters/model.py rms_norm, apply_rope), W^UK by einsum, then the MlaAttention op itself."""
+    import torch
+
+    from mtp_trt.exporters.model import apply_rope, rms_norm
+
+    b, s, h, dn, dl, dr, dv = 2, 3, 4, 16, 24, 8, 12
+    ins = mla_self_inputs(np.random.default_rng(9), b, s, h, dn, dl, dr, dv, 20, 0, None, True)
+    attrs = dict(heads=h, scale=0.2, eps=1e-6, interleave=1)
+    out, rows = run_node("MlaSelfAttention", ins, attrs, outputs=2)
+    cos, sin = (torch.from_numpy(ins[k])[torch.from_numpy(ins["positions"])] for k in ("cos", "sin"))
+    kv = torch.from_numpy(ins["kv"])
+    want_rows = torch.cat([rms_norm(kv[..., :dl], torch.from_numpy(ins["kv_norm"]), 1e-6),
+                           apply_rope(kv[..., dl:], cos, sin, True)], -1).numpy()
+    q = torch.from_numpy(ins["q"])
+    q_lat = torch.einsum("bshn,hnc->bshc", q[..., :h * dn].unflatten(-1, (h, dn)), torch.from_numpy(ins["w_uk"]))
+    q_pe = apply_rope(q[..., h * dn:].unflatten(-1, (h, dr)), cos[:, :, None], sin[:, :, None], True)
+    o_lat = run_node("MlaAttention", dict(q_lat=q_lat.flatten(-2).numpy(), q_pe=q_pe.flatten(-2).numpy(),
+                                          rows=want_rows, cache=ins["cache"], past_len=ins["past_len"]),
+                     dict(heads=h, scale=0.2))
+    want = np.einsum("bshc,hvc->bshv", o_lat.reshape(b, s, h, dl), ins["w_uv"]).reshape(b, s, h * dv)
+    close(rows, want_rows, 1e-6)
+    close(out, want, 1e-5)
+
+
+def test_mla_self_attention_rows_do_not_depend_on_their_neighbours():
+    """A token's outputs carry the same bits whether it runs alone or after others in the same call (a verify step's
+    rows equal a one-token step's): token 2 of a 3-token call against the same token alone with tokens 0 and 1
+    as committed cache rows."""
+    b, s, h, dn, dl, dr, dv, t = 1, 3, 4, 16, 24, 8, 12, 30
+    ins = mla_self_inputs(np.random.default_rng(4), b, s, h, dn, dl, dr, dv, t, 0, None, True)
+    ins["past_len"] = np.array([10], np.int32)
+    attrs = dict(heads=h, scale=0.2, eps=1e-6, interleave=1)
+    out, rows = run_node("MlaSelfAttention", ins, attrs, outputs=2)
+    one = {k: v for k, v in ins.items()}
+    one["cache"] = ins["cache"].copy()
+    one["cache"][0, 10:12] = rows[0, :2]
+    one.update(q=ins["q"][:, 2:], kv=ins["kv"][:, 2:], positions=ins["positions"][:, 2:],
+               past_len=np.array([12], np.int32))
+    out1, rows1 = run_node("MlaSelfAttention", one, attrs, outputs=2)
+    assert np.array_equal(rows1[0, 0], rows[0, 2]) and np.array_equal(out1[0, 0], out[0, 2])
+
+
+# ------------------------------------------------------------------------------------------ MtpAccept
+ACCEPT_CASES = [  # b, s, v, relaxed_topk, relaxed_delta
+    (1, 1, 384, None, None),  # a plain step: the argmax and its flag
+    (3, 4, 50, 0, 0.0),  # strict
+    (4, 5, 30, 3, 0.3),  # relaxed while thinking
+    (2, 3, 7, 7, 1.0),  # relaxed: every draft in range passes while thinking
+]
+
+
+@pytest.mark.parametrize("case", ACCEPT_CASES, ids=lambda c: "b{}-s{}-v{}-topk{}-delta{}".format(*c))
+def test_mtp_accept_matches_the_decomposed_acceptance(case):
+    """Against exporters/lowering.py accept_decomposed (the onnx lowering's own acceptance), with drafts that match
+    the argmax, ties in the logits (the first maximum wins), the think tokens among the drafts (0: <think>, 1:
+    </think>) and flags on and off."""
+    import torch
+
+    from mtp_trt.exporters.lowering import accept_decomposed
+
+    b, s, v, topk, delta = case
+    rng = np.random.default_rng(list(case[:3]))
+    logits = rng.standard_normal((b, s, v)).astype(np.float32)
+    logits[:, :, 5] = logits.max(-1)  # a tie with the maximum: the lower id is the argmax
+    ids = rng.integers(0, v, (b, s)).astype(np.int32)
+    best = logits.argmax(-1)
+    for bi in range(b):  # accept a prefix of varying length; think tokens inside it
+        n = bi % s
+        ids[bi, 1:n + 1] = best[bi, :n]
+    if s > 2:
+        ids[0, 1] = 0
+        logits[0, 0, 0] = logits[0, 0].max() + 1  # <think> accepted
+    thinking = (np.arange(b) % 2).astype(np.int32)
+    ins = dict(logits=logits, input_ids=ids, thinking=thinking,
+               relaxed_topk=None if topk is None else np.array(topk, np.int32),
+               relaxed_delta=None if delta is None else np.array(delta, np.float32))
+    got = run_node("MtpAccept", ins, dict(think_start_id=0, think_end_id=1), outputs=3, out_type=TensorProto.INT32)
+    t = torch.from_numpy
+    want = accept_decomposed(t(logits), t(ids), t(thinking), torch.tensor(topk or 0, dtype=torch.int32),
+                             torch.tensor(delta or 0.0), 0, 1)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w.numpy())
 
 
 # ------------------------------------------------------------------------------ threads and paths

@@ -205,6 +205,24 @@ def test_qmoe_matches_reference(case):
     close(y, qmoe_reference(ins, attrs, ref.qmatmul_float), QMOE_APPROX)
 
 
+def test_qmoe_without_routed_experts_is_a_dense_mlp_with_its_own_down_bits():
+    """No gate and no routed weights: a dense SwiGLU MLP (the quantized graphs' dense layers), its down-projection
+    at `down_bits` (8, as int4 exports keep the first layer's) while the up-projection takes `bits` (4)."""
+    rng = np.random.default_rng(12)
+    n, d, i, block = 3, 96, 40, 32
+    x = activations(rng, n, d)
+    (fc1, s1), (fc2, s2) = (quantize((rng.standard_normal(shape) * 0.1).astype(np.float32), Scheme(f"int{b}", block))
+                            for shape, b in (((2 * i, d), 4), ((d, i), 8)))
+    ins = dict(x=x, gate=None, bias=None, fc1=None, fc1_scales=None, fc2=None, fc2_scales=None, shared_fc1=fc1,
+               shared_fc1_scales=s1, shared_fc2=fc2, shared_fc2_scales=s2)
+    attrs = dict(top_k=0, n_group=1, topk_group=1, softmax=0, group_top2=0, norm_topk_prob=0,
+                 routed_scaling_factor=1.0, bits=4, block_size=block, down_bits=8)
+    y = session("QMoE", attrs, ins).run(None, {"x": x})[0]
+    h = ref.qmatmul(x, fc1, s1, k=d, bits=4, block_size=block)
+    a = (ref.silu(h[:, 0::2]) * h[:, 1::2]).astype(np.float32)
+    close(y, ref.qmatmul(a, fc2, s2, k=i, bits=8, block_size=block), QMOE_APPROX)
+
+
 # ------------------------------------------------------------------------------ threads and paths
 def test_any_thread_count_gives_the_same_bits():
     """Work is split by output rows (QMatMul) and by units and columns (QMoE), never within a sum: 1, 2 and 3
@@ -327,7 +345,7 @@ def test_bad_input_is_one_error_naming_the_op_and_input():
     ins = qmoe_inputs(rng, *case[:4], 8, attrs["bits"], attrs["block_size"])
     bad = ins | dict(fc2=ins["fc2"][:, :, :, :-1])
     with pytest.raises(invalid, match=r"QMoE: fc2 \[12, 72, 1, 31\] must be uint8 \[E, D, ceil\(I / block_size\), "
-                                      r"block_size \* bits / 8\] .* = \[12, 72, 1, 32\]"):
+                                      r"block_size \* down_bits / 8\] .* = \[12, 72, 1, 32\]"):
         session("QMoE", attrs, bad).run(None, {"x": ins["x"]})
     bad = ins | dict(shared_fc2=None, shared_fc2_scales=None)
     with pytest.raises(invalid, match=r"QMoE: shared_fc1, shared_fc1_scales, shared_fc2 and shared_fc2_scales come "

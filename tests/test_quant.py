@@ -122,7 +122,7 @@ def test_quantized_export_computes_the_reference_on_the_dequantized_weights(ckpt
         ref = load_checkpoint(rounded, max_positions=64)(torch.from_numpy(ids).long())[0].numpy()
     exact = ort_lib.session(dequantized_graph(out / "target.onnx")).run(["logits"], feed)[0]
     np.testing.assert_allclose(exact, ref, atol=1e-4, rtol=1e-4)
-    # As exported, the activations are rounded to int8 per 32 values: on this random model most positions stay
+    # As exported, the activations are rounded to int8 per 8 values: on this random model most positions stay
     # close and a few drift (ONNX Runtime's own MatMulNBits with int8 activations drifts the same way).
     quantized = ort_lib.session(str(out / "target.onnx")).run(["logits"], feed)[0]
     assert np.median(np.abs(quantized - ref)) < 0.02 * np.abs(ref).max()
@@ -145,18 +145,23 @@ def test_int4_keeps_a_few_weights_at_int8(param, int4_bits):
 
 
 def test_int4_export_stores_the_kept_weights_at_int8(ckpt, tmp_path):
-    """One int8 QMatMul per layer (q_a_proj fused with kv_a_proj_with_mqa), the first layer's dense down-projection
-    and the output head; every other QMatMul and the QMoE nodes at int4."""
+    """One int8 QMatMul per layer (q_a_proj fused with kv_a_proj_with_mqa) and the output head, the first layer's
+    dense MLP (one QMoE node without routed experts) with its down-projection at int8; every other QMatMul and the
+    QMoE nodes at int4."""
     import onnx
 
     out = export(ckpt, tmp_path / "exp", nextn=1, max_seq_len=64, trees="none", quant_scheme="int4")
     cfg = Manifest.load(out).config
     graph = onnx.load(str(out / "target.onnx"), load_external_data=False).graph
-    bits = [(n.op_type, next(a.i for a in n.attribute if a.name == "bits")) for n in graph.node
+    attr = lambda n, name: next((a.i for a in n.attribute if a.name == name), None)  # noqa: E731
+    bits = [(n.op_type, attr(n, "bits"), attr(n, "down_bits"), n.input[1] == "") for n in graph.node
             if n.op_type in ("QMatMul", "QMoE", "GatherBlockQuantized")]
-    dense_first = cfg.first_k_dense_replace > 0
-    assert bits.count(("QMatMul", 8)) == cfg.num_hidden_layers + dense_first + 1
-    assert ("QMatMul", 4) in bits and ("QMoE", 4) in bits and ("QMoE", 8) not in bits
+    assert sum(b[:2] == ("QMatMul", 8) for b in bits) == cfg.num_hidden_layers + 1
+    dense = [b for b in bits if b[0] == "QMoE" and b[3]]  # (no gate: a dense MLP)
+    assert len(dense) == cfg.first_k_dense_replace and (not dense or dense[0][1:3] == (4, 8))
+    assert all(b[1:3] == (4, None) for b in dense[1:])
+    assert ("QMatMul", 4, None, False) in bits and ("QMoE", 4, None, False) in bits
+    assert not any(b[0] == "QMoE" and b[1] == 8 for b in bits)
 
 
 def test_quantized_weights_are_smaller(ckpt, tmp_path):

@@ -517,6 +517,24 @@ const char* index_path_name() {
     return names[int(index_path())];
 }
 
+void rms_norm_row(const float* x, size_t n, const float* w, float eps, float* y) {
+    float ss = 0.f;
+    for (size_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    const float r = 1.f / std::sqrt(ss / float(n) + eps);
+    for (size_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+void rope_heads(float* x, size_t heads, size_t ld, size_t dr, const float* cos, const float* sin, bool interleave) {
+    const size_t half = dr / 2, step = interleave ? 2 : 1, other = interleave ? 1 : half;
+    for (size_t h = 0; h < heads; ++h)
+        for (size_t i = 0; i < half; ++i) {
+            float* a = x + h * ld + i * step;
+            const float x1 = a[0], x2 = a[other];
+            a[0] = x1 * cos[i] - x2 * sin[i];
+            a[other] = x2 * cos[i] + x1 * sin[i];
+        }
+}
+
 void swiglu_pairs(const float* h, size_t m, size_t ldh, size_t units, float* a, size_t lda) {
     if (use_avx2()) return swiglu_pairs_avx2(h, m, ldh, units, a, lda);
     for (size_t i = 0; i < m; ++i)
@@ -575,13 +593,14 @@ void route_token(const float* logits, size_t n_experts, bool softmax_scoring, co
 namespace {
 
 // One activation row quantized for a weight format (quantize_rows), in groups of 4 blocks of 32 values (the
-// row zero-padded to whole groups).  A lane is 4 bytes of a weight row (8 values at 4 bits, 4 at 8 bits): the
-// vector kernels' int32 products come out one per lane (qkernels_impl.h).
+// row zero-padded to whole groups), each 8 values with a scale of their own.  A lane is 4 bytes of a
+// weight row (8 values at 4 bits, 4 at 8 bits): the vector kernels' int32 products come out one per lane
+// (qkernels_impl.h), so a lane never spans two activation scales or two weight blocks.
 //   q      int8  [groups * 128]  8 bits: in x's order; 4 bits: each group's even elements, block by block, then
 //                                its odd ones -- the order of a weight vector's low nibbles, then its high ones
-//   corr   int32 [lanes]         -z * (the sum of q over each weight block's values in an activation block), in
-//                                the first lane of those values (z = 2^(bits-1)); 0 elsewhere
-//   scale  float [lanes]         each lane's activation block's scale
+//   corr   int32 [lanes]         -z * (the sum of q over each 8 values), in the first lane of those values
+//                                (z = 2^(bits-1)); 0 elsewhere
+//   scale  float [lanes]         the scale of each lane's 8 values
 // rows `bytes` apart.  The layout and the kernels belong together.
 struct QAct {
     size_t groups, lanes, corr_at, scale_at, bytes;
@@ -614,35 +633,37 @@ QPath qpath() {
     return path;
 }
 
-// Block kb's lanes (`bits` of them): its scale, and the zero-point correction of its 16-value halves' sums
-// s0, s1 -- one sum in the first lane for weight blocks of >= 32 values, else each half's in its first lane.
-void store_lanes(float scale, int32_t s0, int32_t s1, size_t kb, const QWeights& w, const QAct& a, uint8_t* row) {
+// Block kb's lanes (`bits` of them): each 8 values' scale in their lanes, and the zero-point correction of their
+// sum in the first of them.
+void store_lanes(const float* scale, const int32_t* sum, size_t kb, const QWeights& w, const QAct& a,
+                 uint8_t* row) {
     const int32_t z = 1 << (w.bits - 1);
-    const size_t n = size_t(w.bits), lane = kb * n;
+    const size_t n = size_t(w.bits), lane = kb * n, per = n / 4;  // lanes per 8 values
     int32_t* corr = reinterpret_cast<int32_t*>(row + a.corr_at) + lane;
+    float* scales = reinterpret_cast<float*>(row + a.scale_at) + lane;
     std::fill(corr, corr + n, 0);
-    if (w.block > 16) {
-        corr[0] = -z * (s0 + s1);
-    } else {
-        corr[0] = -z * s0, corr[n / 2] = -z * s1;
+    for (size_t g = 0; g < 4; ++g) {
+        corr[g * per] = -z * sum[g];
+        std::fill_n(scales + g * per, per, scale[g]);
     }
-    std::fill_n(reinterpret_cast<float*>(row + a.scale_at) + lane, n, scale);
 }
 
-// Block kb of a row of k values: scale = max|x| / 127, q = round-half-even(x / scale), zeros past k.
+// Block kb of a row of k values, each 8 values by their own scale = max|x| / 127: q = round-half-even(x / scale),
+// zeros past k.
 void quantize_block_scalar(const float* x, size_t k, size_t kb, const QWeights& w, const QAct& a, uint8_t* row) {
     float v[32];
     for (size_t t = 0; t < 32; ++t) v[t] = kb * 32 + t < k ? x[kb * 32 + t] : 0.f;
-    float amax = 0.f;
-    for (float f : v) amax = std::max(amax, std::fabs(f));
-    const float s = amax / 127.f;
-    int32_t sum[2] = {0, 0};
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    for (size_t t = 0; t < 32; ++t) s[t / 8] = std::max(s[t / 8], std::fabs(v[t]));
+    for (float& f : s) f /= 127.f;
+    int32_t sum[4] = {0, 0, 0, 0};
     for (size_t t = 0; t < 32; ++t) {
-        const int8_t q = s > 0.f ? int8_t(std::clamp(std::nearbyint(v[t] / s), -127.f, 127.f)) : int8_t(0);
+        const float sh = s[t / 8];
+        const int8_t q = sh > 0.f ? int8_t(std::clamp(std::nearbyint(v[t] / sh), -127.f, 127.f)) : int8_t(0);
         reinterpret_cast<int8_t*>(row)[QAct::at(kb, t, w.bits)] = q;
-        sum[t / 16] += q;
+        sum[t / 8] += q;
     }
-    store_lanes(s, sum[0], sum[1], kb, w, a, row);
+    store_lanes(s, sum, kb, w, a, row);
 }
 
 AVX2 inline int32_t hsum_epi32(__m256i v) {
@@ -663,31 +684,24 @@ AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeight
         src = pad;
     }
     __m256 v[4];
-    __m256 m = _mm256_setzero_ps();
-    for (int t = 0; t < 4; ++t) {
+    float s[4];
+    for (int t = 0; t < 4; ++t) {  // each 8 values their own scale
         v[t] = _mm256_loadu_ps(src + 8 * t);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[t]));
+        __m256 m = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[t]);
+        m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+        s[t] = _mm256_cvtss_f32(m) / 127.f;
     }
-    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
-    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
-    const float s = _mm256_cvtss_f32(m) / 127.f;
-    if (!(s > 0.f)) {
-        if (w.bits == 8) {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 32 * kb), _mm256_setzero_si256());
-        } else {
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 0, 4)), _mm_setzero_si128());
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 1, 4)), _mm_setzero_si128());
-        }
-        return store_lanes(0.f, 0, 0, kb, w, a, row);
-    }
-    const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
     __m256i q[4];
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < 4; ++t) {  // 8 zeros: any nonzero divisor gives zeros
+        const __m256 sv = _mm256_set1_ps(s[t] > 0.f ? s[t] : 1.f);
         const __m256 r = _mm256_round_ps(_mm256_div_ps(v[t], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         q[t] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     }
-    store_lanes(s, hsum_epi32(_mm256_add_epi32(q[0], q[1])), hsum_epi32(_mm256_add_epi32(q[2], q[3])), kb, w, a, row);
+    const int32_t sum[4] = {hsum_epi32(q[0]), hsum_epi32(q[1]), hsum_epi32(q[2]), hsum_epi32(q[3])};
+    store_lanes(s, sum, kb, w, a, row);
     // packs interleave the 128-bit lanes: dwords come out as 0 2 4 6 1 3 5 7 of the natural order
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -700,11 +714,11 @@ AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeight
     _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 1, 4)), _mm256_extracti128_si256(p, 1));
 }
 
-// The integer dot product of elements [16 h, 16 h + 16) of activation block kb with weight row wr.
-int32_t half_dot_scalar(const int8_t* xq, const uint8_t* wr, size_t kb, size_t h, int bits) {
+// The integer dot product of elements [8 g, 8 g + 8) of activation block kb with weight row wr.
+int32_t part_dot_scalar(const int8_t* xq, const uint8_t* wr, size_t kb, size_t g, int bits) {
     int32_t dot = 0;
     const int z = 1 << (bits - 1);
-    for (size_t e = 16 * h; e < 16 * h + 16; ++e) {
+    for (size_t e = 8 * g; e < 8 * g + 8; ++e) {
         const uint8_t byte = bits == 4 ? wr[16 * kb + e / 2] : wr[32 * kb + e];
         const int u = bits == 8 ? byte : e % 2 ? byte >> 4 : byte & 15;
         dot += xq[QAct::at(kb, e, bits)] * (u - z);
@@ -723,18 +737,10 @@ void qrows_dot_scalar(const uint8_t* qx, size_t m, const QWeights& w, size_t n, 
             const uint8_t* wr = w.data + j * w.row_bytes();
             const float* ws = w.scales + j * w.blocks();
             float acc = 0.f;
-            for (size_t kb = 0; kb < n32; ++kb) {
-                const bool two = 32 * kb + 16 < kp;  // (the last block of 16 may be alone)
-                const int32_t d0 = half_dot_scalar(xq, wr, kb, 0, w.bits);
-                const int32_t d1 = two ? half_dot_scalar(xq, wr, kb, 1, w.bits) : 0;
-                const float x_scale = xs[kb * size_t(w.bits)];
-                if (w.block == 16) {
-                    acc += float(d0) * x_scale * ws[2 * kb];
-                    if (two) acc += float(d1) * x_scale * ws[2 * kb + 1];
-                } else {
-                    acc += float(d0 + d1) * x_scale * ws[32 * kb / w.block];
-                }
-            }
+            for (size_t kb = 0; kb < n32; ++kb)
+                for (size_t g = 0; g < 4 && 32 * kb + 8 * g < kp; ++g)  // (the last block of 16 may be alone)
+                    acc += float(part_dot_scalar(xq, wr, kb, g, w.bits)) * xs[kb * size_t(w.bits) + g * size_t(w.bits) / 4] *
+                           ws[(32 * kb + 8 * g) / w.block];
             y[i * ldy + j] = acc;
         }
     }

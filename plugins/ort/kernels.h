@@ -39,6 +39,14 @@ void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float s
 void mla_attend_rows(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* const* keys,
                      size_t n, float* scores, float* out, size_t ldo);
 
+// RMSNorm of one row of n values: y = w * x / sqrt(mean(x^2) + eps) (y may be x).
+void rms_norm_row(const float* x, size_t n, const float* w, float eps, float* y);
+
+// RoPE in place on `heads` vectors of dr values (ld apart) at one position: cos/sin [dr / 2] the position's
+// table rows; interleave: pairs (2i, 2i + 1) (DeepSeek's layout), else (i, i + dr / 2).  The products and sums of
+// exporters/model.py apply_rope: (x1 cos - x2 sin, x2 cos + x1 sin).
+void rope_heads(float* x, size_t heads, size_t ld, size_t dr, const float* cos, const float* sin, bool interleave);
+
 // DeepSeek Sparse Attention's lightning indexer for one query token over n key rows (row t: di floats at
 // keys + t * ld): I[t] = sum_j w[j] * max(0, scale * q[j] . k_t) for heads j < heads, q [heads, di].
 // Fused: each tile of rows is scored for every head at once, no [heads, n] product is kept.
@@ -82,14 +90,14 @@ struct QWeights {
     QWeights from_row(size_t j) const { return {data + j * row_bytes(), scales + j * blocks(), k, block, bits}; }
 };
 
-// Activation rows quantized to int8 for the products with one weight format: per 32 values, scale =
-// max|x| / 127 and q = round-half-even(x / scale) (a zero block: scale 0, q 0), K zero-padded to the
-// weight's padded K.  A row takes qrow_bytes(w) bytes, laid out as qrows_dot wants them (kernels.cpp).
+// Activation rows quantized to int8 for the products with one weight format: per 8 values, scale =
+// max|x| / 127 and q = round-half-even(x / scale) (8 zeros: scale 0, q 0), K zero-padded to the weight's padded
+// K.  A row takes qrow_bytes(w) bytes, laid out as qrows_dot wants them (kernels.cpp).
 size_t qrow_bytes(const QWeights& w);
 void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint8_t* qx);
 
-// y[i * ldy + j] = sum over blocks of (x's scale * w's scale * sum(xq * wq)) for i < m rows of qx
-// (qrow_bytes(w) apart) and j < n rows of w; each block's sum of integer products is exact.
+// y[i * ldy + j] = sum over 8-value parts of (x's scale * w's scale * sum(xq * wq)) for i < m rows of qx
+// (qrow_bytes(w) apart) and j < n rows of w; each part's sum of integer products is exact.
 void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy);
 
 // The instruction set of the quantized products: "scalar", "avx2", "avx-vnni" or "avx512-vnni" (chosen once

@@ -2,28 +2,39 @@
 // SessionOptions.register_custom_ops_library loads (plugins/ort_lib.py builds and finds it).  The onnx lowering
 // uses them in the decode-step graphs (exporters/ort_ops.py), where few rows pass through each layer:
 //
-//   MoE(x [..., D], gate [E, D], bias [E]?, fc1 [E, 2I, D], fc2 [E, D, I], shared_fc1 [2Is, D]?, shared_fc2 [D, Is]?)
-//                                                                   -> [..., D]       (DeepSeekMoE, router included)
+//   MoE(x [..., D], gate [E, D]?, bias [E]?, fc1 [E, 2I, D]?, fc2 [E, D, I]?, shared_fc1 [2Is, D]?, shared_fc2 [D, Is]?)
+//                                                                   -> [..., D]       (DeepSeekMoE, router included;
+//                                                                      without gate, fc1, fc2: a dense SwiGLU MLP)
 //   MlaAttention(q_lat [B, S, H*Dl], q_pe [B, S, H*Dr], rows [B, R, C], cache [B, T, C], past_len [B] int32,
 //                visible [B|1, S, R] bool?, selected [B, S, K] int32?)
 //                                                                   -> [B, S, H*Dl]   (absorbed MLA, C >= Dl + Dr)
+//   MlaSelfAttention(q [B, S, H*F + H*Dr], kv [B, S, Dl+Dr], kv_norm [Dl], positions [B, S] int64, cos [P, Dr/2],
+//                    sin [P, Dr/2], cache [B, T, Dl+Dr], past_len [B] int32, extra [B, R, Dl+Dr]?,
+//                    visible [B|1, S, R+S] bool?, w_uk [H, Dn, Dl]?, w_uv [H, Dv, Dl]?)
+//                                                                   -> [B, S, H*Dv or H*Dl], new rows [B, S, Dl+Dr]
+//                                                                      (MLA from the projections to W^UV)
+//   MtpAccept(logits [B, S, V], input_ids [B, S] int32, thinking [B] int32, relaxed_topk [] int32?,
+//             relaxed_delta [] float?)  -> accepted_tokens [B, S], num_accepted [B], thinking_out [B] (int32)
+//                                                                      (draft acceptance, exporters/lowering.py's)
 //   LightningIndexer(q [B, S, Hi*Di], weights [B, S, Hi], rows [B, R, C], cache [B, T, C], past_len [B] int32,
 //                    visible [B|1, S, R] bool?)                    -> [B, S, K] int32 (DSA's top-k rows)
 //   QMatMul(x [..., K], w uint8 [N, K/bs, blob], scales [N, K/bs]) -> [..., N]       (x W^T, W quantized)
 //   QMoE(x, gate, bias?, fc1 uint8 [E, 2I, D/bs, blob], fc1_scales [E, 2I, D/bs], fc2 uint8 [E, D, I/bs, blob],
 //        fc2_scales [E, D, I/bs], shared_fc1 [2Is, D/bs, blob]?, shared_fc1_scales?, shared_fc2 [D, Is/bs, blob]?,
-//        shared_fc2_scales?)                                        -> [..., D]       (MoE, experts quantized)
+//        shared_fc2_scales?)                                        -> [..., D]       (MoE, experts quantized;
+//                                                                      routed ones optional as MoE's)
 //
 // fc1 holds each expert's gate and up rows interleaved (row 2j = gate_j, 2j + 1 = up_j); all weights are in
 // nn.Linear's [out, in] layout and are read in place.  Quantized weights are mtp_trt/quant.py's format
 // (MatMulNBits' layout: K/bs = ceil(K / block_size) blocks of blob = block_size * bits / 8 bytes, no zero
-// points); their products take int8 activations, quantized per 32 values (as MatMulNBits' accuracy_level 4).  Attributes and semantics: docs/architecture.md ("CPU
+// points); their products take int8 activations, quantized per 8 values (MatMulNBits' accuracy_level 4 takes 32).  Attributes and semantics: docs/architecture.md ("CPU
 // operators").  The arithmetic is in kernels.cpp; this file checks shapes, splits the work over ONNX Runtime's
 // intra-op threads (KernelContext_ParallelFor) and reports bad input as an ONNX Runtime error naming the op,
 // input and shape.
 #include <onnxruntime_c_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -263,19 +274,20 @@ struct Expert {
 // (1) every expert's fc1 rows in chunks (gate/up pairs kept together) -> activations, (2) the output
 // columns in chunks, each over every expert's fc2 rows of those columns (threads write disjoint columns).
 // Quantized experts quantize x once for all of them, and each expert's activations between the passes.
-OrtStatus* run_experts(const Call& c, const Matvec& mv, std::vector<Expert>& experts, const float* x,
-                       size_t n_tokens, size_t d, float* y) {
-    const size_t xb = mv.row_bytes(d);
+// `up` is fc1's format, `down` fc2's (a dense MLP's down-projection may keep more bits than its up-projection).
+OrtStatus* run_experts(const Call& c, const Matvec& up_mv, const Matvec& down_mv, std::vector<Expert>& experts,
+                       const float* x, size_t n_tokens, size_t d, float* y) {
+    const size_t xb = up_mv.row_bytes(d);
     std::vector<uint8_t> xall;
     const uint8_t* xp = reinterpret_cast<const uint8_t*>(x);
-    if (mv.bits) {
+    if (up_mv.bits) {
         xall.resize(n_tokens * xb);
-        MTP_RETURN_IF(quantize_parallel(c, x, n_tokens, d, mv.format({}, d, 0), xall.data()));
+        MTP_RETURN_IF(quantize_parallel(c, x, n_tokens, d, up_mv.format({}, d, 0), xall.data()));
         xp = xall.data();
     }
     size_t bytes = 0, floats = 0;  // per call: small (tokens x (D + I) per selected expert)
     for (const Expert& e : experts) {
-        bytes += e.tokens.size() * (xb + (mv.bits ? mv.row_bytes(e.units) : 0));
+        bytes += e.tokens.size() * (xb + (down_mv.bits ? down_mv.row_bytes(e.units) : 0));
         floats += e.tokens.size() * e.units;
     }
     std::vector<uint8_t> buf(bytes);
@@ -286,8 +298,8 @@ OrtStatus* run_experts(const Call& c, const Matvec& mv, std::vector<Expert>& exp
         const size_t m = e.tokens.size();
         e.xs = p, p += m * xb;
         e.act = pa, pa += m * e.units;
-        e.as = mv.bits ? p : reinterpret_cast<uint8_t*>(e.act);
-        p += mv.bits ? m * mv.row_bytes(e.units) : 0;
+        e.as = down_mv.bits ? p : reinterpret_cast<uint8_t*>(e.act);
+        p += down_mv.bits ? m * down_mv.row_bytes(e.units) : 0;
         for (size_t r = 0; r < m; ++r) std::memcpy(e.xs + r * xb, xp + size_t(e.tokens[r]) * xb, xb);
     }
     struct Item {
@@ -304,14 +316,14 @@ OrtStatus* run_experts(const Call& c, const Matvec& mv, std::vector<Expert>& exp
         const Expert& e = *it.e;
         const size_t m = e.tokens.size(), rows = 2 * (it.u1 - it.u0);
         float* h = scratch(m * rows);
-        mv.dot(e.xs, m, d, e.fc1, 2 * it.u0, rows, h);
+        up_mv.dot(e.xs, m, d, e.fc1, 2 * it.u0, rows, h);
         swiglu_pairs(h, m, rows, it.u1 - it.u0, e.act + it.u0, e.units);
     };
     MTP_RETURN_IF(c.parallel(items.size(), up));
-    if (mv.bits) {
+    if (down_mv.bits) {
         auto quantize = [&](size_t i) {
             const Expert& e = experts[i];
-            quantize_rows(e.act, e.tokens.size(), e.units, mv.format({}, e.units, 0), e.as);
+            quantize_rows(e.act, e.tokens.size(), e.units, down_mv.format({}, e.units, 0), e.as);
         };
         MTP_RETURN_IF(c.parallel(experts.size(), quantize));
     }
@@ -322,7 +334,7 @@ OrtStatus* run_experts(const Call& c, const Matvec& mv, std::vector<Expert>& exp
         for (const Expert& e : experts) {
             const size_t m = e.tokens.size();
             float* out = scratch(m * cols);
-            mv.dot(e.as, m, e.units, e.fc2, d0, cols, out);
+            down_mv.dot(e.as, m, e.units, e.fc2, d0, cols, out);
             for (size_t r = 0; r < m; ++r) {
                 float* yr = y + size_t(e.tokens[r]) * d + d0;
                 const float g = e.gates[r];
@@ -368,9 +380,10 @@ struct Router {
     // x [..., D] and the router's inputs; d: D.
     OrtStatus* check(const Call& c, const View& x, const View& gate, const View& bias, int64_t* d) const {
         MTP_RETURN_IF(need_float(c, x, "x", 0));
-        MTP_RETURN_IF(need_float(c, gate, "gate", 2));
         *d = x.shape.empty() ? -1 : x.dim(-1);
         if (*d < 1) return c.error("x " + x.str() + " must be [..., D] with D >= 1");
+        if (!gate.present) return nullptr;  // no routed experts (a dense MLP): checked by the caller
+        MTP_RETURN_IF(need_float(c, gate, "gate", 2));
         const int64_t n_exp = gate.dim(0);
         if (gate.dim(1) != *d) return c.error("gate " + gate.str() + " must be [E, D] with D = " + std::to_string(*d));
         if (bias.present && (bias.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || bias.size() != n_exp))
@@ -412,6 +425,17 @@ struct Router {
     }
 };
 
+// Routed experts: the gate and every routed weight input, or none of them (a dense MLP: the shared experts alone,
+// which are then required).
+OrtStatus* routed_present(const Call& c, const View& gate, std::initializer_list<const View*> routed,
+                          const View& shared) {
+    for (const View* v : routed)
+        if (v->present != gate.present)
+            return c.error("gate and the routed experts' weights come together (all, or none for a dense MLP)");
+    if (!gate.present && !shared.present) return c.error("without routed experts the shared ones are required");
+    return nullptr;
+}
+
 struct MoEKernel : Router {
     using Router::Router;
 
@@ -421,33 +445,49 @@ struct MoEKernel : Router {
         for (size_t i = 0; i < 7; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
         int64_t d = 0;
         MTP_RETURN_IF(check(c, x, gate, bias, &d));
-        MTP_RETURN_IF(need_float(c, fc1, "fc1", 3));
-        MTP_RETURN_IF(need_float(c, fc2, "fc2", 3));
-        const int64_t n_exp = gate.dim(0);
-        if (fc1.dim(0) != n_exp || fc2.dim(0) != n_exp || fc1.dim(2) != d || fc2.dim(1) != d ||
-            fc1.dim(1) != 2 * fc2.dim(2))
-            return c.error("fc1 " + fc1.str() + " and fc2 " + fc2.str() + " must be [E, 2I, D] and [E, D, I], E = " +
-                           std::to_string(n_exp) + ", D = " + std::to_string(d));
+        MTP_RETURN_IF(routed_present(c, gate, {&fc1, &fc2}, sfc1));
+        if (gate.present) {
+            MTP_RETURN_IF(need_float(c, fc1, "fc1", 3));
+            MTP_RETURN_IF(need_float(c, fc2, "fc2", 3));
+            const int64_t n_exp = gate.dim(0);
+            if (fc1.dim(0) != n_exp || fc2.dim(0) != n_exp || fc1.dim(2) != d || fc2.dim(1) != d ||
+                fc1.dim(1) != 2 * fc2.dim(2))
+                return c.error("fc1 " + fc1.str() + " and fc2 " + fc2.str() + " must be [E, 2I, D] and [E, D, I], E = " +
+                               std::to_string(n_exp) + ", D = " + std::to_string(d));
+        }
         if (sfc1.present != sfc2.present) return c.error("shared_fc1 and shared_fc2 come together");
         if (sfc1.present) MTP_RETURN_IF(check_mlp(c, sfc1, sfc2, d, "shared_fc1", "shared_fc2"));
         float* y = nullptr;
         MTP_RETURN_IF(c.output(0, x.shape, &y));
-        const size_t n = size_t(x.size() / d), units = size_t(fc2.dim(2)), ud = units * size_t(d);
-        std::vector<Expert> experts = route(x, gate, bias, units, [&](size_t e) {
-            return std::pair<Weight, Weight>{{fc1.f() + e * 2 * ud}, {fc2.f() + e * ud}};
-        });
+        const size_t n = size_t(x.size() / d);
+        std::vector<Expert> experts;
+        if (gate.present) {
+            const size_t units = size_t(fc2.dim(2)), ud = units * size_t(d);
+            experts = route(x, gate, bias, units, [&](size_t e) {
+                return std::pair<Weight, Weight>{{fc1.f() + e * 2 * ud}, {fc2.f() + e * ud}};
+            });
+        }
         if (sfc1.present) experts.push_back(all_tokens({sfc1.f()}, {sfc2.f()}, size_t(sfc2.dim(1)), n));
-        return run_experts(c, Matvec{}, experts, x.f(), n, size_t(d), y);
+        return run_experts(c, Matvec{}, Matvec{}, experts, x.f(), n, size_t(d), y);
     }
 };
 
-// MoE with quantized expert weights: inputs x, gate, bias?, fc1, fc1_scales, fc2, fc2_scales, shared_fc1?,
-// shared_fc1_scales?, shared_fc2?, shared_fc2_scales?.
+// MoE with quantized expert weights: inputs x, gate?, bias?, fc1?, fc1_scales?, fc2?, fc2_scales?, shared_fc1?,
+// shared_fc1_scales?, shared_fc2?, shared_fc2_scales?.  Attribute down_bits (optional, default bits): the fc2
+// matrices' bits (a dense MLP's down-projection may keep 8 bits under 4-bit weights).
 struct QMoEKernel : Router {
-    int64_t bits = 0, block = 0;
+    int64_t bits = 0, block = 0, down_bits = 0;
 
     QMoEKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) : Router(api, info, status) {
         if (!*status) *status = quant_attrs(api, info, "QMoE", &bits, &block);
+        if (*status) return;
+        if (OrtStatus* absent = attr_int(api, info, "down_bits", &down_bits)) {
+            api->ReleaseStatus(absent);
+            down_bits = bits;
+        }
+        if (down_bits != 4 && down_bits != 8)
+            *status = api->CreateStatus(ORT_INVALID_ARGUMENT, ("mtp_trt.cpu::QMoE: down_bits " +
+                                                               std::to_string(down_bits) + ": expected 4 or 8").c_str());
     }
 
     OrtStatus* compute(const Call& c) const {
@@ -456,15 +496,18 @@ struct QMoEKernel : Router {
         for (size_t i = 0; i < 11; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
         int64_t d = 0;
         MTP_RETURN_IF(check(c, x, gate, bias, &d));
-        const int64_t n_exp = gate.dim(0), blob = block * bits / 8;
+        MTP_RETURN_IF(routed_present(c, gate, {&fc1, &fc1s, &fc2, &fc2s}, sfc1));
+        const int64_t n_exp = gate.present ? gate.dim(0) : 0, blob = block * bits / 8, blob2 = block * down_bits / 8;
         auto blocks = [&](int64_t k) { return (k + block - 1) / block; };
         const int64_t i2 = fc1.shape.size() == 4 ? fc1.dim(1) : -1;
-        if (i2 < 2 || i2 % 2)
-            return c.error("fc1 " + fc1.str() + " must be uint8 [E, 2I, ceil(D / block_size), block_size * bits / 8]");
-        MTP_RETURN_IF(check_q(c, fc1, fc1s, "fc1", "fc1_scales", {n_exp, i2, blocks(d), blob},
-                              "[E, 2I, ceil(D / block_size), block_size * bits / 8]"));
-        MTP_RETURN_IF(check_q(c, fc2, fc2s, "fc2", "fc2_scales", {n_exp, d, blocks(i2 / 2), blob},
-                              "[E, D, ceil(I / block_size), block_size * bits / 8] (2I = fc1's dim 1)"));
+        if (gate.present) {
+            if (i2 < 2 || i2 % 2)
+                return c.error("fc1 " + fc1.str() + " must be uint8 [E, 2I, ceil(D / block_size), block_size * bits / 8]");
+            MTP_RETURN_IF(check_q(c, fc1, fc1s, "fc1", "fc1_scales", {n_exp, i2, blocks(d), blob},
+                                  "[E, 2I, ceil(D / block_size), block_size * bits / 8]"));
+            MTP_RETURN_IF(check_q(c, fc2, fc2s, "fc2", "fc2_scales", {n_exp, d, blocks(i2 / 2), blob2},
+                                  "[E, D, ceil(I / block_size), block_size * down_bits / 8] (2I = fc1's dim 1)"));
+        }
         const View* shared[] = {&sfc1, &sfc1s, &sfc2, &sfc2s};
         const int present = int(std::count_if(shared, shared + 4, [](const View* v) { return v->present; }));
         if (present % 4)
@@ -476,23 +519,28 @@ struct QMoEKernel : Router {
                                " must be uint8 [2Is, ceil(D / block_size), block_size * bits / 8]");
             MTP_RETURN_IF(check_q(c, sfc1, sfc1s, "shared_fc1", "shared_fc1_scales", {s2, blocks(d), blob},
                                   "[2Is, ceil(D / block_size), block_size * bits / 8]"));
-            MTP_RETURN_IF(check_q(c, sfc2, sfc2s, "shared_fc2", "shared_fc2_scales", {d, blocks(s2 / 2), blob},
-                                  "[D, ceil(Is / block_size), block_size * bits / 8] (2Is = shared_fc1's dim 0)"));
+            MTP_RETURN_IF(check_q(c, sfc2, sfc2s, "shared_fc2", "shared_fc2_scales", {d, blocks(s2 / 2), blob2},
+                                  "[D, ceil(Is / block_size), block_size * down_bits / 8] (2Is = shared_fc1's dim 0)"));
         }
         float* y = nullptr;
         MTP_RETURN_IF(c.output(0, x.shape, &y));
-        const size_t n = size_t(x.size() / d), units = size_t(i2 / 2);
-        const size_t b1 = size_t(blocks(d)), b2 = size_t(blocks(i2 / 2)), rows1 = size_t(i2), rows2 = size_t(d);
+        const size_t n = size_t(x.size() / d);
         auto q = [](const View& v) { return static_cast<const uint8_t*>(v.data); };
-        std::vector<Expert> experts = route(x, gate, bias, units, [&](size_t e) {
-            return std::pair<Weight, Weight>{
-                {nullptr, q(fc1) + e * rows1 * b1 * size_t(blob), fc1s.f() + e * rows1 * b1},
-                {nullptr, q(fc2) + e * rows2 * b2 * size_t(blob), fc2s.f() + e * rows2 * b2}};
-        });
+        std::vector<Expert> experts;
+        if (gate.present) {
+            const size_t units = size_t(i2 / 2), b1 = size_t(blocks(d)), b2 = size_t(blocks(i2 / 2));
+            const size_t rows1 = size_t(i2), rows2 = size_t(d);
+            experts = route(x, gate, bias, units, [&](size_t e) {
+                return std::pair<Weight, Weight>{
+                    {nullptr, q(fc1) + e * rows1 * b1 * size_t(blob), fc1s.f() + e * rows1 * b1},
+                    {nullptr, q(fc2) + e * rows2 * b2 * size_t(blob2), fc2s.f() + e * rows2 * b2}};
+            });
+        }
         if (present)
             experts.push_back(
                 all_tokens({nullptr, q(sfc1), sfc1s.f()}, {nullptr, q(sfc2), sfc2s.f()}, size_t(s2 / 2), n));
-        return run_experts(c, Matvec{int(bits), size_t(block)}, experts, x.f(), n, size_t(d), y);
+        return run_experts(c, Matvec{int(bits), size_t(block)}, Matvec{int(down_bits), size_t(block)}, experts, x.f(),
+                           n, size_t(d), y);
     }
 };
 
@@ -543,6 +591,12 @@ struct Rows {
     }
 };
 
+// The attention's work items: one per query token, its heads split further where there are few tokens (decode), into
+// groups of at least two heads (the score and value products take two heads per pass over the rows).
+size_t head_splits(size_t tokens, size_t heads) {
+    return tokens >= 4 ? 1 : std::min<size_t>(std::max<size_t>(heads / 2, 1), (4 + tokens - 1) / tokens);
+}
+
 // Reusable per-thread table of row pointers (DeepSeek Sparse Attention's selected rows).
 const float** row_table(size_t n) {
     thread_local std::vector<const float*> buf;
@@ -581,8 +635,7 @@ struct MlaAttentionKernel {
         float* out = nullptr;
         MTP_RETURN_IF(c.output(0, {b, s_len, h * dl}, &out));
         const size_t tokens = size_t(b * s_len), n_ch = size_t(ch), ld = size_t(in.c);
-        // one task per query token, its heads split further where there are few tokens (decode)
-        const size_t splits = tokens >= 4 ? 1 : std::min<size_t>(size_t(h), (4 + tokens - 1) / tokens);
+        const size_t splits = head_splits(tokens, size_t(h));
         const size_t per = (size_t(h) + splits - 1) / splits;
         auto work = [&](size_t item) {
             const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
@@ -625,6 +678,217 @@ struct MlaAttentionKernel {
             if (p[i] < -1 || p[i] >= in.t_len + in.r_len)
                 return c.error("selected holds row " + std::to_string(p[i]) + ", outside -1 .. T + R - 1 = " +
                                std::to_string(in.t_len + in.r_len - 1));
+        return nullptr;
+    }
+};
+
+// ------------------------------------------------------------------------------------- MlaSelfAttention
+// MLA from the projections' outputs to W^UV in one node (exporters/ort_ops.py CpuMlaSelfOp): the new latent rows
+// (c_kv RMS-normed, k_pe roped at each token's position: output 1, the rows the runtime commits), each head's
+// query (q_pe roped; the nope part absorbed through W^UK unless the export folded it into q's projection), MlaAttention's
+// attention over the cached rows, the extra rows and the new ones, and W^UV on each head's output (unless folded
+// into the output projection).  Everything per query token: a token gets the same bits however many run beside it.
+struct MlaSelfAttentionKernel {
+    int64_t heads = 0, interleave = 1;
+    float scale = 1.f, eps = 1e-6f;
+
+    MlaSelfAttentionKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
+        OrtStatus* s = attr_int(api, info, "heads", &heads);
+        if (!s) s = attr_int(api, info, "interleave", &interleave);
+        if (!s) s = attr_float(api, info, "scale", &scale);
+        if (!s) s = attr_float(api, info, "eps", &eps);
+        if (!s && heads < 1) s = api->CreateStatus(ORT_INVALID_ARGUMENT, "mtp_trt.cpu::MlaSelfAttention: heads < 1");
+        *status = s;
+    }
+
+    OrtStatus* compute(const Call& c) const {
+        View q, kv, norm, pos, cos, sin, cache, valid, extra, vis, w_uk, w_uv;
+        View* in[] = {&q, &kv, &norm, &pos, &cos, &sin, &cache, &valid, &extra, &vis, &w_uk, &w_uv};
+        for (size_t i = 0; i < 12; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+        MTP_RETURN_IF(need_float(c, q, "q", 3));
+        MTP_RETURN_IF(need_float(c, kv, "kv", 3));
+        MTP_RETURN_IF(need_float(c, norm, "kv_norm", 1));
+        MTP_RETURN_IF(need_float(c, cos, "cos", 2));
+        MTP_RETURN_IF(need_float(c, sin, "sin", 2));
+        MTP_RETURN_IF(need_float(c, cache, "cache", 3));
+        const int64_t b = q.dim(0), s_len = q.dim(1), h = heads, dl = norm.dim(0), dr = 2 * cos.dim(1), ch = dl + dr;
+        const int64_t dn = w_uk.present ? (w_uk.shape.size() == 3 ? w_uk.dim(1) : -1) : dl;  // q's first part per head
+        const int64_t dv = w_uv.present ? (w_uv.shape.size() == 3 ? w_uv.dim(1) : -1) : dl;  // output per head
+        if (kv.dim(0) != b || kv.dim(1) != s_len || kv.dim(2) != ch || sin.shape != cos.shape || dr < 2)
+            return c.error("kv " + kv.str() + ", cos " + cos.str() + " and sin " + sin.str() + " must be [B, S, Dl+Dr], "
+                           "[P, Dr/2] and [P, Dr/2] with B = " + std::to_string(b) + ", S = " + std::to_string(s_len) +
+                           ", Dl = " + std::to_string(dl) + " (kv_norm)");
+        if (dn < 1 || q.dim(2) != h * (dn + dr))
+            return c.error("q " + q.str() + " must be [B, S, H*F + H*Dr] with H = " + std::to_string(h) + ", Dr = " +
+                           std::to_string(dr) + " and F = Dn of w_uk [H, Dn, Dl], or Dl without it");
+        if ((w_uk.present && (w_uk.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || w_uk.dim(0) != h || w_uk.dim(2) != dl)) ||
+            (w_uv.present && (w_uv.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || dv < 1 || w_uv.dim(0) != h ||
+                              w_uv.dim(2) != dl)))
+            return c.error("w_uk " + w_uk.str() + " and w_uv " + w_uv.str() + " must be float32 [H, Dn, Dl] and [H, Dv, Dl]"
+                           " with H = " + std::to_string(h) + ", Dl = " + std::to_string(dl));
+        if (pos.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || pos.shape.size() != 2 || pos.dim(0) != b ||
+            pos.dim(1) != s_len)
+            return c.error("positions " + pos.str() + " must be int64 [B, S]");
+        const int64_t n_pos = cos.dim(0);
+        const int64_t* p = static_cast<const int64_t*>(pos.data);
+        for (int64_t i = 0; i < b * s_len; ++i)
+            if (p[i] < 0 || p[i] >= n_pos)
+                return c.error("positions hold " + std::to_string(p[i]) + ", outside the tables' 0 .. " +
+                               std::to_string(n_pos - 1));
+        if (cache.dim(0) != b || cache.dim(2) != ch)
+            return c.error("cache " + cache.str() + " must be [B, T, Dl+Dr] = [" + std::to_string(b) + ", T, " +
+                           std::to_string(ch) + "]");
+        if (valid.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || valid.size() != b)
+            return c.error("past_len " + valid.str() + " must be int32 [B]");
+        const int64_t r_extra = extra.present ? extra.dim(1) : 0, r_len = r_extra + s_len, t_len = cache.dim(1);
+        if (extra.present && (extra.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || extra.shape.size() != 3 ||
+                              extra.dim(0) != b || extra.dim(2) != ch))
+            return c.error("extra " + extra.str() + " must be float32 [B, R, Dl+Dr]");
+        if (vis.present && (vis.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL || vis.shape.size() != 3 ||
+                            (vis.dim(0) != b && vis.dim(0) != 1) || vis.dim(1) != s_len || vis.dim(2) != r_len))
+            return c.error("visible " + vis.str() + " must be bool [B or 1, S, R + S] = [" + std::to_string(b) + ", " +
+                           std::to_string(s_len) + ", " + std::to_string(r_len) + "]");
+        float *out = nullptr, *rows = nullptr;
+        MTP_RETURN_IF(c.output(0, {b, s_len, h * dv}, &out));
+        MTP_RETURN_IF(c.output(1, {b, s_len, ch}, &rows));
+        const size_t tokens = size_t(b * s_len), half = size_t(dr / 2);
+        for (size_t tok = 0; tok < tokens; ++tok) {  // the new rows: normed c_kv, roped k_pe
+            float* row = rows + tok * size_t(ch);
+            rms_norm_row(kv.f() + tok * size_t(ch), size_t(dl), norm.f(), eps, row);
+            std::memcpy(row + dl, kv.f() + tok * size_t(ch) + dl, size_t(dr) * sizeof(float));
+            rope_heads(row + dl, 1, 0, size_t(dr), cos.f() + p[tok] * half, sin.f() + p[tok] * half, interleave != 0);
+        }
+        std::vector<float> joined;  // the extra rows then the new ones, per sequence, where there are extra rows
+        const float* all = rows;
+        if (r_extra) {
+            joined.resize(size_t(b * r_len * ch));
+            for (int64_t bi = 0; bi < b; ++bi) {
+                float* dst = joined.data() + bi * r_len * ch;
+                std::memcpy(dst, extra.f() + bi * r_extra * ch, size_t(r_extra * ch) * sizeof(float));
+                std::memcpy(dst + r_extra * ch, rows + bi * s_len * ch, size_t(s_len * ch) * sizeof(float));
+            }
+            all = joined.data();
+        }
+        const size_t splits = head_splits(tokens, size_t(h));
+        const size_t per = (size_t(h) + splits - 1) / splits, n_ch = size_t(ch), qw = size_t(h * (dn + dr));
+        auto work = [&](size_t item) {
+            const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
+            if (h0 >= h1) return;
+            const size_t bi = tok / size_t(s_len), si = tok % size_t(s_len), nh = h1 - h0;
+            const size_t n_cached = size_t(std::clamp<int64_t>(static_cast<const int32_t*>(valid.data)[bi], 0, t_len));
+            const size_t stride = mla_scores_stride(n_cached + size_t(r_len));
+            float* qa = scratch(nh * n_ch + nh * stride + size_t(r_len) + nh * size_t(dl));
+            float* sc = qa + nh * n_ch;
+            uint8_t* seen_buf = reinterpret_cast<uint8_t*>(sc + nh * stride);
+            float* o_lat = sc + nh * stride + size_t(r_len);
+            const float* qt = q.f() + tok * qw;
+            for (size_t hh = 0; hh < nh; ++hh) {  // [q_lat; q_pe] of each head
+                float* qh = qa + hh * n_ch;
+                const float* nope = qt + (h0 + hh) * size_t(dn);
+                if (w_uk.present) {
+                    std::fill(qh, qh + dl, 0.f);
+                    rows_axpy(nope, 1, size_t(dn), w_uk.f() + (h0 + hh) * size_t(dn * dl), size_t(dl), size_t(dn),
+                              size_t(dl), qh, size_t(dl));
+                } else {
+                    std::memcpy(qh, nope, size_t(dl) * sizeof(float));
+                }
+                std::memcpy(qh + dl, qt + size_t(h * dn) + (h0 + hh) * size_t(dr), size_t(dr) * sizeof(float));
+            }
+            rope_heads(qa + dl, nh, n_ch, size_t(dr), cos.f() + p[tok] * half, sin.f() + p[tok] * half, interleave != 0);
+            const uint8_t* visible;
+            if (vis.present) {
+                visible = static_cast<const uint8_t*>(vis.data) + ((vis.dim(0) == 1 ? 0 : bi) * size_t(s_len) + si) * size_t(r_len);
+            } else {
+                for (int64_t r = 0; r < r_len; ++r) seen_buf[r] = r <= int64_t(si) + r_extra;
+                visible = seen_buf;
+            }
+            float* o = w_uv.present ? o_lat : out + (tok * size_t(h) + h0) * size_t(dl);
+            mla_attend_token(qa, nh, n_ch, size_t(dl), scale, cache.f() + bi * size_t(t_len * ch), n_cached,
+                             all + bi * size_t(r_len * ch), size_t(r_len), n_ch, visible, sc, o, size_t(dl));
+            if (w_uv.present)
+                for (size_t hh = 0; hh < nh; ++hh)
+                    rows_dot(o_lat + hh * size_t(dl), 1, size_t(dl), w_uv.f() + (h0 + hh) * size_t(dv * dl), size_t(dl),
+                             size_t(dv), size_t(dl), out + (tok * size_t(h) + h0 + hh) * size_t(dv), size_t(dv));
+        };
+        return c.parallel(tokens * splits, work);
+    }
+};
+
+// ------------------------------------------------------------------------------------------ MtpAccept
+// Greedy (and relaxed) acceptance of the drafts input_ids[:, 1:] against the target's logits, as
+// exporters/lowering.py accept_decomposed defines it: draft i is accepted if it is the argmax of row i (the first
+// of equal maxima), or -- while the thinking flag before it is on and relaxed_topk > 0 -- if it ranks among the
+// top relaxed_topk (ties: the lower id first) and p(draft) >= p(top-1) - relaxed_delta; the longest accepted prefix,
+// then the bonus token (the argmax of the first unaccepted row), then -1.  The flag turns on at think_start_id and
+// off at think_end_id.  Without relaxed_topk and relaxed_delta: strict acceptance (a plain step: S = 1).
+struct MtpAcceptKernel {
+    int64_t start_id = -1, end_id = -1;
+
+    MtpAcceptKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
+        OrtStatus* s = attr_int(api, info, "think_start_id", &start_id);
+        if (!s) s = attr_int(api, info, "think_end_id", &end_id);
+        *status = s;
+    }
+
+    bool after(bool flag, int32_t token) const { return token == start_id || (flag && token != end_id); }
+
+    OrtStatus* compute(const Call& c) const {
+        View logits, ids, thinking, topk, delta;
+        View* in[] = {&logits, &ids, &thinking, &topk, &delta};
+        for (size_t i = 0; i < 5; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+        MTP_RETURN_IF(need_float(c, logits, "logits", 3));
+        const int64_t b = logits.dim(0), s_len = logits.dim(1), v = logits.dim(2);
+        if (ids.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || ids.shape.size() != 2 || ids.dim(0) != b ||
+            ids.dim(1) != s_len || s_len < 1 || v < 1)
+            return c.error("input_ids " + ids.str() + " must be int32 [B, S] with logits " + logits.str() + " [B, S, V]");
+        if (thinking.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 || thinking.size() != b)
+            return c.error("thinking " + thinking.str() + " must be int32 [B]");
+        if (topk.present != delta.present || (topk.present && (topk.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 ||
+                                                               topk.size() != 1 || delta.size() != 1)))
+            return c.error("relaxed_topk and relaxed_delta come together, int32 and float32 scalars");
+        const int64_t relaxed = topk.present ? static_cast<const int32_t*>(topk.data)[0] : 0;
+        const float slack = delta.present ? delta.f()[0] : 0.f;
+        int32_t *accepted = nullptr, *num = nullptr, *flag_out = nullptr;
+        MTP_RETURN_IF(c.output(0, {b, s_len}, &accepted));
+        MTP_RETURN_IF(c.output(1, {b}, &num));
+        MTP_RETURN_IF(c.output(2, {b}, &flag_out));
+        const int32_t* tok = static_cast<const int32_t*>(ids.data);
+        const int32_t* flags = static_cast<const int32_t*>(thinking.data);
+        std::vector<int32_t> target(size_t(b * s_len));
+        auto argmax = [&](size_t row) {
+            const float* l = logits.f() + row * size_t(v);
+            target[row] = int32_t(std::max_element(l, l + v) - l);  // (the first of equal maxima)
+        };
+        MTP_RETURN_IF(c.parallel(size_t(b * s_len), argmax));
+        // draft i of row r: rank among the logits and p(draft) >= p(top-1) - delta (relaxed acceptance)
+        auto relaxed_ok = [&](size_t row, int32_t d) {
+            const float* l = logits.f() + row * size_t(v);
+            const float ld = l[d], mx = l[target[row]];
+            int64_t rank = 0;
+            float sum = 0.f;
+            for (int64_t u = 0; u < v; ++u) {
+                rank += l[u] > ld || (l[u] == ld && u < d);
+                sum += std::exp(l[u] - mx);
+            }
+            return rank < relaxed && std::exp(ld - mx) / sum >= 1.f / sum - slack;
+        };
+        for (int64_t bi = 0; bi < b; ++bi) {
+            const size_t row0 = size_t(bi * s_len);
+            bool flag = flags[bi] != 0;
+            int64_t n = 0;
+            for (; n < s_len - 1; ++n) {  // draft n is input_ids[bi, n + 1]
+                const int32_t d = tok[row0 + size_t(n) + 1];
+                const bool ok = d == target[row0 + size_t(n)] ||
+                                (relaxed > 0 && flag && d >= 0 && d < v && relaxed_ok(row0 + size_t(n), d));
+                if (!ok) break;
+                flag = after(flag, d);
+            }
+            const int32_t bonus = target[row0 + size_t(n)];
+            for (int64_t i = 0; i < s_len; ++i)
+                accepted[row0 + size_t(i)] = i < n ? tok[row0 + size_t(i) + 1] : i == n ? bonus : -1;
+            num[bi] = int32_t(n);
+            flag_out[bi] = after(flag, bonus);
+        }
         return nullptr;
     }
 };
@@ -702,6 +966,7 @@ struct Spec {
     std::vector<ONNXTensorElementDataType> inputs;
     std::vector<bool> optional;
     ONNXTensorElementDataType output = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    size_t outputs = 1;  // all of type `output`
 };
 
 template <class K>
@@ -717,7 +982,7 @@ struct Op : OrtCustomOp {
         GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
             return static_cast<const Op*>(op)->spec.optional[i] ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
         };
-        GetOutputTypeCount = [](const OrtCustomOp*) { return size_t(1); };
+        GetOutputTypeCount = [](const OrtCustomOp* op) { return static_cast<const Op*>(op)->spec.outputs; };
         GetOutputType = [](const OrtCustomOp* op, size_t) { return static_cast<const Op*>(op)->spec.output; };
         GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
         GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
@@ -757,18 +1022,23 @@ struct Op : OrtCustomOp {
 
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 constexpr auto BOOL = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
 constexpr auto U8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
 
 // The ops live as long as the process: ONNX Runtime keeps pointers to them in every session that used them.
-Op<MoEKernel> g_moe({"MoE", {F32, F32, F32, F32, F32, F32, F32}, {false, false, true, false, false, true, true}});
+Op<MoEKernel> g_moe({"MoE", {F32, F32, F32, F32, F32, F32, F32}, {false, true, true, true, true, true, true}});
 Op<MlaAttentionKernel> g_mla({"MlaAttention", {F32, F32, F32, F32, I32, BOOL, I32},
                               {false, false, false, false, false, true, true}});
+Op<MlaSelfAttentionKernel> g_mla_self({"MlaSelfAttention", {F32, F32, F32, I64, F32, F32, F32, I32, F32, BOOL, F32, F32},
+                                        {false, false, false, false, false, false, false, false, true, true, true, true},
+                                        F32, 2});
+Op<MtpAcceptKernel> g_accept({"MtpAccept", {F32, I32, I32, I32, F32}, {false, false, false, true, true}, I32, 3});
 Op<LightningIndexerKernel> g_indexer({"LightningIndexer", {F32, F32, F32, F32, I32, BOOL},
                                       {false, false, false, false, false, true}, I32});
 Op<QMatMulKernel> g_qmatmul({"QMatMul", {F32, U8, F32}, {false, false, false}});
 Op<QMoEKernel> g_qmoe({"QMoE", {F32, F32, F32, U8, F32, U8, F32, U8, F32, U8, F32},
-                       {false, false, true, false, false, false, false, true, true, true, true}});
+                       {false, true, true, true, true, true, true, true, true, true, true}});
 
 }  // namespace
 }  // namespace mtp_ort
@@ -783,7 +1053,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     }
     OrtCustomOpDomain* domain = nullptr;
     MTP_RETURN_IF(api->CreateCustomOpDomain(kDomain, &domain));
-    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla, &g_indexer, &g_qmatmul, &g_qmoe})
+    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla, &g_mla_self, &g_accept, &g_indexer, &g_qmatmul, &g_qmoe})
         MTP_RETURN_IF(api->CustomOpDomain_Add(domain, op));
     return api->AddCustomOpDomain(options, domain);  // (the domain is kept for the process, as the ops are)
 }
