@@ -143,6 +143,13 @@ class OneOf:
         self.values = values
 
 
+class Either:
+    """A value of any of `specs` (a string or an object, say)."""
+
+    def __init__(self, *specs):
+        self.specs = specs
+
+
 class Map:
     """An object of any keys whose values are each `spec`."""
 
@@ -183,6 +190,8 @@ def describe(spec) -> str:
         return f"{describe(spec.spec)} or null"
     if isinstance(spec, OneOf):
         return "one of " + ", ".join(json.dumps(v) for v in spec.values)
+    if isinstance(spec, Either):
+        return " or ".join(describe(s) for s in spec.specs)
     if isinstance(spec, list):
         return f"a list, each {describe(spec[0])}" if len(spec) == 1 else \
             f"a list of {len(spec)}: " + ", ".join(describe(x) for x in spec)
@@ -197,7 +206,8 @@ def _short(v) -> str:
 def check_fields(value, spec, source: str, field: str = "") -> None:
     """`value` has the shape `spec` says, else an MtpTrtError naming `source` and the field (dotted path).
     spec: int, float (a finite number), str, bool, dict (any object), object (anything), Int(lo, hi), Text(pattern, what),
-    Opt(spec), OneOf(*values), Map(spec) (an object of such values), [spec] (a list of such values),
+    Opt(spec), OneOf(*values), Either(*specs) (any of them), Map(spec) (an object of such values), [spec] (a list
+    of such values),
     [spec, spec, ...] (a list of exactly those), or a dict {key: spec} (an object with those keys; a key
     ending in "?" may be absent or null; other keys are allowed)."""
     import math
@@ -228,6 +238,14 @@ def check_fields(value, spec, source: str, field: str = "") -> None:
     elif isinstance(spec, OneOf):
         if value not in spec.values or isinstance(value, bool) != any(isinstance(v, bool) for v in spec.values):
             raise bad()
+    elif isinstance(spec, Either):
+        for option in spec.specs:
+            try:
+                check_fields(value, option, source, field)
+                return
+            except MtpTrtError:
+                pass
+        raise bad()
     elif isinstance(spec, list):
         if not isinstance(value, list) or (len(spec) > 1 and len(value) != len(spec)):
             raise bad()
@@ -293,13 +311,17 @@ def _try_lock(fd: int, blocking: bool) -> bool:
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the file `path` (created if need be) for the block; waits for other holders.
-    The lock file stays (removing it would race with a waiter); it is empty."""
+def locked(path: Path, waiting=None) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if need be) for the block; waits for other holders,
+    calling `waiting()` first where there is one (to say so).  The lock file stays (removing it would race with a
+    waiter); it is empty."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        _try_lock(fd, blocking=True)
+        if not _try_lock(fd, blocking=False):
+            if waiting is not None:
+                waiting()
+            _try_lock(fd, blocking=True)
         yield
     finally:
         os.close(fd)  # releases the lock
