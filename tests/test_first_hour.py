@@ -217,3 +217,193 @@ def test_the_weights_are_scanned_before_any_work(ckpt, tmp_path):
         assert all(f in err for f in fragments), (argv, err)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out-")]
     assert not (tmp_path / "cache" / "exports").exists() or not any((tmp_path / "cache" / "exports").iterdir())
+
+
+# ------------------------------------------------------------------------------------- the tokenizer files
+def _damaged_tokenizer_files():
+    """(label, file, text, fragment): every file the export copies beside the graphs, each way it can be wrong
+    (not JSON, not an object, a field of the wrong type, a value that makes no sense)."""
+    tc = "tokenizer_config.json"
+    yield "config-not-json", tc, "{add_bos_token: yes}", "not valid JSON"
+    yield "config-list", tc, "[1, 2]", "the file must be an object"
+    yield "config-bos-yes", tc, '{"add_bos_token": "yes"}', "field 'add_bos_token' must be true or false, got 'yes'"
+    yield "config-bos-1", tc, '{"add_bos_token": 1}', "field 'add_bos_token' must be true or false, got 1"
+    yield "config-template-5", tc, '{"chat_template": 5}', "field 'chat_template' must be a string or a list"
+    yield "config-template-entry", tc, '{"chat_template": [{"name": "default"}]}', "field 'chat_template'"
+    yield "config-bos-token-list", tc, '{"bos_token": ["<s>"]}', "field 'bos_token' must be a string or an object"
+    yield "config-bos-content-int", tc, '{"bos_token": {"content": 3}}', "field 'bos_token'"
+    yield "config-template-broken", tc, '{"chat_template": "{% for m in messages %}"}', \
+        "field 'chat_template' does not compile"
+    yield "config-bos-without-id", tc, '{"add_bos_token": true}', "add_bos_token is true but no BOS id is known"
+    gc = "generation_config.json"
+    yield "generation-not-json", gc, '{"eos_token_id": [1,}', "not valid JSON"
+    yield "generation-eos-beyond", gc, '{"eos_token_id": [95, 4000]}', "field 'eos_token_id' must be token ids"
+    yield "generation-eos-str", gc, '{"eos_token_id": "95"}', "field 'eos_token_id' must be token ids"
+    yield "tokenizer-not-json", "tokenizer.json", "{", "not a valid tokenizers file"
+
+
+def test_the_tokenizer_files_are_checked_in_the_checkpoint_before_any_work(ckpt, tmp_path):
+    """Each damaged file (_damaged_tokenizer_files): `run` of the checkpoint and `export` end in one line naming
+    the checkpoint's own file (not a copy in the cache) and the field, before any line of progress; nothing is
+    exported, into the cache or elsewhere."""
+    cases = []
+    for label, name, text, fragment in _damaged_tokenizer_files():
+        d = tmp_path / label
+        shutil.copytree(ckpt, d)
+        (d / name).write_text(text)
+        for argv in (["run", d, "-p", "x"], ["export", d, "-o", tmp_path / f"out-{label}"]):
+            cases.append((argv, (f"error: {d / name}: ", fragment)))
+    results = cli_batch([a for a, _ in cases], tmp_path / "cache")
+    for (argv, fragments), (code, err, out) in zip(cases, results):
+        assert code == 2 and err.count("\n") == 1 and all(f in err for f in fragments), (argv, err)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out-")]
+    assert not (tmp_path / "cache" / "exports").exists() or not any((tmp_path / "cache" / "exports").iterdir())
+
+
+def test_an_export_s_tokenizer_config_is_typed_too(ckpt, exp, tmp_path, monkeypatch):
+    """An export whose tokenizer_config.json says add_bos_token "yes" (written by hand, or by an older mtp-trt) is
+    refused by run, naming the field; inspect of such a checkpoint shows the BOS rule as unknown, and why."""
+    from mtp_trt.errors import MtpTrtError
+    from mtp_trt.manifest import Manifest, seal
+    from mtp_trt.runner import Runner
+    from test_robustness import sha256_of
+
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
+    d = tmp_path / "exp"
+    shutil.copytree(exp, d)
+    (d / "tokenizer_config.json").write_text('{"add_bos_token": "yes"}')
+    raw = json.loads((d / "manifest.json").read_text())
+    raw["tokenizer_files"]["tokenizer_config.json"] = sha256_of(d / "tokenizer_config.json")
+    (d / "manifest.json").write_text(json.dumps(seal(raw)))
+    with pytest.raises(MtpTrtError, match="field 'add_bos_token' must be true or false, got 'yes'"):
+        Runner(Manifest.load(d))
+    k = tmp_path / "ckpt"
+    shutil.copytree(ckpt, k)
+    shutil.copyfile(d / "tokenizer_config.json", k / "tokenizer_config.json")
+    r = mtp_trt("inspect", k, cache=tmp_path / "cache", text=True)
+    assert r.returncode == 0 and "BOS           unknown (" in r.stdout and "'add_bos_token'" in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------------------------------ progress on a log
+def test_progress_on_a_log_is_whole_lines_in_order(ckpt, tmp_path, monkeypatch):
+    """Without a terminal (a CI log): a run waiting for another process's export of the same checkpoint says so
+    at once; each stage is one line however long (no wrapping at 80 columns); a stage is ticked after the work it
+    names, and only the export's own stages are (no tick for the export as a whole before it starts)."""
+    import threading
+
+    from mtp_trt.fsutil import locked
+    from mtp_trt.quant import Scheme
+    from mtp_trt.runner import DEFAULT_MAX_BATCH, cache_entry
+
+    long = tmp_path / ("a-checkpoint-whose-name-is-longer-than-a-terminal-line-" * 2).rstrip("-")
+    shutil.copytree(ckpt, long)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(cache))
+    entry = cache_entry(long, "eagle", Scheme(), DEFAULT_MAX_BATCH)
+    lines, waiting = [], threading.Event()
+    with locked(cache / "locks" / f"{entry.name}.lock"):  # another process exporting it, as far as run can tell
+        p = subprocess.Popen(["mtp-trt", "run", str(long), "-p", "x", "--max-new-tokens", "2"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "80"})
+
+        def read():
+            for line in p.stderr:
+                lines.append(line.rstrip("\n"))
+                if "waiting for another mtp-trt process" in line:
+                    waiting.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        said = waiting.wait(120)
+    assert p.wait(300) == 0 and said, lines
+    reader.join()
+    title = "preparing the model: "
+    assert lines[0] == f"{title}waiting for another mtp-trt process, which exports {long.name} into the cache"
+    stages = [x[len(title):] for x in lines if x.startswith(title)]
+    ticked = [x[4:x.rindex(" (")] for x in lines if x.startswith("  ✓ ")]
+    assert ticked == stages, lines  # each stage ticked once, in order, before the next begins
+    export_stages = stages[1:]
+    assert export_stages[0] == f"caching {long.name}: exporting target.onnx", lines
+    assert all(s.startswith(f"caching {long.name}: exporting ") and s.endswith(".onnx") for s in export_stages[:-2])
+    assert export_stages[-2:] == [f"caching {long.name}: hashing weights.bin", f"caching {long.name}: writing {entry}"]
+    others = [x for x in lines if not x.startswith((title, "  ✓ ")) and x.strip()]
+    assert len(others) == 2 and others[0].startswith("preparing the model done in ") and "new tokens" in others[1], \
+        lines  # nothing else: no line is the wrapped rest of another
+
+
+# --------------------------------------------------------------------------------------------- integrity
+def test_integrity_errors_name_the_file_that_changed(exp, tmp_path, monkeypatch):
+    """Every file an export's manifest lists (graphs, weights.bin, tokenizer files), changed or removed: the
+    message names that file, never another kind ("the graph file" for weights.bin); an engine likewise."""
+    from mtp_trt.errors import MtpTrtError
+    from mtp_trt.manifest import Manifest, verify_export
+    from mtp_trt.runner import verify_engines
+    from test_robustness import _engine_dir
+
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
+    names = [name for name, _ in Manifest.load(exp).files]
+    assert {"weights.bin", "tokenizer.json", "target.onnx"} <= set(names)
+    for name in names:
+        for how in ("changed", "removed"):
+            d = tmp_path / f"{how}-{name}"
+            shutil.copytree(exp, d)
+            if how == "removed":
+                (d / name).unlink()
+                want = f"{d / 'manifest.json'}: lists the file '{name}', which is missing"
+            else:
+                data = bytearray((d / name).read_bytes())
+                data[len(data) // 2] ^= 1
+                (d / name).write_bytes(bytes(data))
+                want = (f"{d / name}: SHA-256 differs from manifest.json; {name} was modified, truncated or comes "
+                        f"from another export")
+            with pytest.raises(MtpTrtError) as e:
+                verify_export(Manifest.load(d) if how == "changed" else Manifest.from_raw(
+                    d, json.loads((d / "manifest.json").read_text()), "manifest.json"))
+            assert str(e.value) == want
+    engines = _engine_dir(exp, tmp_path / "engines")
+    (engines / "step_1.engine").write_bytes(b"another build's engine")
+    with pytest.raises(MtpTrtError) as e:
+        verify_engines(engines)
+    assert str(e.value) == (f"{engines / 'step_1.engine'}: SHA-256 differs from engines.json; step_1.engine was "
+                            f"modified, truncated or comes from another build")
+
+
+# --------------------------------------------------------------------------------------------------- bench
+def test_bench_defaults_are_quick_say_what_is_left_and_write_nothing_unasked(ckpt, tmp_path):
+    """`mtp-trt bench` with no options: eagle mode at batch 1 (every nextn and tree of the export), a line per
+    configuration and per round with the time left, the table on stdout, and no file written anywhere (the
+    figures go to files with -o and --plot only)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    r = subprocess.run(["mtp-trt", "bench", str(ckpt)], capture_output=True, text=True, cwd=work, timeout=600,
+                       env={**os.environ, "MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    assert list(work.iterdir()) == []
+    configs = ["eagle batch 1 nextn 0", "eagle batch 1 nextn 1", "eagle batch 1 nextn 2",
+               "eagle batch 1 nextn 2 tree 2:2:4"]
+    for i, name in enumerate(configs):
+        assert f"[{i + 1}/{len(configs)}] {name}: " in r.stderr and " s left" in r.stderr, r.stderr
+    assert "round 3 of 3 timed; about 0 s left" in r.stderr
+    assert [x.split(":")[0] for x in r.stdout.splitlines() if " tokens/s, " in x] == \
+        [f"eagle   batch 1 nextn {n}" for n in (0, 1, 2)] + ["eagle   batch 1 nextn 2 tree 2"]
+    assert "transformers batch" not in r.stdout and "wrote" not in r.stdout and "vanilla" not in r.stdout
+    assert "mtp-trt bench --full" in r.stderr
+
+
+def test_bench_plot_legend_covers_no_data():
+    """The plot's legend lies outside every panel (where the points are) and inside the figure."""
+    from mtp_trt.bench import figure
+
+    rows = [{"engine": "mtp-trt/onnxruntime", "mode": mode, "batch": batch, "nextn": n, "tree": tree,
+             "tokens_per_second": 100.0 * (1 + n) * batch, "round_seconds": [1.0]}
+            for mode in ("eagle", "vanilla") for batch in (1, 8) for n, tree in
+            ((0, None), (1, None), (2, None), (3, None), (2, "2:2:4"), (3, "3:2:6"), (3, "3:3:8"))]
+    rows += [{"engine": "transformers.generate", "mode": "-", "batch": b, "nextn": 0, "tokens_per_second": 50.0}
+             for b in (1, 8)]
+    fig = figure(rows)
+    fig.canvas.draw()
+    (legend,) = fig.legends
+    box = legend.get_window_extent()
+    assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_window_extent()), (box, ax.get_window_extent())
+    assert len(legend.get_texts()) == 2 + 2 * 3 + 1  # each line once, though it is in both panels
