@@ -56,31 +56,31 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
-def _round_robin(jobs: dict, repeats: int, progress=lambda line: None, label=str, later: int = 0) -> dict:
-    """{name: fn} -> {name: (seconds of each round, last result)}.  One warm-up call each, then `repeats`
-    rounds that call every job once in turn, so a machine that drifts (shared, throttled) slows all alike;
-    ratios are then taken within each round (see ratio).  `progress(line)`: a line per job once its warm-up is
-    timed and one per round, each with an estimate of the time left (jobs not yet timed are taken to cost the
-    mean of those timed; `later` more sets of jobs like these follow, each taken to cost as much)."""
+def _round_robin(jobs: dict, repeats: int, progress=lambda line: None, name=str, later: int = 0) -> dict:
+    """{key: fn} -> {key: (seconds of each round, last result)}.  One warm-up call each, then `repeats` rounds
+    that call every job once in turn, so a machine that drifts (shared, throttled) slows all alike; ratios are
+    then taken within each round (see ratio).  `progress(line)`: a line per job once its warm-up is timed
+    (`name(key)` names it) and one per round, each with an estimate of the time left (jobs not yet timed are taken
+    to cost the mean of those timed; `later` more sets of jobs like these follow, each taken to cost as much)."""
     results, first = {}, {}
-    for i, (name, fn) in enumerate(jobs.items()):
+    for i, (key, fn) in enumerate(jobs.items()):
         t0 = time.perf_counter()
-        results[name] = fn()  # warm-up
-        first[name] = time.perf_counter() - t0
+        results[key] = fn()  # warm-up
+        first[key] = time.perf_counter() - t0
         per_round = sum(first.values()) * len(jobs) / len(first)
         left = per_round * (len(jobs) - i - 1) / len(jobs) + per_round * repeats + later * per_round * (repeats + 1)
-        progress(f"[{i + 1}/{len(jobs)}] {label(name)}: {first[name]:.2f} s a call; about {_duration(left)} left")
-    times = {name: [] for name in jobs}
+        progress(f"[{i + 1}/{len(jobs)}] {name(key)}: {first[key]:.2f} s a call; about {_duration(left)} left")
+    times = {key: [] for key in jobs}
     for r in range(repeats):
         t_round = time.perf_counter()
-        for name, fn in jobs.items():
+        for key, fn in jobs.items():
             t0 = time.perf_counter()
-            results[name] = fn()
-            times[name].append(time.perf_counter() - t0)
+            results[key] = fn()
+            times[key].append(time.perf_counter() - t0)
         per_round = time.perf_counter() - t_round
         left = per_round * (repeats - r - 1) + later * per_round * (repeats + 1)
         progress(f"round {r + 1} of {repeats} timed; about {_duration(left)} left")
-    return {name: (times[name], results[name]) for name in jobs}
+    return {key: (times[key], results[key]) for key in jobs}
 
 
 def ratio(a: dict, b: dict) -> float:
@@ -210,7 +210,7 @@ def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, rep
     typical); batch b > 1 decodes b prompts together.  `progress`: each figure; `note`: how far along."""
     rows = []
 
-    def label(key) -> str:
+    def config_name(key) -> str:
         engine, mode, nextn, tree = key
         if engine == "transformers.generate":
             return f"transformers batch {batch}"
@@ -235,7 +235,7 @@ def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, rep
             calls = [hf([t], max_new_tokens) for t in texts] if batch == 1 else [hf(texts, max_new_tokens)]
             jobs[("transformers.generate", "-", 0, None)] = lambda calls=calls: [run() for run in calls]
         baseline = {}  # (engine, mode) -> nextn 0's tokens: every nextn must produce the same (greedy is lossless)
-        timed = _round_robin(jobs, repeats, note, label, later=len(batches) - at - 1)
+        timed = _round_robin(jobs, repeats, note, config_name, later=len(batches) - at - 1)
         for (engine, mode, nextn, tree), (rounds, result) in timed.items():
             seconds = statistics.median(rounds)
             if engine == "transformers.generate":

@@ -523,8 +523,8 @@ def bench(
     ckpt = v.directory(model or demo_model(), "a checkpoint (config.json) or an engine directory (engines.json)")
     engines = (ckpt / "engines.json").is_file()
     if (ckpt / "manifest.json").is_file():
-        raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports both MTP modes and runs transformers) or an "
-                          f"engine directory")
+        raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports it in each MTP mode it times, and runs "
+                          f"transformers on it) or an engine directory")
 
     def note(line: str) -> None:
         typer.secho(line, dim=True, err=True)

@@ -64,12 +64,17 @@ def _depth_exceeded(obj) -> bool:
     return False
 
 
-def check_json_limits(value, source: str):
-    """`value` (parsed JSON or YAML) nests at most MAX_JSON_DEPTH levels; returns it."""
+def too_deep(source: str):
+    """The error of a document nested beyond MAX_JSON_DEPTH levels."""
     from mtp_trt.errors import MtpTrtError
 
+    return MtpTrtError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep, more than mtp-trt reads")
+
+
+def check_json_limits(value, source: str):
+    """`value` (parsed JSON or YAML) nests at most MAX_JSON_DEPTH levels; returns it."""
     if _depth_exceeded(value):
-        raise MtpTrtError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file mtp-trt reads")
+        raise too_deep(source)
     return value
 
 
@@ -93,8 +98,7 @@ def parse_json(data: bytes | str, source: str):
     except json.JSONDecodeError as e:
         raise MtpTrtError(f"{source}: not valid JSON ({e})") from None
     except RecursionError:
-        raise MtpTrtError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file mtp-trt "
-                          f"reads") from None
+        raise too_deep(source) from None
     return check_json_limits(value, source)
 
 

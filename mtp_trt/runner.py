@@ -113,8 +113,7 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
         if not (ckpt / "tokenizer.json").is_file():  # before the export, not after it
             raise MtpTrtError(f"{ckpt}: the checkpoint has no tokenizer.json; text prompts need one")
         check_vocab(load_tokenizer(ckpt / "tokenizer.json"), cfg.vocab_size, ckpt / "tokenizer.json")
-        require(f"running the checkpoint {ckpt} (exported into the cache on first use)", "torch", "onnx",
-                instead="; an export directory runs without it")
+        require(f"exporting the checkpoint {ckpt} into the cache (its first use)", "torch", "onnx")
         try:
             cache_dir("locks").mkdir(parents=True, exist_ok=True)
         except OSError as e:

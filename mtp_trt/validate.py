@@ -31,22 +31,22 @@ def check_threads(threads: int) -> None:
         raise MtpTrtError(f"--threads must be at most {top} ({THREADS_PER_CORE} per usable core), got {threads}")
 
 
-def missing_extra(what: str, module: str, instead: str = "") -> MtpTrtError:
+def missing_extra(what: str, module: str) -> MtpTrtError:
     """The error of a job that needs an optional package not installed: which, and the extra that installs it."""
     top = module.split(".")[0]
     extra = EXTRAS.get(top)
     how = f'pip install "mtp-trt[{extra}]"' if extra else f"pip install {top}"
-    return MtpTrtError(f"{what} needs {top}, which is not installed: {how}{instead}")
+    return MtpTrtError(f"{what} needs {top}, which is not installed: {how}")
 
 
-def require(what: str, *modules: str, instead: str = "") -> None:
+def require(what: str, *modules: str) -> None:
     """Before any work: `what` (a job, in words) needs `modules`; the first missing one is an MtpTrtError naming it
-    and its extra (missing_extra); `instead` ends the message (what runs without it)."""
+    and the extra that installs it (missing_extra)."""
     import importlib.util
 
     for module in modules:
         if importlib.util.find_spec(module) is None:
-            raise missing_extra(what, module, instead)
+            raise missing_extra(what, module)
 
 
 def directory(path: Path, what: str) -> Path:

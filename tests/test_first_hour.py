@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_robustness import Case, assert_one_error, ckpt, cli_batch, exp, expect_errors, mtp_trt  # noqa: F401
+from test_robustness import ckpt, cli_batch, exp, expect_errors, mtp_trt  # noqa: F401 (ckpt, exp: fixtures)
 
 
 # ------------------------------------------------------------------------------------------- --truncate
@@ -91,7 +91,8 @@ def test_a_bare_install_runs_exports_and_refuses_the_rest_in_one_line(ckpt, exp,
     work."""
     cases = [
         (["run", "-p", "def f(x):"], 'needs torch, which is not installed: pip install "mtp-trt[cpu]"'),
-        (["run", ckpt, "-p", "x"], 'needs torch, which is not installed: pip install "mtp-trt[cpu]"; an export'),
+        (["run", ckpt, "-p", "x"], f'exporting the checkpoint {ckpt} into the cache (its first use) needs torch, '
+                                   f'which is not installed: pip install "mtp-trt[cpu]"'),
         (["export", "-o", tmp_path / "out"], 'mtp-trt export needs torch, which is not installed: pip install '
                                              '"mtp-trt[cpu]"'),
         (["bench"], 'needs torch, which is not installed: pip install "mtp-trt[cpu]"'),

@@ -319,6 +319,7 @@ def test_check_compares_fp8_engines_with_the_same_fp8_weights(ckpts, tmp_path):
 
 
 @pytest.mark.trt
+@pytest.mark.slow
 def test_fp8_plugin_export_builds_engines(ckpts, tmp_path):
     """TensorRT for RTX builds the FP8 engines (compute capability 8.9); their sizes beside fp16 and int4 engines of
     the same checkpoint are printed."""

@@ -159,6 +159,7 @@ def test_int4_export_stores_the_kept_weights_at_int8(ckpt, tmp_path):
     assert ("QMatMul", 4) in bits and ("QMoE", 4) in bits and ("QMoE", 8) not in bits
 
 
+@pytest.mark.slow
 def test_quantized_weights_are_smaller(ckpt, tmp_path):
     sizes = {name: Manifest.load(export(ckpt, tmp_path / name, nextn=1, max_seq_len=64, trees="none",
                                         quant_scheme=name)).raw["weights"]["bytes"] for name in ("none", "int8",
@@ -176,7 +177,7 @@ PROMPTS = [[5, 17, 33, 2, 8, 41, 7, 19], [60, 3], [11, 12, 13, 14, 15]]
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
-@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+@pytest.mark.parametrize("mode", ["eagle", pytest.param("vanilla", marks=pytest.mark.slow)])
 def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(drafting, name, mode):
     ckpt, root = drafting
     out = export(ckpt, root / f"{mode}-{name}", nextn=3, mtp_mode=mode, max_seq_len=128, trees="none",

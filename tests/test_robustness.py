@@ -347,6 +347,7 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_killed_export_is_cleaned_up_by_the_next_run(ckpt, tmp_path):
     """SIGKILL while the first run exports: its partial directory outlives it; the next run removes it,
     exports and succeeds, leaving one entry."""
@@ -366,6 +367,7 @@ def test_killed_export_is_cleaned_up_by_the_next_run(ckpt, tmp_path):
     assert len(list(exports.iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_terminated_export_leaves_nothing(ckpt, tmp_path):
     """SIGTERM midway through `mtp-trt export`: the partial directory goes with the process."""
     out = tmp_path / "out"
@@ -1049,6 +1051,7 @@ def test_check_validates_engines_json_against_its_export(exp, tmp_path):
 
 
 # --------------------------------------------------------------------------------------- 7. small ones
+@pytest.mark.slow
 def test_ctrl_c_prints_interrupted(ckpt, tmp_path):
     """SIGINT while a checkpoint is exported into the cache: "error: interrupted", status 130, no partial."""
     cache = tmp_path / "cache"

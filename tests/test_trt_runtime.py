@@ -46,7 +46,7 @@ def _build(export_dir, out, **kwargs):
     return out
 
 
-@pytest.fixture(scope="module", params=["eagle", "vanilla"])
+@pytest.fixture(scope="module", params=["eagle", pytest.param("vanilla", marks=pytest.mark.slow)])
 def setup(request, ckpt, tmp_path_factory):
     """(reference onnx export, {lowering: engine dir}) for one MTP mode; the prefill profile takes 8 rows, so
     the 11-token prompt runs in chunks."""
@@ -293,8 +293,6 @@ def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
 def test_tampered_engines_are_found_before_they_run(setup, tmp_path, monkeypatch):
     """`run` and `bench` check the engines against engines.json's hashes once (remembered, like exports): an
     engine changed afterwards is one error naming it, before TensorRT (or the GPU check) is reached."""
-    import shutil
-
     from mtp_trt.runner import verify_engines
 
     monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
