@@ -38,7 +38,7 @@ from mtp_trt.exporters.loader import CheckpointTensors, checkpoint_names, checkp
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
                                          placeholder_model, freed_memory_returned)
-from mtp_trt.tokenizer import bos_policy, chat_renderer, check_vocab, load_tokenizer
+from mtp_trt.tokenizer import chat_renderer, check_vocab, load_tokenizer, read_tokenizer_config
 from mtp_trt.config import MAX_NEXTN
 from mtp_trt.validate import cache_bytes, check_export_memory, check_memory, check_mtp_modules, check_output_dir
 from mtp_trt import contract as C
@@ -224,15 +224,14 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
 def check_tokenizer_files(ckpt: Path, cfg: ModelConfig) -> None:
     """Every file the export copies beside the graphs (TOKENIZER_FILES) read as `run` and `serve` will read it,
     so that a broken one is named in the checkpoint now, not in the export later: tokenizer.json (its ids within
-    vocab_size), tokenizer_config.json (its fields' types, the BOS rule they give, the chat template compiling
-    where jinja2, the serve extra's, is installed) and generation_config.json (its EOS ids)."""
+    vocab_size), tokenizer_config.json (its fields' types; the chat template compiling where jinja2, the serve
+    extra's, is installed) and generation_config.json (its EOS ids)."""
     import importlib.util
 
     tok = ckpt / "tokenizer.json"
-    tokenizer = load_tokenizer(tok) if tok.is_file() else None
-    if tokenizer is not None:
-        check_vocab(tokenizer, cfg.vocab_size, tok)
-    bos_policy(ckpt, cfg.bos_token_id, tokenizer)
+    if tok.is_file():
+        check_vocab(load_tokenizer(tok), cfg.vocab_size, tok)
+    read_tokenizer_config(ckpt)
     if importlib.util.find_spec("jinja2") is not None:
         chat_renderer(ckpt)
     eos_token_ids(ckpt, cfg)

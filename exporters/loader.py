@@ -220,7 +220,7 @@ class CheckpointTensors:
                 if scale[1][0] not in SCALE_DTYPES:
                     raise MtpTrtError(f"{scale[0]}: tensor '{name}_scale_inv' has dtype "
                                       f"{str(scale[1][0]).removeprefix('torch.')}, expected float32, bf16 or fp16 "
-                                      f"(the FP8 weight '{name}''s block scales)")
+                                      f"(the block scales of the FP8 weight '{name}')")
                 problem = _scale_shape_problem(e[1], scale[1][1], block)
                 if problem:
                     raise MtpTrtError(f"{path}: tensor '{name}_scale_inv': {problem}")

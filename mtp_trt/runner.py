@@ -53,11 +53,11 @@ MODELS = "an engine directory (engines.json), an export directory (manifest.json
 
 
 def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None, verify: bool = False,
-                   scheme: Scheme | None = None, batch: int = 1) -> Manifest:
+                   scheme: Scheme | None = None, batch: int = 1, bos: bool | None = None) -> Manifest:
     """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules, the
     weights quantized as `scheme` says (default: not) and caches for `batch` sequences (at least the export's
-    default).  Either is checked against its manifest's hashes (once per change of its files; every time with
-    `verify`)."""
+    default), its BOS rule (with --bos/--no-bos: `bos`) checked before.  Either is checked against its manifest's
+    hashes (once per change of its files; every time with `verify`)."""
     from mtp_trt.validate import directory
 
     path = directory(Path(model) if model else demo_model(), MODELS)
@@ -79,7 +79,7 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     scheme = scheme or Scheme()
     max_batch = max(batch, DEFAULT_MAX_BATCH)
     m = export_cached(path, cache_entry(path, mode, scheme, max_batch), mode, progress or (lambda msg: None), scheme,
-                      max_batch)
+                      max_batch, bos)
     verify_export(m, force=verify)
     return m
 
@@ -96,7 +96,7 @@ def cache_entry(ckpt: Path, mode: str, scheme: Scheme, max_batch: int) -> Path:
 
 
 def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = Scheme(),
-                  max_batch: int = DEFAULT_MAX_BATCH) -> Manifest:
+                  max_batch: int = DEFAULT_MAX_BATCH, bos: bool | None = None) -> Manifest:
     """Export `ckpt` into the cache entry `out` unless it is there.  Any number of processes may ask at once:
     one exports (under a lock file in cache_dir("locks")), the others say that they wait, wait and reuse its
     result.  Partial directories left by killed processes are removed first (never a live one's: fsutil).  The
@@ -104,7 +104,7 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
     without a line)."""
     from mtp_trt.config import ModelConfig
     from mtp_trt.fsutil import locked, remove_stale_partials
-    from mtp_trt.tokenizer import check_vocab, load_tokenizer
+    from mtp_trt.tokenizer import bos_policy, check_vocab, load_tokenizer
     from mtp_trt.validate import require
 
     remove_stale_partials(out.parent)
@@ -112,7 +112,9 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
         cfg = ModelConfig.from_file(ckpt / "config.json")  # a checkpoint mtp-trt cannot run is named first
         if not (ckpt / "tokenizer.json").is_file():  # before the export, not after it
             raise MtpTrtError(f"{ckpt}: the checkpoint has no tokenizer.json; text prompts need one")
-        check_vocab(load_tokenizer(ckpt / "tokenizer.json"), cfg.vocab_size, ckpt / "tokenizer.json")
+        tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+        check_vocab(tokenizer, cfg.vocab_size, ckpt / "tokenizer.json")
+        bos_policy(ckpt, cfg.bos_token_id, tokenizer, bos)  # the rule the Runner will follow, named in the checkpoint
         require(f"exporting the checkpoint {ckpt} into the cache (its first use)", "torch", "onnx")
         try:
             cache_dir("locks").mkdir(parents=True, exist_ok=True)
@@ -163,8 +165,8 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
             raise MtpTrtError(f"{path}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(path, force=verify)
         return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs), bos=bos)
-    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme, batch=batch),
-                  threads=threads, bos=bos)
+    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme, batch=batch,
+                                 bos=bos), threads=threads, bos=bos)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:

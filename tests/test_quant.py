@@ -230,6 +230,7 @@ def test_tensorrt_form_dequantizes_to_the_reference(ckpt, tmp_path, name):
 
 
 @pytest.mark.trt
+@pytest.mark.slow  # (tests/test_trt_build.py builds plugin engines by default)
 def test_quantized_plugin_export_builds_engines(ckpt, tmp_path):
     from mtp_trt.trt import builder, compat
     from mtp_trt.trt import manifest as em

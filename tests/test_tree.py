@@ -386,7 +386,8 @@ def test_runner_picks_the_exported_tree(setup):
     assert tree_shape(3, 2, 6).graph in be.manifest.graphs
 
 
-@pytest.mark.parametrize("mode", ["eagle", pytest.param("vanilla", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_demo_tree_decoding_equals_transformers_generate(tmp_path, mode):
     """The bundled demo checkpoint (3 MTP modules): tree decoding of its export in either mode (depth 3, top-k 3,
     budget 8) gives the tokens of transformers' DeepseekV3ForCausalLM greedy `generate`, and accepts more per

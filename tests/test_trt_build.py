@@ -361,7 +361,7 @@ def test_check_refuses_a_modified_engine(engines, tmp_path):
 
 
 @trt_mark
-@pytest.mark.parametrize("perturb", [0.0, 1e-2])
+@pytest.mark.parametrize("perturb", [pytest.param(0.0, marks=pytest.mark.slow), 1e-2])
 def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
     """The comparison path with a stand-in for the engines (ONNX Runtime on the onnx lowering, as the
     engines would compute): identical outputs pass, perturbed logits fail with exit code 1."""
