@@ -1,7 +1,8 @@
 """`mtp-trt export`: checkpoint -> target.onnx + MTP graph(s) + manifest.json, written atomically.
 
-Pipeline: check the request and every checkpoint tensor's name, dtype and shape (from the headers);
-trace each graph on placeholder weights (TorchScript ONNX exporter, opset 18, dynamic B / S / T; the
+Pipeline: check the request, the tokenizer files and every checkpoint tensor's name, dtype and shape (from
+the headers), then every tensor's values in one streamed pass (NaN, infinities, FP8 scales), all before
+the first line of progress; trace each graph on placeholder weights (TorchScript ONNX exporter, opset 18, dynamic B / S / T; the
 weights as inputs), fold it as torch would and stream the weights it reads into the one weights.bin
 shared by all graphs, each distinct tensor once (exporters/streaming.py: the model is never held, so
 the peak memory is a few times the largest tensor, not the model's size); check each graph
@@ -37,7 +38,7 @@ from mtp_trt.exporters.loader import CheckpointTensors, checkpoint_names, checkp
 from mtp_trt.exporters.model import DeepseekV3, rope_tables
 from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initializer, fold_graph, initializer,
                                          placeholder_model, freed_memory_returned)
-from mtp_trt.tokenizer import check_vocab, load_tokenizer
+from mtp_trt.tokenizer import chat_renderer, check_vocab, load_tokenizer, read_tokenizer_config
 from mtp_trt.config import MAX_NEXTN
 from mtp_trt.validate import cache_bytes, check_export_memory, check_memory, check_mtp_modules, check_output_dir
 from mtp_trt import contract as C
@@ -215,11 +216,25 @@ def check_request(ckpt: Path, out: Path, nextn: int | None, mtp_mode: str, dtype
                  8 * max_seq_len * cfg.qk_rope_head_dim,
                  f"--max-batch {max_batch} x --max-seq-len {max_seq_len}: the caches the export is made for")
     check_output_dir(out)
-    if (ckpt / "tokenizer.json").is_file():  # a broken one fails now, not at `mtp-trt run`
-        check_vocab(load_tokenizer(ckpt / "tokenizer.json"), cfg.vocab_size, ckpt / "tokenizer.json")
-    eos_token_ids(ckpt, cfg)
+    check_tokenizer_files(ckpt, cfg)
     check_export_memory(cfg, C.dtype(dtype).itemsize, str(ckpt / "config.json"))
     return cfg, nextn, max_seq_len
+
+
+def check_tokenizer_files(ckpt: Path, cfg: ModelConfig) -> None:
+    """Every file the export copies beside the graphs (TOKENIZER_FILES) read as `run` and `serve` will read it,
+    so that a broken one is named in the checkpoint now, not in the export later: tokenizer.json (its ids within
+    vocab_size), tokenizer_config.json (its fields' types; the chat template compiling where jinja2, the serve
+    extra's, is installed) and generation_config.json (its EOS ids)."""
+    import importlib.util
+
+    tok = ckpt / "tokenizer.json"
+    if tok.is_file():
+        check_vocab(load_tokenizer(tok), cfg.vocab_size, tok)
+    read_tokenizer_config(ckpt)
+    if importlib.util.find_spec("jinja2") is not None:
+        chat_renderer(ckpt)
+    eos_token_ids(ckpt, cfg)
 
 
 def tree_shapes(trees: str | None, nextn: int) -> tuple:
@@ -302,7 +317,6 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
     cpu_ops = check_cpu_ops(cpu_ops, lowering, dtype, moe_form, scheme)
     shapes = tree_shapes(trees, nextn)
     modules = (nextn if mtp_mode == "vanilla" else min(nextn, 1))
-    progress(f"reading {ckpt} ({modules} MTP module{'s' * (modules != 1)})")
     tdtype = C.dtype(dtype).torch_dtype()
     with freed_memory_returned():
         return _export(ckpt, out, cfg, nextn, modules, mtp_mode, dtype, tdtype, lowering, max_batch, max_seq_len,
@@ -391,7 +405,8 @@ def graph_module(model: DeepseekV3, name: str, mtp_mode: str, lowering: str, thi
 def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, mtp_mode: str, dtype: str,
             tdtype: torch.dtype, lowering: str, max_batch: int, max_seq_len: int, progress: Progress,
             moe_form: str | None, shapes: tuple, cpu_ops: bool, scheme: quant.Scheme) -> Path:
-    model, params, read = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)
+    model, params, read = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)  # every tensor's header checked
+    read.tensors.scan()  # and every value, streamed: all before the first line of progress
     think_ids, tokenizer = special_token_ids(ckpt)
     with atomic_directory(out) as tmp, WeightStore(tmp / WEIGHTS_FILE, WEIGHTS_ALIGN) as store:
         contract = C.graph_contract(cfg, nextn, modules, mtp_mode, dtype, lowering,

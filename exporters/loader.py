@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mtp_trt.config import ModelConfig
@@ -34,7 +35,14 @@ from mtp_trt.exporters.model import DeepseekV3, rope_tables
 
 Tensor = torch.Tensor
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what an FP8 weight's block scales may be stored as
 ST_DTYPES = {name: d.torch_dtype() for name, d in BY_SAFETENSORS.items()}
+# Each floating dtype as unsigned integers of its width, and the bits all set in a NaN or an infinity (the exponent;
+# e4m3fn has no infinities and one NaN code per sign, S.1111.111): what the streamed scan looks for.
+NON_FINITE_BITS = {torch.float64: (np.uint64, 0x7FF0_0000_0000_0000), torch.float32: (np.uint32, 0x7F80_0000),
+                   torch.float16: (np.uint16, 0x7C00), torch.bfloat16: (np.uint16, 0x7F80),
+                   torch.float8_e5m2: (np.uint8, 0x7C), torch.float8_e4m3fn: (np.uint8, 0x7F)}
+SCAN_CHUNK = 1 << 24  # bytes read at a time by the scan
 
 
 # ----------------------------------------------------------------------------------------- FP8
@@ -135,6 +143,43 @@ def _read(path: Path, entry: tuple[torch.dtype, list[int], int, int]) -> Tensor:
     return buf.view(dtype).reshape(shape)
 
 
+def _scan(path: Path, name: str, entry: tuple[torch.dtype, list[int], int, int], positive: bool = False,
+          limit: float | None = None) -> None:
+    """CheckpointTensors.scan of one tensor: its bytes read SCAN_CHUNK at a time (never the whole tensor), each
+    value's bits tested as unsigned integers; `positive`: every value > 0 (a block scale); `limit`: every
+    magnitude at most this."""
+    dtype, _, begin, end = entry
+    uint, nan_bits = NON_FINITE_BITS[dtype]
+    width = np.dtype(uint).itemsize
+    sign = uint(1 << (8 * width - 1))
+    buf = np.empty(SCAN_CHUNK // width, uint)
+    bad = nonpositive = beyond = 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(begin)
+        left = end - begin
+        while left:
+            view = buf[: min(left, SCAN_CHUNK) // width]
+            got = f.readinto(memoryview(view).cast("B"))
+            if got != view.nbytes:
+                raise MtpTrtError(f"{path}: cannot read tensor '{name}': the file ends early (truncated?)")
+            left -= got
+            bad += int(np.count_nonzero(view & uint(nan_bits) == uint(nan_bits)))
+            if positive:
+                nonpositive += int(np.count_nonzero(((view & sign) != 0) | ((view & ~sign) == 0)))
+            if limit is not None:
+                values = torch.from_numpy(view.view(f"i{width}")).view(dtype)
+                beyond += int((values.float().abs() > limit).sum())
+    if bad:
+        raise MtpTrtError(f"{path}: tensor '{name}' holds {bad} NaN or infinite value(s) (as "
+                          f"{str(dtype).removeprefix('torch.')}); refusing a checkpoint whose weights are not finite")
+    if nonpositive:
+        raise MtpTrtError(f"{path}: tensor '{name}' holds {nonpositive} block scale(s) <= 0; an FP8 weight's scales "
+                          f"must be positive (a zero scale would zero its block)")
+    if beyond:
+        raise MtpTrtError(f"{path}: tensor '{name}' holds {beyond} value(s) beyond {limit:g}, the largest of the "
+                          f"export's dtype; export with a wider --dtype (fp32 or bf16)")
+
+
 def _some(names: list[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
@@ -172,6 +217,10 @@ class CheckpointTensors:
                 if name + "_scale_inv" not in files:
                     raise MtpTrtError(f"{path}: FP8 tensor '{name}' has no '{name}_scale_inv'")
                 scale = entry(name + "_scale_inv")
+                if scale[1][0] not in SCALE_DTYPES:
+                    raise MtpTrtError(f"{scale[0]}: tensor '{name}_scale_inv' has dtype "
+                                      f"{str(scale[1][0]).removeprefix('torch.')}, expected float32, bf16 or fp16 "
+                                      f"(the block scales of the FP8 weight '{name}')")
                 problem = _scale_shape_problem(e[1], scale[1][1], block)
                 if problem:
                     raise MtpTrtError(f"{path}: tensor '{name}_scale_inv': {problem}")
@@ -187,6 +236,17 @@ class CheckpointTensors:
         if unused:
             raise MtpTrtError(f"{ckpt}: {len(unused)} tensor(s) that {architecture} as mtp-trt reads it does not "
                               f"use: {_some(unused, 3)}; refusing rather than ignoring them")
+
+    def scan(self) -> None:
+        """Read every tensor once, a chunk at a time, before any work: NaN or infinite values (FP8 NaN codes
+        included), block scales that are not positive, and values beyond the range of this reader's dtype (a
+        float32 weight of 1e5 read as fp16) are each an MtpTrtError naming the tensor."""
+        for name, (path, e, scale) in self.entries.items():
+            limit = None if e[0] in FP8_DTYPES or torch.finfo(e[0]).max <= torch.finfo(self.dtype).max else \
+                torch.finfo(self.dtype).max
+            _scan(path, name, e, limit=limit)
+            if scale is not None:
+                _scan(scale[0], name + "_scale_inv", scale[1], positive=True)
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
         """The tensor in `dtype` (default: this reader's)."""

@@ -267,16 +267,22 @@ def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, sche
             out.append(qname)
         return out
 
+    made = {}  # quantized data -> the weight its DequantizeLinear gives: a weight read twice is dequantized once
+
     def dequantized(node: onnx.NodeProto, parts: list[str], axis: int, s: quant.Scheme, dtype: torch.dtype) -> str:
         """DequantizeLinear(data, scales) blocked along `axis` (FP8's float32 output cast to the export's dtype):
-        the name of the weight it gives."""
+        the name of the weight it gives (made once, before its first reader, for every node reading it; the MTP
+        module of eagle mode is read once per draft in a step graph)."""
         data, scales = parts
+        if data in made:
+            return made[data]
         w = f"{data[:-len('.data')]}.dequantized"
         nodes.append(helper.make_node("DequantizeLinear", [data, scales], [w], name=f"{node.name}/dq", axis=axis,
                                       block_size=s.block_size))
         if s.name == "fp8" and dtype != torch.float32:
             nodes.append(helper.make_node("Cast", [w], [f"{w}.cast"], name=f"{node.name}/cast", to=ONNX_TYPES[dtype]))
             w = f"{w}.cast"
+        made[data] = w
         return w
 
     for node in graph.node:

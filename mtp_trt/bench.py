@@ -1,14 +1,18 @@
-"""`mtp-trt bench`: tokens/s of MTP speculative decoding for nextn 0..K in both modes, at several batch
-sizes, beside Hugging Face transformers' greedy `generate` on the same checkpoint, in one run.
+"""`mtp-trt bench`: tokens/s of MTP speculative decoding for nextn 0..K (and each export's trees), at one or
+more batch sizes, beside Hugging Face transformers' greedy `generate` on the same checkpoint, in one run.
 
-Batch 1 decodes each of the 8 prompts alone, in turn; batch b > 1 decodes b prompts together.
-Figures are medians over repeats, and the configurations of one batch size are timed round-robin; ratios
-are medians of per-round ratios, so they compare runs made moments apart (these machines are shared and
-noisy).
+Two sweeps: QUICK, the default (eagle mode at batch 1, 64 tokens, 3 rounds: about a minute on the demo
+checkpoint on a 2-core CPU, its export included), and FULL (`--full`: both modes at batches 1 and 8, 128 tokens,
+9 rounds, transformers' generate beside).  Batch 1 decodes
+each of the 8 prompts alone, in turn; batch b > 1 decodes b prompts together.  Figures are medians over
+repeats, and the configurations of one batch size are timed round-robin; ratios are medians of per-round
+ratios, so they compare runs made moments apart (these machines are shared and noisy).  A line per
+configuration and per round says how long is left.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -32,18 +36,51 @@ PROMPTS = [
 ]
 
 
-def _round_robin(jobs: dict, repeats: int) -> dict:
-    """{name: fn} -> {name: (seconds of each round, last result)}.  One warm-up call each, then `repeats`
-    rounds that call every job once in turn, so a machine that drifts (shared, throttled) slows all alike;
-    ratios are then taken within each round (see ratio)."""
-    results = {name: fn() for name, fn in jobs.items()}  # warm-up
-    times = {name: [] for name in jobs}
-    for _ in range(repeats):
-        for name, fn in jobs.items():
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """What `mtp-trt bench` times: the MTP modes, batch sizes, tokens per sequence, rounds, and whether
+    transformers' generate is timed beside (where it is installed)."""
+
+    modes: tuple[str, ...]
+    batches: tuple[int, ...]
+    max_new_tokens: int
+    repeats: int
+    transformers: bool
+
+
+QUICK = Sweep(("eagle",), (1,), 64, 3, False)  # (transformers' generate alone would take minutes on a CPU)
+FULL = Sweep(("eagle", "vanilla"), (1, 8), 128, 9, True)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def _round_robin(jobs: dict, repeats: int, progress=lambda line: None, name=str, later: int = 0) -> dict:
+    """{key: fn} -> {key: (seconds of each round, last result)}.  One warm-up call each, then `repeats` rounds
+    that call every job once in turn, so a machine that drifts (shared, throttled) slows all alike; ratios are
+    then taken within each round (see ratio).  `progress(line)`: a line per job once its warm-up is timed
+    (`name(key)` names it) and one per round, each with an estimate of the time left (jobs not yet timed are taken
+    to cost the mean of those timed; `later` more sets of jobs like these follow, each taken to cost as much)."""
+    results, first = {}, {}
+    for i, (key, fn) in enumerate(jobs.items()):
+        t0 = time.perf_counter()
+        results[key] = fn()  # warm-up
+        first[key] = time.perf_counter() - t0
+        per_round = sum(first.values()) * len(jobs) / len(first)
+        left = per_round * (len(jobs) - i - 1) / len(jobs) + per_round * repeats + later * per_round * (repeats + 1)
+        progress(f"[{i + 1}/{len(jobs)}] {name(key)}: {first[key]:.2f} s a call; about {_duration(left)} left")
+    times = {key: [] for key in jobs}
+    for r in range(repeats):
+        t_round = time.perf_counter()
+        for key, fn in jobs.items():
             t0 = time.perf_counter()
-            results[name] = fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: (times[name], results[name]) for name in jobs}
+            results[key] = fn()
+            times[key].append(time.perf_counter() - t0)
+        per_round = time.perf_counter() - t_round
+        left = per_round * (repeats - r - 1) + later * per_round * (repeats + 1)
+        progress(f"round {r + 1} of {repeats} timed; about {_duration(left)} left")
+    return {key: (times[key], results[key]) for key in jobs}
 
 
 def ratio(a: dict, b: dict) -> float:
@@ -66,6 +103,7 @@ def _transformers_generate(checkpoint: Path, device: str = "cpu"):
     from mtp_trt.config import ModelConfig
 
     hf_logging.set_verbosity_error()  # the MTP layers are "unexpected" weights to transformers: expected here
+    hf_logging.disable_progress_bar()  # (bench's own lines say how far along it is)
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     model_class = getattr(transformers, ModelConfig.from_file(checkpoint).architecture)
     model = model_class.from_pretrained(checkpoint, dtype=torch.float32).eval().to(device)
@@ -89,29 +127,27 @@ def _transformers_generate(checkpoint: Path, device: str = "cpu"):
 
 
 def run(model: str | Path | None, batches: list[int], max_new_tokens: int, repeats: int, transformers: bool = True,
-        progress=print, threads: int | None = None, scheme=None) -> list[dict]:
+        progress=print, threads: int | None = None, scheme=None, modes: tuple[str, ...] = ("eagle", "vanilla"),
+        note=lambda line: None) -> list[dict]:
     """tokens/s of every (mode, nextn) on ONNX Runtime (the weights quantized as `scheme` says) and of
     transformers' greedy `generate` (the main model, same prompts); per batch size, all of them are timed
-    round-robin (see _round_robin)."""
+    round-robin (see _round_robin).  `progress`: the figures, a line each; `note`: how far along it is."""
     ckpt = Path(model) if model else demo_model()
-    runners = {("mtp-trt/onnxruntime", mode): Runner(resolve_export(ckpt, mode, progress=progress, scheme=scheme,
+    runners = {("mtp-trt/onnxruntime", mode): Runner(resolve_export(ckpt, mode, progress=note, scheme=scheme,
                                                                     batch=max(batches)), threads=threads)
-               for mode in ("eagle", "vanilla")}
+               for mode in modes}
     return time_runners(runners, _transformers_generate(ckpt) if transformers else None, batches, max_new_tokens,
-                        repeats, progress)
+                        repeats, progress, note)
 
 
-DEFAULT_BATCHES = (1, 8)
-
-
-def default_batches(model: Path) -> list[int]:
-    """`mtp-trt bench`'s batch sizes when none are given: DEFAULT_BATCHES, within an engine directory's max_batch."""
+def default_batches(model: Path, sweep: Sweep = QUICK) -> list[int]:
+    """`mtp-trt bench`'s batch sizes when none are given: the sweep's, within an engine directory's max_batch."""
     if (model / "engines.json").is_file():
         from mtp_trt.trt import manifest as em
 
         top = em.EngineManifest.load(model).max_batch
-        return sorted({min(b, top) for b in DEFAULT_BATCHES})
-    return list(DEFAULT_BATCHES)
+        return sorted({min(b, top) for b in sweep.batches})
+    return list(sweep.batches)
 
 
 def check_batches(model: Path, batches: list[int], max_new_tokens: int) -> None:
@@ -136,7 +172,7 @@ def check_batches(model: Path, batches: list[int], max_new_tokens: int) -> None:
 
 
 def run_engines(engine_dir: Path, batches: list[int], max_new_tokens: int, repeats: int, transformers: bool = True,
-                progress=print, threads: int | None = None) -> list[dict]:
+                progress=print, threads: int | None = None, note=lambda line: None) -> list[dict]:
     """An engine directory's TensorRT engines (with and without CUDA graphs) beside ONNX Runtime on the onnx
     export of the same checkpoint and transformers' `generate` on the GPU, in the same round-robin rounds."""
     from mtp_trt.trt import manifest as em
@@ -149,12 +185,12 @@ def run_engines(engine_dir: Path, batches: list[int], max_new_tokens: int, repea
     runners = {("mtp-trt/tensorrt", exp.mtp_mode): Runner(exp, graphs),
                ("mtp-trt/tensorrt (no CUDA graphs)", exp.mtp_mode): Runner(exp, plain)}
     if (ckpt / "config.json").is_file():
-        runners[("mtp-trt/onnxruntime", exp.mtp_mode)] = Runner(resolve_export(ckpt, exp.mtp_mode, progress=progress,
+        runners[("mtp-trt/onnxruntime", exp.mtp_mode)] = Runner(resolve_export(ckpt, exp.mtp_mode, progress=note,
                                                                                batch=max(batches)), threads=threads)
     else:
-        progress(f"the export's checkpoint {ckpt} is not here: no ONNX Runtime or transformers rows")
+        note(f"the export's checkpoint {ckpt} is not here: no ONNX Runtime or transformers rows")
     hf = _transformers_generate(ckpt, device="cuda") if transformers and (ckpt / "config.json").is_file() else None
-    return time_runners(runners, hf, batches, max_new_tokens, repeats, progress)
+    return time_runners(runners, hf, batches, max_new_tokens, repeats, progress, note)
 
 
 def one_at_a_time(backend, prompts: list[list[int]], opts) -> tuple[list, Stats]:
@@ -167,12 +203,21 @@ def one_at_a_time(backend, prompts: list[list[int]], opts) -> tuple[list, Stats]
     return seqs, total
 
 
-def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, repeats: int, progress) -> list[dict]:
+def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, repeats: int, progress,
+                 note=lambda line: None) -> list[dict]:
     """{(engine label, mode): Runner} and transformers' generate (or None), timed round-robin per batch size.
     Batch 1 decodes every prompt of PROMPTS alone, one after another (one prompt's acceptance is not
-    typical); batch b > 1 decodes b prompts together."""
+    typical); batch b > 1 decodes b prompts together.  `progress`: each figure; `note`: how far along."""
     rows = []
-    for batch in batches:
+
+    def config_name(key) -> str:
+        engine, mode, nextn, tree = key
+        if engine == "transformers.generate":
+            return f"transformers batch {batch}"
+        prefix = "" if engine == "mtp-trt/onnxruntime" else f"{engine[8:]} "
+        return f"{prefix}{mode} batch {batch} nextn {nextn}{f' tree {tree}' if tree else ''}"
+
+    for at, batch in enumerate(batches):
         texts = PROMPTS if batch == 1 else (PROMPTS * batch)[:batch]
         decode = one_at_a_time if batch == 1 else generate
         jobs = {}
@@ -190,7 +235,8 @@ def time_runners(runners: dict, hf, batches: list[int], max_new_tokens: int, rep
             calls = [hf([t], max_new_tokens) for t in texts] if batch == 1 else [hf(texts, max_new_tokens)]
             jobs[("transformers.generate", "-", 0, None)] = lambda calls=calls: [run() for run in calls]
         baseline = {}  # (engine, mode) -> nextn 0's tokens: every nextn must produce the same (greedy is lossless)
-        for (engine, mode, nextn, tree), (rounds, result) in _round_robin(jobs, repeats).items():
+        timed = _round_robin(jobs, repeats, note, config_name, later=len(batches) - at - 1)
+        for (engine, mode, nextn, tree), (rounds, result) in timed.items():
             seconds = statistics.median(rounds)
             if engine == "transformers.generate":
                 tokens = len(texts) * max_new_tokens
@@ -252,16 +298,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
+def figure(rows: list[dict]):
+    """The plot of the rows: tokens/s against nextn, a panel per batch size, one legend for all below the panels
+    (never over a point)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4.5), squeeze=False, layout="constrained")
+    legend = {}
     for ax, batch in zip(axes[0], batches):
         pairs = dict.fromkeys((r["engine"], r["mode"]) for r in rows if r["engine"] != "transformers.generate")
         for engine, mode in pairs:
@@ -277,11 +324,18 @@ def plot(rows: list[dict], path: Path) -> bool:
         ax.set(title=f"batch {batch}", xlabel="nextn (draft tokens per step)", ylabel="tokens/s",
                xticks=sorted({r["nextn"] for r in rows}))
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    with atomic_file(path) as tmp:  # whole or not at all (a full disk)
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(text, handle)
+    fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=min(3, len(legend)),
+               fontsize="small", frameon=False)
+    return fig
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """figure(rows) written to `path` (its extension names the format), whole or not at all (a full disk)."""
+    fig = figure(rows)
+    with atomic_file(path) as tmp:
         fig.savefig(tmp, dpi=120, format=path.suffix.lower().lstrip("."))
-    return True
 
 
 def write_json(rows: list[dict], path: Path, meta: dict) -> None:

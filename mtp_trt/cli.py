@@ -34,6 +34,13 @@ def clear_errors(fn):
         except KeyboardInterrupt:  # Ctrl-C: partial outputs are gone (every `finally` ran), one line says so
             typer.secho("error: interrupted", fg="red", err=True)
             raise typer.Exit(130) from None
+        except ModuleNotFoundError as e:  # an optional package a check before the work did not foresee
+            from mtp_trt.validate import EXTRAS, missing_extra
+
+            if (e.name or "").split(".")[0] not in EXTRAS:
+                raise
+            typer.secho(f"error: {missing_extra(f'mtp-trt {fn.__name__}', e.name)}", fg="red", err=True)
+            raise typer.Exit(2) from None
         except OSError as e:  # a file the checks above did not foresee: still one line naming it
             if e.errno in WRITE_ERRORS and not e.filename:
                 raise typer.Exit(_write_failed(e)) from None
@@ -73,11 +80,10 @@ def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoin
     Attention), MoE, MTP modules and the KV cache size (latent and indexer keys)."""
     from mtp_trt.config import FAMILIES, ModelConfig
     from mtp_trt.runner import demo_model
-    from mtp_trt.validate import stored_mtp_modules
+    from mtp_trt.validate import directory, stored_mtp_modules
 
-    checkpoint = checkpoint or demo_model()
-    cfg = ModelConfig.from_file(checkpoint)
-    ckpt = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    ckpt = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)")
+    cfg = ModelConfig.from_file(ckpt)
     stored = stored_mtp_modules(ckpt, cfg.num_hidden_layers)
     mtp = str(cfg.num_nextn_predict_layers) if stored in (None, cfg.num_nextn_predict_layers) else \
         f"{cfg.num_nextn_predict_layers} in config.json, but {stored} stored in the weights"
@@ -131,7 +137,7 @@ class StageDisplay:
     def __init__(self, title: str):
         from rich.console import Console
 
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=True, soft_wrap=True)  # a line is one line in a log, whatever its length
         self.title, self.stage, self.status, self.t0, self.stages = title, None, None, 0.0, 0
 
     def __enter__(self):
@@ -198,10 +204,13 @@ def export(
                                               "(default 32; fp8: 128, fixed)."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
-    from mtp_trt.exporters.export import export as run_export
     from mtp_trt.runner import demo_model
+    from mtp_trt.validate import directory, require
 
-    checkpoint = checkpoint or demo_model()
+    checkpoint = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)")
+    require("mtp-trt export", "torch", "onnx")
+    from mtp_trt.exporters.export import export as run_export
+
     with StageDisplay(f"export {checkpoint}") as show:
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
                           max_batch=max_batch, max_seq_len=max_seq_len, progress=show,
@@ -228,6 +237,9 @@ def build(
 ) -> None:
     """Build TensorRT engines (one per graph) with the MLA attention and acceptance plugins (docs/tensorrt.md)."""
     from mtp_trt.trt.builder import build as run_build
+    from mtp_trt.validate import directory
+
+    directory(export_dir, "an export directory (manifest.json)")
 
     with StageDisplay(f"build {export_dir}") as show:
         path = run_build(export_dir, out, precision=precision, max_batch=max_batch, max_seq_len=max_seq_len,
@@ -246,6 +258,11 @@ def check(
 ) -> None:
     """Run the engines and compare them with ONNX Runtime (needs a GPU; exit 3 = skipped, see docs/tensorrt.md)."""
     from mtp_trt.trt.check import check as run_check
+    from mtp_trt.validate import directory
+
+    directory(engine_dir, "an engine directory (engines.json)")
+    if reference is not None:
+        directory(reference, "an export directory (manifest.json) for --reference")
 
     with StageDisplay(f"check {engine_dir}") as show:
         result = run_check(engine_dir, reference=reference, seed=seed, progress=show)
@@ -343,7 +360,7 @@ def run(
     if opts.tree is not None and not opts.sampling.greedy:
         typer.secho("note: sampling drafts a chain (tree drafting is greedy only)", fg="yellow", err=True)
     encoded = [runner.encode(p) for p in prompts]
-    ids = runner.fit(encoded, opts.nextn, truncate)  # a prompt too long is refused before any output
+    ids = runner.fit(encoded, opts.nextn, truncate, max_new_tokens)  # a prompt too long: refused before any output
     stream = not json_out and len(prompts) == 1
     if stream:
         typer.echo(prompts[0], nl=False)
@@ -401,6 +418,9 @@ def serve(
     served_model_name: str = typer.Option(None, help="The model id clients name (default: the model directory's "
                                                      "name)."),
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds running requests may take to finish."),
+    max_request_bytes: int = typer.Option(None, help="Largest request body read; larger ones are answered 413 "
+                                                     "before they are read (default: 64 KiB + 32 bytes per cache "
+                                                     "row)."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     cuda_graphs: bool = typer.Option(True, help="TensorRT engines: replay each decode step as a CUDA graph."),
     bos: bool = typer.Option(None, "--bos/--no-bos", help="Start completion prompts with BOS or not (default: as "
@@ -412,12 +432,9 @@ def serve(
     """Serve an OpenAI-compatible API (completions, chat, streaming, /metrics) with continuous batching and MTP."""
     from mtp_trt import validate as v
 
-    try:
-        from mtp_trt.serve_http import serve as run_server
-    except ImportError as e:
-        raise MtpTrtError(f"serve needs the serve extra ({e.name} is missing): "
-                          f"pip install \"mtp-trt[serve]\"") from None
+    v.require("mtp-trt serve", "fastapi", "uvicorn", "prometheus_client", "jinja2")
     from mtp_trt.runner import demo_model, open_runner
+    from mtp_trt.serve_http import serve as run_server
     from mtp_trt.serve import Engine
 
     nextn, mtp_mode, relaxed_topk, relaxed_delta, _ = _speculation(config, nextn, mtp_mode, relaxed_topk,
@@ -427,6 +444,8 @@ def serve(
     if not 0 <= port <= 65535:
         raise MtpTrtError(f"--port must be in 0..65535, got {port}")
     v.check_number("--shutdown-timeout", shutdown_timeout, 0)
+    if max_request_bytes is not None:
+        v.check_positive("--max-request-bytes", max_request_bytes)
     v.check_threads(threads)
     if api_key is not None and not api_key.strip():
         raise MtpTrtError("--api-key: empty")
@@ -442,7 +461,7 @@ def serve(
         typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, nextn {opts.nextn}, up to {max_batch} requests at "
                     f"once) on http://{host}:{port}/v1", fg="green", err=True)
 
-    run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready)
+    run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready, max_request_bytes=max_request_bytes)
 
 
 @app.command()
@@ -450,21 +469,30 @@ def serve(
 def bench(
     model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model), or an engine directory "
                                             "(TensorRT beside ONNX Runtime and transformers on the GPU)."),
-    batch: list[int] = typer.Option(None, metavar="N", help="Batch sizes; repeat the option for several (default: 1 and 8, "
-                                               "or the engines' max_batch where it is smaller)."),
-    max_new_tokens: int = typer.Option(128, help="Tokens generated per sequence."),
-    repeats: int = typer.Option(9, help="Timed rounds per batch size (medians; ratios: medians of per-round ratios)."),
-    transformers: bool = typer.Option(True, help="Also time transformers' greedy generate (same run)."),
-    json_path: Path = typer.Option(Path("bench.json"), "--out", "-o", help="JSON file to write all figures to."),
-    plot_path: Path = typer.Option(Path("bench.png"), "--plot", help="Where to write the PNG plot."),
+    full: bool = typer.Option(False, "--full", help="The full sweep: both MTP modes at batches 1 and 8, 128 new "
+                                                    "tokens, 9 rounds, transformers' generate beside (default: "
+                                                    "eagle mode at batch 1, 64 new tokens, 3 rounds; about a minute "
+                                                    "on the demo model)."),
+    batch: list[int] = typer.Option(None, metavar="N", help="Batch sizes; repeat the option for several (default: "
+                                                            "the sweep's, within an engine directory's max_batch)."),
+    max_new_tokens: int = typer.Option(None, help="Tokens generated per sequence (default: the sweep's)."),
+    repeats: int = typer.Option(None, help="Timed rounds per batch size (medians; ratios: medians of per-round "
+                                           "ratios; default: the sweep's)."),
+    transformers: bool = typer.Option(None, "--transformers/--no-transformers",
+                                      help="Also time transformers' greedy generate in the same rounds (default: "
+                                           "with --full, where transformers is installed)."),
+    json_path: Path = typer.Option(None, "--out", "-o", help="JSON file to write all figures to."),
+    plot_path: Path = typer.Option(None, "--plot", help="PNG (or SVG, PDF...) file to plot the figures to."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     verify: bool = typer.Option(False, help="Hash every file of the exports again (see `mtp-trt run --verify`)."),
     quant: str = typer.Option(None, help="Quantize a checkpoint's weights: none, int8 or int4 (exported once per "
                                          "setting into the cache; default none)."),
     group_size: int = typer.Option(None, help="Weights per quantization block (with --quant; default 32)."),
 ) -> None:
-    """Benchmark tokens/s for nextn 0..K in eagle and vanilla modes (and each export's trees) against
-    transformers' generate."""
+    """Benchmark tokens/s for nextn 0..K (and each export's trees) against transformers' generate: eagle mode at
+    batch 1 by default, both modes at batches 1 and 8 with --full.  Figures are printed; files are written where
+    -o and --plot say."""
+    import importlib.util
     import platform
 
     from mtp_trt import bench as b
@@ -473,41 +501,55 @@ def bench(
     from mtp_trt.backend import default_threads
     from mtp_trt.runner import demo_model, resolve_export
 
+    sweep = b.FULL if full else b.QUICK
     for size in batch or ():
         v.check_positive("--batch", size)
+    repeats = sweep.repeats if repeats is None else repeats
+    max_new_tokens = sweep.max_new_tokens if max_new_tokens is None else max_new_tokens
     v.check_positive("--repeats", repeats)
     v.check_positive("--max-new-tokens", max_new_tokens)
     v.check_threads(threads)
-    v.check_writable_file(json_path, "--out")  # before the benchmark, not after it
-    v.check_plot_format(plot_path)
-    v.check_writable_file(plot_path, "--plot")
+    if json_path is not None:
+        v.check_writable_file(json_path, "--out")  # before the benchmark, not after it
+    if plot_path is not None:
+        v.check_plot_format(plot_path)
+        v.check_writable_file(plot_path, "--plot")
+        v.require("bench --plot", "matplotlib")
+    if transformers:
+        v.require("bench --transformers", "torch", "transformers")
+    elif transformers is None:
+        transformers = sweep.transformers and all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
     scheme = v.quant_scheme(quant, group_size)
-    ckpt = model or demo_model()
+    ckpt = v.directory(model or demo_model(), "a checkpoint (config.json) or an engine directory (engines.json)")
     engines = (ckpt / "engines.json").is_file()
     if (ckpt / "manifest.json").is_file():
-        raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports both MTP modes and runs transformers) or an "
-                          f"engine directory")
+        raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports it in each MTP mode it times, and runs "
+                          f"transformers on it) or an engine directory")
+
+    def note(line: str) -> None:
+        typer.secho(line, dim=True, err=True)
+
     if engines:
         from mtp_trt.runner import verify_engines
 
         if scheme is not None:
             raise MtpTrtError(f"{ckpt}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(ckpt, force=verify)
-        batch = batch or b.default_batches(ckpt)
+        batch = batch or b.default_batches(ckpt, sweep)
         b.check_batches(ckpt, batch, max_new_tokens)
         rows = b.run_engines(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo,
-                             threads=threads or None)
+                             threads=threads or None, note=note)
     else:
-        batch = batch or b.default_batches(ckpt)
+        batch = batch or b.default_batches(ckpt, sweep)
         b.check_batches(ckpt, batch, max_new_tokens)
         with StageDisplay("preparing exports") as show:
-            for mode in ("eagle", "vanilla"):
+            for mode in sweep.modes:
                 resolve_export(ckpt, mode, progress=show, verify=verify, scheme=scheme, batch=max(batch))
         rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None,
-                     scheme=scheme)
+                     scheme=scheme, modes=sweep.modes, note=note)
     meta = {"checkpoint": str(ckpt), "quant": (scheme or quant_mod.Scheme()).as_dict(), "max_new_tokens": max_new_tokens,
-            "repeats": repeats,
-            "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": __import__("os").cpu_count(),
+            "repeats": repeats, "sweep": "full" if full else "quick",
+            "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": os.cpu_count(),
             "onnxruntime_threads": threads or default_threads()}
     typer.echo("\nbatch  engine                      mode     nextn0/transformers  best nextn  speedup  mean accepted"
                "  speedup/accepted  step/plain step")
@@ -528,9 +570,18 @@ def bench(
     if differ:
         typer.secho(f"warning: tokens differ from nextn 0 (greedy MTP must be lossless): {', '.join(differ)}",
                     fg="red", err=True)
-    b.write_json(rows, json_path, meta)  # after the table: output that cannot be printed leaves no file behind
-    plotted = b.plot(rows, plot_path)
-    typer.echo(f"wrote {json_path}" + (f" and {plot_path}" if plotted else " (no matplotlib: no plot)"))
+    written = []
+    if json_path is not None:  # after the table: output that cannot be printed leaves no file behind
+        b.write_json(rows, json_path, meta)
+        written.append(str(json_path))
+    if plot_path is not None:
+        b.plot(rows, plot_path)
+        written.append(str(plot_path))
+    if written:
+        typer.echo(f"wrote {' and '.join(written)}")
+    if not full:
+        note("the full sweep (both MTP modes, batches 1 and 8, 128 tokens, 9 rounds, transformers' generate): "
+             "mtp-trt bench --full")
 
 
 # A write that fails (standard output or a file: a full disk or device, a closed pipe, a file-size limit): one line.

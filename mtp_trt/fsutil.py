@@ -64,12 +64,17 @@ def _depth_exceeded(obj) -> bool:
     return False
 
 
-def check_json_limits(value, source: str):
-    """`value` (parsed JSON or YAML) nests at most MAX_JSON_DEPTH levels; returns it."""
+def too_deep(source: str):
+    """The error of a document nested beyond MAX_JSON_DEPTH levels."""
     from mtp_trt.errors import MtpTrtError
 
+    return MtpTrtError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep, more than mtp-trt reads")
+
+
+def check_json_limits(value, source: str):
+    """`value` (parsed JSON or YAML) nests at most MAX_JSON_DEPTH levels; returns it."""
     if _depth_exceeded(value):
-        raise MtpTrtError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file mtp-trt reads")
+        raise too_deep(source)
     return value
 
 
@@ -93,8 +98,7 @@ def parse_json(data: bytes | str, source: str):
     except json.JSONDecodeError as e:
         raise MtpTrtError(f"{source}: not valid JSON ({e})") from None
     except RecursionError:
-        raise MtpTrtError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file mtp-trt "
-                          f"reads") from None
+        raise too_deep(source) from None
     return check_json_limits(value, source)
 
 
@@ -143,6 +147,13 @@ class OneOf:
         self.values = values
 
 
+class Either:
+    """A value of any of `specs` (a string or an object, say)."""
+
+    def __init__(self, *specs):
+        self.specs = specs
+
+
 class Map:
     """An object of any keys whose values are each `spec`."""
 
@@ -183,6 +194,8 @@ def describe(spec) -> str:
         return f"{describe(spec.spec)} or null"
     if isinstance(spec, OneOf):
         return "one of " + ", ".join(json.dumps(v) for v in spec.values)
+    if isinstance(spec, Either):
+        return " or ".join(describe(s) for s in spec.specs)
     if isinstance(spec, list):
         return f"a list, each {describe(spec[0])}" if len(spec) == 1 else \
             f"a list of {len(spec)}: " + ", ".join(describe(x) for x in spec)
@@ -197,7 +210,8 @@ def _short(v) -> str:
 def check_fields(value, spec, source: str, field: str = "") -> None:
     """`value` has the shape `spec` says, else an MtpTrtError naming `source` and the field (dotted path).
     spec: int, float (a finite number), str, bool, dict (any object), object (anything), Int(lo, hi), Text(pattern, what),
-    Opt(spec), OneOf(*values), Map(spec) (an object of such values), [spec] (a list of such values),
+    Opt(spec), OneOf(*values), Either(*specs) (any of them), Map(spec) (an object of such values), [spec] (a list
+    of such values),
     [spec, spec, ...] (a list of exactly those), or a dict {key: spec} (an object with those keys; a key
     ending in "?" may be absent or null; other keys are allowed)."""
     import math
@@ -228,6 +242,14 @@ def check_fields(value, spec, source: str, field: str = "") -> None:
     elif isinstance(spec, OneOf):
         if value not in spec.values or isinstance(value, bool) != any(isinstance(v, bool) for v in spec.values):
             raise bad()
+    elif isinstance(spec, Either):
+        for option in spec.specs:
+            try:
+                check_fields(value, option, source, field)
+                return
+            except MtpTrtError:
+                pass
+        raise bad()
     elif isinstance(spec, list):
         if not isinstance(value, list) or (len(spec) > 1 and len(value) != len(spec)):
             raise bad()
@@ -293,13 +315,17 @@ def _try_lock(fd: int, blocking: bool) -> bool:
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the file `path` (created if need be) for the block; waits for other holders.
-    The lock file stays (removing it would race with a waiter); it is empty."""
+def locked(path: Path, waiting=None) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if need be) for the block; waits for other holders,
+    calling `waiting()` first where there is one (to say so).  The lock file stays (removing it would race with a
+    waiter); it is empty."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        _try_lock(fd, blocking=True)
+        if not _try_lock(fd, blocking=False):
+            if waiting is not None:
+                waiting()
+            _try_lock(fd, blocking=True)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -81,6 +81,9 @@ def check_seal(path: Path, raw: dict[str, Any]) -> None:
 
 def read_manifest_json(path: Path, fmt: str, version: int, what: str, command: str) -> dict[str, Any]:
     """The JSON of an mtp-trt manifest, checked for its format and version (one clear error otherwise)."""
+    from mtp_trt.validate import directory
+
+    directory(path.parent, f"an mtp-trt {what} directory ({path.name})")
     if not path.is_file():
         raise MtpTrtError(f"{path.parent}: not an mtp-trt {what} directory (no {path.name}); run `{command}`")
     raw = read_json(path)
@@ -93,14 +96,21 @@ def read_manifest_json(path: Path, fmt: str, version: int, what: str, command: s
     return raw
 
 
-def check_files(manifest: Path, files: list[tuple[str, str]], verify_hashes: bool, what: str) -> None:
-    """Every (file, sha256) a manifest lists exists beside it and, if asked, still has that hash."""
+def check_files(manifest: Path, files: list[tuple[str, str]], verify_hashes: bool, origin: str) -> None:
+    """Every (file, sha256) a manifest lists exists beside it and, if asked, still has that hash.  `origin`: what
+    wrote the files ("export", "build"), for the message."""
     for name, digest in files:
         f = manifest.parent / name
         if not f.is_file():
-            raise MtpTrtError(f"{manifest}: {what} file '{name}' is missing")
+            raise MtpTrtError(f"{manifest}: lists the file '{name}', which is missing")
         if verify_hashes and sha256(f) != digest:
-            raise MtpTrtError(f"{f}: SHA-256 differs from {manifest.name}; the {what} file was modified or truncated")
+            raise _changed(f, manifest, origin)
+
+
+def _changed(f: Path, manifest: Path, origin: str) -> MtpTrtError:
+    """A file whose hash is not its manifest's: named itself (a graph, weights.bin, a tokenizer file, an engine)."""
+    return MtpTrtError(f"{f}: SHA-256 differs from {manifest.name}; {f.name} was modified, truncated or comes from "
+                       f"another {origin}")
 
 
 def _stat_key(path: Path) -> list[int]:
@@ -112,7 +122,7 @@ def _record_path(root: Path) -> Path:
     return cache_dir("verified", hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24] + ".json")
 
 
-def verify_files(manifest: Path, files: list[tuple[str, str]], what: str, force: bool = False) -> dict:
+def verify_files(manifest: Path, files: list[tuple[str, str]], origin: str, force: bool = False) -> dict:
     """Check that each (file, sha256) listed by `manifest` (a manifest file's path) has that hash.  A file
     whose (size, mtime, ctime, inode, device) equal those recorded when it last hashed to the same digest is
     not read again, unless `force`.  Returns {"files", "hashed", "bytes_hashed", "seconds"}; a mismatch is an
@@ -127,7 +137,7 @@ def verify_files(manifest: Path, files: list[tuple[str, str]], what: str, force:
         record = {}
     known = record.get("files") if isinstance(record, dict) and record.get("root") == str(root.resolve()) else {}
     known = known if isinstance(known, dict) else {}
-    check_files(manifest, files, False, what)
+    check_files(manifest, files, False, origin)
     verified, hashed, nbytes = {}, 0, 0
     for name, digest in files:
         f = root / name
@@ -137,8 +147,7 @@ def verify_files(manifest: Path, files: list[tuple[str, str]], what: str, force:
             continue
         hashed, nbytes = hashed + 1, nbytes + key[0]
         if sha256(f) != digest:
-            raise MtpTrtError(f"{f}: SHA-256 differs from {manifest.name}; the {what} file was modified, "
-                              f"truncated or comes from another export")
+            raise _changed(f, manifest, origin)
         verified[name] = _stat_key(f) + [digest]
     if hashed:
         try:
@@ -153,7 +162,7 @@ def verify_export(manifest: Manifest, force: bool = False) -> dict:
     """verify_files for an export: every graph, weights.bin and the tokenizer files (see verify_files for the
     cost), after the manifest's own fields (its seal: the config, the weight-offset table, the token ids...)."""
     check_seal(manifest.root / "manifest.json", manifest.raw)
-    return verify_files(manifest.root / "manifest.json", manifest.files, "graph", force)
+    return verify_files(manifest.root / "manifest.json", manifest.files, "export", force)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +221,7 @@ class Manifest:
         m = cls.from_raw(root, raw, str(path))
         if verify_hashes:
             check_seal(path, raw)
-        check_files(path, m.files, verify_hashes, "graph")
+        check_files(path, m.files, verify_hashes, "export")
         return m
 
     @classmethod

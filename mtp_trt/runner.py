@@ -48,13 +48,19 @@ def checkpoint_key(ckpt: Path, **options) -> str:
     return h.hexdigest()[:16]
 
 
+# What `run`, `serve` and `bench` take, for messages.
+MODELS = "an engine directory (engines.json), an export directory (manifest.json) or a checkpoint (config.json)"
+
+
 def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None, verify: bool = False,
-                   scheme: Scheme | None = None, batch: int = 1) -> Manifest:
+                   scheme: Scheme | None = None, batch: int = 1, bos: bool | None = None) -> Manifest:
     """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules, the
     weights quantized as `scheme` says (default: not) and caches for `batch` sequences (at least the export's
-    default).  Either is checked against its manifest's hashes (once per change of its files; every time with
-    `verify`)."""
-    path = Path(model) if model else demo_model()
+    default), its BOS rule (with --bos/--no-bos: `bos`) checked before.  Either is checked against its manifest's
+    hashes (once per change of its files; every time with `verify`)."""
+    from mtp_trt.validate import directory
+
+    path = directory(Path(model) if model else demo_model(), MODELS)
     if (path / "manifest.json").is_file():
         m = Manifest.load(path)
         if mtp_mode and mtp_mode != m.mtp_mode:
@@ -70,46 +76,58 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     if not (path / "config.json").is_file():
         raise MtpTrtError(f"{path}: neither an export directory (manifest.json) nor a checkpoint (config.json)")
     mode = mtp_mode or "eagle"
-    from mtp_trt.plugins import ort_lib
-
     scheme = scheme or Scheme()
     max_batch = max(batch, DEFAULT_MAX_BATCH)
-    key = checkpoint_key(path, mode=mode, cpu_ops=ort_lib.available()[0],  # (the default export uses them if it can)
-                         **({"quant": scheme.tag} if scheme.quantized else {}),
-                         **({"max_batch": max_batch} if max_batch != DEFAULT_MAX_BATCH else {}))
-    out = cache_dir("exports") / f"{path.name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
-    m = export_cached(path, out, mode, progress or (lambda msg: None), scheme, max_batch)
+    m = export_cached(path, cache_entry(path, mode, scheme, max_batch), mode, progress or (lambda msg: None), scheme,
+                      max_batch, bos)
     verify_export(m, force=verify)
     return m
 
 
+def cache_entry(ckpt: Path, mode: str, scheme: Scheme, max_batch: int) -> Path:
+    """Where a checkpoint's export with these options lives in the cache (its name: the checkpoint's, the mode, the
+    quantization, and the checkpoint_key of its files and the options)."""
+    from mtp_trt.plugins import ort_lib
+
+    key = checkpoint_key(ckpt, mode=mode, cpu_ops=ort_lib.available()[0],  # (the default export uses them if it can)
+                         **({"quant": scheme.tag} if scheme.quantized else {}),
+                         **({"max_batch": max_batch} if max_batch != DEFAULT_MAX_BATCH else {}))
+    return cache_dir("exports") / f"{ckpt.name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
+
+
 def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = Scheme(),
-                  max_batch: int = DEFAULT_MAX_BATCH) -> Manifest:
+                  max_batch: int = DEFAULT_MAX_BATCH, bos: bool | None = None) -> Manifest:
     """Export `ckpt` into the cache entry `out` unless it is there.  Any number of processes may ask at once:
-    one exports (under a lock file in cache_dir("locks")), the others wait and reuse its result.  Partial
-    directories left by killed processes are removed first (never a live one's: fsutil)."""
+    one exports (under a lock file in cache_dir("locks")), the others say that they wait, wait and reuse its
+    result.  Partial directories left by killed processes are removed first (never a live one's: fsutil).  The
+    export's stages are reported as `caching NAME: STAGE` (its checks, the weight scan included, come first,
+    without a line)."""
     from mtp_trt.config import ModelConfig
     from mtp_trt.fsutil import locked, remove_stale_partials
-    from mtp_trt.tokenizer import check_vocab, load_tokenizer
+    from mtp_trt.tokenizer import bos_policy, check_vocab, load_tokenizer
+    from mtp_trt.validate import require
 
     remove_stale_partials(out.parent)
     if not (out / "manifest.json").is_file():
         cfg = ModelConfig.from_file(ckpt / "config.json")  # a checkpoint mtp-trt cannot run is named first
         if not (ckpt / "tokenizer.json").is_file():  # before the export, not after it
             raise MtpTrtError(f"{ckpt}: the checkpoint has no tokenizer.json; text prompts need one")
-        check_vocab(load_tokenizer(ckpt / "tokenizer.json"), cfg.vocab_size, ckpt / "tokenizer.json")
+        tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+        check_vocab(tokenizer, cfg.vocab_size, ckpt / "tokenizer.json")
+        bos_policy(ckpt, cfg.bos_token_id, tokenizer, bos)  # the rule the Runner will follow, named in the checkpoint
+        require(f"exporting the checkpoint {ckpt} into the cache (its first use)", "torch", "onnx")
         try:
             cache_dir("locks").mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise MtpTrtError(f"{cache_dir()}: cannot write the cache directory ({e.strerror}); set "
                               f"MTP_TRT_CACHE_DIR to a writable directory") from None
-        with locked(cache_dir("locks", f"{out.name}.lock")):
+        waiting = f"waiting for another mtp-trt process, which exports {ckpt.name} into the cache"
+        with locked(cache_dir("locks", f"{out.name}.lock"), waiting=lambda: progress(waiting)):
             if not (out / "manifest.json").is_file():
                 from mtp_trt.exporters.export import export  # torch: only on first use
 
-                progress(f"exporting {ckpt.name} to the cache, once")
-                export(ckpt, out, mtp_mode=mode, progress=progress, quant_scheme=scheme.name,
-                       group_size=scheme.block_size, max_batch=max_batch)
+                export(ckpt, out, mtp_mode=mode, progress=lambda stage: progress(f"caching {ckpt.name}: {stage}"),
+                       quant_scheme=scheme.name, group_size=scheme.block_size, max_batch=max_batch)
     return Manifest.load(out)
 
 
@@ -123,7 +141,7 @@ def verify_engines(engine_dir: Path, force: bool = False) -> dict:
     m.check_export(exp)
     files = [(e.file, e.sha256) for e in m.engines.values()] + [(em.EXPORT_MANIFEST, m.raw["export"]["manifest_sha256"])]
     files += list((exp.raw.get("tokenizer_files") or {}).items())
-    return verify_files(Path(engine_dir) / em.FILE, files, "engine", force=force)
+    return verify_files(Path(engine_dir) / em.FILE, files, "build", force=force)
 
 
 def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: int | None = None,
@@ -133,7 +151,9 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
     directory or a checkpoint (ONNX Runtime on the CPU).  The files are checked against their manifest's hashes
     (once per change of the files; every time with `verify`); `bos`: see mtp_trt.tokenizer; `scheme`: the
     quantization a checkpoint is exported with (resolve_export)."""
-    path = Path(model) if model else demo_model()
+    from mtp_trt.validate import directory
+
+    path = directory(Path(model) if model else demo_model(), MODELS)
     if (path / "engines.json").is_file():
         from mtp_trt.trt import manifest as em
         from mtp_trt.trt.runtime import TrtBackend
@@ -145,8 +165,8 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
             raise MtpTrtError(f"{path}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(path, force=verify)
         return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs), bos=bos)
-    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme, batch=batch),
-                  threads=threads, bos=bos)
+    return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme, batch=batch,
+                                 bos=bos), threads=threads, bos=bos)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
@@ -256,27 +276,33 @@ class Runner:
             raise MtpTrtError("empty prompt: give some text with --prompt")
         return ids
 
-    def fit(self, ids: list[list[int]], nextn: int, truncate: bool = False) -> list[list[int]]:
+    def fit(self, ids: list[list[int]], nextn: int, truncate: bool = False, new_tokens: int = 1) -> list[list[int]]:
         """Prompts that fit the export's cache with room for one decode step (prompt + 2 nextn + 2 rows); a
-        longer one is an error naming it, or with `truncate` keeps its last tokens (and its BOS)."""
-        room = self.manifest.max_seq_len - 2 * nextn - 2
+        longer one is an error naming it, or with `truncate` keeps its last tokens (and its BOS): as many as
+        leave room for `new_tokens` to be generated (at least one token, where `new_tokens` alone fills the
+        cache)."""
+        rows = self.manifest.max_seq_len
+        room = rows - 2 * nextn - 2
         if len(ids) > self.manifest.max_batch:
             raise MtpTrtError(f"{len(ids)} prompts, but the export ({self.manifest.root}) decodes at most max_batch "
                               f"{self.manifest.max_batch} at once; give fewer, or export with --max-batch {len(ids)}")
+        if room < 1:
+            raise MtpTrtError(f"{self.manifest.root}: max_seq_len {rows} leaves no room for a prompt with --nextn "
+                              f"{nextn}")
+        # decode.accept: a sequence of g < new_tokens generated tokens holds prompt + g - 1 rows and needs 2 nextn + 2
+        # more for its next step; after the prefill it holds the prompt and needs 2 nextn + 3 (decode.prefill_chunk)
+        keep = room if new_tokens <= 1 else max(1, rows - 2 * nextn - max(new_tokens, 3))
         out = []
         for i, x in enumerate(ids):
-            if len(x) <= room:
+            if len(x) <= (keep if truncate else room):
                 out.append(x)
                 continue
-            if room < 1:
-                raise MtpTrtError(f"{self.manifest.root}: max_seq_len {self.manifest.max_seq_len} leaves no room for "
-                                  f"a prompt with --nextn {nextn}")
             if not truncate:
                 raise MtpTrtError(f"prompt {i} has {len(x)} tokens, but the export's cache "
-                                  f"({self.manifest.max_seq_len} rows, max_seq_len) fits at most {room} with --nextn "
-                                  f"{nextn}; shorten it, or give --truncate to keep its last {room} tokens")
-            head = x[:1] if self.bos.add and self.bos.token_id in (None, x[0]) else []  # BOS stays first
-            out.append(head + x[len(x) - room + len(head):])
+                                  f"({rows} rows, max_seq_len) fits at most {room} with --nextn "
+                                  f"{nextn}; shorten it, or give --truncate to keep its last tokens")
+            head = x[:1] if self.bos.add and self.bos.token_id in (None, x[0]) and keep > 1 else []  # BOS stays first
+            out.append(head + x[len(x) - keep + len(head):])
         return out
 
     def decode(self, tokens: list[int]) -> str:
@@ -303,7 +329,7 @@ class Runner:
                     s.finish_reason = "stop"
                 show(i, text if stopped else text[: len(text) - held_back(text, stop)])
 
-        ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate)
+        ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate, opts.max_new_tokens)
         self.backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)  # loading is not decoding time
         t0 = time.perf_counter()
         seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)

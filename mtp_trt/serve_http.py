@@ -1,8 +1,13 @@
 """`mtp-trt serve`: an OpenAI-compatible HTTP API (FastAPI on uvicorn) over the serving engine (mtp_trt/serve.py).
 
 POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with `stream: true`),
-GET /v1/models, GET /health, GET /metrics (Prometheus text, with vLLM's metric names).  Errors are OpenAI's
-error objects: {"error": {"message", "type", "param", "code"}}.
+GET /v1/models, GET /health, GET /metrics (Prometheus text, with vLLM's metric names).  Every 4xx and 5xx
+answer is OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
+
+A request body is limited in size (checked against Content-Length before it is read, and while it is read)
+and read on the event loop; parsing it (mtp-trt's JSON reader, with its limits), checking its fields, rendering
+the chat template and tokenizing the prompt happen in a worker thread, with the GIL released while tokenizers
+works, so that a large prompt does not hold up other clients (or /health).
 """
 
 from __future__ import annotations
@@ -12,19 +17,28 @@ import json
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from mtp_trt.errors import MtpTrtError
+from mtp_trt.fsutil import parse_json
 from mtp_trt.sampling import SamplingParams
 from mtp_trt.serve import Engine, QueueFull, ShuttingDown
+from mtp_trt.tokenizer import BosPolicy, chat_renderer, encode
+
+# The default limit of a request body: 64 KiB for the fields, and 32 bytes per cache row for the prompt (a token
+# is 4 characters of English on average; 32 bytes leave room for JSON escapes and long tokens).
+REQUEST_BYTES_BASE, REQUEST_BYTES_PER_ROW = 64 << 10, 32
+PREPARE_THREADS = 2  # requests parsed and tokenized at once, off the event loop
 
 
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "StreamOptions", "ContentPart"}
+TEMPLATE_PLACES_SPECIALS = BosPolicy(False, None, "the chat template", False)  # a chat prompt: no BOS added
 
 
 class ApiError(Exception):
@@ -35,9 +49,25 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict | None = None) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=headers)
+
+
+def invalid_field(e: ValidationError) -> ApiError:
+    """pydantic's first complaint about a request body as a 400 naming the field (OpenAI's `param`)."""
+    first = e.errors()[0]
+    # the field's path, without pydantic's union member tags (`prompt.str`: `prompt`)
+    loc = [str(x) for x in first.get("loc", ()) if not (isinstance(x, str) and (x in UNION_TAGS or "[" in x))]
+    param = ".".join(loc) or None
+    value = first.get("input")
+    shown = "" if isinstance(value, dict) or value is None else f" (got {json.dumps(value)[:80]})"
+    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}{shown}", param)
+
+
+def default_request_bytes(rows: int) -> int:
+    """The largest request body a server of `rows` cache rows per sequence reads by default."""
+    return REQUEST_BYTES_BASE + REQUEST_BYTES_PER_ROW * rows
 
 
 # ---------------------------------------------------------------------------------------- request bodies
@@ -87,87 +117,36 @@ class ChatBody(Body):
     max_completion_tokens: int | None = None
 
 
-# ---------------------------------------------------------------------------------------- chat template
-def load_chat_template(root) -> tuple[str, dict] | None:
-    """The checkpoint's chat template (tokenizer_config.json's `chat_template`, the default one of a list) and
-    the special tokens it may name; None when it has none."""
-    path = root / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    try:
-        cfg = json.loads(path.read_text())
-    except (ValueError, OSError):
-        raise MtpTrtError(f"{path}: not a JSON object") from None
-    if not isinstance(cfg, dict):
-        raise MtpTrtError(f"{path}: not a JSON object")
-    template = cfg.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if not isinstance(template, str):
-        return None
-
-    def token(name):
-        v = cfg.get(name)
-        return v.get("content", "") if isinstance(v, dict) else v if isinstance(v, str) else ""
-
-    return template, {name: token(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-
-
-def chat_renderer(template: tuple[str, dict]):
-    """messages -> the prompt text under the chat template (compiled once, in jinja2's sandbox, as transformers
-    renders it), ending with the assistant's turn."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    source, specials = template
-    try:
-        compiled = env.from_string(source)
-    except TemplateError as e:
-        raise MtpTrtError(f"tokenizer_config.json: the chat template does not compile ({e})") from None
-
-    def render(messages: list[dict]) -> str:
-        try:
-            return compiled.render(messages=messages, add_generation_prompt=True, **specials)
-        except TemplateError as e:
-            raise ApiError(400, f"the chat template refuses these messages: {e}", "messages") from None
-
-    return render
-
-
 # ---------------------------------------------------------------------------------------- the app
-def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> FastAPI:
-    """The API over a started engine, serving it as model `model_id`."""
+def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_request_bytes: int | None = None
+               ) -> FastAPI:
+    """The API over a started engine, serving it as model `model_id`; request bodies of at most
+    `max_request_bytes` (default: default_request_bytes)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     runner = engine.runner
-    template = load_chat_template(runner.manifest.root)
-    render_chat = chat_renderer(template) if template is not None else None
+    render_chat = chat_renderer(runner.manifest.root)
     app = FastAPI(title="mtp-trt", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+
+    limit_bytes = max_request_bytes or default_request_bytes(engine.rows)
+    workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mtp-trt-request")
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
         return e.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, e: RequestValidationError):
-        first = e.errors()[0]
-        # the field's path, without pydantic's union member tags (`prompt.str`: `prompt`)
-        loc = [str(x) for x in first.get("loc", ())[1:] if not (isinstance(x, str) and (x in UNION_TAGS or "[" in x))]
-        if first.get("type") == "json_invalid":
-            why = first.get("ctx", {}).get("error", "malformed")
-            return ApiError(400, f"the request body is not valid JSON ({why})").response()
-        param = ".".join(loc) or None
-        value = first.get("input")
-        shown = "" if isinstance(value, dict) or value is None else f" (got {json.dumps(value)[:80]})"
-        return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}{shown}", param).response()
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # Starlette's own: an unknown path, a method not allowed
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", None, code,
+                        kind).response(dict(e.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):  # a fault of the server: logged by uvicorn, answered as 500
+        return ApiError(500, f"internal error ({type(e).__name__}: {e})"[:500], None, None, "server_error").response()
 
     @app.middleware("http")
     async def check_key(request: HttpRequest, call_next):
@@ -223,8 +202,38 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
                            prompt_param, "context_length_exceeded")
         return value if value is not None else engine.rows
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: HttpRequest):
+    async def read_body(request: HttpRequest) -> bytes:
+        """The request's body, refused (413) beyond limit_bytes: by its Content-Length before a byte is read, or
+        once that many bytes have come (a body sent in chunks)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit_bytes):
+            raise too_large(declared)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit_bytes:
+                raise too_large(f"more than {limit_bytes}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def too_large(size: str) -> ApiError:
+        return ApiError(413, f"the request body has {size} bytes, more than the {limit_bytes} this server reads "
+                             f"(mtp-trt serve --max-request-bytes)", None, "request_too_large")
+
+    def parse(data: bytes, schema: type[BaseModel]) -> BaseModel:
+        """(worker thread) the body through mtp-trt's JSON reader (its limits: nesting, digits, UTF-8), then typed."""
+        try:
+            raw = parse_json(data, "the request body")
+        except MtpTrtError as e:
+            raise ApiError(400, str(e)) from None
+        try:
+            return schema.model_validate(raw)
+        except ValidationError as e:
+            raise invalid_field(e) from None
+
+    def prepare_completion(data: bytes) -> tuple:
+        """(worker thread) body, prompt ids, decoding, max tokens of a completion request, or an ApiError."""
+        body = parse(data, CompletionBody)
         decoding = sampling(body)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
@@ -232,23 +241,39 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
         if not prompts[0]:
             raise ApiError(400, "prompt: empty", "prompt")
         ids = runner.encode(prompts[0])
-        return await run(request, body, ids, decoding, limit(body.max_tokens, "max_tokens", ids, "prompt"), chat=False)
+        return body, ids, decoding, limit(body.max_tokens, "max_tokens", ids, "prompt")
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, request: HttpRequest):
+    def prepare_chat(data: bytes) -> tuple:
+        """(worker thread) body, prompt ids, decoding, max tokens of a chat request, or an ApiError."""
+        body = parse(data, ChatBody)
         decoding = sampling(body)
         if render_chat is None:
             raise ApiError(400, f"the model {model_id!r} has no chat template (tokenizer_config.json "
                                 f"chat_template); use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
                      else "".join(p.text for p in m.content)} for m in body.messages]
-        text = render_chat(messages)
-        ids = runner.tokenizer.encode(text, add_special_tokens=False).ids  # the template places the specials
+        try:
+            text = render_chat(messages)
+        except MtpTrtError as e:
+            raise ApiError(400, str(e), "messages") from None
+        ids = encode(runner.tokenizer, text, TEMPLATE_PLACES_SPECIALS)
         if not ids:
             raise ApiError(400, "messages: the chat template gives an empty prompt", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await run(request, body, ids, decoding, limit(max_tokens, param, ids, "messages"), chat=True)
+        return body, ids, decoding, limit(max_tokens, param, ids, "messages")
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+        data = await read_body(request)
+        prepared = await asyncio.get_running_loop().run_in_executor(workers, prepare_completion, data)
+        return await run(request, *prepared, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HttpRequest):
+        data = await read_body(request)
+        prepared = await asyncio.get_running_loop().run_in_executor(workers, prepare_chat, data)
+        return await run(request, *prepared, chat=True)
 
     async def run(request: HttpRequest, body: Body, ids: list[int], decoding: tuple, max_tokens: int, chat: bool):
         params, seed, stop = decoding
@@ -272,7 +297,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None) -> Fas
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         engine.cancel(r)
-                        return Response(status_code=499)
+                        return ApiError(499, "the client closed the connection", None, None,
+                                        "invalid_request_error").response()
                     continue
                 if event[0] == "text":
                     text.append(event[1])
@@ -393,12 +419,12 @@ class _Collector:
 
 
 def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None, shutdown_timeout: float,
-          log_level: str = "info", ready=None) -> None:
+          log_level: str = "info", ready=None, max_request_bytes: int | None = None) -> None:
     """Run the API until SIGTERM or Ctrl-C: then admit nothing more, let running requests finish for up to
     `shutdown_timeout` seconds, and cancel the rest.  `ready(server)` is called once it listens."""
     import uvicorn
 
-    app = create_app(engine, model_id, api_key)
+    app = create_app(engine, model_id, api_key, max_request_bytes)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -18,7 +18,7 @@ from typing import Any
 
 from mtp_trt.config import MAX_NEXTN, MAX_TOKEN_ID
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.fsutil import MAX_JSON_DEPTH, check_json_limits, parse_json
+from mtp_trt.fsutil import check_json_limits, parse_json, too_deep
 
 TRTLLM_KEYS = {"decoding_type", "num_nextn_predict_layers", "use_relaxed_acceptance_for_thinking", "relaxed_topk",
                "relaxed_delta", "use_mtp_vanilla", "max_draft_len"}
@@ -57,8 +57,7 @@ def load_spec_config(path: str | Path) -> SpecConfig:
         try:
             data = check_json_limits(yaml.safe_load(text), str(path))
         except RecursionError:
-            raise MtpTrtError(f"{path}: nested more than {MAX_JSON_DEPTH} levels deep; not a file mtp-trt "
-                              f"reads") from None
+            raise too_deep(str(path)) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""

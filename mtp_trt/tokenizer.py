@@ -15,9 +15,22 @@ import dataclasses
 from pathlib import Path
 
 from mtp_trt.errors import MtpTrtError
-from mtp_trt.fsutil import read_json
+from mtp_trt.fsutil import Either, read_json
 
 SPECIAL_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# The fields of tokenizer_config.json that mtp-trt reads (the BOS rule, serve's chat template and its special
+# tokens), typed as transformers writes them; the file's other fields are not read.
+SPECIAL_TOKEN = Either(str, {"content": str})
+TOKENIZER_CONFIG_SCHEMA = {"add_bos_token?": bool, "chat_template?": Either(str, [{"name": str, "template": str}]),
+                           "bos_token?": SPECIAL_TOKEN, "eos_token?": SPECIAL_TOKEN, "pad_token?": SPECIAL_TOKEN,
+                           "unk_token?": SPECIAL_TOKEN}
+
+
+def read_tokenizer_config(root: Path) -> dict | None:
+    """`root`'s tokenizer_config.json, its fields typed (TOKENIZER_CONFIG_SCHEMA); None where there is none."""
+    path = root / TOKENIZER_CONFIG
+    return read_json(path, TOKENIZER_CONFIG_SCHEMA) if path.is_file() else None
 
 
 def load_tokenizer(path: Path):
@@ -80,10 +93,10 @@ def bos_policy(root: Path, bos_token_id: int | None, tokenizer=None, flag: bool 
         if bos is None:
             raise MtpTrtError(f"--bos: {root} names no BOS token (config bos_token_id); give --no-bos or neither")
         return BosPolicy(True, bos, "--bos", False)
-    cfg_path = root / "tokenizer_config.json"
-    if cfg_path.is_file():
-        add = read_json(cfg_path, dict).get("add_bos_token")
-        if isinstance(add, bool):
+    cfg_path = root / TOKENIZER_CONFIG
+    if (tokenizer_config := read_tokenizer_config(root)) is not None:
+        add = tokenizer_config.get("add_bos_token")
+        if add is not None:
             source = f"{cfg_path.name} add_bos_token {str(add).lower()}"
             if not add:
                 return BosPolicy(False, None, source, False)
@@ -104,8 +117,45 @@ def bos_policy(root: Path, bos_token_id: int | None, tokenizer=None, flag: bool 
 
 
 def encode(tokenizer, text: str, policy: BosPolicy) -> list[int]:
-    """Prompt ids under `policy`: BOS first exactly when the policy says so, never twice."""
-    ids = tokenizer.encode(text, add_special_tokens=policy.use_post_processor).ids
+    """Prompt ids under `policy`: BOS first exactly when the policy says so, never twice.  (Through encode_batch,
+    which releases the GIL while it works: a long prompt tokenized in one thread holds up no other.)"""
+    ids = tokenizer.encode_batch([text], add_special_tokens=policy.use_post_processor)[0].ids
     if policy.add and policy.token_id is not None and (not ids or ids[0] != policy.token_id):
         ids = [policy.token_id, *ids]
     return ids
+
+
+def chat_renderer(root: Path):
+    """messages -> the prompt text under the chat template of `root`'s tokenizer_config.json (`chat_template`, the
+    default one of a list; compiled once, in jinja2's sandbox, as transformers renders it), ending with the
+    assistant's turn; None where there is no template.  A template that does not compile is an MtpTrtError naming
+    the file; one that refuses the messages, an MtpTrtError when called."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    cfg = read_tokenizer_config(root) or {}
+    source = cfg.get("chat_template")
+    if isinstance(source, list):
+        source = next((t["template"] for t in source if t["name"] == "default"), None)
+    if source is None:
+        return None
+    specials = {name: (v["content"] if isinstance(v, dict) else v or "") for name in
+                ("bos_token", "eos_token", "pad_token", "unk_token") for v in [cfg.get(name)]}
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        compiled = env.from_string(source)
+    except TemplateError as e:
+        raise MtpTrtError(f"{root / TOKENIZER_CONFIG}: field 'chat_template' does not compile ({e})") from None
+
+    def render(messages: list[dict]) -> str:
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=True, **specials)
+        except TemplateError as e:
+            raise MtpTrtError(f"the chat template refuses these messages: {e}") from None
+
+    return render

@@ -12,6 +12,9 @@ from mtp_trt.contract import BY_SAFETENSORS
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import Int, Map, check_fields, parse_json, read_json
 
+# The optional packages, each with the extra of pyproject.toml that installs it.
+EXTRAS = {"torch": "cpu", "onnx": "cpu", "transformers": "dev", "matplotlib": "dev", "fastapi": "serve",
+          "uvicorn": "serve", "prometheus_client": "serve", "jinja2": "serve"}
 THREADS_PER_CORE = 4  # --threads beyond cores x this only oversubscribes (and 10^5 threads hang)
 MAX_SEED = 2**63 - 1
 
@@ -26,6 +29,34 @@ def check_threads(threads: int) -> None:
         raise MtpTrtError(f"--threads must be >= 0 (0 = the usable cores), got {threads}")
     if threads > top:
         raise MtpTrtError(f"--threads must be at most {top} ({THREADS_PER_CORE} per usable core), got {threads}")
+
+
+def missing_extra(what: str, module: str) -> MtpTrtError:
+    """The error of a job that needs an optional package not installed: which, and the extra that installs it."""
+    top = module.split(".")[0]
+    extra = EXTRAS.get(top)
+    how = f'pip install "mtp-trt[{extra}]"' if extra else f"pip install {top}"
+    return MtpTrtError(f"{what} needs {top}, which is not installed: {how}")
+
+
+def require(what: str, *modules: str) -> None:
+    """Before any work: `what` (a job, in words) needs `modules`; the first missing one is an MtpTrtError naming it
+    and the extra that installs it (missing_extra)."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise missing_extra(what, module)
+
+
+def directory(path: Path, what: str) -> Path:
+    """`path`, a directory: else one MtpTrtError saying that nothing is there or that it is a file, and what was
+    expected (a mistyped path reads as one, not as a directory of the wrong kind)."""
+    if not path.exists():
+        raise MtpTrtError(f"{path}: no such file or directory; expected {what}")
+    if not path.is_dir():
+        raise MtpTrtError(f"{path}: is a file, not a directory; expected {what}")
+    return path
 
 
 def check_number(flag: str, value: float, low: float | None = None, high: float | None = None) -> None:

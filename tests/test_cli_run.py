@@ -92,11 +92,11 @@ def test_run_stops_at_the_cache_limit(ckpt, tmp_path):
 
 
 def test_bench_times_every_configuration_and_writes_json_and_plot(ckpt, tmp_path):
-    """`mtp-trt bench` on a small checkpoint: every (mode, nextn, batch) and transformers' generate are timed,
+    """`mtp-trt bench --full` on a small checkpoint: every (mode, nextn, batch) and transformers' generate are timed,
     every nextn generates the same greedy tokens as nextn 0, and the summary relates them."""
     out = tmp_path / "bench.json"
-    r = mtp_trt("bench", ckpt, "--batch", 1, "--batch", 2, "--max-new-tokens", 6, "--repeats", 1, "--out", out,
-                "--plot", tmp_path / "bench.png", env={"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
+    r = mtp_trt("bench", ckpt, "--full", "--batch", 1, "--batch", 2, "--max-new-tokens", 6, "--repeats", 1, "--out",
+                out, "--plot", tmp_path / "bench.png", env={"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr + r.stdout
     data = json.loads(out.read_text())
     mine = [x for x in data["runs"] if x["engine"] == "mtp-trt/onnxruntime"]

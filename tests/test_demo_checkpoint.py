@@ -134,6 +134,7 @@ def test_transformers_logits_match(model, tokenizer):
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() > 0.97
 
 
+@pytest.mark.slow
 def test_card_figures_reproduce_on_a_heldout_sample(model, tokenizer):
     """The shipped eval.json (and so the card) agrees with the shipped weights: main-head and MTP depth-1
     top-1 recomputed on every 16th held-out window are within 3 points of the figures over all windows."""

@@ -197,7 +197,7 @@ def test_quantized_export_computes_the_reference_on_the_dequantized_weights(quan
         np.testing.assert_allclose(exact[i, :len(p)], ref[i, :len(p)], atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
 def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(quantizable, name):
     """Every MTP form decodes plain greedy decoding's tokens.  At int8 some drafts are accepted (the acceptance path
     runs); at int4 this random checkpoint's target agrees with its float self at about half the positions, so its

@@ -37,8 +37,9 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_export(ckpts, tmp_path_factory):
-    """The FP8 checkpoint exported for TensorRT in fp32 (standard operators: ONNX Runtime runs it too)."""
-    return export(ckpts[1], tmp_path_factory.mktemp("fp8x") / "exp", nextn=1, max_seq_len=64, trees="none",
+    """The FP8 checkpoint exported for TensorRT in fp32 (standard operators: ONNX Runtime runs it too), eagle nextn 2:
+    step_2 reads the one MTP module's weights twice."""
+    return export(ckpts[1], tmp_path_factory.mktemp("fp8x") / "exp", nextn=2, max_seq_len=64, trees="none",
                   moe_form="tensorrt", quant_scheme="fp8")
 
 
@@ -195,8 +196,8 @@ def _greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
 def test_greedy_decoding_of_tensorrt_form_exports_equals_the_reference(ckpts, fp8_export, tmp_path, name):
     """The step graphs (their experts in the `gather` form, dequantized before the Gather) on ONNX Runtime: plain
     greedy decoding gives the PyTorch reference model's greedy tokens on the same weights (the FP8 checkpoint as the
-    loader dequantizes it; for int8 / int4 a checkpoint already on their grid), and greedy MTP decoding (nextn 1)
-    the same tokens."""
+    loader dequantizes it; for int8 / int4 a checkpoint already on their grid), and greedy MTP decoding (nextn 1, and
+    nextn 2, whose step graph reads the eagle MTP module's weights twice: each dequantized once) the same tokens."""
     from mtp_trt.backend import OrtBackend
     from mtp_trt.decode import DecodeOptions, generate
     from quant_graphs import prerounded
@@ -204,14 +205,16 @@ def test_greedy_decoding_of_tensorrt_form_exports_equals_the_reference(ckpts, fp
     ckpt, out = ckpts[1], fp8_export
     if name != "fp8":
         ckpt = prerounded(ckpts[0], tmp_path / "rounded", quant.Scheme(name, 32))
-        out = export(ckpt, tmp_path / "exp", nextn=1, max_seq_len=64, trees="none", moe_form="tensorrt",
+        out = export(ckpt, tmp_path / "exp", nextn=2, max_seq_len=64, trees="none", moe_form="tensorrt",
                      quant_scheme=name, group_size=32)
-    graph = onnx.load(str(out / "step_1.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(out / "step_2.onnx"), load_external_data=False).graph
     assert any(n.op_type == "DequantizeLinear" and n.attribute[0].i == 2 for n in graph.node)  # the gather form's
+    made = [o for n in graph.node for o in n.output]
+    assert len(made) == len(set(made))  # each value made once (SSA), though two drafts read the MTP module
     prompts, new = [[5, 17, 33, 2, 8, 41, 7, 19], [60, 3]], 12
     want = _greedy(load_checkpoint(ckpt, max_positions=64), prompts, new)
     backend = OrtBackend(Manifest.load(out))
-    for nextn in (0, 1):
+    for nextn in (0, 1, 2):
         seqs, _ = generate(backend, prompts, DecodeOptions(nextn=nextn, max_new_tokens=new, eos_ids=()))
         assert [s.generated for s in seqs] == want, nextn
 
@@ -316,6 +319,7 @@ def test_check_compares_fp8_engines_with_the_same_fp8_weights(ckpts, tmp_path):
 
 
 @pytest.mark.trt
+@pytest.mark.slow
 def test_fp8_plugin_export_builds_engines(ckpts, tmp_path):
     """TensorRT for RTX builds the FP8 engines (compute capability 8.9); their sizes beside fp16 and int4 engines of
     the same checkpoint are printed."""

@@ -142,7 +142,7 @@ def test_router_ties_choose_the_same_experts_in_every_form(layer, tmp_path):
     assert splits > 0
 
 
-@pytest.mark.parametrize("name", ["moe_qlora_yarn", "moe_flat_halfrope"])
+@pytest.mark.parametrize("name", ["moe_qlora_yarn", pytest.param("moe_flat_halfrope", marks=pytest.mark.slow)])
 def test_exported_greedy_decoding_equals_transformers(name, tmp_path):
     """transformers' DeepseekV3 `generate` vs `mtp-trt`'s exported graphs on ONNX Runtime (prefill in the target
     graph, then step_0), batch of two prompts of different lengths."""

@@ -164,6 +164,7 @@ def test_int4_export_stores_the_kept_weights_at_int8(ckpt, tmp_path):
     assert not any(b[0] == "QMoE" and b[1] == 8 for b in bits)
 
 
+@pytest.mark.slow
 def test_quantized_weights_are_smaller(ckpt, tmp_path):
     sizes = {name: Manifest.load(export(ckpt, tmp_path / name, nextn=1, max_seq_len=64, trees="none",
                                         quant_scheme=name)).raw["weights"]["bytes"] for name in ("none", "int8",
@@ -181,7 +182,7 @@ PROMPTS = [[5, 17, 33, 2, 8, 41, 7, 19], [60, 3], [11, 12, 13, 14, 15]]
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
-@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+@pytest.mark.parametrize("mode", ["eagle", pytest.param("vanilla", marks=pytest.mark.slow)])
 def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(drafting, name, mode):
     ckpt, root = drafting
     out = export(ckpt, root / f"{mode}-{name}", nextn=3, mtp_mode=mode, max_seq_len=128, trees="none",
@@ -234,6 +235,7 @@ def test_tensorrt_form_dequantizes_to_the_reference(ckpt, tmp_path, name):
 
 
 @pytest.mark.trt
+@pytest.mark.slow  # (tests/test_trt_build.py builds plugin engines by default)
 def test_quantized_plugin_export_builds_engines(ckpt, tmp_path):
     from mtp_trt.trt import builder, compat
     from mtp_trt.trt import manifest as em

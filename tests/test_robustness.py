@@ -347,6 +347,7 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_killed_export_is_cleaned_up_by_the_next_run(ckpt, tmp_path):
     """SIGKILL while the first run exports: its partial directory outlives it; the next run removes it,
     exports and succeeds, leaving one entry."""
@@ -366,6 +367,7 @@ def test_killed_export_is_cleaned_up_by_the_next_run(ckpt, tmp_path):
     assert len(list(exports.iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_terminated_export_leaves_nothing(ckpt, tmp_path):
     """SIGTERM midway through `mtp-trt export`: the partial directory goes with the process."""
     out = tmp_path / "out"
@@ -732,7 +734,7 @@ def _bounds_cases(c: Case):
     for field, value in (("num_hidden_layers", 10**9), ("n_routed_experts", 10**6), ("num_attention_heads", 10**5),
                          ("num_nextn_predict_layers", 1000)):
         yield ["inspect", _fresh(c, field, value)], f"field '{field}' is {value}, more than the"
-    yield ["bench", c.ckpt, "--batch", 100000, "--repeats", 1], "--batch 100000 x --max-new-tokens 128"
+    yield ["bench", c.ckpt, "--batch", 100000, "--repeats", 1], "--batch 100000 x --max-new-tokens 64"
     yield ["run", c.exp, *[a for i in range(9) for a in ("-p", f"p{i}")]], "9 prompts, but the export"
     yield ["run", c.exp, "-p", "x", "--relaxed-topk", 2**40], "must be in 0..2147483647"
 
@@ -1049,6 +1051,7 @@ def test_check_validates_engines_json_against_its_export(exp, tmp_path):
 
 
 # --------------------------------------------------------------------------------------- 7. small ones
+@pytest.mark.slow
 def test_ctrl_c_prints_interrupted(ckpt, tmp_path):
     """SIGINT while a checkpoint is exported into the cache: "error: interrupted", status 130, no partial."""
     cache = tmp_path / "cache"

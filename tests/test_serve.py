@@ -93,7 +93,7 @@ class Reply:
 def call(url: str, method: str, path: str, body=None, headers=None) -> Reply:
     host, port = url[7:].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    data = body if isinstance(body, (str, type(None))) else json.dumps(body)
+    data = body if isinstance(body, (str, bytes, type(None))) else json.dumps(body)
     conn.request(method, path, data, {"content-type": "application/json", **(headers or {})})
     r = conn.getresponse()
     reply = Reply(r.status, r.read().decode())
@@ -110,16 +110,18 @@ def free_port() -> int:
 class Running:
     """A server in a background thread."""
 
-    def __init__(self, engine: Engine, name: str, api_key: str | None = None):
+    def __init__(self, engine: Engine, name: str, api_key: str | None = None, max_request_bytes: int | None = None):
         self.port, ready = free_port(), threading.Event()
-        self.server = None
+        self.server, self.engine = None, engine
 
         def on_ready(server):
             self.server = server
             ready.set()
 
         self.thread = threading.Thread(target=serve, args=(engine, name, "127.0.0.1", self.port, api_key, 5.0),
-                                       kwargs={"log_level": "warning", "ready": on_ready}, daemon=True)
+                                       kwargs={"log_level": "warning", "ready": on_ready,
+                                               **({"max_request_bytes": max_request_bytes} if max_request_bytes
+                                                  else {})}, daemon=True)
         self.thread.start()
         assert ready.wait(60), "the server did not start"
         self.url = f"http://127.0.0.1:{self.port}"
@@ -274,12 +276,92 @@ def error_of(response) -> dict:
     ('{"model": "other", "prompt": "a"}', 404, "model"),  # unknown model
     ('{"prompt": "a"}', 400, "model"),
     ('[1, 2]', 400, None),
+    pytest.param("[" * 100_000, 400, None, id="100k-brackets"),  # nested beyond the JSON reader's 64 levels
+    pytest.param('{"model": "demo-chat", "prompt": ' + '{"a": ' * 100 + "1" + "}" * 100 + "}", 400, None,
+                 id="100-objects-deep"),
+    pytest.param('{"model": "demo-chat", "prompt": "a", "max_tokens": ' + "9" * 5000 + "}", 400, None,
+                 id="5000-digits"),
+    pytest.param('{"model": "demo-chat", "prompt": "a", "seed": -' + "1" * 30 + "}", 400, None, id="30-digits"),
+    pytest.param(b'{"model": "demo-chat", "prompt": "caf\xe9"}', 400, None, id="latin-1"),
+    pytest.param(b'\xff\xfe{}', 400, None, id="utf-16-mark"),
+    pytest.param("", 400, None, id="no-body"),
+    pytest.param('{"model": "demo-chat", "prompt": "a"} trailing', 400, None, id="trailing-text"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):
     r = call(server.url, "POST", "/v1/completions", body)
     assert r.status_code == status, r.text
     e = error_of(r)
     assert e["param"] == param and e["message"] and e["type"] == "invalid_request_error"
+
+
+def test_every_error_status_is_an_openai_error_object(server, monkeypatch):
+    """Not only the API's own refusals: an unknown path (404), a method a path does not take (405), a body beyond
+    the size limit (413, before it is read) and a fault of the server (500) answer OpenAI's error object too."""
+    for method, path, status, code in (("GET", "/nope", 404, "not_found"), ("GET", "/v1/completions", 405,
+                                       "method_not_allowed"), ("POST", "/health", 405, "method_not_allowed"),
+                                       ("DELETE", "/v1/models", 405, "method_not_allowed")):
+        r = call(server.url, method, path, {"model": "demo-chat", "prompt": "a"})
+        assert r.status_code == status and error_of(r)["code"] == code, (method, path, r.text)
+    host, port = server.url[7:].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # Content-Length says 10 MB: refused first
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 10000000\r\n\r\n{\"model\": \"demo-chat\", \"prompt\": \"")
+        head = b""
+        while not head.endswith(b"}}") and (part := sock.recv(65536)):
+            head += part
+    head = head.decode()
+    assert head.startswith("HTTP/1.1 413") and '"code":"request_too_large"' in head, head
+    r = call(server.url, "POST", "/v1/completions", {"model": "demo-chat", "prompt": "a" * 300_000})
+    assert r.status_code == 413 and "--max-request-bytes" in error_of(r)["message"]
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("a fault of the engine")
+
+    monkeypatch.setattr(server.engine, "submit", fault)
+    r = call(server.url, "POST", "/v1/completions", {"model": "demo-chat", "prompt": "a"})
+    e = error_of(r)
+    assert r.status_code == 500 and e["type"] == "server_error" and "a fault of the engine" in e["message"]
+
+
+def _health_delays(url: str, busy: threading.Event) -> list[float]:
+    """Seconds each /health call took while `busy` is set (after it is first set)."""
+    busy.wait(30)
+    delays = []
+    while busy.is_set():
+        t0 = time.perf_counter()
+        assert call(url, "GET", "/health").status_code == 200
+        delays.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    return delays
+
+
+def test_a_10_mb_prompt_does_not_hold_up_health(demo, server):
+    """A 10 MB prompt: refused (413) before it is read by default; with a limit that admits it, read, parsed and
+    tokenized off the event loop -- /health answers within a second all along -- then refused as too long."""
+    prompt = "def f(x):\n    return x + 1\n" * 400_000  # 10.8 MB
+    runner = open_runner(demo.manifest.root)
+    big = Running(Engine(runner, runner.options(None), max_batch=2, max_queue=4, chunk=64), "demo",
+                  max_request_bytes=64 << 20)
+    try:
+        for s, status, code in ((server, 413, "request_too_large"), (big, 400, "context_length_exceeded")):
+            busy, answer = threading.Event(), {}
+
+            def ask():
+                busy.set()
+                t0 = time.perf_counter()
+                answer["reply"] = call(s.url, "POST", "/v1/completions", {"model": s.client.models.list().data[0].id,
+                                                                           "prompt": prompt, "max_tokens": 4})
+                answer["seconds"] = time.perf_counter() - t0
+                busy.clear()
+
+            with ThreadPoolExecutor(2) as pool:
+                asked = pool.submit(ask)
+                delays = pool.submit(_health_delays, s.url, busy).result(timeout=300)
+                asked.result()
+            assert answer["reply"].status_code == status and error_of(answer["reply"])["code"] == code
+            assert delays and max(delays) < 1.0, (status, answer["seconds"], max(delays))
+    finally:
+        big.close()
 
 
 def test_prompt_too_long_and_chat_errors(server, demo):

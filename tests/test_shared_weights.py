@@ -74,7 +74,7 @@ def test_default_shares_from_the_threshold_up(big_export, monkeypatch):
     assert set(backend.OrtBackend(manifest).tables) == {g.file for g in manifest.graphs.values()}
 
 
-@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+@pytest.mark.parametrize("mode", ["eagle", pytest.param("vanilla", marks=pytest.mark.slow)])
 def test_shared_weights_decode_the_same_tokens(tmp_path, mode):
     """Every graph a decode runs (target, MTP graphs, step graphs), shared (step graphs pre-packed or not) or
     not: the same greedy tokens."""

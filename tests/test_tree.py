@@ -207,7 +207,7 @@ def _relaxed_reference(logits, ids, parents, depth, thinking, topk, delta):
     return best
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in range(1, 4))])
 @pytest.mark.parametrize("relaxed", [(0, 0.0), (4, 0.3), (90, 1.0)])
 def test_tree_acceptance_matches_a_walk_over_the_tree(setup, seed, relaxed):
     """Acceptance in the graph (strict, and relaxed while thinking: <think>/</think> inside the tree switch it)
@@ -302,7 +302,7 @@ def eagle2_reference(expand, shape: TreeShape) -> list[tuple[int, int]]:
     return [(cands[c][1], 0 if cands[c][2] < 0 else chosen.index(cands[c][2]) + 1) for c in chosen]
 
 
-@pytest.mark.parametrize("spec", ["3:2:6", "2:3:5"])
+@pytest.mark.parametrize("spec", [pytest.param("3:2:6", marks=pytest.mark.slow), "2:3:5"])
 def test_drafted_trees_equal_pytorch_recomputation(setup, spec):
     model, be, _ = setup
     shape = parse_trees(spec)[0]
@@ -386,6 +386,7 @@ def test_runner_picks_the_exported_tree(setup):
     assert tree_shape(3, 2, 6).graph in be.manifest.graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_demo_tree_decoding_equals_transformers_generate(tmp_path, mode):
     """The bundled demo checkpoint (3 MTP modules): tree decoding of its export in either mode (depth 3, top-k 3,

@@ -97,7 +97,7 @@ def _step_inputs(model, depth: int, t: int = 32, seed: int = 0):
     return mtp, carry
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("relaxed", [(0, 0.0), (4, 0.3)])
 def test_vanilla_tree_acceptance_matches_a_walk_over_the_tree(vanilla, seed, relaxed):
     """The vanilla tree step's acceptance (strict; relaxed while thinking) against the reference walk over
@@ -174,7 +174,8 @@ def _reference_vanilla_tree(model, tokens, q, shape: TreeShape):
         return eagle2_reference(expand, shape)
 
 
-@pytest.mark.parametrize("spec", ["3:2:6", "2:3:5", "3:3:12"])
+@pytest.mark.parametrize("spec", [pytest.param("3:2:6", marks=pytest.mark.slow), "2:3:5",
+                                  pytest.param("3:3:12", marks=pytest.mark.slow)])
 def test_drafted_vanilla_trees_equal_pytorch_recomputation(vanilla, spec):
     model, be, _ = vanilla
     shape = parse_trees(spec)[0]

@@ -259,6 +259,7 @@ def test_interrupted_build_leaves_nothing(exported, tmp_path, monkeypatch):
 
 
 @trt_mark
+@pytest.mark.slow  # (tests/test_trt_runtime.py builds such engines too)
 def test_onnx_lowering_export_builds_plugin_free_engines(ckpt, tmp_path):
     """Standard operators only: engines any TensorRT application loads without our plugins; the runtime commits
     their new_kv outputs itself, so nothing is aliased."""
@@ -360,7 +361,7 @@ def test_check_refuses_a_modified_engine(engines, tmp_path):
 
 
 @trt_mark
-@pytest.mark.parametrize("perturb", [0.0, 1e-2])
+@pytest.mark.parametrize("perturb", [pytest.param(0.0, marks=pytest.mark.slow), 1e-2])
 def test_check_compares_engines_with_onnxruntime(engines, monkeypatch, perturb):
     """The comparison path with a stand-in for the engines (ONNX Runtime on the onnx lowering, as the
     engines would compute): identical outputs pass, perturbed logits fail with exit code 1."""
@@ -415,6 +416,7 @@ def test_random_inputs_are_valid(exported):
 
 
 @trt_mark
+@pytest.mark.slow
 def test_demo_checkpoint_builds_engines(tmp_path):
     """The bundled demo checkpoint (eagle, K = 3, fp16) builds into engines with every custom node on its plugin."""
     from mtp_trt.runner import demo_model

@@ -9,6 +9,9 @@ modes, greedy, relaxed and sampling, with and without CUDA graphs; and a decode 
 copies nothing of a cache's size.  What needs a GPU (tests/test_trt_gpu.py): TensorRT running the engines,
 the CUDA kernels inside them, cuda-python's device layer."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -43,7 +46,7 @@ def _build(export_dir, out, **kwargs):
     return out
 
 
-@pytest.fixture(scope="module", params=["eagle", "vanilla"])
+@pytest.fixture(scope="module", params=["eagle", pytest.param("vanilla", marks=pytest.mark.slow)])
 def setup(request, ckpt, tmp_path_factory):
     """(reference onnx export, {lowering: engine dir}) for one MTP mode; the prefill profile takes 8 rows, so
     the 11-token prompt runs in chunks."""
@@ -262,11 +265,23 @@ def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
         pytest.skip("a GPU is present")
     ref, engines = setup
     env = {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
-    for lowering, instead in (("plugin", ref.raw["checkpoint"]), ("onnx", str(ref.root.parent.resolve() / "onnx-trt"))):
-        for args in (["run", str(engines[lowering]), "-p", "x"], ["bench", str(engines[lowering]), "--repeats", "1"]):
+    gone = tmp_path / "moved"  # engines whose checkpoint is no longer where they were built from
+    shutil.copytree(engines["plugin"], gone)
+    raw = json.loads((gone / "engines.json").read_text())
+    raw["export"]["checkpoint"] = str(tmp_path / "nowhere")
+    (gone / "engines.json").write_text(json.dumps(raw))
+    # what ONNX Runtime can run instead, as the message names it: an onnx-lowering export (plugin-free engines), or
+    # the checkpoint (a plugin-lowering export does not run on ONNX Runtime)
+    for engine_dir, instead in ((engines["plugin"], f"ONNX Runtime runs their checkpoint instead: mtp-trt run "
+                                                    f"{ref.raw['checkpoint']}"),
+                                (engines["onnx"], f"ONNX Runtime runs their export instead: mtp-trt run "
+                                                  f"{ref.root.parent.resolve() / 'onnx-trt'}"),
+                                (gone, f"ONNX Runtime runs the checkpoint they come from instead ({tmp_path / 'nowhere'}, "
+                                       f"not on this machine): mtp-trt run CHECKPOINT")):
+        for args in (["run", str(engine_dir), "-p", "x"], ["bench", str(engine_dir), "--repeats", "1"]):
             r = CliRunner().invoke(app, args, env=env)
             assert r.exit_code == 2, r.output
-            assert "running engines needs an NVIDIA GPU" in r.output and f"mtp-trt run {instead}" in r.output
+            assert "running engines needs an NVIDIA GPU" in r.output and r.output.rstrip().endswith(instead), r.output
             assert "Traceback" not in r.output and r.output.count("error:") == 1
     import subprocess  # the installed command passes check's own exit codes through (3: skipped)
 
@@ -278,8 +293,6 @@ def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
 def test_tampered_engines_are_found_before_they_run(setup, tmp_path, monkeypatch):
     """`run` and `bench` check the engines against engines.json's hashes once (remembered, like exports): an
     engine changed afterwards is one error naming it, before TensorRT (or the GPU check) is reached."""
-    import shutil
-
     from mtp_trt.runner import verify_engines
 
     monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))

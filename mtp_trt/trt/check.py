@@ -62,7 +62,7 @@ def static_checks(engine_dir: Path) -> tuple[em.EngineManifest, list[str]]:
     export = em.load_export_manifest(engine_dir)
     check_seal(exp, export.raw)
     m.check_export(export)
-    check_files(exp, list((export.raw.get("tokenizer_files") or {}).items()), True, "tokenizer")
+    check_files(exp, list((export.raw.get("tokenizer_files") or {}).items()), True, "export")
     for p in m.plugins:
         if p["version"] != trt_plugins.PLUGIN_VERSION:
             raise MtpTrtError(f"{em.FILE}: the engines use plugin {p['name']} version {p['version']}, this mtp-trt "

@@ -73,7 +73,7 @@ class EngineManifest:
                 export_format_version=raw["export"]["format_version"], profiles=raw["profiles"],
                 plugins=raw["plugins"], engines=engines)
         _check_sizes(path, m)
-        check_files(path, [(e.file, e.sha256) for e in engines.values()], verify_hashes, "engine")
+        check_files(path, [(e.file, e.sha256) for e in engines.values()], verify_hashes, "build")
         return m
 
     @property

@@ -150,10 +150,9 @@ def runtime_problem(m: em.EngineManifest, cc: str | None, why_no_gpu: str, flavo
                     instead: str) -> str | None:
     """Why these engines cannot run here, in one line, or None.  cc: this GPU's compute capability (None: no
     GPU, because why_no_gpu); flavour_version: the installed version of the engines' TensorRT flavour (None:
-    not installed); instead: what ONNX Runtime can run in their place (an onnx export or the checkpoint)."""
+    not installed); instead: what ONNX Runtime can run in their place, as a phrase (runtime.onnx_runtime_instead)."""
     if cc is None:
-        return (f"running engines needs an NVIDIA GPU ({why_no_gpu}); ONNX Runtime runs the export instead: "
-                f"mtp-trt run {instead}")
+        return f"running engines needs an NVIDIA GPU ({why_no_gpu}); {instead}"
     built_on = m.raw.get("built_on")
     if m.flavour == "tensorrt_rtx" and cc not in m.target_archs:
         return (f"{m.root}: the engines were built for compute capabilit{'ies' if len(m.target_archs) > 1 else 'y'} "

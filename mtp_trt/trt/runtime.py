@@ -130,6 +130,19 @@ class Buffer:
         return self.host[:n].view(dtype).reshape(shape).copy()
 
 
+def onnx_runtime_instead(export: dict) -> str:
+    """What ONNX Runtime can run in place of engines (engines.json's "export" record), as a command: the export
+    they were built from where it is an onnx-lowering export still on this machine, else its checkpoint (an export
+    for TensorRT, --lowering plugin or --moe-form tensorrt, does not run on ONNX Runtime's CPU operators)."""
+    exp, ckpt = export.get("dir"), export.get("checkpoint")
+    if exp and export.get("lowering") == "onnx" and (Path(exp) / "manifest.json").is_file():
+        return f"ONNX Runtime runs their export instead: mtp-trt run {exp}"
+    if ckpt and (Path(ckpt) / "config.json").is_file():
+        return f"ONNX Runtime runs their checkpoint instead: mtp-trt run {ckpt}"
+    return (f"ONNX Runtime runs the checkpoint they come from instead ({ckpt or 'not recorded'}, not on this "
+            f"machine): mtp-trt run CHECKPOINT")
+
+
 class TrtBackend(Backend):
     """Runs an engine directory (`mtp-trt build`) on the GPU.  See the module docstring."""
 
@@ -175,9 +188,7 @@ class TrtBackend(Backend):
             version = compat.load(self.em.flavour).version
         except MtpTrtError:
             version = None
-        exp = self.em.raw["export"]  # what ONNX Runtime can run instead: an onnx-lowering export, else the checkpoint
-        instead = exp.get("dir") if exp.get("lowering") == "onnx" else exp.get("checkpoint") or exp.get("dir")
-        problem = plan.runtime_problem(self.em, cc, why, version, instead or "CHECKPOINT")
+        problem = plan.runtime_problem(self.em, cc, why, version, onnx_runtime_instead(self.em.raw["export"]))
         if problem:
             raise MtpTrtError(problem)
         return Device()

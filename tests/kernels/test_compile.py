@@ -42,6 +42,7 @@ def compiled(tmp_path_factory):
     return res, time.perf_counter() - t0, out
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_every_arch(compiled):
     res, total, out = compiled
     assert {r.source for r in res} == set(cuda_lib.SOURCES)
