@@ -1,7 +1,7 @@
 """`mtp-trt bench`: tokens/s of MTP speculative decoding for nextn 0..K (and each export's trees), at one or
 more batch sizes, beside Hugging Face transformers' greedy `generate` on the same checkpoint, in one run.
 
-Two sweeps: QUICK, the default (eagle mode at batch 1, 64 tokens, 3 rounds: about a minute on the demo
+Two sweeps: QUICK, the default (eagle mode at batch 1, 128 tokens, 5 rounds: under a minute on the demo
 checkpoint on a 2-core CPU, its export included), and FULL (`--full`: both modes at batches 1 and 8, 128 tokens,
 9 rounds, transformers' generate beside).  Batch 1 decodes
 each of the 8 prompts alone, in turn; batch b > 1 decodes b prompts together.  Figures are medians over
@@ -48,7 +48,7 @@ class Sweep:
     transformers: bool
 
 
-QUICK = Sweep(("eagle",), (1,), 64, 3, False)  # (transformers' generate alone would take minutes on a CPU)
+QUICK = Sweep(("eagle",), (1,), 128, 5, False)  # (transformers' generate alone would take minutes on a CPU)
 FULL = Sweep(("eagle", "vanilla"), (1, 8), 128, 9, True)
 
 

@@ -471,7 +471,7 @@ def bench(
                                             "(TensorRT beside ONNX Runtime and transformers on the GPU)."),
     full: bool = typer.Option(False, "--full", help="The full sweep: both MTP modes at batches 1 and 8, 128 new "
                                                     "tokens, 9 rounds, transformers' generate beside (default: "
-                                                    "eagle mode at batch 1, 64 new tokens, 3 rounds; about a minute "
+                                                    "eagle mode at batch 1, 128 new tokens, 5 rounds; under a minute "
                                                     "on the demo model)."),
     batch: list[int] = typer.Option(None, metavar="N", help="Batch sizes; repeat the option for several (default: "
                                                             "the sweep's, within an engine directory's max_batch)."),

@@ -385,7 +385,7 @@ def test_bench_defaults_are_quick_say_what_is_left_and_write_nothing_unasked(ckp
                "eagle batch 1 nextn 2 tree 2:2:4"]
     for i, name in enumerate(configs):
         assert f"[{i + 1}/{len(configs)}] {name}: " in r.stderr and " s left" in r.stderr, r.stderr
-    assert "round 3 of 3 timed; about 0 s left" in r.stderr
+    assert "round 5 of 5 timed; about 0 s left" in r.stderr
     assert [x.split(":")[0] for x in r.stdout.splitlines() if " tokens/s, " in x] == \
         [f"eagle   batch 1 nextn {n}" for n in (0, 1, 2)] + ["eagle   batch 1 nextn 2 tree 2"]
     assert "transformers batch" not in r.stdout and "wrote" not in r.stdout and "vanilla" not in r.stdout

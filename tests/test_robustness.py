@@ -734,7 +734,7 @@ def _bounds_cases(c: Case):
     for field, value in (("num_hidden_layers", 10**9), ("n_routed_experts", 10**6), ("num_attention_heads", 10**5),
                          ("num_nextn_predict_layers", 1000)):
         yield ["inspect", _fresh(c, field, value)], f"field '{field}' is {value}, more than the"
-    yield ["bench", c.ckpt, "--batch", 100000, "--repeats", 1], "--batch 100000 x --max-new-tokens 64"
+    yield ["bench", c.ckpt, "--batch", 100000, "--repeats", 1], "--batch 100000 x --max-new-tokens 128"
     yield ["run", c.exp, *[a for i in range(9) for a in ("-p", f"p{i}")]], "9 prompts, but the export"
     yield ["run", c.exp, "-p", "x", "--relaxed-topk", 2**40], "must be in 0..2147483647"
 
