@@ -157,8 +157,13 @@ def child(*args) -> dict:
     return real_size.child(*args, script=__file__)
 
 
-def load() -> str:
-    return f"load average {os.getloadavg()[0]:.1f}"
+def measured(label: str, run) -> tuple[str, str, dict]:
+    """(label, the 1-minute load average before and after, run()'s result), printed as it ends."""
+    before = os.getloadavg()[0]
+    d = run()
+    load = f"{before:.1f}, {os.getloadavg()[0]:.1f}"
+    print(f"{label}: {d['tokens_per_second']:.2f} tokens/s (load average {load})", flush=True)
+    return label, load, d
 
 
 def main() -> None:
@@ -197,18 +202,19 @@ def main() -> None:
     out = cache_dir() / f"export-v2-lite-{a.layers}-{a.quant}-{revision()}"  # a new exporter revision re-exports
     record = out.with_name(out.name + ".json")  # the export's wall time and peak, as measured when it was made
     if a.reexport or not (out / "manifest.json").is_file():
-        print(f"exporting --quant {a.quant} ({load()}) ...", flush=True)
-        record.write_text(json.dumps({**child("export", ckpt, str(out), a.quant), "load_after": os.getloadavg()[0]}))
+        print(f"exporting --quant {a.quant} ...", flush=True)
+        before = os.getloadavg()[0]
+        e = child("export", ckpt, str(out), a.quant)
+        record.write_text(json.dumps({**e, "load_before": before, "load_after": os.getloadavg()[0]}))
     e = json.loads(record.read_text()) if record.is_file() else None
     if e:
         print(f"export --quant {a.quant}: {e['export_seconds']:.0f} s, peak RSS {e['export_peak_rss_mb'] / 1024:.2f} "
-              f"GiB (load average {e['load_after']:.1f} at its end)", flush=True)
+              f"GiB (load average {e['load_before']:.1f}, {e['load_after']:.1f})", flush=True)
     print(f"weights.bin: {(out / 'weights.bin').stat().st_size / GIB:.2f} GiB", flush=True)
     rows = []
     for nextn in (0, 1):
-        rows.append((f"mtp-trt --quant {a.quant}, nextn {nextn}", load(),
-                     child("decode", str(out), nextn, a.tokens, a.rounds, a.threads)))
-        print(f"{rows[-1][0]}: {rows[-1][2]['tokens_per_second']:.2f} tokens/s ({rows[-1][1]})", flush=True)
+        rows.append(measured(f"mtp-trt --quant {a.quant}, nextn {nextn}",
+                             lambda: child("decode", str(out), nextn, a.tokens, a.rounds, a.threads)))
     if a.llama_python:
         from tokenizers import Tokenizer
 
@@ -216,19 +222,18 @@ def main() -> None:
         print(f"llama.cpp Q4_K_M: {q4.stat().st_size / GIB:.2f} GiB", flush=True)
         ids = [1] + Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json")).encode(real_size.PROMPT).ids
         for settings in LLAMA_SETTINGS:
-            rows.append((f"llama.cpp Q4_K_M, {settings}", load(),
-                         run_child(str(a.llama_python), "decode", str(q4), ids, a.tokens, a.rounds, a.threads,
-                                   settings)))
-            print(f"{rows[-1][0]}: {rows[-1][2]['tokens_per_second']:.2f} tokens/s ({rows[-1][1]})", flush=True)
+            rows.append(measured(f"llama.cpp Q4_K_M, {settings}", lambda: run_child(
+                str(a.llama_python), "decode", str(q4), ids, a.tokens, a.rounds, a.threads, settings)))
     reference = rows[0][2]["generated"]
     print(f"\nbatch 1, {a.threads} threads, {a.tokens} new tokens, median of {a.rounds}; peak RSS in GiB; 'same': "
           f"first new tokens equal to {rows[0][0]}'s")
-    print(f"| {'':40s} | tokens/s | peak RSS | peak RSS, all weights read | same | load at start |")
-    print(f"|{'-' * 42}|----------|----------|----------------------------|------|---------------|")
-    for label, at_start, d in rows:
+    w = max(len(r[0]) for r in rows)
+    print(f"| {'':{w}s} | tokens/s | peak RSS | peak RSS, all weights read | same | load average before, after |")
+    print(f"|{'-' * (w + 2)}|----------|----------|----------------------------|------|---------------------------|")
+    for label, load, d in rows:
         same = next((i for i, (x, y) in enumerate(zip(d["generated"], reference)) if x != y), len(reference))
-        print(f"| {label:40s} | {d['tokens_per_second']:8.2f} | {d['peak_rss_mb'] / 1024:8.2f} | "
-              f"{d['peak_rss_read_mb'] / 1024:26.2f} | {same:4d} | {at_start.split()[-1]:>13s} |")
+        print(f"| {label:{w}s} | {d['tokens_per_second']:8.2f} | {d['peak_rss_mb'] / 1024:8.2f} | "
+              f"{d['peak_rss_read_mb'] / 1024:26.2f} | {same:4d} | {load:>25s} |")
     print(json.dumps({"export": e, "rows": [{"label": r[0], **{k: v for k, v in r[2].items() if k != "generated"}}
                                             for r in rows]}))
 
