@@ -18,7 +18,9 @@ mtp-trt exports (`ensure_export`), cached beside them, one per --quant: the demo
 random 85m / 304m with nextn 1 and max_seq_len 1024 (as benchmarks/real_size.py exports them).
 
 Decoding (`LlamaEngine`), with llama-cpp-python's ctypes bindings of llama.h and none of its Python `Llama`
-class: `llama_model_load_from_file` (default model parameters: mmap), `llama_init_from_model` (context of
+class: `llama_model_load_from_file` (default model parameters: the file memory-mapped and read in up front, the
+weights of the types llama.cpp's CPU backend repacks copied into its "extra buffer types"; LLAMA_SETTINGS names
+the others a benchmark can ask for), `llama_init_from_model` (context of
 `n_ctx` rows, `n_threads` = `n_threads_batch` = threads, the rest llama.cpp's defaults), one `llama_batch`
 from `llama_batch_init` filled in place (token, position, sequence 0, whether its logits are wanted) as
 llama-server fills its batches, `llama_decode`, and a sampler chain (`llama_sampler_chain_init`) holding
@@ -42,12 +44,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from real_size import cache_dir, peak_rss_mb, revision  # noqa: E402
+from real_size import cache_dir, peak_rss_mb, read_mapped, revision  # noqa: E402
 
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 GGUF_TYPES = {"f32": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 GGUF_LABELS = {"f32": "f32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+# llama.cpp's model settings as llama-cli / llama-server flags -> (repack, mmap): `--no-repack` keeps the weights
+# in the GGUF's layout (no CPU repacked copy: use_extra_bufts false), `--load-mode none` reads the file into
+# memory of llama.cpp's own instead of mapping it (use_mmap false in llama-cpp-python before 0.3.36).
+LLAMA_SETTINGS = {"default": (True, True), "--no-repack": (False, True), "--load-mode none": (True, False),
+                  "--no-repack --load-mode none": (False, False)}
 
 
 def import_llama():
@@ -144,10 +151,12 @@ def convert_child(src: str, ckpt: str, out: str, outtype: str = "f32") -> dict:
     return {"seconds": time.perf_counter() - t0}
 
 
-def quantize_child(src: str, out: str, kind: str, threads: int, requantize: bool = False) -> dict:
+def quantize_child(src: str, out: str, kind: str, threads: int, requantize: bool = False,
+                   overrides: dict[str, int] | None = None) -> dict:
     """(in a child process, a Python with llama_cpp) the f32 GGUF `src` quantized to `kind` with
     llama_model_quantize, as llama-quantize does (`requantize`: `src` is already quantized, as
-    `llama-quantize --allow-requantize`)."""
+    `llama-quantize --allow-requantize`; `overrides`: integer metadata keys read in place of `src`'s and written
+    into `out`, as `llama-quantize --override-kv KEY=int:VALUE`)."""
     ll = import_llama()
     log = quiet(ll)
     ll.llama_backend_init()
@@ -155,6 +164,11 @@ def quantize_child(src: str, out: str, kind: str, threads: int, requantize: bool
     params.ftype = getattr(ll, GGUF_TYPES[kind])
     params.nthread = threads
     params.allow_requantize = requantize
+    if overrides:
+        kv = (ll.llama_model_kv_override * (len(overrides) + 1))()  # the last one empty: the list's end
+        for o, (key, value) in zip(kv, overrides.items()):
+            o.tag, o.key, o.value.val_i64 = ll.LLAMA_KV_OVERRIDE_TYPE_INT, key.encode(), value
+        params.kv_overrides = kv
     tmp = f"{out}.partial"
     t0 = time.perf_counter()
     rc = ll.llama_model_quantize(src.encode(), tmp.encode(), ctypes.byref(params))
@@ -222,14 +236,33 @@ def ensure_export(size: str, ckpt: Path, nextn: int, quant: str, group_size: int
 
 
 # --------------------------------------------------------------------------------------------------- decoding
+def model_params(ll, settings: str):
+    """llama.cpp's default model parameters with LLAMA_SETTINGS[settings] applied."""
+    repack, mmap = LLAMA_SETTINGS[settings]
+    params = ll.llama_model_default_params()
+    fields = {name for name, _ in type(params)._fields_}
+    if not repack:
+        if "use_extra_bufts" not in fields:
+            raise SystemExit(f"llama_cpp {getattr(ll, '__version__', '?')}: no use_extra_bufts model parameter "
+                             f"(for {settings}); a newer llama-cpp-python has it")
+        params.use_extra_bufts = False
+    if not mmap:
+        if "use_mmap" in fields:
+            params.use_mmap = False
+        else:
+            params.load_mode = ll.LLAMA_LOAD_MODE_NONE
+    return params
+
+
 class LlamaEngine:
     """One GGUF model and one context, driven through llama.h (module docstring)."""
 
-    def __init__(self, gguf: str | Path, n_ctx: int, threads: int, n_batch: int | None = None):
+    def __init__(self, gguf: str | Path, n_ctx: int, threads: int, n_batch: int | None = None,
+                 settings: str = "default"):
         ll = self.ll = import_llama()
         self._log = quiet(ll)  # kept: llama.cpp holds the pointer
         ll.llama_backend_init()
-        self.model = ll.llama_model_load_from_file(str(gguf).encode(), ll.llama_model_default_params())
+        self.model = ll.llama_model_load_from_file(str(gguf).encode(), model_params(ll, settings))
         if not self.model:
             raise SystemExit(f"{gguf}: llama.cpp cannot load this GGUF")
         cp = ll.llama_context_default_params()
@@ -312,20 +345,25 @@ class LlamaEngine:
         ll.llama_model_free(self.model)
 
 
-def decode_child(gguf: str, ids: list[int], tokens: int, rounds: int, threads: int) -> dict:
-    """(in a child process, a Python with llama_cpp) one GGUF alone, as benchmarks/v2_lite.py times an export:
-    new tokens / seconds of a whole generation (prompt included), the median of `rounds` after a warm-up, and
-    the process's peak RSS."""
+def decode_child(gguf: str, ids: list[int], tokens: int, rounds: int, threads: int,
+                 settings: str = "default") -> dict:
+    """(in a child process, a Python with llama_cpp) one GGUF alone with model settings `settings`
+    (LLAMA_SETTINGS), as benchmarks/v2_lite.py times an export: new tokens / seconds of a whole generation
+    (prompt included), the median of `rounds` after a warm-up, the tokens, the process's peak RSS, and its peak
+    RSS once every page of its mappings of the GGUF file has been read (real_size.read_mapped)."""
     import statistics
 
-    engine = LlamaEngine(gguf, n_ctx=len(ids) + tokens + 16, threads=threads)
-    engine.generate(ids, tokens)
+    engine = LlamaEngine(gguf, n_ctx=len(ids) + tokens + 16, threads=threads, settings=settings)
+    generated = engine.generate(ids, tokens)
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         engine.generate(ids, tokens)
         times.append(time.perf_counter() - t0)
-    return {"tokens_per_second": tokens / statistics.median(times), "peak_rss_mb": peak_rss_mb()}
+    peak = peak_rss_mb()
+    read_mapped(gguf)
+    return {"tokens_per_second": tokens / statistics.median(times), "peak_rss_mb": peak,
+            "peak_rss_read_mb": peak_rss_mb(), "generated": generated}
 
 
 def main():

@@ -61,6 +61,25 @@ def peak_rss_mb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
+def read_mapped(path: str | Path) -> int:
+    """Read one byte of every page of this process's mappings of the file `path` (Linux: /proc/self/maps), so that
+    all of them are resident, as once every weight has been read; returns the bytes mapped (0: none)."""
+    import ctypes
+    import mmap
+
+    target = str(Path(path).resolve())
+    with open("/proc/self/maps") as f:
+        regions = [line.split(maxsplit=5) for line in f]
+    mapped = 0
+    for r in regions:
+        if len(r) == 6 and r[5].rstrip("\n") == target and r[1].startswith("r"):
+            lo, hi = (int(x, 16) for x in r[0].split("-"))
+            for addr in range(lo, hi, mmap.PAGESIZE):
+                ctypes.string_at(addr, 1)
+            mapped += hi - lo
+    return mapped
+
+
 def make_checkpoint(size: str) -> Path:
     """Random weights (N(0, 0.02), unit norms, zero routing bias) for SIZES[size], with the demo's tokenizer."""
     out = cache_dir() / f"ckpt-{size}"

@@ -1,21 +1,39 @@
 """A real-size MLA model on a 24 GB machine: a random checkpoint with DeepSeek-V2-Lite's shapes (15.7B parameters)
 plus one MTP layer, stored as the official FP8 block format stores DeepSeek-V3 (float8_e4m3fn linear weights with
 one float32 scale per 128 x 128 block; embedding, head, norms and routers in bf16), made on the fly (never
-shipped), exported with `--quant int4` and decoded.  Not run in CI.
+shipped), exported with `--quant int4` and decoded; llama.cpp Q4_K_M of the same checkpoint beside it.  Not run
+in CI.
 
-  python benchmarks/v2_lite.py [--quant int4] [--tokens 32] [--layers 27] \\
-      [--llama-python /path/to/python-with-llama_cpp --sdist llama_cpp_python-0.3.36.tar.gz]
+  python benchmarks/v2_lite.py [--quant int4] [--tokens 32] [--rounds 3] [--threads 2] [--layers 27] \\
+      [--llama-python /path/to/python-with-llama_cpp --sdist llama_cpp_python-0.3.36.tar.gz] [--reexport]
 
-Prints the export's wall time and peak RSS (a process of its own: VmHWM), then decode tokens/s (nextn 0 and 1,
-batch 1, 2 threads, the median of --rounds) and the decoding process's peak RSS.  Everything goes under
-$MTP_TRT_CACHE_DIR/bench-real-size (about 16 GB for the checkpoint, 10 GB for the int4 export).
+Every step runs in a process of its own, one after the other, and memory is that process's peak resident set
+(VmHWM), in GiB (2^30 bytes); file sizes are in GiB too.  The steps:
 
-With --llama-python (a Python with llama-cpp-python) and --sdist (its source distribution, which carries
-llama.cpp's converter), llama.cpp Q4_K_M of the same checkpoint beside it: the converter writes Q8_0 straight
-from the FP8 checkpoint (an f32 GGUF would be 63 GB), `llama_model_quantize` makes Q4_K_M from that
-(`--allow-requantize`), and the same prompt is decoded through llama.cpp's C API (benchmarks/llama_api.py),
-the same way: new tokens over a whole generation's time, the median of --rounds, and the process's peak RSS.
-About 17 + 10 GB more on disk.
+* the checkpoint, made once (about 15.6 GiB at 27 layers);
+* mtp-trt's export (nextn 1, max_seq_len 1024, no trees): its wall time and peak RSS, recorded beside the cached
+  export and shown again while it is reused (--reexport: export and time it again);
+* decoding, batch 1, greedy, --threads threads, --tokens new tokens (no stop at end-of-text): tokens/s over a
+  whole generation (prompt included), the median of --rounds after a warm-up; the process's peak RSS after
+  that, and its peak RSS once every page of its mappings of the weights file has been read (so both engines are
+  measured with all their weights resident: mtp-trt maps weights.bin and reads only the pages a decode touches,
+  llama.cpp reads its whole file in up front).  mtp-trt at nextn 0 and 1; with --llama-python, llama.cpp at
+  each of its settings (llama_api.LLAMA_SETTINGS, as llama-cli's flags): its defaults (the GGUF memory-mapped,
+  and the Q4_K weights also copied into the CPU backend's repacked layout), --no-repack, --load-mode none (no
+  mmap: the file read into llama.cpp's own memory), and both.  The table ends with how many of the first new
+  tokens each row shares with mtp-trt nextn 0's.
+
+llama.cpp's GGUF (with --llama-python, a Python with llama-cpp-python, and --sdist, its source distribution,
+which carries llama.cpp's converter; --sdist is needed only until the Q4_K_M file is cached): the converter
+writes Q8_0 straight from the FP8 checkpoint (an f32 GGUF would be 63 GB), `llama_model_quantize` requantizes
+that to Q4_K_M (`--allow-requantize`; the Q8_0 file is then deleted), and the same prompt ids are decoded
+through llama.cpp's C API (benchmarks/llama_api.py).  llama.cpp's deepseek2 loader takes a model without q LoRA
+to be V2-Lite only at 26 or 27 layers, and otherwise reads `deepseek2.attention.q_lora_rank`, which the
+converter writes only for a q LoRA; the quantizer is handed that key as 0 (`--override-kv`), so the Q4_K_M file
+loads at any --layers.
+
+Everything goes under $MTP_TRT_CACHE_DIR/bench-real-size: at 27 layers about 15.6 GiB for the checkpoint,
+9.8 GiB for the int4 export, 9.7 GiB for the Q4_K_M file and, while it is made, 15.6 GiB for the Q8_0 one.
 
 Shapes (DeepSeek-V2-Lite's config): 27 layers, hidden 2048, the first layer dense (width 10944), then 64 routed
 experts top-6 of width 1408 and 2 shared, softmax routing without groups, 16 heads, no q LoRA, kv_lora_rank
@@ -27,13 +45,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_size  # noqa: E402
-from real_size import DEMO, cache_dir, decode_fn, peak_rss_mb, revision  # noqa: E402
+from llama_api import LLAMA_SETTINGS, converter_dir, gguf_path, run_child  # noqa: E402
+from real_size import DEMO, cache_dir, decode_fn, peak_rss_mb, read_mapped, revision  # noqa: E402
 
 V2_LITE = dict(
     architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
@@ -50,6 +70,9 @@ V2_LITE = dict(
                          "weight_block_size": [128, 128]},
 )
 SHARD_BYTES = 2 << 30
+GIB = 2**30
+# llama.cpp reads this key for a deepseek2 model at any depth but V2-Lite's (26, 27 layers); 0: no q LoRA
+Q_LORA_RANK_KEY = "deepseek2.attention.q_lora_rank"
 
 
 def make_checkpoint(layers: int) -> str:
@@ -111,7 +134,8 @@ def export_child(ckpt: str, out: str, quant: str) -> dict:
 
 
 def decode_child(path: str, nextn: int, tokens: int, rounds: int, threads: int) -> dict:
-    """One export alone: median tokens/s over `rounds` decodes after a warm-up, and the peak RSS."""
+    """One export alone: median tokens/s over `rounds` decodes after a warm-up, the tokens, the peak RSS, and the
+    peak RSS once every page of weights.bin's mapping has been read."""
     import statistics
 
     fn = decode_fn(Path(path), nextn, tokens, threads)
@@ -121,13 +145,25 @@ def decode_child(path: str, nextn: int, tokens: int, rounds: int, threads: int) 
         t0 = time.perf_counter()
         seqs, stats = fn()
         times.append(time.perf_counter() - t0)
-    return {"tokens_per_second": len(seqs[0].generated) / statistics.median(times), "peak_rss_mb": peak_rss_mb(),
+    peak = peak_rss_mb()
+    read_mapped(Path(path) / "weights.bin")
+    return {"tokens_per_second": len(seqs[0].generated) / statistics.median(times), "peak_rss_mb": peak,
+            "peak_rss_read_mb": peak_rss_mb(), "generated": seqs[0].generated,
             "mean_acceptance_length": stats.mean_acceptance_length}
 
 
 def child(*args) -> dict:
     """This script's `--child` entry in a fresh process (its memory is its own)."""
     return real_size.child(*args, script=__file__)
+
+
+def measured(label: str, run) -> tuple[str, str, dict]:
+    """(label, the 1-minute load average before and after, run()'s result), printed as it ends."""
+    before = os.getloadavg()[0]
+    d = run()
+    load = f"{before:.1f}, {os.getloadavg()[0]:.1f}"
+    print(f"{label}: {d['tokens_per_second']:.2f} tokens/s (load average {load})", flush=True)
+    return label, load, d
 
 
 def main() -> None:
@@ -137,8 +173,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-python", help="a Python with llama_cpp: decode llama.cpp Q4_K_M of the same checkpoint")
+    ap.add_argument("--llama-python", type=Path,
+                    help="a Python with llama_cpp: decode llama.cpp Q4_K_M of the same checkpoint")
     ap.add_argument("--sdist", type=Path, help="llama-cpp-python's source distribution (its converter)")
+    ap.add_argument("--reexport", action="store_true", help="export again (and time it) even if cached")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -146,41 +184,71 @@ def main() -> None:
         jobs = {"checkpoint": make_checkpoint, "export": export_child, "decode": decode_child}
         print(json.dumps(jobs[name](*args)))
         return
+    for flag in ("layers", "tokens", "rounds", "threads"):
+        if getattr(a, flag) < 1:
+            ap.error(f"--{flag} {getattr(a, flag)}: must be at least 1")
+    q4 = gguf_path(f"v2-lite-{a.layers}", "q4_k_m")
+    if a.llama_python and not a.llama_python.is_file():
+        ap.error(f"--llama-python {a.llama_python}: no such file (a Python with llama-cpp-python)")
+    if a.sdist and not a.sdist.is_file():
+        ap.error(f"--sdist {a.sdist}: no such file (llama-cpp-python's source distribution, a .tar.gz)")
+    if a.llama_python and not a.sdist and not q4.is_file():
+        ap.error(f"--sdist: llama-cpp-python's source distribution is needed to make {q4}")
+
     t0 = time.perf_counter()
     ckpt = child("checkpoint", a.layers)
-    gb = sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors")) / 1e9
-    print(f"checkpoint {ckpt}: {gb:.1f} GB (made in {time.perf_counter() - t0:.0f} s, or found)", flush=True)
+    size = sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors")) / GIB
+    print(f"checkpoint {ckpt}: {size:.2f} GiB (made in {time.perf_counter() - t0:.0f} s, or found)", flush=True)
     out = cache_dir() / f"export-v2-lite-{a.layers}-{a.quant}-{revision()}"  # a new exporter revision re-exports
-    if not (out / "manifest.json").is_file():
+    record = out.with_name(out.name + ".json")  # the export's wall time and peak, as measured when it was made
+    if a.reexport or not (out / "manifest.json").is_file():
+        print(f"exporting --quant {a.quant} ...", flush=True)
+        before = os.getloadavg()[0]
         e = child("export", ckpt, str(out), a.quant)
-        print(f"export --quant {a.quant}: {e['export_seconds']:.0f} s, peak RSS {e['export_peak_rss_mb']:.0f} MB",
-              flush=True)
-    print(f"weights.bin: {(out / 'weights.bin').stat().st_size / 1e9:.2f} GB", flush=True)
+        record.write_text(json.dumps({**e, "load_before": before, "load_after": os.getloadavg()[0]}))
+    e = json.loads(record.read_text()) if record.is_file() else None
+    if e:
+        print(f"export --quant {a.quant}: {e['export_seconds']:.0f} s, peak RSS {e['export_peak_rss_mb'] / 1024:.2f} "
+              f"GiB (load average {e['load_before']:.1f}, {e['load_after']:.1f})", flush=True)
+    print(f"weights.bin: {(out / 'weights.bin').stat().st_size / GIB:.2f} GiB", flush=True)
+    rows = []
     for nextn in (0, 1):
-        d = child("decode", str(out), nextn, a.tokens, a.rounds, a.threads)
-        print(f"decode nextn {nextn}: {d['tokens_per_second']:.2f} tokens/s, peak RSS {d['peak_rss_mb']:.0f} MB "
-              f"(mean accepted {d['mean_acceptance_length']:.2f})", flush=True)
+        rows.append(measured(f"mtp-trt --quant {a.quant}, nextn {nextn}",
+                             lambda: child("decode", str(out), nextn, a.tokens, a.rounds, a.threads)))
     if a.llama_python:
-        llama_q4_k_m(ckpt, a)
+        from tokenizers import Tokenizer
+
+        make_q4_k_m(ckpt, q4, a)
+        print(f"llama.cpp Q4_K_M: {q4.stat().st_size / GIB:.2f} GiB", flush=True)
+        ids = [1] + Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json")).encode(real_size.PROMPT).ids
+        for settings in LLAMA_SETTINGS:
+            rows.append(measured(f"llama.cpp Q4_K_M, {settings}", lambda: run_child(
+                str(a.llama_python), "decode", str(q4), ids, a.tokens, a.rounds, a.threads, settings)))
+    reference = rows[0][2]["generated"]
+    print(f"\nbatch 1, {a.threads} threads, {a.tokens} new tokens, median of {a.rounds}; peak RSS in GiB; 'same': "
+          f"first new tokens equal to {rows[0][0]}'s")
+    w = max(len(r[0]) for r in rows)
+    print(f"| {'':{w}s} | tokens/s | peak RSS | peak RSS, all weights read | same | load average before, after |")
+    print(f"|{'-' * (w + 2)}|----------|----------|----------------------------|------|---------------------------|")
+    for label, load, d in rows:
+        same = next((i for i, (x, y) in enumerate(zip(d["generated"], reference)) if x != y), len(reference))
+        print(f"| {label:{w}s} | {d['tokens_per_second']:8.2f} | {d['peak_rss_mb'] / 1024:8.2f} | "
+              f"{d['peak_rss_read_mb'] / 1024:26.2f} | {same:4d} | {load:>25s} |")
+    print(json.dumps({"export": e, "rows": [{"label": r[0], **{k: v for k, v in r[2].items() if k != "generated"}}
+                                            for r in rows]}))
 
 
-def llama_q4_k_m(ckpt: str, a) -> None:
-    """llama.cpp Q4_K_M of the checkpoint (module docstring): made once, then decoded alone."""
-    from llama_api import converter_dir, gguf_path, run_child
-    from tokenizers import Tokenizer
-
-    q8, q4 = gguf_path(f"v2-lite-{a.layers}", "q8_0"), gguf_path(f"v2-lite-{a.layers}", "q4_k_m")
-    if not q4.is_file():
-        if not q8.is_file():
-            t = run_child(sys.executable, "convert", str(converter_dir(a.sdist)), ckpt, str(q8), "q8_0")
-            print(f"llama.cpp converter -> Q8_0: {t['seconds']:.0f} s, {q8.stat().st_size / 1e9:.2f} GB", flush=True)
-        t = run_child(a.llama_python, "quantize", str(q8), str(q4), "q4_k_m", a.threads, True)
-        print(f"llama_model_quantize Q8_0 -> Q4_K_M: {t['seconds']:.0f} s, {q4.stat().st_size / 1e9:.2f} GB",
-              flush=True)
-    ids = [1] + Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json")).encode(real_size.PROMPT).ids
-    d = run_child(a.llama_python, "decode", str(q4), ids, a.tokens, a.rounds, a.threads)
-    print(f"llama.cpp Q4_K_M decode: {d['tokens_per_second']:.2f} tokens/s, peak RSS {d['peak_rss_mb']:.0f} MB",
-          flush=True)
+def make_q4_k_m(ckpt: str, q4: Path, a) -> None:
+    """llama.cpp Q4_K_M of the checkpoint (module docstring), made once."""
+    if q4.is_file():
+        return
+    q8 = gguf_path(f"v2-lite-{a.layers}", "q8_0")
+    if not q8.is_file():
+        t = run_child(sys.executable, "convert", str(converter_dir(a.sdist)), ckpt, str(q8), "q8_0")
+        print(f"llama.cpp converter -> Q8_0: {t['seconds']:.0f} s, {q8.stat().st_size / GIB:.2f} GiB", flush=True)
+    t = run_child(str(a.llama_python), "quantize", str(q8), str(q4), "q4_k_m", a.threads, True, {Q_LORA_RANK_KEY: 0})
+    print(f"llama_model_quantize Q8_0 -> Q4_K_M: {t['seconds']:.0f} s", flush=True)
+    q8.unlink()
 
 
 if __name__ == "__main__":
