@@ -366,10 +366,19 @@ def decode_child(gguf: str, ids: list[int], tokens: int, rounds: int, threads: i
             "peak_rss_read_mb": peak_rss_mb(), "generated": generated}
 
 
+def logits_child(gguf: str, ids: list[int], threads: int, out: str) -> dict:
+    """(in a child process, a Python with llama_cpp) teacher-forced logits of `ids`, saved as a .npy at `out`."""
+    import numpy as np
+
+    np.save(out, LlamaEngine(gguf, n_ctx=len(ids) + 16, threads=threads).logits(ids))
+    return {"file": out}
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         name, *args = json.loads(sys.argv[2])
-        jobs = {"convert": convert_child, "quantize": quantize_child, "export": export_child, "decode": decode_child}
+        jobs = {"convert": convert_child, "quantize": quantize_child, "export": export_child, "decode": decode_child,
+                "logits": logits_child}
         print(json.dumps(jobs[name](*args)))
         return
     raise SystemExit("a module of benchmarks/llama_cpp.py and benchmarks/quant_quality.py; run those")

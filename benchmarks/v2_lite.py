@@ -23,6 +23,11 @@ Every step runs in a process of its own, one after the other, and memory is that
   mmap: the file read into llama.cpp's own memory), and both.  The table ends with how many of the first new
   tokens each row shares with mtp-trt nextn 0's.
 
+With random weights the logits are nearly flat and the two 4-bit formats round differently, so greedy tokens part
+early; whether both engines compute the same model is told by their teacher-forced logits over the prompt (the
+line before the table): their correlation, the share of positions whose top-1 tokens agree, and where mtp-trt's
+top-1 token ranks in llama.cpp's logits.
+
 llama.cpp's GGUF (with --llama-python, a Python with llama-cpp-python, and --sdist, its source distribution,
 which carries llama.cpp's converter; --sdist is needed only until the Q4_K_M file is cached): the converter
 writes Q8_0 straight from the FP8 checkpoint (an f32 GGUF would be 63 GB), `llama_model_quantize` requantizes
@@ -152,6 +157,32 @@ def decode_child(path: str, nextn: int, tokens: int, rounds: int, threads: int) 
             "mean_acceptance_length": stats.mean_acceptance_length}
 
 
+def logits_child(path: str, ids: list[int], threads: int, out: str) -> dict:
+    """(in a child process) the export's teacher-forced logits of `ids` (its target graph), saved at `out`."""
+    import numpy as np
+
+    from mtp_trt.backend import OrtBackend
+    from mtp_trt.manifest import Manifest
+
+    backend = OrtBackend(Manifest.load(Path(path)), threads=threads)
+    backend.allocate(1, len(ids))
+    zero = np.zeros(1, np.int32)
+    res = backend.target(1, np.array([ids], np.int32), zero, zero, 0, 0.0, logits=True)
+    np.save(out, res["logits"][0])
+    return {"file": out}
+
+
+def compare_logits(a, b) -> dict:
+    """Two engines' teacher-forced logits [positions, vocab]: the median over positions of their correlation, the
+    share of positions whose top-1 tokens agree, and the median rank in b of a's top-1 token (0: b's top-1 too)."""
+    import numpy as np
+
+    top = a.argmax(1)
+    return {"correlation": float(np.median([np.corrcoef(x, y)[0, 1] for x, y in zip(a, b)])),
+            "top1_agreement": float((top == b.argmax(1)).mean()),
+            "rank": float(np.median((b > b[np.arange(len(b)), top][:, None]).sum(1)))}
+
+
 def child(*args) -> dict:
     """This script's `--child` entry in a fresh process (its memory is its own)."""
     return real_size.child(*args, script=__file__)
@@ -181,7 +212,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         name, *args = json.loads(a.child)
-        jobs = {"checkpoint": make_checkpoint, "export": export_child, "decode": decode_child}
+        jobs = {"checkpoint": make_checkpoint, "export": export_child, "decode": decode_child, "logits": logits_child}
         print(json.dumps(jobs[name](*args)))
         return
     for flag in ("layers", "tokens", "rounds", "threads"):
@@ -224,6 +255,18 @@ def main() -> None:
         for settings in LLAMA_SETTINGS:
             rows.append(measured(f"llama.cpp Q4_K_M, {settings}", lambda: run_child(
                 str(a.llama_python), "decode", str(q4), ids, a.tokens, a.rounds, a.threads, settings)))
+    agreement = None
+    if a.llama_python:  # teacher-forced over the prompt: do the two engines compute the same model?
+        import numpy as np
+
+        files = [str(cache_dir() / f"logits-v2-lite-{a.layers}-{k}.npy") for k in ("mtp-trt", "llama.cpp")]
+        child("logits", str(out), ids, a.threads, files[0])
+        run_child(str(a.llama_python), "logits", str(q4), ids, a.threads, files[1])
+        agreement = compare_logits(*(np.load(f) for f in files))
+        print(f"teacher-forced over the {len(ids)} prompt positions, mtp-trt --quant {a.quant} against llama.cpp "
+              f"Q4_K_M: logits' correlation {agreement['correlation']:.3f} (median), top-1 tokens equal at "
+              f"{agreement['top1_agreement']:.0%} of the positions, mtp-trt's top-1 llama.cpp's number "
+              f"{agreement['rank'] + 1:.0f} (median)", flush=True)
     reference = rows[0][2]["generated"]
     print(f"\nbatch 1, {a.threads} threads, {a.tokens} new tokens, median of {a.rounds}; peak RSS in GiB; 'same': "
           f"first new tokens equal to {rows[0][0]}'s")
@@ -234,7 +277,7 @@ def main() -> None:
         same = next((i for i, (x, y) in enumerate(zip(d["generated"], reference)) if x != y), len(reference))
         print(f"| {label:{w}s} | {d['tokens_per_second']:8.2f} | {d['peak_rss_mb'] / 1024:8.2f} | "
               f"{d['peak_rss_read_mb'] / 1024:26.2f} | {same:4d} | {load:>25s} |")
-    print(json.dumps({"export": e, "rows": [{"label": r[0], **{k: v for k, v in r[2].items() if k != "generated"}}
+    print(json.dumps({"export": e, "teacher_forced": agreement, "rows": [{"label": r[0], **{k: v for k, v in r[2].items() if k != "generated"}}
                                             for r in rows]}))
 
 

@@ -52,3 +52,19 @@ def test_v2_lite_refuses_bad_flags_before_any_work(tmp_path, flags, message):
     assert res.stderr.strip().splitlines()[-1].startswith(f"v2_lite.py: {message}")
     assert "Traceback" not in res.stderr
     assert not cache.exists() or not any(cache.rglob("*"))  # no checkpoint, export or GGUF begun
+
+
+def test_compare_logits_against_numpy():
+    from v2_lite import compare_logits
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((6, 50)).astype(np.float32)
+    same = compare_logits(a, a.copy())
+    assert same == {"correlation": pytest.approx(1.0), "top1_agreement": 1.0, "rank": 0.0}
+    b = a.copy()
+    top = a.argmax(1)
+    b[np.arange(3), top[:3]] = b[:3].min(1) - 1  # positions 0..2: a's top-1 is now b's last
+    r = compare_logits(a, b)
+    assert r["top1_agreement"] == 0.5
+    assert r["rank"] == np.median([49, 49, 49, 0, 0, 0])
+    assert r["correlation"] == pytest.approx(np.median([np.corrcoef(x, y)[0, 1] for x, y in zip(a, b)]))
