@@ -11,6 +11,7 @@ which are exact in both); attention 2e-6 of the output's largest magnitude, as t
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -166,11 +167,14 @@ def test_a_shared_layer_reuses_the_selection():
 
 
 # ------------------------------------------------------------------------------ threads and paths
-def test_any_thread_count_gives_the_same_bits():
+def test_any_thread_count_gives_the_same_bits(monkeypatch):
+    """1, 2 and 3 threads agree exactly, whether every call is split (MTP_ORT_MIN_PARALLEL_WORK=0) or only large
+    ones."""
     rng = np.random.default_rng(13)
     ins = dsa_inputs(rng, 1, 2, 8, 32, 16, 16, 64, 1500, 2, valid=[1500])
     outs = []
-    for n in (1, 2, 3):
+    for split, n in itertools.product(("0", ""), (1, 2, 3)):
+        monkeypatch.setenv("MTP_ORT_MIN_PARALLEL_WORK", split)  # read when a session makes its kernels
         sel = indexer(ins, 16, 100, 0.125, threads=n)
         outs.append((sel, mla(dict(ins, selected=sel), 8, 0.2, threads=n)))
     for sel, y in outs[1:]:

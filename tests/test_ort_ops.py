@@ -9,6 +9,7 @@ and 2e-6 (attention), a few float32 ulps of accumulated rounding."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -299,16 +300,20 @@ def test_mtp_accept_matches_the_decomposed_acceptance(case):
 
 
 # ------------------------------------------------------------------------------ threads and paths
-def test_any_thread_count_gives_the_same_bits():
-    """Work is split by output columns, heads and tokens, never within a sum: 1, 2 and 3 threads agree exactly."""
+def test_any_thread_count_gives_the_same_bits(monkeypatch):
+    """Work is split by output columns, heads and tokens, never within a sum: 1, 2 and 3 threads agree exactly,
+    whether every call is split (MTP_ORT_MIN_PARALLEL_WORK=0) or only large ones."""
     rng = np.random.default_rng(11)
     moe = moe_inputs(rng, 5, 72, 16, 24, 24)
     consts = {n: a for n, a in moe.items() if n != "x"}
     attrs = dict(top_k=2, n_group=4, topk_group=2, softmax=0, group_top2=1, norm_topk_prob=1,
                  routed_scaling_factor=2.5)
     mla = mla_inputs(rng, 1, 2, 8, 32, 16, 50, 2, None)
-    outs = [(run_node("MoE", moe, attrs, consts, threads=n), run_node("MlaAttention", mla, dict(heads=8, scale=0.2),
-                                                                      threads=n)) for n in (1, 2, 3)]
+    outs = []
+    for split, n in itertools.product(("0", ""), (1, 2, 3)):
+        monkeypatch.setenv("MTP_ORT_MIN_PARALLEL_WORK", split)  # read when a session makes its kernels
+        outs.append((run_node("MoE", moe, attrs, consts, threads=n),
+                     run_node("MlaAttention", mla, dict(heads=8, scale=0.2), threads=n)))
     for moe_y, mla_y in outs[1:]:
         assert np.array_equal(moe_y, outs[0][0]) and np.array_equal(mla_y, outs[0][1])
 

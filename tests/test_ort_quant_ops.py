@@ -17,6 +17,7 @@ Tolerances, relative to the output's largest magnitude:
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import subprocess
 import sys
@@ -224,9 +225,9 @@ def test_qmoe_without_routed_experts_is_a_dense_mlp_with_its_own_down_bits():
 
 
 # ------------------------------------------------------------------------------ threads and paths
-def test_any_thread_count_gives_the_same_bits():
+def test_any_thread_count_gives_the_same_bits(monkeypatch):
     """Work is split by output rows (QMatMul) and by units and columns (QMoE), never within a sum: 1, 2 and 3
-    threads agree exactly."""
+    threads agree exactly, whether every call is split (MTP_ORT_MIN_PARALLEL_WORK=0) or only large ones."""
     rng = np.random.default_rng(4)
     data, scales = random_weight(rng, 70, 200, 4, 32)
     x = rng.standard_normal((64, 200)).astype(np.float32)
@@ -234,7 +235,8 @@ def test_any_thread_count_gives_the_same_bits():
     ins = qmoe_inputs(rng, *case[:5], 8, 16)
     attrs = qmoe_attrs(case) | dict(bits=8, block_size=16)
     outs = []
-    for threads in (1, 2, 3):
+    for split, threads in itertools.product(("0", ""), (1, 2, 3)):
+        monkeypatch.setenv("MTP_ORT_MIN_PARALLEL_WORK", split)  # read when a session makes its kernels
         mm = session("QMatMul", dict(K=200, N=70, bits=4, block_size=32), dict(x=None, w=data, scales=scales),
                      threads=threads)
         moe = session("QMoE", attrs, ins, threads=threads)

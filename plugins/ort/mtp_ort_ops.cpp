@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -75,11 +76,24 @@ struct View {
     }
 };
 
+// The least work (multiply-adds, roughly) that a Compute call splits over ONNX Runtime's intra-op threads.
+// Handing parts to another thread and waiting for them costs about a microsecond, more than a smaller call
+// gains: on a 2-core AMD EPYC a chain of QMatMul nodes took 1.12-1.45x the time split over 2 threads as on
+// one at 16K-65K multiply-adds, the same at 147K, and 0.53-0.87x from 262K.  MTP_ORT_MIN_PARALLEL_WORK overrides
+// it when a session makes its kernels (0: split every call, as the tests of thread-count independence do).
+constexpr double kMinParallelWork = 1e5;
+
+double min_parallel_work() {
+    const char* env = std::getenv("MTP_ORT_MIN_PARALLEL_WORK");
+    return env && *env ? std::atof(env) : kMinParallelWork;
+}
+
 // One Compute call: inputs, outputs, errors and the intra-op thread pool.
 struct Call {
     const OrtApi* api;
     OrtKernelContext* ctx;
     const char* op;
+    double min_work;  // min_parallel_work() when the kernel was made
 
     OrtStatus* error(const std::string& what) const {
         return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string("mtp_trt.cpu::") + op + ": " + what).c_str());
@@ -108,11 +122,13 @@ struct Call {
         return api->GetTensorMutableData(value, reinterpret_cast<void**>(data));
     }
 
-    // f(i) for i < n on ONNX Runtime's intra-op threads (the calling thread takes part).
+    // f(i) for i < n on ONNX Runtime's intra-op threads (the calling thread takes part) where the call's `work`
+    // (its multiply-adds, roughly) is worth splitting; else all on the calling thread.  The items are the same
+    // either way, so the results do not depend on the thread count.
     template <class F>
-    OrtStatus* parallel(size_t n, F& f) const {
-        if (n <= 1) {
-            if (n) f(size_t(0));
+    OrtStatus* parallel(size_t n, F& f, double work) const {
+        if (n <= 1 || work < min_work) {
+            for (size_t i = 0; i < n; ++i) f(i);
             return nullptr;
         }
         return api->KernelContext_ParallelFor(
@@ -187,7 +203,7 @@ OrtStatus* quantize_parallel(const Call& c, const float* x, size_t m, size_t ldx
         const size_t r0 = i * per, rows = std::min(per, m - r0);
         quantize_rows(x + r0 * ldx, rows, ldx, w, qx + r0 * bytes);
     };
-    return c.parallel((m + per - 1) / per, part);
+    return c.parallel((m + per - 1) / per, part, double(m) * double(ldx));
 }
 
 // ------------------------------------------------------------------------------------------ QMatMul
@@ -229,7 +245,7 @@ struct QMatMulKernel {
             const size_t j0 = i * per, j1 = std::min(rows, j0 + per);
             qrows_dot(qx.data(), m, q.from_row(j0), j1 - j0, y + j0, rows);
         };
-        return c.parallel((rows + per - 1) / per, part);
+        return c.parallel((rows + per - 1) / per, part, double(m) * double(rows) * double(k));
     }
 };
 
@@ -290,6 +306,7 @@ OrtStatus* run_experts(const Call& c, const Matvec& up_mv, const Matvec& down_mv
         bytes += e.tokens.size() * (xb + (down_mv.bits ? down_mv.row_bytes(e.units) : 0));
         floats += e.tokens.size() * e.units;
     }
+    const double macs_per_d = double(floats);  // the products' multiply-adds: 2 x this x D up, this x D down
     std::vector<uint8_t> buf(bytes);
     std::vector<float> acts(floats);
     uint8_t* p = buf.data();
@@ -319,13 +336,13 @@ OrtStatus* run_experts(const Call& c, const Matvec& up_mv, const Matvec& down_mv
         up_mv.dot(e.xs, m, d, e.fc1, 2 * it.u0, rows, h);
         swiglu_pairs(h, m, rows, it.u1 - it.u0, e.act + it.u0, e.units);
     };
-    MTP_RETURN_IF(c.parallel(items.size(), up));
+    MTP_RETURN_IF(c.parallel(items.size(), up, 2 * double(d) * macs_per_d));
     if (down_mv.bits) {
         auto quantize = [&](size_t i) {
             const Expert& e = experts[i];
             quantize_rows(e.act, e.tokens.size(), e.units, down_mv.format({}, e.units, 0), e.as);
         };
-        MTP_RETURN_IF(c.parallel(experts.size(), quantize));
+        MTP_RETURN_IF(c.parallel(experts.size(), quantize, macs_per_d));
     }
     std::fill(y, y + n_tokens * d, 0.f);
     const size_t per = chunk_rows(d, 32, 16, 8);
@@ -342,7 +359,7 @@ OrtStatus* run_experts(const Call& c, const Matvec& up_mv, const Matvec& down_mv
             }
         }
     };
-    return c.parallel((d + per - 1) / per, down);
+    return c.parallel((d + per - 1) / per, down, double(d) * macs_per_d);
 }
 
 Expert all_tokens(Weight fc1, Weight fc2, size_t units, size_t n_tokens) {
@@ -664,7 +681,10 @@ struct MlaAttentionKernel {
             }
             mla_attend_rows(q, nh, n_ch, size_t(dl), scale, table, n, sc, o, size_t(dl));
         };
-        return c.parallel(tokens * splits, work);
+        double macs = 0;  // per head and key: its score over C values and its share of the Dl outputs
+        for (size_t tok = 0; tok < tokens; ++tok)
+            macs += double(sel.present ? size_t(k_sel) : in.cached(tok / s_len) + size_t(in.r_len)) * double(h * (ch + dl));
+        return c.parallel(tokens * splits, work, macs);
     }
 
     // selected: int32 [B, S, K] of indices into the T cache rows then the R rows, or -1 (none).
@@ -810,7 +830,11 @@ struct MlaSelfAttentionKernel {
                     rows_dot(o_lat + hh * size_t(dl), 1, size_t(dl), w_uv.f() + (h0 + hh) * size_t(dv * dl), size_t(dl),
                              size_t(dv), size_t(dl), out + (tok * size_t(h) + h0 + hh) * size_t(dv), size_t(dv));
         };
-        return c.parallel(tokens * splits, work);
+        double macs = double(tokens * h) * double((w_uk.present ? dn * dl : 0) + (w_uv.present ? dv * dl : 0));
+        for (size_t tok = 0; tok < tokens; ++tok)  // per head and key: as MlaAttention's
+            macs += double(std::clamp<int64_t>(static_cast<const int32_t*>(valid.data)[tok / size_t(s_len)], 0, t_len) +
+                           r_len) * double(h * (ch + dl));
+        return c.parallel(tokens * splits, work, macs);
     }
 };
 
@@ -859,7 +883,7 @@ struct MtpAcceptKernel {
             const float* l = logits.f() + row * size_t(v);
             target[row] = int32_t(std::max_element(l, l + v) - l);  // (the first of equal maxima)
         };
-        MTP_RETURN_IF(c.parallel(size_t(b * s_len), argmax));
+        MTP_RETURN_IF(c.parallel(size_t(b * s_len), argmax, double(b * s_len) * double(v)));
         // draft i of row r: rank among the logits and p(draft) >= p(top-1) - delta (relaxed acceptance)
         auto relaxed_ok = [&](size_t row, int32_t d) {
             const float* l = logits.f() + row * size_t(v);
@@ -947,7 +971,7 @@ struct LightningIndexerKernel {
             for (int64_t r = 0; r < in.r_len; ++r)
                 if (!seen[r]) st[n + r] = -std::numeric_limits<float>::infinity();
         };
-        MTP_RETURN_IF(c.parallel(items.size(), score));
+        MTP_RETURN_IF(c.parallel(items.size(), score, double(at[tokens]) * double(hi * di)));
         auto select = [&](size_t tok) {
             const size_t n = in.cached(tok / s_len), visible = n + size_t(in.r_len);
             int32_t* o = out + tok * size_t(k_out);
@@ -956,7 +980,7 @@ struct LightningIndexerKernel {
                 if (size_t(o[r]) >= n) o[r] += int32_t(in.t_len - int64_t(n));
             std::fill(o + got, o + k_out, -1);
         };
-        return c.parallel(tokens, select);
+        return c.parallel(tokens, select, double(at[tokens]));
     }
 };
 
@@ -994,12 +1018,12 @@ struct Op : OrtCustomOp {
                 delete k;
                 return status;
             }
-            *kernel = new Bound{k, api, static_cast<const Op*>(op)->spec.name};
+            *kernel = new Bound{k, api, static_cast<const Op*>(op)->spec.name, min_parallel_work()};
             return nullptr;
         };
         KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
             auto* b = static_cast<Bound*>(kernel);
-            const Call call{b->api, ctx, b->name};
+            const Call call{b->api, ctx, b->name, b->min_work};
             try {
                 return b->kernel->compute(call);
             } catch (const std::exception& e) {  // (allocation failures): an error, never an abort
@@ -1017,6 +1041,7 @@ struct Op : OrtCustomOp {
         K* kernel;
         const OrtApi* api;
         const char* name;
+        double min_work;
     };
 };
 
