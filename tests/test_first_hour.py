@@ -10,11 +10,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_driver import run_cli
 from test_robustness import ckpt, cli_batch, exp, expect_errors, mtp_trt  # noqa: F401 (ckpt, exp: fixtures)
 
 
@@ -54,34 +54,16 @@ def test_truncate_leaves_room_for_the_new_tokens(exp, tmp_path, monkeypatch):
 OPTIONAL = ("torch", "onnx", "transformers", "matplotlib", "fastapi", "uvicorn", "prometheus_client", "jinja2",
             "onnxscript")
 
-_BARE_DRIVER = r"""
-import contextlib, io, json, sys
+# `import name` fails and importlib.util.find_spec(name) is None: not installed
+_HIDE = r"""
+import json, sys
 for name in json.loads(sys.argv[1]):
-    sys.modules[name] = None  # `import name` fails and importlib.util.find_spec(name) is None: not installed
-from mtp_trt.cli import entry
-out = []
-for argv in json.loads(sys.stdin.read()):
-    sys.argv = ["mtp-trt", *argv]
-    err, std = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
-        try:
-            code = entry()
-        except SystemExit as e:
-            code = e.code
-        except BaseException:
-            import traceback
-            code, err = -1, io.StringIO(traceback.format_exc())
-    out.append([code, err.getvalue(), std.getvalue()])
-sys.__stdout__.write(json.dumps(out))
+    sys.modules[name] = None
 """
 
 
 def bare(cases: list[list], cache: Path) -> list[tuple[int, str, str]]:
-    r = subprocess.run([sys.executable, "-c", _BARE_DRIVER, json.dumps(OPTIONAL)],
-                       input=json.dumps([[str(a) for a in argv] for argv in cases]), capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [tuple(x) for x in json.loads(r.stdout)]
+    return run_cli(cases, cache, _HIDE, json.dumps(OPTIONAL))
 
 
 def test_a_bare_install_runs_exports_and_refuses_the_rest_in_one_line(ckpt, exp, tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_driver import run_cli
 from runtime_models import make_self_drafting
 
 ROOM = 64 - 2 * 2 - 2  # the longest prompt a 64-row cache takes with nextn 2 (one char = one token here)
@@ -469,34 +470,15 @@ def test_an_unwritable_cache_is_named(ckpt, tmp_path):
 # one interpreter under an address-space limit (RLIMIT_AS).
 MEMORY_LIMIT = 6 << 30
 
-_DRIVER = r"""
-import contextlib, io, json, os, resource, sys
+_LIMIT = r"""
+import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]),) * 2)
-from mtp_trt.cli import entry
-out = []
-for argv in json.loads(sys.stdin.read()):
-    sys.argv = ["mtp-trt", *argv]
-    err, std = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
-        try:
-            code = entry()
-        except SystemExit as e:
-            code = e.code
-        except BaseException as e:
-            import traceback
-            code, err = -1, io.StringIO(traceback.format_exc())
-    out.append([code, err.getvalue(), std.getvalue()])
-sys.__stdout__.write(json.dumps(out))
 """
 
 
 def cli_batch(cases: list[list], cache: Path, limit: int = MEMORY_LIMIT) -> list[tuple[int, str, str]]:
     """Run many `mtp-trt` command lines in one interpreter under RLIMIT_AS = limit: [(status, stderr, stdout)]."""
-    argvs = [[str(a) for a in argv] for argv in cases]
-    r = subprocess.run([sys.executable, "-c", _DRIVER, str(limit)], input=json.dumps(argvs), capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [tuple(x) for x in json.loads(r.stdout)]
+    return run_cli(cases, cache, _LIMIT, str(limit))
 
 
 def expect_errors(cases: list[tuple[list, str]], cache: Path, *watched: Path) -> None:
