@@ -52,6 +52,7 @@ import torch
 from onnx import helper
 
 from mtp_trt import quant
+from mtp_trt.errors import MtpTrtError
 from mtp_trt.exporters.streaming import ONNX_TYPES, Packed, _Value, evaluate, evaluate_row
 from mtp_trt.plugins.ort_lib import DOMAIN as CPU_DOMAIN
 
@@ -144,7 +145,9 @@ class QuantValue:
                  transposed: bool, memo: dict, layout: str = "nbits", dtype: torch.dtype = torch.float32):
         fp8 = scheme.name == "fp8"  # float32 scales, exact for any FP8 checkpoint's (module docstring)
         dq = layout.startswith("dq")
-        dtype = dtype if dq and not fp8 else torch.float32  # mtp-trt's operators take float32 scales
+        # the scales' dtype: TensorRT's DequantizeLinear, the export's; mtp-trt's operators, quant.py's float16;
+        # GatherBlockQuantized, its output's (float32)
+        dtype = dtype if dq and not fp8 else torch.float32 if fp8 or layout == "flat" else torch.float16
         self.source, self.scheme, self.part, self.rows, self.k = source, scheme, part, rows, k
         self.transposed, self.memo, self.layout, self.dtype = transposed, memo, layout, dtype
         h = hashlib.sha256(source.key + f"\0quant\0{scheme.tag}\0{int(transposed)}".encode())
@@ -174,7 +177,7 @@ class QuantValue:
             return quant.quantize(w.reshape(-1, self.k).contiguous().numpy(), self.scheme)
         data_shape, scale_shape = self.scheme.shapes(int(np.prod(self.rows[1:])), self.k)
         data = np.empty((self.rows[0], *data_shape), np.uint8)
-        scales = np.empty((self.rows[0], *scale_shape), np.float32)
+        scales = np.empty((self.rows[0], *scale_shape), quant.SCALE_DTYPE)
         memo: dict = {}  # whatever cannot be taken row by row, evaluated once
         for e in range(self.rows[0]):
             w = evaluate_row(self.source, e, read, memo).float().reshape(-1, self.k)
@@ -207,14 +210,17 @@ class QuantValue:
     def compute(self, read: Callable[[str], torch.Tensor]) -> torch.Tensor | Packed:
         if self.memo.get("key") != self.source_key:
             self.memo.clear()
-            data, scales = self._fp8(read) if self.scheme.name == "fp8" else self._quantize(read)
+            try:
+                data, scales = self._fp8(read) if self.scheme.name == "fp8" else self._quantize(read)
+            except ValueError as e:  # quant.quantize's: a weight its scales cannot hold
+                raise MtpTrtError(f"{', '.join(sorted(_params(self.source)))}: {e}") from None
             self.memo.update(key=self.source_key, data=data, scales=scales)
         out = self.memo[self.part]
         if self.scheme.name == "fp8":
             return torch.from_numpy(out) if self.part == "scales" else Packed(torch.from_numpy(out.reshape(-1)),
                                                                               FP8_TYPE, list(self.shape))
         if not self.layout.startswith("dq"):
-            return torch.from_numpy(out).reshape(self.shape)
+            return torch.from_numpy(out).reshape(self.shape).to(self.dtype if self.part == "scales" else torch.uint8)
         stacked = self.layout == "dq-stacked"  # [E, R, K]: rows kept, blocks along the last axis
         if self.part == "scales":
             out = out.reshape(self.shape) if stacked else out.T

@@ -1,19 +1,24 @@
 """Weight-only block quantization: the one definition of the quantized weight format mtp-trt exports.
 
 A weight W [N, K] (nn.Linear's [out, in] layout) is cut along K into blocks of `block_size` values (K is
-zero-padded to a multiple of it).  Each block b of row n holds a float32 scale s[n, b] and signed integers
+zero-padded to a multiple of it).  Each block b of row n holds a float16 scale s[n, b] and signed integers
 q in [-2^(bits-1), 2^(bits-1) - 1], with W ~ s * q.  Stored as two tensors, in ONNX Runtime's MatMulNBits
 layout, so that ONNX Runtime's `com.microsoft::MatMulNBits` and mtp-trt's own CPU operators read the same
 bytes:
 
 * data    uint8 [N, blocks, block_size * bits / 8]: q + 2^(bits-1) (the zero point is implicit); with 4 bits
   two values per byte, element 2i in the low nibble and element 2i + 1 in the high nibble;
-* scales  float32 [N, blocks].
+* scales  float16 [N, blocks] (2 bytes per block: 8.5 bits per weight at int8, 4.5 at int4, blocks of 32).
 
 Scales: int8 takes the block's largest magnitude over 127.  int4 has only 16 levels, so the scale is the
 one of a few candidates s = m / t (m the block's value of largest magnitude, sign kept; t from -9 to -6 in
 quarter steps; t = -8 maps m onto the extra negative level, below -8 m is clipped) that gives the smallest
 squared error over the block.  The integer divisors make quantization idempotent: weights already on the grid keep their values.
+Each scale is rounded to float16 before the levels are computed from it, so the levels fit the stored scale; a
+block whose scale falls below float16's normal range (weights under 6.1e-5 * 127 = 7.8e-3 at int8) keeps a
+subnormal one, whose rounding moves each weight by at most |q| * 2^-25 (4e-6 at int8): less than the levels'
+own rounding in any block of larger weights.  A weight too large for float16 scales (beyond 65504 * 127 at
+int8) is refused.  mtp-trt's operators also read float32 scales (exports of earlier revisions).
 
 FP8 (`fp8`, for TensorRT engines only): W^T [K, N] as float8 e4m3 values with one float32 scale per FP8_BLOCK
 values along K of each column, scales [K / FP8_BLOCK, N]: ONNX's blocked DequantizeLinear, which blocks one
@@ -78,7 +83,7 @@ class Scheme:
         return {"scheme": self.name} if not self.quantized else {
             "scheme": self.name, "bits": self.bits, "block_size": self.block_size,
             "layout": "MatMulNBits: uint8 [N, K/block, block*bits/8] (q + 2^(bits-1); 4 bits: even element in the "
-                      "low nibble), float32 scales [N, K/block]"}
+                      "low nibble), float16 scales [N, K/block]"}
 
     @property
     def tag(self) -> str:
@@ -102,13 +107,17 @@ def scheme(name: str, block_size: int | None = None, flag: str = "--quant") -> S
     return Scheme(name, block_size)
 
 
+SCALE_DTYPE = np.float16  # the stored scales of int8 / int4 weights (module docstring)
+SCALE_MAX = float(np.finfo(np.float16).max)
+
+
 def quantize(w: np.ndarray, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
-    """w [N, K] float -> (data uint8 [N, blocks, blob], scales float32 [N, blocks]) (module docstring)."""
+    """w [N, K] float -> (data uint8 [N, blocks, blob], scales float16 [N, blocks]) (module docstring)."""
     if w.ndim != 2:
         raise ValueError(f"quantize: expected a 2-D weight, got shape {w.shape}")
     n, k = w.shape
     data_shape, scale_shape = s.shapes(n, k)
-    data, scales = np.empty(data_shape, np.uint8), np.empty(scale_shape, np.float32)
+    data, scales = np.empty(data_shape, np.uint8), np.empty(scale_shape, SCALE_DTYPE)
     step = max(64, min(ROWS_PER_CHUNK, -(-n // _THREADS)))
 
     def part(r: int) -> None:
@@ -134,13 +143,13 @@ def _quantize_rows(w: np.ndarray, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
     lo, hi = -(1 << (s.bits - 1)), (1 << (s.bits - 1)) - 1
     q = np.empty_like(blocks)
     if s.bits == 8:
-        scale = np.abs(blocks).max(-1) / np.float32(hi)
+        scale = _stored(np.abs(blocks).max(-1) / np.float32(hi))
     else:
         pos = np.abs(blocks).argmax(-1)[..., None]
         m = np.take_along_axis(blocks, pos, -1)[..., 0]  # the value of largest magnitude, signed
         best, err = None, np.empty_like(blocks)
         for t in INT4_DIVISORS:
-            cand = m / np.float32(t)
+            cand = _stored(m / np.float32(t))
             _levels(blocks, cand, lo, hi, q)
             np.multiply(q, cand[..., None], out=err)
             np.subtract(err, blocks, out=err)
@@ -154,7 +163,16 @@ def _quantize_rows(w: np.ndarray, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
     u = (q - lo).astype(np.uint8)  # + 2^(bits-1)
     if s.bits == 4:
         u = u[..., 0::2] | (u[..., 1::2] << 4)
-    return u, scale.astype(np.float32)
+    return u, scale.astype(SCALE_DTYPE)
+
+
+def _stored(scale: np.ndarray) -> np.ndarray:
+    """Scales as float16 stores them, in float32 (a ValueError where one is beyond float16's range)."""
+    big = np.abs(scale) > SCALE_MAX
+    if big.any():
+        raise ValueError(f"a block's scale {float(np.abs(scale[big]).max()):.3g} is beyond float16's {SCALE_MAX:.0f}: "
+                         f"weights this large cannot be block-quantized")
+    return scale.astype(SCALE_DTYPE).astype(np.float32)
 
 
 def _levels(blocks: np.ndarray, scale: np.ndarray, lo: int, hi: int, out: np.ndarray) -> np.ndarray:
@@ -181,7 +199,7 @@ def dequantize(data: np.ndarray, scales: np.ndarray, k: int, bits: int) -> np.nd
     n, nb, _ = data.shape
     q = np.zeros((n, nb * (data.shape[2] * 8 // bits)), np.float32)
     q[:, :k] = levels(data, k, bits)
-    return (q.reshape(n, nb, -1) * scales[..., None]).reshape(n, -1)[:, :k]
+    return (q.reshape(n, nb, -1) * scales.astype(np.float32)[..., None]).reshape(n, -1)[:, :k]
 
 
 def _e4m3_values() -> np.ndarray:

@@ -89,13 +89,14 @@ def guarded_copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def random_weight(rng, n, k, bits, block):
-    """(data, scales) of a [N, K] weight: bytes over the format's whole range, scales of both signs; the first
-    block of row 0 all at the lowest level and of row 1 all at the highest (the largest integer products)."""
+def random_weight(rng, n, k, bits, block, scale_dtype=np.float16):
+    """(data, scales) of a [N, K] weight: bytes over the format's whole range, scales of both signs (float16 as
+    exported, or float32); the first block of row 0 all at the lowest level and of row 1 all at the highest (the
+    largest integer products)."""
     nb = -(-k // block)
     data = rng.integers(0, 256, (n, nb, block * bits // 8), dtype=np.uint8)
     data[0, 0], data[1 % n, 0] = 0, 255
-    scales = (rng.uniform(-1, 1, (n, nb)) / (np.sqrt(k) * (4 if bits == 4 else 64))).astype(np.float32)
+    scales = (rng.uniform(-1, 1, (n, nb)) / (np.sqrt(k) * (4 if bits == 4 else 64))).astype(scale_dtype)
     return data, scales
 
 
@@ -117,12 +118,13 @@ def qmatmul_case(block):
 
 
 # ----------------------------------------------------------------------------------------- QMatMul
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.float32], ids=["f16", "f32"])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_qmatmul_matches_reference(bits, block):
+def test_qmatmul_matches_reference(bits, block, scale_dtype):
     k, n = qmatmul_case(block), 37
     rng = np.random.default_rng([bits, block])
-    data, scales = random_weight(rng, n, k, bits, block)
+    data, scales = random_weight(rng, n, k, bits, block, scale_dtype)
     sess = session("QMatMul", dict(K=k, N=n, bits=bits, block_size=block), dict(x=None, w=data, scales=scales))
     for m in ROWS:
         x = activations(rng, m, k)
@@ -224,6 +226,27 @@ def test_qmoe_without_routed_experts_is_a_dense_mlp_with_its_own_down_bits():
     close(y, ref.qmatmul(a, fc2, s2, k=i, bits=8, block_size=block), QMOE_APPROX)
 
 
+def test_float32_scales_give_the_bits_of_the_same_float16_values():
+    """Exports of earlier revisions store float32 scales: the ops read both, and a float16 scale widened to float32
+    gives the same output bits (QMatMul at 1 and 3 rows; QMoE with routed and shared experts, one matrix in each
+    dtype)."""
+    rng = np.random.default_rng(21)
+    data, scales = random_weight(rng, 37, 301, 4, 32)
+    x = activations(rng, 3, 301)
+    attrs = dict(K=301, N=37, bits=4, block_size=32)
+    half = session("QMatMul", attrs, dict(x=None, w=data, scales=scales))
+    single = session("QMatMul", attrs, dict(x=None, w=data, scales=scales.astype(np.float32)))
+    for m in (1, 3):
+        assert np.array_equal(half.run(None, {"x": x[:m]})[0], single.run(None, {"x": x[:m]})[0])
+    case = QMOE_CASES[1]
+    attrs = qmoe_attrs(case)
+    ins = qmoe_inputs(rng, *case[:5], attrs["bits"], attrs["block_size"])
+    mixed = ins | {n: ins[n].astype(np.float32) for n in ("fc2_scales", "shared_fc1_scales")}
+    assert ins["fc1_scales"].dtype == np.float16 and mixed["fc2_scales"].dtype == np.float32
+    assert np.array_equal(session("QMoE", attrs, ins).run(None, {"x": ins["x"]})[0],
+                          session("QMoE", attrs, mixed).run(None, {"x": ins["x"]})[0])
+
+
 # ------------------------------------------------------------------------------ threads and paths
 def test_any_thread_count_gives_the_same_bits(monkeypatch):
     """Work is split by output rows (QMatMul) and by units and columns (QMoE), never within a sum: 1, 2 and 3
@@ -273,6 +296,8 @@ def path_inputs():
             k = qmatmul_case(block)
             yield f"mm{bits}-{block}", (k, bits, block), random_weight(rng, 37, k, bits, block), \
                 activations(rng, 7, k)
+    k = qmatmul_case(32)  # float32 scales (exports of earlier revisions)
+    yield "mm4-32-f32", (k, 4, 32), random_weight(rng, 37, k, 4, 32, np.float32), activations(rng, 7, k)
     yield "moe", QMOE_CASES[4], None, None
 
 
@@ -333,7 +358,7 @@ def test_bad_input_is_one_error_naming_the_op_and_input():
     with pytest.raises(invalid, match=r"mtp_trt\.cpu::QMatMul: w \[8, 2, 8\] must be uint8 "
                                       r"\[N, ceil\(K / block_size\), block_size \* bits / 8\] = \[8, 3, 8\]"):
         session("QMatMul", attrs, dict(x=None, w=data[:, :2], scales=scales)).run(None, {"x": x})
-    with pytest.raises(invalid, match=r"QMatMul: scales \[8, 2\] must be float32 \[8, 3\]"):
+    with pytest.raises(invalid, match=r"QMatMul: scales \[8, 2\] must be float16 \(or float32\) \[8, 3\]"):
         session("QMatMul", attrs, dict(x=None, w=data, scales=scales[:, :2])).run(None, {"x": x})
     with pytest.raises(invalid, match=r"QMatMul: x \[2, 39\] must be \[\.\.\., K\] with K = 40"):
         session("QMatMul", attrs, dict(x=None, w=data, scales=scales)).run(None, {"x": x[:, :39]})
@@ -353,6 +378,6 @@ def test_bad_input_is_one_error_naming_the_op_and_input():
     with pytest.raises(invalid, match=r"QMoE: shared_fc1, shared_fc1_scales, shared_fc2 and shared_fc2_scales come "
                                       r"together"):
         session("QMoE", attrs, bad).run(None, {"x": ins["x"]})
-    with pytest.raises(invalid, match=r"QMoE: fc1_scales \[12, 48, 2\] must be float32 \[12, 48, 3\]"):
+    with pytest.raises(invalid, match=r"QMoE: fc1_scales \[12, 48, 2\] must be float16 \(or float32\) \[12, 48, 3\]"):
         session("QMoE", attrs | dict(block_size=32), ins | dict(fc1=np.zeros((12, 48, 3, 16), np.uint8))).run(
             None, {"x": ins["x"]})

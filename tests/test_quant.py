@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not ort_lib.available()[0], reason="mtp-trt's CP
 # ------------------------------------------------------------------------------------------- format
 def reference_quantize(w: np.ndarray, bits: int, bs: int):
     """The format written out block by block (float64 scale search), independent of mtp_trt.quant's vectorized
-    code: -> (levels q [N, blocks, bs] as signed ints, scales [N, blocks])."""
+    code, each candidate scale rounded to float16 before its levels: -> (levels q [N, blocks, bs] as signed ints,
+    scales [N, blocks] float32 holding float16 values)."""
     n, k = w.shape
     nb = -(-k // bs)
     q, s = np.zeros((n, nb, bs), np.int64), np.zeros((n, nb), np.float32)
@@ -34,10 +35,11 @@ def reference_quantize(w: np.ndarray, bits: int, bs: int):
             part = w[r, b * bs:(b + 1) * bs]
             blk[:len(part)] = part
             if bits == 8:
-                cands = [np.float32(np.abs(blk).max() / np.float32(hi))]
+                cands = [np.abs(blk).max() / np.float32(hi)]
             else:
                 m = blk[np.abs(blk).argmax()]
-                cands = [np.float32(m / np.float32(t)) for t in quant.INT4_DIVISORS]
+                cands = [m / np.float32(t) for t in quant.INT4_DIVISORS]
+            cands = [np.float32(np.float16(c)) for c in cands]
             best = None
             for c in cands:
                 levels = np.clip(np.rint(blk / (c if c else np.float32(1))), -hi - 1, hi)
@@ -66,18 +68,35 @@ def test_quantize_matches_the_blockwise_reference(bits, bs, k):
     w[2, :min(k, 20)] *= 40  # one block dominated by outliers
     s = quant.Scheme("int8" if bits == 8 else "int4", bs)
     data, scales = quant.quantize(w, s)
-    assert data.dtype == np.uint8 and scales.dtype == np.float32
+    assert data.dtype == np.uint8 and scales.dtype == np.float16
     assert data.shape == (5, -(-k // bs), bs * bits // 8) and scales.shape == (5, -(-k // bs))
     q, ref_scales = reference_quantize(w, bits, bs)
     np.testing.assert_array_equal(unpack(data, bits), q)
-    np.testing.assert_array_equal(scales, ref_scales)
+    np.testing.assert_array_equal(scales.astype(np.float32), ref_scales)
     back = quant.dequantize(data, scales, k, bits)
-    assert back.shape == w.shape
-    np.testing.assert_array_equal(back, (q * scales[..., None]).reshape(5, -1)[:, :k].astype(np.float32))
-    step = np.repeat(np.abs(scales), bs, 1)[:, :k]
+    assert back.shape == w.shape and back.dtype == np.float32
+    np.testing.assert_array_equal(back, (q * ref_scales[..., None]).reshape(5, -1)[:, :k].astype(np.float32))
+    step = np.repeat(np.abs(ref_scales), bs, 1)[:, :k]
     # int8: half a level; int4: its scale search may clip (divisors down to -9: a value of the block's largest
     # magnitude lands up to 2 levels beyond the grid) to lower the block's squared error
     assert np.all(np.abs(back - w) <= step * (0.5 if bits == 8 else 2.0) * (1 + 1e-6) + 1e-6)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_tiny_weights_keep_subnormal_scales_and_huge_ones_are_refused(name):
+    """Float16 scales: blocks of weights far below float16's normal range keep subnormal scales whose rounding
+    moves each weight by at most |q| * 2^-25 beyond the levels' own rounding; a scale beyond float16's range is
+    an error, not an infinity."""
+    s = quant.Scheme(name, 32)
+    w = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32) * np.float32(1e-5)
+    data, scales = quant.quantize(w, s)
+    assert np.all(np.abs(scales.astype(np.float32)) < 6.2e-5) and np.any(scales != 0)
+    back = quant.dequantize(data, scales, 64, s.bits)
+    hi = (1 << (s.bits - 1))
+    exact_step = np.repeat(np.abs(w).reshape(8, 2, 32).max(-1) / (hi - 1), 32, 1)  # the unrounded scales' step
+    assert np.all(np.abs(back - w) <= exact_step * (0.5 if s.bits == 8 else 2.0) * 1.01 + hi * 2.0 ** -25)
+    with pytest.raises(ValueError, match="beyond float16's 65504"):
+        quant.quantize(np.full((1, 32), 1e9, np.float32), s)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

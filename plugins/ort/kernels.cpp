@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace mtp_ort {
@@ -635,7 +636,7 @@ enum class QPath { scalar, avx2, avx_vnni, avx512_vnni };
 
 QPath qpath() {
     static const QPath path = [] {
-        if (!use_avx2()) return QPath::scalar;
+        if (!use_avx2() || !__builtin_cpu_supports("f16c")) return QPath::scalar;
         if (!std::getenv("MTP_ORT_NO_VNNI")) {
             if (!std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512vnni") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
@@ -750,19 +751,19 @@ void qrows_dot_scalar(const uint8_t* qx, size_t m, const QWeights& w, size_t n, 
         const float* xs = reinterpret_cast<const float*>(row + a.scale_at);
         for (size_t j = 0; j < n; ++j) {
             const uint8_t* wr = w.data + j * w.row_bytes();
-            const float* ws = w.scales + j * w.blocks();
+            const QWeights wj = w.from_row(j);
             float acc = 0.f;
             for (size_t kb = 0; kb < n32; ++kb)
                 for (size_t g = 0; g < 4 && 32 * kb + 8 * g < kp; ++g)  // (the last block of 16 may be alone)
                     acc += float(part_dot_scalar(xq, wr, kb, g, w.bits)) * xs[kb * size_t(w.bits) + g * size_t(w.bits) / 4] *
-                           ws[(32 * kb + 8 * g) / w.block];
+                           wj.scale((32 * kb + 8 * g) / w.block);
             y[i * ldy + j] = acc;
         }
     }
 }
 
 // The vector paths: qkernels_impl.h once per instruction set.
-#define QK AVX2
+#define QK __attribute__((target("avx2,fma,f16c")))
 #define QK_VNNI 0
 #define QK_512 0
 #define QK_MAXC 2
@@ -772,7 +773,7 @@ namespace q_avx2 {
 #undef QK
 #undef QK_VNNI
 
-#define QK __attribute__((target("avx2,fma,avxvnni")))
+#define QK __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define QK_VNNI 1
 #define QK_DPBUSD _mm256_dpbusd_avx_epi32
 namespace q_avx_vnni {
@@ -782,7 +783,7 @@ namespace q_avx_vnni {
 #undef QK_DPBUSD
 
 #undef QK_512
-#define QK __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+#define QK __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 #define QK_DPBUSD _mm256_dpbusd_epi32
 #define QK_512 1
 #undef QK_MAXC

@@ -11,8 +11,10 @@
 #ifndef MTP_ORT_KERNELS_H
 #define MTP_ORT_KERNELS_H
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace mtp_ort {
 
@@ -75,19 +77,41 @@ void route_token(const float* logits, size_t n_experts, bool softmax_scoring, co
                  int32_t* idx, float* weight);
 
 // ------------------------------------------------------------------------------ quantized weights
+// IEEE float16 bits -> float (exact; scales are finite).
+inline float half_to_float(uint16_t h) {
+    const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    float f;
+    if (exp == 0) {
+        f = std::ldexp(float(man), -24);  // zero or subnormal
+    } else {
+        const uint32_t bits = ((exp + 112u) << 23) | (man << 13);
+        std::memcpy(&f, &bits, sizeof f);
+    }
+    return h & 0x8000u ? -f : f;
+}
+
 // A weight W [N, K] in mtp_trt/quant.py's format (ONNX Runtime's MatMulNBits layout): each row's K values
 // zero-padded to `blocks()` blocks of `block` values, a block stored as block * bits / 8 bytes of q + 2^(bits-1)
-// (4 bits: element 2i in the low nibble, 2i + 1 in the high one) with one float scale.
+// (4 bits: element 2i in the low nibble, 2i + 1 in the high one) with one scale, float16 (`half`) or float32.
 struct QWeights {
     const uint8_t* data;   // [N, blocks, block * bits / 8]
-    const float* scales;   // [N, blocks]
+    const void* scales;    // [N, blocks]: float16 bits where `half`, else float32
     size_t k;              // the unpadded K
     size_t block;          // 16, 32, 64, 128 or 256
     int bits;              // 4 or 8
+    bool half = false;
 
     size_t blocks() const { return (k + block - 1) / block; }
     size_t row_bytes() const { return blocks() * block * size_t(bits) / 8; }
-    QWeights from_row(size_t j) const { return {data + j * row_bytes(), scales + j * blocks(), k, block, bits}; }
+    const void* scales_from(size_t i) const {  // &scales[i]
+        return static_cast<const uint8_t*>(scales) + i * (half ? 2 : 4);
+    }
+    float scale(size_t i) const {  // scales[i]
+        return half ? half_to_float(static_cast<const uint16_t*>(scales)[i]) : static_cast<const float*>(scales)[i];
+    }
+    QWeights from_row(size_t j) const {
+        return {data + j * row_bytes(), scales_from(j * blocks()), k, block, bits, half};
+    }
 };
 
 // Activation rows quantized to int8 for the products with one weight format: per 8 values, scale =

@@ -27,7 +27,7 @@
 // fc1 holds each expert's gate and up rows interleaved (row 2j = gate_j, 2j + 1 = up_j); all weights are in
 // nn.Linear's [out, in] layout and are read in place.  Quantized weights are mtp_trt/quant.py's format
 // (MatMulNBits' layout: K/bs = ceil(K / block_size) blocks of blob = block_size * bits / 8 bytes, no zero
-// points); their products take int8 activations, quantized per 8 values (MatMulNBits' accuracy_level 4 takes 32).  Attributes and semantics: docs/architecture.md ("CPU
+// points; float16 scales, or float32); their products take int8 activations, quantized per 8 values (MatMulNBits' accuracy_level 4 takes 32).  Attributes and semantics: docs/architecture.md ("CPU
 // operators").  The arithmetic is in kernels.cpp; this file checks shapes, splits the work over ONNX Runtime's
 // intra-op threads (KernelContext_ParallelFor) and reports bad input as an ONNX Runtime error naming the op,
 // input and shape.
@@ -175,11 +175,18 @@ OrtStatus* check_q(const Call& c, const View& q, const View& s, const char* name
     if (q.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || q.shape != want)
         return c.error(std::string(name) + " " + q.str() + " must be uint8 " + form + " = " + expect.str());
     expect.shape.pop_back();
-    if (s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || s.shape != expect.shape)
-        return c.error(sname + " " + s.str() + " must be float32 " + expect.str() + " (as " + name + " " + q.str() +
-                       " without its last dimension)");
+    if ((s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) ||
+        s.shape != expect.shape)
+        return c.error(sname + " " + s.str() + " must be float16 (or float32) " + expect.str() + " (as " + name + " " +
+                       q.str() + " without its last dimension)");
     return nullptr;
 }
+
+// &scales[i] of a checked scales input (float16 or float32) and whether they are float16.
+const void* scales_at(const View& s, size_t i) {
+    return static_cast<const uint8_t*>(s.data) + i * (s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 2 : 4);
+}
+bool half(const View& s) { return s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
 
 // The quantization attributes: bits and block_size (QMatMul, QMoE).
 OrtStatus* quant_attrs(const OrtApi* api, const OrtKernelInfo* info, const char* op, int64_t* bits, int64_t* block) {
@@ -237,7 +244,7 @@ struct QMatMulKernel {
         MTP_RETURN_IF(c.output(0, shape, &y));
         const size_t m = size_t(x.size() / k), rows = size_t(n);
         if (!m) return nullptr;
-        const QWeights q{static_cast<const uint8_t*>(w.data), s.f(), fmt.k, fmt.block, fmt.bits};
+        const QWeights q{static_cast<const uint8_t*>(w.data), s.data, fmt.k, fmt.block, fmt.bits, half(s)};
         std::vector<uint8_t> qx(m * qrow_bytes(q));
         MTP_RETURN_IF(quantize_parallel(c, x.f(), m, size_t(k), q, qx.data()));
         const size_t per = chunk_rows(rows, 16, 16, 4);  // (4: the kernels' tile rows)
@@ -254,7 +261,8 @@ struct QMatMulKernel {
 struct Weight {
     const float* f = nullptr;
     const uint8_t* q = nullptr;
-    const float* s = nullptr;
+    const void* s = nullptr;  // scales: float16 where `half`, else float32
+    bool half = false;
 };
 
 // The products of one MoE's experts: fp32 rows (bits 0), or int8 activations (quantize_rows' layout, `row_bytes`
@@ -264,7 +272,7 @@ struct Matvec {
     size_t block = 0;
 
     QWeights format(const Weight& w, size_t k, size_t row0) const {
-        return QWeights{w.q, w.s, k, block, bits}.from_row(row0);
+        return QWeights{w.q, w.s, k, block, bits, w.half}.from_row(row0);
     }
     size_t row_bytes(size_t k) const { return bits ? qrow_bytes(format({}, k, 0)) : k * sizeof(float); }
     // out [m, rows] = the activation rows xp [m, k] against rows [row0, row0 + rows) of w
@@ -549,13 +557,13 @@ struct QMoEKernel : Router {
             const size_t rows1 = size_t(i2), rows2 = size_t(d);
             experts = route(x, gate, bias, units, [&](size_t e) {
                 return std::pair<Weight, Weight>{
-                    {nullptr, q(fc1) + e * rows1 * b1 * size_t(blob), fc1s.f() + e * rows1 * b1},
-                    {nullptr, q(fc2) + e * rows2 * b2 * size_t(blob2), fc2s.f() + e * rows2 * b2}};
+                    {nullptr, q(fc1) + e * rows1 * b1 * size_t(blob), scales_at(fc1s, e * rows1 * b1), half(fc1s)},
+                    {nullptr, q(fc2) + e * rows2 * b2 * size_t(blob2), scales_at(fc2s, e * rows2 * b2), half(fc2s)}};
             });
         }
         if (present)
-            experts.push_back(
-                all_tokens({nullptr, q(sfc1), sfc1s.f()}, {nullptr, q(sfc2), sfc2s.f()}, size_t(s2 / 2), n));
+            experts.push_back(all_tokens({nullptr, q(sfc1), sfc1s.data, half(sfc1s)},
+                                         {nullptr, q(sfc2), sfc2s.data, half(sfc2s)}, size_t(s2 / 2), n));
         return run_experts(c, Matvec{int(bits), size_t(block)}, Matvec{int(down_bits), size_t(block)}, experts, x.f(),
                            n, size_t(d), y);
     }
@@ -1050,6 +1058,7 @@ constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 constexpr auto BOOL = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
 constexpr auto U8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+constexpr auto SCALES = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // quantized weights' scales: float16 or float32
 
 // The ops live as long as the process: ONNX Runtime keeps pointers to them in every session that used them.
 Op<MoEKernel> g_moe({"MoE", {F32, F32, F32, F32, F32, F32, F32}, {false, true, true, true, true, true, true}});
@@ -1061,8 +1070,8 @@ Op<MlaSelfAttentionKernel> g_mla_self({"MlaSelfAttention", {F32, F32, F32, I64, 
 Op<MtpAcceptKernel> g_accept({"MtpAccept", {F32, I32, I32, I32, F32}, {false, false, false, true, true}, I32, 3});
 Op<LightningIndexerKernel> g_indexer({"LightningIndexer", {F32, F32, F32, F32, I32, BOOL},
                                       {false, false, false, false, false, true}, I32});
-Op<QMatMulKernel> g_qmatmul({"QMatMul", {F32, U8, F32}, {false, false, false}});
-Op<QMoEKernel> g_qmoe({"QMoE", {F32, F32, F32, U8, F32, U8, F32, U8, F32, U8, F32},
+Op<QMatMulKernel> g_qmatmul({"QMatMul", {F32, U8, SCALES}, {false, false, false}});
+Op<QMoEKernel> g_qmoe({"QMoE", {F32, F32, F32, U8, SCALES, U8, SCALES, U8, SCALES, U8, SCALES},
                        {false, true, true, true, true, true, true, true, true, true, true}});
 
 }  // namespace

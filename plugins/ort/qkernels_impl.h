@@ -30,6 +30,9 @@ struct Vec {
     }
     QK static F loadf(const float* p) { return _mm512_loadu_ps(p); }
     QK static F loadf_part(const float* p, size_t n) { return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p); }
+    QK static F loadh_part(const uint16_t* p, size_t n) {  // n <= 8 float16 values, zeros after
+        return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), p)));
+    }
     QK static F set1(float f) { return _mm512_set1_ps(f); }
     QK static I set1_8(char b) { return _mm512_set1_epi8(b); }
     QK static F zero() { return _mm512_setzero_ps(); }
@@ -63,6 +66,11 @@ struct Vec {
     }
     QK static F loadf(const float* p) { return _mm256_loadu_ps(p); }
     QK static F loadf_part(const float* p, size_t n) { return _mm256_maskload_ps(p, lanes_mask(n)); }
+    QK static F loadh_part(const uint16_t* p, size_t n) {  // n <= 4 float16 values, zeros after
+        uint64_t v = 0;
+        std::memcpy(&v, p, 2 * n);
+        return _mm256_cvtph_ps(_mm_cvtsi64_si128(int64_t(v)));
+    }
     QK static F set1(float f) { return _mm256_set1_ps(f); }
     QK static I set1_8(char b) { return _mm256_set1_epi8(b); }
     QK static F zero() { return _mm256_setzero_ps(); }
@@ -95,20 +103,29 @@ struct Step {
     Step(size_t at_, int bits) : at(at_), x(bits == 4 ? at_ / 64 * 128 + at_ % 64 : at_), lane(at_ / 4) {}
 };
 
-// The weight scales of one step's lanes: one weight block spans `bpw` bytes; a block as wide as the vector
-// or wider is one broadcast scale, narrower ones are spread by idx (lane l takes the block of byte 4 l).
+// The weight scales of one step's lanes (float16 where Half, else float32): one weight block spans `bpw` bytes; a
+// block as wide as the vector or wider is one broadcast scale, narrower ones are spread by idx (lane l takes the
+// block of byte 4 l).
+template <bool Half>
 struct Scales {
+    using S = std::conditional_t<Half, uint16_t, float>;
     size_t bpw;
     int shift;  // log2(bpw)
     Vec::I idx;
     QK explicit Scales(const QWeights& w)
         : bpw(w.block * size_t(w.bits) / 8), shift(__builtin_ctzl(bpw)), idx(Vec::srl32(Vec::iota(), shift - 2)) {}
+    QK static const S* row(const QWeights& w, size_t r) { return static_cast<const S*>(w.scales) + r * w.blocks(); }
     template <bool Part>
-    QK Vec::F at(const float* ws, size_t at, size_t bytes) const {
-        if (bpw >= kStep) return Vec::set1(ws[at >> shift]);
+    QK Vec::F at(const S* ws, size_t at, size_t bytes) const {
+        if (bpw >= kStep) {
+            if constexpr (Half) return Vec::set1(_cvtsh_ss(ws[at >> shift]));
+            else return Vec::set1(ws[at >> shift]);
+        }
         // only the step's own blocks: a full vector of scales would read past the last row's (the end of
         // weights.bin's mapping, for the last tensor)
-        return Vec::spread(idx, Vec::loadf_part(ws + (at >> shift), ((Part ? bytes : kStep) + bpw - 1) >> shift));
+        const size_t n = ((Part ? bytes : kStep) + bpw - 1) >> shift;
+        if constexpr (Half) return Vec::spread(idx, Vec::loadh_part(ws + (at >> shift), n));
+        else return Vec::spread(idx, Vec::loadf_part(ws + (at >> shift), n));
     }
 };
 
@@ -148,8 +165,8 @@ struct Dot {
 };
 
 // One step for R weight rows by C activation rows (Part: the row's last, `bytes` < kStep bytes).
-template <int Bits, int R, int C, bool Part>
-QK inline void tile_step(const QWeights& w, size_t ldw, const Scales& sc, const uint8_t* x, size_t ldx,
+template <int Bits, bool Half, int R, int C, bool Part>
+QK inline void tile_step(const QWeights& w, size_t ldw, const Scales<Half>& sc, const uint8_t* x, size_t ldx,
                          const QAct& a, size_t at, size_t bytes, Vec::F (&acc)[R][C]) {
     const Step s(at, Bits);
     // The tile after next, in its memory order: its R rows are one run of R * ldw bytes, which this tile's steps
@@ -162,7 +179,7 @@ QK inline void tile_step(const QWeights& w, size_t ldw, const Scales& sc, const 
     for (int r = 0; r < R; ++r) {
         Dot<Bits> d;
         d.template load<Part>(w.data + r * ldw + at, bytes);
-        const Vec::F ws = sc.template at<Part>(w.scales + r * w.blocks(), at, bytes);
+        const Vec::F ws = sc.template at<Part>(Scales<Half>::row(w, r), at, bytes);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
             const uint8_t* xc = x + c * ldx;
@@ -174,8 +191,8 @@ QK inline void tile_step(const QWeights& w, size_t ldw, const Scales& sc, const 
 
 // y[c * ldy + r] for R weight rows from w and C activation rows from x: one pass over the weight rows,
 // every weight vector loaded once for all C rows.
-template <int Bits, int R, int C>
-QK void tile(const QWeights& w, const Scales& sc, const uint8_t* x, size_t ldx, const QAct& a, float* y,
+template <int Bits, bool Half, int R, int C>
+QK void tile(const QWeights& w, const Scales<Half>& sc, const uint8_t* x, size_t ldx, const QAct& a, float* y,
              size_t ldy) {
     Vec::F acc[R][C];
 #pragma GCC unroll 8
@@ -183,8 +200,8 @@ QK void tile(const QWeights& w, const Scales& sc, const uint8_t* x, size_t ldx, 
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
     const size_t ldw = w.row_bytes(), full = ldw / kStep * kStep;
-    for (size_t at = 0; at < full; at += kStep) tile_step<Bits, R, C, false>(w, ldw, sc, x, ldx, a, at, kStep, acc);
-    if (full < ldw) tile_step<Bits, R, C, true>(w, ldw, sc, x, ldx, a, full, ldw - full, acc);
+    for (size_t at = 0; at < full; at += kStep) tile_step<Bits, Half, R, C, false>(w, ldw, sc, x, ldx, a, at, kStep, acc);
+    if (full < ldw) tile_step<Bits, Half, R, C, true>(w, ldw, sc, x, ldx, a, full, ldw - full, acc);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -192,30 +209,30 @@ QK void tile(const QWeights& w, const Scales& sc, const uint8_t* x, size_t ldx, 
 }
 
 // R weight rows against all m activation rows, QK_MAXC at a time: the R rows stay in L1 while the groups pass.
-template <int Bits, int R>
-QK void row_tiles(const QWeights& w, const Scales& sc, const uint8_t* x, size_t m, const QAct& a, float* y,
+template <int Bits, bool Half, int R>
+QK void row_tiles(const QWeights& w, const Scales<Half>& sc, const uint8_t* x, size_t m, const QAct& a, float* y,
                   size_t ldy) {
     size_t i = 0;
-    for (; i + QK_MAXC <= m; i += QK_MAXC) tile<Bits, R, QK_MAXC>(w, sc, x + i * a.bytes, a.bytes, a, y + i * ldy, ldy);
+    for (; i + QK_MAXC <= m; i += QK_MAXC) tile<Bits, Half, R, QK_MAXC>(w, sc, x + i * a.bytes, a.bytes, a, y + i * ldy, ldy);
     x += i * a.bytes, y += i * ldy;
     switch (m - i) {
-        case 1: return tile<Bits, R, 1>(w, sc, x, a.bytes, a, y, ldy);
-        case 2: return tile<Bits, R, 2>(w, sc, x, a.bytes, a, y, ldy);
-        case 3: return tile<Bits, R, 3>(w, sc, x, a.bytes, a, y, ldy);
+        case 1: return tile<Bits, Half, R, 1>(w, sc, x, a.bytes, a, y, ldy);
+        case 2: return tile<Bits, Half, R, 2>(w, sc, x, a.bytes, a, y, ldy);
+        case 3: return tile<Bits, Half, R, 3>(w, sc, x, a.bytes, a, y, ldy);
         default: return;
     }
 }
 
-template <int Bits>
+template <int Bits, bool Half>
 QK void qdot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
     const QAct a(w);
-    const Scales sc(w);
+    const Scales<Half> sc(w);
     size_t j = 0;
-    for (; j + kRows <= n; j += kRows) row_tiles<Bits, kRows>(w.from_row(j), sc, x, m, a, y + j, ldy);
-    for (; j < n; ++j) row_tiles<Bits, 1>(w.from_row(j), sc, x, m, a, y + j, ldy);
+    for (; j + kRows <= n; j += kRows) row_tiles<Bits, Half, kRows>(w.from_row(j), sc, x, m, a, y + j, ldy);
+    for (; j < n; ++j) row_tiles<Bits, Half, 1>(w.from_row(j), sc, x, m, a, y + j, ldy);
 }
 
 QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
-    if (w.bits == 4) return qdot<4>(x, m, w, n, y, ldy);
-    return qdot<8>(x, m, w, n, y, ldy);
+    if (w.bits == 4) return w.half ? qdot<4, true>(x, m, w, n, y, ldy) : qdot<4, false>(x, m, w, n, y, ldy);
+    return w.half ? qdot<8, true>(x, m, w, n, y, ldy) : qdot<8, false>(x, m, w, n, y, ldy);
 }
