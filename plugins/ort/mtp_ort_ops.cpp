@@ -125,9 +125,13 @@ struct Call {
     // f(i) for i < n on ONNX Runtime's intra-op threads (the calling thread takes part) where the call's `work`
     // (its multiply-adds, roughly) is worth splitting; else all on the calling thread.  The items are the same
     // either way, so the results do not depend on the thread count.
+    // Whether parallel() runs a call of `work` on the calling thread alone: then a call is best cut in as few
+    // items as it can be (each item has a fixed cost), and the items give the same bits however they are cut.
+    bool serial(double work) const { return work < min_work; }
+
     template <class F>
     OrtStatus* parallel(size_t n, F& f, double work) const {
-        if (n <= 1 || work < min_work) {
+        if (n <= 1 || serial(work)) {
             for (size_t i = 0; i < n; ++i) f(i);
             return nullptr;
         }
@@ -247,12 +251,13 @@ struct QMatMulKernel {
         const QWeights q{static_cast<const uint8_t*>(w.data), s.data, fmt.k, fmt.block, fmt.bits, half(s)};
         std::vector<uint8_t> qx(m * qrow_bytes(q));
         MTP_RETURN_IF(quantize_parallel(c, x.f(), m, size_t(k), q, qx.data()));
-        const size_t per = chunk_rows(rows, 16, 16, 4);  // (4: the kernels' tile rows)
+        const double work = double(m) * double(rows) * double(k);
+        const size_t per = c.serial(work) ? rows : chunk_rows(rows, 16, 16, 4);  // (4: the kernels' tile rows)
         auto part = [&](size_t i) {
             const size_t j0 = i * per, j1 = std::min(rows, j0 + per);
             qrows_dot(qx.data(), m, q.from_row(j0), j1 - j0, y + j0, rows);
         };
-        return c.parallel((rows + per - 1) / per, part, double(m) * double(rows) * double(k));
+        return c.parallel((rows + per - 1) / per, part, work);
     }
 };
 
@@ -332,8 +337,9 @@ OrtStatus* run_experts(const Call& c, const Matvec& up_mv, const Matvec& down_mv
         size_t u0, u1;  // units
     };
     std::vector<Item> items;
+    const bool serial_up = c.serial(2 * double(d) * macs_per_d), serial_down = c.serial(double(d) * macs_per_d);
     for (Expert& e : experts) {
-        const size_t per = chunk_rows(e.units, 16, 8, 8);
+        const size_t per = serial_up ? e.units : chunk_rows(e.units, 16, 8, 8);
         for (size_t u = 0; u < e.units; u += per) items.push_back({&e, u, std::min(e.units, u + per)});
     }
     auto up = [&](size_t i) {
@@ -353,7 +359,7 @@ OrtStatus* run_experts(const Call& c, const Matvec& up_mv, const Matvec& down_mv
         MTP_RETURN_IF(c.parallel(experts.size(), quantize, macs_per_d));
     }
     std::fill(y, y + n_tokens * d, 0.f);
-    const size_t per = chunk_rows(d, 32, 16, 8);
+    const size_t per = serial_down ? d : chunk_rows(d, 32, 16, 8);
     auto down = [&](size_t item) {
         const size_t d0 = item * per, d1 = std::min(d, d0 + per), cols = d1 - d0;
         for (const Expert& e : experts) {
@@ -660,7 +666,10 @@ struct MlaAttentionKernel {
         float* out = nullptr;
         MTP_RETURN_IF(c.output(0, {b, s_len, h * dl}, &out));
         const size_t tokens = size_t(b * s_len), n_ch = size_t(ch), ld = size_t(in.c);
-        const size_t splits = head_splits(tokens, size_t(h));
+        double macs = 0;  // per head and key: its score over C values and its share of the Dl outputs
+        for (size_t tok = 0; tok < tokens; ++tok)
+            macs += double(sel.present ? size_t(k_sel) : in.cached(tok / s_len) + size_t(in.r_len)) * double(h * (ch + dl));
+        const size_t splits = c.serial(macs) ? 1 : head_splits(tokens, size_t(h));
         const size_t per = (size_t(h) + splits - 1) / splits;
         auto work = [&](size_t item) {
             const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
@@ -689,9 +698,6 @@ struct MlaAttentionKernel {
             }
             mla_attend_rows(q, nh, n_ch, size_t(dl), scale, table, n, sc, o, size_t(dl));
         };
-        double macs = 0;  // per head and key: its score over C values and its share of the Dl outputs
-        for (size_t tok = 0; tok < tokens; ++tok)
-            macs += double(sel.present ? size_t(k_sel) : in.cached(tok / s_len) + size_t(in.r_len)) * double(h * (ch + dl));
         return c.parallel(tokens * splits, work, macs);
     }
 
@@ -797,7 +803,11 @@ struct MlaSelfAttentionKernel {
             }
             all = joined.data();
         }
-        const size_t splits = head_splits(tokens, size_t(h));
+        double macs = double(tokens * h) * double((w_uk.present ? dn * dl : 0) + (w_uv.present ? dv * dl : 0));
+        for (size_t tok = 0; tok < tokens; ++tok)  // per head and key: as MlaAttention's
+            macs += double(std::clamp<int64_t>(static_cast<const int32_t*>(valid.data)[tok / size_t(s_len)], 0, t_len) +
+                           r_len) * double(h * (ch + dl));
+        const size_t splits = c.serial(macs) ? 1 : head_splits(tokens, size_t(h));
         const size_t per = (size_t(h) + splits - 1) / splits, n_ch = size_t(ch), qw = size_t(h * (dn + dr));
         auto work = [&](size_t item) {
             const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
@@ -838,10 +848,6 @@ struct MlaSelfAttentionKernel {
                     rows_dot(o_lat + hh * size_t(dl), 1, size_t(dl), w_uv.f() + (h0 + hh) * size_t(dv * dl), size_t(dl),
                              size_t(dv), size_t(dl), out + (tok * size_t(h) + h0 + hh) * size_t(dv), size_t(dv));
         };
-        double macs = double(tokens * h) * double((w_uk.present ? dn * dl : 0) + (w_uv.present ? dv * dl : 0));
-        for (size_t tok = 0; tok < tokens; ++tok)  // per head and key: as MlaAttention's
-            macs += double(std::clamp<int64_t>(static_cast<const int32_t*>(valid.data)[tok / size_t(s_len)], 0, t_len) +
-                           r_len) * double(h * (ch + dl));
         return c.parallel(tokens * splits, work, macs);
     }
 };
