@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from llama_api import cache_dir, converter_dir, ensure_export  # noqa: E402
+from llama_api import cache_dir, converter_dir, ensure_export, run_child  # noqa: E402
 from llama_cpp import prompt_ids  # noqa: E402
 from real_size import DEMO, PROMPT  # noqa: E402
 
@@ -130,13 +130,6 @@ def child_main() -> None:
 
 
 # ------------------------------------------------------------------------------------------ parent
-def own_child(python: str, *args) -> dict:
-    res = subprocess.run([python, __file__, "--child", json.dumps(args)], capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"{res.stderr[-3000:]}\n{args[0]} ({python}) failed (exit {res.returncode})")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def spec_run(binary: Path, gguf: Path, k: int, tokens: int, threads: int, tries: int = 3) -> dict:
     """One llama-speculative-simple generation.  Its log is written by a thread of its own, and now and then (2
     threads on 2 cores: 3 runs in 30) the process exits, status 0, before that thread has written the report: such
@@ -173,7 +166,7 @@ def main():
     gguf = cache_dir() / "demo-mtp-f32.gguf"
     if not gguf.is_file():
         print(f"converting {DEMO} with its first MTP layer to {gguf} ...", flush=True)
-        own_child(sys.executable, "convert_mtp", str(converter_dir(a.sdist)), str(DEMO), str(gguf))
+        run_child(sys.executable, "convert_mtp", str(converter_dir(a.sdist)), str(DEMO), str(gguf), script=__file__)
 
     from mtp_trt.backend import OrtBackend
     from mtp_trt.decode import DecodeOptions, generate
@@ -196,8 +189,8 @@ def main():
         mtp_trt(n)  # warm-up
     rows: dict[str, list] = {}
     for _ in range(a.rounds):
-        rows.setdefault("llama.cpp plain greedy", []).append(own_child(a.llama_python, "plain", str(gguf), PROMPT,
-                                                                         a.tokens, a.threads))
+        rows.setdefault("llama.cpp plain greedy", []).append(run_child(a.llama_python, "plain", str(gguf), PROMPT, a.tokens,
+                                                                         a.threads, script=__file__))
         for k in a.nextn:
             rows.setdefault(f"llama.cpp draft-mtp K {k}", []).append(spec_run(a.llama_bin, gguf, k, a.tokens, a.threads))
         for n in [0, *a.nextn]:
