@@ -13,6 +13,11 @@ GGUF files, cached in mtp-trt's cache directory, in bench-real-size (real_size.c
   ftype LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_0 / _Q4_K_M), what `llama-quantize <in> <out> Q4_K_M` does, in the
   Python that has llama_cpp.  Tensors whose rows do not fit a type's block fall back to another type as
   llama-quantize decides.
+* <name>-mtp-<type>: the same with the checkpoint's first MTP module kept, for llama.cpp's own MTP drafting
+  (`llama-speculative-simple --spec-type draft-mtp`).  llama.cpp's converter drops DeepSeek-V3's MTP layer;
+  the harness keeps it as its V3.2 converter does (keep_first_mtp_module).  llama.cpp loads the MTP block
+  only for a drafting context (on the demo, the main model's tensors are byte for byte those of <name>-<type>
+  at every type here).
 
 mtp-trt exports (`ensure_export`), cached beside them, one per --quant: the demo with all its MTP modules, the
 random 85m / 304m with nextn 1 and max_seq_len 1024 (as benchmarks/real_size.py exports them).
@@ -92,9 +97,10 @@ def quiet(ll):
 
 
 # ------------------------------------------------------------------------------------------------- GGUF files
-def gguf_path(name: str, kind: str) -> Path:
-    """The cached GGUF of checkpoint `name` ("demo", "85m", ...) in type `kind` (GGUF_TYPES)."""
-    return cache_dir() / f"{name}-{kind}.gguf"
+def gguf_path(name: str, kind: str, mtp: bool = False) -> Path:
+    """The cached GGUF of checkpoint `name` ("demo", "85m", ...) in type `kind` (GGUF_TYPES); `mtp`: the one
+    that keeps the first MTP module (keep_first_mtp_module)."""
+    return cache_dir() / f"{name}{'-mtp' if mtp else ''}-{kind}.gguf"
 
 
 def converter_dir(sdist: Path | None) -> Path:
@@ -122,13 +128,49 @@ def converter_dir(sdist: Path | None) -> Path:
     return out
 
 
-def convert_child(src: str, ckpt: str, out: str, outtype: str = "f32") -> dict:
+def keep_first_mtp_module(base) -> None:
+    """llama.cpp's converter drops DeepSeek-V3's MTP layers (its DeepseekV2Model skips every layer past
+    num_hidden_layers); keep the first one as its DeepSeek-V3.2 converter (DeepseekV32Model) keeps V3.2's: the
+    block appended as blk.<num_hidden_layers> (its eh_proj / enorm / hnorm / shared_head.norm as blk.N.nextn.*),
+    block_count num_hidden_layers + 1, `<arch>.nextn_predict_layers` 1.  One module only: llama.cpp's DeepSeek
+    MTP graph takes a single block (and reuses it at every draft depth); further modules are left out."""
+    import conversion.deepseek as deepseek
+    import gguf
+
+    class DeepseekV3WithMtp(deepseek.DeepseekV2Model):
+        model_arch = gguf.MODEL_ARCH.DEEPSEEK2
+        skip_mtp = False
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.hparams.get("num_nextn_predict_layers", 0) < 1:
+                raise SystemExit(f"{self.dir_model}: num_nextn_predict_layers is 0, no MTP layer to keep")
+            self.block_count = self.hparams["num_hidden_layers"] + 1
+            self.tensor_map = gguf.get_tensor_name_map(self.model_arch, self.block_count)
+
+        def set_gguf_parameters(self):
+            super().set_gguf_parameters()
+            self.gguf_writer.add_nextn_predict_layers(1)
+
+        def modify_tensors(self, data_torch, name, bid):
+            if bid is not None and bid >= self.block_count:  # MTP modules past the first
+                return
+            yield from super().modify_tensors(data_torch, name, bid)
+
+    base.ModelBase.register("DeepseekV3ForCausalLM")(DeepseekV3WithMtp)
+
+
+def convert_child(src: str, ckpt: str, out: str, outtype: str = "f32", keep_mtp: bool = False) -> dict:
     """(in a child process) llama.cpp's convert_hf_to_gguf.py on `ckpt` (`--outtype` f32, or q8_0 where an f32
-    file would not fit the disk), the BPE pre-tokenizer registered."""
+    file would not fit the disk), the BPE pre-tokenizer registered; `keep_mtp`: with the checkpoint's first MTP
+    module (keep_first_mtp_module)."""
     import runpy
 
     sys.path[:0] = [src, str(Path(src) / "gguf-py")]
     import conversion.base as base
+
+    if keep_mtp:
+        keep_first_mtp_module(base)
 
     plain = base.TextModel.get_vocab_base_pre
 
@@ -190,16 +232,17 @@ def run_child(python: str, *args, script: str = __file__) -> dict:
 
 
 def ensure_gguf(name: str, ckpt: Path, kind: str, sdist: Path | None, llama_python: str, threads: int = 2,
-                progress=print) -> Path:
-    """The GGUF of `ckpt` in type `kind`, made (once) from its f32 GGUF, itself made (once) by the converter."""
+                progress=print, mtp: bool = False) -> Path:
+    """The GGUF of `ckpt` in type `kind`, made (once) from its f32 GGUF, itself made (once) by the converter
+    (`mtp`: with the checkpoint's first MTP module, keep_first_mtp_module)."""
     if kind not in GGUF_TYPES:
         raise SystemExit(f"--gguf {kind}: unknown type; expected one of {', '.join(GGUF_TYPES)}")
-    f32 = gguf_path(name, "f32")
+    f32 = gguf_path(name, "f32", mtp)
     if not f32.is_file():
         src = converter_dir(sdist)
-        progress(f"{name}: converting {ckpt} to {f32} ...")
-        run_child(sys.executable, "convert", str(src), str(ckpt), str(f32))
-    out = gguf_path(name, kind)
+        progress(f"{name}: converting {ckpt} to {f32}{' (with its first MTP module)' if mtp else ''} ...")
+        run_child(sys.executable, "convert", str(src), str(ckpt), str(f32), "f32", mtp)
+    out = gguf_path(name, kind, mtp)
     if not out.is_file():
         progress(f"{name}: quantizing to {out} ...")
         t = run_child(llama_python, "quantize", str(f32), str(out), kind, threads)
@@ -327,6 +370,17 @@ class LlamaEngine:
             pos += 1
         return out
 
+    def piece(self, token: int) -> bytes:
+        """The bytes llama.cpp's programs print for `token` (llama_token_to_piece, special tokens rendered)."""
+        vocab = self.ll.llama_model_get_vocab(self.model)
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self.ll.llama_token_to_piece(vocab, token, buf, size, 0, True)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
     def logits(self, ids: list[int]):
         """Teacher-forced logits [len(ids), n_vocab] (float32 NumPy) of a window, from an empty memory."""
         import numpy as np
@@ -366,6 +420,15 @@ def decode_child(gguf: str, ids: list[int], tokens: int, rounds: int, threads: i
             "peak_rss_read_mb": peak_rss_mb(), "generated": generated}
 
 
+def greedy_child(gguf: str, ids: list[int], tokens: int, threads: int) -> dict:
+    """(in a child process, a Python with llama_cpp) plain greedy decoding (LlamaEngine.generate) of `tokens` new
+    tokens after `ids`, and the bytes llama.cpp's programs print for the prompt and for each new token (hex)."""
+    engine = LlamaEngine(gguf, n_ctx=len(ids) + tokens + 16, threads=threads)
+    generated = engine.generate(ids, tokens)
+    return {"generated": generated, "prompt_text": b"".join(engine.piece(t) for t in ids).hex(),
+            "pieces": [engine.piece(t).hex() for t in generated]}
+
+
 def logits_child(gguf: str, ids: list[int], threads: int, out: str) -> dict:
     """(in a child process, a Python with llama_cpp) teacher-forced logits of `ids`, saved as a .npy at `out`."""
     import numpy as np
@@ -378,7 +441,7 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         name, *args = json.loads(sys.argv[2])
         jobs = {"convert": convert_child, "quantize": quantize_child, "export": export_child, "decode": decode_child,
-                "logits": logits_child}
+                "logits": logits_child, "greedy": greedy_child}
         print(json.dumps(jobs[name](*args)))
         return
     raise SystemExit("a module of benchmarks/llama_cpp.py and benchmarks/quant_quality.py; run those")

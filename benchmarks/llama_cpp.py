@@ -8,6 +8,7 @@ int4).  Not run in CI.
       --sdist SDIST_DIR/llama_cpp_python-0.3.36.tar.gz [--sizes demo 85m 304m] \\
       [--quant none int8 int4] [--group-size 32] [--gguf f32 q8_0 q4_0 q4_k_m] \\
       [--tokens 64] [--rounds 5] [--threads 2] [--nextn 0 1 2 3] [--no-spin] [--transformers] [--json FILE]
+      [--llama-mtp-bin LLAMA_BUILD/bin/llama-speculative-simple]
 
 (--sdist, llama-cpp-python's source distribution, is needed only while a checkpoint's f32 GGUF is not yet in
 the cache: it carries llama.cpp's converter.)
@@ -36,6 +37,24 @@ the same bits: none / f32, int8 / Q8_0, int4 / Q4_K_M and int4 / Q4_0, at nextn 
 checkpoint whose MTP modules are trained), at the fastest nextn.  --no-spin: neither engine's threads
 busy-wait (OrtBackend(spin=False); OMP_WAIT_POLICY=PASSIVE for llama.cpp's OpenMP threads), for a machine
 busy with other work; by default both spin, as each does on its own.
+
+llama.cpp's own MTP drafting (--llama-mtp-bin: llama.cpp's llama-speculative-simple, built from the llama.cpp
+that llama-cpp-python vendors): for each --gguf type and each --nextn K above 0, "llama.cpp <type> draft-mtp K"
+joins the round-robin, one process per generation (draft_mtp_command):
+
+  llama-speculative-simple -m <size>-mtp-<type>.gguf --spec-type draft-mtp --spec-draft-n-max K -p PROMPT
+      --no-escape --override-kv tokenizer.ggml.add_bos_token=bool:true -n TOKENS --temp 0 --top-k 1
+      -t THREADS -ngl 0 -c N
+
+on a GGUF that keeps the checkpoint's first MTP module (llama_api.keep_first_mtp_module: llama.cpp's converter
+drops DeepSeek-V3's MTP layer; the harness keeps it as llama.cpp's V3.2 converter does).  llama.cpp's DeepSeek
+MTP graph takes one block and drafts every depth with it.  Its decode tokens/s is the binary's own: `decoded N
+tokens in S seconds`, N / S, where S is its decode loop from the prompt's last token on (the other prompt
+tokens are its `encoded` pass), so the step that makes the first new token is inside it, where the other
+configurations leave it out; N is TOKENS + 1 or a few more (its last step is not cut short).  Tokens/step:
+n_predict / (n_predict - n_accept), each verify step's accepted drafts and one token of its own, as mtp-trt
+counts them.  Peak RSS: the binary's ru_maxrss.  Its text is checked, byte for byte, against llama.cpp's plain
+greedy tokens (LlamaEngine) on the same GGUF.
 """
 
 from __future__ import annotations
@@ -48,11 +67,12 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_api import GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_export, ensure_gguf  # noqa: E402
+from llama_api import GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_export, ensure_gguf, run_child  # noqa: E402
 from real_size import DEMO, PROMPT, make_checkpoint, peak_rss_mb  # noqa: E402
 
 QUANTS = ("none", "int8", "int4")
@@ -157,6 +177,131 @@ def worker(kind: str, *args) -> None:
             return
 
 
+def draft_mtp_command(binary: str, gguf: str, k: int, tokens: int, threads: int, n_ctx: int) -> list[str]:
+    """llama-speculative-simple drafting `k` tokens a step with the GGUF's MTP block, greedy, on the CPU.  The
+    prompt goes in as text (-p; -f would drop its final newline), unescaped, llama.cpp adding BOS itself."""
+    return [binary, "-m", gguf, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "-p", PROMPT,
+            "--no-escape", "--override-kv", "tokenizer.ggml.add_bos_token=bool:true", "-n", str(tokens),
+            "--temp", "0", "--top-k", "1", "-t", str(threads), "-ngl", "0", "-c", str(n_ctx)]
+
+
+def parse_draft_mtp(stdout: bytes, stderr: str) -> dict:
+    """llama-speculative-simple's output -> its text (the prompt echoed, the new tokens, then two or four
+    newlines of its own: the last two are sometimes lost at its exit) and its figures:
+    `encoded N tokens in S seconds, speed: R t/s` (N: the prompt's tokens; S: its pass over all but the last),
+    `decoded ...` (N: the new tokens; S: the decode loop, from the prompt's last token on, every draft and
+    verify step), n_draft / n_predict / n_drafted / n_accept.  Seconds are N / the printed speed (which has
+    more digits than the printed seconds).  ValueError names what is missing."""
+    if not stdout.startswith(b"\n\n") or not stdout.endswith(b"\n\n"):
+        raise ValueError("its standard output is not '\\n\\n' + the text + '\\n\\n'")
+    out = {"text": stdout[2:]}
+    for name in ("encoded", "decoded"):
+        m = re.search(name + r"\s+(\d+) tokens in\s+[\d.]+ seconds, speed:\s*([\d.]+) t/s", stderr)
+        if m is None:
+            raise ValueError(f"no '{name} N tokens in S seconds, speed: R t/s' line on its standard error")
+        n, rate = int(m.group(1)), float(m.group(2))
+        if rate <= 0:
+            raise ValueError(f"its '{name}' line gives speed {rate}")
+        out[name], out[f"{name}_seconds"] = n, n / rate
+    for name in ("n_draft", "n_predict", "n_drafted", "n_accept"):
+        m = re.search(r"\b" + name + r"\s*=\s*(\d+)", stderr)
+        if m is None:
+            raise ValueError(f"no '{name} = N' line on its standard error")
+        out[name] = int(m.group(1))
+    if out["n_predict"] != out["decoded"] or not 0 <= out["n_accept"] < out["n_predict"]:
+        raise ValueError(f"inconsistent figures: decoded {out['decoded']}, n_predict {out['n_predict']}, "
+                         f"n_accept {out['n_accept']}")
+    # each verify step keeps its accepted drafts and one token of its own
+    out["mean_acceptance_length"] = out["n_predict"] / (out["n_predict"] - out["n_accept"])
+    return out
+
+
+def first_difference(text: bytes, pieces: list[bytes]) -> int | None:
+    """The first new token whose bytes `text` does not carry at its place (`pieces`: a reference's new tokens);
+    None if `text` begins with all of them."""
+    at = 0
+    for i, p in enumerate(pieces):
+        if text[at:at + len(p)] != p:
+            return i
+        at += len(p)
+    return None
+
+
+# Runs argv[1:] as a child of its own and reports the child's exit status and peak RSS on its last stderr line.
+# A small process between them: Linux carries a process's peak RSS over fork and exec into its child's figure,
+# so the harness's own (larger) peak would hide the binary's.
+LAUNCHER = """import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(sys.argv[1], sys.argv[1:])
+    except OSError as e:
+        sys.stderr.write(f"cannot run it ({e.strerror})\\n")
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\\nlauncher: exit {os.waitstatus_to_exitcode(status)} peak_rss_kib {usage.ru_maxrss}\\n")
+"""
+
+
+class DraftMtpRunner:
+    """llama.cpp's own MTP drafting: one llama-speculative-simple process per generation (draft_mtp_command),
+    with the same ask / close protocol as Worker.  Each reply: `seconds` = its prompt pass + --tokens new tokens
+    at its decode rate, `first` = its prompt pass + one token at that rate (so that the harness's decode figure
+    is the binary's own), its text checked against llama.cpp's plain greedy tokens on the same GGUF."""
+
+    def __init__(self, binary: str, gguf: str, ids: list[int], tokens: int, threads: int, k: int,
+                 reference: dict, spin: bool = True):
+        self.binary, self.gguf, self.tokens = binary, gguf, tokens
+        self.cmd = draft_mtp_command(binary, gguf, k, tokens, threads, len(ids) + tokens + k + 16)
+        self.env = os.environ | ({} if spin else {"OMP_WAIT_POLICY": "PASSIVE"})
+        self.n_prompt = len(ids)
+        self.prompt_text = bytes.fromhex(reference["prompt_text"])
+        self.pieces = [bytes.fromhex(p) for p in reference["pieces"]]
+        self.peak_rss = 0.0
+        self.ready = self.ask(None)  # a warm-up run: the file read once, every failure seen before the rounds
+
+    def fail(self, why: str) -> SystemExit:
+        return SystemExit(f"error: --llama-mtp-bin {self.binary} on {self.gguf}: {why}")
+
+    def run(self) -> tuple[bytes, str]:
+        """One run of the binary -> its standard output and error (its peak RSS noted)."""
+        with tempfile.TemporaryFile() as out:
+            res = subprocess.run([sys.executable, "-S", "-c", LAUNCHER, *self.cmd], stdout=out,
+                                 stderr=subprocess.PIPE, env=self.env)
+            out.seek(0)
+            stdout = out.read()
+        lines = res.stderr.decode(errors="replace").rstrip().splitlines() or ["no output"]
+        m = re.fullmatch(r"launcher: exit (-?\d+) peak_rss_kib (\d+)", lines[-1])
+        if res.returncode or m is None or m.group(1) != "0":
+            why = f"exit {m.group(1)}" if m else "failed"
+            last = next((x.strip() for x in reversed(lines[:-1] if m else lines) if x.strip()), "no output")
+            raise self.fail(f"{why}; its last line: {last}")
+        self.peak_rss = max(self.peak_rss, int(m.group(2)) / 1024)  # KiB on Linux
+        return stdout, "\n".join(lines[:-1])
+
+    def ask(self, line: str | None) -> dict:
+        for _ in range(3):  # llama.cpp's log thread sometimes loses its last lines at exit: run it again
+            try:
+                r = parse_draft_mtp(*self.run())
+                break
+            except ValueError as e:
+                why = str(e)
+        else:
+            raise self.fail(f"{why} (3 runs)")
+        if r["encoded"] != self.n_prompt or not r["text"].startswith(self.prompt_text):
+            raise self.fail(f"its prompt is not the harness's {self.n_prompt} tokens (it encoded {r['encoded']}; "
+                            f"its echo begins {r['text'][:40]!r})")
+        generated = r["text"][len(self.prompt_text):]
+        rate = r["decoded"] / r["decoded_seconds"]
+        return {"seconds": r["encoded_seconds"] + self.tokens / rate, "first": r["encoded_seconds"] + 1 / rate,
+                "first_difference": first_difference(generated, self.pieces),
+                "mean_acceptance_length": r["mean_acceptance_length"],
+                **{x: r[x] for x in ("decoded", "decoded_seconds", "n_drafted", "n_accept")}}
+
+    def close(self) -> float:
+        return self.peak_rss
+
+
 class Worker:
     def __init__(self, python: str, kind: str, *args, spin: bool = True):
         cmd = [python, __file__, "--worker", json.dumps([kind, *args])]
@@ -202,7 +347,22 @@ def round_ratio(a: list[dict], b: list[dict], tokens: int) -> float:
 
 
 def label(key: tuple) -> str:
+    if key[0] == "llama-mtp":
+        return f"llama.cpp {GGUF_LABELS[key[1]]} draft-mtp {key[2]}"
     return f"llama.cpp {GGUF_LABELS[key[1]]}" if key[0] == "llama" else f"mtp-trt {key[1]} nextn {key[2]}"
+
+
+def check_draft_mtp_binary(binary: str) -> str | None:
+    """Why `binary` cannot be llama.cpp's llama-speculative-simple with MTP drafting, or None."""
+    if not Path(binary).is_file() or not os.access(binary, os.X_OK):
+        return "no such executable file (llama.cpp's llama-speculative-simple)"
+    try:
+        res = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot run it ({e})"
+    if "--spec-type" not in res.stdout + res.stderr or "draft-mtp" not in res.stdout + res.stderr:
+        return "its --help offers no --spec-type draft-mtp (llama.cpp's llama-speculative-simple with MTP drafting)"
+    return None
 
 
 def main():
@@ -222,6 +382,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-spin", action="store_true", help="neither engine's threads busy-wait (a busy machine)")
+    ap.add_argument("--llama-mtp-bin", help="llama.cpp's llama-speculative-simple: also run llama.cpp's own MTP "
+                    "drafting (--spec-type draft-mtp) at every --nextn K above 0, on GGUFs that keep the MTP block")
     ap.add_argument("--json", type=Path, help="also write the report here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -236,6 +398,14 @@ def main():
         return
     if a.tokens < 2 or a.rounds < 1:
         raise SystemExit("--tokens must be >= 2 and --rounds >= 1")
+    nextn_of = {size: a.nextn or ([0, 1, 2, 3] if size == "demo" else [0]) for size in a.sizes}
+    if a.llama_mtp_bin:
+        if not any(n > 0 for ns in nextn_of.values() for n in ns):
+            given = f"--nextn {' '.join(map(str, a.nextn))}" if a.nextn else f"--nextn is 0 on {' '.join(a.sizes)}"
+            ap.error(f"--llama-mtp-bin: no --nextn above 0 to draft with ({given})")
+        why = check_draft_mtp_binary(a.llama_mtp_bin)
+        if why:
+            ap.error(f"--llama-mtp-bin {a.llama_mtp_bin}: {why}")
     if any(q != "none" for q in a.quant):
         from mtp_trt.errors import MtpTrtError
         from mtp_trt.plugins import ort_lib
@@ -250,20 +420,25 @@ def main():
             raise SystemExit(f"--quant {' '.join(a.quant)}: quantized exports run on mtp-trt's CPU operators, "
                              f"which are not available here ({why})")
     check_llama_python(a.llama_python)
-    report, tables = [], []
-    for size in a.sizes:
-        nextns = a.nextn or ([0, 1, 2, 3] if size == "demo" else [0])
+    report, tables, drafting_tables = [], [], []
+    for size, nextns in nextn_of.items():
         ckpt = DEMO if size == "demo" else Path(child_script("checkpoint", size))
-        ggufs = {k: ensure_gguf(size, ckpt, k, a.sdist, a.llama_python, a.threads,
-                                lambda m: print(m, flush=True)) for k in a.gguf}
-        exports = {q: ensure_export(size, ckpt, max(nextns), q, a.group_size, lambda m: print(m, flush=True))
-                   for q in a.quant}
+        progress = lambda m: print(m, flush=True)  # noqa: E731
+        ggufs = {k: ensure_gguf(size, ckpt, k, a.sdist, a.llama_python, a.threads, progress) for k in a.gguf}
+        draft_ks = [n for n in nextns if n > 0] if a.llama_mtp_bin else []
+        mtp_ggufs = {k: ensure_gguf(size, ckpt, k, a.sdist, a.llama_python, a.threads, progress, mtp=True)
+                     for k in a.gguf} if draft_ks else {}
+        exports = {q: ensure_export(size, ckpt, max(nextns), q, a.group_size, progress) for q in a.quant}
         ids = prompt_ids(ckpt / "tokenizer.json")
         spin = not a.no_spin
         workers = {("llama", k): Worker(a.llama_python, "llama", str(g), ids, a.tokens, a.threads, spin=spin)
                    for k, g in ggufs.items()}
         workers |= {("mtp", q, n): Worker(sys.executable, "mtp", str(e), ids, a.tokens, a.threads, n, spin=spin)
                     for q, e in exports.items() for n in nextns}
+        plain = {k: run_child(a.llama_python, "greedy", str(g), ids, a.tokens, a.threads) for k, g in mtp_ggufs.items()}
+        workers |= {("llama-mtp", k, n): DraftMtpRunner(a.llama_mtp_bin, str(g), ids, a.tokens, a.threads, n, plain[k],
+                                                        spin=spin)
+                    for k, g in mtp_ggufs.items() for n in draft_ks}
         runs = {k: [] for k in workers}
         for _ in range(a.rounds):
             for k, w in workers.items():
@@ -279,19 +454,23 @@ def main():
         print(f"\n{size}: {streamed / 1e6:.1f} MB of f32 weights read per decoded token (active parameters); "
               f"{a.rounds} rounds, {a.tokens} new tokens, {a.threads} threads")
         for k, rs in runs.items():
-            gen = rs[-1]["generated"]
-            first_diff = next((i for i, (x, y) in enumerate(zip(gen, ref)) if x != y), None)
+            if k[0] == "llama-mtp":  # its text against llama.cpp's plain greedy tokens on its own GGUF
+                first_diff, against = rs[-1]["first_difference"], f"llama.cpp {GGUF_LABELS[k[1]]} plain greedy"
+            else:
+                gen = rs[-1]["generated"]
+                first_diff = next((i for i, (x, y) in enumerate(zip(gen, ref)) if x != y), None)
+                against = label(ref_key)
             row = {"size": size, "engine": label(k), "kind": k[0], "weights": k[1],
-                   "nextn": k[2] if k[0] == "mtp" else None, "decode_tokens_per_second": rate[k]["decode"],
+                   "nextn": k[2] if k[0] != "llama" else None, "decode_tokens_per_second": rate[k]["decode"],
                    "best_decode_tokens_per_second": rate[k]["best"], "tokens_per_second": rate[k]["with_prompt"],
-                   "peak_rss_mb": rss[k], "first_difference_from": label(ref_key), "first_difference": first_diff,
+                   "peak_rss_mb": rss[k], "first_difference_from": against, "first_difference": first_diff,
                    "mean_acceptance_length": rs[-1].get("mean_acceptance_length"),
                    "runs": [{x: r[x] for x in ("seconds", "first")} for r in rs]}
             report.append(row)
-            print(f"{size:5s} {label(k):26s} decode {rate[k]['decode']:8.1f} tokens/s (best round "
+            print(f"{size:5s} {label(k):30s} decode {rate[k]['decode']:8.1f} tokens/s (best round "
                   f"{rate[k]['best']:8.1f}; with the prompt {rate[k]['with_prompt']:8.1f}), peak RSS {rss[k]:6.0f} MB"
-                  + (f", {row['mean_acceptance_length']:.2f} tokens/step" if k[0] == "mtp" and k[2] else "")
-                  + ("" if k == ref_key else f"; tokens = {label(ref_key)}'s: "
+                  + (f", {row['mean_acceptance_length']:.2f} tokens/step" if row["nextn"] else "")
+                  + ("" if k == ref_key else f"; tokens = {against}'s: "
                      + ("yes" if first_diff is None else f"no (first difference at new token {first_diff})")),
                   flush=True)
         for q, g in PAIRS:
@@ -309,21 +488,33 @@ def main():
                                "speed_ratio": round_ratio(runs[k], runs[("llama", g)], a.tokens),
                                "mtp_rss_mb": rss[k], "llama_rss_mb": rss[("llama", g)],
                                "rss_ratio": rss[k] / rss[("llama", g)]})
+            if drafting:  # mtp-trt's fastest nextn beside llama.cpp's own MTP drafting at each K, same bits
+                best = max(drafting, key=lambda k: rate[k]["decode"])
+                for n in draft_ks:
+                    k = ("llama-mtp", g, n)
+                    drafting_tables.append({
+                        "size": size, "pair": f"{q} / {GGUF_LABELS[g]}", "nextn": best[2],
+                        "mtp_acceptance_length": runs[best][-1]["mean_acceptance_length"],
+                        "mtp_tokens_per_second": rate[best]["decode"], "draft_mtp_k": n,
+                        "llama_acceptance_length": runs[k][-1]["mean_acceptance_length"],
+                        "llama_tokens_per_second": rate[k]["decode"],
+                        "speed_ratio": round_ratio(runs[best], runs[k], a.tokens),
+                        "llama_over_plain": round_ratio(runs[k], runs[("llama", g)], a.tokens)})
         if a.transformers:
-            engines = {label(k): rs[-1]["generated"] for k, rs in runs.items()}
+            engines = {label(k): rs[-1]["generated"] for k, rs in runs.items() if k[0] != "llama-mtp"}
             for k, v in child_script("margins", str(ckpt), ids, engines).items():
-                print(f"{size:5s} {k:26s} vs transformers' greedy tokens: " + (
+                print(f"{size:5s} {k:30s} vs transformers' greedy tokens: " + (
                     "equal" if v["first_difference"] is None else
                     f"first difference at new token {v['first_difference']}, where transformers' top-2 logits are "
                     f"{v['top2_margin']:.1e} apart"), flush=True)
-    print_tables(report, tables)
-    out = {"report": report, "pairs": tables}
+    print_tables(report, tables, drafting_tables)
+    out = {"report": report, "pairs": tables} | ({"draft_mtp": drafting_tables} if a.llama_mtp_bin else {})
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
 
 
-def print_tables(report: list[dict], tables: list[dict]) -> None:
+def print_tables(report: list[dict], tables: list[dict], drafting: list[dict] = ()) -> None:
     print("\n| checkpoint | engine | decode tokens/s (median) | best round | peak RSS MB | tokens/step |")
     print("|---|---|---|---|---|---|")
     for r in report:
@@ -338,8 +529,16 @@ def print_tables(report: list[dict], tables: list[dict]) -> None:
             print(f"| {t['size']} | {t['pair']} | {t['config']} | {t['mtp_tokens_per_second']:.1f} | "
                   f"{t['llama_tokens_per_second']:.1f} | {t['speed_ratio']:.2f}x | {t['mtp_rss_mb']:.0f} | "
                   f"{t['llama_rss_mb']:.0f} | {t['rss_ratio']:.2f}x |")
-    print("(speed ratio: median of per-round ratios of decode tokens/s; RSS ratio: peak RSS, mtp-trt over "
-          "llama.cpp)", flush=True)
+    if drafting:
+        print("\n| checkpoint | mtp-trt / llama.cpp | mtp-trt nextn | tokens/step | tokens/s | llama.cpp draft-mtp K | "
+              "tokens/step | tokens/s | speed ratio | llama.cpp draft-mtp over plain |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for t in drafting:
+            print(f"| {t['size']} | {t['pair']} | {t['nextn']} (fastest) | {t['mtp_acceptance_length']:.2f} | "
+                  f"{t['mtp_tokens_per_second']:.1f} | {t['draft_mtp_k']} | {t['llama_acceptance_length']:.2f} | "
+                  f"{t['llama_tokens_per_second']:.1f} | {t['speed_ratio']:.2f}x | {t['llama_over_plain']:.2f}x |")
+    print("(speed ratio: median of per-round ratios of decode tokens/s, mtp-trt over llama.cpp; RSS ratio: peak "
+          "RSS, mtp-trt over llama.cpp)", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,144 @@
+"""benchmarks/llama_cpp.py's llama.cpp MTP drafting peer (--llama-mtp-bin), without llama.cpp: the parser on a
+real run of llama-speculative-simple (tests/data/draft-mtp-k2.*: `--spec-type draft-mtp --spec-draft-n-max 2
+-n 16` on the demo's Q8_0 GGUF with its MTP block), the runner on a stand-in that replays that run, and the
+flag checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from llama_cpp import DraftMtpRunner, first_difference, parse_draft_mtp  # noqa: E402
+from real_size import PROMPT  # noqa: E402
+
+STDOUT = (DATA / "draft-mtp-k2.stdout").read_bytes()
+STDERR = (DATA / "draft-mtp-k2.stderr").read_text()
+ECHO = b"<bos>" + PROMPT.encode()  # what the binary prints for the prompt's tokens
+NEW = b"\nThe user contains a list of"  # the 18 new tokens it printed (its own "\n\n\n\n" follow)
+
+
+def test_parse_draft_mtp_reads_a_real_run():
+    r = parse_draft_mtp(STDOUT, STDERR)
+    assert r["text"] == ECHO + NEW + b"\n\n\n\n"
+    assert (r["encoded"], r["decoded"]) == (52, 18)
+    assert r["encoded_seconds"] == pytest.approx(52 / 5524.862, rel=1e-9)
+    assert r["decoded_seconds"] == pytest.approx(18 / 1772.875, rel=1e-9)
+    assert r["decoded_seconds"] == pytest.approx(0.010, abs=0.0005)  # the seconds it printed, 3 decimals
+    assert (r["n_draft"], r["n_predict"], r["n_drafted"], r["n_accept"]) == (2, 18, 17, 9)
+    assert r["mean_acceptance_length"] == 18 / (18 - 9)  # 9 verify steps made 18 tokens
+
+
+@pytest.mark.parametrize("stdout, stderr, message", [
+    (STDOUT[2:], STDERR, "standard output"),  # no blank line before the echo
+    (STDOUT, STDERR.split("n_draft ")[0], "n_draft"),  # its last lines lost at exit
+    (STDOUT, STDERR.replace("decoded", "decodes"), "decoded N tokens"),
+    (STDOUT, STDERR.replace("n_predict = 18", "n_predict = 17"), "inconsistent"),
+    (STDOUT, STDERR.replace("n_accept  = 9", "n_accept  = 18"), "inconsistent"),
+])
+def test_parse_draft_mtp_refuses_what_it_cannot_read(stdout, stderr, message):
+    with pytest.raises(ValueError, match=message):
+        parse_draft_mtp(stdout, stderr)
+
+
+def test_first_difference():
+    pieces = [b"\n", b"The", b" user", b" contains"]
+    assert first_difference(NEW, pieces) is None
+    assert first_difference(b"\nThe users", pieces) == 3
+    assert first_difference(b"\nThe usex contains", pieces) == 2
+    assert first_difference(b"\nThe", pieces) == 2  # it stopped early
+    assert first_difference(b"\nTh", pieces) == 1
+    assert first_difference(b"", pieces) == 0
+
+
+def replaying_binary(tmp_path: Path, lose_first: int = 0, fail: bool = False) -> str:
+    """A stand-in for llama-speculative-simple in a new folder `tmp_path`: `--help` names draft-mtp; a run prints
+    the captured run (its first `lose_first` runs without their last stderr lines, as llama.cpp's log thread
+    sometimes leaves them) and records its arguments."""
+    tmp_path.mkdir()
+    path = tmp_path / "llama-speculative-simple"
+    path.write_text(f"""#!{sys.executable}
+import json, sys
+from pathlib import Path
+here = Path({str(tmp_path)!r})
+if sys.argv[1:] == ["--help"]:
+    print("--spec-type none,draft-simple,draft-eagle3,draft-mtp")
+    sys.exit(0)
+if {fail}:
+    sys.stderr.write("llama_model_load: error loading model: missing tensor 'blk.6.nextn.eh_proj.weight'\\n")
+    sys.exit(1)
+calls = here / "calls"
+n = len(calls.read_text().splitlines()) if calls.exists() else 0
+calls.write_text((calls.read_text() if calls.exists() else "") + json.dumps(sys.argv[1:]) + "\\n")
+sys.stdout.buffer.write(Path({str(DATA / "draft-mtp-k2.stdout")!r}).read_bytes())
+err = Path({str(DATA / "draft-mtp-k2.stderr")!r}).read_text()
+sys.stderr.write(err.split("n_draft ")[0] if n < {lose_first} else err)
+""")
+    path.chmod(0o755)
+    return str(path)
+
+
+def reference(new: bytes) -> dict:
+    return {"prompt_text": ECHO.hex(), "pieces": [bytes([b]).hex() for b in new]}
+
+
+def test_runner_replies_with_the_binarys_own_figures(tmp_path):
+    binary = replaying_binary(tmp_path / "bin", lose_first=2)  # the warm-up run needs 3 tries
+    ids = list(range(52))
+    runner = DraftMtpRunner(binary, "demo-mtp-q8_0.gguf", ids, 16, 2, 2, reference(NEW))
+    r = runner.ask("run")
+    calls = (tmp_path / "bin" / "calls").read_text().splitlines()
+    assert len(calls) == 4
+    args = json.loads(calls[-1])
+    assert args[:6] == ["-m", "demo-mtp-q8_0.gguf", "--spec-type", "draft-mtp", "--spec-draft-n-max", "2"]
+    assert args[args.index("-p") + 1] == PROMPT and args[args.index("-n") + 1] == "16"
+    assert args[args.index("-t") + 1] == "2" and args[args.index("-c") + 1] == str(52 + 16 + 2 + 16)
+    # the harness's decode figure, (tokens - 1) / (seconds - first), is the binary's printed speed
+    assert (16 - 1) / (r["seconds"] - r["first"]) == pytest.approx(1772.875, rel=1e-9)
+    assert r["seconds"] == pytest.approx(52 / 5524.862 + 16 / 1772.875, rel=1e-9)
+    assert r["first_difference"] is None and r["mean_acceptance_length"] == 2.0
+    assert 1 < runner.close() < 500  # MB: the stand-in's own peak, not the test process's carried over
+    other = DraftMtpRunner(binary, "demo-mtp-q8_0.gguf", ids, 16, 2, 2, reference(b"\nThe users"))
+    assert other.ask("run")["first_difference"] == len(b"\nThe user")
+
+
+def test_runner_refuses_in_one_line(tmp_path):
+    lossy = replaying_binary(tmp_path / "lossy", lose_first=3)
+    with pytest.raises(SystemExit, match=r"^error: --llama-mtp-bin .*: no 'n_draft = N' line .* \(3 runs\)$"):
+        DraftMtpRunner(lossy, "demo-mtp-q8_0.gguf", list(range(52)), 16, 2, 2, reference(NEW))
+    with pytest.raises(SystemExit, match=r"its prompt is not the harness's 51 tokens \(it encoded 52"):
+        DraftMtpRunner(replaying_binary(tmp_path / "ok"), "x.gguf", list(range(51)), 16, 2, 2, reference(NEW))
+    failing = replaying_binary(tmp_path / "failing", fail=True)
+    with pytest.raises(SystemExit, match=r"^error: --llama-mtp-bin .* on x.gguf: exit 1; its last line: "
+                                         r"llama_model_load: error loading model: missing tensor"):
+        DraftMtpRunner(failing, "x.gguf", list(range(52)), 16, 2, 2, reference(NEW))
+
+
+def test_llama_cpp_refuses_bad_mtp_flags_before_any_work(tmp_path):
+    no_mtp = tmp_path / "llama-cli"
+    no_mtp.write_text("#!/bin/sh\necho '--spec-type none,draft-simple'\n")
+    no_mtp.chmod(0o755)
+    cases = [
+        (["--llama-mtp-bin", "/no/such/binary"], "error: --llama-mtp-bin /no/such/binary: no such executable file"),
+        (["--llama-mtp-bin", str(no_mtp)], f"error: --llama-mtp-bin {no_mtp}: its --help offers no --spec-type "
+                                           f"draft-mtp"),
+        (["--sizes", "85m", "--llama-mtp-bin", str(no_mtp)], "error: --llama-mtp-bin: no --nextn above 0 to draft "
+                                                             "with (--nextn is 0 on 85m)"),
+        (["--nextn", "0", "--llama-mtp-bin", str(no_mtp)], "error: --llama-mtp-bin: no --nextn above 0 to draft "
+                                                          "with (--nextn 0)"),
+    ]
+    cache = tmp_path / "cache"
+    for flags, message in cases:
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llama_cpp.py"), *flags], capture_output=True,
+                             text=True, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)}, timeout=120)
+        assert res.returncode == 2, res.stderr
+        assert res.stderr.strip().splitlines()[-1].startswith(f"llama_cpp.py: {message}")
+        assert "Traceback" not in res.stderr
+    assert not cache.exists() or not any(cache.rglob("*"))  # no checkpoint, export or GGUF begun
