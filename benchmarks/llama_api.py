@@ -221,10 +221,10 @@ def quantize_child(src: str, out: str, kind: str, threads: int, requantize: bool
     return {"seconds": time.perf_counter() - t0}
 
 
-def run_child(python: str, *args, script: str = __file__) -> dict:
-    """The `--child` entry `args` of `script` (this file's by default) in a fresh process of `python` (its stderr
-    shown only if it fails); its last stdout line is JSON."""
-    res = subprocess.run([python, script, "--child", json.dumps(args)], capture_output=True, text=True)
+def run_child(python: str, *args) -> dict:
+    """This file's `--child` entry `args` in a fresh process of `python` (its stderr shown only if it fails);
+    its last stdout line is JSON."""
+    res = subprocess.run([python, __file__, "--child", json.dumps(args)], capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"{res.stderr[-3000:]}\n{args[0]} ({python}) failed (exit {res.returncode}); its stderr's "
                          f"end is above")
