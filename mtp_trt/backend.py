@@ -42,7 +42,8 @@ class Backend(ABC):
             replay: bool = False) -> dict[str, np.ndarray]:
         """Run graph `graph` on slots 0..n-1 with the inputs in `feed` that it has (+ its caches: `family`, the
         persistent cache of an MTP graph's `kv`) and commit its new rows at past_len; returns the outputs `fetch`.
-        replay: the call repeats every step with the same shapes (the step and tree graphs: worth capturing)."""
+        replay: the call repeats every step with the same shapes (the step and tree graphs: worth capturing or
+        binding once); its returned arrays may then be overwritten by the next call of the same graph."""
 
     @abstractmethod
     def has_graph(self, graph: str) -> bool:
@@ -217,6 +218,7 @@ class OrtBackend(Backend):
         self.np_dtype = C.dtype(manifest.dtype).host
         self.caches: dict[str, list[np.ndarray]] = {}
         self.views: dict[tuple, dict[str, np.ndarray]] = {}
+        self.bound: dict[tuple, tuple] = {}
         self.written = np.zeros(0, np.int64)  # allocate
 
     def session(self, name: str):
@@ -289,6 +291,7 @@ class OrtBackend(Backend):
         self.caches = {C.TARGET_FAMILY: [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
         self.caches |= {C.mtp_family(k): [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
         self.views = {}  # (graph, family, n) -> its cache inputs (_cache_views)
+        self.bound = {}  # (graph, family, n, outputs, input shapes) -> its bound call (_run_bound)
         self.written = np.zeros(batch, np.int64)  # per slot: rows below this were ever written (swap_slots)
 
     def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
@@ -332,13 +335,44 @@ class OrtBackend(Backend):
     def run(self, graph, n, feed, fetch, family=mtp_family(0), replay=False):
         inputs, kv_outputs, groups = self._plan(graph, family)
         views = self._cache_views(graph, family, n, groups)
-        feed = {k: v for k, v in feed.items() if k in inputs} | views
+        feed = {k: v for k, v in feed.items() if k in inputs}
         names = fetch + kv_outputs
-        out = dict(zip(names, self.session(graph).run(names, feed)))
+        if replay:
+            out = self._run_bound(graph, family, n, feed, names, views)
+        else:
+            out = dict(zip(names, self.session(graph).run(names, feed | views)))
         for offset, entries in groups:  # one index computation per window offset
             self._commit([views[kv] for kv, *_ in entries], [out.pop(new) for *_, new in entries],
                          feed[C.PAST_LEN] + offset)
         return out
+
+    def _run_bound(self, graph: str, family: str, n: int, feed: dict[str, np.ndarray], names: list[str],
+                   views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A call that repeats with the same shapes (a step or tree graph on every decode step): its inputs and
+        outputs bound once (ONNX Runtime's IOBinding) to arrays of this backend's -- the cache views, input arrays
+        that each call fills in place, output arrays that each call overwrites -- so that a call converts and
+        allocates nothing.  The first call of each shape runs unbound, which gives the outputs' shapes.  The
+        returned arrays are those bound: the next call of this graph overwrites them."""
+        key = (graph, family, n, tuple(names), *((k, v.shape) for k, v in feed.items()))
+        bound = self.bound.get(key)
+        if bound is None:
+            import onnxruntime as ort
+
+            session = self.session(graph)
+            arrays = {k: np.array(v, copy=True, order="C") for k, v in feed.items()}
+            outs = {k: np.array(v, copy=True, order="C") for k, v in zip(names, session.run(names, arrays | views))}
+            binding = session.io_binding()
+            for k, v in (arrays | views).items():
+                binding.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
+            for k, v in outs.items():
+                binding.bind_ortvalue_output(k, ort.OrtValue.ortvalue_from_numpy(v))
+            self.bound[key] = (session, binding, arrays, outs)
+            return dict(outs)
+        session, binding, arrays, outs = bound
+        for k, v in feed.items():
+            np.copyto(arrays[k], v, casting="same_kind")
+        session.run_with_iobinding(binding)
+        return dict(outs)
 
     def swap_slots(self, i, j):
         rows = max(self.written[i], self.written[j])  # beyond: never written, zero in both
