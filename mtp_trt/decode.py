@@ -299,12 +299,14 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
     n = st.n
     start = st.past_len[:n].copy()
     st.past_len[:n] += num + 1
-    st.last[:n] = tokens[np.arange(n), num]
     stats.steps += 1
     stats.num_drafts += n
-    stats.num_accepted_tokens_per_pos += (num[:, None] > np.arange(opts.nextn)).sum(0)
     # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most)
-    for s, row, m, past in zip(_active(st, seqs), tokens.tolist(), num.tolist(), st.past_len[:n].tolist()):
+    accepted, nums = tokens.tolist(), num.tolist()
+    st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
+    for m in nums:
+        stats.num_accepted_tokens_per_pos[:m] += 1
+    for s, row, m, past in zip(_active(st, seqs), accepted, nums, st.past_len[:n].tolist()):
         s.steps += 1
         room = s.max_new_tokens - s.num_generated
         for t in row[:min(m + 1, room)]:
