@@ -113,6 +113,31 @@ def test_fused_step_equals_separate_graphs(setup, mode, nextn):
     assert [s.draft_log for s in fused] == [s.draft_log for s in separate]
 
 
+class _Unbound(OrtBackend):
+    """An OrtBackend whose step calls convert their inputs and outputs on every call (no IOBinding)."""
+
+    def _run_bound(self, graph, family, n, feed, names, views):
+        return dict(zip(names, self.session(graph).run(names, feed | views)))
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_bound_step_calls_equal_unbound_ones(setup, mode):
+    """Step calls bound once (the caches, inputs filled in place, outputs overwritten) give what calls that convert
+    everything give, on one backend reused across cache sizes (each prompt alone: new caches) and batch sizes
+    (sequences finishing: fewer slots), drafts included."""
+    _, backends, reference = setup
+    be = backends[mode]
+    unbound = _Unbound(be.manifest)
+    opts = DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,))
+    for prompts in ([p] for p in PROMPTS), [PROMPTS, PROMPTS[::-1]]:
+        for batch in prompts:
+            bound, _ = generate(be, batch, opts)
+            plain, _ = generate(unbound, batch, opts)
+            assert [s.generated for s in bound] == [s.generated for s in plain]
+            assert [s.draft_log for s in bound] == [s.draft_log for s in plain]
+    assert be.bound and not unbound.bound
+
+
 def _reference_drafts(model, tokens, q, mode):
     """Recompute from scratch, in PyTorch with no cache, the K drafts made after position q."""
     with torch.no_grad():
