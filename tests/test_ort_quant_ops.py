@@ -153,6 +153,42 @@ def test_qmatmul_of_a_quantized_linear(bits):
     close(y, x.astype(np.float64) @ w.T, 0.02 if bits == 8 else 0.15)
 
 
+def test_weights_as_initializers_inputs_or_overridable_initializers():
+    """A node's constant inputs (initializers) are read once, when its kernel is made; graph inputs, and
+    initializers that a run may override (listed as graph inputs too), are read on every call: each run matches
+    the reference for the weights it ran with."""
+    rng = np.random.default_rng(5)
+    k, n = 96, 40
+    a, b = random_weight(rng, n, k, 8, 32, np.float16), random_weight(rng, n, k, 8, 32, np.float16)
+    x = activations(rng, 3, k)
+
+    def qmatmul_session(inputs: bool, initializers: bool):
+        node = helper.make_node("QMatMul", ["x", "w", "scales"], ["y"], domain=ort_lib.DOMAIN, K=k, N=n, bits=8,
+                                block_size=32)
+        weights = dict(w=a[0], scales=a[1])
+        graph = helper.make_graph(
+            [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)]
+            + [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+               for name, v in weights.items() if inputs],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            [numpy_helper.from_array(v, name) for name, v in weights.items() if initializers])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                        helper.make_opsetid(ort_lib.DOMAIN, 1)])
+        model.ir_version = 9
+        return ort_lib.session(model.SerializeToString(), ort.SessionOptions())
+
+    q = dict(k=k, bits=8, block_size=32)
+    constant = qmatmul_session(inputs=False, initializers=True)
+    for _ in range(2):
+        close(constant.run(None, {"x": x})[0], ref.qmatmul(x, *a, **q), EXACT)
+    fed = qmatmul_session(inputs=True, initializers=False)
+    overridable = qmatmul_session(inputs=True, initializers=True)
+    for w in (a, b, a):
+        close(fed.run(None, {"x": x, "w": w[0], "scales": w[1]})[0], ref.qmatmul(x, *w, **q), EXACT)
+        close(overridable.run(None, {"x": x, "w": w[0], "scales": w[1]})[0], ref.qmatmul(x, *w, **q), EXACT)
+    close(overridable.run(None, {"x": x})[0], ref.qmatmul(x, *a, **q), EXACT)
+
+
 # -------------------------------------------------------------------------------------------- QMoE
 def qmoe_inputs(rng, n, d, e, i, shared_i, bits, block):
     """moe_inputs with the experts' weights quantized (quant.quantize, so the weights are realistic)."""

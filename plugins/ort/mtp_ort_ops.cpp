@@ -88,31 +88,60 @@ double min_parallel_work() {
     return env && *env ? std::atof(env) : kMinParallelWork;
 }
 
+// `value`'s type, shape and data into v (present).
+OrtStatus* view_of(const OrtApi* api, const OrtValue* value, View& v) {
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    MTP_RETURN_IF(api->GetTensorTypeAndShape(value, &info));
+    size_t rank = 0;
+    OrtStatus* s = api->GetTensorElementType(info, &v.type);
+    if (!s) s = api->GetDimensionsCount(info, &rank);
+    if (!s) v.shape.resize(rank), s = api->GetDimensions(info, v.shape.data(), rank);
+    api->ReleaseTensorTypeAndShapeInfo(info);
+    if (s) return s;
+    v.present = true;
+    return api->GetTensorMutableData(const_cast<OrtValue*>(value), &v.data);
+}
+
+// A node's constant inputs (initializers that a run cannot override: the weights), viewed once when its kernel is
+// made; the others absent.  An input ONNX Runtime does not report as constant is read on every call.
+std::vector<View> constant_inputs(const OrtApi* api, const OrtKernelInfo* info, size_t inputs) {
+    std::vector<View> views(inputs);
+    for (size_t i = 0; i < inputs; ++i) {
+        int constant = 0;
+        const OrtValue* value = nullptr;
+        if (OrtStatus* s = api->KernelInfoGetConstantInput_tensor(info, i, &constant, &value)) {
+            api->ReleaseStatus(s);
+            continue;
+        }
+        if (!constant || !value) continue;
+        if (OrtStatus* s = view_of(api, value, views[i])) {
+            api->ReleaseStatus(s);
+            views[i] = View{};
+        }
+    }
+    return views;
+}
+
 // One Compute call: inputs, outputs, errors and the intra-op thread pool.
 struct Call {
     const OrtApi* api;
     OrtKernelContext* ctx;
     const char* op;
-    double min_work;  // min_parallel_work() when the kernel was made
+    double min_work;                    // min_parallel_work() when the kernel was made
+    const std::vector<View>& constants;  // constant_inputs() when the kernel was made
 
     OrtStatus* error(const std::string& what) const {
         return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string("mtp_trt.cpu::") + op + ": " + what).c_str());
     }
 
     OrtStatus* input(size_t i, View& v) const {
+        if (i < constants.size() && constants[i].present) {
+            v = constants[i];
+            return nullptr;
+        }
         const OrtValue* value = nullptr;
         MTP_RETURN_IF(api->KernelContext_GetInput(ctx, i, &value));
-        if (!value) return nullptr;
-        OrtTensorTypeAndShapeInfo* info = nullptr;
-        MTP_RETURN_IF(api->GetTensorTypeAndShape(value, &info));
-        size_t rank = 0;
-        OrtStatus* s = api->GetTensorElementType(info, &v.type);
-        if (!s) s = api->GetDimensionsCount(info, &rank);
-        if (!s) v.shape.resize(rank), s = api->GetDimensions(info, v.shape.data(), rank);
-        api->ReleaseTensorTypeAndShapeInfo(info);
-        if (s) return s;
-        v.present = true;
-        return api->GetTensorMutableData(const_cast<OrtValue*>(value), &v.data);
+        return value ? view_of(api, value, v) : nullptr;
     }
 
     template <class T>
@@ -1032,12 +1061,13 @@ struct Op : OrtCustomOp {
                 delete k;
                 return status;
             }
-            *kernel = new Bound{k, api, static_cast<const Op*>(op)->spec.name, min_parallel_work()};
+            const Spec& spec = static_cast<const Op*>(op)->spec;
+            *kernel = new Bound{k, api, spec.name, min_parallel_work(), constant_inputs(api, info, spec.inputs.size())};
             return nullptr;
         };
         KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
             auto* b = static_cast<Bound*>(kernel);
-            const Call call{b->api, ctx, b->name, b->min_work};
+            const Call call{b->api, ctx, b->name, b->min_work, b->constants};
             try {
                 return b->kernel->compute(call);
             } catch (const std::exception& e) {  // (allocation failures): an error, never an abort
@@ -1056,6 +1086,7 @@ struct Op : OrtCustomOp {
         const OrtApi* api;
         const char* name;
         double min_work;
+        std::vector<View> constants;
     };
 };
 
