@@ -55,12 +55,34 @@ constexpr char kDomain[] = "mtp_trt.cpu";
         if (OrtStatus* status_ = (expr)) return status_; \
     } while (0)
 
+// A tensor's dimensions, held in place (no allocation per call): rank kMaxRank at most.
+constexpr size_t kMaxRank = 8;
+struct Dims {
+    int64_t d[kMaxRank] = {};
+    size_t n = 0;
+
+    Dims() = default;
+    Dims(std::initializer_list<int64_t> v) : n(std::min(v.size(), kMaxRank)) { std::copy_n(v.begin(), n, d); }
+    size_t size() const { return n; }
+    bool empty() const { return n == 0; }
+    int64_t* data() { return d; }
+    const int64_t* data() const { return d; }
+    int64_t& operator[](size_t i) { return d[i]; }
+    int64_t operator[](size_t i) const { return d[i]; }
+    int64_t& back() { return d[n - 1]; }
+    void pop_back() { --n; }
+    const int64_t* begin() const { return d; }
+    const int64_t* end() const { return d + n; }
+    bool operator==(const Dims& o) const { return n == o.n && std::equal(d, d + n, o.d); }
+    bool operator!=(const Dims& o) const { return !(*this == o); }
+};
+
 // A tensor of the kernel context: data and shape (absent: an optional input left out).
 struct View {
     bool present = false;
     ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     void* data = nullptr;
-    std::vector<int64_t> shape;
+    Dims shape;
 
     const float* f() const { return static_cast<const float*>(data); }
     int64_t dim(int i) const { return shape[i < 0 ? int(shape.size()) + i : i]; }
@@ -95,7 +117,10 @@ OrtStatus* view_of(const OrtApi* api, const OrtValue* value, View& v) {
     size_t rank = 0;
     OrtStatus* s = api->GetTensorElementType(info, &v.type);
     if (!s) s = api->GetDimensionsCount(info, &rank);
-    if (!s) v.shape.resize(rank), s = api->GetDimensions(info, v.shape.data(), rank);
+    if (!s && rank > kMaxRank)
+        s = api->CreateStatus(ORT_INVALID_ARGUMENT, ("mtp_trt.cpu: an input of rank " + std::to_string(rank) +
+                                                     " (at most " + std::to_string(kMaxRank) + ")").c_str());
+    if (!s) v.shape.n = rank, s = api->GetDimensions(info, v.shape.data(), rank);
     api->ReleaseTensorTypeAndShapeInfo(info);
     if (s) return s;
     v.present = true;
@@ -145,7 +170,7 @@ struct Call {
     }
 
     template <class T>
-    OrtStatus* output(size_t i, const std::vector<int64_t>& shape, T** data) const {
+    OrtStatus* output(size_t i, const Dims& shape, T** data) const {
         OrtValue* value = nullptr;
         MTP_RETURN_IF(api->KernelContext_GetOutput(ctx, i, shape.data(), shape.size(), &value));
         return api->GetTensorMutableData(value, reinterpret_cast<void**>(data));
@@ -201,8 +226,8 @@ OrtStatus* need_float(const Call& c, const View& v, const char* name, size_t ran
 // ----------------------------------------------------------------------------- quantized weights
 // A quantized weight's two inputs (mtp_trt/quant.py): data uint8 `want` = [lead..., blocks, blob] and scales
 // float32 [lead..., blocks]; `form` names the dimensions in the error.
-OrtStatus* check_q(const Call& c, const View& q, const View& s, const char* name, const std::string& sname,
-                   const std::vector<int64_t>& want, const std::string& form) {
+OrtStatus* check_q(const Call& c, const View& q, const View& s, const char* name, const char* sname, const Dims& want,
+                   const char* form) {
     View expect;
     expect.shape = want;
     if (q.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || q.shape != want)
@@ -210,8 +235,8 @@ OrtStatus* check_q(const Call& c, const View& q, const View& s, const char* name
     expect.shape.pop_back();
     if ((s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) ||
         s.shape != expect.shape)
-        return c.error(sname + " " + s.str() + " must be float16 (or float32) " + expect.str() + " (as " + name + " " +
-                       q.str() + " without its last dimension)");
+        return c.error(std::string(sname) + " " + s.str() + " must be float16 (or float32) " + expect.str() + " (as " +
+                       name + " " + q.str() + " without its last dimension)");
     return nullptr;
 }
 
@@ -271,20 +296,20 @@ struct QMatMulKernel {
         const QWeights fmt{nullptr, nullptr, size_t(k), size_t(block), int(bits)};
         MTP_RETURN_IF(check_q(c, w, s, "w", "scales", {n, int64_t(fmt.blocks()), block * bits / 8},
                               "[N, ceil(K / block_size), block_size * bits / 8]"));
-        std::vector<int64_t> shape = x.shape;
+        Dims shape = x.shape;
         shape.back() = n;
         float* y = nullptr;
         MTP_RETURN_IF(c.output(0, shape, &y));
         const size_t m = size_t(x.size() / k), rows = size_t(n);
         if (!m) return nullptr;
         const QWeights q{static_cast<const uint8_t*>(w.data), s.data, fmt.k, fmt.block, fmt.bits, half(s)};
-        std::vector<uint8_t> qx(m * qrow_bytes(q));
-        MTP_RETURN_IF(quantize_parallel(c, x.f(), m, size_t(k), q, qx.data()));
+        uint8_t* qx = reinterpret_cast<uint8_t*>(scratch((m * qrow_bytes(q) + 3) / 4));  // (this thread's)
+        MTP_RETURN_IF(quantize_parallel(c, x.f(), m, size_t(k), q, qx));
         const double work = double(m) * double(rows) * double(k);
         const size_t per = c.serial(work) ? rows : chunk_rows(rows, 16, 16, 4);  // (4: the kernels' tile rows)
         auto part = [&](size_t i) {
             const size_t j0 = i * per, j1 = std::min(rows, j0 + per);
-            qrows_dot(qx.data(), m, q.from_row(j0), j1 - j0, y + j0, rows);
+            qrows_dot(qx, m, q.from_row(j0), j1 - j0, y + j0, rows);
         };
         return c.parallel((rows + per - 1) / per, part, work);
     }
