@@ -43,11 +43,16 @@ BLOCKS = (16, 32, 64, 128, 256)
 ROWS = (1, 2, 3, 7, 64)
 
 
-def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads: int = 2):
+WEIGHTS = ("fed", "initializers")  # how session() gives a node its constants
+
+
+def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads: int = 2, weights: str = "fed"):
     """A session of one mtp_trt.cpu node whose inputs are `constants` (name -> array, None: left out) and the
-    float32 inputs `fed`, of any shape.  The constants are fed too, from memory that ends where an unreadable
-    page begins (as the last tensor of weights.bin's mapping does): a kernel that reads past a weight or scale
-    array faults here instead of passing unnoticed."""
+    float32 inputs `fed`, of any shape.  weights "fed": the constants are fed too, from memory that ends where an
+    unreadable page begins (as the last tensor of weights.bin's mapping does): a kernel that reads past a weight
+    or scale array faults here instead of passing unnoticed; the kernels read the weights as stored.
+    "initializers": the constants are the graph's initializers, constant inputs to the node, which the VNNI paths
+    pack once (kernels.h QPack) and read packed."""
     names = list(constants)
     while names and constants[names[-1]] is None:
         names.pop()
@@ -56,14 +61,16 @@ def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads:
         [helper.make_node(op, [n if n in fed or constants[n] is not None else "" for n in names], ["y"],
                           domain=ort_lib.DOMAIN, **attrs)], "g",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in fed]
-        + [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape) for n, a in given.items()],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        + [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+           for n, a in given.items() if weights == "fed"],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(a, n) for n, a in given.items()] if weights == "initializers" else None)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                     helper.make_opsetid(ort_lib.DOMAIN, 1)])
     model.ir_version = 9
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    return Guarded(ort_lib.session(model.SerializeToString(), options), given)
+    return Guarded(ort_lib.session(model.SerializeToString(), options), given if weights == "fed" else {})
 
 
 class Guarded:
@@ -118,14 +125,16 @@ def qmatmul_case(block):
 
 
 # ----------------------------------------------------------------------------------------- QMatMul
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.float32], ids=["f16", "f32"])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_qmatmul_matches_reference(bits, block, scale_dtype):
-    k, n = qmatmul_case(block), 37
+def test_qmatmul_matches_reference(bits, block, scale_dtype, weights):
+    k, n = qmatmul_case(block), 100  # (packed: a whole group of 64 rows (AVX512), then tiles, the last cut short)
     rng = np.random.default_rng([bits, block])
     data, scales = random_weight(rng, n, k, bits, block, scale_dtype)
-    sess = session("QMatMul", dict(K=k, N=n, bits=bits, block_size=block), dict(x=None, w=data, scales=scales))
+    sess = session("QMatMul", dict(K=k, N=n, bits=bits, block_size=block), dict(x=None, w=data, scales=scales),
+                   weights=weights)
     for m in ROWS:
         x = activations(rng, m, k)
         y = sess.run(None, {"x": x})[0]
@@ -227,14 +236,15 @@ def qmoe_reference(ins, attrs, product=ref.qmatmul):
                     norm_topk_prob=bool(a["norm_topk_prob"]), scaling=a["routed_scaling_factor"], product=product)
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("case", QMOE_CASES,
                          ids=lambda c: "n{}-d{}-e{}-i{}-s{}-k{}-g{}-int{}-b{}".format(*c[:7], *c[12:]))
-def test_qmoe_matches_reference(case):
+def test_qmoe_matches_reference(case, weights):
     n, d, e, i, shared_i = case[:5]
     attrs = qmoe_attrs(case)
     ins = qmoe_inputs(np.random.default_rng(list(case[:5]) + list(case[12:])), n, d, e, i, shared_i, attrs["bits"],
                       attrs["block_size"])
-    y = session("QMoE", attrs, ins).run(None, {"x": ins["x"]})[0]
+    y = session("QMoE", attrs, ins, weights=weights).run(None, {"x": ins["x"]})[0]
     exact = qmoe_reference(ins, attrs)
     # The down projection's activations are rounded to int8 from the op's float32 SwiGLU and the reference's
     # float64 one: an activation on a rounding boundary can land on the neighbouring level, which moves its
@@ -244,7 +254,8 @@ def test_qmoe_matches_reference(case):
     close(y, qmoe_reference(ins, attrs, ref.qmatmul_float), QMOE_APPROX)
 
 
-def test_qmoe_without_routed_experts_is_a_dense_mlp_with_its_own_down_bits():
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_qmoe_without_routed_experts_is_a_dense_mlp_with_its_own_down_bits(weights):
     """No gate and no routed weights: a dense SwiGLU MLP (the quantized graphs' dense layers), its down-projection
     at `down_bits` (8, as int4 exports keep the first layer's) while the up-projection takes `bits` (4)."""
     rng = np.random.default_rng(12)
@@ -256,7 +267,7 @@ def test_qmoe_without_routed_experts_is_a_dense_mlp_with_its_own_down_bits():
                shared_fc1_scales=s1, shared_fc2=fc2, shared_fc2_scales=s2)
     attrs = dict(top_k=0, n_group=1, topk_group=1, softmax=0, group_top2=0, norm_topk_prob=0,
                  routed_scaling_factor=1.0, bits=4, block_size=block, down_bits=8)
-    y = session("QMoE", attrs, ins).run(None, {"x": x})[0]
+    y = session("QMoE", attrs, ins, weights=weights).run(None, {"x": x})[0]
     h = ref.qmatmul(x, fc1, s1, k=d, bits=4, block_size=block)
     a = (ref.silu(h[:, 0::2]) * h[:, 1::2]).astype(np.float32)
     close(y, ref.qmatmul(a, fc2, s2, k=i, bits=8, block_size=block), QMOE_APPROX)
@@ -284,32 +295,42 @@ def test_float32_scales_give_the_bits_of_the_same_float16_values():
 
 
 # ------------------------------------------------------------------------------ threads and paths
-def test_any_thread_count_gives_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_any_thread_count_gives_the_same_bits(monkeypatch, weights):
     """Work is split by output rows (QMatMul) and by units and columns (QMoE), never within a sum: 1, 2 and 3
-    threads agree exactly, whether every call is split (MTP_ORT_MIN_PARALLEL_WORK=0) or only large ones."""
+    threads agree exactly, whether every call is split (MTP_ORT_MIN_PARALLEL_WORK=0) or only large ones.  And a
+    row of x gets the same bits whatever rows run beside it (what an MTP verify step relies on: its rows must be
+    a one-token step's)."""
     rng = np.random.default_rng(4)
-    data, scales = random_weight(rng, 70, 200, 4, 32)
     x = rng.standard_normal((64, 200)).astype(np.float32)
+    mm_weights = {bits: random_weight(rng, 70, 200, bits, 32) for bits in (4, 8)}
     case = QMOE_CASES[4]
     ins = qmoe_inputs(rng, *case[:5], 8, 16)
     attrs = qmoe_attrs(case) | dict(bits=8, block_size=16)
     outs = []
     for split, threads in itertools.product(("0", ""), (1, 2, 3)):
         monkeypatch.setenv("MTP_ORT_MIN_PARALLEL_WORK", split)  # read when a session makes its kernels
-        mm = session("QMatMul", dict(K=200, N=70, bits=4, block_size=32), dict(x=None, w=data, scales=scales),
-                     threads=threads)
-        moe = session("QMoE", attrs, ins, threads=threads)
-        outs.append([mm.run(None, {"x": x[:1]})[0], mm.run(None, {"x": x})[0], moe.run(None, {"x": ins["x"]})[0]])
+        out = [session("QMoE", attrs, ins, threads=threads, weights=weights).run(None, {"x": ins["x"]})[0]]
+        for bits, (data, scales) in mm_weights.items():
+            mm = session("QMatMul", dict(K=200, N=70, bits=bits, block_size=32), dict(x=None, w=data, scales=scales),
+                         threads=threads, weights=weights)
+            rows = mm.run(None, {"x": x})[0]
+            for r0, r1 in ((0, 1), (5, 8), (9, 11), (60, 64)):
+                assert np.array_equal(mm.run(None, {"x": x[r0:r1]})[0], rows[r0:r1]), (bits, r0, r1)
+            out.append(rows)
+        outs.append(out)
     for out in outs[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(out, outs[0]))
 
 
 PATHS = {  # the path, the environment that forces it, the CPU flags it needs
     "avx512-vnni": ({}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
+    "avx512-vnni-unpacked": ({"MTP_ORT_PACK_MAX_BYTES": "0"}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
     "avx-vnni": ({"MTP_ORT_NO_AVX512": "1"}, ("avx_vnni",)),
     "avx2": ({"MTP_ORT_NO_VNNI": "1"}, ("avx2", "fma")),
     "scalar": ({"MTP_ORT_PORTABLE": "1"}, ()),
 }
+PACKED = ("avx512-vnni", "avx-vnni")  # the paths that pack constant weights
 PATH_CHILD = """
 import ctypes, sys
 import numpy as np
@@ -318,9 +339,12 @@ import test_ort_quant_ops as t
 from mtp_trt.plugins import ort_lib
 lib = ctypes.CDLL(str(ort_lib.resolve_library()))
 lib.MtpOrtQuantPath.restype = ctypes.c_char_p
+lib.MtpOrtPackedBytes.restype = ctypes.c_size_t
 outs = {{"path": np.array(lib.MtpOrtQuantPath().decode())}}
-for name, y in t.path_outputs():
+sessions = []  # (kept: their packed weights live as long as they do)
+for name, y in t.path_outputs(sessions):
     outs[name] = y
+outs["packed"] = np.array(lib.MtpOrtPackedBytes())
 np.savez(sys.argv[1], **outs)
 """
 
@@ -330,25 +354,28 @@ def path_inputs():
     for bits in (4, 8):
         for block in (16, 32, 256):
             k = qmatmul_case(block)
-            yield f"mm{bits}-{block}", (k, bits, block), random_weight(rng, 37, k, bits, block), \
+            yield f"mm{bits}-{block}", (k, bits, block), random_weight(rng, 100, k, bits, block), \
                 activations(rng, 7, k)
     k = qmatmul_case(32)  # float32 scales (exports of earlier revisions)
-    yield "mm4-32-f32", (k, 4, 32), random_weight(rng, 37, k, 4, 32, np.float32), activations(rng, 7, k)
+    yield "mm4-32-f32", (k, 4, 32), random_weight(rng, 100, k, 4, 32, np.float32), activations(rng, 7, k)
     yield "moe", QMOE_CASES[4], None, None
 
 
-def path_outputs():
-    """The ops' outputs on fixed inputs: QMatMul over bits, blocks and 1, 3 and 7 rows; one QMoE."""
-    for name, case, w, x in path_inputs():
+def path_outputs(sessions: list):
+    """The ops' outputs on fixed inputs, the weights fed and as initializers: QMatMul over bits, blocks and 1, 3
+    and 7 rows; one QMoE.  The sessions are appended to `sessions`."""
+    for (name, case, w, x), weights in itertools.product(path_inputs(), WEIGHTS):
         if w is not None:
             k, bits, block = case
-            sess = session("QMatMul", dict(K=k, N=37, bits=bits, block_size=block), dict(x=None, w=w[0], scales=w[1]))
+            sessions.append(session("QMatMul", dict(K=k, N=100, bits=bits, block_size=block),
+                                    dict(x=None, w=w[0], scales=w[1]), weights=weights))
             for m in (1, 3, 7):
-                yield f"{name}-m{m}", sess.run(None, {"x": x[:m]})[0]
+                yield f"{name}-m{m}-{weights}", sessions[-1].run(None, {"x": x[:m]})[0]
         else:
             attrs = qmoe_attrs(case)
             ins = qmoe_inputs(np.random.default_rng(1), *case[:5], attrs["bits"], attrs["block_size"])
-            yield name, session("QMoE", attrs, ins).run(None, {"x": ins["x"]})[0]
+            sessions.append(session("QMoE", attrs, ins, weights=weights))
+            yield f"{name}-{weights}", sessions[-1].run(None, {"x": ins["x"]})[0]
 
 
 def cpu_flags() -> set:
@@ -362,26 +389,73 @@ def cpu_flags() -> set:
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_instruction_set_matches_the_reference(path, tmp_path):
     """Each path the CPU has, forced by its environment variable in a child process (the path is chosen once
-    per process), against the reference at the exact tolerance: the same integer products everywhere."""
+    per process), against the reference at the exact tolerance: the same integer products everywhere, with the
+    weights read as stored and, on the VNNI paths (unless MTP_ORT_PACK_MAX_BYTES=0), constant weights packed."""
     env_vars, flags = PATHS[path]
     if not set(flags) <= cpu_flags():
         pytest.skip(f"this CPU lacks {', '.join(sorted(set(flags) - cpu_flags()))}")
-    env = {k: v for k, v in os.environ.items() if k not in ("MTP_ORT_PORTABLE", "MTP_ORT_NO_VNNI", "MTP_ORT_NO_AVX512")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MTP_ORT_PORTABLE", "MTP_ORT_NO_VNNI", "MTP_ORT_NO_AVX512", "MTP_ORT_PACK_MAX_BYTES")}
     out = tmp_path / "out.npz"
     run = subprocess.run([sys.executable, "-c", PATH_CHILD.format(tests=os.path.dirname(__file__)), str(out)],
                          env=env | env_vars, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     got = np.load(out)
-    assert str(got["path"]) == path
-    for name, case, w, x in path_inputs():
+    assert str(got["path"]) == path.removesuffix("-unpacked")
+    assert (int(got["packed"]) > 0) == (path in PACKED), int(got["packed"])
+    for (name, case, w, x), weights in itertools.product(path_inputs(), WEIGHTS):
         if w is not None:
             k, bits, block = case
             for m in (1, 3, 7):
-                close(got[f"{name}-m{m}"], ref.qmatmul(x[:m], *w, k=k, bits=bits, block_size=block), EXACT)
+                close(got[f"{name}-m{m}-{weights}"], ref.qmatmul(x[:m], *w, k=k, bits=bits, block_size=block), EXACT)
         else:
             attrs = qmoe_attrs(case)
             ins = qmoe_inputs(np.random.default_rng(1), *case[:5], attrs["bits"], attrs["block_size"])
-            close(got[name], qmoe_reference(ins, attrs), EXACT)
+            close(got[f"{name}-{weights}"], qmoe_reference(ins, attrs), EXACT)
+
+
+def test_packed_weights_are_one_copy_per_process_freed_with_their_sessions():
+    """Sessions handed the same weight memory (OrtBackend's shared weights.bin mapping) share one packed copy
+    of each quantized weight; it is freed when the last session that uses it is."""
+    if not {"avx512_vnni", "avx512vl", "avx512bw", "avx512dq"} <= cpu_flags() and "avx_vnni" not in cpu_flags():
+        pytest.skip("this CPU has no VNNI path: quantized weights are read as stored")
+    lib = ctypes.CDLL(str(ort_lib.resolve_library()))
+    lib.MtpOrtPackedBytes.restype = ctypes.c_size_t
+    if "MTP_ORT_PACK_MAX_BYTES" in os.environ:
+        pytest.skip("MTP_ORT_PACK_MAX_BYTES is set (this test's weight is packed at the default limit)")
+    rng = np.random.default_rng(3)
+    k, n = 256, 128
+    data, scales = random_weight(rng, n, k, 8, 32)
+    node = helper.make_node("QMatMul", ["x", "w", "scales"], ["y"], domain=ort_lib.DOMAIN, K=k, N=n, bits=8,
+                            block_size=32)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.zeros_like(data), "w"),
+                               numpy_helper.from_array(np.zeros_like(scales), "scales")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(ort_lib.DOMAIN, 1)])
+    model.ir_version = 9
+    shared = {"w": ort.OrtValue.ortvalue_from_numpy(data), "scales": ort.OrtValue.ortvalue_from_numpy(scales)}
+
+    def shared_session():
+        options = ort.SessionOptions()
+        for name, value in shared.items():
+            options.add_initializer(name, value)
+        return ort_lib.session(model.SerializeToString(), options)
+
+    x = activations(rng, 2, k)
+    before = lib.MtpOrtPackedBytes()
+    a = shared_session()
+    close(a.run(None, {"x": x})[0], ref.qmatmul(x, data, scales, k=k, bits=8, block_size=32), EXACT)
+    one = lib.MtpOrtPackedBytes() - before
+    assert one >= data.nbytes + 4 * scales.size  # the bytes, and the scales as float32
+    b = shared_session()
+    assert np.array_equal(b.run(None, {"x": x})[0], a.run(None, {"x": x})[0])
+    assert lib.MtpOrtPackedBytes() - before == one
+    del a
+    assert lib.MtpOrtPackedBytes() - before == one
+    del b
+    assert lib.MtpOrtPackedBytes() == before
 
 
 # ----------------------------------------------------------------------------------------- errors

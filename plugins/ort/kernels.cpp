@@ -820,6 +820,40 @@ void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* 
     }
 }
 
+size_t qpack_max_bytes() {
+    static const size_t limit = [] {
+        if (qpath() != QPath::avx512_vnni && qpath() != QPath::avx_vnni) return size_t(0);
+        const char* env = std::getenv("MTP_ORT_PACK_MAX_BYTES");
+        return env && *env ? size_t(std::strtoull(env, nullptr, 10)) : size_t(16) << 20;
+    }();
+    return limit;
+}
+
+QPack qpack(const QWeights& w, size_t n) {
+    QPack p;
+    const bool wide = qpath() == QPath::avx512_vnni;
+    p.n = n, p.k = w.k, p.block = w.block, p.bits = w.bits;
+    p.rows = wide ? q_avx512_vnni::kPackRows : q_avx_vnni::kPackRows;
+    p.group = wide ? q_avx512_vnni::kPackTiles : q_avx_vnni::kPackTiles;
+    const size_t P = p.rows, G = p.group, nb = w.blocks(), pieces = w.row_bytes() / 4;
+    p.bytes.assign(p.groups() * p.group_bytes() + 64, 0);
+    p.scales.assign(p.groups() * nb * G * P, 0.f);
+    uint8_t* out = const_cast<uint8_t*>(p.data());
+    for (size_t j = 0; j < n; ++j) {
+        const size_t g = j / (P * G), t = j / P % G, r = j % P;  // group, its tile, the tile's row
+        const uint8_t* row = w.data + j * w.row_bytes();
+        uint8_t* to = out + g * p.group_bytes() + (t * P + r) * 4;
+        for (size_t i = 0; i < pieces; ++i) std::memcpy(to + i * G * P * 4, row + 4 * i, 4);
+        for (size_t b = 0; b < nb; ++b) p.scales[((g * nb + b) * G + t) * P + r] = w.scale(j * nb + b);
+    }
+    return p;
+}
+
+void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy) {
+    if (qpath() == QPath::avx512_vnni) return q_avx512_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
+    return q_avx_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
+}
+
 const char* qpath_name() {
     static const char* names[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni"};
     return names[int(qpath())];

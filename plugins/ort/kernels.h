@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace mtp_ort {
 
@@ -123,6 +124,44 @@ void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint
 // y[i * ldy + j] = sum over 8-value parts of (x's scale * w's scale * sum(xq * wq)) for i < m rows of qx
 // (qrow_bytes(w) apart) and j < n rows of w; each part's sum of integer products is exact.
 void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy);
+
+// A quantized weight's rows repacked for the VNNI kernels (where the CPU has them).  A tile is `rows` weight
+// rows, one per int32 lane of the path's vectors; for every 8 values of K (an activation scale's span) a tile
+// holds its rows' 4-byte pieces side by side (8 bits: two pieces, 4 bits: one), so one vector load holds the
+// same piece of every row, the integer products of 8 values come out one row per lane, and the float work is
+// done once per 8 values for the whole tile, not once per 4-byte lane of each row.  The `group` tiles of a
+// group are interleaved piece by piece -- a pass over a group's tiles reads one run of memory -- and the scales
+// are float32 [groups][blocks][group][rows].  Rows past N are zeros.
+struct QPack {
+    size_t n = 0, rows = 0, group = 0;  // N, rows per tile, tiles per group
+    size_t k = 0, block = 0;
+    int bits = 0;
+    std::vector<uint8_t> bytes;  // the groups, `group_bytes()` each, from `data()` (64-byte aligned)
+    std::vector<float> scales;
+
+    size_t blocks() const { return (k + block - 1) / block; }
+    size_t group_rows() const { return rows * group; }
+    size_t groups() const { return (n + group_rows() - 1) / group_rows(); }
+    size_t group_bytes() const { return blocks() * block * size_t(bits) / 8 * group_rows(); }
+    const uint8_t* data() const {
+        return bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;
+    }
+    // the QWeights whose activation rows (qrow_bytes, quantize_rows) the packed kernels take
+    QWeights format() const { return {nullptr, nullptr, k, block, bits}; }
+};
+
+// The largest weight (its bytes, scales left out) packed: 0 where this CPU's path has no packed kernels (no
+// VNNI), else MTP_ORT_PACK_MAX_BYTES where set (0: never pack), else 16 MiB -- packing pays where the products are
+// compute-bound (cached weights, several activation rows) and little where a weight streams from memory, and a
+// packed copy is memory the weights take twice.
+size_t qpack_max_bytes();
+
+// W's first n rows packed (qpack_max_bytes() > 0).
+QPack qpack(const QWeights& w, size_t n);
+
+// qrows_dot against rows [j0, j0 + n) of a packed weight: y[i * ldy + j - j0].  Each row's result has the same
+// bits whatever j0, n and m (the rows of a tile and the activation rows of a call never meet in a sum).
+void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy);
 
 // The instruction set of the quantized products: "scalar", "avx2", "avx-vnni" or "avx512-vnni" (chosen once
 // per process from the CPU; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_VNNI=1 AVX2, MTP_ORT_NO_AVX512=1

@@ -39,7 +39,11 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -271,9 +275,59 @@ OrtStatus* quantize_parallel(const Call& c, const float* x, size_t m, size_t ldx
     return c.parallel((m + per - 1) / per, part, double(m) * double(ldx));
 }
 
+// The packed copies (qpack) of constant quantized weights: one per weight memory (data, scales, format), shared
+// by every kernel of the process that reads that memory -- the sessions of one export, whose weights all point
+// into one mapping of weights.bin -- and freed with the last kernel that holds it.
+struct PackRegistry {
+    using Key = std::tuple<const void*, const void*, size_t, size_t, size_t, int, bool>;
+    std::mutex mu;
+    std::map<Key, std::weak_ptr<const QPack>> packs;
+
+    static PackRegistry& get() {
+        static PackRegistry* r = new PackRegistry;  // (never destroyed: kernels may outlive static destructors)
+        return *r;
+    }
+    std::shared_ptr<const QPack> pack(const QWeights& w, size_t n) {
+        const Key key{w.data, w.scales, n, w.k, w.block, w.bits, w.half};
+        std::lock_guard<std::mutex> lock(mu);
+        if (auto p = packs[key].lock()) return p;
+        for (auto it = packs.begin(); it != packs.end();) it = it->second.expired() ? packs.erase(it) : std::next(it);
+        auto p = std::make_shared<const QPack>(qpack(w, n));
+        packs[key] = p;
+        return p;
+    }
+    size_t bytes() {  // of the live copies
+        std::lock_guard<std::mutex> lock(mu);
+        size_t total = 0;
+        for (const auto& [key, weak] : packs)
+            if (auto p = weak.lock()) total += p->bytes.size() + p->scales.size() * sizeof(float);
+        return total;
+    }
+};
+
+// A kernel's packed weights, one slot per (data, scales) input pair: packed on the first call where both inputs
+// are constant (initializers no run can override), the CPU has packed kernels and the weight is at most
+// qpack_max_bytes(); nullptr otherwise (the kernels then read the weights as stored).
+template <size_t N>
+struct PackSlots {
+    mutable std::once_flag once[N];
+    mutable std::shared_ptr<const QPack> pack[N];
+
+    // slot i for the weight at input `data` (its scales at data + 1); whether a weight is packed depends on its
+    // size alone, so every kernel of a process reads a given weight the same way
+    const QPack* get(const Call& c, size_t i, size_t data, const QWeights& w, size_t n) const {
+        if (n * w.row_bytes() > qpack_max_bytes() || data + 1 >= c.constants.size() || !c.constants[data].present ||
+            !c.constants[data + 1].present)
+            return nullptr;
+        std::call_once(once[i], [&] { pack[i] = PackRegistry::get().pack(w, n); });
+        return pack[i].get();
+    }
+};
+
 // ------------------------------------------------------------------------------------------ QMatMul
 struct QMatMulKernel {
     int64_t k = 0, n = 0, bits = 0, block = 0;
+    PackSlots<1> packed;
 
     QMatMulKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
         OrtStatus* s = attr_int(api, info, "K", &k);
@@ -306,9 +360,12 @@ struct QMatMulKernel {
         uint8_t* qx = reinterpret_cast<uint8_t*>(scratch((m * qrow_bytes(q) + 3) / 4));  // (this thread's)
         MTP_RETURN_IF(quantize_parallel(c, x.f(), m, size_t(k), q, qx));
         const double work = double(m) * double(rows) * double(k);
-        const size_t per = c.serial(work) ? rows : chunk_rows(rows, 16, 16, 4);  // (4: the kernels' tile rows)
+        const QPack* p = packed.get(c, 0, 1, q, rows);
+        // (the kernels' tile rows: 4, or a packed group's)
+        const size_t per = c.serial(work) ? rows : chunk_rows(rows, 16, 16, p ? p->group_rows() : 4);
         auto part = [&](size_t i) {
             const size_t j0 = i * per, j1 = std::min(rows, j0 + per);
+            if (p) return qrows_dot_packed(qx, m, *p, j0, j1 - j0, y + j0, rows);
             qrows_dot(qx, m, q.from_row(j0), j1 - j0, y + j0, rows);
         };
         return c.parallel((rows + per - 1) / per, part, work);
@@ -322,6 +379,8 @@ struct Weight {
     const uint8_t* q = nullptr;
     const void* s = nullptr;  // scales: float16 where `half`, else float32
     bool half = false;
+    const QPack* pack = nullptr;  // q and s packed (where they are), this matrix from its row `pack_row`
+    size_t pack_row = 0;
 };
 
 // The products of one MoE's experts: fp32 rows (bits 0), or int8 activations (quantize_rows' layout, `row_bytes`
@@ -336,6 +395,7 @@ struct Matvec {
     size_t row_bytes(size_t k) const { return bits ? qrow_bytes(format({}, k, 0)) : k * sizeof(float); }
     // out [m, rows] = the activation rows xp [m, k] against rows [row0, row0 + rows) of w
     void dot(const uint8_t* xp, size_t m, size_t k, const Weight& w, size_t row0, size_t rows, float* out) const {
+        if (w.pack) return qrows_dot_packed(xp, m, *w.pack, w.pack_row + row0, rows, out, rows);
         if (bits) return qrows_dot(xp, m, format(w, k, row0), rows, out, rows);
         rows_dot(reinterpret_cast<const float*>(xp), m, k, w.f + row0 * k, k, rows, k, out, rows);
     }
@@ -393,7 +453,7 @@ OrtStatus* run_experts(const Call& c, const Matvec& up_mv, const Matvec& down_mv
     std::vector<Item> items;
     const bool serial_up = c.serial(2 * double(d) * macs_per_d), serial_down = c.serial(double(d) * macs_per_d);
     for (Expert& e : experts) {
-        const size_t per = serial_up ? e.units : chunk_rows(e.units, 16, 8, 8);
+        const size_t per = serial_up ? e.units : chunk_rows(e.units, 16, 8, 32);  // (32 units: a packed group's rows)
         for (size_t u = 0; u < e.units; u += per) items.push_back({&e, u, std::min(e.units, u + per)});
     }
     auto up = [&](size_t i) {
@@ -413,7 +473,7 @@ OrtStatus* run_experts(const Call& c, const Matvec& up_mv, const Matvec& down_mv
         MTP_RETURN_IF(c.parallel(experts.size(), quantize, macs_per_d));
     }
     std::fill(y, y + n_tokens * d, 0.f);
-    const size_t per = serial_down ? d : chunk_rows(d, 32, 16, 8);
+    const size_t per = serial_down ? d : chunk_rows(d, 32, 16, 64);  // (64: a packed group's rows)
     auto down = [&](size_t item) {
         const size_t d0 = item * per, d1 = std::min(d, d0 + per), cols = d1 - d0;
         for (const Expert& e : experts) {
@@ -562,6 +622,7 @@ struct MoEKernel : Router {
 // matrices' bits (a dense MLP's down-projection may keep 8 bits under 4-bit weights).
 struct QMoEKernel : Router {
     int64_t bits = 0, block = 0, down_bits = 0;
+    PackSlots<4> packed;  // fc1, fc2, shared_fc1, shared_fc2
 
     QMoEKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) : Router(api, info, status) {
         if (!*status) *status = quant_attrs(api, info, "QMoE", &bits, &block);
@@ -611,19 +672,28 @@ struct QMoEKernel : Router {
         MTP_RETURN_IF(c.output(0, x.shape, &y));
         const size_t n = size_t(x.size() / d);
         auto q = [](const View& v) { return static_cast<const uint8_t*>(v.data); };
+        // a weight input pair as QWeights (every expert's rows one after another) and its packed copy
+        auto weight = [&](size_t slot, size_t in, const View& w, const View& sc, int64_t k, int64_t b, size_t rows) {
+            const QWeights qw{q(w), sc.data, size_t(k), size_t(block), int(b), half(sc)};
+            return Weight{nullptr, qw.data, qw.scales, qw.half, packed.get(c, slot, in, qw, rows)};
+        };
         std::vector<Expert> experts;
         if (gate.present) {
             const size_t units = size_t(i2 / 2), b1 = size_t(blocks(d)), b2 = size_t(blocks(i2 / 2));
             const size_t rows1 = size_t(i2), rows2 = size_t(d);
+            const Weight all1 = weight(0, 3, fc1, fc1s, d, bits, size_t(n_exp) * rows1);
+            const Weight all2 = weight(1, 5, fc2, fc2s, i2 / 2, down_bits, size_t(n_exp) * rows2);
             experts = route(x, gate, bias, units, [&](size_t e) {
                 return std::pair<Weight, Weight>{
-                    {nullptr, q(fc1) + e * rows1 * b1 * size_t(blob), scales_at(fc1s, e * rows1 * b1), half(fc1s)},
-                    {nullptr, q(fc2) + e * rows2 * b2 * size_t(blob2), scales_at(fc2s, e * rows2 * b2), half(fc2s)}};
+                    {nullptr, q(fc1) + e * rows1 * b1 * size_t(blob), scales_at(fc1s, e * rows1 * b1), half(fc1s),
+                     all1.pack, e * rows1},
+                    {nullptr, q(fc2) + e * rows2 * b2 * size_t(blob2), scales_at(fc2s, e * rows2 * b2), half(fc2s),
+                     all2.pack, e * rows2}};
             });
         }
         if (present)
-            experts.push_back(all_tokens({nullptr, q(sfc1), sfc1s.data, half(sfc1s)},
-                                         {nullptr, q(sfc2), sfc2s.data, half(sfc2s)}, size_t(s2 / 2), n));
+            experts.push_back(all_tokens(weight(2, 7, sfc1, sfc1s, d, bits, size_t(s2)),
+                                         weight(3, 9, sfc2, sfc2s, s2 / 2, down_bits, size_t(d)), size_t(s2 / 2), n));
         return run_experts(c, Matvec{int(bits), size_t(block)}, Matvec{int(down_bits), size_t(block)}, experts, x.f(),
                            n, size_t(d), y);
     }
@@ -1158,6 +1228,12 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
 // The instruction set of the quantized products in this process ("scalar", "avx2", "avx-vnni", "avx512-vnni"):
 // for tests and benchmarks, through ctypes.
 extern "C" __attribute__((visibility("default"))) const char* MtpOrtQuantPath() { return mtp_ort::qpath_name(); }
+
+// The bytes of the packed weight copies the process holds (the quantized operators' kernels on the VNNI paths),
+// likewise.
+extern "C" __attribute__((visibility("default"))) size_t MtpOrtPackedBytes() {
+    return mtp_ort::PackRegistry::get().bytes();
+}
 
 // The instruction set of the lightning indexer's scores ("scalar", "avx2", "avx512"), likewise.
 extern "C" __attribute__((visibility("default"))) const char* MtpOrtIndexPath() { return mtp_ort::index_path_name(); }

@@ -35,6 +35,10 @@ struct Vec {
     }
     QK static F set1(float f) { return _mm512_set1_ps(f); }
     QK static I set1_8(char b) { return _mm512_set1_epi8(b); }
+    QK static I set1_32(int32_t v) { return _mm512_set1_epi32(v); }
+    QK static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+    QK static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    QK static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
     QK static F zero() { return _mm512_setzero_ps(); }
     QK static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
     QK static I srl32(I v, int n) { return _mm512_srli_epi32(v, n); }
@@ -73,6 +77,10 @@ struct Vec {
     }
     QK static F set1(float f) { return _mm256_set1_ps(f); }
     QK static I set1_8(char b) { return _mm256_set1_epi8(b); }
+    QK static I set1_32(int32_t v) { return _mm256_set1_epi32(v); }
+    QK static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+    QK static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    QK static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
     QK static F zero() { return _mm256_setzero_ps(); }
     QK static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
     QK static I srl32(I v, int n) { return _mm256_srli_epi32(v, n); }
@@ -236,3 +244,131 @@ QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float
     if (w.bits == 4) return w.half ? qdot<4, true>(x, m, w, n, y, ldy) : qdot<4, false>(x, m, w, n, y, ldy);
     return w.half ? qdot<8, true>(x, m, w, n, y, ldy) : qdot<8, false>(x, m, w, n, y, ldy);
 }
+
+#if QK_VNNI
+// ------------------------------------------------------------------------------------ packed weights (QPack)
+// A tile is Vec::kLanes weight rows, row p in lane p; a group kPackTiles tiles.  For each 8 values G of K (an
+// activation scale's span): 8 bits, two pieces (bytes 8G..8G+3 and 8G+4..8G+7 of each row); 4 bits, one
+// (bytes 4G..4G+3: the 8 values' low nibbles are their even elements, the high nibbles the odd ones).  A piece
+// is one vector, the tile's rows' 4 bytes side by side, and the group's tiles' pieces follow each other.  Their
+// products with the activation's matching 4 bytes (broadcast to every lane) start from the zero-point
+// correction of the 8 values (QAct::corr), are scaled by their activation scale into a per-block float sum,
+// and each block's sum by the rows' block scales into the result.  The hardware prefetchers follow the one run
+// of memory a group's pass reads (prefetch instructions made it slower, cached or not).
+constexpr size_t kPackRows = Vec::kLanes;
+constexpr size_t kPackTiles = QK_512 ? 4 : 2;  // the tiles one pass takes (their accumulators fill the registers)
+constexpr int kPackCols = 2;                   // activation rows per pass
+
+QK inline int32_t load32(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// The activation's bytes that meet piece `h` of the 8 values G (4 bits: h 0 the low nibbles' even elements,
+// 1 the odd ones; 8 bits: x's order).
+template <int Bits>
+QK inline size_t x_piece(size_t g, int h) {
+    if constexpr (Bits == 8) return 8 * g + 4 * size_t(h);
+    const size_t kb = g / 4;
+    return kb / 4 * 128 + size_t(h) * 64 + kb % 4 * 16 + g % 4 * 4;
+}
+
+// T tiles of a group (from tile t0, all in one group) by C activation rows; rows of the tiles outside [j0, j1)
+// are not stored.
+template <int Bits, int T, int C>
+QK void ptile(const QPack& p, size_t t0, const uint8_t* x, size_t ldx, const QAct& a, size_t j0, size_t j1,
+              float* y, size_t ldy) {
+    constexpr size_t P = kPackRows, piece = 4 * P, pieces = Bits == 8 ? 2 : 1;  // pieces per 8 values
+    constexpr size_t stride = kPackTiles * piece;                                // from one piece to the next
+    const size_t nb = p.blocks(), per_block = p.block / 8, g0 = t0 / kPackTiles, ti = t0 % kPackTiles;
+    const uint8_t* w = p.data() + g0 * p.group_bytes() + ti * piece;
+    const float* ws = p.scales.data() + (g0 * nb * kPackTiles + ti) * P;
+    Vec::F acc[T][C];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[t][c] = Vec::zero();
+    size_t g = 0;
+    for (size_t b = 0; b < nb; ++b) {
+        Vec::F part[T][C];
+#pragma GCC unroll 8
+        for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) part[t][c] = Vec::zero();
+        for (size_t e = 0; e < per_block; ++e, ++g) {
+            Vec::I lo[T], hi[T];
+#pragma GCC unroll 8
+            for (int t = 0; t < T; ++t) {
+                const uint8_t* wt = w + g * pieces * stride + t * piece;
+                if constexpr (Bits == 8) {
+                    lo[t] = Vec::load(wt), hi[t] = Vec::load(wt + stride);
+                } else {
+                    const Vec::I u = Vec::load(wt);
+                    lo[t] = Vec::low_nibbles(u), hi[t] = Vec::high_nibbles(u);
+                }
+            }
+            const size_t lane = Bits == 8 ? 2 * g : g;  // QAct's lane of these 8 values
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) {
+                const uint8_t* xc = x + c * ldx;
+                const Vec::I corr = Vec::set1_32(load32(xc + a.corr_at + 4 * lane));
+                const Vec::I x0 = Vec::set1_32(load32(xc + x_piece<Bits>(g, 0)));
+                const Vec::I x1 = Vec::set1_32(load32(xc + x_piece<Bits>(g, 1)));
+                const Vec::F xs = Vec::set1(reinterpret_cast<const float*>(xc + a.scale_at)[lane]);
+#pragma GCC unroll 8
+                for (int t = 0; t < T; ++t)
+                    part[t][c] = Vec::fma(Vec::cvt(Vec::dot(Vec::dot(corr, lo[t], x0), hi[t], x1)), xs, part[t][c]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < T; ++t) {
+            const Vec::F s = Vec::loadf(ws + (b * kPackTiles + t) * P);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) acc[t][c] = Vec::fma(part[t][c], s, acc[t][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+        const size_t r0 = (t0 + t) * P;  // the tile's first row
+        if (r0 >= j0 && r0 + P <= j1) {
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) Vec::storef(y + c * ldy + (r0 - j0), acc[t][c]);
+            continue;
+        }
+        alignas(64) float rows[P];
+        for (int c = 0; c < C; ++c) {
+            Vec::storef(rows, acc[t][c]);
+            for (size_t r = std::max(r0, j0); r < std::min(r0 + P, j1); ++r) y[c * ldy + (r - j0)] = rows[r - r0];
+        }
+    }
+}
+
+// m activation rows against the tiles of rows [j0, j1), a group at a time (whole groups in one pass, the tiles
+// of a group cut short one by one), each group by every kPackCols rows of x while it is in cache.
+template <int Bits>
+QK void pdot(const uint8_t* x, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy) {
+    constexpr size_t T = kPackTiles;
+    const QAct a(p.format());
+    const size_t j1 = j0 + n, end = (j1 + kPackRows - 1) / kPackRows;
+    for (size_t t = j0 / kPackRows; t < end;) {
+        const bool whole = t % T == 0 && t + T <= end;
+        size_t i = 0;
+        for (; i + kPackCols <= m; i += kPackCols) {
+            if (whole) ptile<Bits, T, kPackCols>(p, t, x + i * a.bytes, a.bytes, a, j0, j1, y + i * ldy, ldy);
+            else ptile<Bits, 1, kPackCols>(p, t, x + i * a.bytes, a.bytes, a, j0, j1, y + i * ldy, ldy);
+        }
+        if (i < m) {  // (kPackCols == 2: one row left)
+            if (whole) ptile<Bits, T, 1>(p, t, x + i * a.bytes, a.bytes, a, j0, j1, y + i * ldy, ldy);
+            else ptile<Bits, 1, 1>(p, t, x + i * a.bytes, a.bytes, a, j0, j1, y + i * ldy, ldy);
+        }
+        t += whole ? T : 1;
+    }
+}
+
+QK void qrows_dot_packed(const uint8_t* x, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy) {
+    static_assert(kPackCols == 2, "pdot's remainder is one activation row");
+    if (p.bits == 4) return pdot<4>(x, m, p, j0, n, y, ldy);
+    return pdot<8>(x, m, p, j0, n, y, ldy);
+}
+#endif
