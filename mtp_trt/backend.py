@@ -159,6 +159,11 @@ def default_threads() -> int:
 # demo 23 MB, pre-packed copies 1.2-1.7x faster and small; 85M checkpoint 374 MB, copies 1.8x the memory for
 # ~1.1x speed).
 SHARE_WEIGHTS_BYTES = 128 << 20
+# OrtBackend has mtp-trt's quantized operators pack their weights (a second copy, made once per process) up to
+# this size of weights.bin: below it the weights stay in the CPU's caches from step to step and the packed
+# products are 1.26-1.39x faster decode steps (demo, 7 MB); weights read from memory on every step gain 0.96-1.11x
+# (85M, 304M), not worth twice the memory at hundreds of MB.
+PACK_WEIGHTS_BYTES = 128 << 20
 # ONNX data type -> numpy dtype of the weights a session can be handed (others load the usual way)
 ONNX_NUMPY = {C.dtype(t).onnx: C.dtype(t).host for t in ("fp32", "uint8", "fp16", "int32", "int64", "bool", "fp64")}
 
@@ -190,10 +195,16 @@ class OrtBackend(Backend):
     benchmarks/shared_weights.py).  Without sharing every session holds its own pre-packed copy: 1.2-1.7x
     faster than sharing everything on the demo (23 MB, cache-resident).  share_weights=None (default)
     shares from SHARE_WEIGHTS_BYTES of weights up, where the copies cost more than the packing saves, and
-    always for quantized weights (mtp-trt's quantized operators read them in place)."""
+    always for quantized weights (mtp-trt's quantized operators read them from the shared memory, and pack one
+    copy per process of those they pack, whatever the number of sessions).
+
+    `pack_weights`: whether the quantized operators pack their weights (docs/architecture.md, "CPU operators");
+    None (default) from weights.bin's size below PACK_WEIGHTS_BYTES.  Every session of a backend packs or not
+    alike, so its steps of any nextn give the same bits for the same rows."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
-                 prepack: tuple[str, ...] = (C.STEP_PREFIX, C.TREE_PREFIX), spin: bool = True):
+                 prepack: tuple[str, ...] = (C.STEP_PREFIX, C.TREE_PREFIX), spin: bool = True,
+                 pack_weights: bool | None = None):
         import onnxruntime as ort
 
         if manifest.lowering != "onnx":
@@ -209,6 +220,9 @@ class OrtBackend(Backend):
         if share_weights is None:  # quantized weights are read in place by mtp-trt's operators: nothing to pre-pack
             share_weights = weights.get("bytes", 0) >= SHARE_WEIGHTS_BYTES or manifest.quant.quantized
         self.tables = weights.get("initializers") if share_weights else None
+        if pack_weights is None:
+            pack_weights = weights.get("bytes", 0) < PACK_WEIGHTS_BYTES
+        self.pack_weights = pack_weights
         self.prepack = prepack  # graphs (name prefixes) that pre-pack a private copy even when sharing
         self.spin = spin  # whether ONNX Runtime's threads spin between the kernels of a run (above)
         self.mapped: np.ndarray | None = None  # weights.bin, mapped on first use
@@ -251,6 +265,8 @@ class OrtBackend(Backend):
                 raise MtpTrtError(f"{self.manifest.root}: exported with mtp-trt's CPU operators, which are not "
                                   f"available here ({why}); re-export with --no-cpu-ops")
             ort_lib.register(options)
+            if not self.pack_weights:
+                options.add_session_config_entry(ort_lib.PACK_MAX_BYTES_KEY, "0")
         options.intra_op_num_threads = self.threads
         options.add_session_config_entry("session.force_spinning_stop", "1")
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")

@@ -145,6 +145,11 @@ def register(session_options) -> None:
     session_options.register_custom_ops_library(str(path))
 
 
+# The session config entry that limits which weights the quantized operators pack (bytes; "0": none): at most
+# the process's limit (MTP_ORT_PACK_MAX_BYTES, default 16 MiB per weight).  Read by ONNX Runtime >= 1.24.
+PACK_MAX_BYTES_KEY = "mtp_trt.cpu.pack_max_bytes"
+
+
 def float_dequantized_matmuls(options) -> None:
     """Have ONNX Runtime compute DequantizeLinear + MatMul (the quantized graphs for TensorRT) as written, in float:
     by default it fuses the pair into a MatMulNBits that rounds the activations to int8, which TensorRT's

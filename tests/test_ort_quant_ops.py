@@ -416,7 +416,8 @@ def test_every_instruction_set_matches_the_reference(path, tmp_path):
 
 def test_packed_weights_are_one_copy_per_process_freed_with_their_sessions():
     """Sessions handed the same weight memory (OrtBackend's shared weights.bin mapping) share one packed copy
-    of each quantized weight; it is freed when the last session that uses it is."""
+    of each quantized weight; it is freed when the last session that uses it is.  A session's config entry
+    ort_lib.PACK_MAX_BYTES_KEY limits the weights it packs."""
     if not {"avx512_vnni", "avx512vl", "avx512bw", "avx512dq"} <= cpu_flags() and "avx_vnni" not in cpu_flags():
         pytest.skip("this CPU has no VNNI path: quantized weights are read as stored")
     lib = ctypes.CDLL(str(ort_lib.resolve_library()))
@@ -437,10 +438,12 @@ def test_packed_weights_are_one_copy_per_process_freed_with_their_sessions():
     model.ir_version = 9
     shared = {"w": ort.OrtValue.ortvalue_from_numpy(data), "scales": ort.OrtValue.ortvalue_from_numpy(scales)}
 
-    def shared_session():
+    def shared_session(limit: int | None = None):
         options = ort.SessionOptions()
         for name, value in shared.items():
             options.add_initializer(name, value)
+        if limit is not None:
+            options.add_session_config_entry(ort_lib.PACK_MAX_BYTES_KEY, str(limit))
         return ort_lib.session(model.SerializeToString(), options)
 
     x = activations(rng, 2, k)
@@ -456,6 +459,13 @@ def test_packed_weights_are_one_copy_per_process_freed_with_their_sessions():
     assert lib.MtpOrtPackedBytes() - before == one
     del b
     assert lib.MtpOrtPackedBytes() == before
+    if tuple(int(v) for v in ort.__version__.split(".")[:2]) < (1, 24):
+        return  # (kernels see their session's config entries from ONNX Runtime 1.24)
+    for limit, packed in ((0, False), (data.nbytes - 1, False), (data.nbytes, True)):  # a session's own limit
+        c = shared_session(limit)
+        close(c.run(None, {"x": x})[0], ref.qmatmul(x, data, scales, k=k, bits=8, block_size=32), EXACT)
+        assert lib.MtpOrtPackedBytes() - before == (one if packed else 0), limit
+        del c
 
 
 # ----------------------------------------------------------------------------------------- errors

@@ -2,6 +2,9 @@
 the PyTorch reference computes on the same (dequantized) weights; greedy MTP decoding of a quantized export
 equals plain greedy decoding of the same export; bad settings fail in one line."""
 
+import ctypes
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -206,12 +209,19 @@ def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(draft
     ckpt, root = drafting
     out = export(ckpt, root / f"{mode}-{name}", nextn=3, mtp_mode=mode, max_seq_len=128, trees="none",
                  quant_scheme=name)
-    backend = OrtBackend(Manifest.load(out))
-    plain, _ = generate(backend, PROMPTS, DecodeOptions(nextn=0, max_new_tokens=20, eos_ids=(EOS,)))
-    for nextn in (1, 2, 3):
-        seqs, stats = generate(backend, PROMPTS, DecodeOptions(nextn=nextn, max_new_tokens=20, eos_ids=(EOS,)))
-        assert [s.generated for s in seqs] == [s.generated for s in plain]
-        assert stats.mean_acceptance_length > 1.2, "drafts must be partly accepted for this test to bite"
+    lib = ctypes.CDLL(str(ort_lib.resolve_library()))
+    lib.MtpOrtQuantPath.restype, lib.MtpOrtPackedBytes.restype = ctypes.c_char_p, ctypes.c_size_t
+    packs = lib.MtpOrtQuantPath().decode() in ("avx512-vnni", "avx-vnni") and "MTP_ORT_PACK_MAX_BYTES" not in os.environ
+    for pack in (False, True):  # the operators reading the weights as stored, then packed (the demo's default)
+        before = lib.MtpOrtPackedBytes()
+        backend = OrtBackend(Manifest.load(out), pack_weights=pack)
+        plain, _ = generate(backend, PROMPTS, DecodeOptions(nextn=0, max_new_tokens=20, eos_ids=(EOS,)))
+        for nextn in (1, 2, 3):
+            seqs, stats = generate(backend, PROMPTS, DecodeOptions(nextn=nextn, max_new_tokens=20, eos_ids=(EOS,)))
+            assert [s.generated for s in seqs] == [s.generated for s in plain]
+            assert stats.mean_acceptance_length > 1.2, "drafts must be partly accepted for this test to bite"
+        assert (lib.MtpOrtPackedBytes() > before) == (pack and packs)
+        del backend
 
 
 def test_quantized_export_for_onnx_runtime_needs_the_cpu_operators(ckpt, tmp_path):

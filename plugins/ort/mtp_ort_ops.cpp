@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -53,6 +54,7 @@ namespace {
 
 constexpr uint32_t kApiVersion = 18;  // ONNX Runtime >= 1.18 (KernelContext_ParallelFor: 1.17)
 constexpr char kDomain[] = "mtp_trt.cpu";
+const OrtApiBase* g_api_base = nullptr;  // RegisterCustomOps' (for the APIs newer than kApiVersion)
 
 #define MTP_RETURN_IF(expr)                       \
     do {                                          \
@@ -114,6 +116,30 @@ double min_parallel_work() {
     return env && *env ? std::atof(env) : kMinParallelWork;
 }
 
+// The largest weight a session's kernels pack (kernels.h qpack_max_bytes): the session's config entry
+// kPackMaxBytesKey where ONNX Runtime (>= 1.24) hands kernels their session's entries and it is set, at most the
+// process's limit.  Every kernel of a session, so of an OrtBackend, reads a given weight the same way.
+constexpr const char* kPackMaxBytesKey = "mtp_trt.cpu.pack_max_bytes";
+
+size_t pack_max_bytes(const OrtApiBase* base, const OrtKernelInfo* info) {
+    size_t limit = qpack_max_bytes();
+    // KernelInfo_GetConfigEntries is API 24 (ONNX Runtime 1.24); older versions print an error when asked for it
+    unsigned major = 0, minor = 0;
+    if (!limit || std::sscanf(base->GetVersionString(), "%u.%u", &major, &minor) != 2 || (major == 1 && minor < 24))
+        return limit;
+    const OrtApi* api = base->GetApi(24);
+    OrtKeyValuePairs* entries = nullptr;
+    if (!api) return limit;
+    if (OrtStatus* s = api->KernelInfo_GetConfigEntries(info, &entries)) {
+        api->ReleaseStatus(s);
+        return limit;
+    }
+    if (const char* v = api->GetKeyValue(entries, kPackMaxBytesKey); v && *v)
+        limit = std::min<size_t>(limit, std::strtoull(v, nullptr, 10));
+    api->ReleaseKeyValuePairs(entries);
+    return limit;
+}
+
 // `value`'s type, shape and data into v (present).
 OrtStatus* view_of(const OrtApi* api, const OrtValue* value, View& v) {
     OrtTensorTypeAndShapeInfo* info = nullptr;
@@ -158,6 +184,7 @@ struct Call {
     const char* op;
     double min_work;                    // min_parallel_work() when the kernel was made
     const std::vector<View>& constants;  // constant_inputs() when the kernel was made
+    size_t pack_max;                     // pack_max_bytes() when the kernel was made
 
     OrtStatus* error(const std::string& what) const {
         return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string("mtp_trt.cpu::") + op + ": " + what).c_str());
@@ -316,7 +343,7 @@ struct PackSlots {
     // slot i for the weight at input `data` (its scales at data + 1); whether a weight is packed depends on its
     // size alone, so every kernel of a process reads a given weight the same way
     const QPack* get(const Call& c, size_t i, size_t data, const QWeights& w, size_t n) const {
-        if (n * w.row_bytes() > qpack_max_bytes() || data + 1 >= c.constants.size() || !c.constants[data].present ||
+        if (n * w.row_bytes() > c.pack_max || data + 1 >= c.constants.size() || !c.constants[data].present ||
             !c.constants[data + 1].present)
             return nullptr;
         std::call_once(once[i], [&] { pack[i] = PackRegistry::get().pack(w, n); });
@@ -1157,12 +1184,13 @@ struct Op : OrtCustomOp {
                 return status;
             }
             const Spec& spec = static_cast<const Op*>(op)->spec;
-            *kernel = new Bound{k, api, spec.name, min_parallel_work(), constant_inputs(api, info, spec.inputs.size())};
+            *kernel = new Bound{k, api, spec.name, min_parallel_work(), constant_inputs(api, info, spec.inputs.size()),
+                                pack_max_bytes(g_api_base, info)};
             return nullptr;
         };
         KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
             auto* b = static_cast<Bound*>(kernel);
-            const Call call{b->api, ctx, b->name, b->min_work, b->constants};
+            const Call call{b->api, ctx, b->name, b->min_work, b->constants, b->pack_max};
             try {
                 return b->kernel->compute(call);
             } catch (const std::exception& e) {  // (allocation failures): an error, never an abort
@@ -1182,6 +1210,7 @@ struct Op : OrtCustomOp {
         const char* name;
         double min_work;
         std::vector<View> constants;
+        size_t pack_max;
     };
 };
 
@@ -1212,6 +1241,7 @@ Op<QMoEKernel> g_qmoe({"QMoE", {F32, F32, F32, U8, SCALES, U8, SCALES, U8, SCALE
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* base) {
     using namespace mtp_ort;
+    g_api_base = base;
     const OrtApi* api = base->GetApi(kApiVersion);
     if (!api) {  // an older ONNX Runtime: report it through the oldest API (CreateStatus is in every version)
         const OrtApi* v1 = base->GetApi(1);
