@@ -327,10 +327,11 @@ PATHS = {  # the path, the environment that forces it, the CPU flags it needs
     "avx512-vnni": ({}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
     "avx512-vnni-unpacked": ({"MTP_ORT_PACK_MAX_BYTES": "0"}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
     "avx-vnni": ({"MTP_ORT_NO_AVX512": "1"}, ("avx_vnni",)),
+    "avx512-vnni-256": ({"MTP_ORT_NO_AVX512": "1"}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq", "-avx_vnni")),
     "avx2": ({"MTP_ORT_NO_VNNI": "1"}, ("avx2", "fma")),
     "scalar": ({"MTP_ORT_PORTABLE": "1"}, ()),
 }
-PACKED = ("avx512-vnni", "avx-vnni")  # the paths that pack constant weights
+PACKED = ("avx512-vnni", "avx-vnni", "avx512-vnni-256")  # the paths that pack constant weights
 PATH_CHILD = """
 import ctypes, sys
 import numpy as np
@@ -392,8 +393,11 @@ def test_every_instruction_set_matches_the_reference(path, tmp_path):
     per process), against the reference at the exact tolerance: the same integer products everywhere, with the
     weights read as stored and, on the VNNI paths (unless MTP_ORT_PACK_MAX_BYTES=0), constant weights packed."""
     env_vars, flags = PATHS[path]
-    if not set(flags) <= cpu_flags():
-        pytest.skip(f"this CPU lacks {', '.join(sorted(set(flags) - cpu_flags()))}")
+    need, lack = {f for f in flags if f[0] != "-"}, {f[1:] for f in flags if f[0] == "-"}
+    if not need <= cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(need - cpu_flags()))}")
+    if lack & cpu_flags():
+        pytest.skip(f"this CPU has {', '.join(sorted(lack & cpu_flags()))}, which the environment selects instead")
     env = {k: v for k, v in os.environ.items()
            if k not in ("MTP_ORT_PORTABLE", "MTP_ORT_NO_VNNI", "MTP_ORT_NO_AVX512", "MTP_ORT_PACK_MAX_BYTES")}
     out = tmp_path / "out.npz"

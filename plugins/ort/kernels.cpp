@@ -632,17 +632,19 @@ struct QAct {
 
 constexpr int kRows = 4;  // weight rows per tile
 
-enum class QPath { scalar, avx2, avx_vnni, avx512_vnni };
+// avx512_vnni_256: AVX512-VNNI's 256-bit form, the AVX-VNNI kernels on a CPU with AVX-512 but no AVX-VNNI
+// (MTP_ORT_NO_AVX512=1 there).
+enum class QPath { scalar, avx2, avx_vnni, avx512_vnni, avx512_vnni_256 };
 
 QPath qpath() {
     static const QPath path = [] {
         if (!use_avx2() || !__builtin_cpu_supports("f16c")) return QPath::scalar;
         if (!std::getenv("MTP_ORT_NO_VNNI")) {
-            if (!std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512vnni") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512dq"))
-                return QPath::avx512_vnni;
+            const bool avx512 = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+            if (avx512 && !std::getenv("MTP_ORT_NO_AVX512")) return QPath::avx512_vnni;
             if (__builtin_cpu_supports("avxvnni")) return QPath::avx_vnni;
+            if (avx512) return QPath::avx512_vnni_256;
         }
         return QPath::avx2;
     }();
@@ -782,6 +784,14 @@ namespace q_avx_vnni {
 #undef QK
 #undef QK_DPBUSD
 
+#define QK __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+#define QK_DPBUSD _mm256_dpbusd_epi32
+namespace q_avx512_vnni_256 {
+#include "qkernels_impl.h"
+}  // namespace q_avx512_vnni_256
+#undef QK
+#undef QK_DPBUSD
+
 #undef QK_512
 #define QK __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 #define QK_DPBUSD _mm256_dpbusd_epi32
@@ -815,6 +825,7 @@ void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* 
     switch (qpath()) {
         case QPath::avx512_vnni: return q_avx512_vnni::qrows_dot(qx, m, w, n, y, ldy);
         case QPath::avx_vnni: return q_avx_vnni::qrows_dot(qx, m, w, n, y, ldy);
+        case QPath::avx512_vnni_256: return q_avx512_vnni_256::qrows_dot(qx, m, w, n, y, ldy);
         case QPath::avx2: return q_avx2::qrows_dot(qx, m, w, n, y, ldy);
         default: return qrows_dot_scalar(qx, m, w, n, y, ldy);
     }
@@ -822,7 +833,7 @@ void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* 
 
 size_t qpack_max_bytes() {
     static const size_t limit = [] {
-        if (qpath() != QPath::avx512_vnni && qpath() != QPath::avx_vnni) return size_t(0);
+        if (qpath() == QPath::scalar || qpath() == QPath::avx2) return size_t(0);
         const char* env = std::getenv("MTP_ORT_PACK_MAX_BYTES");
         return env && *env ? size_t(std::strtoull(env, nullptr, 10)) : size_t(16) << 20;
     }();
@@ -831,7 +842,7 @@ size_t qpack_max_bytes() {
 
 QPack qpack(const QWeights& w, size_t n) {
     QPack p;
-    const bool wide = qpath() == QPath::avx512_vnni;
+    const bool wide = qpath() == QPath::avx512_vnni;  // (the 256-bit paths' shapes are the same)
     p.n = n, p.k = w.k, p.block = w.block, p.bits = w.bits;
     p.rows = wide ? q_avx512_vnni::kPackRows : q_avx_vnni::kPackRows;
     p.group = wide ? q_avx512_vnni::kPackTiles : q_avx_vnni::kPackTiles;
@@ -850,12 +861,15 @@ QPack qpack(const QWeights& w, size_t n) {
 }
 
 void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy) {
-    if (qpath() == QPath::avx512_vnni) return q_avx512_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
-    return q_avx_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
+    switch (qpath()) {
+        case QPath::avx512_vnni: return q_avx512_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
+        case QPath::avx512_vnni_256: return q_avx512_vnni_256::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
+        default: return q_avx_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
+    }
 }
 
 const char* qpath_name() {
-    static const char* names[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni"};
+    static const char* names[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni", "avx512-vnni-256"};
     return names[int(qpath())];
 }
 

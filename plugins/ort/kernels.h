@@ -164,9 +164,9 @@ QPack qpack(const QWeights& w, size_t n);
 // bits whatever j0, n and m (the rows of a tile and the activation rows of a call never meet in a sum).
 void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy);
 
-// The instruction set of the quantized products: "scalar", "avx2", "avx-vnni" or "avx512-vnni" (chosen once
-// per process from the CPU; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_VNNI=1 AVX2, MTP_ORT_NO_AVX512=1
-// AVX-VNNI where the CPU has it).
+// The instruction set of the quantized products: "scalar", "avx2", "avx-vnni", "avx512-vnni" or "avx512-vnni-256"
+// (chosen once per process from the CPU; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_VNNI=1 AVX2,
+// MTP_ORT_NO_AVX512=1 the 256-bit kernels: AVX-VNNI where the CPU has it, else AVX512-VNNI's 256-bit form).
 const char* qpath_name();
 
 }  // namespace mtp_ort

@@ -1255,7 +1255,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
 }
 
 
-// The instruction set of the quantized products in this process ("scalar", "avx2", "avx-vnni", "avx512-vnni"):
+// The instruction set of the quantized products in this process (kernels.h qpath_name):
 // for tests and benchmarks, through ctypes.
 extern "C" __attribute__((visibility("default"))) const char* MtpOrtQuantPath() { return mtp_ort::qpath_name(); }
 
