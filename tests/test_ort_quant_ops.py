@@ -46,13 +46,14 @@ ROWS = (1, 2, 3, 7, 64)
 WEIGHTS = ("fed", "initializers")  # how session() gives a node its constants
 
 
-def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads: int = 2, weights: str = "fed"):
+def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads: int = 2, weights: str = "fed",
+            pack_max_bytes: int | None = None):
     """A session of one mtp_trt.cpu node whose inputs are `constants` (name -> array, None: left out) and the
     float32 inputs `fed`, of any shape.  weights "fed": the constants are fed too, from memory that ends where an
     unreadable page begins (as the last tensor of weights.bin's mapping does): a kernel that reads past a weight
     or scale array faults here instead of passing unnoticed; the kernels read the weights as stored.
     "initializers": the constants are the graph's initializers, constant inputs to the node, which the VNNI paths
-    pack once (kernels.h QPack) and read packed."""
+    pack once (kernels.h QPack) and read packed (those up to `pack_max_bytes`, the session's limit, where set)."""
     names = list(constants)
     while names and constants[names[-1]] is None:
         names.pop()
@@ -70,6 +71,8 @@ def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads:
     model.ir_version = 9
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    if pack_max_bytes is not None:
+        options.add_session_config_entry(ort_lib.PACK_MAX_BYTES_KEY, str(pack_max_bytes))
     return Guarded(ort_lib.session(model.SerializeToString(), options), given if weights == "fed" else {})
 
 
@@ -252,6 +255,26 @@ def test_qmoe_matches_reference(case, weights):
     rows = np.abs(y - exact).reshape(-1, y.shape[-1]).max(-1) / np.abs(exact).max()
     assert (rows > EXACT).sum() <= max(1, len(rows) // 8), f"{(rows > EXACT).sum()} of {len(rows)} rows differ"
     close(y, qmoe_reference(ins, attrs, ref.qmatmul_float), QMOE_APPROX)
+
+
+def test_qmoe_with_some_weights_packed_and_some_read_as_stored():
+    """A session limit between the weights' sizes: the routed experts' fc1 (128 KB) read as stored, fc2 (64 KB)
+    and the shared expert's packed, in one node; each matrix matches the reference whichever way it is read."""
+    if tuple(int(v) for v in ort.__version__.split(".")[:2]) < (1, 24):
+        pytest.skip("kernels see their session's config entries from ONNX Runtime 1.24")
+    case = QMOE_CASES[0]
+    attrs = qmoe_attrs(case)
+    ins = qmoe_inputs(np.random.default_rng(21), *case[:5], attrs["bits"], attrs["block_size"])
+    assert ins["fc1"].nbytes > 100_000 >= ins["fc2"].nbytes
+    lib = ctypes.CDLL(str(ort_lib.resolve_library()))
+    lib.MtpOrtPackedBytes.restype, lib.MtpOrtQuantPath.restype = ctypes.c_size_t, ctypes.c_char_p
+    before = lib.MtpOrtPackedBytes()
+    sess = session("QMoE", attrs, ins, weights="initializers", pack_max_bytes=100_000)
+    close(sess.run(None, {"x": ins["x"]})[0], qmoe_reference(ins, attrs), EXACT)
+    packed = lib.MtpOrtPackedBytes() - before
+    if "MTP_ORT_PACK_MAX_BYTES" not in os.environ and lib.MtpOrtQuantPath().decode() not in ("scalar", "avx2"):
+        small = sum(ins[n].nbytes for n in ("fc2", "shared_fc1", "shared_fc2"))
+        assert small <= packed < small + ins["fc1"].nbytes
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
