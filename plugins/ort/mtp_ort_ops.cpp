@@ -54,7 +54,15 @@ namespace {
 
 constexpr uint32_t kApiVersion = 18;  // ONNX Runtime >= 1.18 (KernelContext_ParallelFor: 1.17)
 constexpr char kDomain[] = "mtp_trt.cpu";
-const OrtApiBase* g_api_base = nullptr;  // RegisterCustomOps' (for the APIs newer than kApiVersion)
+const OrtApi* g_api24 = nullptr;         // API 24 (ONNX Runtime >= 1.24) where the runtime has it, else nullptr
+
+// API 24 where ONNX Runtime has it (asking an older one for it prints an error).
+const OrtApi* api24(const OrtApiBase* base) {
+    unsigned major = 0, minor = 0;
+    if (std::sscanf(base->GetVersionString(), "%u.%u", &major, &minor) != 2 || (major == 1 && minor < 24))
+        return nullptr;
+    return base->GetApi(24);
+}
 
 #define MTP_RETURN_IF(expr)                       \
     do {                                          \
@@ -121,15 +129,11 @@ double min_parallel_work() {
 // process's limit.  Every kernel of a session, so of an OrtBackend, reads a given weight the same way.
 constexpr const char* kPackMaxBytesKey = "mtp_trt.cpu.pack_max_bytes";
 
-size_t pack_max_bytes(const OrtApiBase* base, const OrtKernelInfo* info) {
+size_t pack_max_bytes(const OrtKernelInfo* info) {
     size_t limit = qpack_max_bytes();
-    // KernelInfo_GetConfigEntries is API 24 (ONNX Runtime 1.24); older versions print an error when asked for it
-    unsigned major = 0, minor = 0;
-    if (!limit || std::sscanf(base->GetVersionString(), "%u.%u", &major, &minor) != 2 || (major == 1 && minor < 24))
-        return limit;
-    const OrtApi* api = base->GetApi(24);
+    const OrtApi* api = g_api24;  // (KernelInfo_GetConfigEntries)
     OrtKeyValuePairs* entries = nullptr;
-    if (!api) return limit;
+    if (!limit || !api) return limit;
     if (OrtStatus* s = api->KernelInfo_GetConfigEntries(info, &entries)) {
         api->ReleaseStatus(s);
         return limit;
@@ -142,6 +146,18 @@ size_t pack_max_bytes(const OrtApiBase* base, const OrtKernelInfo* info) {
 
 // `value`'s type, shape and data into v (present).
 OrtStatus* view_of(const OrtApi* api, const OrtValue* value, View& v) {
+    if (g_api24) {  // the value's own shape, nothing allocated
+        const int64_t* dims = nullptr;
+        size_t rank = 0;
+        MTP_RETURN_IF(g_api24->GetTensorElementTypeAndShapeDataReference(value, &v.type, &dims, &rank));
+        if (rank > kMaxRank)
+            return api->CreateStatus(ORT_INVALID_ARGUMENT, ("mtp_trt.cpu: an input of rank " + std::to_string(rank) +
+                                                            " (at most " + std::to_string(kMaxRank) + ")").c_str());
+        v.shape.n = rank;
+        std::copy_n(dims, rank, v.shape.data());
+        v.present = true;
+        return api->GetTensorMutableData(const_cast<OrtValue*>(value), &v.data);
+    }
     OrtTensorTypeAndShapeInfo* info = nullptr;
     MTP_RETURN_IF(api->GetTensorTypeAndShape(value, &info));
     size_t rank = 0;
@@ -1185,7 +1201,7 @@ struct Op : OrtCustomOp {
             }
             const Spec& spec = static_cast<const Op*>(op)->spec;
             *kernel = new Bound{k, api, spec.name, min_parallel_work(), constant_inputs(api, info, spec.inputs.size()),
-                                pack_max_bytes(g_api_base, info)};
+                                pack_max_bytes(info)};
             return nullptr;
         };
         KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
@@ -1241,7 +1257,7 @@ Op<QMoEKernel> g_qmoe({"QMoE", {F32, F32, F32, U8, SCALES, U8, SCALES, U8, SCALE
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* base) {
     using namespace mtp_ort;
-    g_api_base = base;
+    g_api24 = api24(base);
     const OrtApi* api = base->GetApi(kApiVersion);
     if (!api) {  // an older ONNX Runtime: report it through the oldest API (CreateStatus is in every version)
         const OrtApi* v1 = base->GetApi(1);
