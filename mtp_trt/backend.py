@@ -159,10 +159,10 @@ def default_threads() -> int:
 # demo 23 MB, pre-packed copies 1.2-1.7x faster and small; 85M checkpoint 374 MB, copies 1.8x the memory for
 # ~1.1x speed).
 SHARE_WEIGHTS_BYTES = 128 << 20
-# OrtBackend has mtp-trt's quantized operators pack their weights (a second copy, made once per process) up to
-# this size of weights.bin: below it the weights stay in the CPU's caches from step to step and the packed
-# products are 1.26-1.39x faster decode steps (demo, 7 MB); weights read from memory on every step gain 0.96-1.11x
-# (85M, 304M), not worth twice the memory at hundreds of MB.
+# OrtBackend has mtp-trt's quantized operators pack their weights (a second copy, made once per process) below
+# this size of weights.bin: decode steps 1.26-1.39x faster on the demo (7 MB, cache-resident), 0.96-1.11x at 85M
+# (60-103 MB); larger weights stream from memory on every step, where packing gained 0.98-1.04x (304M, 215-357 MB),
+# not worth twice the memory.
 PACK_WEIGHTS_BYTES = 128 << 20
 # ONNX data type -> numpy dtype of the weights a session can be handed (others load the usual way)
 ONNX_NUMPY = {C.dtype(t).onnx: C.dtype(t).host for t in ("fp32", "uint8", "fp16", "int32", "int64", "bool", "fp64")}

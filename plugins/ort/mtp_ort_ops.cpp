@@ -357,7 +357,7 @@ struct PackSlots {
     mutable std::shared_ptr<const QPack> pack[N];
 
     // slot i for the weight at input `data` (its scales at data + 1); whether a weight is packed depends on its
-    // size alone, so every kernel of a process reads a given weight the same way
+    // size and the session's limit alone, so every kernel of a session (of an OrtBackend) reads it the same way
     const QPack* get(const Call& c, size_t i, size_t data, const QWeights& w, size_t n) const {
         if (n * w.row_bytes() > c.pack_max || data + 1 >= c.constants.size() || !c.constants[data].present ||
             !c.constants[data + 1].present)
