@@ -160,10 +160,10 @@ def default_threads() -> int:
 # ~1.1x speed).
 SHARE_WEIGHTS_BYTES = 128 << 20
 # OrtBackend has mtp-trt's quantized operators pack their weights (a second copy, made once per process) below
-# this size of weights.bin: decode steps 1.26-1.39x faster on the demo (7 MB, cache-resident), 0.96-1.11x at 85M
-# (60-103 MB); larger weights stream from memory on every step, where packing gained 0.98-1.04x (304M, 215-357 MB),
-# not worth twice the memory.
-PACK_WEIGHTS_BYTES = 128 << 20
+# this size of weights.bin, by the export's bits: decode steps 1.26-1.39x faster on the demo (7 MB, cache-resident,
+# int8 and int4); from memory, packed int8 products still gain (1.04-1.11x at 85M, 103 MB) and int4 ones lose
+# (0.96-0.98x at 85M, 60 MB); at 304M (215-357 MB) packing gained 0.98-1.04x, not worth twice the memory.
+PACK_WEIGHTS_BYTES = {8: 128 << 20, 4: 32 << 20}
 # ONNX data type -> numpy dtype of the weights a session can be handed (others load the usual way)
 ONNX_NUMPY = {C.dtype(t).onnx: C.dtype(t).host for t in ("fp32", "uint8", "fp16", "int32", "int64", "bool", "fp64")}
 
@@ -199,7 +199,7 @@ class OrtBackend(Backend):
     copy per process of those they pack, whatever the number of sessions).
 
     `pack_weights`: whether the quantized operators pack their weights (docs/architecture.md, "CPU operators");
-    None (default) from weights.bin's size below PACK_WEIGHTS_BYTES.  Every session of a backend packs or not
+    None (default) from weights.bin's size below PACK_WEIGHTS_BYTES[bits].  Every session of a backend packs or not
     alike, so its steps of any nextn give the same bits for the same rows."""
 
     def __init__(self, manifest: Manifest, threads: int | None = None, share_weights: bool | None = None,
@@ -221,7 +221,8 @@ class OrtBackend(Backend):
             share_weights = weights.get("bytes", 0) >= SHARE_WEIGHTS_BYTES or manifest.quant.quantized
         self.tables = weights.get("initializers") if share_weights else None
         if pack_weights is None:
-            pack_weights = weights.get("bytes", 0) < PACK_WEIGHTS_BYTES
+            bits = manifest.quant.bits if manifest.quant.quantized else 0
+            pack_weights = weights.get("bytes", 0) < PACK_WEIGHTS_BYTES.get(bits, 0)
         self.pack_weights = pack_weights
         self.prepack = prepack  # graphs (name prefixes) that pre-pack a private copy even when sharing
         self.spin = spin  # whether ONNX Runtime's threads spin between the kernels of a run (above)

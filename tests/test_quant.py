@@ -212,6 +212,7 @@ def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(draft
     lib = ctypes.CDLL(str(ort_lib.resolve_library()))
     lib.MtpOrtQuantPath.restype, lib.MtpOrtPackedBytes.restype = ctypes.c_char_p, ctypes.c_size_t
     packs = lib.MtpOrtQuantPath().decode() in ("avx512-vnni", "avx-vnni", "avx512-vnni-256") and "MTP_ORT_PACK_MAX_BYTES" not in os.environ
+    assert OrtBackend(Manifest.load(out)).pack_weights  # (a small export: packed by default)
     for pack in (False, True):  # the operators reading the weights as stored, then packed (the demo's default)
         before = lib.MtpOrtPackedBytes()
         backend = OrtBackend(Manifest.load(out), pack_weights=pack)
