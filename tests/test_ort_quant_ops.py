@@ -266,13 +266,12 @@ def test_qmoe_with_some_weights_packed_and_some_read_as_stored():
     attrs = qmoe_attrs(case)
     ins = qmoe_inputs(np.random.default_rng(21), *case[:5], attrs["bits"], attrs["block_size"])
     assert ins["fc1"].nbytes > 100_000 >= ins["fc2"].nbytes
-    lib = ctypes.CDLL(str(ort_lib.resolve_library()))
-    lib.MtpOrtPackedBytes.restype, lib.MtpOrtQuantPath.restype = ctypes.c_size_t, ctypes.c_char_p
+    lib = ops_library()
     before = lib.MtpOrtPackedBytes()
     sess = session("QMoE", attrs, ins, weights="initializers", pack_max_bytes=100_000)
     close(sess.run(None, {"x": ins["x"]})[0], qmoe_reference(ins, attrs), EXACT)
     packed = lib.MtpOrtPackedBytes() - before
-    if "MTP_ORT_PACK_MAX_BYTES" not in os.environ and lib.MtpOrtQuantPath().decode() not in ("scalar", "avx2"):
+    if packs_by_default(lib):
         small = sum(ins[n].nbytes for n in ("fc2", "shared_fc1", "shared_fc2"))
         assert small <= packed < small + ins["fc1"].nbytes
 
@@ -355,6 +354,19 @@ PATHS = {  # the path, the environment that forces it, the CPU flags it needs
     "scalar": ({"MTP_ORT_PORTABLE": "1"}, ()),
 }
 PACKED = ("avx512-vnni", "avx-vnni", "avx512-vnni-256")  # the paths that pack constant weights
+
+
+def ops_library():
+    """The operators' library through ctypes (the instance ONNX Runtime loaded): MtpOrtQuantPath, MtpOrtPackedBytes."""
+    lib = ctypes.CDLL(str(ort_lib.resolve_library()))
+    lib.MtpOrtQuantPath.restype, lib.MtpOrtPackedBytes.restype = ctypes.c_char_p, ctypes.c_size_t
+    return lib
+
+
+def packs_by_default(lib) -> bool:
+    """Whether this process packs constant weights at the default limit: a path in PACKED, no
+    MTP_ORT_PACK_MAX_BYTES."""
+    return lib.MtpOrtQuantPath().decode() in PACKED and "MTP_ORT_PACK_MAX_BYTES" not in os.environ
 PATH_CHILD = """
 import ctypes, sys
 import numpy as np
@@ -445,12 +457,9 @@ def test_packed_weights_are_one_copy_per_process_freed_with_their_sessions():
     """Sessions handed the same weight memory (OrtBackend's shared weights.bin mapping) share one packed copy
     of each quantized weight; it is freed when the last session that uses it is.  A session's config entry
     ort_lib.PACK_MAX_BYTES_KEY limits the weights it packs."""
-    if not {"avx512_vnni", "avx512vl", "avx512bw", "avx512dq"} <= cpu_flags() and "avx_vnni" not in cpu_flags():
-        pytest.skip("this CPU has no VNNI path: quantized weights are read as stored")
-    lib = ctypes.CDLL(str(ort_lib.resolve_library()))
-    lib.MtpOrtPackedBytes.restype = ctypes.c_size_t
-    if "MTP_ORT_PACK_MAX_BYTES" in os.environ:
-        pytest.skip("MTP_ORT_PACK_MAX_BYTES is set (this test's weight is packed at the default limit)")
+    lib = ops_library()
+    if not packs_by_default(lib):
+        pytest.skip("this process does not pack (no VNNI path, or MTP_ORT_PACK_MAX_BYTES set)")
     rng = np.random.default_rng(3)
     k, n = 256, 128
     data, scales = random_weight(rng, n, k, 8, 32)

@@ -2,9 +2,6 @@
 the PyTorch reference computes on the same (dequantized) weights; greedy MTP decoding of a quantized export
 equals plain greedy decoding of the same export; bad settings fail in one line."""
 
-import ctypes
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +16,7 @@ from mtp_trt.manifest import Manifest
 from mtp_trt.plugins import ort_lib
 from quant_graphs import dequantized_graph, prerounded
 from runtime_models import EOS, make_random, make_self_drafting
+from test_ort_quant_ops import ops_library, packs_by_default
 
 pytestmark = pytest.mark.skipif(not ort_lib.available()[0], reason="mtp-trt's CPU operators are not available here")
 
@@ -209,9 +207,8 @@ def test_greedy_mtp_on_a_quantized_export_equals_its_plain_greedy_decoding(draft
     ckpt, root = drafting
     out = export(ckpt, root / f"{mode}-{name}", nextn=3, mtp_mode=mode, max_seq_len=128, trees="none",
                  quant_scheme=name)
-    lib = ctypes.CDLL(str(ort_lib.resolve_library()))
-    lib.MtpOrtQuantPath.restype, lib.MtpOrtPackedBytes.restype = ctypes.c_char_p, ctypes.c_size_t
-    packs = lib.MtpOrtQuantPath().decode() in ("avx512-vnni", "avx-vnni", "avx512-vnni-256") and "MTP_ORT_PACK_MAX_BYTES" not in os.environ
+    lib = ops_library()
+    packs = packs_by_default(lib)
     assert OrtBackend(Manifest.load(out)).pack_weights  # (a small export: packed by default)
     for pack in (False, True):  # the operators reading the weights as stored, then packed (the demo's default)
         before = lib.MtpOrtPackedBytes()
