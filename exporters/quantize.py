@@ -8,7 +8,10 @@ tensors.  `quantize_graph` rewrites the nodes that read large weights.  For ONNX
 * `mtp_trt.cpu::MoE` (router, routed and shared experts)  ->  `mtp_trt.cpu::QMoE`, the experts quantized, the
   router in float;
 * Gather(embed_tokens, ids)  ->  `com.microsoft::GatherBlockQuantized` (where the hidden size is a multiple of
-  the block size).
+  the block size);
+* `mtp_trt.cpu::MlaSelfAttention`'s per-head W^UK and W^UV (views of `kv_b_proj`)  ->  its int8 inputs
+  (w_uk_q, w_uv_q and their scales: each head's matrix in nn.Linear's layout, W^UK transposed), at int8 under
+  int4 too: they sit in the attention's path as the latent KV down-projection does.
 
 For TensorRT (the plugin lowering, or `--moe-form tensorrt`): MatMul(x, W^T) -> MatMul(x, DequantizeLinear(q,
 s)), q W^T's signed INT4 or INT8 levels [K, N] and s [K / block, N] in the export's dtype (blocked
@@ -28,8 +31,8 @@ float value: one scale per 128 values along K of each column, its largest magnit
 The output head stays in the export's dtype, as DeepSeek's FP8 checkpoints keep it.
 
 Kept in float: the router, DeepSeek Sparse Attention's lightning indexer (`wq_b`, `wk`, `weights_proj`), norms,
-biases, and products computed in the graph from several weights (small
-models' W^UK / W^UV folded into the projections, exporters/graphs.py folded_mla).  Under int4 a few MatMul
+biases, and products computed in the graph from several weights (W^UK / W^UV folded into the projections,
+exporters/graphs.py folded_mla, which quantized exports do not do).  Under int4 a few MatMul
 weights take int8 (matmul_scheme): the output head, which decides every token; each layer's latent KV
 down-projection (`kv_a_proj_with_mqa`, with `q_a_proj`, which the graphs fuse with it), from which every cached
 key and value comes; and the first layer's dense MLP down-projection.  Chosen by measurement
@@ -180,7 +183,8 @@ class QuantValue:
         scales = np.empty((self.rows[0], *scale_shape), quant.SCALE_DTYPE)
         memo: dict = {}  # whatever cannot be taken row by row, evaluated once
         for e in range(self.rows[0]):
-            w = evaluate_row(self.source, e, read, memo).float().reshape(-1, self.k)
+            w = evaluate_row(self.source, e, read, memo).float()
+            w = (w.T if self.transposed else w).reshape(-1, self.k)
             data[e], scales[e] = quant.quantize(w.contiguous().numpy(), self.scheme)
         return data.reshape(-1, *data_shape[1:]), scales.reshape(-1, scale_shape[1])
 
@@ -320,6 +324,8 @@ def quantize_graph(model: onnx.ModelProto, needed: list[str], values: dict, sche
             nodes.append(helper.make_node("Gather", [w, node.input[1]], list(node.output), name=node.name, axis=0))
         elif node.op_type == "MoE" and node.domain == CPU_DOMAIN:
             nodes.append(_qmoe(node, values, scheme, add))
+        elif node.op_type == "MlaSelfAttention" and node.domain == CPU_DOMAIN and not tensorrt:
+            nodes.append(_int8_mla(node, values, scheme, add))
         elif (not tensorrt and node.op_type == "Gather" and node.domain == ""
               and _quantizable(values.get(node.input[0])) and values[node.input[0]].tensor.shape[1] % scheme.block_size == 0
               and _axis(node) == 0):
@@ -368,3 +374,31 @@ def _qmoe(node: onnx.NodeProto, values: dict, scheme: quant.Scheme, add) -> onnx
     down = {"down_bits": bits["down"]} if bits["down"] != bits["up"] else {}
     return helper.make_node("QMoE", out, list(node.output), name=node.name, domain=CPU_DOMAIN, bits=bits["up"],
                             block_size=scheme.block_size, **attrs, **down)
+
+
+MLA_W_UK, MLA_W_UV = 10, 11  # MlaSelfAttention's float inputs w_uk [H, Dn, Dl], w_uv [H, Dv, Dl]; then w_uk_q,
+# w_uk_scales, w_uv_q, w_uv_scales (plugins/ort/mtp_ort_ops.cpp)
+
+
+def _int8_mla(node: onnx.NodeProto, values: dict, scheme: quant.Scheme, add) -> onnx.NodeProto:
+    """mtp_trt.cpu::MlaSelfAttention with its float W^UK and W^UV as int8 blocks of the export's block size: w_uk
+    [H, Dn, Dl] as each head's W^UK^T [Dl, Dn] (rows (H, Dl), K = Dn), w_uv [H, Dv, Dl] as is (rows (H, Dv), K = Dl).
+    A node without them (folded into the projections) is returned as it is."""
+    ins = list(node.input) + [""] * (MLA_W_UV + 1 - len(node.input))
+    int8 = quant.Scheme("int8", scheme.block_size)
+    quantized = []
+    for i in (MLA_W_UK, MLA_W_UV):
+        v = values.get(ins[i]) if ins[i] else None
+        if not _quantizable(v, 3):
+            quantized += ["", ""]
+            continue
+        h, a, b = v.tensor.shape
+        quantized += add(ins[i], v, int8, (h, b), a, transposed=True) if i == MLA_W_UK else \
+            add(ins[i], v, int8, (h, a), b, transposed=False)
+        ins[i] = ""
+    if not any(quantized):
+        return node
+    out = helper.make_node("MlaSelfAttention", ins[:MLA_W_UV + 1] + quantized, list(node.output), name=node.name,
+                           domain=CPU_DOMAIN)
+    out.attribute.extend(node.attribute)
+    return out

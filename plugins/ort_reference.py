@@ -187,25 +187,43 @@ def rope(x, cos, sin, interleave):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
+def per_head_qmatmul(x, data, scales):
+    """x [B, S, H, K] float32 against each head's int8 weight (data uint8 [H, N, K/bs, bs], scales [H, N, K/bs]:
+    MlaSelfAttention's w_uk_q, w_uv_q) -> [B, S, H, N] (float64): head by head, qmatmul."""
+    b, s, h, k = x.shape
+    bs = data.shape[-1]
+    return np.stack([qmatmul(x[:, :, i].reshape(b * s, k), data[i], scales[i], k=k, bits=8, block_size=bs)
+                     for i in range(h)], 1).reshape(b, s, h, -1)
+
+
 def mla_self_attention(q, kv, kv_norm, positions, cos, sin, cache, past_len, extra=None, visible=None, w_uk=None,
-                       w_uv=None, *, heads, scale, eps, interleave):
+                       w_uv=None, w_uk_q=None, w_uk_scales=None, w_uv_q=None, w_uv_scales=None, *, heads, scale, eps,
+                       interleave):
     """MlaSelfAttention: q [B, S, H*F + H*Dr] (every head's nope part, absorbed through w_uk [H, Dn, Dl], or its
     absorbed latent part without w_uk; then every head's rope part), kv [B, S, Dl+Dr] (c_kv, k_pe before norm and
     RoPE), kv_norm [Dl], positions [B, S], cos/sin [P, Dr/2], cache [B, T, Dl+Dr], past_len [B], extra [B, R, Dl+Dr]
     or None, visible [B or 1, S, R+S] or None (causal), w_uv [H, Dv, Dl] or None -> (out [B, S, H*Dv or H*Dl], the
     new rows [B, S, Dl+Dr]): the new rows' c_kv normed and k_pe roped, each head's query absorbed and roped, then
-    mla_attention over the cache, the extra rows and the new rows, then W^UV."""
+    mla_attention over the cache, the extra rows and the new rows, then W^UV.  W^UK and W^UV may come as int8 blocks
+    instead (w_uk_q [H, Dl, Dn/bs, bs], w_uv_q [H, Dv, Dl/bs, bs] and their scales): per_head_qmatmul of the
+    float32 input (the attention's output rounded to float32 first, as the op's)."""
     b, s, _ = q.shape
     dl, dr = len(kv_norm), 2 * cos.shape[1]
     c, sn = cos[positions].astype(np.float64), sin[positions].astype(np.float64)  # [B, S, Dr/2]
     rows = np.concatenate([rms_norm(kv[..., :dl], kv_norm, eps), rope(kv[..., dl:], c, sn, interleave)], -1)
-    first = q[..., :q.shape[-1] - heads * dr].reshape(b, s, heads, -1).astype(np.float64)
+    first = q[..., :q.shape[-1] - heads * dr].reshape(b, s, heads, -1)
     q_pe = rope(q[..., q.shape[-1] - heads * dr:].reshape(b, s, heads, dr), c[:, :, None], sn[:, :, None], interleave)
-    q_lat = first if w_uk is None else np.einsum("bshn,hnc->bshc", first, w_uk)
+    if w_uk_q is not None:
+        q_lat = per_head_qmatmul(first, w_uk_q, w_uk_scales)
+    else:
+        first = first.astype(np.float64)
+        q_lat = first if w_uk is None else np.einsum("bshn,hnc->bshc", first, w_uk)
     every = rows if extra is None else np.concatenate([extra, rows], 1)
     out = mla_attention(q_lat.reshape(b, s, -1), q_pe.reshape(b, s, -1), every, cache, past_len, visible,
                         heads=heads, scale=scale)
-    if w_uv is not None:
+    if w_uv_q is not None:
+        out = per_head_qmatmul(out.reshape(b, s, heads, dl).astype(np.float32), w_uv_q, w_uv_scales).reshape(b, s, -1)
+    elif w_uv is not None:
         out = np.einsum("bshc,hvc->bshv", out.reshape(b, s, heads, dl), w_uv).reshape(b, s, -1)
     return out, rows
 

@@ -23,23 +23,48 @@ def prerounded(src: Path, out: Path, scheme: quant.Scheme, keep: tuple[str, ...]
     the PyTorch reference computes on these weights."""
     import json
 
+    config = json.loads((src / "config.json").read_text())
     model = load_checkpoint(src)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() != 2 or name.endswith(keep):
                 continue
+            if name.endswith("kv_b_proj.weight"):  # W^UK and W^UV, each head's matrix at int8 (exporters/quantize.py)
+                p.copy_(_int8_heads(p, config["num_attention_heads"], config["qk_nope_head_dim"], scheme.block_size))
+                continue
             s = scheme if name.endswith("embed_tokens.weight") else matmul_scheme({name}, scheme)
             data, scales = quant.quantize(p.numpy(), s)
             p.copy_(torch.from_numpy(quant.dequantize(data, scales, p.shape[1], s.bits)))
-    save_checkpoint(model, out, json.loads((src / "config.json").read_text()))
+    save_checkpoint(model, out, config)
     write_char_tokenizer(out / "tokenizer.json")
     return out
 
 
+def _on_grid(w: torch.Tensor, s: quant.Scheme) -> torch.Tensor:
+    """w [N, K] on s's grid (its rows quantized along K and dequantized)."""
+    data, scales = quant.quantize(w.contiguous().numpy(), s)
+    return torch.from_numpy(quant.dequantize(data, scales, w.shape[1], s.bits))
+
+
+def _int8_heads(kv_b: torch.Tensor, heads: int, dn: int, block: int) -> torch.Tensor:
+    """kv_b_proj.weight [H*(Dn+Dv), Dl] with each head's W^UK [Dn, Dl] on the int8 grid along Dn (its transpose's
+    rows, as MlaSelfAttention's w_uk_q stores it) and W^UV [Dv, Dl] along Dl."""
+    s = quant.Scheme("int8", block)
+    w = kv_b.view(heads, -1, kv_b.shape[1]).clone()
+    for h in range(heads):
+        w[h, :dn] = _on_grid(w[h, :dn].T, s).T
+        w[h, dn:] = _on_grid(w[h, dn:], s)
+    return w.view_as(kv_b)
+
+
 def dequantized_graph(path: Path) -> bytes:
-    """The graph at `path` with QMatMul -> MatMul over W^T, QMoE -> MoE over float experts and
-    GatherBlockQuantized -> Gather over the float table, each weight dequantized from the export's bytes
-    (mtp_trt.quant.dequantize): what the quantized graph computes, but for its activations' int8 rounding."""
+    """The graph at `path` with QMatMul -> MatMul over W^T, QMoE -> MoE over float experts,
+    GatherBlockQuantized -> Gather over the float table and MlaSelfAttention's int8 W^UK and W^UV -> float ones,
+    each weight dequantized from the export's bytes (mtp_trt.quant.dequantize): what the quantized graph computes,
+    but for its activations' int8 rounding."""
+    from mtp_trt.manifest import Manifest
+
+    dn = Manifest.load(path.parent).config.qk_nope_head_dim
     model = onnx.load(str(path))
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
@@ -73,6 +98,15 @@ def dequantized_graph(path: Path) -> bytes:
             arrays[node.input[0]] = data.reshape(rows, k // attrs["block_size"], -1)
             w = float_weight(node.input[0], node.input[2], k, attrs["bits"], transpose=False)
             nodes.append(helper.make_node("Gather", [w, node.input[1]], list(node.output), name=node.name, axis=0))
+        elif node.op_type == "MlaSelfAttention" and len(node.input) > 12:
+            dl = arrays[node.input[12]].shape[1]  # w_uk_q [H, Dl, Dn/bs, bs]
+            w_uk = float_weight(node.input[12], node.input[13], dn, 8, False)  # each head's W^UK^T [Dl, Dn]
+            new_inits[-1] = numpy_helper.from_array(
+                np.ascontiguousarray(numpy_helper.to_array(new_inits[-1]).transpose(0, 2, 1)), w_uk)  # [H, Dn, Dl]
+            w_uv = float_weight(node.input[14], node.input[15], dl, 8, False)  # [H, Dv, Dl]
+            ins = list(node.input[:10]) + [w_uk, w_uv]
+            nodes.append(helper.make_node("MlaSelfAttention", ins, list(node.output), name=node.name,
+                                          domain=node.domain, **attrs))
         else:
             nodes.append(node)
     del graph.node[:]

@@ -18,18 +18,18 @@ THINK = (90, 91)
 EOS = 95
 
 
-def self_drafting_config(nextn: int) -> dict:
+def self_drafting_config(nextn: int, **overrides) -> dict:
     return {**BASE, "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_nextn_predict_layers": nextn,
-            "max_position_embeddings": 256, "eos_token_id": EOS}
+            "max_position_embeddings": 256, "eos_token_id": EOS, **overrides}
 
 
-def make_self_drafting(path: Path, nextn: int = 3, seed: int = 0) -> Path:
+def make_self_drafting(path: Path, nextn: int = 3, seed: int = 0, **overrides) -> Path:
     """One MoE layer; unit-RMS embeddings; each MTP module = a copy of that layer with eh_proj = [I | 0]
     (it reads only the embedding of t_{i+1}) and shared_head.norm = the final norm, so it predicts
     t_{i+2} much as the main model does from t_{i+1} -- but over its own cache, whose first row saw a
-    zeroed embedding, so it is sometimes wrong."""
+    zeroed embedding, so it is sometimes wrong.  `overrides`: config entries."""
     torch.manual_seed(seed)
-    d = self_drafting_config(nextn)
+    d = self_drafting_config(nextn, **overrides)
     model = DeepseekV3(ModelConfig.from_dict(d)).init_weights(std=0.3)
     with torch.no_grad():
         emb = model.model.embed_tokens.weight

@@ -1,7 +1,8 @@
-"""mtp-trt's quantized-weight CPU operators (plugins/ort, domain mtp_trt.cpu: QMatMul, QMoE) against their NumPy
-references (plugins/ort_reference.py), one node at a time: 4- and 8-bit weights in every block size, K not a
-multiple of the block, 1 to 64 rows, weight bytes over their whole range (the int8 products that saturate
-int16 pairs), constant and all-zero activation blocks, shared experts on and off, grouped routing; every
+"""mtp-trt's quantized-weight CPU operators (plugins/ort, domain mtp_trt.cpu: QMatMul, QMoE, MlaSelfAttention with
+int8 W^UK and W^UV) against their NumPy references (plugins/ort_reference.py), one node at a time: 4- and 8-bit
+weights in every block size, K not a multiple of the block, 1 to 64 rows, weight bytes over their whole range (the
+int8 products that saturate int16 pairs), constant and all-zero activation blocks, shared experts on and off,
+grouped routing; every
 instruction set the CPU has (scalar, AVX2, AVX-VNNI, AVX512-VNNI), any thread count giving the same bits, and
 bad input as one error naming the op and the input.
 
@@ -12,7 +13,7 @@ Tolerances, relative to the output's largest magnitude:
   activation within rounding of a level boundary could take the neighbouring level, a difference of ~1e-3;
   none does on these inputs, on any path);
 * against the float64 product with the dequantized weights, what int8 activations approximate: 1e-2 (QMatMul)
-  and 3e-2 (QMoE, two products)."""
+  and 3e-2 (QMoE and MlaSelfAttention, two products)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from mtp_trt.plugins import ort_lib, ort_reference as ref
 from mtp_trt.quant import Scheme, quantize
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_ort_ops import close, moe_inputs  # noqa: E402
+from test_ort_ops import MLA_SELF_CASES, close, mla_self_inputs, moe_inputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ort_lib.available()[0], reason=f"mtp_trt.cpu operators: {ort_lib.available()[1]}")
 
@@ -47,24 +48,26 @@ WEIGHTS = ("fed", "initializers")  # how session() gives a node its constants
 
 
 def session(op: str, attrs: dict, constants: dict, fed: tuple = ("x",), threads: int = 2, weights: str = "fed",
-            pack_max_bytes: int | None = None):
+            pack_max_bytes: int | None = None, outputs: int = 1):
     """A session of one mtp_trt.cpu node whose inputs are `constants` (name -> array, None: left out) and the
     float32 inputs `fed`, of any shape.  weights "fed": the constants are fed too, from memory that ends where an
     unreadable page begins (as the last tensor of weights.bin's mapping does): a kernel that reads past a weight
     or scale array faults here instead of passing unnoticed; the kernels read the weights as stored.
     "initializers": the constants are the graph's initializers, constant inputs to the node, which the VNNI paths
-    pack once (kernels.h QPack) and read packed (those up to `pack_max_bytes`, the session's limit, where set)."""
+    pack once (kernels.h QPack) and read packed (those up to `pack_max_bytes`, the session's limit, where set).
+    The node's outputs: y, or y0, y1, ... where it has `outputs` > 1."""
     names = list(constants)
     while names and constants[names[-1]] is None:
         names.pop()
     given = {n: a for n, a in constants.items() if n not in fed and a is not None}
+    ys = ["y"] if outputs == 1 else [f"y{i}" for i in range(outputs)]
     graph = helper.make_graph(
-        [helper.make_node(op, [n if n in fed or constants[n] is not None else "" for n in names], ["y"],
+        [helper.make_node(op, [n if n in fed or constants[n] is not None else "" for n in names], ys,
                           domain=ort_lib.DOMAIN, **attrs)], "g",
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in fed]
         + [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
            for n, a in given.items() if weights == "fed"],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in ys],
         [numpy_helper.from_array(a, n) for n, a in given.items()] if weights == "initializers" else None)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                     helper.make_opsetid(ort_lib.DOMAIN, 1)])
@@ -345,6 +348,80 @@ def test_any_thread_count_gives_the_same_bits(monkeypatch, weights):
         assert all(np.array_equal(a, b) for a, b in zip(out, outs[0]))
 
 
+# ----------------------------------------------------------------------- MlaSelfAttention, int8 W^UK / W^UV
+def int8_heads(w, transpose, block):
+    """A per-head weight w [H, A, B] as MlaSelfAttention's int8 input, quantized as the exporter does: each head's
+    matrix (transposed: [B, A]) in quant.py's int8 format -> (data [H, N, K/bs, bs], scales [H, N, K/bs])."""
+    w = w.transpose(0, 2, 1) if transpose else w
+    h, n, k = w.shape
+    data, scales = quantize(np.ascontiguousarray(w).reshape(h * n, k), Scheme("int8", block))
+    return data.reshape(h, n, *data.shape[1:]), scales.reshape(h, n, -1)
+
+
+def int8_mla_inputs(ins, block):
+    """mla_self_inputs' inputs with w_uk and w_uv as int8 blocks (exporters/quantize.py _int8_mla's layout)."""
+    uk, uv = int8_heads(ins["w_uk"], True, block), int8_heads(ins["w_uv"], False, block)
+    return {**ins, "w_uk": None, "w_uv": None, "w_uk_q": uk[0], "w_uk_scales": uk[1], "w_uv_q": uv[0],
+            "w_uv_scales": uv[1]}
+
+
+def dequantized_heads(data, scales, k, transpose):
+    h, n = data.shape[:2]
+    w = ref.dequantize(data.reshape(h * n, *data.shape[2:]), scales.reshape(h * n, -1), k, 8).reshape(h, n, k)
+    return w.transpose(0, 2, 1) if transpose else w
+
+
+def mla_attrs(case):
+    return dict(heads=case[2], scale=0.7 / np.sqrt(case[4] + case[5]), eps=1e-6, interleave=case[11])
+
+
+INT8_MLA_CASES = [c for c in MLA_SELF_CASES if c[10]]  # the cases with W^UK and W^UV
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("block", [16, 32, 256])
+@pytest.mark.parametrize("case", INT8_MLA_CASES,
+                         ids=lambda c: "b{}-s{}-h{}-dn{}-dl{}-dr{}-dv{}-t{}-r{}-{}".format(*c[:10]))
+def test_mla_self_attention_with_int8_products_matches_reference(case, block, weights):
+    """W^UK and W^UV as int8 blocks: against the reference at the exact tolerance (the same int8 products), and
+    against the float attention with the dequantized matrices, which they approximate.  The new rows do not
+    depend on the products."""
+    b, s, h, dn, dl, dr, dv, t, r, mask = case[:10]
+    ins = int8_mla_inputs(mla_self_inputs(np.random.default_rng(list(case[:9])), *case[:11]), block)
+    attrs = mla_attrs(case)
+    out, rows = session("MlaSelfAttention", attrs, ins, fed=(), weights=weights, outputs=2).run(None, {})
+    want, want_rows = ref.mla_self_attention(**ins, **attrs)
+    close(rows, want_rows, 2e-6)
+    close(out, want, EXACT)
+    floats = {**ins, "w_uk_q": None, "w_uk_scales": None, "w_uv_q": None, "w_uv_scales": None,
+              "w_uk": dequantized_heads(ins["w_uk_q"], ins["w_uk_scales"], dn, True),
+              "w_uv": dequantized_heads(ins["w_uv_q"], ins["w_uv_scales"], dl, False)}
+    close(out, ref.mla_self_attention(**floats, **attrs)[0], QMOE_APPROX)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_mla_self_attention_with_int8_products_gives_each_token_the_same_bits(monkeypatch, weights):
+    """A verify step's rows must be one-token steps' rows: token 2 of a 3-token call equals the same token alone
+    with tokens 0 and 1 as committed cache rows; and 1 or 3 threads, every call split or not, agree exactly."""
+    case = (1, 3, 4, 64, 64, 32, 64, 30, 0, None, True, 1)
+    ins = int8_mla_inputs(mla_self_inputs(np.random.default_rng(5), *case[:11]), 32)
+    ins["past_len"] = np.array([10], np.int32)
+    attrs = mla_attrs(case)
+    outs = []
+    for split, threads in itertools.product(("0", ""), (1, 3)):
+        monkeypatch.setenv("MTP_ORT_MIN_PARALLEL_WORK", split)
+        outs.append(session("MlaSelfAttention", attrs, ins, fed=(), threads=threads, weights=weights,
+                            outputs=2).run(None, {}))
+    for got in outs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(got, outs[0]))
+    out, rows = outs[0]
+    one = dict(ins, cache=ins["cache"].copy(), q=ins["q"][:, 2:], kv=ins["kv"][:, 2:],
+               positions=ins["positions"][:, 2:], past_len=np.array([12], np.int32))
+    one["cache"][0, 10:12] = rows[0, :2]
+    out1, rows1 = session("MlaSelfAttention", attrs, one, fed=(), weights=weights, outputs=2).run(None, {})
+    assert np.array_equal(rows1[0, 0], rows[0, 2]) and np.array_equal(out1[0, 0], out[0, 2])
+
+
 PATHS = {  # the path, the environment that forces it, the CPU flags it needs
     "avx512-vnni": ({}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
     "avx512-vnni-unpacked": ({"MTP_ORT_PACK_MAX_BYTES": "0"}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
@@ -395,11 +472,13 @@ def path_inputs():
     k = qmatmul_case(32)  # float32 scales (exports of earlier revisions)
     yield "mm4-32-f32", (k, 4, 32), random_weight(rng, 100, k, 4, 32, np.float32), activations(rng, 7, k)
     yield "moe", QMOE_CASES[4], None, None
+    yield "mla", INT8_MLA_CASES[1], None, None
 
 
 def path_outputs(sessions: list):
     """The ops' outputs on fixed inputs, the weights fed and as initializers: QMatMul over bits, blocks and 1, 3
-    and 7 rows; one QMoE.  The sessions are appended to `sessions`."""
+    and 7 rows; one QMoE; one MlaSelfAttention with int8 W^UK and W^UV.  The sessions are appended to
+    `sessions`."""
     for (name, case, w, x), weights in itertools.product(path_inputs(), WEIGHTS):
         if w is not None:
             k, bits, block = case
@@ -407,11 +486,19 @@ def path_outputs(sessions: list):
                                     dict(x=None, w=w[0], scales=w[1]), weights=weights))
             for m in (1, 3, 7):
                 yield f"{name}-m{m}-{weights}", sessions[-1].run(None, {"x": x[:m]})[0]
+        elif name == "mla":
+            sessions.append(session("MlaSelfAttention", mla_attrs(case), path_mla_inputs(case), fed=(),
+                                    weights=weights, outputs=2))
+            yield f"{name}-{weights}", sessions[-1].run(None, {})[0]
         else:
             attrs = qmoe_attrs(case)
             ins = qmoe_inputs(np.random.default_rng(1), *case[:5], attrs["bits"], attrs["block_size"])
             sessions.append(session("QMoE", attrs, ins, weights=weights))
             yield f"{name}-{weights}", sessions[-1].run(None, {"x": ins["x"]})[0]
+
+
+def path_mla_inputs(case):
+    return int8_mla_inputs(mla_self_inputs(np.random.default_rng(2), *case[:11]), 16)
 
 
 def cpu_flags() -> set:
@@ -447,6 +534,9 @@ def test_every_instruction_set_matches_the_reference(path, tmp_path):
             k, bits, block = case
             for m in (1, 3, 7):
                 close(got[f"{name}-m{m}-{weights}"], ref.qmatmul(x[:m], *w, k=k, bits=bits, block_size=block), EXACT)
+        elif name == "mla":
+            close(got[f"{name}-{weights}"], ref.mla_self_attention(**path_mla_inputs(case), **mla_attrs(case))[0],
+                  EXACT)
         else:
             attrs = qmoe_attrs(case)
             ins = qmoe_inputs(np.random.default_rng(1), *case[:5], attrs["bits"], attrs["block_size"])
@@ -537,3 +627,21 @@ def test_bad_input_is_one_error_naming_the_op_and_input():
     with pytest.raises(invalid, match=r"QMoE: fc1_scales \[12, 48, 2\] must be float16 \(or float32\) \[12, 48, 3\]"):
         session("QMoE", attrs | dict(block_size=32), ins | dict(fc1=np.zeros((12, 48, 3, 16), np.uint8))).run(
             None, {"x": ins["x"]})
+
+    case = INT8_MLA_CASES[0]
+    ins = int8_mla_inputs(mla_self_inputs(rng, *case[:11]), 32)
+    mla = dict(fed=(), outputs=2)
+    with pytest.raises(invalid, match=r"MlaSelfAttention: W\^UK and W\^UV each come once: in float32 \(w_uk, w_uv\) or "
+                                      r"as int8 blocks"):
+        session("MlaSelfAttention", mla_attrs(case), ins | dict(w_uv=np.zeros((4, 64, 64), np.float32)), **mla).run(
+            None, {})
+    with pytest.raises(invalid, match=r"W\^UK and W\^UV each come once"):
+        session("MlaSelfAttention", mla_attrs(case), ins | dict(w_uk_scales=None), **mla).run(None, {})
+    with pytest.raises(invalid, match=r"MlaSelfAttention: w_uv_q \[4, 64, 3, 32\] must be uint8 \[H, N, ceil\(K / "
+                                      r"block\), block\] = \[4, 64, 2, 32\]"):
+        session("MlaSelfAttention", mla_attrs(case), ins | dict(w_uv_q=np.zeros((4, 64, 3, 32), np.uint8)),
+                **mla).run(None, {})
+    with pytest.raises(invalid, match=r"MlaSelfAttention: w_uk_q \[4, 64, 2, 24\] must be uint8 \[H, N, ceil\(K / "
+                                      r"block\), block\] with block 16, 32, 64, 128 or 256, K = 64, N = 64"):
+        session("MlaSelfAttention", mla_attrs(case), ins | dict(w_uk_q=np.zeros((4, 64, 2, 24), np.uint8)),
+                **mla).run(None, {})

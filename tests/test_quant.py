@@ -121,9 +121,13 @@ def test_bad_settings_name_the_flag(name, size, message):
 
 
 # ------------------------------------------------------------------------------------------- exports
+# per-head W^UK [4, 40, 64] and W^UV [4, 24, 64]: large enough to be quantized (exporters/quantize.py MIN_ELEMENTS),
+# W^UK's K = 40 not a multiple of the block
+WIDE_MLA = dict(kv_lora_rank=64, qk_nope_head_dim=40, v_head_dim=24)
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_random(tmp_path_factory.mktemp("q") / "model", nextn=1)
+    return make_random(tmp_path_factory.mktemp("q") / "model", nextn=1, **WIDE_MLA)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
@@ -166,8 +170,9 @@ def test_int4_keeps_a_few_weights_at_int8(param, int4_bits):
 
 def test_int4_export_stores_the_kept_weights_at_int8(ckpt, tmp_path):
     """One int8 QMatMul per layer (q_a_proj fused with kv_a_proj_with_mqa) and the output head, the first layer's
-    dense MLP (one QMoE node without routed experts) with its down-projection at int8; every other QMatMul and the
-    QMoE nodes at int4."""
+    dense MLP (one QMoE node without routed experts) with its down-projection at int8, each attention's W^UK and
+    W^UV at int8 (MlaSelfAttention's w_uk_q, w_uv_q: 32 bytes a block of 32, no float w_uk, w_uv); every other
+    QMatMul and the QMoE nodes at int4."""
     import onnx
 
     out = export(ckpt, tmp_path / "exp", nextn=1, max_seq_len=64, trees="none", quant_scheme="int4")
@@ -182,6 +187,13 @@ def test_int4_export_stores_the_kept_weights_at_int8(ckpt, tmp_path):
     assert all(b[1:3] == (4, None) for b in dense[1:])
     assert ("QMatMul", 4, None, False) in bits and ("QMoE", 4, None, False) in bits
     assert not any(b[0] == "QMoE" and b[1] == 8 for b in bits)
+    shapes = {i.name: list(i.dims) for i in graph.initializer}
+    mla = [n for n in graph.node if n.op_type == "MlaSelfAttention"]
+    assert len(mla) == cfg.num_hidden_layers
+    for n in mla:
+        assert n.input[10:12] == ["", ""] and len(n.input) == 16
+        h, dn, dl, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+        assert shapes[n.input[12]] == [h, dl, -(-dn // 32), 32] and shapes[n.input[14]] == [h, dv, -(-dl // 32), 32]
 
 
 @pytest.mark.slow
@@ -195,7 +207,7 @@ def test_quantized_weights_are_smaller(ckpt, tmp_path):
 @pytest.fixture(scope="module")
 def drafting(tmp_path_factory):
     root = tmp_path_factory.mktemp("qdecode")
-    return make_self_drafting(root / "ckpt", nextn=3), root
+    return make_self_drafting(root / "ckpt", nextn=3, **WIDE_MLA), root
 
 
 PROMPTS = [[5, 17, 33, 2, 8, 41, 7, 19], [60, 3], [11, 12, 13, 14, 15]]

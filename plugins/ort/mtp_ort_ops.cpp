@@ -10,9 +10,12 @@
 //                                                                   -> [B, S, H*Dl]   (absorbed MLA, C >= Dl + Dr)
 //   MlaSelfAttention(q [B, S, H*F + H*Dr], kv [B, S, Dl+Dr], kv_norm [Dl], positions [B, S] int64, cos [P, Dr/2],
 //                    sin [P, Dr/2], cache [B, T, Dl+Dr], past_len [B] int32, extra [B, R, Dl+Dr]?,
-//                    visible [B|1, S, R+S] bool?, w_uk [H, Dn, Dl]?, w_uv [H, Dv, Dl]?)
+//                    visible [B|1, S, R+S] bool?, w_uk [H, Dn, Dl]?, w_uv [H, Dv, Dl]?,
+//                    w_uk_q uint8 [H, Dl, Dn/bs, bs]?, w_uk_scales [H, Dl, Dn/bs]?,
+//                    w_uv_q uint8 [H, Dv, Dl/bs, bs]?, w_uv_scales [H, Dv, Dl/bs]?)
 //                                                                   -> [B, S, H*Dv or H*Dl], new rows [B, S, Dl+Dr]
-//                                                                      (MLA from the projections to W^UV)
+//                                                                      (MLA from the projections to W^UV; W^UK
+//                                                                      and W^UV in float32 or as int8 blocks)
 //   MtpAccept(logits [B, S, V], input_ids [B, S] int32, thinking [B] int32, relaxed_topk [] int32?,
 //             relaxed_delta [] float?)  -> accepted_tokens [B, S], num_accepted [B], thinking_out [B] (int32)
 //                                                                      (draft acceptance, exporters/lowering.py's)
@@ -884,14 +887,37 @@ struct MlaAttentionKernel {
 };
 
 // ------------------------------------------------------------------------------------- MlaSelfAttention
+// A per-head product's int8 weights (MlaSelfAttention's w_uk_q, w_uv_q): uint8 [H, N, ceil(K / bs), bs] in
+// QMatMul's format at 8 bits, scales [H, N, ceil(K / bs)] -> *w, the H * N rows as one QMatMul weight.
+OrtStatus* int8_heads(const Call& c, const View& q, const View& s, const char* name, const char* sname, int64_t h,
+                      int64_t n, int64_t k, QWeights* w) {
+    const int64_t bs = q.shape.size() == 4 ? q.dim(3) : 0;
+    if (k < 1 || n < 1 || bs < 16 || bs > 256 || (bs & (bs - 1)))
+        return c.error(std::string(name) + " " + q.str() + " must be uint8 [H, N, ceil(K / block), block] with block "
+                       "16, 32, 64, 128 or 256, K = " + std::to_string(k) + ", N = " + std::to_string(n));
+    MTP_RETURN_IF(check_q(c, q, s, name, sname, {h, n, (k + bs - 1) / bs, bs}, "[H, N, ceil(K / block), block]"));
+    *w = QWeights{static_cast<const uint8_t*>(q.data), s.data, size_t(k), size_t(bs), 8, half(s)};
+    return nullptr;
+}
+
+// y [n] = the quantized row xq (quantize_rows for w) against rows [j0, j0 + n) of w, packed where p is.
+void int8_product(const uint8_t* xq, const QWeights& w, const QPack* p, size_t j0, size_t n, float* y) {
+    if (p) return qrows_dot_packed(xq, 1, *p, j0, n, y, n);
+    qrows_dot(xq, 1, w.from_row(j0), n, y, n);
+}
+
 // MLA from the projections' outputs to W^UV in one node (exporters/ort_ops.py CpuMlaSelfOp): the new latent rows
 // (c_kv RMS-normed, k_pe roped at each token's position: output 1, the rows the runtime commits), each head's
 // query (q_pe roped; the nope part absorbed through W^UK unless the export folded it into q's projection), MlaAttention's
 // attention over the cached rows, the extra rows and the new ones, and W^UV on each head's output (unless folded
 // into the output projection).  Everything per query token: a token gets the same bits however many run beside it.
+// W^UK and W^UV come in float32 ([H, Dn, Dl], [H, Dv, Dl]: w_uk, w_uv) or quantized to int8 blocks in QMatMul's
+// format, each head's matrix in nn.Linear's [out, in] layout (w_uk_q [H, Dl, Dn/bs, bs]: W^UK transposed; w_uv_q
+// [H, Dv, Dl/bs, bs]), multiplied as QMatMul multiplies: each head's input rounded to int8 per 8 values.
 struct MlaSelfAttentionKernel {
     int64_t heads = 0, interleave = 1;
     float scale = 1.f, eps = 1e-6f;
+    PackSlots<2> packed;  // w_uk_q, w_uv_q (where packed)
 
     MlaSelfAttentionKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
         OrtStatus* s = attr_int(api, info, "heads", &heads);
@@ -903,9 +929,10 @@ struct MlaSelfAttentionKernel {
     }
 
     OrtStatus* compute(const Call& c) const {
-        View q, kv, norm, pos, cos, sin, cache, valid, extra, vis, w_uk, w_uv;
-        View* in[] = {&q, &kv, &norm, &pos, &cos, &sin, &cache, &valid, &extra, &vis, &w_uk, &w_uv};
-        for (size_t i = 0; i < 12; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
+        View q, kv, norm, pos, cos, sin, cache, valid, extra, vis, w_uk, w_uv, uk_q, uk_s, uv_q, uv_s;
+        View* in[] = {&q, &kv, &norm, &pos, &cos, &sin, &cache, &valid, &extra, &vis, &w_uk, &w_uv,
+                      &uk_q, &uk_s, &uv_q, &uv_s};
+        for (size_t i = 0; i < 16; ++i) MTP_RETURN_IF(c.input(i, *in[i]));
         MTP_RETURN_IF(need_float(c, q, "q", 3));
         MTP_RETURN_IF(need_float(c, kv, "kv", 3));
         MTP_RETURN_IF(need_float(c, norm, "kv_norm", 1));
@@ -913,8 +940,15 @@ struct MlaSelfAttentionKernel {
         MTP_RETURN_IF(need_float(c, sin, "sin", 2));
         MTP_RETURN_IF(need_float(c, cache, "cache", 3));
         const int64_t b = q.dim(0), s_len = q.dim(1), h = heads, dl = norm.dim(0), dr = 2 * cos.dim(1), ch = dl + dr;
-        const int64_t dn = w_uk.present ? (w_uk.shape.size() == 3 ? w_uk.dim(1) : -1) : dl;  // q's first part per head
-        const int64_t dv = w_uv.present ? (w_uv.shape.size() == 3 ? w_uv.dim(1) : -1) : dl;  // output per head
+        if ((w_uk.present && uk_q.present) || (w_uv.present && uv_q.present) || uk_q.present != uk_s.present ||
+            uv_q.present != uv_s.present)
+            return c.error("W^UK and W^UV each come once: in float32 (w_uk, w_uv) or as int8 blocks with their scales "
+                           "(w_uk_q and w_uk_scales, w_uv_q and w_uv_scales)");
+        // q's first part per head (Dn through W^UK, else Dl) and the output per head (Dv through W^UV, else Dl)
+        const int64_t dn = w_uk.present ? (w_uk.shape.size() == 3 ? w_uk.dim(1) : -1)
+                           : uk_q.present ? (q.dim(2) % h ? -1 : q.dim(2) / h - dr) : dl;
+        const int64_t dv = w_uv.present ? (w_uv.shape.size() == 3 ? w_uv.dim(1) : -1)
+                           : uv_q.present ? (uv_q.shape.size() == 4 ? uv_q.dim(1) : -1) : dl;
         if (kv.dim(0) != b || kv.dim(1) != s_len || kv.dim(2) != ch || sin.shape != cos.shape || dr < 2)
             return c.error("kv " + kv.str() + ", cos " + cos.str() + " and sin " + sin.str() + " must be [B, S, Dl+Dr], "
                            "[P, Dr/2] and [P, Dr/2] with B = " + std::to_string(b) + ", S = " + std::to_string(s_len) +
@@ -927,6 +961,12 @@ struct MlaSelfAttentionKernel {
                               w_uv.dim(2) != dl)))
             return c.error("w_uk " + w_uk.str() + " and w_uv " + w_uv.str() + " must be float32 [H, Dn, Dl] and [H, Dv, Dl]"
                            " with H = " + std::to_string(h) + ", Dl = " + std::to_string(dl));
+        QWeights uk{}, uv{};  // each head's W^UK^T [Dl, Dn] and W^UV [Dv, Dl] as int8 blocks, heads one after another
+        if (uk_q.present) MTP_RETURN_IF(int8_heads(c, uk_q, uk_s, "w_uk_q", "w_uk_scales", h, dl, dn, &uk));
+        if (uv_q.present) MTP_RETURN_IF(int8_heads(c, uv_q, uv_s, "w_uv_q", "w_uv_scales", h, dv, dl, &uv));
+        const QPack* uk_pack = uk_q.present ? packed.get(c, 0, 12, uk, size_t(h * dl)) : nullptr;
+        const QPack* uv_pack = uv_q.present ? packed.get(c, 1, 14, uv, size_t(h * dv)) : nullptr;
+        const size_t xq_bytes = std::max(uk_q.present ? qrow_bytes(uk) : 0, uv_q.present ? qrow_bytes(uv) : 0);
         if (pos.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || pos.shape.size() != 2 || pos.dim(0) != b ||
             pos.dim(1) != s_len)
             return c.error("positions " + pos.str() + " must be int64 [B, S]");
@@ -970,7 +1010,8 @@ struct MlaSelfAttentionKernel {
             }
             all = joined.data();
         }
-        double macs = double(tokens * h) * double((w_uk.present ? dn * dl : 0) + (w_uv.present ? dv * dl : 0));
+        double macs = double(tokens * h) * double((w_uk.present || uk_q.present ? dn * dl : 0) +
+                                                  (w_uv.present || uv_q.present ? dv * dl : 0));
         for (size_t tok = 0; tok < tokens; ++tok)  // per head and key: as MlaAttention's
             macs += double(std::clamp<int64_t>(static_cast<const int32_t*>(valid.data)[tok / size_t(s_len)], 0, t_len) +
                            r_len) * double(h * (ch + dl));
@@ -981,16 +1022,21 @@ struct MlaSelfAttentionKernel {
             if (h0 >= h1) return;
             const size_t bi = tok / size_t(s_len), si = tok % size_t(s_len), nh = h1 - h0;
             const size_t n_cached = size_t(std::clamp<int64_t>(static_cast<const int32_t*>(valid.data)[bi], 0, t_len));
-            const size_t stride = mla_scores_stride(n_cached + size_t(r_len));
-            float* qa = scratch(nh * n_ch + nh * stride + size_t(r_len) + nh * size_t(dl));
+            const size_t stride = mla_scores_stride(n_cached + size_t(r_len)), xq_floats = (nh * xq_bytes + 63) / 64 * 16;
+            uint8_t* xq = reinterpret_cast<uint8_t*>(
+                scratch(xq_floats + nh * n_ch + nh * stride + size_t(r_len) + nh * size_t(dl)));  // int8 inputs
+            float* qa = reinterpret_cast<float*>(xq) + xq_floats;
             float* sc = qa + nh * n_ch;
             uint8_t* seen_buf = reinterpret_cast<uint8_t*>(sc + nh * stride);
             float* o_lat = sc + nh * stride + size_t(r_len);
             const float* qt = q.f() + tok * qw;
+            if (uk_q.present) quantize_rows(qt + h0 * size_t(dn), nh, size_t(dn), uk, xq);
             for (size_t hh = 0; hh < nh; ++hh) {  // [q_lat; q_pe] of each head
                 float* qh = qa + hh * n_ch;
                 const float* nope = qt + (h0 + hh) * size_t(dn);
-                if (w_uk.present) {
+                if (uk_q.present) {
+                    int8_product(xq + hh * xq_bytes, uk, uk_pack, (h0 + hh) * size_t(dl), size_t(dl), qh);
+                } else if (w_uk.present) {
                     std::fill(qh, qh + dl, 0.f);
                     rows_axpy(nope, 1, size_t(dn), w_uk.f() + (h0 + hh) * size_t(dn * dl), size_t(dl), size_t(dn),
                               size_t(dl), qh, size_t(dl));
@@ -1007,10 +1053,15 @@ struct MlaSelfAttentionKernel {
                 for (int64_t r = 0; r < r_len; ++r) seen_buf[r] = r <= int64_t(si) + r_extra;
                 visible = seen_buf;
             }
-            float* o = w_uv.present ? o_lat : out + (tok * size_t(h) + h0) * size_t(dl);
+            float* o = w_uv.present || uv_q.present ? o_lat : out + (tok * size_t(h) + h0) * size_t(dl);
             mla_attend_token(qa, nh, n_ch, size_t(dl), scale, cache.f() + bi * size_t(t_len * ch), n_cached,
                              all + bi * size_t(r_len * ch), size_t(r_len), n_ch, visible, sc, o, size_t(dl));
-            if (w_uv.present)
+            if (uv_q.present) {
+                quantize_rows(o_lat, nh, size_t(dl), uv, xq);
+                for (size_t hh = 0; hh < nh; ++hh)
+                    int8_product(xq + hh * xq_bytes, uv, uv_pack, (h0 + hh) * size_t(dv), size_t(dv),
+                                 out + (tok * size_t(h) + h0 + hh) * size_t(dv));
+            } else if (w_uv.present)
                 for (size_t hh = 0; hh < nh; ++hh)
                     rows_dot(o_lat + hh * size_t(dl), 1, size_t(dl), w_uv.f() + (h0 + hh) * size_t(dv * dl), size_t(dl),
                              size_t(dv), size_t(dl), out + (tok * size_t(h) + h0 + hh) * size_t(dv), size_t(dv));
@@ -1241,8 +1292,11 @@ constexpr auto SCALES = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // quantized w
 Op<MoEKernel> g_moe({"MoE", {F32, F32, F32, F32, F32, F32, F32}, {false, true, true, true, true, true, true}});
 Op<MlaAttentionKernel> g_mla({"MlaAttention", {F32, F32, F32, F32, I32, BOOL, I32},
                               {false, false, false, false, false, true, true}});
-Op<MlaSelfAttentionKernel> g_mla_self({"MlaSelfAttention", {F32, F32, F32, I64, F32, F32, F32, I32, F32, BOOL, F32, F32},
-                                        {false, false, false, false, false, false, false, false, true, true, true, true},
+Op<MlaSelfAttentionKernel> g_mla_self({"MlaSelfAttention",
+                                        {F32, F32, F32, I64, F32, F32, F32, I32, F32, BOOL, F32, F32, U8, SCALES, U8,
+                                         SCALES},
+                                        {false, false, false, false, false, false, false, false, true, true, true, true,
+                                         true, true, true, true},
                                         F32, 2});
 Op<MtpAcceptKernel> g_accept({"MtpAccept", {F32, I32, I32, I32, F32}, {false, false, false, true, true}, I32, 3});
 Op<LightningIndexerKernel> g_indexer({"LightningIndexer", {F32, F32, F32, F32, I32, BOOL},
