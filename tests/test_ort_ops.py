@@ -197,6 +197,7 @@ MLA_SELF_CASES = [  # b, s, h, dn, dl, dr, dv, t, r, mask, absorb, interleave
     (2, 3, 3, 12, 20, 8, 12, 17, 2, "shared", True, 1),  # extra rows (a step's deeper MTP depths)
     (2, 5, 2, 8, 8, 8, 16, 9, 0, "batch", False, 0),  # a tree mask per sequence
     (1, 3, 1, 10, 12, 4, 6, 0, 0, None, True, 1),  # an empty cache, one head, widths off the vector width
+    (1, 2, 4, 40, 200, 16, 24, 30, 0, None, True, 1),  # Dn much narrower than Dl (int8: rows of other sizes)
 ]
 
 

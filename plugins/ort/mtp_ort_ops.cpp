@@ -966,7 +966,9 @@ struct MlaSelfAttentionKernel {
         if (uv_q.present) MTP_RETURN_IF(int8_heads(c, uv_q, uv_s, "w_uv_q", "w_uv_scales", h, dv, dl, &uv));
         const QPack* uk_pack = uk_q.present ? packed.get(c, 0, 12, uk, size_t(h * dl)) : nullptr;
         const QPack* uv_pack = uv_q.present ? packed.get(c, 1, 14, uv, size_t(h * dv)) : nullptr;
-        const size_t xq_bytes = std::max(uk_q.present ? qrow_bytes(uk) : 0, uv_q.present ? qrow_bytes(uv) : 0);
+        // each head's input rounded to int8: rows of qrow_bytes() apart, as quantize_rows lays them out
+        const size_t uk_row = uk_q.present ? qrow_bytes(uk) : 0, uv_row = uv_q.present ? qrow_bytes(uv) : 0;
+        const size_t xq_bytes = std::max(uk_row, uv_row);
         if (pos.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || pos.shape.size() != 2 || pos.dim(0) != b ||
             pos.dim(1) != s_len)
             return c.error("positions " + pos.str() + " must be int64 [B, S]");
@@ -1035,7 +1037,7 @@ struct MlaSelfAttentionKernel {
                 float* qh = qa + hh * n_ch;
                 const float* nope = qt + (h0 + hh) * size_t(dn);
                 if (uk_q.present) {
-                    int8_product(xq + hh * xq_bytes, uk, uk_pack, (h0 + hh) * size_t(dl), size_t(dl), qh);
+                    int8_product(xq + hh * uk_row, uk, uk_pack, (h0 + hh) * size_t(dl), size_t(dl), qh);
                 } else if (w_uk.present) {
                     std::fill(qh, qh + dl, 0.f);
                     rows_axpy(nope, 1, size_t(dn), w_uk.f() + (h0 + hh) * size_t(dn * dl), size_t(dl), size_t(dn),
@@ -1059,7 +1061,7 @@ struct MlaSelfAttentionKernel {
             if (uv_q.present) {
                 quantize_rows(o_lat, nh, size_t(dl), uv, xq);
                 for (size_t hh = 0; hh < nh; ++hh)
-                    int8_product(xq + hh * xq_bytes, uv, uv_pack, (h0 + hh) * size_t(dv), size_t(dv),
+                    int8_product(xq + hh * uv_row, uv, uv_pack, (h0 + hh) * size_t(dv), size_t(dv),
                                  out + (tok * size_t(h) + h0 + hh) * size_t(dv));
             } else if (w_uv.present)
                 for (size_t hh = 0; hh < nh; ++hh)
