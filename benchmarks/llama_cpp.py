@@ -7,7 +7,8 @@ int4).  Not run in CI.
   python benchmarks/llama_cpp.py --llama-python LLAMA_VENV/bin/python \\
       --sdist SDIST_DIR/llama_cpp_python-0.3.36.tar.gz [--sizes demo 85m 304m] \\
       [--quant none int8 int4] [--group-size 32] [--gguf f32 q8_0 q4_0 q4_k_m] \\
-      [--tokens 64] [--rounds 5] [--threads 2] [--nextn 0 1 2 3] [--no-spin] [--transformers] [--json FILE]
+      [--tokens 64] [--rounds 5] [--threads 2] [--nextn 0 1 2 3] [--prompt-repeat 1] [--no-spin] [--transformers]
+      [--json FILE]
       [--llama-mtp-bin LLAMA_BUILD/bin/llama-speculative-simple]
 
 (--sdist, llama-cpp-python's source distribution, is needed only while a checkpoint's f32 GGUF is not yet in
@@ -24,7 +25,9 @@ the prompt in one `llama_decode` of a `llama_batch`, then one `llama_decode` per
 by llama.cpp's own sampler chain holding only the greedy sampler (`llama_sampler_chain_init`,
 `llama_sampler_init_greedy`, `llama_sampler_sample(chain, ctx, -1)`), as llama-cli and llama-server decode:
 no Python reads the logits (benchmarks/llama_api.py, LlamaEngine).  Both engines get the same prompt ids,
-starting with BOS, and make `--tokens` new tokens (no stop at end-of-text).
+starting with BOS, and make `--tokens` new tokens (no stop at end-of-text).  --prompt-repeat K: the prompt's text
+K times over (a longer context: each new token attends over K times as many rows; the 85m / 304m exports hold
+1024 rows a sequence).
 
 Each configuration runs in a worker process of its own (a GGUF type on llama.cpp, or an mtp-trt export at
 one nextn), so that its peak RSS (VmHWM, after loading and decoding) is its own; the parent asks each worker
@@ -118,10 +121,10 @@ def margins_child(ckpt: str, ids: list[int], runs: dict[str, list[int]]) -> dict
     return report
 
 
-def prompt_ids(tokenizer_json: Path) -> list[int]:
+def prompt_ids(tokenizer_json: Path, text: str = PROMPT) -> list[int]:
     from tokenizers import Tokenizer
 
-    return [1] + Tokenizer.from_file(str(tokenizer_json)).encode(PROMPT).ids  # BOS first
+    return [1] + Tokenizer.from_file(str(tokenizer_json)).encode(text).ids  # BOS first
 
 
 class LlamaWorker:
@@ -177,10 +180,11 @@ def worker(kind: str, *args) -> None:
             return
 
 
-def draft_mtp_command(binary: str, gguf: str, k: int, tokens: int, threads: int, n_ctx: int) -> list[str]:
+def draft_mtp_command(binary: str, gguf: str, k: int, tokens: int, threads: int, n_ctx: int,
+                      prompt: str = PROMPT) -> list[str]:
     """llama-speculative-simple drafting `k` tokens a step with the GGUF's MTP block, greedy, on the CPU.  The
     prompt goes in as text (-p; -f would drop its final newline), unescaped, llama.cpp adding BOS itself."""
-    return [binary, "-m", gguf, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "-p", PROMPT,
+    return [binary, "-m", gguf, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "-p", prompt,
             "--no-escape", "--override-kv", "tokenizer.ggml.add_bos_token=bool:true", "-n", str(tokens),
             "--temp", "0", "--top-k", "1", "-t", str(threads), "-ngl", "0", "-c", str(n_ctx)]
 
@@ -250,9 +254,9 @@ class DraftMtpRunner:
     is the binary's own), its text checked against llama.cpp's plain greedy tokens on the same GGUF."""
 
     def __init__(self, binary: str, gguf: str, ids: list[int], tokens: int, threads: int, k: int,
-                 reference: dict, spin: bool = True):
+                 reference: dict, spin: bool = True, prompt: str = PROMPT):
         self.binary, self.gguf, self.tokens = binary, gguf, tokens
-        self.cmd = draft_mtp_command(binary, gguf, k, tokens, threads, len(ids) + tokens + k + 16)
+        self.cmd = draft_mtp_command(binary, gguf, k, tokens, threads, len(ids) + tokens + k + 16, prompt)
         self.env = os.environ | ({} if spin else {"OMP_WAIT_POLICY": "PASSIVE"})
         self.n_prompt = len(ids)
         self.prompt_text = bytes.fromhex(reference["prompt_text"])
@@ -379,6 +383,7 @@ def main():
     ap.add_argument("--transformers", action="store_true",
                     help="also compare every engine's tokens with transformers' greedy decoding (slow at 304m)")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-repeat", type=int, default=1, help="the prompt's text this many times over")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-spin", action="store_true", help="neither engine's threads busy-wait (a busy machine)")
@@ -398,6 +403,8 @@ def main():
         return
     if a.tokens < 2 or a.rounds < 1:
         raise SystemExit("--tokens must be >= 2 and --rounds >= 1")
+    if a.prompt_repeat < 1:
+        ap.error(f"--prompt-repeat {a.prompt_repeat}: must be >= 1")
     nextn_of = {size: a.nextn or ([0, 1, 2, 3] if size == "demo" else [0]) for size in a.sizes}
     if a.llama_mtp_bin:
         if not any(n > 0 for ns in nextn_of.values() for n in ns):
@@ -429,7 +436,15 @@ def main():
         mtp_ggufs = {k: ensure_gguf(size, ckpt, k, a.sdist, a.llama_python, a.threads, progress, mtp=True)
                      for k in a.gguf} if draft_ks else {}
         exports = {q: ensure_export(size, ckpt, max(nextns), q, a.group_size, progress) for q in a.quant}
-        ids = prompt_ids(ckpt / "tokenizer.json")
+        text = PROMPT * a.prompt_repeat
+        ids = prompt_ids(ckpt / "tokenizer.json", text)
+        from mtp_trt.manifest import Manifest
+
+        for e in exports.values():  # every sequence must fit the export's cache
+            rows = len(ids) + a.tokens + 2 * max(nextns) + 2
+            if rows > (cap := Manifest.load(e).max_seq_len):
+                raise SystemExit(f"--prompt-repeat {a.prompt_repeat}: {size} needs {rows} cache rows a sequence "
+                                 f"({len(ids)} prompt tokens, --tokens {a.tokens}), its export {e} holds {cap}")
         spin = not a.no_spin
         workers = {("llama", k): Worker(a.llama_python, "llama", str(g), ids, a.tokens, a.threads, spin=spin)
                    for k, g in ggufs.items()}
@@ -437,7 +452,7 @@ def main():
                     for q, e in exports.items() for n in nextns}
         plain = {k: run_child(a.llama_python, "greedy", str(g), ids, a.tokens, a.threads) for k, g in mtp_ggufs.items()}
         workers |= {("llama-mtp", k, n): DraftMtpRunner(a.llama_mtp_bin, str(g), ids, a.tokens, a.threads, n, plain[k],
-                                                        spin=spin)
+                                                        spin=spin, prompt=text)
                     for k, g in mtp_ggufs.items() for n in draft_ks}
         runs = {k: [] for k in workers}
         for _ in range(a.rounds):

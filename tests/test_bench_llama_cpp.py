@@ -133,6 +133,7 @@ def test_llama_cpp_refuses_bad_mtp_flags_before_any_work(tmp_path):
                                                              "with (--nextn is 0 on 85m)"),
         (["--nextn", "0", "--llama-mtp-bin", str(no_mtp)], "error: --llama-mtp-bin: no --nextn above 0 to draft "
                                                           "with (--nextn 0)"),
+        (["--prompt-repeat", "0"], "error: --prompt-repeat 0: must be >= 1"),
     ]
     cache = tmp_path / "cache"
     for flags, message in cases:
