@@ -32,9 +32,7 @@ def prerounded(src: Path, out: Path, scheme: quant.Scheme, keep: tuple[str, ...]
             if name.endswith("kv_b_proj.weight"):  # W^UK and W^UV, each head's matrix at int8 (exporters/quantize.py)
                 p.copy_(_int8_heads(p, config["num_attention_heads"], config["qk_nope_head_dim"], scheme.block_size))
                 continue
-            s = scheme if name.endswith("embed_tokens.weight") else matmul_scheme({name}, scheme)
-            data, scales = quant.quantize(p.numpy(), s)
-            p.copy_(torch.from_numpy(quant.dequantize(data, scales, p.shape[1], s.bits)))
+            p.copy_(_on_grid(p, scheme if name.endswith("embed_tokens.weight") else matmul_scheme({name}, scheme)))
     save_checkpoint(model, out, config)
     write_char_tokenizer(out / "tokenizer.json")
     return out
@@ -77,7 +75,8 @@ def dequantized_graph(path: Path) -> bytes:
         w = quant.dequantize(data.reshape(-1, *data.shape[-2:]), scales.reshape(-1, scales.shape[-1]), k, bits)
         w = w.reshape(*rows, k)
         name = f"{data_name}.float"
-        new_inits.append(numpy_helper.from_array(np.ascontiguousarray(w.T if transpose else w), name))
+        w = np.swapaxes(w, -1, -2) if transpose else w  # (2-D: W^T; stacked: each matrix transposed)
+        new_inits.append(numpy_helper.from_array(np.ascontiguousarray(w), name))
         return name
 
     for node in graph.node:
@@ -100,9 +99,7 @@ def dequantized_graph(path: Path) -> bytes:
             nodes.append(helper.make_node("Gather", [w, node.input[1]], list(node.output), name=node.name, axis=0))
         elif node.op_type == "MlaSelfAttention" and len(node.input) > 12:
             dl = arrays[node.input[12]].shape[1]  # w_uk_q [H, Dl, Dn/bs, bs]
-            w_uk = float_weight(node.input[12], node.input[13], dn, 8, False)  # each head's W^UK^T [Dl, Dn]
-            new_inits[-1] = numpy_helper.from_array(
-                np.ascontiguousarray(numpy_helper.to_array(new_inits[-1]).transpose(0, 2, 1)), w_uk)  # [H, Dn, Dl]
+            w_uk = float_weight(node.input[12], node.input[13], dn, 8, True)  # each head's W^UK^T back to [Dn, Dl]
             w_uv = float_weight(node.input[14], node.input[15], dl, 8, False)  # [H, Dv, Dl]
             ins = list(node.input[:10]) + [w_uk, w_uv]
             nodes.append(helper.make_node("MlaSelfAttention", ins, list(node.output), name=node.name,
