@@ -255,11 +255,22 @@ def export(
                                               "(default 32; fp8: 128, fixed)."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
+    from mtp_trt.config import ModelConfig
+    from mtp_trt.contract import DTYPES
+    from mtp_trt.manifest import MTP_MODES
+    from mtp_trt.quant import scheme
     from mtp_trt.runner import demo_model
-    from mtp_trt.validate import check_choice, directory, require
+    from mtp_trt.validate import check_choice, check_dsa, directory, require
 
     checkpoint = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)")
+    # the flags' values first, in one line before any other (the exporter checks them again)
+    check_choice("--mtp-mode", mtp_mode, MTP_MODES, "mode")
+    check_choice("--dtype", dtype, DTYPES, "dtype")
+    check_choice("--lowering", lowering, ("onnx", "plugin"), "lowering")
     check_choice("--moe-form", moe_form, MOE_FORMS, "form")
+    # and what the checkpoint's config.json says against them (its architecture, DeepSeek Sparse Attention's limits)
+    check_dsa(ModelConfig.from_file(checkpoint / "config.json"), checkpoint, lowering,
+              None if moe_form == "auto" else moe_form, scheme(quant, group_size))
     require("mtp-trt export", "torch", "onnx")
 
     with StageDisplay(f"export {checkpoint}") as show:

@@ -223,6 +223,26 @@ def check_output_dir(out: Path, flag: str = "--out") -> None:
         raise MtpTrtError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
 
 
+def check_dsa(cfg, ckpt: Path, lowering: str, moe_form: str | None, scheme) -> None:
+    """DeepSeek Sparse Attention runs in the onnx lowering (ONNX Runtime: mtp-trt's CPU operators, or standard operators
+    without them; quantized weights too, its indexer in float) and, unquantized, in the plugin lowering's
+    MlaSparseAttention nodes (TensorRT) where every layer has its own indexer: the other requests are refused in one
+    line (never exported with dense attention)."""
+    if not cfg.dsa:
+        return
+    what = f"{ckpt / 'config.json'}: {cfg.architecture} (DeepSeek Sparse Attention)"
+    shared = [i for i in range(cfg.num_hidden_layers) if not cfg.has_indexer(i)]
+    if lowering == "plugin" and shared:
+        raise MtpTrtError(f"--lowering plugin: {what}: layer(s) {', '.join(map(str, shared[:4]))} share the previous "
+                          "layer's selection (indexer_types \"shared\"), which the TensorRT plugin does not take; "
+                          "export with --lowering onnx")
+    if moe_form == "tensorrt":
+        raise MtpTrtError(f"--moe-form tensorrt: {what} is not supported in TensorRT engines; leave --moe-form out")
+    if lowering == "plugin" and scheme.quantized:
+        raise MtpTrtError(f"--quant {scheme.name} --lowering plugin: {what} has TensorRT engines with unquantized "
+                          "weights only; leave --quant out, or export with --lowering onnx")
+
+
 def merge_spec_config(spec, source: Path, nextn: int | None, mtp_mode: str | None, relaxed_topk: int,
                       relaxed_delta: float) -> tuple[int | None, str | None, int, float]:
     """Flags and a --config file together: a flag that contradicts the file is an error, not a silent choice."""

@@ -183,11 +183,12 @@ def _damaged_weights(ckpt: Path, fp8: Path):
 CHECKING = "loading torch, checking the checkpoint"  # the first stage of an export (mtp_trt/cli.py, runner.py)
 
 
-def checked_then_refused(err: str, staged: bool) -> bool:
-    """stderr is one `error:` line, after (where `staged`: an export's checks failed) the line of the export's
-    first stage, torch's import and the checks, and no other: no work was reported."""
+def checked_then_refused(err: str, staged: bool | None) -> bool:
+    """stderr is one `error:` line, after (where `staged`: an export's checks failed; None: either) the line of
+    the export's first stage, torch's import and the checks, and no other: no work was reported."""
     *before, last = err.splitlines()
-    return last.startswith("error: ") and len(before) == staged and all(x.endswith(CHECKING) for x in before)
+    return last.startswith("error: ") and len(before) in ((0, 1) if staged is None else (int(staged),)) and \
+        all(x.endswith(CHECKING) for x in before)
 
 
 def test_the_weights_are_scanned_before_any_work(ckpt, tmp_path):
@@ -258,8 +259,9 @@ def test_the_tokenizer_files_are_checked_in_the_checkpoint_before_any_work(ckpt,
             cases.append((argv, (f"error: {d / name}: ", fragment)))
     results = cli_batch([a for a, _ in cases], tmp_path / "cache")
     for (argv, fragments), (code, err, out) in zip(cases, results):
-        # run checks the tokenizer files before it caches an export; export, after its first line
-        assert code == 2 and checked_then_refused(err, staged=argv[0] == "export"), (argv, err)
+        # run checks most tokenizer files before it caches an export (the chat template, in it); export, after its
+        # first line
+        assert code == 2 and checked_then_refused(err, staged=True if argv[0] == "export" else None), (argv, err)
         assert all(f in err for f in fragments), (argv, err)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out-")]
     assert not (tmp_path / "cache" / "exports").exists() or not any((tmp_path / "cache" / "exports").iterdir())
@@ -468,7 +470,7 @@ def test_help_summaries_are_whole_and_nothing_is_split_at_a_hyphen(tmp_path):
         for name in ("run", "serve", "bench"):
             verify = option_help(texts[name], "--verify")
             assert "whose size, mtime, ctime or inode changed" in verify and "[default: no-verify]" in verify, verify
-        assert "--batch <int>" in texts["bench"] and "[default: no-verify]" in texts["bench"]
+        assert "--batch <int>" in texts["bench"]
     assert "only files whose size, mtime, ctime or inode changed" in readme
 
 
@@ -532,13 +534,16 @@ def test_every_example_speculative_config_runs_and_json_is_compact(exp, tmp_path
         data = data.get("speculative_config", data)
         wanted.append(data.get("num_nextn_predict_layers", data.get("num_speculative_tokens")))
         argvs.append(["run", exp, "-p", "def f(x):", "--max-new-tokens", "40", "--json", "--config", path])
+    longest = 0
     for argv, nextn, (code, err, out) in zip(argvs, wanted, run_cli(argvs, tmp_path / "cache")):
         assert code == 0, (argv, err)
         result = json.loads(out)
         assert result["summary"]["nextn"] == nextn and result["mtp_mode"] == "eagle", (argv, result["summary"])
         tokens = result["results"][0]["tokens"]
-        assert len(tokens) == 40 and f'"tokens": {json.dumps(tokens)}' in out.splitlines()[5], out
+        longest = max(longest, len(tokens))
+        assert f'"tokens": {json.dumps(tokens)},' == out.splitlines()[5].strip(), out
         assert len(out.splitlines()) < 30, out
+    assert longest >= 30  # a long answer, in a few lines
 
 
 # ------------------------------------------------------------------------------------------- bench and load
@@ -568,7 +573,8 @@ def test_bench_prints_the_load_average_and_warns_when_the_machine_is_busy(ckpt, 
                 f"{cores} usable core{'s' if cores > 1 else ''}, 1 thread per graph")
         assert line in out.splitlines(), out
         meta = json.loads((tmp_path / f"b{i}.json").read_text())["meta"]
-        assert meta["load_average"] == {"before": [before + cores, 0.0, 0.0], "after": [after + cores, 0.0, 0.0]}
+        assert meta["load_average"] == {"before": [round(before + cores, 2), 0.0, 0.0],
+                                        "after": [round(after + cores, 2), 0.0, 0.0]}
         warnings = [x for x in err.splitlines() if x.startswith("warning: ")]
         if i == 0:
             assert not warnings, err
