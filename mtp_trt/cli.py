@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from mtp_trt import __version__
 from mtp_trt.errors import MtpTrtError
-
-from typer.core import TyperCommand, TyperGroup
 
 click = sys.modules[TyperCommand.__mro__[1].__module__.rpartition(".")[0]]  # click, or the copy typer carries
 
@@ -260,10 +259,11 @@ def export(
     from mtp_trt.manifest import MTP_MODES
     from mtp_trt.quant import scheme
     from mtp_trt.runner import demo_model
-    from mtp_trt.validate import check_choice, check_dsa, directory, require
+    from mtp_trt.validate import check_choice, check_dsa, check_output_dir, directory, require
 
     checkpoint = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)")
-    # the flags' values first, in one line before any other (the exporter checks them again)
+    # the flags' values and the output first, in one line before any other (the exporter checks them again)
+    check_output_dir(out)
     check_choice("--mtp-mode", mtp_mode, MTP_MODES, "mode")
     check_choice("--dtype", dtype, DTYPES, "dtype")
     check_choice("--lowering", lowering, ("onnx", "plugin"), "lowering")
@@ -274,7 +274,7 @@ def export(
     require("mtp-trt export", "torch", "onnx")
 
     with StageDisplay(f"export {checkpoint}") as show:
-        show(CHECKING)  # seconds (torch's import), or minutes (a large checkpoint's weights read): a line before
+        show(CHECKING)  # seconds (torch's import) to minutes (a large checkpoint's weights read): said as it starts
         from mtp_trt.exporters.export import export as run_export
 
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
@@ -284,7 +284,7 @@ def export(
     typer.echo(f"wrote {path}")
 
 
-@command("Build TensorRT engines from an export made with --lowering plugin.")
+@command("Build TensorRT engines from an export (--lowering plugin, or plugin-free: --moe-form tensorrt).")
 @clear_errors
 def build(
     export_dir: Path = typer.Argument(..., help="Export directory made with `mtp-trt export --lowering plugin`."),
