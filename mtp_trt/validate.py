@@ -45,10 +45,10 @@ def words(items, last: str = "and") -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
 
 
-def missing_extra(what: str, module: str, tensorrt: bool = False) -> MtpTrtError:
-    """The error of a job that needs optional packages not installed (`module`: one, or several separated by
-    spaces; `tensorrt`: TensorRT too): every one of them, and the extras that install them."""
-    modules = [m.split(".")[0] for m in module.split()]
+def missing_extra(what: str, *modules: str, tensorrt: bool = False) -> MtpTrtError:
+    """The error of a job that needs optional packages not installed (`modules`; with `tensorrt`, TensorRT too):
+    every one of them, and the extras that install them."""
+    modules = [m.split(".")[0] for m in modules]
     extras = list(dict.fromkeys(EXTRAS[m] for m in modules if m in EXTRAS))
     others = [m for m in modules if m not in EXTRAS]
     how = ([f'pip install "mtp-trt[{",".join(extras)}]"'] if extras else []) + \
@@ -67,7 +67,7 @@ def require(what: str, *modules: str, tensorrt: bool = False) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     no_tensorrt = tensorrt and not any(importlib.util.find_spec(m) for m in TENSORRT_MODULES)
     if missing or no_tensorrt:
-        raise missing_extra(what, " ".join(missing), tensorrt=no_tensorrt)
+        raise missing_extra(what, *missing, tensorrt=no_tensorrt)
 
 
 def check_choice(flag: str, value, choices, what: str = "value") -> None:

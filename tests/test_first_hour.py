@@ -1,6 +1,7 @@
 """What a new user meets in the first hour, and the third round of bad input: a bare install (no extras), the
 commands' defaults (`bench`), paths that do not exist, progress on a log, and input checked before any work
-(the weight scan, the tokenizer files, FP8 scales), each case by family.  The server's cases are in
+(the weight scan, the tokenizer files, FP8 scales), each case by family; the help texts, the documented
+`--config` examples, `run --json`'s layout and `bench`'s word on the machine's load.  The server's cases are in
 tests/test_serve.py; the shared checkpoint and export are test_robustness's."""
 
 from __future__ import annotations
