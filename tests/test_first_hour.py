@@ -330,7 +330,8 @@ def test_progress_on_a_log_is_whole_lines_in_order(ckpt, tmp_path, monkeypatch):
     ticked = [x[4:x.rindex(" (")] for x in lines if x.startswith("  ✓ ")]
     assert ticked == stages, lines  # each stage ticked once, in order, before the next begins
     export_stages = stages[1:]
-    assert export_stages[:2] == [f"caching {long.name}: {CHECKING}", f"caching {long.name}: exporting target.onnx"], lines
+    assert export_stages[:2] == [f"caching {long.name}: {CHECKING}",
+                                 f"caching {long.name}: exporting target.onnx"], lines
     assert all(s.startswith(f"caching {long.name}: exporting ") and s.endswith(".onnx") for s in export_stages[1:-2])
     assert export_stages[-2:] == [f"caching {long.name}: hashing weights.bin", f"caching {long.name}: writing {entry}"]
     others = [x for x in lines if not x.startswith((title, "  ✓ ")) and x.strip()]

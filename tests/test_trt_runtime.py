@@ -274,15 +274,13 @@ def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
     # (plugin-free engines; not for bench, which takes checkpoints), or the checkpoint (a plugin-lowering export does
     # not run on ONNX Runtime)
     ckpt, plain = ref.raw["checkpoint"], ref.root.parent.resolve() / "onnx-trt"
-    for engine_dir, instead in ((engines["plugin"], {c: f"ONNX Runtime runs their checkpoint instead: mtp-trt {c} "
-                                                        f"{ckpt}" for c in ("run", "serve", "bench")}),
-                                (engines["onnx"], {"run": f"ONNX Runtime runs their export instead: mtp-trt run {plain}",
-                                                   "serve": f"ONNX Runtime runs their export instead: mtp-trt serve "
-                                                            f"{plain}",
-                                                   "bench": f"ONNX Runtime runs their checkpoint instead: mtp-trt bench "
-                                                            f"{ckpt}"}),
-                                (gone, {c: f"ONNX Runtime runs the checkpoint they come from instead ({tmp_path / 'nowhere'}, "
-                                           f"not on this machine): mtp-trt {c} CHECKPOINT" for c in ("run", "serve", "bench")})):
+    commands = ("run", "serve", "bench")
+    checkpoint = {c: f"ONNX Runtime runs their checkpoint instead: mtp-trt {c} {ckpt}" for c in commands}
+    onnx_export = {c: f"ONNX Runtime runs their export instead: mtp-trt {c} {plain}" for c in ("run", "serve")}
+    nowhere = {c: f"ONNX Runtime runs the checkpoint they come from instead ({tmp_path / 'nowhere'}, not on this "
+                  f"machine): mtp-trt {c} CHECKPOINT" for c in commands}
+    for engine_dir, instead in ((engines["plugin"], checkpoint), (engines["onnx"], {**checkpoint, **onnx_export}),
+                                (gone, nowhere)):
         for args in (["run", str(engine_dir), "-p", "x"], ["serve", str(engine_dir)],
                      ["bench", str(engine_dir), "--repeats", "1"]):
             r = CliRunner().invoke(app, args, env=env)
