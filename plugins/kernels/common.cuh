@@ -68,6 +68,11 @@ template <> __device__ __forceinline__ float unpack16<__nv_bfloat16>(const uint4
 }
 
 // ---- warp reductions ----------------------------------------------------------------------
+// A softmax score in log2 units, +inf (an fp32 overflow of q.row or of its scaling) taken as the largest finite
+// float, so that the running max stays finite and exp2(x - max) is 1 for that row, not inf - inf = NaN; -inf (hidden)
+// and NaN pass through.
+__device__ __forceinline__ float finite_score(float x) { return x > 3.402823466e38f ? 3.402823466e38f : x; }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));

@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p
                         const int t = t0 + cg * C::NW + nb * 8 + 2 * c4 + (e & 1);
                         bool ok = row_of[h] < nq;
                         if (!all_visible) ok = ok && t < L && row_visible(p, b, t, c, tok_of[h], mask_b);
-                        const float x = ok ? sc[nb][e] * p.scale_log2 : -INFINITY;
+                        const float x = ok ? finite_score(sc[nb][e] * p.scale_log2) : -INFINITY;
                         sc[nb][e] = x;
                         mx[h] = fmaxf(mx[h], x);
                     }
@@ -723,7 +723,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
                     float acc_s = 0.f;
 #pragma unroll
                     for (int w = 0; w < TC_WARPS; ++w) acc_s += sSp[(w * TC_QT + r) * TC_SS + lane];
-                    x = acc_s * p.scale_log2;
+                    x = finite_score(acc_s * p.scale_log2);
                 }
                 const float m_old = sM[r];
                 const float m_new = fmaxf(m_old, warp_max(x));
@@ -913,7 +913,7 @@ __global__ void __launch_bounds__(SM_THREADS) mla_simt_kernel(const MlaParams p)
             float x = 0.f;
             for (int d = 0; d < D; ++d) x = fmaf(qr[d], kr[d], x);
             const bool ok = t < end && row_visible(p, b, t, c, s, mask_b);
-            x = ok ? x * p.scale_log2 : -INFINITY;
+            x = ok ? finite_score(x * p.scale_log2) : -INFINITY;
             const float m_new = fmaxf(mrun[qi], warp_max(x));
             float pv = 0.f, alpha = 1.f;
             if (m_new != -INFINITY) {
@@ -1273,7 +1273,8 @@ extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_c
     const int D = Dl + Dr;
     if (M > (1LL << 24) || static_cast<long long>(S) * S > (1LL << 30)) return cudaErrorInvalidValue;
     if (num_splits > 1) {
-        if (!workspace ||
+        // the partial outputs are read as float4 and their (max, sum) as float2: 16-byte aligned workspace
+        if (!workspace || !aligned16(workspace) ||
             workspace_bytes < mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits))
             return cudaErrorInvalidValue;
     }
@@ -1298,7 +1299,8 @@ extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, voi
         H > (1 << 24))
         return cudaErrorInvalidValue;
     if (num_splits > 1 &&
-        (!workspace || workspace_bytes < mtp_mla_decode_workspace_size(B * S, 1, H, Dl, num_splits)))
+        (!workspace || !aligned16(workspace) ||
+         workspace_bytes < mtp_mla_decode_workspace_size(B * S, 1, H, Dl, num_splits)))
         return cudaErrorInvalidValue;
     MlaParams p = mla_params(q, kv_cache, past_len, out, 1, H, Dl, Dr, C, T_max, scale, num_splits);
     p.sel = selected;
