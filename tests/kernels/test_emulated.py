@@ -65,7 +65,7 @@ def test_mla_decode_emulated_single_stage_small_smem(emu_lib, host, monkeypatch)
 def _count(lib, which: str) -> int:
     fn = lib.lib.mtp_emu_count
     fn.restype, fn.argtypes = ctypes.c_long, [ctypes.c_int]
-    return fn({"attribute": 0, "func_attribute": 1, "cp_async": 2, "syncthreads": 3}[which])
+    return fn({"attribute": 0, "func_attribute": 1, "cp_async": 2, "syncthreads": 3, "wgmma": 4}[which])
 
 
 def test_mla_prefill_reads_only_the_causal_prefix(emu_lib, host):

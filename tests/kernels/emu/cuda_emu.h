@@ -21,7 +21,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -45,7 +47,7 @@ using std::min;
 
 namespace emu {
 
-enum Count { kAttribute, kFuncAttribute, kCpAsync, kSyncthreads, kCounts };
+enum Count { kAttribute, kFuncAttribute, kCpAsync, kSyncthreads, kWgmma, kCounts };
 extern std::atomic<long> counts[kCounts];  // calls the tests count (emu_runtime.cpp: mtp_emu_count);
                                            // kSyncthreads counts block barriers once per block (thread 0)
 
@@ -88,6 +90,10 @@ struct Ctx {
     std::vector<Block*>* cluster_blocks = nullptr;
     std::vector<PendingCopy> open;
     std::vector<std::vector<PendingCopy>> groups;
+    // wgmma (emu_hopper.h): issued operations not yet committed, and the committed groups not yet waited for; each
+    // runs (reads shared memory, updates the issuing thread's accumulators) when a wait retires its group
+    std::vector<std::function<void()>> wg_open;
+    std::vector<std::vector<std::function<void()>>> wg_groups;
 };
 inline thread_local Ctx ctx;
 
@@ -140,6 +146,8 @@ void run_grid(K kernel, dim3 g, dim3 b, size_t smem, unsigned cluster, Args... a
                             ctx.cluster_blocks = &members;
                             ctx.open.clear();
                             ctx.groups.clear();
+                            ctx.wg_open.clear();
+                            ctx.wg_groups.clear();
                             kernel(args...);
                             ctx.warp->bar.arrive_and_drop();
                             blk.bar->arrive_and_drop();
