@@ -255,7 +255,7 @@ inline cudaError_t launch_status() { return cudaGetLastError(); }
 constexpr int kMaxDevices = 64;
 
 struct DeviceFacts {
-    std::atomic<int> num_sms{0}, smem_optin{0};
+    std::atomic<int> num_sms{0}, smem_optin{0}, cc_major{0};
 };
 inline DeviceFacts g_devices[kMaxDevices];
 
@@ -285,6 +285,8 @@ inline int device_attribute(std::atomic<int> DeviceFacts::*slot, cudaDeviceAttr 
 }
 
 inline int current_num_sms() { return device_attribute(&DeviceFacts::num_sms, cudaDevAttrMultiProcessorCount, 132); }
+// The compute capability's major number (9: Hopper; 0 where it cannot be read).
+inline int compute_major() { return device_attribute(&DeviceFacts::cc_major, cudaDevAttrComputeCapabilityMajor, 0); }
 inline int max_optin_smem() {
     return device_attribute(&DeviceFacts::smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
 }

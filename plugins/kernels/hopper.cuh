@@ -16,7 +16,14 @@
 //     start + (n / 64) * LBO + (k / 8) * SBO + (k % 8) * 128 + 2 (n % 64)  before the swizzle; a k-step adds 2 SBO.
 // Accumulator fragment of wgmma.m64nNk16 (fp32), warp w of the warpgroup, g = lane / 4, c = lane % 4:
 //   d[4 i + 0 / 1] = D[16 w + g][8 i + 2 c + 0 / 1],  d[4 i + 2 / 3] = D[16 w + g + 8][8 i + 2 c + 0 / 1].
+// TMA and mbarriers: a 3-D tensor map over matrices of rows of 16-bit values (encode_tensor_map_3d, host), box copies
+// of 64 values x `rows` rows into a 128-byte-swizzled tile (tma_load_3d), completing on a shared-memory mbarrier whose
+// phases the consumers wait for (mbar_*); elements outside the tensor arrive as zeros.  Programmatic dependent
+// launch: launch_pdl starts a kernel that may begin before the previous kernel on the stream ends; it calls
+// grid_dependency_wait() before reading what that kernel wrote, and grid_launch_dependents() lets the next one start.
 #pragma once
+
+#include <cuda.h>
 
 #include "common.cuh"
 
@@ -105,6 +112,103 @@ MTP_WGMMA_DEF(__half, "f16")
 MTP_WGMMA_DEF(__nv_bfloat16, "bf16")
 #undef MTP_WGMMA_DEF
 #undef MTP_WGMMA_ASM
+
+// ---- mbarriers (shared memory, 8 bytes each)
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+// The initialised barriers made visible to the async proxy (TMA) -- before the block barrier that follows the init.
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One arrival that also announces `bytes` of TMA transfers the current phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+#endif
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+#endif
+}
+
+// ---- TMA: the box of 64 values x box_rows rows at (x, y) of matrix z of a 3-D tensor map into shared memory at dst,
+// counted against `bar`'s transaction bytes.  One thread issues it.
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int x, int y, int z, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+            "r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(smem_addr(bar))
+        : "memory");
+#endif
+}
+
+// ---- programmatic dependent launch
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem, cudaStream_t stream,
+                       Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+// A 3-D tensor map over `depth` matrices of `rows` rows of `cols` 16-bit values (rows `row_bytes` apart, a multiple of
+// 16; matrices rows * row_bytes apart), boxes of 64 values x box_rows rows of one matrix landing 128-byte swizzled
+// (rows past a matrix's end arrive as zeros, unread); false where the driver offers no encoder or refuses the map.
+inline bool encode_tensor_map_3d(CUtensorMap* map, const void* base, uint64_t cols, uint64_t rows, uint64_t depth,
+                                 uint64_t row_bytes, uint32_t box_rows) {
+    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+    static const Encode encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            return static_cast<Encode>(nullptr);
+        }
+        return reinterpret_cast<Encode>(fn);
+    }();
+    if (!encode) return false;
+    const cuuint64_t dims[3] = {cols, rows, depth}, strides[2] = {row_bytes, rows * row_bytes};
+    const cuuint32_t box[3] = {64, box_rows, 1}, elem[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 #else
 // Host emulation (tests only).

@@ -21,6 +21,7 @@
 #include <atomic>
 
 #include "common.cuh"
+#include "hopper.cuh"
 
 namespace mtp {
 namespace {
@@ -221,6 +222,7 @@ __device__ void v2_schedule(const MlaParams& p, int nseq, int KT) {
 // the last block, the persistent schedule (when P > 1).
 __global__ void __launch_bounds__(128) mla_v2_prologue_kernel(const MlaParams p, uint4* cache, const uint4* new_rows,
                                                               int ncommit, int S, int units, int nseq, int KT) {
+    hopper::grid_launch_dependents();  // v3's main kernel may start; it waits for this grid before reading
     if (static_cast<int>(blockIdx.x) < ncommit) {
         const int row = blockIdx.x;
         const int b = row / S, s = row - b * S;
@@ -493,6 +495,7 @@ constexpr int V2C_THREADS = 128;
 template <typename T>
 __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaParams p, int nseq) {
     __shared__ float sw[V2C_THREADS / 32][MTP_MLA_MAX_SPLITS];
+    hopper::grid_dependency_wait();  // launched dependent on v3's main kernel: its partials complete and visible
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int M = p.S * p.H;
     const long long row = static_cast<long long>(blockIdx.x) * (V2C_THREADS / 32) + warp;
@@ -541,6 +544,262 @@ __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaPa
         pk.y = pack2<T>(a[j].z * inv, a[j].w * inv);
         *reinterpret_cast<uint2*>(out + 128 * j) = pk;
     }
+}
+
+// =============================================================================================
+// v3: DeepSeek's shapes on Hopper (sm_90a): warpgroup MMA and TMA (hopper.cuh).  Same grid, schedule, workspace and
+// combine as v2 (the prologue cuts the tiles of KT = 64 rows); only dense launches (sparse lists stay on v2).
+//
+// A block takes 64 query rows (m = s * H + h, rows past the sequence's M are computed and dropped) and two
+// warpgroups.  Per 64-row KV tile (its 576 values as 9 slices of 64, each a TMA box of 64 x 64 landing 128-byte
+// swizzled, 8 KB; all 9 on one mbarrier):
+//   warpgroup 0   S[64 x 64] = Q . K^T: 36 wgmma m64n64k16, Q (loaded once per segment by TMA, 72 KB) and the
+//                 tile both from shared memory; mask, online softmax (a quad holds a row), P rounded to T into
+//                 shared memory (the same swizzled layout, a K-major A operand), the rescale factors; rows of the
+//                 tile past the sequence's end zeroed (the caller's cache past them may hold anything: 0 * NaN)
+//   barrier       P, the factors and the zeroed rows visible (ordinary stores fenced for the async proxy)
+//   both          O = alpha O + P . V: warpgroup g owns output columns 256 g .. 256 g + 255, 4 x 32 fp32
+//                 registers per thread; V is the tile's first 8 slices read MN-major (no copy: the rows are k)
+//   barrier       the stage and P are free; one thread issues the TMA of tile i + 2 into the stage
+// Two stages: tile i + 1 lands while tile i is computed.  The prologue, this kernel and the combine are chained by
+// programmatic dependent launch: each waits (griddepcontrol.wait) before reading what the previous one wrote.
+// Not yet done: the two warpgroups' overlap of softmax and MMA (FlashMLA's seesaw), a producer warp.
+// Shared memory: 1 KB alignment slack, Q 72 KB, 2 stages of 72 KB, P 8 KB, 3 mbarriers, fp32 alpha / l / m per row.
+// =============================================================================================
+constexpr int V3_KT = 64;
+constexpr int V3_THREADS = 256;
+constexpr int V3_SLICES = V2_D / 64;  // 9
+constexpr uint32_t V3_SLICE = 64 * 128;
+constexpr uint32_t V3_TILE = V3_SLICES * V3_SLICE;  // 73728
+constexpr size_t V3_Q_OFF = 0, V3_K_OFF = V3_TILE, V3_P_OFF = 3 * V3_TILE, V3_BAR_OFF = V3_P_OFF + V3_SLICE;
+constexpr size_t V3_ALPHA_OFF = V3_BAR_OFF + 64, V3_L_OFF = V3_ALPHA_OFF + 256, V3_M_OFF = V3_L_OFF + 256;
+constexpr size_t V3_BYTES = 1024 + V3_M_OFF + 256;  // 231,232 bytes
+
+template <typename T>
+__global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p, const __grid_constant__ CUtensorMap tm_q,
+                                                               const __grid_constant__ CUtensorMap tm_kv) {
+#if defined(MTP_HAS_WGMMA) || defined(MTP_EMULATE_DEVICE)  // code for sm_90a only (v3_serves never launches it elsewhere)
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned char* sQ = smem + V3_Q_OFF;
+    unsigned char* sK = smem + V3_K_OFF;
+    unsigned char* sP = smem + V3_P_OFF;
+    uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + V3_BAR_OFF);
+    uint64_t* bar_kv = bar_q + 1;  // [2]
+    float* sAlpha = reinterpret_cast<float*>(smem + V3_ALPHA_OFF);
+    float* sL = reinterpret_cast<float*>(smem + V3_L_OFF);
+    float* sM = reinterpret_cast<float*>(smem + V3_M_OFF);
+
+    const int tid = threadIdx.x, w = (tid >> 5) & 3, lane = tid & 31;
+    const int wg = __shfl_sync(kFullMask, tid >> 7, 0);  // warp-uniform to the compiler: wgmma in uniform branches
+    const int g = lane >> 2, c4 = lane & 3;
+    const int M = p.S * p.H;
+    const int m0 = blockIdx.x * 64;
+    const int nq = min(64, M - m0);
+    const int row_of[2] = {16 * w + g, 16 * w + g + 8};
+    int tok_of[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
+
+    if (tid == 0) {
+        hopper::mbar_init(bar_q, 1);
+        hopper::mbar_init(bar_kv, 1);
+        hopper::mbar_init(bar_kv + 1, 1);
+        hopper::mbar_init_fence();
+    }
+    __syncthreads();
+    hopper::grid_dependency_wait();  // the prologue's commit and schedule are complete and visible
+    hopper::grid_launch_dependents();
+
+    int bf, tf, bl, tl;
+    if (p.nsplit > 1) {
+        const int4 run = p.part_sched[blockIdx.y];
+        if (run.x < 0) return;
+        bf = run.x, tf = run.y, bl = run.z, tl = run.w;
+    } else {
+        bf = bl = blockIdx.y;
+        tf = 0;
+        tl = v2_tiles(p, bf, V3_KT);
+    }
+    const uint32_t q_base = hopper::smem_addr(sQ), k_base = hopper::smem_addr(sK), p_base = hopper::smem_addr(sP);
+    unsigned q_phase = 0, it = 0;  // Q loads so far; KV tiles so far (stage it % 2, parity (it / 2) & 1)
+
+    for (int b = bf; b <= bl; ++b) {
+        int c;
+        const int L = seq_rows(p, b, c);
+        const int nt = (L + V3_KT - 1) / V3_KT;
+        const int tb = b == bf ? tf : 0;
+        int te = b == bl ? tl : nt;
+        const bool direct = tb == 0 && te == nt;
+        const int lim = tile_rows(p, L, c, m0 + nq - 1);
+        te = min(te, (lim + V3_KT - 1) / V3_KT);
+        const int n = max(0, te - tb);
+        const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
+
+        auto issue = [&](int i, unsigned stage) {  // tile tb + i into stage (one thread)
+            hopper::mbar_arrive_expect_tx(bar_kv + stage, V3_TILE);
+            for (int j = 0; j < V3_SLICES; ++j)
+                hopper::tma_load_3d(sK + stage * V3_TILE + j * V3_SLICE, &tm_kv, 64 * j, (tb + i) * V3_KT, b,
+                                    bar_kv + stage);
+        };
+        if (tid == 0 && n > 0) {
+            hopper::mbar_arrive_expect_tx(bar_q, V3_TILE);
+            for (int j = 0; j < V3_SLICES; ++j)
+                hopper::tma_load_3d(sQ + j * V3_SLICE, &tm_q, 64 * j, m0, b, bar_q);
+            for (int i = 0; i < 2 && i < n; ++i) issue(i, (it + i) & 1);
+        }
+
+        float acc[4][32];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 32; ++e) acc[j][e] = 0.f;
+        float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+        if (n > 0) {
+            hopper::mbar_wait(bar_q, q_phase & 1);
+            ++q_phase;
+        }
+
+        for (int i = 0; i < n; ++i, ++it) {
+            const unsigned stage = it & 1;
+            unsigned char* sKt = sK + stage * V3_TILE;
+            const uint32_t kt_base = k_base + stage * V3_TILE;
+            const int t0 = (tb + i) * V3_KT;
+            hopper::mbar_wait(bar_kv + stage, (it >> 1) & 1);
+            if (wg == 0) {
+                // ---- S = Q . K^T over the 576 values: 9 slices x 4 k-steps
+                float sc[32];
+                hopper::wgmma_fence();
+#pragma unroll 1
+                for (int j = 0; j < V3_SLICES; ++j)
+#pragma unroll
+                    for (int ks = 0; ks < 4; ++ks) {
+                        const uint64_t da = hopper::smem_desc(q_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
+                        const uint64_t db = hopper::smem_desc(kt_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
+                        hopper::Wgmma64<T, false>::run(sc, da, db, j > 0 || ks > 0);
+                    }
+                hopper::wgmma_commit();
+                hopper::wgmma_wait<0>();
+                hopper::fence_regs(sc);
+                // ---- rows of the tile past the sequence's end are zeroed for P . V (their P is 0, their V may be NaN)
+                if (t0 + V3_KT > L) {
+                    for (int e = tid; e < V3_KT * 8 * 8; e += 128) {  // (row, slice, 16-byte chunk) of V's 8 slices
+                        const int r = e >> 6, j = (e >> 3) & 7, ch = e & 7;
+                        if (t0 + r >= L)
+                            *reinterpret_cast<uint4*>(sKt + j * V3_SLICE + hopper::swizzle128(r * 128 + ch * 16)) =
+                                make_uint4(0, 0, 0, 0);
+                    }
+                }
+                // ---- mask, online softmax (row r's 64 columns are held by one quad), P to shared memory
+                const bool all_visible = t0 + V3_KT <= c;
+                float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+                for (int i8 = 0; i8 < 8; ++i8)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int h = e >> 1;
+                        const int t = t0 + 8 * i8 + 2 * c4 + (e & 1);
+                        bool ok = row_of[h] < nq;
+                        if (!all_visible) ok = ok && t < L && visible(t, c, tok_of[h], p.S, mask_b);
+                        const float x = ok ? finite_score(sc[4 * i8 + e] * p.scale_log2) : -INFINITY;
+                        sc[4 * i8 + e] = x;
+                        mx[h] = fmaxf(mx[h], x);
+                    }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+                    const float m_new = fmaxf(m_run[h], mx[h]);
+                    const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+                    float ls = 0.f;
+                    const int r = row_of[h];
+#pragma unroll
+                    for (int i8 = 0; i8 < 8; ++i8) {
+                        const float x0 = sc[4 * i8 + 2 * h], x1 = sc[4 * i8 + 2 * h + 1];
+                        const T q0 = from_f<T>(x0 == -INFINITY ? 0.f : exp2f(x0 - m_new));
+                        const T q1 = from_f<T>(x1 == -INFINITY ? 0.f : exp2f(x1 - m_new));
+                        *reinterpret_cast<uint32_t*>(sP + hopper::swizzle128((r >> 3) * 1024 + (r & 7) * 128 +
+                                                                            2 * (8 * i8 + 2 * c4))) = pack2_raw(q0, q1);
+                        ls += to_f<T>(q0) + to_f<T>(q1);
+                    }
+                    l_run[h] = l_run[h] * alpha + ls;
+                    m_run[h] = m_new;
+                    if (c4 == 0) sAlpha[r] = alpha;
+                }
+                hopper::fence_proxy_async();
+            }
+            __syncthreads();  // P, the factors and the zeroed rows visible
+            // ---- O = alpha O + P . V for this warpgroup's 256 columns (slices 4 wg .. 4 wg + 3 of the tile)
+            {
+                const float a0 = sAlpha[row_of[0]], a1 = sAlpha[row_of[1]];
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int i8 = 0; i8 < 8; ++i8) {
+                        acc[j][4 * i8 + 0] *= a0;
+                        acc[j][4 * i8 + 1] *= a0;
+                        acc[j][4 * i8 + 2] *= a1;
+                        acc[j][4 * i8 + 3] *= a1;
+                    }
+                hopper::wgmma_fence();
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk) {
+                        const uint64_t da = hopper::smem_desc(p_base + 32 * kk, 16, 1024, hopper::kSwizzle128B);
+                        const uint64_t db = hopper::smem_desc(kt_base + (4 * wg + j) * V3_SLICE + 2048 * kk, 0, 1024,
+                                                              hopper::kSwizzle128B);
+                        hopper::Wgmma64<T, true>::run(acc[j], da, db, true);
+                    }
+                hopper::wgmma_commit();
+                hopper::wgmma_wait<0>();
+#pragma unroll
+                for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
+            }
+            __syncthreads();  // the stage and P are free
+            if (tid == 0 && i + 2 < n) issue(i + 2, stage);
+        }
+
+        // ---- epilogue: row sums over the quad; direct output or fp32 partials (v2's workspace layout)
+        if (wg == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float l = l_run[h];
+                l += __shfl_xor_sync(kFullMask, l, 1);
+                l += __shfl_xor_sync(kFullMask, l, 2);
+                if (c4 == 0) {
+                    sL[row_of[h]] = l;
+                    sM[row_of[h]] = m_run[h];
+                }
+            }
+        }
+        __syncthreads();
+        const int slot = blockIdx.y + b;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row_of[h];
+            if (r >= nq) continue;
+            const float l = sL[r];
+            const float inv = direct ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
+            const size_t orow = direct ? static_cast<size_t>(b) * M + m0 + r : static_cast<size_t>(slot) * M + m0 + r;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int i8 = 0; i8 < 8; ++i8) {
+                    const int col = 256 * wg + 64 * j + 8 * i8 + 2 * c4;
+                    const float v0 = acc[j][4 * i8 + 2 * h] * inv, v1 = acc[j][4 * i8 + 2 * h + 1] * inv;
+                    if (direct)
+                        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + orow * V2_DL + col) = pack2<T>(v0, v1);
+                    else
+                        *reinterpret_cast<float2*>(p.opart + orow * V2_DL + col) = make_float2(v0, v1);
+                }
+            if (!direct && wg == 0 && c4 == 0) p.ml[orow] = make_float2(sM[r], l);
+        }
+        __syncthreads();  // sL / sM read
+    }
+#else
+    __trap();
+#endif
 }
 
 // =============================================================================================
@@ -1113,6 +1372,47 @@ bool v2_config(mtp_dtype dtype, const MlaParams& p, long long M, int flags, int&
     return smem <= optin;
 }
 
+// Whether v3 serves a launch v2 serves: a dense launch on a compute capability 9 GPU running this library's sm_90a
+// code (not JIT-compiled PTX of another arch), with room for its shared memory, unless MTP_MLA_FORCE_V2.
+bool v3_serves(const MlaParams& p, int flags) {
+    if (p.sel || (flags & MTP_MLA_FORCE_V2) || compute_major() != 9 || static_cast<size_t>(max_optin_smem()) < V3_BYTES)
+        return false;
+    static const int binary = [] {
+        cudaFuncAttributes a = {};
+        if (cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(mla_v3_kernel<__nv_bfloat16>)) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        return a.binaryVersion;
+    }();
+    return binary == 90;
+}
+
+// v3's tensor maps: q as [nseq][M rows][576], the cache as [nseq][T_max rows][stride] (so a tile never reads past
+// its sequence's T_max rows); false where the driver cannot encode them (v2 serves the launch then).
+bool v3_maps(const MlaParams& p, int nseq, CUtensorMap& tm_q, CUtensorMap& tm_kv) {
+    const uint64_t M = static_cast<uint64_t>(p.S) * p.H;
+    return hopper::encode_tensor_map_3d(&tm_q, p.q, V2_D, M, nseq, V2_D * 2, 64) &&
+           hopper::encode_tensor_map_3d(&tm_kv, p.cache, p.stride, p.T_max, nseq, static_cast<uint64_t>(p.stride) * 2,
+                                        V3_KT);
+}
+
+template <typename T>
+cudaError_t launch_v3(MlaParams& p, int nseq, const CUtensorMap& tm_q, const CUtensorMap& tm_kv, cudaStream_t stream) {
+    const long long M = static_cast<long long>(p.S) * p.H;
+    static std::atomic<unsigned long long> raised{0};
+    const int dev = current_device();
+    const unsigned long long bit = dev >= 0 && dev < kMaxDevices ? 1ull << dev : 0;
+    if (!bit || !(raised.load(std::memory_order_relaxed) & bit)) {
+        const cudaError_t e = cudaFuncSetAttribute(mla_v3_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(V3_BYTES));
+        if (e != cudaSuccess) return e;
+        raised.fetch_or(bit, std::memory_order_relaxed);
+    }
+    const dim3 grid(static_cast<unsigned>((M + 63) / 64), static_cast<unsigned>(p.nsplit > 1 ? p.nsplit : nseq));
+    return hopper::launch_pdl(mla_v3_kernel<T>, grid, V3_THREADS, V3_BYTES, stream, p, tm_q, tm_kv);
+}
+
 template <typename T>
 cudaError_t launch_v2(MlaParams& p, int nseq, int R, int KT, size_t smem, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>((static_cast<long long>(p.S) * p.H + R - 1) / R),
@@ -1144,6 +1444,9 @@ cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, const Commit& co
     int R = 0, KT = 0;
     size_t smem = 0;
     if (v2_config(dtype, p, M, flags, R, KT, smem)) {
+        CUtensorMap tm_q, tm_kv;
+        const bool v3 = v3_serves(p, flags) && v3_maps(p, nseq, tm_q, tm_kv);
+        if (v3) KT = V3_KT;
         if (parts > 1) {
             const size_t rows = (static_cast<size_t>(parts) + nseq - 1) * M;
             char* ws = static_cast<char*>(workspace);
@@ -1169,13 +1472,21 @@ cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, const Commit& co
                 commit.S, static_cast<int>(row_bytes / 16), nseq, KT);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
         }
-        if (dtype == MTP_DTYPE_F16)
+        if (v3)
+            err = dtype == MTP_DTYPE_F16 ? launch_v3<__half>(p, nseq, tm_q, tm_kv, stream)
+                                         : launch_v3<__nv_bfloat16>(p, nseq, tm_q, tm_kv, stream);
+        else if (dtype == MTP_DTYPE_F16)
             err = launch_v2<__half>(p, nseq, R, KT, smem, stream);
         else
             err = launch_v2<__nv_bfloat16>(p, nseq, R, KT, smem, stream);
         if (err != cudaSuccess || parts <= 1) return err;
         const long long rows = static_cast<long long>(nseq) * M;
         const unsigned blocks = static_cast<unsigned>((rows + V2C_THREADS / 32 - 1) / (V2C_THREADS / 32));
+        if (v3)
+            return dtype == MTP_DTYPE_F16
+                       ? hopper::launch_pdl(mla_v2_combine_kernel<__half>, dim3(blocks), V2C_THREADS, 0, stream, p, nseq)
+                       : hopper::launch_pdl(mla_v2_combine_kernel<__nv_bfloat16>, dim3(blocks), V2C_THREADS, 0, stream,
+                                            p, nseq);
         if (dtype == MTP_DTYPE_F16)
             mla_v2_combine_kernel<__half><<<blocks, V2C_THREADS, 0, stream>>>(p, nseq);
         else

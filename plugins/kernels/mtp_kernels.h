@@ -80,6 +80,7 @@ int mtp_get_last_error(void);
 #define MTP_MLA_FORCE_SIMT 1
 #define MTP_MLA_SINGLE_STAGE 2 /* general tensor-core kernel: no double buffering (benchmarking) */
 #define MTP_MLA_FORCE_V1 4     /* DeepSeek's dims served by the general kernels, not v2 (benchmarking) */
+#define MTP_MLA_FORCE_V2 8     /* DeepSeek's dims on v2 where v3 (Hopper) would serve them (benchmarking) */
 #define MTP_MLA_MAX_SPLITS 256
 
 /* Parts of the persistent grid for a launch: floor(num_sms / ceil(S*H / 64)) -- one wave of blocks of
