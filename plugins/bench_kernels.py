@@ -701,6 +701,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparisons")
     ap.add_argument("--simt", action="store_true", help="force the SIMT attention path")
+    ap.add_argument("--force-v2", action="store_true", help="MLA decode on v2 where v3 (Hopper) would serve it")
+    ap.add_argument("--shapes", metavar="BxT,...", help="only these (batch, cache) shapes of the MLA table, e.g. 64x4096")
+    ap.add_argument("--mla-only", action="store_true", help="only the MLA decode table")
     ap.add_argument("--single-stage", action="store_true", help="no cp.async double buffering")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return ap
@@ -724,7 +727,11 @@ def main(argv=None) -> int:
     lib = cuda_lib.load_library()
     torch = None if args.no_torch else torch_cuda()
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[args.dtype]
-    flags = (cuda_lib.MLA_FORCE_SIMT if args.simt else 0) | (cuda_lib.MLA_SINGLE_STAGE if args.single_stage else 0)
+    flags = (cuda_lib.MLA_FORCE_SIMT if args.simt else 0) | (cuda_lib.MLA_SINGLE_STAGE if args.single_stage else 0) | \
+        (cuda_lib.MLA_FORCE_V2 if args.force_v2 else 0)
+    shapes = QUICK_BT if args.quick else CONFIGS_BT
+    if args.shapes:
+        shapes = [tuple(int(v) for v in bt.lower().split("x")) for bt in args.shapes.split(",")]
     copy_bytes = min(1 << 30, info["global_mem_bytes"] // 8)
     copy_gbps = copy_bandwidth(b, copy_bytes, 20)
     print(f"device: {info['name']} (sm_{info['compute_capability'].replace('.', '')}, {info['sm_count']} SMs, "
@@ -734,7 +741,9 @@ def main(argv=None) -> int:
           f"{args.iters} calls per CUDA graph over copies of the inputs (L2x: bytes read between two uses of a copy "
           f"over L2), median of {REPLAYS} replays; every output checked against the reference once first; PyTorch: "
           f"{'torch ' + torch.__version__ if torch is not None and not ragged else 'not compared'}")
-    print(f"mtp_mla_decode with its KV commit, {dtype}, Dl={DL} Dr={DR}{' SIMT' if args.simt else ''}"
+    path = "SIMT" if args.simt else "v2 forced" if args.force_v2 else "v3" if info["compute_capability"] == "9.0" \
+        else "v2"
+    print(f"mtp_mla_decode with its KV commit, {dtype}, Dl={DL} Dr={DR}, {path}"
           f"{' single-stage' if args.single_stage else ''}:")
     hdr = (f"{'B':>4} {'T':>7} {'B*T':>7} {'H':>4} {'S':>2} {'splits':>6} {'L2x':>5} {'time us':>9} {'GB/s':>7} "
            f"{'% copy':>7} {'TFLOPS':>7} {'torch us':>9} {'vs torch':>8}")
@@ -743,7 +752,7 @@ def main(argv=None) -> int:
     results = []
     for H in [int(x) for x in args.heads.split(",")]:
         for S in [int(x) for x in args.seq.split(",")]:
-            for B, T in QUICK_BT if args.quick else CONFIGS_BT:
+            for B, T in shapes:
                 if B * T * (DL + DR) * 2 * 2 > info["global_mem_bytes"] * 0.8:
                     continue
                 r = bench_mla(b, lib, info, B, T, H, S, dtype, args.iters, flags, ragged, torch)
@@ -751,6 +760,8 @@ def main(argv=None) -> int:
                     r["pct_copy"] = 100.0 * r["GBps"] / copy_gbps
                 results.append(r)
                 print(mla_line(r), flush=True)
+    if args.mla_only:
+        return finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, [], [])
     print(f"DeepSeek Sparse Attention {dtype}: mtp_dsa_select ({HI} heads x {DI}, top {TOPK}) | "
           f"mtp_mla_sparse_decode over {TOPK} fresh rows per token (H={H_DSA}, Dl={DL} Dr={DR}):")
     hdr = (f"{'B':>4} {'T':>7} {'S':>2} {'select us':>10} {'GB/s':>6} {'% copy':>7} {'TFLOPS':>7} {'vs torch':>8} "
@@ -775,6 +786,10 @@ def main(argv=None) -> int:
         r = bench_accept(b, lib, info, B, K_ACCEPT, V_ACCEPT, dtype, args.iters)
         accept.append(r)
         print(accept_line(r, copy_gbps), flush=True)
+    return finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, dsa, accept)
+
+
+def finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, dsa, accept) -> int:
     mismatches = sum(any(k.endswith("mismatch") for k in r) for r in results + dsa + accept)
     if mismatches:
         print(f"{mismatches} row(s) with an output that does not match the reference: those kernels were not timed")

@@ -19,6 +19,7 @@
 #include <math.h>
 
 #include <atomic>
+#include <cstdlib>
 
 #include "common.cuh"
 #include "hopper.cuh"
@@ -1375,7 +1376,12 @@ bool v2_config(mtp_dtype dtype, const MlaParams& p, long long M, int flags, int&
 // Whether v3 serves a launch v2 serves: a dense launch on a compute capability 9 GPU running this library's sm_90a
 // code (not JIT-compiled PTX of another arch), with room for its shared memory, unless MTP_MLA_FORCE_V2.
 bool v3_serves(const MlaParams& p, int flags) {
-    if (p.sel || (flags & MTP_MLA_FORCE_V2) || compute_major() != 9 || static_cast<size_t>(max_optin_smem()) < V3_BYTES)
+    static const bool env_v2 = [] {  // MTP_TRT_MLA_PATH=v2: v2 everywhere (comparisons on a GPU, whole test runs)
+        const char* e = getenv("MTP_TRT_MLA_PATH");
+        return e && e[0] == 'v' && e[1] == '2' && e[2] == 0;
+    }();
+    if (p.sel || (flags & MTP_MLA_FORCE_V2) || env_v2 || compute_major() != 9 ||
+        static_cast<size_t>(max_optin_smem()) < V3_BYTES)
         return false;
     static const int binary = [] {
         cudaFuncAttributes a = {};
