@@ -553,18 +553,23 @@ __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaPa
 //
 // A block takes 64 query rows (m = s * H + h, rows past the sequence's M are computed and dropped) and two
 // warpgroups.  Per 64-row KV tile (its 576 values as 9 slices of 64, each a TMA box of 64 x 64 landing 128-byte
-// swizzled, 8 KB; all 9 on one mbarrier):
-//   warpgroup 0   S[64 x 64] = Q . K^T: 36 wgmma m64n64k16, Q (loaded once per segment by TMA, 72 KB) and the
-//                 tile both from shared memory; mask, online softmax (a quad holds a row), P rounded to T into
-//                 shared memory (the same swizzled layout, a K-major A operand), the rescale factors; rows of the
-//                 tile past the sequence's end zeroed (the caller's cache past them may hold anything: 0 * NaN)
-//   barrier       P, the factors and the zeroed rows visible (ordinary stores fenced for the async proxy)
-//   both          O = alpha O + P . V: warpgroup g owns output columns 256 g .. 256 g + 255, 4 x 32 fp32
-//                 registers per thread; V is the tile's first 8 slices read MN-major (no copy: the rows are k)
-//   barrier       the stage and P are free; one thread issues the TMA of tile i + 2 into the stage
+// swizzled, 8 KB; all 9 on one mbarrier; a 3-D tensor map [sequence][T_max][stride], so a tile never reads another
+// sequence's rows), with P(i) already in shared memory:
+//   barrier A     P(i), its rescale factors and tile i's rows past the sequence's end (zeroed) visible
+//   warpgroup 0   issues S(i + 1) = Q . K(i + 1)^T (36 wgmma m64n64k16, Q -- loaded once per segment by TMA -- and
+//                 the tile both from shared memory, K-major) and its half of P(i) . V(i), waits for S(i + 1) only,
+//                 and runs the mask and online softmax of tile i + 1 (a quad holds a row) while the tensor cores do
+//                 P(i) . V(i)
+//   warpgroup 1   its half of P(i) . V(i)
+//                 (O = alpha O + P . V: warpgroup g owns output columns 256 g .. 256 g + 255, 4 x 32 fp32 registers
+//                 per thread; V is the tile's first 8 slices read MN-major, no copy)
+//   barrier B     P(i) . V(i) done: sP and tile i's stage free; one thread issues the TMA of tile i + 2 into it;
+//                 warpgroup 0 publishes P(i + 1) (rounded to T) and its factors, zeroes tile i + 1's rows past the
+//                 sequence's end (the cache there may hold NaN, and 0 * NaN would reach O), fences for the async proxy
 // Two stages: tile i + 1 lands while tile i is computed.  The prologue, this kernel and the combine are chained by
 // programmatic dependent launch: each waits (griddepcontrol.wait) before reading what the previous one wrote.
-// Not yet done: the two warpgroups' overlap of softmax and MMA (FlashMLA's seesaw), a producer warp.
+// Not yet done: FlashMLA's "seesaw" (each warpgroup computing S for half the rows so that both softmaxes overlap the
+// other's MMA), a producer warp with setmaxnreg, deeper stages.
 // Shared memory: 1 KB alignment slack, Q 72 KB, 2 stages of 72 KB, P 8 KB, 3 mbarriers, fp32 alpha / l / m per row.
 // =============================================================================================
 constexpr int V3_KT = 64;
@@ -656,81 +661,106 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
 #pragma unroll
             for (int e = 0; e < 32; ++e) acc[j][e] = 0.f;
         float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-        if (n > 0) {
-            hopper::mbar_wait(bar_q, q_phase & 1);
-            ++q_phase;
-        }
+        float sc[32];        // warpgroup 0: the scores of the next tile, then its P (rounded to T, as floats)
+        float alpha_n[2];    // warpgroup 0: that tile's rescale factors
 
-        for (int i = 0; i < n; ++i, ++it) {
-            const unsigned stage = it & 1;
-            unsigned char* sKt = sK + stage * V3_TILE;
+        // warpgroup 0: S of tile k (in `stage`) issued into sc (a commit group of its own; not waited for)
+        auto scores = [&](unsigned stage) {
             const uint32_t kt_base = k_base + stage * V3_TILE;
-            const int t0 = (tb + i) * V3_KT;
-            hopper::mbar_wait(bar_kv + stage, (it >> 1) & 1);
-            if (wg == 0) {
-                // ---- S = Q . K^T over the 576 values: 9 slices x 4 k-steps
-                float sc[32];
-                hopper::wgmma_fence();
-#pragma unroll 1
-                for (int j = 0; j < V3_SLICES; ++j)
 #pragma unroll
-                    for (int ks = 0; ks < 4; ++ks) {
-                        const uint64_t da = hopper::smem_desc(q_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
-                        const uint64_t db = hopper::smem_desc(kt_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
-                        hopper::Wgmma64<T, false>::run(sc, da, db, j > 0 || ks > 0);
-                    }
-                hopper::wgmma_commit();
-                hopper::wgmma_wait<0>();
-                hopper::fence_regs(sc);
-                // ---- rows of the tile past the sequence's end are zeroed for P . V (their P is 0, their V may be NaN)
-                if (t0 + V3_KT > L) {
-                    for (int e = tid; e < V3_KT * 8 * 8; e += 128) {  // (row, slice, 16-byte chunk) of V's 8 slices
-                        const int r = e >> 6, j = (e >> 3) & 7, ch = e & 7;
-                        if (t0 + r >= L)
-                            *reinterpret_cast<uint4*>(sKt + j * V3_SLICE + hopper::swizzle128(r * 128 + ch * 16)) =
-                                make_uint4(0, 0, 0, 0);
-                    }
+            for (int j = 0; j < V3_SLICES; ++j)
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks) {
+                    const uint64_t da = hopper::smem_desc(q_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
+                    const uint64_t db = hopper::smem_desc(kt_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
+                    hopper::Wgmma64<T, false>::run(sc, da, db, j > 0 || ks > 0);
                 }
-                // ---- mask, online softmax (row r's 64 columns are held by one quad), P to shared memory
-                const bool all_visible = t0 + V3_KT <= c;
-                float mx[2] = {-INFINITY, -INFINITY};
+            hopper::wgmma_commit();
+        };
+        // warpgroup 0, after S of tile k is complete: mask, online softmax (a quad holds a row) -> P in sc, alpha_n
+        auto softmax = [&](int k) {
+            const int t0 = (tb + k) * V3_KT;
+            const bool all_visible = t0 + V3_KT <= c;
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int i8 = 0; i8 < 8; ++i8)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e >> 1;
+                    const int t = t0 + 8 * i8 + 2 * c4 + (e & 1);
+                    bool ok = row_of[h] < nq;
+                    if (!all_visible) ok = ok && t < L && visible(t, c, tok_of[h], p.S, mask_b);
+                    const float x = ok ? finite_score(sc[4 * i8 + e] * p.scale_log2) : -INFINITY;
+                    sc[4 * i8 + e] = x;
+                    mx[h] = fmaxf(mx[h], x);
+                }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+                const float m_new = fmaxf(m_run[h], mx[h]);
+                alpha_n[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+                float ls = 0.f;
 #pragma unroll
                 for (int i8 = 0; i8 < 8; ++i8)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int h = e >> 1;
-                        const int t = t0 + 8 * i8 + 2 * c4 + (e & 1);
-                        bool ok = row_of[h] < nq;
-                        if (!all_visible) ok = ok && t < L && visible(t, c, tok_of[h], p.S, mask_b);
-                        const float x = ok ? finite_score(sc[4 * i8 + e] * p.scale_log2) : -INFINITY;
-                        sc[4 * i8 + e] = x;
-                        mx[h] = fmaxf(mx[h], x);
+                    for (int e = 0; e < 2; ++e) {
+                        const float x = sc[4 * i8 + 2 * h + e];
+                        const float q = to_f<T>(from_f<T>(x == -INFINITY ? 0.f : exp2f(x - m_new)));
+                        sc[4 * i8 + 2 * h + e] = q;
+                        ls += q;  // the denominator sums the rounded weights
                     }
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
-                    mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
-                    const float m_new = fmaxf(m_run[h], mx[h]);
-                    const float alpha = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
-                    float ls = 0.f;
-                    const int r = row_of[h];
-#pragma unroll
-                    for (int i8 = 0; i8 < 8; ++i8) {
-                        const float x0 = sc[4 * i8 + 2 * h], x1 = sc[4 * i8 + 2 * h + 1];
-                        const T q0 = from_f<T>(x0 == -INFINITY ? 0.f : exp2f(x0 - m_new));
-                        const T q1 = from_f<T>(x1 == -INFINITY ? 0.f : exp2f(x1 - m_new));
-                        *reinterpret_cast<uint32_t*>(sP + hopper::swizzle128((r >> 3) * 1024 + (r & 7) * 128 +
-                                                                            2 * (8 * i8 + 2 * c4))) = pack2_raw(q0, q1);
-                        ls += to_f<T>(q0) + to_f<T>(q1);
-                    }
-                    l_run[h] = l_run[h] * alpha + ls;
-                    m_run[h] = m_new;
-                    if (c4 == 0) sAlpha[r] = alpha;
-                }
-                hopper::fence_proxy_async();
+                l_run[h] = l_run[h] * alpha_n[h] + ls;
+                m_run[h] = m_new;
             }
-            __syncthreads();  // P, the factors and the zeroed rows visible
-            // ---- O = alpha O + P . V for this warpgroup's 256 columns (slices 4 wg .. 4 wg + 3 of the tile)
+        };
+        // warpgroup 0, when sP and the tile's stage are free of readers: P and alpha to shared memory, the tile's rows
+        // past the sequence's end zeroed for P . V (their P is 0, the cache there may hold NaN); fenced for wgmma
+        auto publish = [&](int k, unsigned stage) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row_of[h];
+#pragma unroll
+                for (int i8 = 0; i8 < 8; ++i8)
+                    *reinterpret_cast<uint32_t*>(sP + hopper::swizzle128((r >> 3) * 1024 + (r & 7) * 128 +
+                                                                        2 * (8 * i8 + 2 * c4))) =
+                        pack2<T>(sc[4 * i8 + 2 * h], sc[4 * i8 + 2 * h + 1]);
+                if (c4 == 0) sAlpha[r] = alpha_n[h];
+            }
+            const int t0 = (tb + k) * V3_KT;
+            if (t0 + V3_KT > L) {
+                unsigned char* sKt = sK + stage * V3_TILE;
+                for (int e = tid; e < V3_KT * 8 * 8; e += 128) {  // (row, slice, 16-byte chunk) of V's 8 slices
+                    const int r = e >> 6, j = (e >> 3) & 7, ch = e & 7;
+                    if (t0 + r >= L)
+                        *reinterpret_cast<uint4*>(sKt + j * V3_SLICE + hopper::swizzle128(r * 128 + ch * 16)) =
+                            make_uint4(0, 0, 0, 0);
+                }
+            }
+            hopper::fence_proxy_async();
+        };
+
+        if (n > 0) {
+            hopper::mbar_wait(bar_q, q_phase & 1);
+            ++q_phase;
+            hopper::mbar_wait(bar_kv + (it & 1), (it >> 1) & 1);
+            if (wg == 0) {
+                hopper::wgmma_fence();
+                scores(it & 1);
+                hopper::wgmma_wait<0>();
+                hopper::fence_regs(sc);
+                softmax(0);
+                publish(0, it & 1);
+            }
+        }
+        // Tile i: P(i) is published.  Warpgroup 0 issues S(i + 1), then its half of P(i) . V(i), waits for S(i + 1) only
+        // and runs the softmax of tile i + 1 while the tensor cores do P(i) . V(i); warpgroup 1 does its half of
+        // P(i) . V(i).  Two block barriers per tile.
+        for (int i = 0; i < n; ++i) {
+            const unsigned stage = (it + i) & 1, nstage = stage ^ 1u;
+            const unsigned nparity = ((it + i + 1) >> 1) & 1;
+            const bool next = i + 1 < n;
+            __syncthreads();  // A: P(i), alpha(i) and tile i's zeroed rows visible
             {
                 const float a0 = sAlpha[row_of[0]], a1 = sAlpha[row_of[1]];
 #pragma unroll
@@ -742,7 +772,9 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
                         acc[j][4 * i8 + 2] *= a1;
                         acc[j][4 * i8 + 3] *= a1;
                     }
-                hopper::wgmma_fence();
+            }
+            const uint32_t kt_base = k_base + stage * V3_TILE;
+            auto pv = [&]() {  // this warpgroup's half of P(i) . V(i), one commit group
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -753,13 +785,29 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
                         hopper::Wgmma64<T, true>::run(acc[j], da, db, true);
                     }
                 hopper::wgmma_commit();
+            };
+            if (wg == 0 && next) {
+                hopper::mbar_wait(bar_kv + nstage, nparity);
+                hopper::wgmma_fence();
+                scores(nstage);
+                pv();
+                hopper::wgmma_wait<1>();  // S(i + 1) complete; P(i) . V(i) may still run
+                hopper::fence_regs(sc);
+                softmax(i + 1);
                 hopper::wgmma_wait<0>();
-#pragma unroll
-                for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
+            } else {
+                hopper::wgmma_fence();
+                pv();
+                hopper::wgmma_wait<0>();
             }
-            __syncthreads();  // the stage and P are free
+#pragma unroll
+            for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
+            if (wg == 1 && next) hopper::mbar_wait(bar_kv + nstage, nparity);  // tile i + 1's data visible here too
+            __syncthreads();  // B: P(i) . V(i) done: sP and stage i free
             if (tid == 0 && i + 2 < n) issue(i + 2, stage);
+            if (wg == 0 && next) publish(i + 1, nstage);
         }
+        it += n;
 
         // ---- epilogue: row sums over the quad; direct output or fp32 partials (v2's workspace layout)
         if (wg == 0) {

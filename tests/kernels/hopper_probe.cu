@@ -91,3 +91,39 @@ extern "C" cudaError_t mtp_probe_wgmma(int dtype, const void* a, const void* b, 
     return trans_b ? launch<__nv_bfloat16, true>(a, b, d, K, overwrite, stream)
                    : launch<__nv_bfloat16, false>(a, b, d, K, overwrite, stream);
 }
+
+// ---- TMA: one box of 64 values x box_rows rows at (x, y, z) of a 3-D tensor map lands in shared memory (128-byte
+// swizzled, on an mbarrier) and is written back unswizzled to out [box_rows][64].
+namespace {
+__global__ void __launch_bounds__(128, 1) tma_probe_kernel(const __grid_constant__ CUtensorMap tm, uint16_t* out,
+                                                           int box_rows, int x, int y, int z) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+    uint64_t* bar = reinterpret_cast<uint64_t*>(smem + box_rows * 128);
+    if (threadIdx.x == 0) {
+        hopper::mbar_init(bar, 1);
+        hopper::mbar_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        hopper::mbar_arrive_expect_tx(bar, box_rows * 128);
+        hopper::tma_load_3d(smem, &tm, x, y, z, bar);
+    }
+    hopper::mbar_wait(bar, 0);
+    for (int i = threadIdx.x; i < box_rows * 64; i += 128)
+        out[i] = *reinterpret_cast<const uint16_t*>(smem + hopper::swizzle128((i / 64) * 128 + (i % 64) * 2));
+}
+}  // namespace
+
+// base: depth x rows x cols 16-bit values, rows row_bytes apart; out: [box_rows][64].
+extern "C" cudaError_t mtp_probe_tma(const void* base, int cols, int rows, int depth, int row_bytes, int box_rows,
+                                     int x, int y, int z, uint16_t* out, cudaStream_t stream) {
+    CUtensorMap tm;
+    if (!hopper::encode_tensor_map_3d(&tm, base, cols, rows, depth, row_bytes, box_rows)) return cudaErrorInvalidValue;
+    const size_t smem = 1024 + static_cast<size_t>(box_rows) * 128 + 64;
+    cudaError_t err = cudaFuncSetAttribute(tma_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    tma_probe_kernel<<<1, 128, smem, stream>>>(tm, out, box_rows, x, y, z);
+    return cudaGetLastError();
+}

@@ -4,6 +4,8 @@ shared memory addressed by descriptors in the 128-byte swizzle, through tests/ke
 * under the host emulation (tests/kernels/emu/emu_hopper.h, the PTX ISA's layouts): the product equals a plain
   matrix product (K-major and MN-major B, fp16 and bf16, one to nine 64-wide slices), and an operand overwritten
   before the wait changes the result (the emulation runs wgmma when its group is waited for);
+* TMA: a 3-D box lands 128-byte swizzled as the emulation assumes (inside the tensor, and zero-filled past its
+  rows, columns and matrices), landing at issue and at the wait;
 * nvcc for sm_90a: the probe assembles to HGMMA, with no spill;
 * on a Hopper GPU (marker gpu): the same probe against the same plain product -- the check of the emulation's
   layouts against the hardware."""
@@ -48,12 +50,56 @@ def probe_case(call, *, K, trans_b, dtype, seed=0, overwrite=0):
     return got, want
 
 
+TMA_ARGS = [ctypes.c_void_p] + [ctypes.c_int] * 8 + [ctypes.c_void_p, ctypes.c_void_p]
+# (x, y, z) of boxes of 64 values x 64 rows in a [3][100][704] tensor: inside, past the last rows (zeros), past the
+# last columns (zeros), the last matrix
+TMA_BOXES = [(0, 0, 0), (128, 40, 1), (672, 70, 2), (640, 0, 2)]
+
+
+def tma_case(call, x, y, z, seed=0):
+    """A [3][100][704] tensor of random 16-bit values; the box at (x, y, z) through `call(tensor, x, y, z) -> [64][64]`
+    against the slice, zeros outside the tensor."""
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, 1 << 16, (3, 100, 704), dtype=np.uint16)
+    want = np.zeros((64, 64), np.uint16)
+    part = t[z, y:y + 64, x:x + 64]
+    want[:part.shape[0], :part.shape[1]] = part
+    return call(t, x, y, z), want
+
+
 @pytest.fixture(scope="module")
-def emu_probe():
+def emu_lib_probe():
     if (why := emu_build.unavailable_reason()) is not None:
         pytest.skip(f"kernel emulation: {why}")
-    lib = ctypes.CDLL(str(emu_build.build_emulated_library(cache_dir("emu"), [PROBE], "libmtp_hopper_probe")))
-    fn = lib.mtp_probe_wgmma
+    return ctypes.CDLL(str(emu_build.build_emulated_library(cache_dir("emu"), [PROBE], "libmtp_hopper_probe")))
+
+
+@pytest.fixture(scope="module")
+def emu_tma(emu_lib_probe):
+    fn = emu_lib_probe.mtp_probe_tma
+    fn.restype, fn.argtypes = ctypes.c_int, TMA_ARGS
+
+    def call(t, x, y, z):
+        out = np.full((64, 64), 0xFFFF, np.uint16)
+        assert fn(t.ctypes.data, t.shape[2], t.shape[1], t.shape[0], t.shape[2] * 2, 64, x, y, z, out.ctypes.data,
+                  None) == 0
+        return out
+
+    return call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+@pytest.mark.parametrize("box", TMA_BOXES, ids=["inside", "past-rows", "past-cols-and-rows", "last-matrix-last-cols"])
+def test_emulated_tma_box_is_the_slice(emu_tma, monkeypatch, box, mode):
+    monkeypatch.setenv("MTP_EMU_TMA", mode)
+    got, want = tma_case(emu_tma, *box)
+    assert np.array_equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def emu_probe(emu_lib_probe):
+    fn = emu_lib_probe.mtp_probe_wgmma
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_void_p]
@@ -112,7 +158,7 @@ def test_probe_builds_for_sm90a_without_spills(tmp_path):
     proc = nvcc_probe(tmp_path, "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "probe.cubin"))
     assert proc.returncode == 0, proc.stderr
     spills = [ln for ln in proc.stderr.splitlines() if "bytes spill" in ln]
-    assert len(spills) == 4 and all(ln.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for ln in spills)
+    assert len(spills) == 5 and all(ln.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for ln in spills)
     ptx = nvcc_probe(tmp_path, "-ptx", "-o", str(tmp_path / "probe.ptx"))
     assert ptx.returncode == 0, ptx.stderr
     text = (tmp_path / "probe.ptx").read_text()
@@ -146,7 +192,8 @@ def gpu_probe(tmp_path: Path):
     so = tmp_path / "probe.so"
     proc = nvcc_probe(tmp_path, "-shared", "-Xcompiler", "-fPIC", "-o", str(so))
     assert proc.returncode == 0, proc.stderr
-    fn = ctypes.CDLL(str(so)).mtp_probe_wgmma
+    lib = ctypes.CDLL(str(so))
+    fn = lib.mtp_probe_wgmma
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_void_p]
@@ -172,6 +219,21 @@ def gpu_probe(tmp_path: Path):
             rt.cudaFree(p)
         return out
 
+    def tma(t, x, y, z):
+        src, dst = ck(rt.cudaMalloc(t.nbytes)), ck(rt.cudaMalloc(64 * 64 * 2))
+        ck(rt.cudaMemcpy(src, t.ctypes.data, t.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+        ck(rt.cudaMemset(dst, 0xFF, 64 * 64 * 2))
+        ftma = lib.mtp_probe_tma
+        ftma.restype, ftma.argtypes = ctypes.c_int, TMA_ARGS
+        assert ftma(int(src), t.shape[2], t.shape[1], t.shape[0], t.shape[2] * 2, 64, x, y, z, int(dst), None) == 0
+        ck(rt.cudaDeviceSynchronize())
+        out = np.empty((64, 64), np.uint16)
+        ck(rt.cudaMemcpy(out.ctypes.data, dst, out.nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        rt.cudaFree(src)
+        rt.cudaFree(dst)
+        return out
+
+    call.tma = tma
     return call
 
 
@@ -183,3 +245,11 @@ def test_wgmma_layouts_on_hopper(tmp_path, dtype, trans_b, K):
     got, want = probe_case(gpu_probe(tmp_path), K=K, trans_b=trans_b, dtype=dtype, seed=K + trans_b)
     assert not np.isnan(got).any()
     assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("box", TMA_BOXES, ids=["inside", "past-rows", "past-cols-and-rows", "last-matrix-last-cols"])
+def test_tma_swizzle_on_hopper(tmp_path, box):
+    """The 128-byte swizzle TMA writes is the one the emulation (and v3's P and zeroed rows) assume."""
+    got, want = tma_case(gpu_probe(tmp_path).tma, *box)
+    assert np.array_equal(got, want)
