@@ -100,10 +100,11 @@ def test_sparse_lists_and_force_v2_stay_on_v2(emu_lib, host, hopper):
 
 @pytest.mark.parametrize("B,S,H,T,past,P", [(3, 1, 16, 200, [0, 199, 64], 4), (2, 1, 128, 150, [149, 20], 3)],
                          ids=["H16-ragged", "H128-two-blocks"])
-def test_v3_reads_each_tile_once_per_row_block_with_two_barriers_per_tile(emu_lib, host, hopper, B, S, H, T, past, P):
-    """The TMA trace: every block of 64 query rows reads the rows of every sequence's tiles (64 rows each, the last
-    one's rows past the sequence's end included up to its T_max rows, never the next sequence's) exactly once, all
-    576 values, and no other cache row."""
+def test_v3_schedule_bytes_read_and_two_barriers_per_tile(emu_lib, host, hopper, B, S, H, T, past, P):
+    """The schedule the device wrote (64-row tiles) is reference.mla_schedule's; the TMA trace: every block of 64 query
+    rows reads the rows of every sequence's tiles (64 rows each, the last one's rows past the sequence's end included
+    up to its T_max rows, never the next sequence's) exactly once, all 576 values, and no other cache row; two block
+    barriers per tile."""
     hopper()
     rng = np.random.default_rng(0)
     past = np.int32(past)
@@ -129,9 +130,17 @@ def test_v3_reads_each_tile_once_per_row_block_with_two_barriers_per_tile(emu_li
         got, loads = np.unique((addrs[mine] - d_cache) // (D * 2), return_counts=True)
         want = np.concatenate([b * T + np.arange(min(-(-int(n_) // 64) * 64, T)) for b, n_ in enumerate(L)])
         assert np.array_equal(got, want) and np.all(loads == D * 2 // 16), (mb, np.unique(loads, return_counts=True))
+    # the schedule the prologue wrote (64-row tiles) is the reference's
+    tiles = [-(-int(n_) // 64) for n_ in L]
+    runs, seqs = ref.mla_schedule(tiles, P)
+    wsb = host.download(d_ws, (ws,), np.uint8)
+    M, align = S * H, lambda v: -(-v // 256) * 256
+    off = align((P + B - 1) * M * DL * 4) + align((P + B - 1) * M * 8)
+    part = wsb[off:off + 16 * P].view(np.int32).reshape(P, 4)
+    seq = wsb[off + align(16 * P):off + align(16 * P) + 8 * B].view(np.int32).reshape(B, 2)
+    assert [None if r[0] < 0 else tuple(int(x) for x in r) for r in part] == runs
+    assert [tuple(int(x) for x in r) for r in seq] == seqs
     # block barriers: one after the mbarriers' init, two per 64-row tile, two per segment (a sequence's share of a
     # part: the epilogue); the schedule block: 2 + 3 per chunk of 128 sequences
-    tiles = [-(-int(n_) // 64) for n_ in L]
-    runs, _ = ref.mla_schedule(tiles, P)
     per_block = [1 + sum(2 * n_ + 2 for n_ in ref.mla_run_segments(r, tiles)) if r is not None else 1 for r in runs]
     assert barriers == -(-S * H // 64) * sum(per_block) + 2 + 3 * -(-B // 128), barriers
