@@ -12,6 +12,10 @@ Each call's inputs go through every path, compared with:
 * each other: the three NEON paths' quantized products are the same bits (their integer sums are exact and
   their float operations the same), and a call's rows have the same bits whether they come together or alone.
 
+The slow tests also run the operator tests themselves (tests/test_ort_ops.py, test_ort_quant_ops.py,
+test_ort_dsa.py) in ONNX Runtime's aarch64 build under qemu, on each path, with the shipped ARM64 library
+(tests/qemu_arm64.py; skipped until `python tests/qemu_arm64.py setup` has made the aarch64 Python environment).
+
 The default run takes blocks of 16 and 32 (a row's last chunk cut short, and the common case); `-m slow` the
 other block sizes.  Skipped, with the reason, where the cross compiler (aarch64-linux-gnu-g++, or $MTP_TRT_AARCH64_CXX) or
 qemu-aarch64 is absent (Debian: apt-get install g++-aarch64-linux-gnu qemu-user)."""
@@ -22,6 +26,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +41,7 @@ NATIVE_ARM = platform.machine() in ("aarch64", "arm64")
 CROSS = os.environ.get("MTP_TRT_AARCH64_CXX") or shutil.which("aarch64-linux-gnu-g++")
 QEMU = shutil.which("qemu-aarch64")
 HOST_CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+CLANG = shutil.which("clang++") or next(iter(sorted(Path("/usr/bin").glob("clang++-[0-9]*"), reverse=True)), None)
 
 
 def _why_not() -> str | None:
@@ -75,24 +81,27 @@ def _compile(cxx: str, out: Path, *extra: str, warnings: bool = True) -> Path:
 
 @pytest.fixture(scope="module")
 def drivers(tmp_path_factory):
-    """{"arm": the aarch64 driver, "x86": the host's (None on ARM)}."""
+    """{"arm": the aarch64 driver (GCC's), "x86": the host's (None on ARM), "arm-clang": the aarch64 driver built
+    by clang (None where there is none)}."""
     d = tmp_path_factory.mktemp("arm64")
     if NATIVE_ARM:
-        return {"arm": _compile(HOST_CXX, d / "driver-arm"), "x86": None}
+        return {"arm": _compile(HOST_CXX, d / "driver-arm"), "x86": None,
+                "arm-clang": _compile(CLANG, d / "driver-clang") if CLANG and CLANG != HOST_CXX else None}
     arm = _compile(CROSS, d / "driver-arm", "-static")  # (runs under qemu without an aarch64 sysroot)
     x86 = _compile(HOST_CXX, d / "driver-x86", warnings=False) if HOST_CXX and platform.machine() == "x86_64" else None
-    return {"arm": arm, "x86": x86}
+    clang = _compile(CLANG, d / "driver-clang", "--target=aarch64-linux-gnu", "-static") if CLANG else None
+    return {"arm": arm, "x86": x86, "arm-clang": clang}
 
 
-def _command(drivers, path: str | None) -> tuple[list[str], dict]:
-    """The argv prefix and environment that run the driver on `path` (None: the x86 build, natively)."""
+def _command(drivers, path: str | None, build: str = "arm") -> tuple[list[str], dict]:
+    """The argv prefix and environment that run the driver `build` on `path` (None: the x86 build, natively)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MTP_ORT_")}
     if path is None:
         return [str(drivers["x86"])], env
     cpu, extra = PATHS[path]
     if NATIVE_ARM:
-        return [str(drivers["arm"])], env | extra | FORCED.get(path, {})
-    return [QEMU, "-cpu", cpu, str(drivers["arm"])], env | extra
+        return [str(drivers[build])], env | extra | FORCED.get(path, {})
+    return [QEMU, "-cpu", cpu, str(drivers[build])], env | extra
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +118,13 @@ def paths(drivers):
     return usable
 
 
-def call(drivers, path, tmp_path, op, params, *arrays) -> np.ndarray:
+def call(drivers, path, tmp_path, op, params, *arrays, build="arm") -> np.ndarray:
     """The driver's output bytes for one op on one path (None: the x86 build)."""
     head = np.zeros(8, np.int64)
     head[:len(params)] = params
-    src, dst = tmp_path / f"{op}.in", tmp_path / f"{op}-{path}.out"
+    src, dst = tmp_path / f"{op}.in", tmp_path / f"{op}-{path}-{build}.out"
     src.write_bytes(head.tobytes() + b"".join(np.ascontiguousarray(a).tobytes() for a in arrays))
-    argv, env = _command(drivers, path)
+    argv, env = _command(drivers, path, build)
     proc = subprocess.run([*argv, op, str(src), str(dst)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     return np.frombuffer(dst.read_bytes(), np.uint8)
@@ -195,6 +204,22 @@ def test_quantized_products(drivers, paths, tmp_path, bits, block, half):
             close(ys[path], y86)
 
 
+@pytest.mark.parametrize("bits,block", [(4, 16), (8, 32), (4, 128)])
+def test_clang_build_gives_the_same_products(drivers, paths, tmp_path, bits, block):
+    """The kernels built by clang (whose older versions need SDOT and SMMLA written out): the same activation bytes
+    and the same bits of the quantized products as GCC's build, on every path."""
+    if drivers["arm-clang"] is None:
+        pytest.skip("no clang++")
+    m, n, k = 5, 7, BLOCK_K[block]
+    rng = np.random.default_rng([bits, block, 1])
+    x = activations(rng, m, k)
+    params, arrays = (bits, block, 1, m, n, k), (x, *weight(rng, n, k, bits, block, True))
+    for path in paths:
+        for op in ("quantize", "qdot"):
+            np.testing.assert_array_equal(call(drivers, path, tmp_path, op, params, *arrays, build="arm-clang"),
+                                          call(drivers, path, tmp_path, op, params, *arrays), err_msg=f"{path} {op}")
+
+
 # ---------------------------------------------------------------------------------------- float kernels
 def every_path(drivers, paths, tmp_path, op, params, *arrays, want, tol=TOL):
     """The op's float32 output on every ARM path (and the x86 build), each against `want` and the scalar one."""
@@ -251,3 +276,22 @@ def test_index_scores(drivers, paths, tmp_path, heads, di):
     q, w, keys = (rng.standard_normal(s, np.float32) for s in ((heads, di), (heads,), (n, di)))
     want = ref.index_scores(q.reshape(-1), w, keys, heads=heads, scale=scale)
     every_path(drivers, paths, tmp_path, "index", (heads, di, n), np.float32(scale), q, w, keys, want=want)
+
+
+# ------------------------------------------------------------------------ the operators in ONNX Runtime
+@pytest.mark.slow
+@pytest.mark.skipif(NATIVE_ARM, reason="on an ARM64 machine the operator tests run natively")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_operator_tests_under_qemu(path):
+    """ONNX Runtime's aarch64 wheel with plugins/prebuilt/libmtp_ort_ops-aarch64.so: the operator tests on `path`'s
+    emulated CPU (the library reports the path first)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import qemu_arm64
+
+    why = qemu_arm64.ready()
+    if why:
+        pytest.skip(why)
+    proc = subprocess.run([sys.executable, qemu_arm64.__file__, "run", "--path", path], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"== {path} (libmtp_ort_ops-aarch64.so on qemu" in proc.stdout and " passed" in proc.stdout

@@ -695,7 +695,7 @@ struct QAct {
     }
 };
 
-constexpr int kRows = 4;  // weight rows per tile
+[[maybe_unused]] constexpr int kRows = 4;  // weight rows per tile (x86)
 
 // avx512_vnni_256: AVX512-VNNI's 256-bit form, the AVX-VNNI kernels on a CPU with AVX-512 but no AVX-VNNI
 // (MTP_ORT_NO_AVX512=1 there).

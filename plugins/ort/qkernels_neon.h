@@ -13,10 +13,30 @@
 // summed at the end of the row.  Every path does exactly these float operations in this order, so the three
 // sets give the same bits (and the same bits whatever the number of rows a call takes).
 
+// SDOT and SMMLA: GCC's intrinsics, which a function's target attribute makes available; older clangs define them
+// only where the whole file is compiled for the extension, so there the instructions are written out.
+#if QN_DOT && defined(__clang__)
+QN inline int32x4_t sdot(int32x4_t acc, int8x16_t a, int8x16_t b) {
+    __asm__(".arch armv8.2-a+dotprod\n\tsdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(a), "w"(b));
+    return acc;
+}
+#if QN_DOT == 2
+QN inline int32x4_t smmla(int32x4_t acc, int8x16_t a, int8x16_t b) {
+    __asm__(".arch armv8.2-a+dotprod+i8mm\n\tsmmla %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(a), "w"(b));
+    return acc;
+}
+#endif
+#elif QN_DOT
+QN inline int32x4_t sdot(int32x4_t acc, int8x16_t a, int8x16_t b) { return vdotq_s32(acc, a, b); }
+#if QN_DOT == 2
+QN inline int32x4_t smmla(int32x4_t acc, int8x16_t a, int8x16_t b) { return vmmlaq_s32(acc, a, b); }
+#endif
+#endif
+
 // The 4-byte dot products of a and b, added to acc lane by lane (SDOT's result).
 QN inline int32x4_t dot4(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #if QN_DOT
-    return vdotq_s32(acc, a, b);
+    return sdot(acc, a, b);
 #else
     // |q x| <= 128 * 127: the products fit int16, their pairs' sums int32
     const int16x8_t lo = vmull_s8(vget_low_s8(a), vget_low_s8(b)), hi = vmull_high_s8(a, b);
@@ -150,8 +170,8 @@ QN inline void parts_2x2(const int8x16_t (&w0)[2], const int8x16_t (&w1)[2], con
     for (int h = 0; h < 2; ++h) {
         const int8x16_t xl = vreinterpretq_s8_s64(vzip1q_s64(a[h], b[h])), xh = vreinterpretq_s8_s64(vzip2q_s64(a[h], b[h]));
         const int8x16_t wl = vreinterpretq_s8_s64(vzip1q_s64(c[h], d[h])), wh = vreinterpretq_s8_s64(vzip2q_s64(c[h], d[h]));
-        m[2 * h] = vmmlaq_s32(vdupq_n_s32(0), xl, wl);
-        m[2 * h + 1] = vmmlaq_s32(vdupq_n_s32(0), xh, wh);
+        m[2 * h] = smmla(vdupq_n_s32(0), xl, wl);
+        m[2 * h + 1] = smmla(vdupq_n_s32(0), xh, wh);
     }
     // transpose: out[i] lane p = m[p] lane i
     const int32x4_t t0 = vtrn1q_s32(m[0], m[1]), t1 = vtrn2q_s32(m[0], m[1]);
