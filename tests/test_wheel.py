@@ -81,6 +81,14 @@ def test_prebuilt_libraries_are_the_architectures_listed():
     assert found == PREBUILT
 
 
+@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="not a git checkout")
+def test_prebuilt_libraries_are_not_ignored_by_git():
+    """A clone has every shipped library (.gitignore leaves out *.so but these)."""
+    libs = [f"plugins/prebuilt/{lib}" for lib in PREBUILT]
+    run = subprocess.run(["git", "check-ignore", "--no-index", *libs], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and not run.stdout, f"ignored by git: {run.stdout}"
+
+
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64", None], ids=["x86_64", "aarch64", "native"])
 def test_wheel_platform_rule(monkeypatch, arch):
     libs, tag = setup_rule(monkeypatch, **({"MTP_TRT_WHEEL_ARCH": arch} if arch else {}))
