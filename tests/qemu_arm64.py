@@ -5,8 +5,8 @@ machine (a helper, not a test; tests/test_ort_arm64.py runs it, marked slow).
     python tests/qemu_arm64.py run [--path P] [pytest arguments]   # P: neon-i8mm (default), neon-dotprod, neon,
                                                                     # scalar or all
 `setup` needs apt-get (Debian's arm64 packages of Python 3.11, downloaded into a private apt state and unpacked,
-nothing installed on the system), pip (aarch64 wheels of this machine's onnxruntime, onnx and numpy versions, and
-pytest), aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user).  The folder
+nothing installed on the system), pip (aarch64 wheels of this machine's versions of onnxruntime, onnx, numpy and
+mtp-trt's other runtime dependencies, and pytest), aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user).  The folder
 defaults to ~/.cache/mtp-trt/qemu-arm64.
 
 qemu-user shows the guest the host's /proc/cpuinfo, which ONNX Runtime's CPU detection (cpuinfo) cannot parse on
@@ -35,7 +35,8 @@ DEBS = ("python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libc6 lib
         "libbz2-1.0 libcrypt1 libffi8 liblzma5 libncursesw6 libnsl2 libreadline8 libsqlite3-0 libtinfo6 libtirpc3 "
         "libuuid1 libssl3 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1 "
         "libdb5.3").split()
-WHEELS = ("onnxruntime", "onnx", "numpy")  # at this machine's versions
+# at this machine's versions: the operator tests' and mtp-trt's runtime (tests/test_ort_arm64.py decodes exports)
+WHEELS = ("onnxruntime", "onnx", "numpy", "tokenizers", "safetensors", "typer", "rich")
 PATHS = {"neon-i8mm": ("max", {}), "neon-dotprod": ("cortex-a76", {}), "neon": ("cortex-a53", {}),
          "scalar": ("max", {"MTP_ORT_PORTABLE": "1"})}
 TESTS = ("tests/test_ort_ops.py", "tests/test_ort_quant_ops.py", "tests/test_ort_dsa.py")

@@ -14,7 +14,8 @@ Each call's inputs go through every path, compared with:
 
 The slow tests also run the operator tests themselves (tests/test_ort_ops.py, test_ort_quant_ops.py,
 test_ort_dsa.py) in ONNX Runtime's aarch64 build under qemu, on each path, with the shipped ARM64 library
-(tests/qemu_arm64.py; skipped until `python tests/qemu_arm64.py setup` has made the aarch64 Python environment).
+(tests/qemu_arm64.py; skipped until `python tests/qemu_arm64.py setup` has made the aarch64 Python environment),
+and `mtp-trt run` there on int8 and int4 exports of the demo made here: the same text as the x86 run.
 
 The default run takes blocks of 16 and 32 (a row's last chunk cut short, and the common case); `-m slow` the
 other block sizes.  Skipped, with the reason, where the cross compiler (aarch64-linux-gnu-g++, or $MTP_TRT_AARCH64_CXX) or
@@ -279,19 +280,51 @@ def test_index_scores(drivers, paths, tmp_path, heads, di):
 
 
 # ------------------------------------------------------------------------ the operators in ONNX Runtime
-@pytest.mark.slow
-@pytest.mark.skipif(NATIVE_ARM, reason="on an ARM64 machine the operator tests run natively")
-@pytest.mark.parametrize("path", list(PATHS))
-def test_operator_tests_under_qemu(path):
-    """ONNX Runtime's aarch64 wheel with plugins/prebuilt/libmtp_ort_ops-aarch64.so: the operator tests on `path`'s
-    emulated CPU (the library reports the path first)."""
+def qemu_env():
+    """tests/qemu_arm64.py, where its aarch64 Python environment is ready (else the test skips, saying why)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import qemu_arm64
 
     why = qemu_arm64.ready()
     if why:
         pytest.skip(why)
+    return qemu_arm64
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NATIVE_ARM, reason="on an ARM64 machine the operator tests run natively")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_operator_tests_under_qemu(path):
+    """ONNX Runtime's aarch64 wheel with plugins/prebuilt/libmtp_ort_ops-aarch64.so: the operator tests on `path`'s
+    emulated CPU (the library reports the path first)."""
+    qemu_arm64 = qemu_env()
     proc = subprocess.run([sys.executable, qemu_arm64.__file__, "run", "--path", path], capture_output=True,
                           text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"== {path} (libmtp_ort_ops-aarch64.so on qemu" in proc.stdout and " passed" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NATIVE_ARM, reason="compares an x86 run with an emulated ARM one")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_demo_decodes_the_same_text_on_arm(tmp_path, quant):
+    """The demo checkpoint exported here (--quant, mtp-trt's operators), then `mtp-trt run` on it under qemu with the
+    ARM64 library: greedy MTP on neon-i8mm and neon, and plain greedy decoding (--nextn 0) on neon-dotprod, each
+    give the text of the x86 run."""
+    qemu_arm64 = qemu_env()
+    pytest.importorskip("torch", reason="the export needs torch")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTP_ORT_")} | {
+        "MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
+    export = tmp_path / "export"
+    proc = subprocess.run([sys.executable, "-m", "mtp_trt.cli", "export", "-o", str(export), "--quant", quant],
+                          capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = ["-m", "mtp_trt.cli", "run", str(export), "-p", "def read_lines(path):", "--max-new-tokens", "40"]
+    x86 = subprocess.run([sys.executable, *run], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert x86.returncode == 0 and "40 new tokens" in x86.stderr, x86.stderr[-3000:]
+    for path, extra in (("neon-i8mm", []), ("neon", []), ("neon-dotprod", ["--nextn", "0"])):
+        argv, arm_env = qemu_arm64.command(path, *run, *extra)
+        arm = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT,
+                             env=arm_env | {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache-arm")})
+        assert arm.returncode == 0, arm.stderr[-3000:]
+        assert arm.stdout == x86.stdout, (path, extra, arm.stdout, x86.stdout)
