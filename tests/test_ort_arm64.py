@@ -119,6 +119,16 @@ def paths(drivers):
     return usable
 
 
+@pytest.mark.skipif(NATIVE_ARM, reason="needs qemu's emulated CPUs")
+@pytest.mark.parametrize("env,want", [({"MTP_ORT_NO_I8MM": "1"}, "neon-dotprod"), ({"MTP_ORT_NO_DOTPROD": "1"}, "neon"),
+                                      ({"MTP_ORT_PORTABLE": "1"}, "scalar")])
+def test_environment_steps_down(drivers, env, want):
+    """On a CPU with SMMLA and SDOT (qemu's max), each variable selects the path below."""
+    argv, base = _command(drivers, "neon-i8mm")
+    out = subprocess.run([*argv, "paths"], capture_output=True, text=True, env=base | env, check=True).stdout.split()
+    assert out == [want, "scalar" if want == "scalar" else "neon"]
+
+
 def call(drivers, path, tmp_path, op, params, *arrays, build="arm") -> np.ndarray:
     """The driver's output bytes for one op on one path (None: the x86 build)."""
     head = np.zeros(8, np.int64)

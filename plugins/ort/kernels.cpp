@@ -920,15 +920,21 @@ size_t qrow_bytes(const QWeights& w) { return QAct(w).bytes; }
 
 void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint8_t* qx) {
     const QAct a(w);
-    const bool vec = qpath() != QPath::scalar;
+    [[maybe_unused]] const bool vec = qpath() != QPath::scalar;
     for (size_t i = 0; i < m; ++i)
         for (size_t kb = 0; kb < a.blocks(); ++kb) {
 #if MTP_ORT_X86
-            if (vec) quantize_block_avx2(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+            if (vec) {
+                quantize_block_avx2(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+                continue;
+            }
 #elif MTP_ORT_NEON
-            if (vec) q_neon::quantize_block(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+            if (vec) {
+                q_neon::quantize_block(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+                continue;
+            }
 #endif
-            else quantize_block_scalar(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+            quantize_block_scalar(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
         }
 }
 
