@@ -1,11 +1,13 @@
 """Wheel tags for the shared libraries the wheel carries (everything else is in pyproject.toml).
 
-`plugins/prebuilt/*.so` (the CPU operators for ONNX Runtime, the CUDA kernels) are ELF libraries for one
-platform.  A wheel built where they load carries them and is tagged for their platform
-(`py3-none-manylinux_2_NN_<arch>`, NN the newest glibc symbol version they need; they link only libc,
-libm, libstdc++ and libgcc_s).  Anywhere else (another OS or architecture, an older glibc), or with
-MTP_TRT_PURE_WHEEL=1, the wheel leaves them out and is pure (`py3-none-any`): the operators are optional,
-and mtp-trt runs without them.
+`plugins/prebuilt/*.so` (the CPU operators for ONNX Runtime for x86-64 and for aarch64, the CUDA kernels for
+x86-64) are ELF libraries, each for one architecture.  A wheel is for one architecture: this machine's, or the one
+MTP_TRT_WHEEL_ARCH names (x86_64 or aarch64: an aarch64 wheel packaged on x86-64).  It carries that
+architecture's libraries and is tagged for them (`py3-none-manylinux_2_NN_<arch>`, NN the newest glibc symbol
+version they need; they link only libc, libm, libstdc++ and libgcc_s) -- for this machine's architecture, those
+that load here (not newer than this glibc).  Where none is carried (another OS, an architecture without
+libraries, an older glibc), or with MTP_TRT_PURE_WHEEL=1, the wheel is pure (`py3-none-any`): the operators are
+optional, and mtp-trt runs without them.
 """
 
 from __future__ import annotations
@@ -40,20 +42,32 @@ def host_glibc_minor() -> int | None:
     return int(version.split(".")[1]) if name == "glibc" and version.count(".") >= 1 else None
 
 
+def wheel_arch() -> str:
+    """The architecture the wheel is for: $MTP_TRT_WHEEL_ARCH, else this machine's."""
+    arch = os.environ.get("MTP_TRT_WHEEL_ARCH") or platform.machine()
+    if os.environ.get("MTP_TRT_WHEEL_ARCH") and arch not in ELF_MACHINES.values():
+        sys.exit(f"error: MTP_TRT_WHEEL_ARCH={arch}: not one of {', '.join(ELF_MACHINES.values())}")
+    return arch
+
+
 def shipped_libraries() -> tuple[list[Path], str | None]:
     """(the prebuilt libraries this build carries, the wheel's platform tag; None: a pure wheel)."""
     libs = sorted(PREBUILT.glob("*.so"))
-    if os.environ.get("MTP_TRT_PURE_WHEEL") == "1" or not libs or not sys.platform.startswith("linux"):
+    arch = wheel_arch()
+    if os.environ.get("MTP_TRT_PURE_WHEEL") == "1" or not libs:
         return [], None
-    plats = [elf_platform(lib) for lib in libs]
-    glibc = host_glibc_minor()
-    if None in plats or {arch for arch, _ in plats} != {platform.machine()} or glibc is None:
+    native = arch == platform.machine()
+    if native and not sys.platform.startswith("linux"):
         return [], None
-    keep = [lib for lib, (_, need) in zip(libs, plats) if need <= glibc]
+    plats = {lib: elf_platform(lib) for lib in libs}
+    glibc = host_glibc_minor() if native else None
+    if native and glibc is None:
+        return [], None
+    keep = [lib for lib, plat in plats.items() if plat and plat[0] == arch and (glibc is None or plat[1] <= glibc)]
     if not keep:
         return [], None
-    need = max(n for lib, (_, n) in zip(libs, plats) if lib in keep)
-    return keep, f"manylinux_2_{max(need, 17)}_{platform.machine()}"
+    need = max(plats[lib][1] for lib in keep)
+    return keep, f"manylinux_2_{max(need, 17)}_{arch}"
 
 
 LIBS, PLATFORM_TAG = shipped_libraries()

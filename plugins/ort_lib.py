@@ -1,10 +1,12 @@
 """mtp-trt's CPU operators for ONNX Runtime (plugins/ort: the `mtp_trt.cpu` custom-op domain): finding, building
 and registering the library.
 
-The package ships a prebuilt library for x86-64 Linux (``prebuilt/libmtp_ort_ops.so``, with a record of the
-sources it was built from), so a user needs no compiler and no ONNX Runtime headers.  Rebuilding needs a C++17
-compiler and ONNX Runtime's C API headers (``onnxruntime_c_api.h``; its wheel ships none): point
-``ONNXRUNTIME_INCLUDE_DIR`` at them and run ``python -m mtp_trt.plugins.ort_lib --ship``.
+The package ships prebuilt libraries for x86-64 Linux (``prebuilt/libmtp_ort_ops.so``) and ARM64 Linux
+(``prebuilt/libmtp_ort_ops-aarch64.so``), each with a record of the sources it was built from, so a user needs no
+compiler and no ONNX Runtime headers; the one for the running machine is used.  Rebuilding needs a C++17 compiler
+and ONNX Runtime's C API headers (``onnxruntime_c_api.h``; its wheel ships none): point ``ONNXRUNTIME_INCLUDE_DIR``
+at them and run ``python -m mtp_trt.plugins.ort_lib --ship`` (this machine's library), or ``--ship --arch
+aarch64`` on x86-64 (cross-compiled by ``aarch64-linux-gnu-g++``, or ``$MTP_TRT_AARCH64_CXX``).
 ``MTP_TRT_ORT_OPS_LIB`` names another library to use instead.
 """
 
@@ -25,10 +27,30 @@ from mtp_trt.fsutil import cache_dir
 
 DOMAIN = "mtp_trt.cpu"
 SOURCE_DIR = Path(__file__).resolve().parent / "ort"
-SOURCES = ("kernels.h", "qkernels_impl.h", "kernels.cpp", "mtp_ort_ops.cpp")
+SOURCES = ("kernels.h", "qkernels_impl.h", "kernels_neon.h", "qkernels_neon.h", "kernels.cpp", "mtp_ort_ops.cpp")
 PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
-PREBUILT_LIB, PREBUILT_INFO = PREBUILT_DIR / "libmtp_ort_ops.so", PREBUILT_DIR / "libmtp_ort_ops.json"
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
+
+# The shipped libraries, by architecture (platform.machine()'s names for it, normalized): each a .so and its record.
+ARCHS = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
+PREBUILT_STEMS = {"x86_64": "libmtp_ort_ops", "aarch64": "libmtp_ort_ops-aarch64"}
+TARGETS = {"x86_64": "x86-64 Linux (AVX2/FMA, AVX-VNNI, AVX512-VNNI at run time)",
+           "aarch64": "ARM64 Linux (NEON; SDOT, SMMLA at run time)"}
+CROSS_COMPILERS = {"aarch64": ("MTP_TRT_AARCH64_CXX", "aarch64-linux-gnu-g++")}  # (variable, default) off that arch
+
+
+def host_arch() -> str | None:
+    """This machine's architecture as PREBUILT_STEMS names it (None: one no library is shipped for)."""
+    return ARCHS.get(platform.machine().lower())
+
+
+def prebuilt_paths(arch: str) -> tuple[Path, Path]:
+    """(the shipped library, its record) for an architecture."""
+    stem = PREBUILT_DIR / PREBUILT_STEMS[arch]
+    return stem.with_suffix(".so"), stem.with_suffix(".json")
+
+
+PREBUILT_LIB, PREBUILT_INFO = prebuilt_paths(host_arch() or "x86_64")  # this machine's
 
 
 def source_hash() -> str:
@@ -53,8 +75,9 @@ def prebuilt_current() -> tuple[bool, str]:
     if info["source_hash"] != source_hash():
         return False, (f"{PREBUILT_LIB} was built from other sources (digest {info['source_hash']}, now "
                        f"{source_hash()}); rebuild it: ONNXRUNTIME_INCLUDE_DIR=... python -m mtp_trt.plugins.ort_lib --ship")
-    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
-        return False, f"{PREBUILT_LIB} is built for x86-64 Linux, not {platform.system()} {platform.machine()}"
+    if platform.system() != "Linux" or host_arch() is None:
+        return False, (f"no library is shipped for {platform.system()} {platform.machine()} (only for Linux on "
+                       f"{' and '.join(PREBUILT_STEMS)})")
     return True, ""
 
 
@@ -66,17 +89,27 @@ def find_headers() -> Path | None:
     return None
 
 
-def compiler() -> str | None:
+def compiler(arch: str | None = None) -> str | None:
+    """The C++ compiler for `arch` (None: this machine): $CXX, g++, c++ or clang++; for another architecture its
+    cross compiler ($MTP_TRT_AARCH64_CXX, else aarch64-linux-gnu-g++)."""
+    if arch is not None and arch != host_arch():
+        var, default = CROSS_COMPILERS[arch]
+        return os.environ.get(var) or shutil.which(default)
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def build_library(path: Path, include_dir: Path | None = None) -> Path:
-    """Compile the library to `path` (an MtpTrtError naming what is missing: headers or a compiler)."""
+def build_library(path: Path, include_dir: Path | None = None, arch: str | None = None) -> Path:
+    """Compile the library to `path`, for `arch` (None: this machine); an MtpTrtError naming what is missing:
+    headers or a compiler."""
     include_dir = include_dir or find_headers()
     if include_dir is None:
         raise MtpTrtError("building the mtp_trt.cpu operators needs ONNX Runtime's C API headers: set "
                           "ONNXRUNTIME_INCLUDE_DIR to the folder holding onnxruntime_c_api.h")
-    cxx = compiler()
+    cxx = compiler(arch)
+    if cxx is None and arch is not None and arch != host_arch():
+        var, default = CROSS_COMPILERS[arch]
+        raise MtpTrtError(f"building the mtp_trt.cpu operators for {arch} here needs a cross compiler: {default} "
+                          f"(Debian: apt-get install g++-aarch64-linux-gnu), or set {var}")
     if cxx is None:
         raise MtpTrtError("building the mtp_trt.cpu operators needs a C++17 compiler (g++ or clang++; or set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,15 +124,19 @@ def build_library(path: Path, include_dir: Path | None = None) -> Path:
     return path
 
 
-def ship(include_dir: Path | None = None) -> Path:
-    """Rebuild the shipped library and its record."""
-    build_library(PREBUILT_LIB, include_dir)
-    version = subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    info = {"source_hash": source_hash(), "compiler": version,
-            "target": "x86-64 Linux (AVX2/FMA, AVX-VNNI, AVX512-VNNI at run time)",
+def ship(include_dir: Path | None = None, arch: str | None = None) -> Path:
+    """Rebuild the shipped library for `arch` (None: this machine's) and its record."""
+    arch = arch or host_arch()
+    if arch not in PREBUILT_STEMS:
+        raise MtpTrtError(f"no shipped library for the architecture {arch or platform.machine()!r} (one of: "
+                          f"{', '.join(PREBUILT_STEMS)})")
+    lib, record = prebuilt_paths(arch)
+    build_library(lib, include_dir, arch)
+    version = subprocess.run([compiler(arch), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    info = {"source_hash": source_hash(), "compiler": version, "target": TARGETS[arch],
             "note": "needs ONNX Runtime >= 1.18 (C API version 18)"}
-    PREBUILT_INFO.write_text(json.dumps(info, indent=2) + "\n")
-    return PREBUILT_LIB
+    record.write_text(json.dumps(info, indent=2) + "\n")
+    return lib
 
 
 def resolve_library() -> Path:
@@ -171,10 +208,14 @@ def session(model, options=None):
                                 providers=["CPUExecutionProvider"])
 
 
-if __name__ == "__main__":  # python -m mtp_trt.plugins.ort_lib --ship
+if __name__ == "__main__":  # python -m mtp_trt.plugins.ort_lib --ship [--arch aarch64]
     import sys
 
-    if sys.argv[1:] != ["--ship"]:
-        sys.exit("usage: ONNXRUNTIME_INCLUDE_DIR=... python -m mtp_trt.plugins.ort_lib --ship   (rebuild the "
-                 "shipped library)")
-    print(ship())
+    args = sys.argv[1:]
+    if args[:1] != ["--ship"] or len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--arch"):
+        sys.exit("usage: ONNXRUNTIME_INCLUDE_DIR=... python -m mtp_trt.plugins.ort_lib --ship [--arch "
+                 f"{'|'.join(PREBUILT_STEMS)}]   (rebuild a shipped library: this machine's, or the one named)")
+    try:
+        print(ship(arch=args[2] if len(args) == 3 else None))
+    except MtpTrtError as e:
+        sys.exit(f"error: {e}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import platform
+import re
+import runpy
 import shutil
 import site
 import subprocess
@@ -19,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import setuptools
 
 ROOT = Path(__file__).resolve().parents[1]
 IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "out", ".venv", ".whl",
@@ -35,19 +38,76 @@ def build(src: Path, out: Path, *flags: str, env: dict | None = None) -> None:
     assert "would be ignored" not in said and "absent from the `packages`" not in said, said[-3000:]
 
 
-PREBUILT_GLIBC = {"libmtp_ort_ops.so": 27, "libmtp_kernels.so": 34}  # the newest GLIBC_2.NN each one needs
+# the shipped libraries: their architecture and the newest GLIBC_2.NN each one needs
+PREBUILT = {"libmtp_ort_ops.so": ("x86_64", 34), "libmtp_kernels.so": ("x86_64", 34),
+            "libmtp_ort_ops-aarch64.so": ("aarch64", 34)}
 
 
-def expected_wheel() -> tuple[str, set[str]]:
-    """(the wheel's platform tag here, the libraries it carries): setup.py carries the prebuilt x86-64 Linux
-    libraries that load here and tags the wheel for them."""
+def expected_wheel(arch: str | None = None) -> tuple[str, set[str]]:
+    """(the wheel's platform tag, the libraries it carries) for `arch` (None: this machine's): setup.py carries the
+    prebuilt Linux libraries of that architecture (for this machine's, those that load here) and tags the wheel
+    for them."""
     name, version = platform.libc_ver()
-    if not (sys.platform.startswith("linux") and platform.machine() == "x86_64" and name == "glibc"):
+    native = arch in (None, platform.machine())
+    arch = arch or platform.machine()
+    if native and not (sys.platform.startswith("linux") and name == "glibc"):
         return "any", set()
-    libs = {lib for lib, need in PREBUILT_GLIBC.items() if need <= int(version.split(".")[1])}
+    glibc = int(version.split(".")[1]) if native else 99
+    libs = {lib for lib, (a, need) in PREBUILT.items() if a == arch and need <= glibc}
     if not libs:
         return "any", set()
-    return f"manylinux_2_{max(PREBUILT_GLIBC[lib] for lib in libs)}_x86_64", libs
+    return f"manylinux_2_{max(PREBUILT[lib][1] for lib in libs)}_{arch}", libs
+
+
+def setup_rule(monkeypatch, **env: str) -> tuple[set[str], str | None]:
+    """setup.py's choice (the libraries' names, the platform tag; None: pure) under `env`, without building."""
+    monkeypatch.chdir(ROOT)
+    for var in ("MTP_TRT_WHEEL_ARCH", "MTP_TRT_PURE_WHEEL"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
+    ns = runpy.run_path(str(ROOT / "setup.py"))
+    return {Path(lib).name for lib in ns["LIBS"]}, ns["PLATFORM_TAG"]
+
+
+def test_prebuilt_libraries_are_the_architectures_listed():
+    """Every shipped library is an ELF library of the architecture PREBUILT says, needing that glibc (read from
+    the files, as setup.py does, by an independent reading of the ELF header)."""
+    machines = {62: "x86_64", 183: "aarch64"}
+    found = {}
+    for lib in sorted((ROOT / "plugins" / "prebuilt").glob("*.so")):
+        data = lib.read_bytes()
+        assert data[:6] == b"\x7fELF\x02\x01", lib.name  # 64-bit little-endian
+        found[lib.name] = (machines[int.from_bytes(data[18:20], "little")],
+                           max(int(v) for v in re.findall(rb"GLIBC_2\.(\d+)", data)))
+    assert found == PREBUILT
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="not a git checkout")
+def test_prebuilt_libraries_are_not_ignored_by_git():
+    """A clone has every shipped library (.gitignore leaves out *.so but these)."""
+    libs = [f"plugins/prebuilt/{lib}" for lib in PREBUILT]
+    run = subprocess.run(["git", "check-ignore", "--no-index", *libs], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 1 and not run.stdout, f"ignored by git: {run.stdout}"
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64", None], ids=["x86_64", "aarch64", "native"])
+def test_wheel_platform_rule(monkeypatch, arch):
+    libs, tag = setup_rule(monkeypatch, **({"MTP_TRT_WHEEL_ARCH": arch} if arch else {}))
+    want_tag, want_libs = expected_wheel(arch)
+    assert (libs, tag or "any") == (want_libs, want_tag)
+
+
+def test_aarch64_wheel_is_manylinux_2_34_with_the_arm_library(monkeypatch):
+    assert setup_rule(monkeypatch, MTP_TRT_WHEEL_ARCH="aarch64") == ({"libmtp_ort_ops-aarch64.so"},
+                                                                      "manylinux_2_34_aarch64")
+    assert setup_rule(monkeypatch, MTP_TRT_WHEEL_ARCH="aarch64", MTP_TRT_PURE_WHEEL="1") == (set(), None)
+
+
+def test_unknown_wheel_arch_is_one_clear_error(monkeypatch):
+    with pytest.raises(SystemExit, match="MTP_TRT_WHEEL_ARCH=riscv64: not one of x86_64, aarch64"):
+        setup_rule(monkeypatch, MTP_TRT_WHEEL_ARCH="riscv64")
 
 
 def clean_env(**extra: str) -> dict:
@@ -71,7 +131,7 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     assert not any("train_log" in n or "eval.json" in n for n in names)
     assert {n for n in names if n.endswith(".so")} == {f"mtp_trt/plugins/prebuilt/{lib}" for lib in libs}
     with tarfile.open(sdists[0]) as sdist:  # the sdist carries every library, whatever the wheel built here does
-        assert {Path(n).name for n in sdist.getnames() if n.endswith(".so")} == set(PREBUILT_GLIBC)
+        assert {Path(n).name for n in sdist.getnames() if n.endswith(".so")} == set(PREBUILT)
 
     # The pure fallback: without the libraries, tagged for any platform.
     pure = tmp_path / "pure"
@@ -79,6 +139,15 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     (pure_wheel,) = pure.glob("*.whl")
     assert pure_wheel.name.endswith("-py3-none-any.whl")
     assert not any(n.endswith(".so") for n in zipfile.ZipFile(pure_wheel).namelist())
+
+    # The aarch64 wheel, packaged here: the ARM library only, tagged for it.
+    arm = tmp_path / "arm"
+    build(src, arm, "--wheel", env=clean_env(MTP_TRT_WHEEL_ARCH="aarch64"))
+    (arm_wheel,) = arm.glob("*.whl")
+    tag, libs = expected_wheel("aarch64")
+    assert arm_wheel.name.endswith(f"-py3-none-{tag}.whl") and tag == "manylinux_2_34_aarch64", arm_wheel.name
+    assert {n for n in zipfile.ZipFile(arm_wheel).namelist() if n.endswith(".so")} == \
+        {f"mtp_trt/plugins/prebuilt/{lib}" for lib in libs}
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

@@ -1,9 +1,25 @@
 // kernels.cpp -- the CPU kernels of kernels.h: an AVX2/FMA path (chosen at run time where the CPU has it) and
 // a portable scalar path with the same results up to float rounding; the quantized products also have a
-// VNNI path (qkernels_impl.h).
+// VNNI path (qkernels_impl.h).  On ARM64 the vector paths are NEON's (kernels_neon.h, qkernels_neon.h).
 #include "kernels.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#define MTP_ORT_X86 1
 #include <immintrin.h>
+#else
+#define MTP_ORT_X86 0
+#endif
+#if defined(__aarch64__)
+#define MTP_ORT_NEON 1
+#include <arm_neon.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+#else
+#define MTP_ORT_NEON 0
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -18,10 +34,14 @@ namespace mtp_ort {
 namespace {
 
 // The AVX2/FMA kernels where the CPU has them, unless MTP_ORT_PORTABLE is set (tests compare both paths).
-bool use_avx2() {
+[[maybe_unused]] bool use_avx2() {
+#if MTP_ORT_X86
     static const bool ok =
         !std::getenv("MTP_ORT_PORTABLE") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     return ok;
+#else
+    return false;
+#endif
 }
 
 // Rows of a matrix: row t at base + t * ld (Strided), or wherever a table of row pointers says (Table: DeepSeek
@@ -58,6 +78,13 @@ void rows_axpy_scalar(const float* p, size_t m, size_t ldp, V v, size_t n, size_
         }
 }
 
+#if MTP_ORT_NEON
+namespace neon {
+#include "kernels_neon.h"
+}  // namespace neon
+#endif
+
+#if MTP_ORT_X86
 // --------------------------------------------------------------------------------------- AVX2 + FMA
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -250,8 +277,14 @@ AVX2 void swiglu_pairs_avx2(const float* h, size_t m, size_t ldh, size_t units, 
     }
 }
 
+#endif  // MTP_ORT_X86
+
 float exp_shift_sum(float* x, size_t n, float max) {
+#if MTP_ORT_X86
     if (use_avx2()) return exp_shift_sum_avx2(x, n, max);
+#elif MTP_ORT_NEON
+    if (neon::use_neon()) return neon::exp_shift_sum(x, n, max);
+#endif
     float s = 0.f;
     for (size_t t = 0; t < n; ++t) s += (x[t] = std::exp(x[t] - max));
     return s;
@@ -274,13 +307,21 @@ void top_k(const float* v, size_t n, size_t k, int32_t* idx) {
 
 void rows_dot(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k, float* y,
               size_t ldy) {
+#if MTP_ORT_X86
     if (use_avx2()) return rows_dot_avx2(x, m, ldx, Strided{w, ldw}, n, k, y, ldy);
+#elif MTP_ORT_NEON
+    if (neon::use_neon()) return neon::rows_dot(x, m, ldx, Strided{w, ldw}, n, k, y, ldy);
+#endif
     rows_dot_scalar(x, m, ldx, Strided{w, ldw}, n, k, y, ldy);
 }
 
 void rows_axpy(const float* p, size_t m, size_t ldp, const float* v, size_t ldv, size_t n, size_t dv, float* y,
                size_t ldy) {
+#if MTP_ORT_X86
     if (use_avx2()) return rows_axpy_avx2(p, m, ldp, Strided{v, ldv}, n, dv, y, ldy);
+#elif MTP_ORT_NEON
+    if (neon::use_neon()) return neon::rows_axpy(p, m, ldp, Strided{v, ldv}, n, dv, y, ldy);
+#endif
     rows_axpy_scalar(p, m, ldp, Strided{v, ldv}, n, dv, y, ldy);
 }
 
@@ -288,13 +329,21 @@ namespace {
 
 template <class W>
 void dot_rows(const float* x, size_t m, size_t ldx, W w, size_t n, size_t k, float* y, size_t ldy) {
+#if MTP_ORT_X86
     if (use_avx2()) return rows_dot_avx2(x, m, ldx, w, n, k, y, ldy);
+#elif MTP_ORT_NEON
+    if (neon::use_neon()) return neon::rows_dot(x, m, ldx, w, n, k, y, ldy);
+#endif
     rows_dot_scalar(x, m, ldx, w, n, k, y, ldy);
 }
 
 template <class V>
 void axpy_rows(const float* p, size_t m, size_t ldp, V v, size_t n, size_t dv, float* y, size_t ldy) {
+#if MTP_ORT_X86
     if (use_avx2()) return rows_axpy_avx2(p, m, ldp, v, n, dv, y, ldy);
+#elif MTP_ORT_NEON
+    if (neon::use_neon()) return neon::rows_axpy(p, m, ldp, v, n, dv, y, ldy);
+#endif
     rows_axpy_scalar(p, m, ldp, v, n, dv, y, ldy);
 }
 
@@ -345,13 +394,19 @@ void mla_attend_rows(const float* q, size_t heads, size_t c, size_t dl, float sc
 // ------------------------------------------------------------------------------------- lightning indexer
 namespace {
 
-enum class IndexPath { scalar, avx2, avx512 };
+enum class IndexPath { scalar, avx2, avx512, neon };
 
 IndexPath index_path() {
+#if MTP_ORT_X86
     static const IndexPath path = !use_avx2()                                                        ? IndexPath::scalar
                                   : !std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512f") ? IndexPath::avx512
                                                                                                    : IndexPath::avx2;
     return path;
+#elif MTP_ORT_NEON
+    return neon::use_neon() ? IndexPath::neon : IndexPath::scalar;
+#else
+    return IndexPath::scalar;
+#endif
 }
 
 void index_scores_scalar(const float* q, const float* w, size_t heads, size_t di, float scale, const float* keys,
@@ -368,6 +423,7 @@ void index_scores_scalar(const float* q, const float* w, size_t heads, size_t di
     }
 }
 
+#if MTP_ORT_X86
 // The vector paths: a tile of L rows (one per lane) is read transposed (kt[d] = the tile's values of dim d,
 // gathered; the next tile prefetched), then every head's dot products are L-wide FMAs over d, 8 heads at a time
 // (8 accumulators).  A row's score is the same bits wherever it falls in a tile: the last tile's gather is masked.
@@ -486,6 +542,7 @@ INDEX_HEADS(avx512, AVX512, __m512, 16, _mm512_set1_ps, _mm512_setzero_ps, _mm51
 #undef INDEX_HEADS
 #undef INDEX_TILE
 #undef AVX512
+#endif  // MTP_ORT_X86
 
 }  // namespace
 
@@ -493,6 +550,7 @@ void index_scores(const float* q, const float* w, size_t heads, size_t di, float
                   size_t ld, size_t n, float* scores) {
     thread_local std::vector<float> kt;  // one tile, or the queries, transposed
     switch (index_path()) {
+#if MTP_ORT_X86
         case IndexPath::avx512:
             if (kt.size() < std::max<size_t>(16, heads) * di) kt.resize(std::max<size_t>(16, heads) * di);
             if (heads % 16 == 0) return index_scores_avx512_heads(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
@@ -501,6 +559,9 @@ void index_scores(const float* q, const float* w, size_t heads, size_t di, float
             if (kt.size() < std::max<size_t>(8, heads) * di) kt.resize(std::max<size_t>(8, heads) * di);
             if (heads % 8 == 0) return index_scores_avx2_heads(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
             return index_scores_avx2(q, w, heads, di, scale, keys, ld, n, scores, kt.data());
+#elif MTP_ORT_NEON
+        case IndexPath::neon: return neon::index_scores(q, w, heads, di, scale, keys, ld, n, scores);
+#endif
         default: return index_scores_scalar(q, w, heads, di, scale, keys, ld, n, scores);
     }
 }
@@ -529,7 +590,7 @@ size_t select_top(const float* scores, size_t n, size_t k, float* scratch, int32
 }
 
 const char* index_path_name() {
-    static const char* names[] = {"scalar", "avx2", "avx512"};
+    static const char* names[] = {"scalar", "avx2", "avx512", "neon"};
     return names[int(index_path())];
 }
 
@@ -552,7 +613,11 @@ void rope_heads(float* x, size_t heads, size_t ld, size_t dr, const float* cos, 
 }
 
 void swiglu_pairs(const float* h, size_t m, size_t ldh, size_t units, float* a, size_t lda) {
+#if MTP_ORT_X86
     if (use_avx2()) return swiglu_pairs_avx2(h, m, ldh, units, a, lda);
+#elif MTP_ORT_NEON
+    if (neon::use_neon()) return neon::swiglu_pairs(h, m, ldh, units, a, lda);
+#endif
     for (size_t i = 0; i < m; ++i)
         for (size_t j = 0; j < units; ++j) {
             const float g = h[i * ldh + 2 * j];
@@ -630,14 +695,22 @@ struct QAct {
     }
 };
 
-constexpr int kRows = 4;  // weight rows per tile
+[[maybe_unused]] constexpr int kRows = 4;  // weight rows per tile (x86)
 
 // avx512_vnni_256: AVX512-VNNI's 256-bit form, the AVX-VNNI kernels on a CPU with AVX-512 but no AVX-VNNI
 // (MTP_ORT_NO_AVX512=1 there).
-enum class QPath { scalar, avx2, avx_vnni, avx512_vnni, avx512_vnni_256 };
+enum class QPath { scalar, avx2, avx_vnni, avx512_vnni, avx512_vnni_256, neon, neon_dotprod, neon_i8mm };
 
 QPath qpath() {
     static const QPath path = [] {
+#if MTP_ORT_NEON
+        if (!neon::use_neon()) return QPath::scalar;
+        if (!std::getenv("MTP_ORT_NO_DOTPROD") && neon::cpu_has_dotprod()) {
+            if (!std::getenv("MTP_ORT_NO_I8MM") && neon::cpu_has_i8mm()) return QPath::neon_i8mm;
+            return QPath::neon_dotprod;
+        }
+        return QPath::neon;
+#elif MTP_ORT_X86
         if (!use_avx2() || !__builtin_cpu_supports("f16c")) return QPath::scalar;
         if (!std::getenv("MTP_ORT_NO_VNNI")) {
             const bool avx512 = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
@@ -647,6 +720,9 @@ QPath qpath() {
             if (avx512) return QPath::avx512_vnni_256;
         }
         return QPath::avx2;
+#else
+        return QPath::scalar;
+#endif
     }();
     return path;
 }
@@ -684,6 +760,7 @@ void quantize_block_scalar(const float* x, size_t k, size_t kb, const QWeights& 
     store_lanes(s, sum, kb, w, a, row);
 }
 
+#if MTP_ORT_X86
 AVX2 inline int32_t hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -732,6 +809,8 @@ AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeight
     _mm_storeu_si128(reinterpret_cast<__m128i*>(row + QAct::at(kb, 1, 4)), _mm256_extracti128_si256(p, 1));
 }
 
+#endif  // MTP_ORT_X86
+
 // The integer dot product of elements [8 g, 8 g + 8) of activation block kb with weight row wr.
 int32_t part_dot_scalar(const int8_t* xq, const uint8_t* wr, size_t kb, size_t g, int bits) {
     int32_t dot = 0;
@@ -764,7 +843,8 @@ void qrows_dot_scalar(const uint8_t* qx, size_t m, const QWeights& w, size_t n, 
     }
 }
 
-// The vector paths: qkernels_impl.h once per instruction set.
+// The vector paths: qkernels_impl.h once per x86 instruction set, qkernels_neon.h once per ARM one.
+#if MTP_ORT_X86
 #define QK __attribute__((target("avx2,fma,f16c")))
 #define QK_VNNI 0
 #define QK_512 0
@@ -806,6 +886,33 @@ namespace q_avx512_vnni {
 #undef QK_DPBUSD
 #undef QK_512
 #undef QK_MAXC
+#endif  // MTP_ORT_X86
+
+#if MTP_ORT_NEON
+#define QN
+#define QN_DOT 0
+namespace q_neon {
+#include "qkernels_neon.h"
+}  // namespace q_neon
+#undef QN
+#undef QN_DOT
+
+#define QN __attribute__((target(MTP_ORT_NEON_DOTPROD)))
+#define QN_DOT 1
+namespace q_neon_dotprod {
+#include "qkernels_neon.h"
+}  // namespace q_neon_dotprod
+#undef QN
+#undef QN_DOT
+
+#define QN __attribute__((target(MTP_ORT_NEON_I8MM)))
+#define QN_DOT 2
+namespace q_neon_i8mm {
+#include "qkernels_neon.h"
+}  // namespace q_neon_i8mm
+#undef QN
+#undef QN_DOT
+#endif  // MTP_ORT_NEON
 
 }  // namespace
 
@@ -813,27 +920,44 @@ size_t qrow_bytes(const QWeights& w) { return QAct(w).bytes; }
 
 void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint8_t* qx) {
     const QAct a(w);
-    const bool vec = qpath() != QPath::scalar;
+    [[maybe_unused]] const bool vec = qpath() != QPath::scalar;
     for (size_t i = 0; i < m; ++i)
         for (size_t kb = 0; kb < a.blocks(); ++kb) {
-            if (vec) quantize_block_avx2(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
-            else quantize_block_scalar(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+#if MTP_ORT_X86
+            if (vec) {
+                quantize_block_avx2(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+                continue;
+            }
+#elif MTP_ORT_NEON
+            if (vec) {
+                q_neon::quantize_block(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
+                continue;
+            }
+#endif
+            quantize_block_scalar(x + i * ldx, w.k, kb, w, a, qx + i * a.bytes);
         }
 }
 
 void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
     switch (qpath()) {
+#if MTP_ORT_NEON
+        case QPath::neon_i8mm: return q_neon_i8mm::qrows_dot(qx, m, w, n, y, ldy);
+        case QPath::neon_dotprod: return q_neon_dotprod::qrows_dot(qx, m, w, n, y, ldy);
+        case QPath::neon: return q_neon::qrows_dot(qx, m, w, n, y, ldy);
+#elif MTP_ORT_X86
         case QPath::avx512_vnni: return q_avx512_vnni::qrows_dot(qx, m, w, n, y, ldy);
         case QPath::avx_vnni: return q_avx_vnni::qrows_dot(qx, m, w, n, y, ldy);
         case QPath::avx512_vnni_256: return q_avx512_vnni_256::qrows_dot(qx, m, w, n, y, ldy);
         case QPath::avx2: return q_avx2::qrows_dot(qx, m, w, n, y, ldy);
+#endif
         default: return qrows_dot_scalar(qx, m, w, n, y, ldy);
     }
 }
 
 size_t qpack_max_bytes() {
     static const size_t limit = [] {
-        if (qpath() == QPath::scalar || qpath() == QPath::avx2) return size_t(0);
+        if (qpath() != QPath::avx_vnni && qpath() != QPath::avx512_vnni && qpath() != QPath::avx512_vnni_256)
+            return size_t(0);
         const char* env = std::getenv("MTP_ORT_PACK_MAX_BYTES");
         return env && *env ? size_t(std::strtoull(env, nullptr, 10)) : size_t(16) << 20;
     }();
@@ -842,6 +966,7 @@ size_t qpack_max_bytes() {
 
 QPack qpack(const QWeights& w, size_t n) {
     QPack p;
+#if MTP_ORT_X86
     const bool wide = qpath() == QPath::avx512_vnni;  // (the 256-bit paths' shapes are the same)
     p.n = n, p.k = w.k, p.block = w.block, p.bits = w.bits;
     p.rows = wide ? q_avx512_vnni::kPackRows : q_avx_vnni::kPackRows;
@@ -857,19 +982,27 @@ QPack qpack(const QWeights& w, size_t n) {
         for (size_t i = 0; i < pieces; ++i) std::memcpy(to + i * G * P * 4, row + 4 * i, 4);
         for (size_t b = 0; b < nb; ++b) p.scales[((g * nb + b) * G + t) * P + r] = w.scale(j * nb + b);
     }
+#else
+    (void)w, (void)n;  // (never called: qpack_max_bytes() is 0 without VNNI)
+#endif
     return p;
 }
 
 void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy) {
+#if MTP_ORT_X86
     switch (qpath()) {
         case QPath::avx512_vnni: return q_avx512_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
         case QPath::avx512_vnni_256: return q_avx512_vnni_256::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
         default: return q_avx_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
     }
+#else
+    (void)qx, (void)m, (void)p, (void)j0, (void)n, (void)y, (void)ldy;  // (never called, as qpack)
+#endif
 }
 
 const char* qpath_name() {
-    static const char* names[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni", "avx512-vnni-256"};
+    static const char* names[] = {"scalar",      "avx2", "avx-vnni",     "avx512-vnni", "avx512-vnni-256",
+                                  "neon", "neon-dotprod", "neon-i8mm"};
     return names[int(qpath())];
 }
 

@@ -62,8 +62,8 @@ void index_scores(const float* q, const float* w, size_t heads, size_t di, float
 // min(k, visible rows).  scratch: n floats.
 size_t select_top(const float* scores, size_t n, size_t k, float* scratch, int32_t* idx);
 
-// The instruction set of the indexer's scores: "scalar", "avx2" or "avx512" (chosen once per process;
-// MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_AVX512=1 AVX2).
+// The instruction set of the indexer's scores: "scalar", "avx2" or "avx512"; on ARM64 "neon" (chosen once per
+// process; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_AVX512=1 AVX2).
 const char* index_path_name();
 
 // SwiGLU on interleaved gate/up pairs: a[i * lda + j] = silu(h[i * ldh + 2j]) * h[i * ldh + 2j + 1], j < units.
@@ -166,7 +166,8 @@ void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, si
 
 // The instruction set of the quantized products: "scalar", "avx2", "avx-vnni", "avx512-vnni" or "avx512-vnni-256"
 // (chosen once per process from the CPU; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_VNNI=1 AVX2,
-// MTP_ORT_NO_AVX512=1 the 256-bit kernels: AVX-VNNI where the CPU has it, else AVX512-VNNI's 256-bit form).
+// MTP_ORT_NO_AVX512=1 the 256-bit kernels: AVX-VNNI where the CPU has it, else AVX512-VNNI's 256-bit form).  On
+// ARM64: "neon-i8mm", "neon-dotprod" or "neon" (MTP_ORT_NO_I8MM=1 and MTP_ORT_NO_DOTPROD=1 step down).
 const char* qpath_name();
 
 }  // namespace mtp_ort
