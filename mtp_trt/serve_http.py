@@ -83,8 +83,10 @@ class ContentPart(BaseModel):
 
 
 class Body(BaseModel):
-    """Fields of both endpoints.  Strict types (no "5" for 5) and no NaN or infinity; unknown fields are ignored,
-    as OpenAI's API does for fields a server does not implement."""
+    """Fields of both endpoints.  Strict types (no "5" for 5) and no NaN or infinity.  A field OpenAI's API
+    defines that would change the output and that this server does not implement is refused (400 naming it) when
+    it asks for something other than its neutral value; a field OpenAI's API does not define is refused as
+    OpenAI refuses it ("Unrecognized request argument supplied")."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -99,22 +101,129 @@ class Body(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     mtp_stats: bool = False  # add this request's MTP figures ("mtp") to the response
+    # OpenAI's fields without an effect on the text (accepted, not used)
+    user: str | None = None
+    # OpenAI's fields this server does not implement: accepted at their neutral value only (see unsupported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionBody(Body):
     prompt: str | list[str]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False  # the prompt before the completion's text
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    # what OpenAI's client sends back of an earlier reply: accepted when empty
+    refusal: str | None = None
+    tool_calls: list | None = None
+    tool_call_id: str | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+    annotations: list | None = None
 
 
 class ChatBody(Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # accepted, without an effect on the text
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prediction: dict | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # not implemented: accepted at their neutral value only
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict | None = None
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def unsupported(body: Body) -> ApiError | None:
+    """The first field of `body` that asks for something this server does not do, as a 400 naming it."""
+    def no(param: str, what: str) -> ApiError:
+        return ApiError(400, f"{param}: {what} is not supported by this server", param, "unsupported_parameter")
+
+    for param in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, param)
+        if value is not None and not -2 <= value <= 2:
+            return ApiError(400, f"{param}: must be in [-2, 2], got {value}", param)
+        if value:
+            return no(param, f"a non-zero {param}")
+    if body.logit_bias:
+        return no("logit_bias", "logit_bias")
+    if isinstance(body, CompletionBody):
+        if body.best_of is not None and body.best_of != 1:
+            if body.best_of < 1:
+                return ApiError(400, f"best_of: must be >= 1, got {body.best_of}", "best_of")
+            return no("best_of", f"best_of = {body.best_of} (only 1)")
+        if body.logprobs is not None:
+            return no("logprobs", "logprobs")
+        if body.suffix:
+            return no("suffix", "suffix")
+        return None
+    if body.logprobs:
+        return no("logprobs", "logprobs")
+    if body.top_logprobs is not None:
+        return no("top_logprobs", "top_logprobs")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        return no("response_format", f"response_format {json.dumps(body.response_format.get('type'))} (only "
+                                     f"\"text\")")
+    for param in ("tools", "functions"):
+        if getattr(body, param):
+            return no(param, "tool calling")
+    for param in ("tool_choice", "function_call"):
+        if getattr(body, param) not in (None, "none"):
+            return no(param, "tool calling")
+    if body.modalities is not None and body.modalities != ["text"]:
+        return no("modalities", "output other than text")
+    for param in ("audio", "reasoning_effort", "verbosity", "web_search_options"):
+        if getattr(body, param) is not None:
+            return no(param, param)
+    for i, m in enumerate(body.messages):
+        where = f"messages.{i}"
+        if m.role not in CHAT_ROLES:
+            if m.role in ("tool", "function"):
+                return no(f"{where}.role", f"the role {m.role!r} (tool calling)")
+            return ApiError(400, f"{where}.role: unknown role {m.role!r} (system, developer, user or assistant)",
+                            f"{where}.role")
+        if m.content is None and m.role != "assistant":
+            return ApiError(400, f"{where}.content: a {m.role} message needs content", f"{where}.content")
+        for field in ("tool_calls", "function_call", "audio"):
+            if getattr(m, field):
+                return no(f"{where}.{field}", field)
+    return None
+
+
+def unrecognized(raw, schema: type[BaseModel]) -> ApiError | None:
+    """OpenAI's 400 for a field no endpoint of its API has (a typo such as `max_token`)."""
+    if isinstance(raw, dict):
+        for name in raw:
+            if name not in schema.model_fields:
+                return ApiError(400, f"Unrecognized request argument supplied: {name}", name)
+    return None
 
 
 # ---------------------------------------------------------------------------------------- the app
@@ -226,10 +335,15 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
             raw = parse_json(data, "the request body")
         except MtpTrtError as e:
             raise ApiError(400, str(e)) from None
+        if (e := unrecognized(raw, schema)) is not None:
+            raise e
         try:
-            return schema.model_validate(raw)
+            body = schema.model_validate(raw)
         except ValidationError as e:
             raise invalid_field(e) from None
+        if (e := unsupported(body)) is not None:
+            raise e
+        return body
 
     def prepare_completion(data: bytes) -> tuple:
         """(worker thread) body, prompt ids, decoding, max tokens of a completion request, or an ApiError."""
@@ -250,12 +364,18 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
         if render_chat is None:
             raise ApiError(400, f"the model {model_id!r} has no chat template (tokenizer_config.json "
                                 f"chat_template); use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
-                     else "".join(p.text for p in m.content)} for m in body.messages]
+        messages = [{"role": m.role, "content": "" if m.content is None else m.content if isinstance(m.content, str)
+                     else "".join(p.text for p in m.content)} | ({"name": m.name} if m.name is not None else {})
+                    for m in body.messages]
         try:
             text = render_chat(messages)
         except MtpTrtError as e:
             raise ApiError(400, str(e), "messages") from None
+        for i, m in enumerate(messages):  # a template that knows no such role may leave a message out
+            shown = m["content"].split("</think>")[-1].strip()
+            if shown and shown not in text:
+                raise ApiError(400, f"messages.{i}: the model's chat template leaves this {m['role']} message out "
+                                    f"of the prompt (it does not render the role {m['role']!r})", f"messages.{i}.role")
         ids = encode(runner.tokenizer, text, TEMPLATE_PLACES_SPECIALS)
         if not ids:
             raise ApiError(400, "messages: the chat template gives an empty prompt", "messages")
@@ -286,10 +406,13 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
             raise ApiError(503, "the server is shutting down", None, None, "server_error") from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         shape = _Shape(rid, model_id, chat, int(time.time()))
+        echo = ""
+        if isinstance(body, CompletionBody) and body.echo:  # the prompt's text before the completion's
+            echo = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(stream(r, shape, usage, body.mtp_stats), media_type="text/event-stream")
-        text, reason = [], None
+            return StreamingResponse(stream(r, shape, usage, body.mtp_stats, echo), media_type="text/event-stream")
+        text, reason = [echo], None
         try:
             while reason is None:
                 try:
@@ -311,10 +434,12 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
             raise
         return shape.whole("".join(text), reason, _usage(r), _mtp(r) if body.mtp_stats else None)
 
-    async def stream(r, shape: _Shape, usage: bool, mtp: bool):
+    async def stream(r, shape: _Shape, usage: bool, mtp: bool, echo: str = ""):
         try:
             if shape.chat:
                 yield shape.event(shape.chunk({"role": "assistant", "content": ""}, None), usage)
+            elif echo:
+                yield shape.event(shape.chunk(echo, None), usage)
             while True:
                 event = await r.events.get()
                 if event[0] == "text":
@@ -370,7 +495,7 @@ class _Shape:
 
 
 def _usage(r) -> dict:
-    prompt, completion = len(r.seq.prompt), len(r.seq.generated)
+    prompt, completion = len(r.seq.prompt), r.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -402,7 +527,9 @@ class _Collector:
         yield one(self.counter, "vllm:generation_tokens", "Tokens generated.", f.generation_tokens)
         success = self.counter("vllm:request_success", "Requests finished, by finish reason.",
                                labels=["model_name", "finished_reason"])
-        for reason, count in sorted(f.finished.items()):
+        with e.lock:  # (the engine and the handlers count requests ended)
+            finished = sorted(f.finished.items())
+        for reason, count in finished:
             success.add_metric([self.model_id, reason], count)
         yield success
         yield one(self.gauge, "mtp_trt:generation_tokens_per_second", "Tokens generated per second, last 10 s.",

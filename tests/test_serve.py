@@ -146,7 +146,11 @@ def server(tmp_path_factory, demo):
 
 def metrics(url: str) -> dict:
     """Every sample of /metrics: (name, sorted labels without model_name) -> value."""
-    text = call(url, "GET", "/metrics").text
+    return metrics_with(url, None)
+
+
+def metrics_with(url: str, headers: dict | None) -> dict:
+    text = call(url, "GET", "/metrics", headers=headers).text
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -294,6 +298,106 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert e["param"] == param and e["message"] and e["type"] == "invalid_request_error"
 
 
+COMPLETION = {"model": "demo-chat", "prompt": "a", "max_tokens": 2}
+CHAT = {"model": "demo-chat", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/completions", {"max_token": 5}, "max_token"),  # a typo: OpenAI's "Unrecognized request argument"
+    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/chat/completions", {"max_token": 5}, "max_token"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),  # a completions field
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": " return x"}, "suffix"),
+    ("/v1/completions", {"logit_bias": {"50": 100}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"50": -100}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 1.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"frequency_penalty": 3}, "frequency_penalty"),  # out of OpenAI's range
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+     "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "narrator", "content": "a"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "4", "tool_call_id": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a", "colour": "red"}]}, "messages.0.colour"),
+])
+def test_fields_that_would_change_the_output_are_honoured_or_refused(server, path, extra, param):
+    """OpenAI's fields this server does not implement, unknown fields and unknown roles: 400 naming the field
+    (never a 200 with the output of the request without them)."""
+    r = call(server.url, "POST", path, {**(COMPLETION if "chat" not in path else CHAT), **extra})
+    assert r.status_code == 400, r.text
+    e = error_of(r)
+    assert e["param"] == param and param.split(".")[-1] in e["message"], e
+    if param == "max_token":
+        assert e["message"] == "Unrecognized request argument supplied: max_token"
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(server):
+    """What OpenAI's clients and frameworks send by default (penalties 0, no bias, no logprobs, text format, no
+    tools, user, store, an assistant reply without content) is accepted and changes nothing."""
+    want = call(server.url, "POST", "/v1/completions", {**COMPLETION, "temperature": 0}).json()["choices"][0]["text"]
+    r = call(server.url, "POST", "/v1/completions", {**COMPLETION, "temperature": 0, "presence_penalty": 0,
+                                                     "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None,
+                                                     "best_of": 1, "echo": False, "suffix": None, "user": "u"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    r = call(server.url, "POST", "/v1/chat/completions", {**CHAT, "logprobs": False, "response_format": {"type": "text"},
+                                                          "tools": [], "tool_choice": "none", "user": "u",
+                                                          "parallel_tool_calls": True, "store": False,
+                                                          "metadata": {"k": "v"}, "modalities": ["text"]})
+    assert r.status_code == 200, r.text
+
+
+def test_assistant_content_null_is_empty_not_none(server, demo):
+    """An assistant message without content (as after a tool call) renders as empty text, not "None"."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "Again"}]
+    prompt = "<s><|user|>Hi\n<|assistant|>\n<|user|>Again\n<|assistant|>"
+    ids = demo.tokenizer.encode(prompt, add_special_tokens=False).ids
+    r = call(server.url, "POST", "/v1/chat/completions", {**CHAT, "messages": messages})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+
+
+def test_echo_puts_the_prompt_first(server):
+    plain = server.client.completions.create(model="demo-chat", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    out = server.client.completions.create(model="demo-chat", prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                           echo=True)
+    assert out.choices[0].text == PROMPTS[1] + plain.choices[0].text
+    assert out.usage.completion_tokens == plain.usage.completion_tokens
+    chunks = list(server.client.completions.create(model="demo-chat", prompt=PROMPTS[1], max_tokens=12,
+                                                   temperature=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+
+
+def test_usage_counts_no_token_past_a_stop_string(server, demo):
+    """A step may accept drafts beyond the token that completes a stop string: usage counts up to that token
+    (the tokens whose text holds the stop string), streamed or not."""
+    tokens = demo.run([PROMPTS[0]], demo.options(None, max_new_tokens=NEW)).results[0].tokens
+    text = demo.decode(tokens)
+    checked = 0
+    for at in range(6, 30, 3):
+        stop = text[at:at + 2]
+        if not stop.strip() or text.index(stop) != at:
+            continue
+        want = next(n for n in range(1, len(tokens) + 1) if stop in demo.decode(tokens[:n]))
+        kw = dict(model="demo-chat", prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stop=[stop])
+        out = server.client.completions.create(**kw)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (text[:at], "stop")
+        assert out.usage.completion_tokens == want, (stop, out.usage.completion_tokens, want)
+        last = list(server.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))[-1]
+        assert last.usage.completion_tokens == want
+        checked += 1
+    assert checked >= 4
+
+
 def test_every_error_status_is_an_openai_error_object(server, monkeypatch):
     """Not only the API's own refusals: an unknown path (404), a method a path does not take (405), a body beyond
     the size limit (413, before it is read) and a fault of the server (500) answer OpenAI's error object too."""
@@ -432,6 +536,34 @@ def test_full_queue_api_key_and_no_chat_template(tight):
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 8
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         tight.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}])
+
+
+def test_queued_requests_whose_clients_leave_are_counted(tight):
+    """Two streams closed, one running and one still queued: both are counted as cancelled in /metrics."""
+    headers = {"authorization": "Bearer sekret"}
+
+    def cancelled():
+        m = metrics_with(tight.url, headers)
+        return m.get(("vllm:request_success_total", (("finished_reason", "cancelled"),)), 0), m
+
+    before, _ = cancelled()
+    kw = dict(model="demo", prompt=PROMPTS[0], max_tokens=3000, temperature=0)
+    running = tight.client.completions.create(**kw, stream=True)
+    next(iter(running))
+    waiting = tight.client.completions.create(**kw, stream=True)
+    deadline = time.monotonic() + 10
+    while cancelled()[1][("vllm:num_requests_waiting", ())] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    waiting.close()
+    running.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        count, m = cancelled()
+        if m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0 \
+                and count - before == 2:
+            break
+        time.sleep(0.05)
+    assert count - before == 2, (before, count)
 
 
 def test_sigterm_finishes_the_running_request(demo, tmp_path):
