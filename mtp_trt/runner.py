@@ -39,12 +39,13 @@ def demo_model() -> Path:
 
 
 def checkpoint_key(ckpt: Path, **options) -> str:
-    """Digest of the checkpoint's files (names, sizes, mtimes), the export options and the exporter revision."""
+    """Digest of the checkpoint's files (names and contents: manifest.file_digests, each file read again only
+    when its size, times or inode change), the export options and the exporter revision."""
+    from mtp_trt.manifest import file_digests
+
     h = hashlib.sha256(json.dumps(options | {"exporter_revision": EXPORTER_REVISION}, sort_keys=True).encode())
-    for f in sorted(ckpt.iterdir()):
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for name, digest in file_digests(ckpt).items():
+        h.update(f"{name}:{digest}".encode())
     return h.hexdigest()[:16]
 
 

@@ -311,6 +311,38 @@ def test_verification_is_remembered_until_a_file_changes(exp, tmp_path, monkeypa
     assert verify_export(m)["hashed"] == 1  # the restored file, once
 
 
+def test_export_cache_key_follows_the_checkpoints_contents(ckpt, tmp_path, monkeypatch):
+    """A checkpoint whose weights are replaced by a file of the same size and mtime gets a new cache entry (its
+    export is not reused); a file touched without a change keeps the entry; the files are read again only when
+    one of them changes."""
+    import mtp_trt.manifest as manifest
+    from mtp_trt.quant import Scheme
+    from mtp_trt.runner import DEFAULT_MAX_BATCH, cache_entry
+
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "ckpt"
+    shutil.copytree(ckpt, root)
+    hashed = []
+    real_sha = manifest.sha256
+    monkeypatch.setattr(manifest, "sha256", lambda path: hashed.append(path.name) or real_sha(path))
+    entry = cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH)
+    files = sorted(f.name for f in root.iterdir() if f.is_file())
+    assert sorted(hashed) == files
+    hashed.clear()
+    assert cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH) == entry and hashed == []
+    w = next(root.glob("*.safetensors"))
+    st = w.stat()
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0x01
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))  # same name, size and mtime
+    changed = cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH)
+    assert changed != entry and hashed == [w.name]
+    data[-1] ^= 0x01
+    w.write_bytes(bytes(data))  # back as it was, with a new mtime
+    assert cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH) == entry
+
+
 def test_run_verify_flag_hashes_again(exp, tmp_path):
     cache = tmp_path / "cache"
     for extra in ((), ("--verify",)):
