@@ -443,6 +443,8 @@ def serve(
         v.check_positive(flag, value)
     if not 0 <= port <= 65535:
         raise MtpTrtError(f"--port must be in 0..65535, got {port}")
+    if not host.strip():
+        raise MtpTrtError("--host: empty (0.0.0.0 listens on every interface, 127.0.0.1 on this machine only)")
     v.check_number("--shutdown-timeout", shutdown_timeout, 0)
     if max_request_bytes is not None:
         v.check_positive("--max-request-bytes", max_request_bytes)
@@ -459,7 +461,7 @@ def serve(
 
     def ready(server) -> None:
         typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, nextn {opts.nextn}, up to {max_batch} requests at "
-                    f"once) on http://{host}:{port}/v1", fg="green", err=True)
+                    f"once) on {server.url}", fg="green", err=True)
 
     run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready, max_request_bytes=max_request_bytes)
 

@@ -545,6 +545,11 @@ class _Collector:
         yield per_pos
 
 
+def listen_url(host: str, port: int) -> str:
+    """The API's base URL at host:port (an IPv6 address in brackets)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
 def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None, shutdown_timeout: float,
           log_level: str = "info", ready=None, max_request_bytes: int | None = None) -> None:
     """Run the API until SIGTERM or Ctrl-C: then admit nothing more, let running requests finish for up to
@@ -570,6 +575,7 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
     except OSError as e:  # in use, or not an address of this machine: one line, before anything starts
         sock.close()
         raise MtpTrtError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    Server.url = listen_url(host, sock.getsockname()[1])  # the port bound (--port 0: one the system chose)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             lifespan="off")
     server = Server(config)

@@ -611,4 +611,28 @@ def test_bad_options_and_a_busy_port_are_one_line(demo):
         s.bind(("127.0.0.1", 0))
         s.listen()
         r = CliRunner().invoke(app, ["serve", str(demo.manifest.root), "--port", str(s.getsockname()[1])])
-    assert r.exit_code == 2 and "cannot listen there" in r.output and "Traceback" not in r.output
+        assert r.exit_code == 2 and "cannot listen there" in r.output and "Traceback" not in r.output
+        # an empty host is not "every interface" without a word (the busy port keeps a server from starting)
+        r = CliRunner().invoke(app, ["serve", str(demo.manifest.root), "--host", "", "--port", str(s.getsockname()[1])])
+        assert r.exit_code == 2 and "--host: empty" in r.output and "Traceback" not in r.output
+
+
+def test_the_printed_url_is_the_one_listened_on(demo):
+    """`--port 0` prints the port the system chose, `--host ::1` the address in brackets: the URL printed works."""
+    proc = subprocess.Popen([sys.executable, "-m", "mtp_trt.cli", "serve", str(demo.manifest.root), "--host", "::1",
+                             "--port", "0", "--max-batch", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        for line in proc.stderr:
+            if " on http" in line:
+                break
+        url = line.split(" on ")[-1].strip()
+        assert url.startswith("http://[::1]:") and url.endswith("/v1") and not url.startswith("http://[::1]:0/"), line
+        port = int(url[len("http://[::1]:"):-3])
+        conn = http.client.HTTPConnection("::1", port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
