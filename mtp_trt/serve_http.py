@@ -257,13 +257,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
     async def internal_error(request, e: Exception):  # a fault of the server: logged by uvicorn, answered as 500
         return ApiError(500, f"internal error ({type(e).__name__}: {e})"[:500], None, None, "server_error").response()
 
-    @app.middleware("http")
-    async def check_key(request: HttpRequest, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return ApiError(401, "missing or incorrect API key (Authorization: Bearer KEY)", None,
-                                "invalid_api_key").response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_CheckKey, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -413,16 +408,14 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(r, shape, usage, body.mtp_stats, echo), media_type="text/event-stream")
         text, reason = [echo], None
+        watcher = asyncio.ensure_future(watch_disconnect(request, r))
         try:
             while reason is None:
-                try:
-                    event = await asyncio.wait_for(r.events.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        engine.cancel(r)
-                        return ApiError(499, "the client closed the connection", None, None,
-                                        "invalid_request_error").response()
-                    continue
+                event = await r.events.get()
+                if event[0] == "gone":  # the client left: its slot is freed at the next step
+                    engine.cancel(r)
+                    return ApiError(499, "the client closed the connection", None, None,
+                                    "invalid_request_error").response()
                 if event[0] == "text":
                     text.append(event[1])
                 elif event[0] == "error":
@@ -432,7 +425,15 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
         except asyncio.CancelledError:
             engine.cancel(r)
             raise
+        finally:
+            watcher.cancel()
         return shape.whole("".join(text), reason, _usage(r), _mtp(r) if body.mtp_stats else None)
+
+    async def watch_disconnect(request: HttpRequest, r) -> None:
+        """(beside a non-streamed request, its body read) wait for its client to leave; then say so to the handler."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        r.events.put_nowait(("gone",))
 
     async def stream(r, shape: _Shape, usage: bool, mtp: bool, echo: str = ""):
         try:
@@ -461,6 +462,23 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
             engine.cancel(r)
 
     return app
+
+
+class _CheckKey:
+    """`Authorization: Bearer KEY` on /v1/ (a plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide a
+    client's disconnection from the handlers)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if given != self.expected:
+                response = ApiError(401, "missing or incorrect API key (Authorization: Bearer KEY)", None,
+                                    "invalid_api_key").response()
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class _Shape:

@@ -260,6 +260,32 @@ def test_cancelled_stream_leaves_the_others_intact(server):
     assert m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())] < 2000
 
 
+def test_non_streamed_requests_whose_clients_leave_free_their_slots(server):
+    """Four non-streamed requests fill the four slots; their clients leave: each request is cancelled (its slot
+    freed, counted as cancelled), not decoded to its end."""
+    before = metrics(server.url)
+    body = json.dumps({"model": "demo-chat", "prompt": PROMPTS[2], "max_tokens": 4000, "temperature": 0}).encode()
+    host, port = server.url[7:].split(":")
+    socks = []
+    for _ in range(4):
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        socks.append(sock)
+    deadline = time.monotonic() + 60
+    while metrics(server.url)[("vllm:num_requests_running", ())] < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metrics(server.url)[("vllm:num_requests_running", ())] == 4
+    for sock in socks:
+        sock.close()
+    deadline = time.monotonic() + 120
+    while (m := metrics(server.url))[("vllm:num_requests_running", ())] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    key = ("vllm:request_success_total", (("finished_reason", "cancelled"),))
+    assert m[key] - before.get(key, 0) == 4
+    assert m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())] < 4 * 4000
+
+
 def error_of(response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
