@@ -418,6 +418,8 @@ def serve(
     served_model_name: str = typer.Option(None, help="The model id clients name (default: the model directory's "
                                                      "name)."),
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds running requests may take to finish."),
+    request_timeout: float = typer.Option(30.0, help="Seconds a client has to send a request's head, and again its "
+                                                     "body; slower ones are answered 408 and disconnected."),
     max_request_bytes: int = typer.Option(None, help="Largest request body read; larger ones are answered 413 "
                                                      "before they are read (default: 64 KiB + 32 bytes per cache "
                                                      "row)."),
@@ -446,6 +448,9 @@ def serve(
     if not host.strip():
         raise MtpTrtError("--host: empty (0.0.0.0 listens on every interface, 127.0.0.1 on this machine only)")
     v.check_number("--shutdown-timeout", shutdown_timeout, 0)
+    v.check_number("--request-timeout", request_timeout, 0)
+    if request_timeout <= 0:
+        raise MtpTrtError(f"--request-timeout must be > 0, got {request_timeout:g}")
     if max_request_bytes is not None:
         v.check_positive("--max-request-bytes", max_request_bytes)
     v.check_threads(threads)
@@ -463,7 +468,8 @@ def serve(
         typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, nextn {opts.nextn}, up to {max_batch} requests at "
                     f"once) on {server.url}", fg="green", err=True)
 
-    run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready, max_request_bytes=max_request_bytes)
+    run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready, max_request_bytes=max_request_bytes,
+               request_timeout=request_timeout)
 
 
 @app.command()

@@ -35,6 +35,8 @@ from mtp_trt.tokenizer import BosPolicy, chat_renderer, encode
 # is 4 characters of English on average; 32 bytes leave room for JSON escapes and long tokens).
 REQUEST_BYTES_BASE, REQUEST_BYTES_PER_ROW = 64 << 10, 32
 PREPARE_THREADS = 2  # requests parsed and tokenized at once, off the event loop
+REQUEST_TIMEOUT_S = 30.0  # a client's time to send a request's head, and again its body
+FILES_KEPT = 64  # open files kept for the process itself below its limit (the rest: connections)
 
 
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "StreamOptions", "ContentPart"}
@@ -227,8 +229,8 @@ def unrecognized(raw, schema: type[BaseModel]) -> ApiError | None:
 
 
 # ---------------------------------------------------------------------------------------- the app
-def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_request_bytes: int | None = None
-               ) -> FastAPI:
+def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_request_bytes: int | None = None,
+               request_timeout: float = None) -> FastAPI:
     """The API over a started engine, serving it as model `model_id`; request bodies of at most
     `max_request_bytes` (default: default_request_bytes)."""
     from prometheus_client import CollectorRegistry, generate_latest
@@ -313,11 +315,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
         if declared is not None and (not declared.isdigit() or int(declared) > limit_bytes):
             raise too_large(declared)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit_bytes:
-                raise too_large(f"more than {limit_bytes}")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(request_timeout or REQUEST_TIMEOUT_S):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit_bytes:
+                        raise too_large(f"more than {limit_bytes}")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {request_timeout or REQUEST_TIMEOUT_S:g} s "
+                                f"({size} bytes came)", None, "request_timeout") from None
         return b"".join(chunks)
 
     def too_large(size: str) -> ApiError:
@@ -563,18 +570,142 @@ class _Collector:
         yield per_pos
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (as vLLM does: a server holds a file per
+    connection); the soft limit now."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                soft = want
+            except (OSError, ValueError):
+                pass
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    except ImportError:  # not POSIX
+        return 1 << 16
+
+
+def _error_bytes(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 answer with OpenAI's error object, closing the connection (for the protocol's own
+    answers, given before any handler runs)."""
+    from http import HTTPStatus
+
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+def _protocol(request_timeout: float, max_connections: int):
+    """uvicorn's HTTP/1.1 protocol with limits for clients that send slowly or not at all: a request's head must
+    arrive within `request_timeout` seconds of the connection (or of the last answer on it), else the
+    connection is closed (with a 408 if part of a head came); beyond `max_connections` connections a new one
+    closes the oldest that is waiting for a request head, so that idle connections cannot use up the process's
+    open files.  A request line or head it cannot parse is answered with OpenAI's error object."""
+    import itertools
+
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    opened = itertools.count()
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            self.order, self.head_timer, self.head_bytes = next(opened), None, 0
+            super().connection_made(transport)
+            self.arm()
+            if len(self.connections) > max_connections:
+                idle = [c for c in self.connections if c is not self and getattr(c, "order", None) is not None
+                        and c.waiting_for_head() and not c.transport.is_closing()]
+                if idle:
+                    min(idle, key=lambda c: c.order).transport.close()
+
+        def waiting_for_head(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def arm(self) -> None:
+            self.disarm()
+            self.head_bytes = 0
+            self.head_timer = self.loop.call_later(request_timeout, self.head_timed_out)
+
+        def disarm(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def data_received(self, data: bytes) -> None:
+            self.head_bytes += len(data)
+            super().data_received(data)
+            if not self.waiting_for_head():
+                self.disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.waiting_for_head():
+                self.arm()
+
+        def connection_lost(self, exc) -> None:
+            self.disarm()
+            super().connection_lost(exc)
+
+        def head_timed_out(self) -> None:
+            self.head_timer = None
+            if self.waiting_for_head() and not self.transport.is_closing():
+                if self.head_bytes:
+                    self.transport.write(_error_bytes(408, f"the request head did not arrive within "
+                                                           f"{request_timeout:g} s", "request_timeout"))
+                self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(_error_bytes(400, f"not an HTTP/1.1 request ({msg.rstrip('.')})",
+                                              "invalid_http_request"))
+            self.transport.close()
+
+    return Protocol
+
+
+def _quiet_resource_errors(loop) -> None:
+    """Log running out of open files (or other resources) while accepting connections as one line at most every
+    10 s, not a traceback per attempt."""
+    import logging
+
+    last = [0.0]
+    default = loop.get_exception_handler()
+
+    def handler(loop, context):
+        e = context.get("exception")
+        if isinstance(e, OSError) and "out of system resource" in context.get("message", ""):
+            if time.monotonic() - last[0] >= 10:
+                last[0] = time.monotonic()
+                logging.getLogger("uvicorn.error").warning(
+                    "cannot accept more connections (%s); retrying", e.strerror or e)
+            return
+        if default is not None:
+            default(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 def listen_url(host: str, port: int) -> str:
     """The API's base URL at host:port (an IPv6 address in brackets)."""
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
 def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None, shutdown_timeout: float,
-          log_level: str = "info", ready=None, max_request_bytes: int | None = None) -> None:
+          log_level: str = "info", ready=None, max_request_bytes: int | None = None,
+          request_timeout: float = REQUEST_TIMEOUT_S) -> None:
     """Run the API until SIGTERM or Ctrl-C: then admit nothing more, let running requests finish for up to
-    `shutdown_timeout` seconds, and cancel the rest.  `ready(server)` is called once it listens."""
+    `shutdown_timeout` seconds, and cancel the rest.  `ready(server)` is called once it listens.  A client has
+    `request_timeout` seconds to send a request's head, and as long again for its body."""
     import uvicorn
 
-    app = create_app(engine, model_id, api_key, max_request_bytes)
+    app = create_app(engine, model_id, api_key, max_request_bytes, request_timeout)
+    max_connections = max(8, raise_open_file_limit() - FILES_KEPT)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -582,6 +713,7 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
+            _quiet_resource_errors(asyncio.get_running_loop())
             await super().startup(sockets)
             if ready is not None:
                 ready(self)
@@ -595,7 +727,7 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
         raise MtpTrtError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     Server.url = listen_url(host, sock.getsockname()[1])  # the port bound (--port 0: one the system chose)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                            lifespan="off")
+                            lifespan="off", http=_protocol(request_timeout, max_connections))
     server = Server(config)
     engine.start()
     try:

@@ -662,3 +662,63 @@ def test_the_printed_url_is_the_one_listened_on(demo):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+
+
+def _serve_process(root, *args, files: int | None = None) -> tuple[subprocess.Popen, int]:
+    """`mtp-trt serve ROOT --port 0 ARGS` in a process (at most `files` open files), and the port it printed."""
+    def limit():
+        if files is not None:
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+    proc = subprocess.Popen([sys.executable, "-m", "mtp_trt.cli", "serve", str(root), "--port", "0", *map(str, args)],
+                            stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+    for line in proc.stderr:
+        if " on http://" in line:
+            return proc, int(line.rsplit(":", 1)[1].split("/")[0])
+    proc.wait(30)
+    raise AssertionError(f"the server did not start (exit {proc.returncode})")
+
+
+def test_slow_and_idle_clients_are_cut_off(demo):
+    """With 256 open files: 300 idle connections leave the server reachable (/health answers while they are open);
+    a half-sent request head is closed with a 408 after --request-timeout, a half-sent body answered 408; the log
+    has no traceback and no flood of "Too many open files"."""
+    proc, port = _serve_process(demo.manifest.root, "--max-batch", "1", "--request-timeout", "3", files=256)
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+        url = f"http://127.0.0.1:{port}"
+        assert call(url, "GET", "/health").status_code == 200
+        head = socket.create_connection(("127.0.0.1", port), timeout=60)
+        head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        body = socket.create_connection(("127.0.0.1", port), timeout=60)
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        for sock in (head, body):
+            answer = b""
+            while part := sock.recv(65536):  # until the server closes the connection
+                answer += part
+            sock.close()
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer
+        assert call(url, "GET", "/health").status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.send_signal(signal.SIGTERM)
+        err = proc.stderr.read()
+        proc.wait(60)
+    assert "Traceback" not in err and err.count("open files") <= 3 and len(err) < 20_000, err[-3000:]
+
+
+def test_a_malformed_request_line_gets_an_openai_error(server):
+    host, port = server.url[7:].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"NOT AN HTTP REQUEST\r\n\r\n")
+        answer = b""
+        while part := sock.recv(65536):
+            answer += part
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer
+    assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
