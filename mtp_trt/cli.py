@@ -359,7 +359,7 @@ def run(
                           tree_budget=tree_budget)
     if opts.tree is not None and not opts.sampling.greedy:
         typer.secho("note: sampling drafts a chain (tree drafting is greedy only)", fg="yellow", err=True)
-    encoded = [runner.encode(p) for p in prompts]
+    encoded = runner.encode_prompts(prompts, truncate)  # too many, or too long to tokenize: refused before
     ids = runner.fit(encoded, opts.nextn, truncate, max_new_tokens)  # a prompt too long: refused before any output
     stream = not json_out and len(prompts) == 1
     if stream:
@@ -370,7 +370,7 @@ def run(
         sys.stdout.flush()
 
     report = runner.run(prompts, opts, seed=seed, stop=tuple(stop or ()), on_text=on_text if stream else None,
-                        truncate=truncate)
+                        truncate=truncate, ids=encoded)
     truncated = [i for i, (a, b) in enumerate(zip(encoded, ids)) if len(b) < len(a)]
     if truncated:
         typer.secho(f"note: prompt(s) {', '.join(map(str, truncated))} truncated to their last tokens (--truncate)",

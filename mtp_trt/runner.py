@@ -277,6 +277,51 @@ class Runner:
             raise MtpTrtError("empty prompt: give some text with --prompt")
         return ids
 
+    def prompt_chars(self) -> int:
+        """More characters than a prompt that fits the cache can have: every token covers at most as many
+        characters as the vocabulary's longest token, and normalization is allowed to remove three in four."""
+        if getattr(self, "_prompt_chars", None) is None:
+            longest = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+            self._prompt_chars = 4 * max(longest, 1) * self.manifest.max_seq_len + 64
+        return self._prompt_chars
+
+    def encode_prompts(self, prompts: list[str], truncate: bool = False) -> list[list[int]]:
+        """Prompt ids of a batch, judged before any tokenizing where they can be: more prompts than the export's
+        max_batch, or a prompt of more characters than the cache could hold as tokens (prompt_chars), is an
+        MtpTrtError naming it (with `truncate`, such a prompt is cut to its last prompt_chars characters first).
+        The tokenizer works in a thread: the main thread stays free for SIGTERM and Ctrl-C."""
+        import threading
+
+        self.check_batch(len(prompts))
+        limit = self.prompt_chars()
+        texts = []
+        for i, p in enumerate(prompts):
+            if len(p) > limit and not truncate:
+                raise MtpTrtError(f"prompt {i} has {len(p)} characters, more than the export's cache "
+                                  f"({self.manifest.max_seq_len} rows, max_seq_len) can hold as tokens; shorten it, "
+                                  f"or give --truncate to keep its last tokens")
+            texts.append(p[-limit:] if len(p) > limit else p)
+        done, out = threading.Event(), {}
+
+        def work():
+            try:
+                out["ids"] = [self.encode(t) for t in texts]
+            except BaseException as e:  # handed to the main thread
+                out["error"] = e
+            done.set()
+
+        threading.Thread(target=work, name="mtp-trt-tokenize", daemon=True).start()
+        while not done.wait(0.5):  # (a wait a signal handler interrupts)
+            pass
+        if "error" in out:
+            raise out["error"]
+        return out["ids"]
+
+    def check_batch(self, n: int) -> None:
+        if n > self.manifest.max_batch:
+            raise MtpTrtError(f"{n} prompts, but the export ({self.manifest.root}) decodes at most max_batch "
+                              f"{self.manifest.max_batch} at once; give fewer, or export with --max-batch {n}")
+
     def fit(self, ids: list[list[int]], nextn: int, truncate: bool = False, new_tokens: int = 1) -> list[list[int]]:
         """Prompts that fit the export's cache with room for one decode step (prompt + 2 nextn + 2 rows); a
         longer one is an error naming it, or with `truncate` keeps its last tokens (and its BOS): as many as
@@ -284,9 +329,7 @@ class Runner:
         cache)."""
         rows = self.manifest.max_seq_len
         room = rows - 2 * nextn - 2
-        if len(ids) > self.manifest.max_batch:
-            raise MtpTrtError(f"{len(ids)} prompts, but the export ({self.manifest.root}) decodes at most max_batch "
-                              f"{self.manifest.max_batch} at once; give fewer, or export with --max-batch {len(ids)}")
+        self.check_batch(len(ids))
         if room < 1:
             raise MtpTrtError(f"{self.manifest.root}: max_seq_len {rows} leaves no room for a prompt with --nextn "
                               f"{nextn}")
@@ -313,9 +356,11 @@ class Runner:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def run(self, prompts: list[str], opts: DecodeOptions, seed: int = 0, stop: tuple[str, ...] = (),
-            on_text: Callable[[int, str], None] | None = None, truncate: bool = False) -> RunReport:
+            on_text: Callable[[int, str], None] | None = None, truncate: bool = False,
+            ids: list[list[int]] | None = None) -> RunReport:
         """Decode the prompts as one batch.  on_text(i, new_text) streams each sequence's new text.  Prompts
-        that do not fit the cache are refused before any decoding (or truncated: see fit)."""
+        that do not fit the cache are refused before any decoding (or truncated: see fit).  `ids`: the prompts'
+        ids where the caller has them (encode_prompts)."""
         shown = [0] * len(prompts)
 
         def show(i: int, text: str) -> None:
@@ -330,7 +375,7 @@ class Runner:
                     s.finish_reason = "stop"
                 show(i, text if stopped else text[: len(text) - held_back(text, stop)])
 
-        ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate, opts.max_new_tokens)
+        ids = self.fit(ids or self.encode_prompts(prompts, truncate), opts.nextn, truncate, opts.max_new_tokens)
         self.backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)  # loading is not decoding time
         t0 = time.perf_counter()
         seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)

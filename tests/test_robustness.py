@@ -343,6 +343,70 @@ def test_export_cache_key_follows_the_checkpoints_contents(ckpt, tmp_path, monke
     assert cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH) == entry
 
 
+_WATCH_TOKENIZER = r"""
+import mtp_trt.tokenizer as _t
+_encode, _calls = _t.encode, [0]
+def _watched(tokenizer, text, policy):
+    _calls[0] += 1
+    if len(text) > 1_000_000 or _calls[0] > 10_000:
+        raise AssertionError(f"tokenized: {len(text)} characters, call {_calls[0]}")
+    return _encode(tokenizer, text, policy)
+_t.encode = _watched
+"""
+
+
+def test_huge_prompts_are_refused_before_they_are_tokenized(exp, tmp_path):
+    """A 50 MB one-line prompt file is refused by its length in one line, not tokenized (which took gigabytes);
+    with --truncate only its end is tokenized; two million prompts are refused for the export's batch before
+    one is tokenized."""
+    big, many = tmp_path / "big.txt", tmp_path / "many.txt"
+    big.write_text("ab " * 17_000_000 + "\n")
+    many.write_text("a\n" * 2_000_000)
+    (code, err, _), (tcode, terr, tout), (mcode, merr, _) = run_cli(
+        [["run", exp, "--prompt-file", big, "--max-new-tokens", "2"],
+         ["run", exp, "--prompt-file", big, "--max-new-tokens", "2", "--truncate"],
+         ["run", exp, "--prompt-file", many, "--max-new-tokens", "2"]],
+        tmp_path / "cache", _LIMIT + _WATCH_TOKENIZER, str(MEMORY_LIMIT))
+    assert code == 2 and "prompt 0 has 51000000 characters" in err and "--truncate" in err, err
+    assert_one_error(err)
+    assert tcode == 0 and "truncated to their last tokens" in terr, terr
+    assert mcode == 2 and "2000000 prompts, but the export" in merr, merr
+    assert_one_error(merr)
+
+
+_TOKENIZER_IN_C = r"""
+import ctypes, sys
+import mtp_trt.tokenizer as t
+def _encode_in_c(tokenizer, text, policy):
+    # as a tokenizer's long call into native code: the GIL released, no signal handler run until it returns
+    sys.stderr.write("tokenizing\n"); sys.stderr.flush()
+    mutex, libc = ctypes.create_string_buffer(64), ctypes.CDLL(None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # a second lock by its owner: blocks for good, and no signal interrupts it
+t.encode = _encode_in_c
+from mtp_trt.cli import entry
+sys.argv = ["mtp-trt", *sys.argv[1:]]
+sys.exit(entry())
+"""
+
+
+def test_sigterm_is_acted_on_while_a_prompt_is_tokenized(exp, tmp_path):
+    """SIGTERM while the tokenizer works (in native code, as on a long prompt): the command ends at once (status
+    143, no traceback), without waiting for the tokenizer to return."""
+    p = subprocess.Popen([sys.executable, "-c", _TOKENIZER_IN_C, "run", str(exp), "-p", "abc", "--max-new-tokens",
+                          "2"], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        assert p.stderr.readline() == "tokenizing\n"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 128 + signal.SIGTERM
+        assert "Traceback" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_run_verify_flag_hashes_again(exp, tmp_path):
     cache = tmp_path / "cache"
     for extra in ((), ("--verify",)):
