@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from mtp_trt.tokenizer import BosPolicy, chat_renderer, encode
 REQUEST_BYTES_BASE, REQUEST_BYTES_PER_ROW = 64 << 10, 32
 PREPARE_THREADS = 2  # requests parsed and tokenized at once, off the event loop
 REQUEST_TIMEOUT_S = 30.0  # a client's time to send a request's head, and again its body
+SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout, time for the requests' last events to reach their clients
 FILES_KEPT = 64  # open files kept for the process itself below its limit (the rest: connections)
 
 
@@ -315,6 +317,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
         if declared is not None and (not declared.isdigit() or int(declared) > limit_bytes):
             raise too_large(declared)
         chunks, size = [], 0
+        from starlette.requests import ClientDisconnect
+
         try:
             async with asyncio.timeout(request_timeout or REQUEST_TIMEOUT_S):
                 async for chunk in request.stream():
@@ -322,6 +326,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
                     if size > limit_bytes:
                         raise too_large(f"more than {limit_bytes}")
                     chunks.append(chunk)
+        except ClientDisconnect:  # the client left before its body was whole: nobody to answer
+            raise ApiError(499, "the client closed the connection before its request body was whole", None,
+                           None) from None
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {request_timeout or REQUEST_TIMEOUT_S:g} s "
                                 f"({size} bytes came)", None, "request_timeout") from None
@@ -709,7 +716,12 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            engine.close_admission()
+            if engine.admitting:  # the first signal: running requests have shutdown_timeout seconds, then the
+                # engine ends every request left (running or queued) with an error: streams get their error
+                # event and [DONE], the others a 503, before uvicorn closes what is still open
+                engine.close_admission()
+                threading.Thread(target=engine.stop, args=(shutdown_timeout,), name="mtp-trt-shutdown",
+                                 daemon=True).start()
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
@@ -726,7 +738,7 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
         sock.close()
         raise MtpTrtError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     Server.url = listen_url(host, sock.getsockname()[1])  # the port bound (--port 0: one the system chose)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S,
                             lifespan="off", http=_protocol(request_timeout, max_connections))
     server = Server(config)
     engine.start()

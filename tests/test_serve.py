@@ -722,3 +722,60 @@ def test_a_malformed_request_line_gets_an_openai_error(server):
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400"), answer
     assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+def _sse(response) -> list[str]:
+    """The non-empty lines of a server-sent event stream, to its end."""
+    lines = []
+    try:
+        while line := response.readline():
+            if line.strip():
+                lines.append(line.decode().strip())
+    except http.client.IncompleteRead:  # cut mid-body
+        lines.append("<cut>")
+    return lines
+
+
+def test_shutdown_timeout_ends_every_stream_with_an_event(demo):
+    """SIGTERM with a request still decoding past --shutdown-timeout and two queued: the running stream and the
+    queued stream each end with an error event and `data: [DONE]`, the queued non-streamed request gets a 503; a
+    client that left mid-body before that left no traceback in the log."""
+    proc, port = _serve_process(demo.manifest.root, "--max-batch", "1", "--shutdown-timeout", "1")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # leaves mid-body
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")
+        body = {"model": demo.manifest.root.name, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0}
+
+        def open_stream():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                         {"content-type": "application/json"})
+            return conn.getresponse()
+
+        running = open_stream()
+        assert running.readline().startswith(b"data: {")  # decoding
+        queued = open_stream()
+        assert queued.status == 200
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(call, url, "POST", "/v1/completions", body)
+            deadline = time.monotonic() + 30
+            while metrics(url)[("vllm:num_requests_waiting", ())] < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert metrics(url)[("vllm:num_requests_waiting", ())] == 2
+            proc.send_signal(signal.SIGTERM)
+            for lines in (_sse(running), _sse(queued)):
+                assert lines[-1] == "data: [DONE]", lines[-3:]
+                last = json.loads(lines[-2][6:])
+                assert last.get("error", {}).get("message") == "the server is shutting down" or \
+                    last["choices"][0]["finish_reason"] is not None, lines[-3:]
+            reply = whole.result(timeout=60)
+        assert reply.status_code == 503 and error_of(reply)["type"] == "server_error"
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "ClientDisconnect" not in err, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
