@@ -378,7 +378,7 @@ def run(
     if json_out:
         out = {"results": [r.__dict__ for r in report.results], "summary": report.summary(),
                "model": str(manifest.root), "mtp_mode": manifest.mtp_mode}
-        typer.echo(json.dumps(out, indent=2))
+        _emit(json.dumps(out, indent=2))
         return
     if stream:
         typer.echo()
@@ -604,6 +604,20 @@ def _closed_stdout() -> bool:
     except OSError:
         os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: 1
         return True
+
+
+def _emit(text: str) -> None:
+    """Print `text` and a newline to standard output, every byte accounted for: Python's buffered stdout reports
+    a large write that a closed pipe cut short as written; written here to the descriptor, it is an EPIPE."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured output)
+        typer.echo(text)
+        return
+    sys.stdout.flush()
+    data = memoryview((text + "\n").encode(sys.stdout.encoding or "utf-8", sys.stdout.errors or "strict"))
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _write_failed(e: OSError) -> int:

@@ -1129,19 +1129,71 @@ def test_check_validates_engines_json_against_its_export(exp, tmp_path):
 
 
 # --------------------------------------------------------------------------------------- 7. small ones
+_PAUSED_EXPORT = r"""
+import sys, threading
+import mtp_trt.exporters.export as x
+_export = x.export
+def _paused(*args, progress, **kwargs):
+    def stage(text):
+        if "mtp_0.onnx" in text:  # the target graph is written into the partial directory: wait there
+            sys.stderr.write("paused\n"); sys.stderr.flush()
+            threading.Event().wait()
+        progress(text)
+    return _export(*args, progress=stage, **kwargs)
+x.export = _paused
+from mtp_trt.cli import entry
+sys.argv = ["mtp-trt", *sys.argv[1:]]
+sys.exit(entry())
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_prints_interrupted(ckpt, tmp_path):
-    """SIGINT while a checkpoint is exported into the cache: "error: interrupted", status 130, no partial."""
+    """SIGINT while a checkpoint is exported into the cache (held mid-way, after its first graph, until the
+    signal): "error: interrupted", status 130, no partial."""
     cache = tmp_path / "cache"
-    p = subprocess.Popen(["mtp-trt", "run", str(ckpt), "-p", "x"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
-    _wait_for(lambda: any((d / "target.onnx").exists() for d in _partials(cache / "exports")))
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+    p = subprocess.Popen([sys.executable, "-c", _PAUSED_EXPORT, "run", str(ckpt), "-p", "x"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
+    try:
+        lines = []
+        while (line := p.stderr.readline()) and line != "paused\n":
+            lines.append(line)
+        assert line == "paused\n", lines
+        assert any((d / "target.onnx").exists() for d in _partials(cache / "exports"))
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     assert p.returncode == 130, err
     assert_one_error(err)
     assert err.strip().splitlines()[-1] == "error: interrupted"
     assert not _partials(cache / "exports")
+
+
+def test_json_output_cut_by_a_closed_pipe_is_one_line(tmp_path):
+    """`mtp-trt run --json | head -c 1000`: the reader leaves before the JSON is whole; the output lost is an
+    error line and exit status 2, not a silent success."""
+    import fcntl
+
+    read, write = os.pipe()
+    fcntl.fcntl(write, 1031, 4096)  # F_SETPIPE_SZ: a 4 KiB pipe, less than the JSON
+    p = subprocess.Popen(["mtp-trt", "run", "-p", "The quick brown fox", "-p", "Once upon a time", "--max-new-tokens",
+                          "300", "--json"], stdout=write, stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as reader:
+            head = reader.read(1000)  # the JSON has begun
+        assert head.startswith(b"{")
+        assert p.wait(300) == 2
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert_one_error(err)
+    assert "cannot write the output" in err, err
 
 
 def test_prompt_file_from_stdin_and_help_flags(exp, tmp_path):
