@@ -1207,3 +1207,23 @@ def test_prompt_file_from_stdin_and_help_flags(exp, tmp_path):
     assert "<bool>" not in r.stdout and "--verify / --no-verify" in r.stdout and "--json " in r.stdout, r.stdout
     r = subprocess.run(["mtp-trt", "bench", "--help"], capture_output=True, text=True, env=env)
     assert "--out" in r.stdout and "--json" not in r.stdout, r.stdout
+
+
+_NO_HOME = r"""
+import pwd, sys
+def _unknown(uid):
+    raise KeyError(f"getpwuid(): uid not found: {uid}")
+pwd.getpwuid = _unknown  # a user without a passwd entry (HOME is unset too)
+from mtp_trt.cli import entry
+sys.argv = ["mtp-trt", *sys.argv[1:]]
+sys.exit(entry())
+"""
+
+
+def test_no_home_directory(exp, tmp_path):
+    """HOME unset for a user without a passwd entry: a run works, its cache in the temporary directory."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "MTP_TRT_CACHE_DIR", "XDG_CACHE_HOME")}
+    r = subprocess.run([sys.executable, "-c", _NO_HOME, "run", str(exp), "-p", "ab", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=300, env={**env, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (tmp_path / f"mtp-trt-{os.getuid()}").is_dir()
