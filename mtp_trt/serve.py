@@ -290,7 +290,10 @@ class Engine:
 
     def _flush(self) -> None:
         for loop, items in self.outbox.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed (the server was forced to stop): nobody to tell
+                pass
         self.outbox = {}
 
     def _fail(self, message: str) -> None:

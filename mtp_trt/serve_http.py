@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -674,10 +675,17 @@ def _protocol(request_timeout: float, max_connections: int):
     return Protocol
 
 
+class _NoCancelledTracebacks:
+    """A logging filter: a handler cancelled as the server is forced to stop (Ctrl-C twice) is no fault to report."""
+
+    def filter(self, record) -> bool:
+        e = record.exc_info[1] if record.exc_info else None
+        return not isinstance(e, (asyncio.CancelledError, KeyboardInterrupt))
+
+
 def _quiet_resource_errors(loop) -> None:
     """Log running out of open files (or other resources) while accepting connections as one line at most every
     10 s, not a traceback per attempt."""
-    import logging
 
     last = [0.0]
     default = loop.get_exception_handler()
@@ -716,16 +724,17 @@ def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | No
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            if engine.admitting:  # the first signal: running requests have shutdown_timeout seconds, then the
-                # engine ends every request left (running or queued) with an error: streams get their error
-                # event and [DONE], the others a 503, before uvicorn closes what is still open
-                engine.close_admission()
-                threading.Thread(target=engine.stop, args=(shutdown_timeout,), name="mtp-trt-shutdown",
-                                 daemon=True).start()
+            # the first signal: running requests have shutdown_timeout seconds, then the engine ends every
+            # request left (running or queued) with an error: streams get their error event and [DONE], the
+            # others a 503, before uvicorn closes what is still open; a second one (Ctrl-C again): at once
+            timeout = shutdown_timeout if engine.admitting else 0.0
+            engine.close_admission()
+            threading.Thread(target=engine.stop, args=(timeout,), name="mtp-trt-shutdown", daemon=True).start()
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
             _quiet_resource_errors(asyncio.get_running_loop())
+            logging.getLogger("uvicorn.error").addFilter(_NoCancelledTracebacks())
             await super().startup(sockets)
             if ready is not None:
                 ready(self)

@@ -779,3 +779,39 @@ def test_shutdown_timeout_ends_every_stream_with_an_event(demo):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ctrl_c_twice_stops_at_once_without_tracebacks(demo):
+    """Ctrl-C once starts the graceful shutdown (the server stops listening); Ctrl-C again, with a stream running
+    and a request queued, stops it at once: status 130, "error: interrupted", no traceback in the log."""
+    proc, port = _serve_process(demo.manifest.root, "--max-batch", "1", "--shutdown-timeout", "60")
+    try:
+        body = {"model": demo.manifest.root.name, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0}
+        running = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        running.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                        {"content-type": "application/json"})
+        stream = running.getresponse()
+        assert stream.readline().startswith(b"data: {")
+        queued = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        queued.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        deadline = time.monotonic() + 30
+        while metrics(f"http://127.0.0.1:{port}")[("vllm:num_requests_waiting", ())] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while True:  # until the server no longer listens: shutting down
+            assert time.monotonic() < deadline
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                time.sleep(0.05)
+            except OSError:
+                break
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        err = proc.stderr.read()
+        assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: interrupted", err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
