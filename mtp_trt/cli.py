@@ -348,7 +348,7 @@ def run(
     if max_new_tokens < 1:
         raise MtpTrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     v.check_sampling(temperature, top_k, top_p, seed, relaxed_topk, relaxed_delta, relaxed_source)
-    v.check_stop(list(stop or ()))
+    stop = v.check_stop(list(stop or ()))
     v.check_threads(threads)
     with StageDisplay("preparing the model") as show:
         runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show,

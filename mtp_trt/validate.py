@@ -95,18 +95,18 @@ def check_sampling(temperature: float, top_k: int, top_p: float, seed: int, rela
 
 
 def text_arg(flag: str, text: str) -> str:
-    """A command-line string that must be text: arguments with bytes that are not UTF-8 reach Python as
-    surrogate escapes, which no tokenizer can take."""
+    """A command-line string that must be text, as text: the bytes of an argument Python could not decode (they
+    reach it as surrogate escapes: under LC_ALL=C, any byte beyond ASCII) are read as UTF-8; bytes that are not
+    UTF-8 are an error naming the first."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raw = os.fsencode(text)
         try:
-            raw.decode("utf-8")
-            start = 0
+            return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            start = e.start
-        raise MtpTrtError(f"{flag} {raw!r}: not valid UTF-8 (byte {raw[start]:#04x} at offset {start})") from None
+            raise MtpTrtError(f"{flag} {raw!r}: not valid UTF-8 (byte {raw[e.start]:#04x} at offset {e.start})"
+                              ) from None
     return text
 
 
@@ -137,11 +137,12 @@ def read_prompt_file(path: Path) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
-def check_stop(stop: list[str]) -> None:
+def check_stop(stop: list[str]) -> list[str]:
+    """The stop strings, as text (text_arg)."""
     for s in stop:
         if not s:
             raise MtpTrtError("--stop must not be empty (an empty string would stop before any text)")
-        text_arg("--stop", s)
+    return [text_arg("--stop", s) for s in stop]
 
 
 def check_writable_file(path: Path, flag: str) -> None:

@@ -1227,3 +1227,14 @@ def test_no_home_directory(exp, tmp_path):
                        capture_output=True, text=True, timeout=300, env={**env, "TMPDIR": str(tmp_path)})
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert (tmp_path / f"mtp-trt-{os.getuid()}").is_dir()
+
+
+def test_utf8_arguments_under_the_c_locale(exp, tmp_path):
+    """LC_ALL=C without UTF-8 coercion: `-p 'café:'` and `--stop 'é'` reach Python as surrogate escapes of their
+    UTF-8 bytes; they are read as the text they are (they were refused as "not valid UTF-8")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_") and k != "LANG"}
+    env |= {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0", "MTP_TRT_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "mtp_trt.cli", "run", str(exp), "-p", "café:", "--stop", "é",
+                        "--max-new-tokens", "2", "--json"], capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    assert json.loads(r.stdout)["results"][0]["prompt"] == "café:"
