@@ -24,6 +24,7 @@ from mtp_trt.quant import Scheme
 
 # The bundled demo checkpoint: package data in an installed wheel (mtp_trt/demo_model), samples/demo-model in a
 # source tree (an editable install); MTP_TRT_DEMO_MODEL overrides both.
+CACHE_NAME_CHARS = 64  # of a checkpoint's directory name, in its cache entry's name
 DEFAULT_MAX_BATCH = 8  # a checkpoint's export in the cache decodes this many sequences at once, or the batch asked
 DEMO_MODEL_DIRS = (Path(__file__).resolve().parent / "demo_model",
                    Path(__file__).resolve().parent.parent / "samples" / "demo-model")
@@ -93,7 +94,9 @@ def cache_entry(ckpt: Path, mode: str, scheme: Scheme, max_batch: int) -> Path:
     key = checkpoint_key(ckpt, mode=mode, cpu_ops=ort_lib.available()[0],  # (the default export uses them if it can)
                          **({"quant": scheme.tag} if scheme.quantized else {}),
                          **({"max_batch": max_batch} if max_batch != DEFAULT_MAX_BATCH else {}))
-    return cache_dir("exports") / f"{ckpt.name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
+    name = ckpt.name[:CACHE_NAME_CHARS]  # (the key tells entries apart; the name is for people, and file names
+    # of the entry's lock and partial files must stay within the file system's 255 bytes)
+    return cache_dir("exports") / f"{name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
 
 
 def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = Scheme(),

@@ -1238,3 +1238,12 @@ def test_utf8_arguments_under_the_c_locale(exp, tmp_path):
                         "--max-new-tokens", "2", "--json"], capture_output=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
     assert json.loads(r.stdout)["results"][0]["prompt"] == "café:"
+
+
+def test_a_checkpoint_with_a_long_directory_name(ckpt, tmp_path):
+    """A checkpoint directory of 240 characters (within the file system's 255): exported and run (its cache
+    entry's lock file name was too long)."""
+    long = tmp_path / ("m" * 240)
+    shutil.copytree(ckpt, long)
+    r = mtp_trt("run", long, "-p", "ab", "--max-new-tokens", "2", "--json", cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
