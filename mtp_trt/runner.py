@@ -8,6 +8,7 @@ the export options (under `mtp_trt.fsutil.cache_dir("exports")`), so later runs 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -130,8 +131,15 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
             if not (out / "manifest.json").is_file():
                 from mtp_trt.exporters.export import export  # torch: only on first use
 
-                export(ckpt, out, mtp_mode=mode, progress=lambda stage: progress(f"caching {ckpt.name}: {stage}"),
-                       quant_scheme=scheme.name, group_size=scheme.block_size, max_batch=max_batch)
+                try:
+                    export(ckpt, out, mtp_mode=mode, progress=lambda stage: progress(f"caching {ckpt.name}: {stage}"),
+                           quant_scheme=scheme.name, group_size=scheme.block_size, max_batch=max_batch)
+                except OSError as e:  # the cache's file system is full (or over quota): the cache is the place
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                        raise
+                    raise MtpTrtError(f"{cache_dir()}: cannot write the export of {ckpt.name} into the cache "
+                                      f"({e.strerror or e}); free space there, or set MTP_TRT_CACHE_DIR to a "
+                                      f"directory with room") from None
     return Manifest.load(out)
 
 

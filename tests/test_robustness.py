@@ -1247,3 +1247,32 @@ def test_a_checkpoint_with_a_long_directory_name(ckpt, tmp_path):
     shutil.copytree(ckpt, long)
     r = mtp_trt("run", long, "-p", "ab", "--max-new-tokens", "2", "--json", cache=tmp_path / "cache")
     assert r.returncode == 0, r.stderr.decode()[-2000:]
+
+
+_FULL_DISK = r"""
+import errno, os, sys
+import mtp_trt.exporters.export as x
+_export = x.export
+def _full(*args, progress, **kwargs):
+    def stage(text):
+        if "mtp_0.onnx" in text:  # mid-way through the export: the cache's file system fills up
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        progress(text)
+    return _export(*args, progress=stage, **kwargs)
+x.export = _full
+from mtp_trt.cli import entry
+sys.argv = ["mtp-trt", *sys.argv[1:]]
+sys.exit(entry())
+"""
+
+
+def test_a_full_cache_is_named(ckpt, tmp_path):
+    """The cache's file system fills up during an export: one line naming the cache (not "cannot write the
+    output"), status 2, no partial directory left."""
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-c", _FULL_DISK, "run", str(ckpt), "-p", "x", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert_one_error(r.stderr)
+    assert f"error: {cache}: cannot write the export of" in r.stderr and "No space left" in r.stderr, r.stderr
+    assert not _partials(cache / "exports")
