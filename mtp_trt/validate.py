@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 from mtp_trt.contract import BY_SAFETENSORS
@@ -53,7 +54,12 @@ def directory(path: Path, what: str) -> Path:
     """`path`, a directory: else one MtpTrtError saying that nothing is there or that it is a file, and what was
     expected (a mistyped path reads as one, not as a directory of the wrong kind)."""
     if not path.exists():
-        raise MtpTrtError(f"{path}: no such file or directory; expected {what}")
+        shown = str(path)
+        url = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", shown)  # a URL, its "//" made one by Path
+        if url and url.group(1).lower() in ("http", "https", "hf", "s3", "gs", "ftp", "file"):
+            shown = f"{url.group(1)}://{shown[url.end():]}"
+            raise MtpTrtError(f"{shown}: a URL; mtp-trt reads a local directory, expected {what}")
+        raise MtpTrtError(f"{shown}: no such file or directory; expected {what}")
     if not path.is_dir():
         raise MtpTrtError(f"{path}: is a file, not a directory; expected {what}")
     return path

@@ -1276,3 +1276,11 @@ def test_a_full_cache_is_named(ckpt, tmp_path):
     assert_one_error(r.stderr)
     assert f"error: {cache}: cannot write the export of" in r.stderr and "No space left" in r.stderr, r.stderr
     assert not _partials(cache / "exports")
+
+
+def test_a_url_is_named_as_given(tmp_path):
+    """A model given as a URL is named as given (Path made `https://` into `https:/`), as a URL."""
+    (code, err, _), = run_cli([["run", "https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite", "-p", "x"]],
+                              tmp_path / "cache")
+    assert code == 2 and err.startswith("error: https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite: a URL"), err
+    assert_one_error(err)
