@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from mtp_trt.errors import MtpTrtError
 from mtp_trt.fsutil import parse_json
@@ -233,9 +234,10 @@ def unrecognized(raw, schema: type[BaseModel]) -> ApiError | None:
 
 # ---------------------------------------------------------------------------------------- the app
 def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_request_bytes: int | None = None,
-               request_timeout: float = None) -> FastAPI:
+               request_timeout: float | None = None) -> FastAPI:
     """The API over a started engine, serving it as model `model_id`; request bodies of at most
-    `max_request_bytes` (default: default_request_bytes)."""
+    `max_request_bytes` (default: default_request_bytes), read within `request_timeout` seconds (default
+    REQUEST_TIMEOUT_S)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -245,6 +247,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
     created = int(time.time())
 
     limit_bytes = max_request_bytes or default_request_bytes(engine.rows)
+    body_timeout = request_timeout or REQUEST_TIMEOUT_S
     workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mtp-trt-request")
 
     @app.exception_handler(ApiError)
@@ -318,21 +321,23 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
         if declared is not None and (not declared.isdigit() or int(declared) > limit_bytes):
             raise too_large(declared)
         chunks, size = [], 0
-        from starlette.requests import ClientDisconnect
+
+        async def gather() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit_bytes:
+                    raise too_large(f"more than {limit_bytes}")
+                chunks.append(chunk)
 
         try:
-            async with asyncio.timeout(request_timeout or REQUEST_TIMEOUT_S):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit_bytes:
-                        raise too_large(f"more than {limit_bytes}")
-                    chunks.append(chunk)
+            await asyncio.wait_for(gather(), body_timeout)
         except ClientDisconnect:  # the client left before its body was whole: nobody to answer
             raise ApiError(499, "the client closed the connection before its request body was whole", None,
                            None) from None
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {request_timeout or REQUEST_TIMEOUT_S:g} s "
-                                f"({size} bytes came)", None, "request_timeout") from None
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {body_timeout:g} s ({size} bytes came)",
+                           None, "request_timeout") from None
         return b"".join(chunks)
 
     def too_large(size: str) -> ApiError:
