@@ -82,7 +82,7 @@ def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoin
     from mtp_trt.runner import demo_model
     from mtp_trt.validate import directory, stored_mtp_modules
 
-    ckpt = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)")
+    ckpt = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)", hub=True)
     cfg = ModelConfig.from_file(ckpt)
     stored = stored_mtp_modules(ckpt, cfg.num_hidden_layers)
     mtp = str(cfg.num_nextn_predict_layers) if stored in (None, cfg.num_nextn_predict_layers) else \
@@ -207,7 +207,7 @@ def export(
     from mtp_trt.runner import demo_model
     from mtp_trt.validate import directory, require
 
-    checkpoint = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)")
+    checkpoint = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)", hub=True)
     require("mtp-trt export", "torch", "onnx")
     from mtp_trt.exporters.export import export as run_export
 
@@ -528,7 +528,8 @@ def bench(
     elif transformers is None:
         transformers = sweep.transformers and all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
     scheme = v.quant_scheme(quant, group_size)
-    ckpt = v.directory(model or demo_model(), "a checkpoint (config.json) or an engine directory (engines.json)")
+    ckpt = v.directory(model or demo_model(), "a checkpoint (config.json) or an engine directory (engines.json)",
+                       hub=True)
     engines = (ckpt / "engines.json").is_file()
     if (ckpt / "manifest.json").is_file():
         raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports it in each MTP mode it times, and runs "

@@ -63,7 +63,7 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     hashes (once per change of its files; every time with `verify`)."""
     from mtp_trt.validate import directory
 
-    path = directory(Path(model) if model else demo_model(), MODELS)
+    path = directory(Path(model) if model else demo_model(), MODELS, hub=True)
     if (path / "manifest.json").is_file():
         m = Manifest.load(path)
         if mtp_mode and mtp_mode != m.mtp_mode:
@@ -95,8 +95,11 @@ def cache_entry(ckpt: Path, mode: str, scheme: Scheme, max_batch: int) -> Path:
     key = checkpoint_key(ckpt, mode=mode, cpu_ops=ort_lib.available()[0],  # (the default export uses them if it can)
                          **({"quant": scheme.tag} if scheme.quantized else {}),
                          **({"max_batch": max_batch} if max_batch != DEFAULT_MAX_BATCH else {}))
-    name = ckpt.name[:CACHE_NAME_CHARS]  # (the key tells entries apart; the name is for people, and file names
-    # of the entry's lock and partial files must stay within the file system's 255 bytes)
+    from mtp_trt.hub import snapshot_name
+
+    # the key tells entries apart; the name is for people (a Hugging Face snapshot's: its repo's name and commit),
+    # cut short so that the names of the entry's lock and partial files stay within the file system's 255 bytes
+    name = (snapshot_name(ckpt) or ckpt.name)[:CACHE_NAME_CHARS]
     return cache_dir("exports") / f"{name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
 
 
@@ -165,7 +168,7 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
     quantization a checkpoint is exported with (resolve_export)."""
     from mtp_trt.validate import directory
 
-    path = directory(Path(model) if model else demo_model(), MODELS)
+    path = directory(Path(model) if model else demo_model(), MODELS, hub=True)
     if (path / "engines.json").is_file():
         from mtp_trt.trt import manifest as em
         from mtp_trt.trt.runtime import TrtBackend

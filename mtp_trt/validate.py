@@ -50,9 +50,16 @@ def require(what: str, *modules: str) -> None:
             raise missing_extra(what, module)
 
 
-def directory(path: Path, what: str) -> Path:
+def directory(path: Path, what: str, hub: bool = False) -> Path:
     """`path`, a directory: else one MtpTrtError saying that nothing is there or that it is a file, and what was
-    expected (a mistyped path reads as one, not as a directory of the wrong kind)."""
+    expected (a mistyped path reads as one, not as a directory of the wrong kind).  With `hub`, a path where
+    nothing is that reads as a Hugging Face repo id (ORG/NAME, ORG/NAME@REVISION) is its downloaded snapshot
+    (mtp_trt.hub)."""
+    if hub:
+        from mtp_trt import hub as hf
+
+        if (named := hf.repo_id(path)) is not None:
+            return hf.download(*named)
     if not path.exists():
         shown = str(path)
         url = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", shown)  # a URL, its "//" made one by Path

@@ -1284,3 +1284,63 @@ def test_a_url_is_named_as_given(tmp_path):
                               tmp_path / "cache")
     assert code == 2 and err.startswith("error: https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite: a URL"), err
     assert_one_error(err)
+
+
+# ------------------------------------------------------------------------------------------ models by repo id
+def _hub_env(tmp_path: Path, endpoint: str, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return env | {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "MTP_TRT_CACHE_DIR": str(tmp_path / "cache"),
+                  **extra}
+
+
+def _cli(*args, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mtp_trt.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_models_by_hugging_face_repo_id(ckpt, tmp_path):
+    """`run ORG/NAME` downloads the repo (only the files a model needs) from the Hub (a stand-in on 127.0.0.1)
+    into HF_HOME and runs it, with run's text for the local copy; offline, the download is reused; ORG/NAME@REV
+    takes a revision; an unknown repo, an unknown revision, a gated repo without a token and an unreachable Hub
+    each end in one line naming the repo."""
+    pytest.importorskip("huggingface_hub")
+    from hub_standin import Hub
+
+    files = {f.name: f.read_bytes() for f in ckpt.iterdir() if f.is_file()} | {"README.md": b"# a model\n",
+                                                                              "extra.bin": b"\0" * 1000}
+    commit = "c0ffee" + "0" * 34
+    hub = Hub({"org/model": (commit, files), "org/gated": (commit, files)}, gated={"org/gated"})
+    try:
+        env = _hub_env(tmp_path, hub.url)
+        r = _cli("run", "org/model", "-p", "ab", "--max-new-tokens", "4", "--json", env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        local = _cli("run", ckpt, "-p", "ab", "--max-new-tokens", "4", "--json", env=env)
+        text = json.loads(r.stdout)["results"][0]["text"]
+        assert text == json.loads(local.stdout)["results"][0]["text"]
+        fetched = {path.rsplit("/", 1)[1] for method, path in hub.log if "/resolve/" in path}
+        assert fetched == set(files) - {"README.md", "extra.bin"}, fetched
+        assert (tmp_path / "hf" / "hub" / "models--org--model" / "snapshots" / commit / "config.json").is_file()
+        assert any(e.name.startswith("model-c0ffee000000-eagle-") for e in (tmp_path / "cache" / "exports").iterdir())
+        r = _cli("inspect", f"org/model@{commit}", env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        for args, extra, fragment in (
+                (["inspect", "org/nope"], {}, "org/nope: no such directory, nor a repository on the Hugging Face Hub"),
+                (["inspect", "org/model@v9"], {}, "org/model@v9: the Hugging Face repository has no revision 'v9'"),
+                (["inspect", "org/gated"], {}, "org/gated: a gated repository"),
+                (["inspect", "org/gated"], {"HF_TOKEN": "hf_test"}, None)):
+            r = _cli(*args, env={**env, **extra})
+            if fragment is None:
+                assert r.returncode == 0, r.stderr[-2000:]
+                continue
+            assert r.returncode == 2 and fragment in r.stderr, (args, r.stderr[-2000:])
+            assert_one_error(r.stderr)
+    finally:
+        hub.close()
+    offline = _cli("run", "org/model", "-p", "ab", "--max-new-tokens", "4", "--json",  # the Hub gone: reused
+                   env={**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    assert json.loads(offline.stdout)["results"][0]["text"] == text
+    r = _cli("inspect", "org/other", env=_hub_env(tmp_path, hub.url))  # nothing listens there now
+    assert r.returncode == 2 and "org/other: no such directory" in r.stderr and "cannot be reached" in r.stderr, \
+        r.stderr[-2000:]
+    assert_one_error(r.stderr)
