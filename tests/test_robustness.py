@@ -1179,8 +1179,9 @@ def test_json_output_cut_by_a_closed_pipe_is_one_line(tmp_path):
 
     read, write = os.pipe()
     fcntl.fcntl(write, 1031, 4096)  # F_SETPIPE_SZ: a 4 KiB pipe, less than the JSON
-    p = subprocess.Popen(["mtp-trt", "run", "-p", "The quick brown fox", "-p", "Once upon a time", "--max-new-tokens",
-                          "300", "--json"], stdout=write, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(["mtp-trt", "run", *[x for p in ("The quick", "Once upon", "def f(x):", "import") for x in
+                                              ("-p", p)], "--max-new-tokens", "600", "--json"],
+                         stdout=write, stderr=subprocess.PIPE, text=True)
     os.close(write)
     try:
         with os.fdopen(read, "rb") as reader:
