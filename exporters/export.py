@@ -2,7 +2,8 @@
 
 Pipeline: check the request, the tokenizer files and every checkpoint tensor's name, dtype and shape (from
 the headers), then every tensor's values in one streamed pass (NaN, infinities, FP8 scales), all before
-the first line of progress; trace each graph on placeholder weights (TorchScript ONNX exporter, opset 18, dynamic B / S / T; the
+anything is exported (within the caller's first stage of progress, `loading torch, checking the checkpoint`);
+trace each graph on placeholder weights (TorchScript ONNX exporter, opset 18, dynamic B / S / T; the
 weights as inputs), fold it as torch would and stream the weights it reads into the one weights.bin
 shared by all graphs, each distinct tensor once (exporters/streaming.py: the model is never held, so
 the peak memory is a few times the largest tensor, not the model's size); check each graph
@@ -40,7 +41,8 @@ from mtp_trt.exporters.streaming import (WeightStore, evaluate, external_initial
                                          placeholder_model, freed_memory_returned)
 from mtp_trt.tokenizer import chat_renderer, check_vocab, load_tokenizer, read_tokenizer_config
 from mtp_trt.config import MAX_NEXTN
-from mtp_trt.validate import cache_bytes, check_export_memory, check_memory, check_mtp_modules, check_output_dir
+from mtp_trt.validate import (cache_bytes, check_dsa, check_export_memory, check_memory, check_mtp_modules,
+                              check_output_dir)
 from mtp_trt import contract as C
 from mtp_trt.contract import DTYPES
 from mtp_trt.manifest import FORMAT, FORMAT_VERSION, MTP_MODES, seal, sha256
@@ -323,26 +325,6 @@ def export(ckpt: str | Path, out: str | Path, nextn: int | None = None, mtp_mode
                        progress, moe_form, shapes, cpu_ops, scheme)
 
 
-def check_dsa(cfg: ModelConfig, ckpt: Path, lowering: str, moe_form: str | None, scheme: quant.Scheme) -> None:
-    """DeepSeek Sparse Attention runs in the onnx lowering (ONNX Runtime: mtp-trt's CPU operators, or standard operators
-    without them; quantized weights too, its indexer in float) and, unquantized, in the plugin lowering's
-    MlaSparseAttention nodes (TensorRT) where every layer has its own indexer: the other requests are refused in one
-    line (never exported with dense attention)."""
-    if not cfg.dsa:
-        return
-    what = f"{ckpt / 'config.json'}: {cfg.architecture} (DeepSeek Sparse Attention)"
-    shared = [i for i in range(cfg.num_hidden_layers) if not cfg.has_indexer(i)]
-    if lowering == "plugin" and shared:
-        raise MtpTrtError(f"--lowering plugin: {what}: layer(s) {', '.join(map(str, shared[:4]))} share the previous "
-                          "layer's selection (indexer_types \"shared\"), which the TensorRT plugin does not take; "
-                          "export with --lowering onnx")
-    if moe_form == "tensorrt":
-        raise MtpTrtError(f"--moe-form tensorrt: {what} is not supported in TensorRT engines; leave --moe-form out")
-    if lowering == "plugin" and scheme.quantized:
-        raise MtpTrtError(f"--quant {scheme.name} --lowering plugin: {what} has TensorRT engines with unquantized "
-                          "weights only; leave --quant out, or export with --lowering onnx")
-
-
 def check_cpu_ops(cpu_ops: bool | None, lowering: str, dtype: str, moe_form: str | None,
                   scheme: quant.Scheme = quant.Scheme()) -> bool:
     """Whether the export uses mtp-trt's CPU operators (export's `cpu_ops`); an MtpTrtError where asked for and
@@ -406,7 +388,7 @@ def _export(ckpt: Path, out: Path, cfg: ModelConfig, nextn: int, modules: int, m
             tdtype: torch.dtype, lowering: str, max_batch: int, max_seq_len: int, progress: Progress,
             moe_form: str | None, shapes: tuple, cpu_ops: bool, scheme: quant.Scheme) -> Path:
     model, params, read = _placeholders(ckpt, cfg, modules, tdtype, max_seq_len)  # every tensor's header checked
-    read.tensors.scan()  # and every value, streamed: all before the first line of progress
+    read.tensors.scan()  # and every value, streamed: all before the first graph's line of progress
     think_ids, tokenizer = special_token_ids(ckpt)
     with atomic_directory(out) as tmp, WeightStore(tmp / WEIGHTS_FILE, WEIGHTS_ALIGN) as store:
         contract = C.graph_contract(cfg, nextn, modules, mtp_mode, dtype, lowering,

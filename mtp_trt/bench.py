@@ -52,6 +52,41 @@ QUICK = Sweep(("eagle",), (1,), 128, 5, False)  # (transformers' generate alone 
 FULL = Sweep(("eagle", "vanilla"), (1, 8), 128, 9, True)
 
 
+def load_average() -> tuple[float, float, float] | None:
+    """The machine's load average over 1, 5 and 15 minutes (busy or waiting threads), or None where the system
+    does not say."""
+    import os
+
+    try:
+        return tuple(round(x, 2) for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return None
+
+
+def load_line(start, end, cores: int, threads: int) -> str:
+    """The line `bench` prints beside its figures: the 1-minute load average before and after the timing."""
+    if start is None or end is None:
+        return "load average: not available on this system"
+    return (f"load average (1 minute): {start[0]:.2f} before, {end[0]:.2f} after the timing; {cores} usable "
+            f"core{'s' if cores != 1 else ''}, {threads} thread{'s' if threads != 1 else ''} per graph")
+
+
+def load_warning(start, end, cores: int, threads: int) -> str | None:
+    """A warning where the machine was busy: before the timing, the 1-minute load left fewer idle cores than the
+    `threads` it needs (one busy core per thread, half a core of slack); after it, the load was above the cores
+    (the benchmark's own threads and others' together).  Figures taken so run slow."""
+    if start is None or end is None:
+        return None
+    if cores - start[0] < threads - 0.5:
+        busy = f"before the timing the 1-minute load average was {start[0]:.2f} on {cores} usable cores"
+    elif end[0] > cores + 0.5:
+        busy = f"during the timing the 1-minute load average rose to {end[0]:.2f} on {cores} usable cores"
+    else:
+        return None
+    return (f"warning: {busy}, so the benchmark's {threads} thread{'s' if threads != 1 else ''} per graph did not "
+            f"have a core each: the figures are lower than on a quiet machine")
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
@@ -180,7 +215,7 @@ def run_engines(engine_dir: Path, batches: list[int], max_new_tokens: int, repea
 
     exp = em.load_export_manifest(engine_dir)
     ckpt = Path(exp.raw.get("checkpoint") or "")
-    graphs = TrtBackend(engine_dir)
+    graphs = TrtBackend(engine_dir, command="bench")
     plain = TrtBackend(engine_dir, cuda_graphs=False, share=graphs)  # the same engines, loaded once
     runners = {("mtp-trt/tensorrt", exp.mtp_mode): Runner(exp, graphs),
                ("mtp-trt/tensorrt (no CUDA graphs)", exp.mtp_mode): Runner(exp, plain)}

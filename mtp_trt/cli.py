@@ -10,15 +10,64 @@ import sys
 from pathlib import Path
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from mtp_trt import __version__
 from mtp_trt.errors import MtpTrtError
 
+click = sys.modules[TyperCommand.__mro__[1].__module__.rpartition(".")[0]]  # click, or the copy typer carries
+
+_NO_BREAK = "\u2011"  # a non-breaking hyphen: stands in for "-" while the help is wrapped
+
+
+class HelpFormatter(click.HelpFormatter):
+    """Help wrapped at spaces only: a flag, a command or a default (`--tree-topk`, `mtp-trt`, `no-verify`) is never
+    split across two lines at one of its hyphens."""
+
+    def write_text(self, text: str) -> None:
+        super().write_text(text.replace("-", _NO_BREAK))
+
+    def write_dl(self, rows, *args, **kwargs) -> None:
+        super().write_dl([(a.replace("-", _NO_BREAK), b.replace("-", _NO_BREAK)) for a, b in rows], *args, **kwargs)
+
+    def getvalue(self) -> str:
+        return super().getvalue().replace(_NO_BREAK, "-")
+
+
+class HelpContext(click.Context):
+    formatter_class = HelpFormatter
+
+
+class Group(TyperGroup):
+    context_class = HelpContext
+
+
+class Command(TyperCommand):
+    context_class = HelpContext
+
+
 app = typer.Typer(
     help="DeepSeek-V3/R1-style Multi-Token Prediction speculative decoding on ONNX and TensorRT.",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=Group,
     rich_markup_mode=None,  # plain help: flags shown as flags (`--verify / --no-verify`), not as `<bool>` values
 )
+
+
+def command(summary: str):
+    """app.command(), with the help formatter above and `summary`: the command's line in `mtp-trt --help`, shown
+    whole (click would cut the docstring's first sentence off with "...")."""
+    return app.command(cls=Command, short_help=summary)
+
+
+# export --moe-form: the lowering's choice (auto), TensorRT's, or one of exporters/moe.py's FORMS in every graph.
+MOE_FORMS = ("auto", "tensorrt", "static", "gather", "ort", "cpu")
+
+# The first stage of an export: torch loads, then the request, the tokenizer files and every weight are checked.
+CHECKING = "loading torch, checking the checkpoint"
+
+# --verify in `run`, `serve` and `bench` (README.md says the same under "Integrity").
+VERIFY_HELP = ("Hash every file of the export or engines again (default: only files whose size, mtime, ctime or "
+               "inode changed since they were last verified).")
 
 
 def clear_errors(fn):
@@ -72,7 +121,7 @@ def main(version: bool = typer.Option(False, "--version", callback=_version, is_
     signal.signal(signal.SIGTERM, _terminate)
 
 
-@app.command()
+@command("Summarize a checkpoint: architecture, layers, attention, MoE, MTP modules, cache size, BOS rule.")
 @clear_errors
 def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoint directory (config.json; "
                                                          "default: the bundled demo model).")) -> None:
@@ -175,7 +224,7 @@ class StageDisplay:
         return False
 
 
-@app.command()
+@command("Export a checkpoint's main model and MTP modules to ONNX, with a manifest.")
 @clear_errors
 def export(
     checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoint directory (default: the bundled demo model)."),
@@ -188,8 +237,9 @@ def export(
     lowering: str = typer.Option("onnx", help="onnx (standard operators) or plugin (mtp_trt custom nodes for TensorRT)."),
     moe_form: str = typer.Option("auto", help="MoE layers: auto (onnx lowering: ONNX Runtime's MoE node and its "
                                               "fused RoPE and add+norm nodes; plugin: TensorRT's forms), tensorrt "
-                                              "(standard operators only, for plugin-free TensorRT engines), static, "
-                                              "gather or ort in every graph."),
+                                              "(standard operators only, for plugin-free TensorRT engines), or one "
+                                              "form in every graph: static, gather, ort or cpu (mtp-trt's CPU "
+                                              "operator)."),
     trees: str = typer.Option(None, help="Tree step graphs DEPTH:TOPK:BUDGET,... for `run --tree-topk` (either "
                                          "mode; default: the trees `mtp-trt bench` found best, up to "
                                          "--nextn; none for none)."),
@@ -204,14 +254,29 @@ def export(
                                               "(default 32; fp8: 128, fixed)."),
 ) -> None:
     """Export the main model and the MTP module(s) to ONNX with a manifest (see docs/architecture.md)."""
+    from mtp_trt.config import ModelConfig
+    from mtp_trt.contract import DTYPES
+    from mtp_trt.manifest import MTP_MODES
+    from mtp_trt.quant import scheme
     from mtp_trt.runner import demo_model
-    from mtp_trt.validate import directory, require
+    from mtp_trt.validate import check_choice, check_dsa, check_output_dir, directory, require
 
     checkpoint = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)", hub=True)
+    # the flags' values and the output first, in one line before any other (the exporter checks them again)
+    check_output_dir(out)
+    check_choice("--mtp-mode", mtp_mode, MTP_MODES, "mode")
+    check_choice("--dtype", dtype, DTYPES, "dtype")
+    check_choice("--lowering", lowering, ("onnx", "plugin"), "lowering")
+    check_choice("--moe-form", moe_form, MOE_FORMS, "form")
+    # and what the checkpoint's config.json says against them (its architecture, DeepSeek Sparse Attention's limits)
+    check_dsa(ModelConfig.from_file(checkpoint / "config.json"), checkpoint, lowering,
+              None if moe_form == "auto" else moe_form, scheme(quant, group_size))
     require("mtp-trt export", "torch", "onnx")
-    from mtp_trt.exporters.export import export as run_export
 
     with StageDisplay(f"export {checkpoint}") as show:
+        show(CHECKING)  # seconds (torch's import) to minutes (a large checkpoint's weights read): said as it starts
+        from mtp_trt.exporters.export import export as run_export
+
         path = run_export(checkpoint, out, nextn=nextn, mtp_mode=mtp_mode, dtype=dtype, lowering=lowering,
                           max_batch=max_batch, max_seq_len=max_seq_len, progress=show,
                           moe_form=None if moe_form == "auto" else moe_form, trees=trees, cpu_ops=cpu_ops,
@@ -219,7 +284,7 @@ def export(
     typer.echo(f"wrote {path}")
 
 
-@app.command()
+@command("Build TensorRT engines from an export (--lowering plugin, or plugin-free: --moe-form tensorrt).")
 @clear_errors
 def build(
     export_dir: Path = typer.Argument(..., help="Export directory made with `mtp-trt export --lowering plugin`."),
@@ -236,10 +301,18 @@ def build(
                                              "loadable, else python.  Either's engines run with the other."),
 ) -> None:
     """Build TensorRT engines (one per graph) with the MLA attention and acceptance plugins (docs/tensorrt.md)."""
-    from mtp_trt.trt.builder import build as run_build
-    from mtp_trt.validate import directory
+    from mtp_trt.contract import DTYPES
+    from mtp_trt.trt.compat import FLAVOURS
+    from mtp_trt.trt.cpp_plugins import IMPLEMENTATIONS
+    from mtp_trt.validate import check_choice, directory, require
 
     directory(export_dir, "an export directory (manifest.json)")
+    if precision is not None:
+        check_choice("--precision", precision, DTYPES, "precision")
+    check_choice("--flavour", flavour, ("auto", *FLAVOURS), "flavour")
+    check_choice("--plugins", plugins, IMPLEMENTATIONS, "implementation")
+    require("mtp-trt build", "onnx", tensorrt=True)  # every missing piece in one line, before any work
+    from mtp_trt.trt.builder import build as run_build
 
     with StageDisplay(f"build {export_dir}") as show:
         path = run_build(export_dir, out, precision=precision, max_batch=max_batch, max_seq_len=max_seq_len,
@@ -248,7 +321,7 @@ def build(
     typer.echo(f"wrote {path}")
 
 
-@app.command()
+@command("Compare the engines with ONNX Runtime (needs a GPU).")
 @clear_errors
 def check(
     engine_dir: Path = typer.Argument(..., help="Engine directory made with `mtp-trt build`."),
@@ -288,19 +361,19 @@ def _speculation(config: Path | None, nextn: int | None, mtp_mode: str | None, r
         nextn, mtp_mode, relaxed_topk, relaxed_delta = v.merge_spec_config(spec, config, nextn, mtp_mode,
                                                                            relaxed_topk, relaxed_delta)
         relaxed_source = f"{config} (relaxed_topk)" if spec.relaxed_topk else relaxed_source
-    if mtp_mode not in (None, "eagle", "vanilla"):
-        raise MtpTrtError(f"--mtp-mode: unknown mode {mtp_mode!r}; expected eagle or vanilla")
+    if mtp_mode is not None:
+        v.check_choice("--mtp-mode", mtp_mode, ("eagle", "vanilla"), "mode")
     if relaxed_topk < 0 or relaxed_delta < 0:
         raise MtpTrtError("--relaxed-topk and --relaxed-delta must be >= 0")
     return nextn, mtp_mode, relaxed_topk, relaxed_delta, relaxed_source
 
 
-@app.command()
+@command("Generate text with MTP speculative decoding.")
 @clear_errors
 def run(
     model: Path = typer.Argument(None, help="Engine directory (TensorRT, GPU), export directory or checkpoint "
                                             "(ONNX Runtime; default: the bundled demo model)."),
-    prompt: list[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", help="Prompt text; repeat for a batch."),
+    prompt: list[str] = typer.Option(None, "--prompt", "-p", metavar="<text>", help="Prompt text; repeat for a batch."),
     prompt_file: Path = typer.Option(None, help="UTF-8 file with one prompt per line, `-` for standard input (added "
                                                 "to --prompt; lines end at \\n, a \\r before it is dropped)."),
     nextn: int = typer.Option(None, help="Draft tokens per step K, 0 = plain decoding (default: all exported)."),
@@ -316,8 +389,9 @@ def run(
                                              "level by k children (greedy; 1 = the chain; see --trees)."),
     tree_budget: int = typer.Option(None, help="Tree nodes verified per step (default: the export's tree for "
                                                "this depth and top-k)."),
-    stop: list[str] = typer.Option(None, metavar="TEXT", help="Stop string; repeat for several."),
-    config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
+    stop: list[str] = typer.Option(None, metavar="<text>", help="Stop string; repeat for several."),
+    config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config, JSON or YAML (examples: "
+                                           "docs/speculative_config.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     cuda_graphs: bool = typer.Option(True, help="TensorRT engines: replay each decode step as a CUDA graph."),
@@ -325,11 +399,11 @@ def run(
                                                           "checkpoint's tokenizer does; `mtp-trt inspect` shows it)."),
     truncate: bool = typer.Option(False, help="Keep the last tokens of a prompt too long for the cache "
                                               "(default: refuse it)."),
-    verify: bool = typer.Option(False, help="Hash every file of the export or engines again (default: only files "
-                                            "whose size, mtime or inode changed since they were last verified)."),
+    verify: bool = typer.Option(False, help=VERIFY_HELP),
     quant: str = typer.Option(None, help="Quantize a checkpoint's weights: none, int8 or int4 (exported once per "
                                          "setting into the cache; default none)."),
-    group_size: int = typer.Option(None, help="Weights per quantization block (with --quant; default 32)."),
+    group_size: int = typer.Option(None, help="Weights per quantization block: 16, 32, 64, 128 or 256 (with "
+                                              "--quant; default 32)."),
 ) -> None:
     """Generate text with MTP speculative decoding (TensorRT engines on a GPU, or ONNX Runtime on the CPU)."""
     import json
@@ -378,7 +452,7 @@ def run(
     if json_out:
         out = {"results": [r.__dict__ for r in report.results], "summary": report.summary(),
                "model": str(manifest.root), "mtp_mode": manifest.mtp_mode}
-        _emit(json.dumps(out, indent=2))
+        _emit(compact_json(out))
         return
     if stream:
         typer.echo()
@@ -397,7 +471,21 @@ def run(
                 f"step, acceptance per draft {'depth' if tree else 'position'}: {rates}", fg="green", err=True)
 
 
-@app.command()
+def compact_json(value, level: int = 0) -> str:
+    """JSON for `run --json`: an object's fields one per line, indented, and a list of numbers or strings (the token
+    ids, the acceptance rates) on one line, so that a long answer stays a few lines."""
+    import json
+
+    pad, inner = "  " * level, "  " * (level + 1)
+    if isinstance(value, dict) and value:
+        fields = [f"{inner}{json.dumps(str(k))}: {compact_json(v, level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(fields) + f"\n{pad}}}"
+    if isinstance(value, list) and any(isinstance(x, (dict, list)) for x in value):
+        return "[\n" + ",\n".join(f"{inner}{compact_json(x, level + 1)}" for x in value) + f"\n{pad}]"
+    return json.dumps(value, separators=(", ", ": "))
+
+
+@command("Serve an OpenAI-compatible API with continuous batching and MTP.")
 @clear_errors
 def serve(
     model: Path = typer.Argument(None, help="Engine directory (TensorRT, GPU), export directory or checkpoint "
@@ -413,7 +501,8 @@ def serve(
     relaxed_delta: float = typer.Option(0.0, help="Relaxed acceptance: p(draft) >= p(top-1) - delta."),
     tree_topk: int = typer.Option(None, help="Draft a tree of depth --nextn (greedy requests; see `run`)."),
     tree_budget: int = typer.Option(None, help="Tree nodes verified per step (default: the export's tree)."),
-    config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config (JSON/YAML)."),
+    config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config, JSON or YAML (examples: "
+                                           "docs/speculative_config.md)."),
     api_key: str = typer.Option(None, help="Require `Authorization: Bearer KEY` on /v1/ endpoints."),
     served_model_name: str = typer.Option(None, help="The model id clients name (default: the model directory's "
                                                      "name)."),
@@ -427,9 +516,11 @@ def serve(
     cuda_graphs: bool = typer.Option(True, help="TensorRT engines: replay each decode step as a CUDA graph."),
     bos: bool = typer.Option(None, "--bos/--no-bos", help="Start completion prompts with BOS or not (default: as "
                                                           "the checkpoint's tokenizer does)."),
-    verify: bool = typer.Option(False, help="Hash every file of the export or engines again."),
-    quant: str = typer.Option(None, help="Quantize a checkpoint's weights: none, int8 or int4."),
-    group_size: int = typer.Option(None, help="Weights per quantization block (with --quant; default 32)."),
+    verify: bool = typer.Option(False, help=VERIFY_HELP),
+    quant: str = typer.Option(None, help="Quantize a checkpoint's weights: none, int8 or int4 (exported once per "
+                                         "setting into the cache; default none)."),
+    group_size: int = typer.Option(None, help="Weights per quantization block: 16, 32, 64, 128 or 256 (with "
+                                              "--quant; default 32)."),
 ) -> None:
     """Serve an OpenAI-compatible API (completions, chat, streaming, /metrics) with continuous batching and MTP."""
     from mtp_trt import validate as v
@@ -458,7 +549,7 @@ def serve(
         raise MtpTrtError("--api-key: empty")
     with StageDisplay("preparing the model") as show:
         runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show,
-                             bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size))
+                             bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size), command="serve")
         opts = runner.options(nextn, relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, tree_topk=tree_topk,
                               tree_budget=tree_budget)
         engine = Engine(runner, opts, max_batch=max_batch, max_queue=max_queue, chunk=prefill_chunk)
@@ -472,7 +563,7 @@ def serve(
                request_timeout=request_timeout)
 
 
-@app.command()
+@command("Time tokens/s of MTP decoding (nextn 0..K and trees) against transformers' generate.")
 @clear_errors
 def bench(
     model: Path = typer.Argument(None, help="Checkpoint (default: the bundled demo model), or an engine directory "
@@ -481,7 +572,7 @@ def bench(
                                                     "tokens, 9 rounds, transformers' generate beside (default: "
                                                     "eagle mode at batch 1, 128 new tokens, 5 rounds; under a minute "
                                                     "on the demo model)."),
-    batch: list[int] = typer.Option(None, metavar="N", help="Batch sizes; repeat the option for several (default: "
+    batch: list[int] = typer.Option(None, metavar="<int>", help="Batch sizes; repeat the option for several (default: "
                                                             "the sweep's, within an engine directory's max_batch)."),
     max_new_tokens: int = typer.Option(None, help="Tokens generated per sequence (default: the sweep's)."),
     repeats: int = typer.Option(None, help="Timed rounds per batch size (medians; ratios: medians of per-round "
@@ -492,10 +583,11 @@ def bench(
     json_path: Path = typer.Option(None, "--out", "-o", help="JSON file to write all figures to."),
     plot_path: Path = typer.Option(None, "--plot", help="PNG (or SVG, PDF...) file to plot the figures to."),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
-    verify: bool = typer.Option(False, help="Hash every file of the exports again (see `mtp-trt run --verify`)."),
+    verify: bool = typer.Option(False, help=VERIFY_HELP),
     quant: str = typer.Option(None, help="Quantize a checkpoint's weights: none, int8 or int4 (exported once per "
                                          "setting into the cache; default none)."),
-    group_size: int = typer.Option(None, help="Weights per quantization block (with --quant; default 32)."),
+    group_size: int = typer.Option(None, help="Weights per quantization block: 16, 32, 64, 128 or 256 (with "
+                                              "--quant; default 32)."),
 ) -> None:
     """Benchmark tokens/s for nextn 0..K (and each export's trees) against transformers' generate: eagle mode at
     batch 1 by default, both modes at batches 1 and 8 with --full.  Figures are printed; files are written where
@@ -538,6 +630,8 @@ def bench(
     def note(line: str) -> None:
         typer.secho(line, dim=True, err=True)
 
+    cores, per_graph = v.usable_cores(), threads or default_threads()
+    load_before = b.load_average()  # others' load: before this process's own exports and threads
     if engines:
         from mtp_trt.runner import verify_engines
 
@@ -556,10 +650,12 @@ def bench(
                 resolve_export(ckpt, mode, progress=show, verify=verify, scheme=scheme, batch=max(batch))
         rows = b.run(ckpt, batch, max_new_tokens, repeats, transformers, progress=typer.echo, threads=threads or None,
                      scheme=scheme, modes=sweep.modes, note=note)
+    load_after = b.load_average()
     meta = {"checkpoint": str(ckpt), "quant": (scheme or quant_mod.Scheme()).as_dict(), "max_new_tokens": max_new_tokens,
             "repeats": repeats, "sweep": "full" if full else "quick",
             "machine": f"{platform.machine()} {platform.processor()}".strip(), "cpus": os.cpu_count(),
-            "onnxruntime_threads": threads or default_threads()}
+            "onnxruntime_threads": per_graph, "usable_cores": cores,
+            "load_average": {"before": load_before, "after": load_after}}
     typer.echo("\nbatch  engine                      mode     nextn0/transformers  best nextn  speedup  mean accepted"
                "  speedup/accepted  step/plain step")
     for r in b.summarize(rows):
@@ -574,6 +670,10 @@ def bench(
                        f"{r['tree_over_best_chain']:.2f}x the best chain; "
                        f"{r['tree_mean_acceptance_length']:.2f} tokens/step, "
                        f"{r['tree_acceptance_length_over_chain_same_depth']:+.2f} over the chain of its depth")
+    typer.echo(b.load_line(load_before, load_after, cores, per_graph))
+    busy = b.load_warning(load_before, load_after, cores, per_graph)
+    if busy:
+        typer.secho(busy, fg="yellow", err=True)
     differ = [f"{r['mode']} batch {r['batch']} nextn {r['nextn']}{' tree ' + r['tree'] if r.get('tree') else ''}"
               for r in rows if r.get("same_tokens_as_nextn0") is False]
     if differ:

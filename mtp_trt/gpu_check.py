@@ -199,10 +199,60 @@ def check(root: Path = ROOT) -> tuple[int, list[str], dict]:
     return status, lines, data
 
 
+def kernel_session_steps(out: Path, root: Path = ROOT) -> list[tuple[str, list[str], dict]]:
+    """The MLA kernel session on a GPU, in order: (name, command, extra environment).  v2 as it is first (its GPU
+    tests, its tables with lengths uniform and ragged, one Nsight Compute pass on its main kernel at H 128, B 64,
+    T 4096, S 1), then the same for the default path (v3 on compute capability 9: the wgmma layout probe runs among
+    the tests, before any table)."""
+    py = sys.executable
+    tests = [py, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-m", "gpu and not trt",
+             str(root / "tests" / "kernels")]
+    steps = []
+    for path, env, force in (("v2", {"MTP_TRT_MLA_PATH": "v2"}, ["--force-v2"]), ("default", {}, [])):
+        steps.append((f"{path}: GPU kernel tests", tests, env))
+        for lengths in ("uniform", "ragged"):
+            steps.append((f"{path}: MLA table, {lengths} lengths",
+                          [py, "-m", "mtp_trt.plugins.bench_kernels", "--quick", "--mla-only", f"--{lengths}", *force,
+                           "--json", str(out / f"mla-{path}-{lengths}.json")], env))
+        steps.append((f"{path}: Nsight Compute, main kernel at H128 B64 T4096 S1",
+                      ["ncu", "--clock-control", "none", "-k", "regex:mla_v[23]_kernel", "-c", "1", "--set", "full",
+                       "-o", str(out / f"ncu-{path}"), "-f", py, "-m", "mtp_trt.plugins.bench_kernels", "--mla-only",
+                       "--heads", "128", "--seq", "1", "--shapes", "64x4096", "--iters", "1", "--no-torch",
+                       "--uniform", *force], env))
+    steps.append(("default: DSA and acceptance tables (ragged)",
+                  [py, "-m", "mtp_trt.plugins.bench_kernels", "--quick", "--json", str(out / "all-ragged.json")], {}))
+    return steps
+
+
+def kernel_session(out: Path, root: Path = ROOT) -> int:
+    """Run kernel_session_steps, each step's output to out/<n>.log and its tail to stdout; 1 if any step failed."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    status = 0
+    for n, (name, cmd, env) in enumerate(kernel_session_steps(out, root)):
+        if cmd[0] == "ncu" and shutil.which("ncu") is None:
+            print(f"== {name}: skipped (ncu not found)")
+            continue
+        full_env = {**os.environ, **env,
+                    "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run(cmd, cwd=root, env=full_env, text=True, capture_output=True)
+        (out / f"{n:02d}.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+        print(f"== {name}: exit status {proc.returncode}")
+        print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:]))
+        status = status or (1 if proc.returncode else 0)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mtp_trt.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="FILE", help="also write everything measured as JSON")
+    ap.add_argument("--kernels", metavar="DIR",
+                    help="instead: the MLA kernel session (v2, then the default path: GPU tests, tables uniform and "
+                         "ragged, one Nsight Compute pass each), logs and JSON in DIR")
     args = ap.parse_args(argv)
+    if args.kernels:
+        return kernel_session(Path(args.kernels))
     status, lines, data = check()
     print("\n== mtp-trt GPU check ==")
     for line in lines:

@@ -108,8 +108,8 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
     """Export `ckpt` into the cache entry `out` unless it is there.  Any number of processes may ask at once:
     one exports (under a lock file in cache_dir("locks")), the others say that they wait, wait and reuse its
     result.  Partial directories left by killed processes are removed first (never a live one's: fsutil).  The
-    export's stages are reported as `caching NAME: STAGE` (its checks, the weight scan included, come first,
-    without a line)."""
+    export's stages are reported as `caching NAME: STAGE`, the first of them torch's import and the checks (the
+    weight scan included), before anything is exported."""
     from mtp_trt.config import ModelConfig
     from mtp_trt.fsutil import locked, remove_stale_partials
     from mtp_trt.tokenizer import bos_policy, check_vocab, load_tokenizer
@@ -132,10 +132,12 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
         waiting = f"waiting for another mtp-trt process, which exports {ckpt.name} into the cache"
         with locked(cache_dir("locks", f"{out.name}.lock"), waiting=lambda: progress(waiting)):
             if not (out / "manifest.json").is_file():
+                stage = lambda stage: progress(f"caching {ckpt.name}: {stage}")  # noqa: E731
+                stage("loading torch, checking the checkpoint")  # as `mtp-trt export` says it (cli.CHECKING)
                 from mtp_trt.exporters.export import export  # torch: only on first use
 
                 try:
-                    export(ckpt, out, mtp_mode=mode, progress=lambda stage: progress(f"caching {ckpt.name}: {stage}"),
+                    export(ckpt, out, mtp_mode=mode, progress=stage,
                            quant_scheme=scheme.name, group_size=scheme.block_size, max_batch=max_batch)
                 except OSError as e:  # the cache's file system is full (or over quota): the cache is the place
                     if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -161,11 +163,12 @@ def verify_engines(engine_dir: Path, force: bool = False) -> dict:
 
 def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: int | None = None,
                 cuda_graphs: bool = True, progress=None, bos: bool | None = None, verify: bool = False,
-                scheme: Scheme | None = None, batch: int = 1) -> Runner:
+                scheme: Scheme | None = None, batch: int = 1, command: str = "run") -> Runner:
     """A Runner for an engine directory (engines.json: TensorRT on the GPU, mtp_trt/trt/runtime.py), an export
     directory or a checkpoint (ONNX Runtime on the CPU).  The files are checked against their manifest's hashes
     (once per change of the files; every time with `verify`); `bos`: see mtp_trt.tokenizer; `scheme`: the
-    quantization a checkpoint is exported with (resolve_export)."""
+    quantization a checkpoint is exported with (resolve_export); `command`: the mtp-trt command asking (run or
+    serve), for the message of engines this machine cannot run."""
     from mtp_trt.validate import directory
 
     path = directory(Path(model) if model else demo_model(), MODELS, hub=True)
@@ -179,7 +182,7 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
         if scheme is not None:
             raise MtpTrtError(f"{path}: --quant applies to a checkpoint (engines are built from an export)")
         verify_engines(path, force=verify)
-        return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs), bos=bos)
+        return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs, command=command), bos=bos)
     return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme, batch=batch,
                                  bos=bos), threads=threads, bos=bos)
 

@@ -32,22 +32,49 @@ def check_threads(threads: int) -> None:
         raise MtpTrtError(f"--threads must be at most {top} ({THREADS_PER_CORE} per usable core), got {threads}")
 
 
-def missing_extra(what: str, module: str) -> MtpTrtError:
-    """The error of a job that needs an optional package not installed: which, and the extra that installs it."""
-    top = module.split(".")[0]
-    extra = EXTRAS.get(top)
-    how = f'pip install "mtp-trt[{extra}]"' if extra else f"pip install {top}"
-    return MtpTrtError(f"{what} needs {top}, which is not installed: {how}")
+# TensorRT, either flavour (mtp_trt/trt/compat.py), and the extras that install it.
+TENSORRT_MODULES = ("tensorrt", "tensorrt_rtx")
+TENSORRT_EXTRAS = ('"mtp-trt[rtx]" (TensorRT for RTX, which builds without a GPU too) or "mtp-trt[gpu]" (TensorRT '
+                   'for data-centre GPUs)')
+# The valid values of run's, serve's and bench's --quant (fp8 exports are for TensorRT engines: `export --quant fp8`).
+RUN_QUANT = ("none", "int8", "int4")
 
 
-def require(what: str, *modules: str) -> None:
-    """Before any work: `what` (a job, in words) needs `modules`; the first missing one is an MtpTrtError naming it
-    and the extra that installs it (missing_extra)."""
+def words(items, last: str = "and") -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    items = [str(x) for x in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
+def missing_extra(what: str, *modules: str, tensorrt: bool = False) -> MtpTrtError:
+    """The error of a job that needs optional packages not installed (`modules`; with `tensorrt`, TensorRT too):
+    every one of them, and the extras that install them."""
+    modules = [m.split(".")[0] for m in modules]
+    extras = list(dict.fromkeys(EXTRAS[m] for m in modules if m in EXTRAS))
+    others = [m for m in modules if m not in EXTRAS]
+    how = ([f'pip install "mtp-trt[{",".join(extras)}]"'] if extras else []) + \
+          ([f"pip install {' '.join(others)}"] if others else []) + \
+          ([f"TensorRT: pip install {TENSORRT_EXTRAS}"] if tensorrt else [])
+    names = modules + (["TensorRT"] if tensorrt else [])
+    return MtpTrtError(f"{what} needs {words(names)}, which {'is' if len(names) == 1 else 'are'} not installed: "
+                       f"{'; '.join(how)}")
+
+
+def require(what: str, *modules: str, tensorrt: bool = False) -> None:
+    """Before any work: `what` (a job, in words) needs `modules` (and, with `tensorrt`, TensorRT or TensorRT for
+    RTX); those missing are one MtpTrtError naming every one and the extras that install them (missing_extra)."""
     import importlib.util
 
-    for module in modules:
-        if importlib.util.find_spec(module) is None:
-            raise missing_extra(what, module)
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    no_tensorrt = tensorrt and not any(importlib.util.find_spec(m) for m in TENSORRT_MODULES)
+    if missing or no_tensorrt:
+        raise missing_extra(what, *missing, tensorrt=no_tensorrt)
+
+
+def check_choice(flag: str, value, choices, what: str = "value") -> None:
+    """`value` one of `choices`, else one MtpTrtError naming the flag and listing them (as the flag's help does)."""
+    if value not in choices:
+        raise MtpTrtError(f"{flag}: unknown {what} {value!r}; expected one of {', '.join(map(str, choices))}")
 
 
 def directory(path: Path, what: str, hub: bool = False) -> Path:
@@ -210,6 +237,26 @@ def check_output_dir(out: Path, flag: str = "--out") -> None:
         raise MtpTrtError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
 
 
+def check_dsa(cfg, ckpt: Path, lowering: str, moe_form: str | None, scheme) -> None:
+    """DeepSeek Sparse Attention runs in the onnx lowering (ONNX Runtime: mtp-trt's CPU operators, or standard operators
+    without them; quantized weights too, its indexer in float) and, unquantized, in the plugin lowering's
+    MlaSparseAttention nodes (TensorRT) where every layer has its own indexer: the other requests are refused in one
+    line (never exported with dense attention)."""
+    if not cfg.dsa:
+        return
+    what = f"{ckpt / 'config.json'}: {cfg.architecture} (DeepSeek Sparse Attention)"
+    shared = [i for i in range(cfg.num_hidden_layers) if not cfg.has_indexer(i)]
+    if lowering == "plugin" and shared:
+        raise MtpTrtError(f"--lowering plugin: {what}: layer(s) {', '.join(map(str, shared[:4]))} share the previous "
+                          "layer's selection (indexer_types \"shared\"), which the TensorRT plugin does not take; "
+                          "export with --lowering onnx")
+    if moe_form == "tensorrt":
+        raise MtpTrtError(f"--moe-form tensorrt: {what} is not supported in TensorRT engines; leave --moe-form out")
+    if lowering == "plugin" and scheme.quantized:
+        raise MtpTrtError(f"--quant {scheme.name} --lowering plugin: {what} has TensorRT engines with unquantized "
+                          "weights only; leave --quant out, or export with --lowering onnx")
+
+
 def merge_spec_config(spec, source: Path, nextn: int | None, mtp_mode: str | None, relaxed_topk: int,
                       relaxed_delta: float) -> tuple[int | None, str | None, int, float]:
     """Flags and a --config file together: a flag that contradicts the file is an error, not a silent choice."""
@@ -357,12 +404,16 @@ def check_export_memory(cfg, bytes_per_value: int, what: str) -> None:
 
 
 def quant_scheme(name: str | None, group_size: int | None):
-    """`run`/`bench`'s --quant and --group-size: a checked mtp_trt.quant.Scheme, or None where neither was given
-    (a checkpoint is then exported unquantized; an export is used as it is)."""
+    """`run`/`serve`/`bench`'s --quant (RUN_QUANT) and --group-size: a checked mtp_trt.quant.Scheme, or None where
+    neither was given (a checkpoint is then exported unquantized; an export is used as it is)."""
     from mtp_trt import quant
 
     if name is None:
         if group_size is not None:
             raise MtpTrtError("--group-size needs --quant int8 or --quant int4")
         return None
+    if name == "fp8":
+        raise MtpTrtError(f"--quant fp8: FP8 weights are for TensorRT engines (mtp-trt export --quant fp8 --lowering "
+                          f"plugin, then mtp-trt build); expected one of {', '.join(RUN_QUANT)}")
+    check_choice("--quant", name, RUN_QUANT, "scheme")
     return quant.scheme(name, group_size)

@@ -1,36 +1,48 @@
 """Benchmark of the CUDA kernels against the GPU's copy bandwidth and the plain PyTorch form.
 
-    python -m mtp_trt.plugins.bench_kernels [--dtype bf16] [--quick] [--ragged] [--data constant] [--json FILE]
+    python -m mtp_trt.plugins.bench_kernels [--dtype bf16] [--quick] [--uniform] [--data constant] [--json FILE]
 
-Timing: each measured call is captured --iters times into one CUDA graph (the launches run back to back, as in the
-runtime's CUDA graphs, and no host time is counted), cycling through several copies of its inputs so that the
-working set exceeds L2 and every launch streams from memory; the graph is replayed 5 times between CUDA events and
-the median per call is reported.  Where a stream cannot be captured, back-to-back launches on a stream are timed
-instead.  Data: random values of magnitude 0.5 .. 1 with random signs (seeded, --seed), so scores are distinct as
-in real use; --data constant fills every buffer with one value (every indexer score ties: top-k's worst case).
-Lengths: every sequence at T - S cached rows, or with --ragged uniform in 0 .. T - S (seeded).  Bytes are the
-minimum any implementation must move (the rows read, the queries, the outputs); FLOPs count multiply-adds as 2.
+Checked first: every timed kernel runs once on the row's data and its output is compared with the reference
+(plugins/reference.py; attention on the first, the longest and the last sequence, with the tolerances of the GPU
+tests; the selection up to near-ties; acceptance exactly).  A mismatch stops that kernel's row, printed as such, and
+the exit status is 1: a broken or fallen-back path is never timed.
+
+Timing: each measured call is captured into one CUDA graph at least --iters times (the launches run back to back, as
+in the runtime's CUDA graphs, and no host time is counted), cycling through copies of its inputs; the graph is
+replayed 5 times between CUDA events and the median per call is reported.  The copies are sized on the bytes the
+kernel actually reads per call (the rows its lengths make visible; the indexer's keys, not the whole rows they sit
+in; the listed rows of sparse MLA), so that between two uses of one copy more than 3 x L2 is read (column L2x: that
+ratio as run); the calls per graph are whole cycles through the copies.  Where a stream cannot be captured,
+back-to-back launches on a stream are timed instead.  Data: random values of magnitude 0.5 .. 1 with random signs
+(seeded, --seed), so scores are distinct as in real use; --data constant fills every buffer with one value (every
+indexer score ties: top-k's worst case).  Lengths: ragged by default (each sequence's cached rows uniform in
+0 .. T - S, seeded), --uniform: every sequence at T - S.  Bytes are the minimum any implementation must move (the
+rows read, the queries, the new rows, the outputs); FLOPs count multiply-adds as 2.
 
 1. Device-to-device copy bandwidth: cudaMemcpyAsync of a large buffer, read + write bytes.
-2. mtp_mla_decode on DeepSeek-V3 shapes (Dl 512, Dr 64; H = 128 and 16; S = 1, 2, 4; B x T from 4k to 256k cached
-   rows): time, GB/s, % of the copy bandwidth, TFLOPS (2 S H L (576 + 512) per sequence of L rows), and the ratio
-   to the plain PyTorch form where torch has CUDA (bmm of q [B, S H, 576] with the cache, fp32 softmax, bmm with
-   its first 512 columns; every T rows; not with --ragged).
+2. mtp_mla_decode with its KV commit (the S new rows written first, as the runtime calls it) on DeepSeek-V3 shapes
+   (Dl 512, Dr 64; H = 128 and 16; S = 1, 2, 4; B x T from 4k to 256k cached rows): time, GB/s, % of the copy
+   bandwidth, TFLOPS (2 S H L (576 + 512) per sequence of L rows), and with --uniform the ratio to the plain
+   PyTorch form where torch has CUDA (bmm of q [B, S H, 576] with the cache, fp32 softmax, bmm with its first 512
+   columns over every T rows).
 3. DeepSeek Sparse Attention (DeepSeek-V3.2's shapes: 64 indexer heads of 128, index_topk 2048, rows of 576 latent
    values and a 128-value key; H = 128): mtp_dsa_select (bytes: the visible rows' keys, the queries and weights,
-   the selection; FLOPs 2 S L 64 128; against torch: bmm, ReLU, the weighted head sum, topk and a sort) and
-   mtp_mla_sparse_decode over the 2048 selected rows (bytes: the selected latent rows, q, out).
+   the selection; FLOPs 2 S L 64 128; with --uniform against torch: bmm, ReLU, the weighted head sum, topk and a
+   sort) and mtp_mla_sparse_decode over min(2048, T) listed rows per token, fresh on every call (each copy's lists
+   name rows of a slab of the cache of their own; bytes: the distinct listed rows, q, the lists, out).
 4. Acceptance of K = 3 drafts over V = 129280 (DeepSeek-V3's vocabulary): mtp_accept_strict and
    mtp_accept_relaxed_dev (bytes: every logits row) and mtp_accept_rejection (bytes: the p and q rows it samples
    from).
 
 Needs cuda-python and an NVIDIA GPU (exits with a message otherwise); builds the kernels with nvcc on first use
-(see cuda_lib).
+(see cuda_lib).  The sizing and checking functions are plain Python, tested without a GPU (tests/kernels/test_bench.py,
+and on the emulated kernels in tests/kernels/test_emulated.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -39,6 +51,7 @@ import sys
 import numpy as np
 
 from mtp_trt.plugins import cuda_lib
+from mtp_trt.plugins import reference as ref
 
 DL, DR = 512, 64
 CONFIGS_BT = [(1, 4096), (1, 32768), (1, 131072), (4, 8192), (8, 4096), (16, 4096), (32, 4096), (64, 4096),
@@ -80,6 +93,15 @@ class Bench:
                 "cudaMemcpy H2D")
         return ptr
 
+    def download(self, ptr: int, shape, dtype) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        self.ck(self.rt.cudaMemcpy(out.ctypes.data, ptr, out.nbytes, self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost),
+                "cudaMemcpy D2H")
+        return out
+
+    def sync(self, what: str) -> None:
+        self.ck(self.rt.cudaDeviceSynchronize(), what)
+
     def values(self, n: int, dtype: str, *, positive: bool = False) -> np.ndarray:
         """n values of `dtype` in its storage format (fp16 / bf16 as uint16 bits): magnitudes in [0.5, 1) with
         random signs (none when positive), or all 1.06 / 0.0115 / 1e-4-ish (--data constant: the bytes 0x3C)."""
@@ -94,13 +116,13 @@ class Bench:
         keep, one_half = {"bfloat16": (0x007F, 0x3F00), "float16": (0x03FF, 0x3800)}[dtype]
         return (bits & (keep | sign)) | one_half
 
-    def filled(self, count: int, n: int, dtype: str, *, positive: bool = False) -> list[int]:
-        """`count` device buffers holding the same n random values of `dtype`."""
+    def filled(self, count: int, n: int, dtype: str, *, positive: bool = False) -> tuple[np.ndarray, list[int]]:
+        """n random values of `dtype` (storage format) and `count` device buffers holding them."""
         host = self.values(n, dtype, positive=positive)
-        return [self.upload(host) for _ in range(count)]
+        return host, [self.upload(host) for _ in range(count)]
 
     def past_lengths(self, B: int, T: int, S: int, ragged: bool) -> np.ndarray:
-        """past_len [B]: T - S each, or uniform in 0 .. T - S (ragged)."""
+        """past_len [B]: uniform in 0 .. T - S (ragged), or T - S each."""
         if not ragged:
             return np.full(B, T - S, np.int32)
         return self.rng.integers(0, T - S + 1, B).astype(np.int32)
@@ -152,9 +174,123 @@ class Bench:
         return statistics.median(times)
 
 
-def rotation(info: dict, nbytes: int, most: int = 16) -> int:
-    """Copies of a buffer of nbytes to cycle through so that they exceed L2 three times (at most `most`)."""
-    return max(1, min(most, math.ceil(3 * info["l2_bytes"] / max(nbytes, 1))))
+# ---------------------------------------------------------------------------------------------------------------
+# sizing: how many copies of a kernel's inputs to cycle through, from the bytes it actually reads
+# ---------------------------------------------------------------------------------------------------------------
+L2_FACTOR = 3  # the bytes read between two uses of one copy: at least this many times L2
+MAX_COPIES = 1024  # a bound on the buffers (and the calls per graph) of one row
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    """`copies` sets of inputs cycled through by `calls` calls per timed graph (a multiple of `copies`, so a replay
+    ends where the next begins): between two uses of one copy, (copies - 1) * read_bytes are read."""
+
+    copies: int
+    calls: int
+    read_bytes: int
+    l2_bytes: int
+
+    def sequence(self, replays: int = 2) -> list[int]:
+        """The copy each timed call uses, over `replays` replays of the graph (warm-up calls first)."""
+        return [i % self.copies for i in range(self.calls)] * replays
+
+    @property
+    def l2_ratio(self) -> float:
+        """Bytes read between two uses of the same copy, over L2 (what the cache would have to hold to serve the
+        second use: below 1 it could; the plan aims at L2_FACTOR)."""
+        return reuse_bytes(self.sequence(), self.read_bytes) / self.l2_bytes
+
+
+def reuse_bytes(sequence, read_bytes: int) -> float:
+    """The fewest bytes read between two uses of one copy in `sequence` (the copy of each call; every call reads
+    read_bytes): the other calls in between times read_bytes; infinite when no copy is used twice."""
+    last: dict[int, int] = {}
+    gap = math.inf
+    for i, k in enumerate(sequence):
+        if k in last:
+            gap = min(gap, i - last[k] - 1)
+        last[k] = i
+    return gap * read_bytes
+
+
+def plan_rotation(l2_bytes: int, read_bytes: int, alloc_bytes: int, iters: int, budget_bytes: int) -> Rotation:
+    """Copies of a kernel's inputs so that the bytes it reads between two uses of one copy exceed L2 L2_FACTOR times:
+    read_bytes are what one call reads (not the buffers' size: a kernel that reads a quarter of each row, or a
+    ragged part of the cache, needs more copies), alloc_bytes what one copy takes in device memory; at most
+    budget_bytes in all and at most MAX_COPIES (fewer copies then, and the row shows the ratio it got).  Calls per timed graph: iters,
+    rounded up to whole cycles through the copies."""
+    read_bytes = max(int(read_bytes), 1)
+    want = L2_FACTOR * l2_bytes // read_bytes + 2  # (want - 1) * read_bytes > L2_FACTOR * l2
+    copies = max(1, min(want, budget_bytes // max(int(alloc_bytes), 1), MAX_COPIES))
+    calls = -(-max(iters, copies) // copies) * copies
+    return Rotation(copies, calls, read_bytes, l2_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checks: every timed kernel's output against the reference once, before timing
+# ---------------------------------------------------------------------------------------------------------------
+TOL = {"bfloat16": 2e-2, "float16": 3e-3}  # atol = rtol, as tests/kernels/test_gpu_kernels.py
+
+
+def decode(bits, dtype: str) -> np.ndarray:
+    """Storage values (fp16 / bf16 as uint16 bits, fp32 as is) -> float32."""
+    bits = np.asarray(bits)
+    if dtype == "bfloat16":
+        return ref.bf16_bits_to_f32(bits)
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return bits.astype(np.float32)
+
+
+def mismatch(got, want, tol: float) -> str | None:
+    """None where |got - want| <= tol + tol |want| everywhere (NaN never passes), else the worst element in words."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = np.abs(got - want) - tol * (1 + np.abs(want))
+    bad = np.isnan(got) | (err > 0)
+    if not bad.any():
+        return None
+    worst = np.unravel_index(np.argmax(np.where(np.isnan(got), np.inf, err)), got.shape)
+    return (f"{int(bad.sum())} of {bad.size} values off (tolerance {tol:g}); worst at {tuple(map(int, worst))}: "
+            f"got {got[worst]:.6g}, want {want[worst]:.6g}")
+
+
+def check_seqs(B: int, lens) -> list[int]:
+    """The sequences whose outputs are checked: the first, the longest and the last."""
+    return sorted({0, int(np.argmax(lens)), B - 1})
+
+
+def mla_expected(q, cache, past_len, S: int, scale: float, seqs) -> np.ndarray:
+    """reference.mla_decode's output (causal, the new rows already in `cache`) for sequences `seqs` only, through
+    float64 matrix products: q [B, S, H, D], cache [B, T, D] float32 -> [len(seqs), S, H, DL] float64."""
+    out = []
+    for b in seqs:
+        _, _, H, D = q.shape
+        T = cache.shape[1]
+        c = int(np.clip(past_len[b], 0, T))
+        L = min(c + S, T)
+        rows = cache[b, :L].astype(np.float64)
+        sc = np.minimum(scale * (q[b].reshape(S * H, D).astype(np.float64) @ rows.T), np.finfo(np.float32).max)
+        t = np.arange(L)
+        vis = t[None, :] <= c + np.arange(S)[:, None]            # [S, L]: causal
+        sc = np.where(np.repeat(vis, H, axis=0), sc, -np.inf)
+        mx = sc.max(axis=1, keepdims=True)
+        e = np.where(np.isfinite(sc), np.exp(sc - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+        den = e.sum(axis=1, keepdims=True)
+        p = np.divide(e, den, out=np.zeros_like(e), where=den > 0)
+        out.append((p @ rows[:, :DL]).reshape(S, H, DL))
+    return np.stack(out)
+
+
+def sparse_lists(rng, B: int, S: int, K: int, n: int, slab: int, copy: int) -> np.ndarray:
+    """Index lists [B, S, K] for copy `copy` of a sparse-decode rotation: each token n distinct rows, ascending, drawn
+    from the copy's own slab of rows copy * slab .. (copy + 1) * slab - 1 (so no call re-reads another's rows),
+    then -1."""
+    sel = np.full((B, S, K), -1, np.int32)
+    for b in range(B):
+        for s in range(S):
+            sel[b, s, :n] = np.sort(rng.choice(slab, n, replace=False)) + copy * slab
+    return sel
 
 
 def device_info(rt, b: Bench) -> dict:
@@ -256,36 +392,68 @@ def torch_dsa_select_ms(torch, B: int, T: int, S: int, dtype: str, iters: int, r
 # ---------------------------------------------------------------------------------------------------------------
 # the kernels
 # ---------------------------------------------------------------------------------------------------------------
-def bench_mla(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: str, iters: int, flags: int,
-              ragged: bool = False, torch=None) -> dict:
+def budget(info: dict) -> int:
+    """Device memory the copies of one row's inputs may take: half the card (the kernels' own buffers and the
+    PyTorch comparison need the rest)."""
+    return int(info.get("global_mem_bytes", 1 << 40)) // 2
+
+
+def mla_bytes(rows: int, B: int, S: int, H: int) -> tuple[int, int]:
+    """(bytes one MLA decode call reads, bytes it moves in all): the visible cache rows (the new ones among them),
+    the queries, the new rows (read and written by the commit), the output."""
     es, D = 2, DL + DR
-    cache_bytes = B * T * D * es
-    rot = rotation(info, cache_bytes)
-    caches = b.filled(rot, B * T * D, dtype)
-    q_bytes, out_bytes = B * S * H * D * es, B * S * H * DL * es
-    qs = b.filled(rot, B * S * H * D, dtype)
-    out = b.alloc(out_bytes)
+    read = rows * D * es + B * S * H * D * es + B * S * D * es
+    return read, read + B * S * D * es + B * S * H * DL * es
+
+
+def mla_rotation(info: dict, B: int, T: int, H: int, S: int, lens, iters: int) -> Rotation:
+    """Copies of MLA decode's inputs (cache, queries, new rows) for lengths `lens`: sized on the visible rows."""
+    rows = int(np.minimum(np.asarray(lens, np.int64) + S, T).sum())
+    return plan_rotation(info["l2_bytes"], mla_bytes(rows, B, S, H)[0],
+                         (B * T * (DL + DR) + B * S * H * (DL + DR) + B * S * (DL + DR)) * 2, iters, budget(info))
+
+
+def bench_mla(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: str, iters: int, flags: int,
+              ragged: bool = True, torch=None) -> dict:
+    """One row of the MLA table: the decode with its KV commit (the S new rows written first, as the runtime calls
+    it), checked once against the reference, then timed over copies sized on the rows the lengths make it read."""
+    es, D = 2, DL + DR
     lens = b.past_lengths(B, T, S, ragged)
+    rows = int(np.minimum(lens.astype(np.int64) + S, T).sum())
+    read, moved = mla_bytes(rows, B, S, H)
+    rot = mla_rotation(info, B, T, H, S, lens, iters)
+    r = {"B": B, "T": T, "H": H, "S": S, "ragged": ragged, "rows": rows, "copies": rot.copies,
+         "l2_ratio": rot.l2_ratio, "bytes": moved, "flops": 2 * S * H * rows * (D + DL)}
+    cache_h, caches = b.filled(rot.copies, B * T * D, dtype)
+    q_h, qs = b.filled(rot.copies, B * S * H * D, dtype)
+    new_h, news = b.filled(rot.copies, B * S * D, dtype)
+    out = b.alloc(B * S * H * DL * es)
     d_len = b.upload(lens)
     ns = lib.mla_decode_num_splits(B, S, H, T, info["sm_count"])
     ws_bytes = lib.mla_decode_workspace_size(B, S, H, DL, ns)
     ws = b.alloc(ws_bytes) if ws_bytes else 0
     scale = 1.0 / math.sqrt(192)
+    r["splits"] = ns
 
     def launch(i, stream):
-        k = i % rot
-        lib.mla_decode(dtype, qs[k], caches[k], d_len, 0, 0, out, ws, ws_bytes, B, S, H, DL, DR, T, scale, ns, flags,
-                       stream)
+        k = i % rot.copies
+        lib.mla_decode(dtype, qs[k], caches[k], d_len, news[k], 0, out, ws, ws_bytes, B, S, H, DL, DR, T, scale, ns,
+                       flags, stream)
 
-    ms = b.timed(launch, iters)
+    launch(0, 0)
+    b.sync("mtp_mla_decode")
+    seqs = check_seqs(B, lens)
+    got = decode(b.download(out, (B, S, H, DL), np.uint16), dtype)[seqs]
+    cache = ref.mla_kv_commit(decode(cache_h, dtype).reshape(B, T, D), lens, decode(new_h, dtype).reshape(B, S, D))
+    want = mla_expected(decode(q_h, dtype).reshape(B, S, H, D), cache, lens, S, scale, seqs)
+    if why := mismatch(got, want, TOL[dtype]):
+        b.free_all()
+        return r | {"mismatch": f"sequences {seqs}: {why}"}
+    ms = b.timed(launch, rot.calls)
     b.free_all()
-    rows = int((lens.astype(np.int64) + S).sum())
-    moved = rows * D * es + q_bytes + out_bytes
-    r = {"B": B, "T": T, "H": H, "S": S, "ragged": ragged, "rows": rows, "splits": ns, "time_us": ms * 1e3,
-         "bytes": moved, "GBps": moved / (ms * 1e-3) / 1e9, "flops": 2 * S * H * rows * (D + DL)}
-    r["TFLOPS"] = r["flops"] / (ms * 1e-3) / 1e12
+    r |= {"time_us": ms * 1e3, "GBps": moved / (ms * 1e-3) / 1e9, "TFLOPS": r["flops"] / (ms * 1e-3) / 1e12}
     if torch is not None and not ragged:
-        r["torch_us"] = torch_mla_ms(torch, B, T, H, S, dtype, iters, rot) * 1e3
+        r["torch_us"] = torch_mla_ms(torch, B, T, H, S, dtype, rot.calls, rot.copies) * 1e3
         r["x_torch"] = r["torch_us"] / r["time_us"]
     return r
 
@@ -295,46 +463,126 @@ DSA_BT = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (32, 8192)]
 QUICK_DSA_BT = [(1, 32768), (1, 131072), (8, 32768)]
 
 
-def bench_dsa(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: str, iters: int,
-              ragged: bool = False, torch=None) -> dict:
+def select_expected(iq, w, keys, lens, S: int, seqs) -> tuple[np.ndarray, np.ndarray]:
+    """reference.dsa_select (causal) for sequences `seqs`, scores through float64 matrix products: iq [B, S, HI, DI],
+    w [B, S, HI], keys [B, T, DI] float32 -> (selected [n, S, TOPK], scores [n, S, T] NaN-padded)."""
+    T = keys.shape[1]
+    sel = np.full((len(seqs), S, TOPK), -1, np.int32)
+    scores = np.full((len(seqs), S, T), np.nan)
+    for j, b in enumerate(seqs):
+        c = int(np.clip(lens[b], 0, T))
+        L = min(c + S, T)
+        kb = keys[b, :L].astype(np.float64)
+        for s in range(S):
+            qk = np.maximum(iq[b, s].astype(np.float64) @ kb.T * DI**-0.5, 0.0)          # [HI, L]
+            sc = (w[b, s].astype(np.float64) @ qk).astype(np.float32)                    # the kernel's are fp32
+            sel[j, s] = ref.topk_rows(sc, np.arange(L) <= c + s, TOPK)
+            scores[j, s, :L] = sc
+    return sel, scores
+
+
+def select_rotation(info: dict, B: int, T: int, S: int, lens, iters: int) -> Rotation:
+    """Copies of the indexer's inputs (rows of C values, queries, weights): sized on the keys of the visible rows
+    (DI of the row's C values) and the queries and weights, not on the whole rows."""
+    es, C = 2, DL + DR + DI
+    rows = int(np.minimum(np.asarray(lens, np.int64) + S, T).sum())
+    small = B * S * HI * DI * es + B * S * HI * 4
+    return plan_rotation(info["l2_bytes"], rows * DI * es + small, B * T * C * es + small, iters, budget(info))
+
+
+def sparse_rotation(info: dict, B: int, S: int, H: int, distinct: int, slab: int, iters: int) -> Rotation:
+    """Copies of sparse MLA's index lists, each naming rows of a slab of `slab` rows per sequence of its own: sized
+    on the distinct rows one call's lists name (their latent values), the queries and the lists."""
     es, D, C = 2, DL + DR, DL + DR + DI
-    rot = rotation(info, B * T * C * es, most=8)
-    caches = b.filled(rot, B * T * C, dtype)
-    iq_bytes, w_bytes = B * S * HI * DI * es, B * S * HI * 4
-    q_bytes, out_bytes = B * S * H * D * es, B * S * H * DL * es
-    iq = b.filled(1, B * S * HI * DI, dtype)[0]
-    w = b.filled(1, B * S * HI, "float32", positive=True)[0]
-    q = b.filled(1, B * S * H * D, dtype)[0]
-    out = b.alloc(out_bytes)
+    sel_bytes = B * S * TOPK * 4
+    return plan_rotation(info["l2_bytes"], distinct * D * es + B * S * H * D * es + sel_bytes,
+                         B * slab * C * es + sel_bytes, iters, budget(info))
+
+
+def bench_dsa(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: str, iters: int,
+              ragged: bool = True, torch=None) -> dict:
+    """One row of the DSA table: the selection (copies sized on the keys it reads, not on whole rows) and sparse MLA
+    over lists of fresh rows on every call (each copy's lists name rows of a slab of their own), each checked once
+    against the reference before it is timed."""
+    es, D, C = 2, DL + DR, DL + DR + DI
     lens = b.past_lengths(B, T, S, ragged)
+    rows = int(np.minimum(lens.astype(np.int64) + S, T).sum())  # visible rows of the sequences' last tokens
+    r = {"B": B, "T": T, "H": H, "S": S, "topk": TOPK, "ragged": ragged, "rows": rows}
+
+    # ---- the selection: reads each visible row's key (DI values of the C-value row), the queries and weights
+    sel_bytes = B * S * TOPK * 4
+    rot = select_rotation(info, B, T, S, lens, iters)
+    select_read = rot.read_bytes
+    r |= {"select_copies": rot.copies, "select_l2_ratio": rot.l2_ratio}
+    cache_h, caches = b.filled(rot.copies, B * T * C, dtype)
+    iq_h, iqs = b.filled(rot.copies, B * S * HI * DI, dtype)
+    w_h, ws_ = b.filled(rot.copies, B * S * HI, "float32", positive=True)
     d_len = b.upload(lens)
-    sel = b.alloc(B * S * TOPK * 4)
+    sel = b.alloc(sel_bytes)
     sel_ws_bytes = lib.dsa_select_workspace_size(B, S, T)
     sel_ws = b.alloc(sel_ws_bytes)
+
+    def select(i, stream):
+        k = i % rot.copies
+        lib.dsa_select(dtype, iqs[k], ws_[k], caches[k], d_len, 0, sel, sel_ws, sel_ws_bytes, B, S, HI, DI, C, D, T,
+                       TOPK, DI**-0.5, stream)
+
+    select(0, 0)
+    b.sync("mtp_dsa_select")
+    seqs = check_seqs(B, lens)
+    got = b.download(sel, (B, S, TOPK), np.int32)[seqs]
+    keys = decode(cache_h, dtype).reshape(B, T, C)[:, :, D:]
+    want, scores = select_expected(decode(iq_h, dtype).reshape(B, S, HI, DI), w_h.reshape(B, S, HI), keys, lens, S,
+                                   seqs)
+    ok, why = ref.selections_agree(got, want, scores, rtol=1e-5 * HI)
+    if not ok:
+        r["select_mismatch"] = f"sequences {seqs}: {why}"
+    else:
+        rates(r, "select", b.timed(select, rot.calls), select_read + sel_bytes, 2 * S * rows * HI * DI)
+    b.free_all()
+    if torch is not None and not ragged and "select_us" in r:
+        r["select_torch_us"] = torch_dsa_select_ms(torch, B, T, S, dtype, rot.calls, rot.copies) * 1e3
+        r["select_x_torch"] = r["select_torch_us"] / r["select_us"]
+
+    # ---- sparse MLA: n = min(TOPK, T) listed rows per token (what a selection over T rows names); the rows of each
+    # call's lists are fresh: copy k's lists draw from rows k * slab .. (k + 1) * slab - 1 of a longer cache
+    n, slab = min(TOPK, T), 2 * min(TOPK, T)
+    q_bytes, out_bytes = B * S * H * D * es, B * S * H * DL * es
+    lists0 = sparse_lists(b.rng, B, S, TOPK, n, slab, 0)
+    distinct = sum(len(np.unique(lists0[bb][lists0[bb] >= 0])) for bb in range(B))  # rows one call reads
+    rot = sparse_rotation(info, B, S, H, distinct, slab, iters)
+    attend_read = rot.read_bytes
+    r |= {"attend_rows": distinct, "attend_copies": rot.copies, "attend_l2_ratio": rot.l2_ratio}
+    T_sp = rot.copies * slab
+    slab_h = b.values(B * slab * C, dtype).reshape(B, slab, C)
+    cache = b.alloc(B * T_sp * C * es)
+    for bb in range(B):
+        for k in range(rot.copies):
+            b.upload(slab_h[bb], cache + ((bb * T_sp) + k * slab) * C * es)
+    lists = [b.upload(lists0)] + [b.upload(sparse_lists(b.rng, B, S, TOPK, n, slab, k)) for k in range(1, rot.copies)]
+    q_h, (q,) = b.filled(1, B * S * H * D, dtype)
+    zeros = b.upload(np.zeros(B, np.int32))
+    out = b.alloc(out_bytes)
     ns = lib.mla_decode_num_splits(B * S, 1, H, TOPK, info["sm_count"])
     ws_bytes = lib.mla_decode_workspace_size(B * S, 1, H, DL, ns)
     ws = b.alloc(ws_bytes) if ws_bytes else 0
-
-    def select(i, stream):
-        lib.dsa_select(dtype, iq, w, caches[i % rot], d_len, 0, sel, sel_ws, sel_ws_bytes, B, S, HI, DI, C, D, T,
-                       TOPK, DI**-0.5, stream)
-
-    select_ms = b.timed(select, iters)  # leaves a valid selection in `sel` for the attention below
+    r["splits"] = ns
+    scale = 1.0 / math.sqrt(192)
 
     def attend(i, stream):
-        lib.mla_sparse_decode(dtype, q, caches[i % rot], d_len, 0, sel, out, ws, ws_bytes, B, S, H, DL, DR, C, T,
-                              TOPK, 1.0 / math.sqrt(192), ns, 0, stream)
+        lib.mla_sparse_decode(dtype, q, cache, zeros, 0, lists[i % rot.copies], out, ws, ws_bytes, B, S, H, DL, DR, C,
+                              T_sp, TOPK, scale, ns, 0, stream)
 
-    attend_ms = b.timed(attend, iters)
+    attend(0, 0)
+    b.sync("mtp_mla_sparse_decode")
+    got = decode(b.download(out, (B, S, H, DL), np.uint16), dtype)[seqs]
+    want, _ = ref.mla_sparse_decode(decode(q_h, dtype).reshape(B, S, H, D)[seqs], decode(slab_h, dtype)[seqs],
+                                    np.zeros(len(seqs), np.int32), lists0[seqs], dl=DL, scale=scale)
+    if why := mismatch(got, want, TOL[dtype]):
+        r["attend_mismatch"] = f"sequences {seqs}: {why}"
+    else:
+        rates(r, "attend", b.timed(attend, rot.calls), attend_read + out_bytes, 2 * B * S * H * n * (D + DL))
     b.free_all()
-    rows = int((lens.astype(np.int64) + S).sum())  # visible rows of the sequences' last tokens
-    r = {"B": B, "T": T, "H": H, "S": S, "topk": TOPK, "ragged": ragged, "rows": rows, "splits": ns}
-    rates(r, "select", select_ms, rows * DI * es + iq_bytes + w_bytes + B * S * TOPK * 4, 2 * S * rows * HI * DI)
-    rates(r, "attend", attend_ms, B * S * min(TOPK, T) * D * es + q_bytes + out_bytes,
-          2 * B * S * H * min(TOPK, T) * (D + DL))
-    if torch is not None and not ragged:
-        r["select_torch_us"] = torch_dsa_select_ms(torch, B, T, S, dtype, iters, rot) * 1e3
-        r["select_x_torch"] = r["select_torch_us"] / r["select_us"]
     return r
 
 
@@ -342,32 +590,60 @@ V_ACCEPT, K_ACCEPT = 129280, 3
 ACCEPT_B = [1, 8, 64]
 
 
+def accept_rotation(info: dict, B: int, K: int, V: int, iters: int) -> Rotation:
+    """Copies of the acceptance inputs (logits, p, q): sized on the fewest bytes any of the three kernels reads
+    (rejection sampling's p and q rows: 2 V values per sequence), so they serve all three."""
+    return plan_rotation(info["l2_bytes"], B * 2 * V * 2, (B * (K + 1) * V * 2 + B * K * V) * 2, iters, budget(info))
+
+
 def bench_accept(b: Bench, lib, info: dict, B: int, K: int, V: int, dtype: str, iters: int) -> dict:
+    """One row of the acceptance table: strict and relaxed acceptance (read every logits row) and rejection
+    sampling (reads the p and q rows it samples from), each checked once against the reference (exactly) first."""
     es = 2
-    rot = rotation(info, B * (K + 1) * V * es)
-    logits = b.filled(rot, B * (K + 1) * V, dtype)
-    ps = b.filled(rot, B * (K + 1) * V, dtype, positive=True)
-    qs = b.filled(rot, B * K * V, dtype, positive=True)
-    drafts = b.upload(b.rng.integers(0, V, (B, K)).astype(np.int32))
-    uniforms = b.upload(b.rng.random((B, K + 1)).astype(np.float32))
+    rot = accept_rotation(info, B, K, V, iters)
+    read = rot.read_bytes
+    r = {"B": B, "K": K, "V": V, "copies": rot.copies, "l2_ratio": rot.l2_ratio}
+    logits_h, logits = b.filled(rot.copies, B * (K + 1) * V, dtype)
+    p_h, ps = b.filled(rot.copies, B * (K + 1) * V, dtype, positive=True)
+    q_h, qs = b.filled(rot.copies, B * K * V, dtype, positive=True)
+    drafts_h = b.rng.integers(0, V, (B, K)).astype(np.int32)
+    uniforms_h = b.rng.random((B, K + 1)).astype(np.float32)
+    drafts, uniforms = b.upload(drafts_h), b.upload(uniforms_h)
     thinking = b.upload(np.ones(B, np.int32))
     topk, delta = b.upload(np.array(10, np.int32)), b.upload(np.array(0.1, np.float32))
     toks, num, last, th_out = b.alloc(B * (K + 1) * 4), b.alloc(B * 4), b.alloc(B * 4), b.alloc(B * 4)
+    lg = decode(logits_h, dtype).reshape(B, K + 1, V)
 
     def strict(i, stream):
-        lib.accept_strict(dtype, logits[i % rot], 0, drafts, toks, num, last, B, K, V, stream)
+        lib.accept_strict(dtype, logits[i % rot.copies], 0, drafts, toks, num, last, B, K, V, stream)
 
     def relaxed(i, stream):
-        lib.accept_relaxed_dev(dtype, logits[i % rot], drafts, K, thinking, th_out, toks, num, 0, B, K, V, topk,
-                               delta, 1, 2, stream)
+        lib.accept_relaxed_dev(dtype, logits[i % rot.copies], drafts, K, thinking, th_out, toks, num, 0, B, K, V,
+                               topk, delta, 1, 2, stream)
 
     def rejection(i, stream):
-        lib.accept_rejection(dtype, ps[i % rot], qs[i % rot], drafts, uniforms, toks, num, last, B, K, V, stream)
+        lib.accept_rejection(dtype, ps[i % rot.copies], qs[i % rot.copies], drafts, uniforms, toks, num, last, B, K,
+                             V, stream)
 
-    r = {"B": B, "K": K, "V": V}
-    rates(r, "strict", b.timed(strict, iters), B * (K + 1) * V * es)
-    rates(r, "relaxed", b.timed(relaxed, iters), B * (K + 1) * V * es)
-    rates(r, "rejection", b.timed(rejection, iters), B * 2 * V * es)
+    expected = {
+        "strict": lambda: ref.accept_strict(drafts_h, logits=lg)[:2],
+        "relaxed": lambda: ref.accept_relaxed_dev(lg, drafts_h.reshape(-1), K, np.ones(B, np.int32), topk=10,
+                                                  delta=0.1, think_start_id=1, think_end_id=2)[:2],
+        "rejection": lambda: ref.accept_rejection(decode(p_h, dtype).reshape(B, K + 1, V),
+                                                  decode(q_h, dtype).reshape(B, K, V), drafts_h, uniforms_h)[:2],
+    }
+    for name, fn, nbytes in [("strict", strict, B * (K + 1) * V * es), ("relaxed", relaxed, B * (K + 1) * V * es),
+                             ("rejection", rejection, read)]:
+        fn(0, 0)
+        b.sync(f"acceptance ({name})")
+        got = (b.download(toks, (B, K + 1), np.int32), b.download(num, (B,), np.int32))
+        want_toks, want_num = expected[name]()
+        if not (np.array_equal(got[0], want_toks) and np.array_equal(got[1], want_num)):
+            bad = int(np.flatnonzero((got[0] != want_toks).any(1) | (got[1] != want_num))[0])
+            r[f"{name}_mismatch"] = (f"sequence {bad}: tokens {got[0][bad].tolist()} accepted {int(got[1][bad])}, "
+                                     f"want {want_toks[bad].tolist()} accepted {int(want_num[bad])}")
+        else:
+            rates(r, name, b.timed(fn, rot.calls), nbytes)
     b.free_all()
     return r
 
@@ -376,22 +652,66 @@ def fmt_x(row: dict, key: str) -> str:
     return f"{row[key]:>7.2f}x" if key in row else f"{'-':>8}"
 
 
-def main(argv=None) -> int:
+def mla_line(r: dict) -> str:
+    """A row of the MLA table: the figures, or the check that stopped it."""
+    head = f"{r['B']:>4} {r['T']:>7} {r['B'] * r['T']:>7} {r['H']:>4} {r['S']:>2} {r['splits']:>6} {r['l2_ratio']:>5.1f}"
+    if "mismatch" in r:
+        return f"{head}  OUTPUT MISMATCH, not timed: {r['mismatch']}"
+    torch_us = f"{r['torch_us']:>9.1f}" if "torch_us" in r else f"{'-':>9}"
+    return (f"{head} {r['time_us']:>9.1f} {r['GBps']:>7.0f} {r['pct_copy']:>6.1f}% {r['TFLOPS']:>7.1f} {torch_us} "
+            f"{fmt_x(r, 'x_torch')}")
+
+
+def dsa_line(r: dict, copy_gbps: float) -> str:
+    def part(name: str, torch: bool) -> str:
+        if f"{name}_mismatch" in r:
+            return f"MISMATCH, not timed: {r[name + '_mismatch']}"
+        x = f" {fmt_x(r, name + '_x_torch')}" if torch else ""
+        return (f"{r[name + '_us']:>10.1f} {r[name + '_GBps']:>6.0f} {100 * r[name + '_GBps'] / copy_gbps:>6.1f}% "
+                f"{r[name + '_TFLOPS']:>7.1f}{x} {r[name + '_l2_ratio']:>5.1f}")
+
+    return f"{r['B']:>4} {r['T']:>7} {r['S']:>2} {part('select', True)} | {part('attend', False)}"
+
+
+def accept_line(r: dict, copy_gbps: float) -> str:
+    def part(name: str) -> str:
+        if f"{name}_mismatch" in r:
+            return f"MISMATCH, not timed: {r[name + '_mismatch']}"
+        return f"{r[name + '_us']:>10.1f} {r[name + '_GBps']:>6.0f} {100 * r[name + '_GBps'] / copy_gbps:>6.1f}%"
+
+    return f"{r['B']:>4} {r['l2_ratio']:>5.1f} {part('strict')} | {part('relaxed')} | {part('rejection')}"
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m mtp_trt.plugins.bench_kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     ap.add_argument("--heads", default="128,16", help="comma-separated H values (default 128,16)")
     ap.add_argument("--seq", default="1,2,4", help="comma-separated S values (default 1,2,4)")
-    ap.add_argument("--iters", type=int, default=30, help="calls per timed CUDA graph (default 30)")
+    ap.add_argument("--iters", type=int, default=30,
+                    help="calls per timed CUDA graph, at least (rounded up to whole cycles through the copies)")
     ap.add_argument("--quick", action="store_true", help="fewer (B, T) shapes")
-    ap.add_argument("--ragged", action="store_true", help="cached rows per sequence uniform in 0 .. T - S")
+    lengths = ap.add_mutually_exclusive_group()
+    lengths.add_argument("--ragged", dest="uniform", action="store_false",
+                         help="cached rows per sequence uniform in 0 .. T - S (the default)")
+    lengths.add_argument("--uniform", dest="uniform", action="store_true",
+                         help="every sequence at T - S cached rows (the PyTorch comparison needs this)")
+    ap.set_defaults(uniform=False)
     ap.add_argument("--data", choices=["random", "constant"], default="random",
                     help="random values (default) or one constant (every indexer score ties)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparisons")
     ap.add_argument("--simt", action="store_true", help="force the SIMT attention path")
+    ap.add_argument("--force-v2", action="store_true", help="MLA decode on v2 where v3 (Hopper) would serve it")
+    ap.add_argument("--shapes", metavar="BxT,...", help="only these (batch, cache) shapes of the MLA table, e.g. 64x4096")
+    ap.add_argument("--mla-only", action="store_true", help="only the MLA decode table")
     ap.add_argument("--single-stage", action="store_true", help="no cp.async double buffering")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    ragged = not args.uniform
 
     try:
         rt = cuda_lib.import_cudart()
@@ -407,39 +727,45 @@ def main(argv=None) -> int:
     lib = cuda_lib.load_library()
     torch = None if args.no_torch else torch_cuda()
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[args.dtype]
-    flags = (cuda_lib.MLA_FORCE_SIMT if args.simt else 0) | (cuda_lib.MLA_SINGLE_STAGE if args.single_stage else 0)
+    flags = (cuda_lib.MLA_FORCE_SIMT if args.simt else 0) | (cuda_lib.MLA_SINGLE_STAGE if args.single_stage else 0) | \
+        (cuda_lib.MLA_FORCE_V2 if args.force_v2 else 0)
+    shapes = QUICK_BT if args.quick else CONFIGS_BT
+    if args.shapes:
+        shapes = [tuple(int(v) for v in bt.lower().split("x")) for bt in args.shapes.split(",")]
     copy_bytes = min(1 << 30, info["global_mem_bytes"] // 8)
     copy_gbps = copy_bandwidth(b, copy_bytes, 20)
     print(f"device: {info['name']} (sm_{info['compute_capability'].replace('.', '')}, {info['sm_count']} SMs, "
           f"L2 {info['l2_bytes'] >> 20} MiB)")
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write, {copy_bytes >> 20} MiB)")
-    print(f"data: {args.data} (seed {args.seed}); lengths: {'ragged' if args.ragged else 'T - S each'}; timing: "
-          f"{args.iters} calls per CUDA graph, median of {REPLAYS} replays; PyTorch: "
-          f"{'torch ' + torch.__version__ if torch is not None else 'not compared'}")
-    print(f"mtp_mla_decode {dtype}, Dl={DL} Dr={DR}{' SIMT' if args.simt else ''}"
+    print(f"data: {args.data} (seed {args.seed}); lengths: {'ragged' if ragged else 'T - S each'}; timing: at least "
+          f"{args.iters} calls per CUDA graph over copies of the inputs (L2x: bytes read between two uses of a copy "
+          f"over L2), median of {REPLAYS} replays; every output checked against the reference once first; PyTorch: "
+          f"{'torch ' + torch.__version__ if torch is not None and not ragged else 'not compared'}")
+    path = "SIMT" if args.simt else "v2 forced" if args.force_v2 else "v3" if info["compute_capability"] == "9.0" \
+        else "v2"
+    print(f"mtp_mla_decode with its KV commit, {dtype}, Dl={DL} Dr={DR}, {path}"
           f"{' single-stage' if args.single_stage else ''}:")
-    hdr = (f"{'B':>4} {'T':>7} {'B*T':>7} {'H':>4} {'S':>2} {'splits':>6} {'time us':>9} {'GB/s':>7} {'% copy':>7} "
-           f"{'TFLOPS':>7} {'torch us':>9} {'vs torch':>8}")
+    hdr = (f"{'B':>4} {'T':>7} {'B*T':>7} {'H':>4} {'S':>2} {'splits':>6} {'L2x':>5} {'time us':>9} {'GB/s':>7} "
+           f"{'% copy':>7} {'TFLOPS':>7} {'torch us':>9} {'vs torch':>8}")
     print(hdr)
     print("-" * len(hdr))
     results = []
     for H in [int(x) for x in args.heads.split(",")]:
         for S in [int(x) for x in args.seq.split(",")]:
-            for B, T in QUICK_BT if args.quick else CONFIGS_BT:
-                need = B * T * (DL + DR) * 2
-                if need * 2 > info["global_mem_bytes"] * 0.8:
+            for B, T in shapes:
+                if B * T * (DL + DR) * 2 * 2 > info["global_mem_bytes"] * 0.8:
                     continue
-                r = bench_mla(b, lib, info, B, T, H, S, dtype, args.iters, flags, args.ragged, torch)
-                r["pct_copy"] = 100.0 * r["GBps"] / copy_gbps
+                r = bench_mla(b, lib, info, B, T, H, S, dtype, args.iters, flags, ragged, torch)
+                if "GBps" in r:
+                    r["pct_copy"] = 100.0 * r["GBps"] / copy_gbps
                 results.append(r)
-                torch_us = f"{r['torch_us']:>9.1f}" if "torch_us" in r else f"{'-':>9}"
-                print(f"{B:>4} {T:>7} {B * T:>7} {H:>4} {S:>2} {r['splits']:>6} {r['time_us']:>9.1f} "
-                      f"{r['GBps']:>7.0f} {r['pct_copy']:>6.1f}% {r['TFLOPS']:>7.1f} {torch_us} {fmt_x(r, 'x_torch')}",
-                      flush=True)
-    print(f"DeepSeek Sparse Attention {dtype}: mtp_dsa_select ({HI} heads x {DI}, top {TOPK}) and "
-          f"mtp_mla_sparse_decode (H={H_DSA}, Dl={DL} Dr={DR}):")
+                print(mla_line(r), flush=True)
+    if args.mla_only:
+        return finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, [], [])
+    print(f"DeepSeek Sparse Attention {dtype}: mtp_dsa_select ({HI} heads x {DI}, top {TOPK}) | "
+          f"mtp_mla_sparse_decode over {TOPK} fresh rows per token (H={H_DSA}, Dl={DL} Dr={DR}):")
     hdr = (f"{'B':>4} {'T':>7} {'S':>2} {'select us':>10} {'GB/s':>6} {'% copy':>7} {'TFLOPS':>7} {'vs torch':>8} "
-           f"{'attend us':>10} {'GB/s':>6} {'% copy':>7} {'TFLOPS':>7}")
+           f"{'L2x':>5} | {'attend us':>10} {'GB/s':>6} {'% copy':>7} {'TFLOPS':>7} {'L2x':>5}")
     print(hdr)
     print("-" * len(hdr))
     dsa = []
@@ -447,31 +773,34 @@ def main(argv=None) -> int:
         for B, T in QUICK_DSA_BT if args.quick else DSA_BT:
             if B * T * (DL + DR + DI) * 2 * 2 + B * S * T * 4 > info["global_mem_bytes"] * 0.8:
                 continue
-            r = bench_dsa(b, lib, info, B, T, H_DSA, S, dtype, args.iters, args.ragged, torch)
+            r = bench_dsa(b, lib, info, B, T, H_DSA, S, dtype, args.iters, ragged, torch)
             dsa.append(r)
-            print(f"{B:>4} {T:>7} {S:>2} {r['select_us']:>10.1f} {r['select_GBps']:>6.0f} "
-                  f"{100 * r['select_GBps'] / copy_gbps:>6.1f}% {r['select_TFLOPS']:>7.1f} "
-                  f"{fmt_x(r, 'select_x_torch')} {r['attend_us']:>10.1f} {r['attend_GBps']:>6.0f} "
-                  f"{100 * r['attend_GBps'] / copy_gbps:>6.1f}% {r['attend_TFLOPS']:>7.1f}", flush=True)
+            print(dsa_line(r, copy_gbps), flush=True)
     print(f"acceptance {dtype}, K={K_ACCEPT} drafts, V={V_ACCEPT}:")
-    hdr = (f"{'B':>4} {'strict us':>10} {'GB/s':>6} {'% copy':>7} {'relaxed us':>11} {'GB/s':>6} {'% copy':>7} "
-           f"{'rejection us':>13} {'GB/s':>6}")
+    hdr = (f"{'B':>4} {'L2x':>5} {'strict us':>10} {'GB/s':>6} {'% copy':>7} | {'relaxed us':>10} {'GB/s':>6} "
+           f"{'% copy':>7} | {'rejection us':>10} {'GB/s':>6} {'% copy':>7}")
     print(hdr)
     print("-" * len(hdr))
     accept = []
     for B in ACCEPT_B:
         r = bench_accept(b, lib, info, B, K_ACCEPT, V_ACCEPT, dtype, args.iters)
         accept.append(r)
-        print(f"{B:>4} {r['strict_us']:>10.1f} {r['strict_GBps']:>6.0f} {100 * r['strict_GBps'] / copy_gbps:>6.1f}% "
-              f"{r['relaxed_us']:>11.1f} {r['relaxed_GBps']:>6.0f} {100 * r['relaxed_GBps'] / copy_gbps:>6.1f}% "
-              f"{r['rejection_us']:>13.1f} {r['rejection_GBps']:>6.0f}", flush=True)
+        print(accept_line(r, copy_gbps), flush=True)
+    return finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, dsa, accept)
+
+
+def finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, dsa, accept) -> int:
+    mismatches = sum(any(k.endswith("mismatch") for k in r) for r in results + dsa + accept)
+    if mismatches:
+        print(f"{mismatches} row(s) with an output that does not match the reference: those kernels were not timed")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": info, "dtype": dtype, "flags": flags, "data": args.data, "seed": args.seed,
-                       "ragged": args.ragged, "iters": args.iters, "torch": torch.__version__ if torch else None,
-                       "copy_GBps": copy_gbps, "mla_decode": results, "dsa": dsa, "accept": accept}, f, indent=2)
+                       "ragged": ragged, "iters": args.iters, "torch": torch.__version__ if torch else None,
+                       "copy_GBps": copy_gbps, "mla_decode": results, "dsa": dsa, "accept": accept,
+                       "mismatches": mismatches}, f, indent=2)
         print(f"wrote {args.json}")
-    return 0
+    return 1 if mismatches else 0
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from mtp_trt.fsutil import cache_dir
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCES = ("mla_decode.cu", "dsa.cu", "accept.cu", "gather.cu", "api.cu")
-HEADERS = ("mtp_kernels.h", "common.cuh")
+HEADERS = ("mtp_kernels.h", "common.cuh", "hopper.cuh")
 DEFAULT_ARCHS = ("80", "86", "89", "90a", "100", "120")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr")
 ABI_VERSION = 5  # 4: DSA's kernels; 5: num_splits is the persistent grid's parts (workspace: P + B - 1 slots)
@@ -48,6 +48,7 @@ ABI_VERSION = 5  # 4: DSA's kernels; 5: num_splits is the persistent grid's part
 MLA_FORCE_SIMT = 1
 MLA_SINGLE_STAGE = 2
 MLA_FORCE_V1 = 4
+MLA_FORCE_V2 = 8
 
 
 class CudaKernelError(MtpTrtError):

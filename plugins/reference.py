@@ -92,6 +92,15 @@ def _decode_start(q, kv_cache, past_len, new_rows, dl: int):
     return q, cache, np.zeros((*q.shape[:3], dl), dtype=np.float64)
 
 
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+
+def _fp32_capped(scores):
+    """Attention scores with those beyond the fp32 range (+inf included) taken as the largest fp32 value, as the
+    kernels do (they accumulate in fp32): such rows share the weight equally instead of giving a NaN row."""
+    return np.minimum(scores, _FP32_MAX)
+
+
 def mla_decode(q, kv_cache, past_len, *, dl: int, scale: float, new_rows=None, mask=None):
     """MLA decode (mtp_mla_decode).
 
@@ -106,7 +115,7 @@ def mla_decode(q, kv_cache, past_len, *, dl: int, scale: float, new_rows=None, m
         c = int(np.clip(past_len[b], 0, T_max))
         L = min(c + S, T_max)
         rows = cache[b, :L].astype(np.float64)                          # [L, D]
-        scores = scale * np.einsum("shd,td->sht", q[b].astype(np.float64), rows)
+        scores = _fp32_capped(scale * np.einsum("shd,td->sht", q[b].astype(np.float64), rows))
         vis = mla_visible(c, L, S, None if mask is None else mask[b])   # [S, L]
         scores = np.where(vis[:, None, :], scores, -np.inf)
         mx = scores.max(axis=-1, keepdims=True)
@@ -190,7 +199,7 @@ def mla_sparse_decode(q, kv_cache, past_len, selected, *, dl: int, scale: float,
             if not rows:
                 continue
             kv = cache[b, rows, :D].astype(np.float64)  # [n, D]
-            scores = scale * (q[b, s].astype(np.float64) @ kv.T)  # [H, n]
+            scores = _fp32_capped(scale * (q[b, s].astype(np.float64) @ kv.T))  # [H, n]
             e = np.exp(scores - scores.max(-1, keepdims=True))
             out[b, s] = (e / e.sum(-1, keepdims=True)) @ kv[:, :dl]
     return out, cache

@@ -1,6 +1,7 @@
 """What a new user meets in the first hour, and the third round of bad input: a bare install (no extras), the
 commands' defaults (`bench`), paths that do not exist, progress on a log, and input checked before any work
-(the weight scan, the tokenizer files, FP8 scales), each case by family.  The server's cases are in
+(the weight scan, the tokenizer files, FP8 scales), each case by family; the help texts, the documented
+`--config` examples, `run --json`'s layout and `bench`'s word on the machine's load.  The server's cases are in
 tests/test_serve.py; the shared checkpoint and export are test_robustness's."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -52,7 +54,7 @@ def test_truncate_leaves_room_for_the_new_tokens(exp, tmp_path, monkeypatch):
 # The optional packages of the extras (pyproject.toml), made unimportable in the interpreter that runs the
 # commands: what `pip install mtp-trt` without an extra gives.
 OPTIONAL = ("torch", "onnx", "transformers", "matplotlib", "fastapi", "uvicorn", "prometheus_client", "jinja2",
-            "onnxscript")
+            "onnxscript", "tensorrt", "tensorrt_rtx")
 
 # `import name` fails and importlib.util.find_spec(name) is None: not installed
 _HIDE = r"""
@@ -67,21 +69,26 @@ def bare(cases: list[list], cache: Path) -> list[tuple[int, str, str]]:
 
 
 def test_a_bare_install_runs_exports_and_refuses_the_rest_in_one_line(ckpt, exp, tmp_path):
-    """Without torch, onnx, transformers, matplotlib or the serve extra: an export directory runs; `inspect`
-    reads a checkpoint; every command that needs an extra (a checkpoint to export, `export`, `bench`, `--plot`,
-    `--transformers`, `serve`) is one line naming the package and the extra that installs it, before any
-    work."""
+    """Without torch, onnx, TensorRT, transformers, matplotlib or the serve extra: an export directory runs;
+    `inspect` reads a checkpoint; every command that needs an extra (a checkpoint to export, `export`, `build`,
+    `bench`, `--plot`, `--transformers`, `serve`) is one line naming every missing package (TensorRT too) and the
+    extras that install them, before any work."""
+    cpu = 'needs torch and onnx, which are not installed: pip install "mtp-trt[cpu]"'
     cases = [
-        (["run", "-p", "def f(x):"], 'needs torch, which is not installed: pip install "mtp-trt[cpu]"'),
-        (["run", ckpt, "-p", "x"], f'exporting the checkpoint {ckpt} into the cache (its first use) needs torch, '
-                                   f'which is not installed: pip install "mtp-trt[cpu]"'),
-        (["export", "-o", tmp_path / "out"], 'mtp-trt export needs torch, which is not installed: pip install '
-                                             '"mtp-trt[cpu]"'),
-        (["bench"], 'needs torch, which is not installed: pip install "mtp-trt[cpu]"'),
+        (["run", "-p", "def f(x):"], cpu),
+        (["run", ckpt, "-p", "x"], f'exporting the checkpoint {ckpt} into the cache (its first use) {cpu}'),
+        (["export", "-o", tmp_path / "out"], f"mtp-trt export {cpu}"),
+        (["build", exp, "-o", tmp_path / "engines"], 'mtp-trt build needs onnx and TensorRT, which are not '
+                                                     'installed: pip install "mtp-trt[cpu]"; TensorRT: pip install '
+                                                     '"mtp-trt[rtx]" (TensorRT for RTX, which builds without a GPU '
+                                                     'too) or "mtp-trt[gpu]" (TensorRT for data-centre GPUs)'),
+        (["bench"], cpu),
         (["bench", ckpt, "--plot", tmp_path / "b.png"], 'bench --plot needs matplotlib, which is not installed: '
                                                         'pip install "mtp-trt[dev]"'),
-        (["bench", ckpt, "--transformers"], 'bench --transformers needs torch'),
-        (["serve", exp], 'mtp-trt serve needs fastapi, which is not installed: pip install "mtp-trt[serve]"'),
+        (["bench", ckpt, "--transformers"], 'bench --transformers needs torch and transformers, which are not '
+                                            'installed: pip install "mtp-trt[cpu,dev]"'),
+        (["serve", exp], 'mtp-trt serve needs fastapi, uvicorn, prometheus_client and jinja2, which are not '
+                         'installed: pip install "mtp-trt[serve]"'),
     ]
     results = bare([argv for argv, _ in cases] + [["run", exp, "-p", "ab", "--max-new-tokens", "4", "--json"],
                                                   ["inspect", ckpt]], tmp_path / "cache")
@@ -106,8 +113,9 @@ def test_an_optional_module_missing_midway_is_one_line(monkeypatch):
 
     monkeypatch.setattr("mtp_trt.exporters.export.export", export_without_onnx)
     r = CliRunner().invoke(cli.app, ["export", "-o", "/tmp/mtp-trt-never-written"])
-    assert r.exit_code == 2 and r.output.strip() == ('error: mtp-trt export needs onnx, which is not installed: '
-                                                     'pip install "mtp-trt[cpu]"'), r.output
+    assert r.exit_code == 2 and checked_then_refused(r.output.strip(), staged=True), r.output
+    assert r.output.strip().endswith('\nerror: mtp-trt export needs onnx, which is not installed: pip install '
+                                     '"mtp-trt[cpu]"'), r.output
 
 
 # ---------------------------------------------------------------------------------------- paths not there
@@ -173,9 +181,21 @@ def _damaged_weights(ckpt: Path, fp8: Path):
         "holds 1 value(s) beyond 65504, the largest of the export's dtype"
 
 
+CHECKING = "loading torch, checking the checkpoint"  # the first stage of an export (mtp_trt/cli.py, runner.py)
+
+
+def checked_then_refused(err: str, staged: bool | None) -> bool:
+    """stderr is one `error:` line, after (where `staged`: an export's checks failed; None: either) the line of
+    the export's first stage, torch's import and the checks, and no other: no work was reported."""
+    *before, last = err.splitlines()
+    return last.startswith("error: ") and len(before) in ((0, 1) if staged is None else (int(staged),)) and \
+        all(x.endswith(CHECKING) for x in before)
+
+
 def test_the_weights_are_scanned_before_any_work(ckpt, tmp_path):
     """Each damaged tensor (_damaged_weights): `export` and `run` end in exactly one line naming the file and the
-    tensor -- no progress line before it -- and write nothing, in the output or the cache."""
+    tensor -- after the line of the checks' stage alone, none of work -- and write nothing, in the output or the
+    cache."""
     import torch  # noqa: F401
     from safetensors.torch import load_file, save_file
 
@@ -196,7 +216,7 @@ def test_the_weights_are_scanned_before_any_work(ckpt, tmp_path):
             cases.append((["run", d, "-p", "x"], named))
     results = cli_batch([a for a, _ in cases], tmp_path / "cache")
     for (argv, fragments), (code, err, out) in zip(cases, results):
-        assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), (argv, err)
+        assert code == 2 and checked_then_refused(err, staged=True), (argv, err)
         assert all(f in err for f in fragments), (argv, err)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out-")]
     assert not (tmp_path / "cache" / "exports").exists() or not any((tmp_path / "cache" / "exports").iterdir())
@@ -228,8 +248,8 @@ def _damaged_tokenizer_files():
 
 def test_the_tokenizer_files_are_checked_in_the_checkpoint_before_any_work(ckpt, tmp_path):
     """Each damaged file (_damaged_tokenizer_files): `run` of the checkpoint and `export` end in one line naming
-    the checkpoint's own file (not a copy in the cache) and the field, before any line of progress; nothing is
-    exported, into the cache or elsewhere."""
+    the checkpoint's own file (not a copy in the cache) and the field, before any line of progress but the
+    checks' own (export); nothing is exported, into the cache or elsewhere."""
     cases = []
     for label, name, text, fragment in _damaged_tokenizer_files():
         d = tmp_path / label
@@ -240,7 +260,10 @@ def test_the_tokenizer_files_are_checked_in_the_checkpoint_before_any_work(ckpt,
             cases.append((argv, (f"error: {d / name}: ", fragment)))
     results = cli_batch([a for a, _ in cases], tmp_path / "cache")
     for (argv, fragments), (code, err, out) in zip(cases, results):
-        assert code == 2 and err.count("\n") == 1 and all(f in err for f in fragments), (argv, err)
+        # run checks most tokenizer files before it caches an export (the chat template, in it); export, after its
+        # first line
+        assert code == 2 and checked_then_refused(err, staged=True if argv[0] == "export" else None), (argv, err)
+        assert all(f in err for f in fragments), (argv, err)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out-")]
     assert not (tmp_path / "cache" / "exports").exists() or not any((tmp_path / "cache" / "exports").iterdir())
 
@@ -307,8 +330,9 @@ def test_progress_on_a_log_is_whole_lines_in_order(ckpt, tmp_path, monkeypatch):
     ticked = [x[4:x.rindex(" (")] for x in lines if x.startswith("  ✓ ")]
     assert ticked == stages, lines  # each stage ticked once, in order, before the next begins
     export_stages = stages[1:]
-    assert export_stages[0] == f"caching {long.name}: exporting target.onnx", lines
-    assert all(s.startswith(f"caching {long.name}: exporting ") and s.endswith(".onnx") for s in export_stages[:-2])
+    assert export_stages[:2] == [f"caching {long.name}: {CHECKING}",
+                                 f"caching {long.name}: exporting target.onnx"], lines
+    assert all(s.startswith(f"caching {long.name}: exporting ") and s.endswith(".onnx") for s in export_stages[1:-2])
     assert export_stages[-2:] == [f"caching {long.name}: hashing weights.bin", f"caching {long.name}: writing {entry}"]
     others = [x for x in lines if not x.startswith((title, "  ✓ ")) and x.strip()]
     assert len(others) == 2 and others[0].startswith("preparing the model done in ") and "new tokens" in others[1], \
@@ -392,3 +416,170 @@ def test_bench_plot_legend_covers_no_data():
     for ax in fig.axes:
         assert not box.overlaps(ax.get_window_extent()), (box, ax.get_window_extent())
     assert len(legend.get_texts()) == 2 + 2 * 3 + 1  # each line once, though it is in both panels
+
+
+# ------------------------------------------------------------------------------------------------- help texts
+COMMANDS = ("inspect", "export", "build", "check", "run", "serve", "bench")
+ROOT = Path(__file__).resolve().parents[1]
+
+_COLUMNS = r"""
+import os, sys
+os.environ["COLUMNS"] = sys.argv[1]
+"""
+
+
+def helps(columns: int, tmp_path: Path) -> dict[str, str]:
+    """`mtp-trt --help` ("") and each command's --help, rendered `columns` wide: {command: text}."""
+    argvs = [["--help"]] + [[c, "--help"] for c in COMMANDS]
+    results = run_cli(argvs, tmp_path / "cache", _COLUMNS, str(columns))
+    assert all(code == 0 for code, _, _ in results), results
+    return {name: out for name, (_, _, out) in zip(("",) + COMMANDS, results)}
+
+
+def option_help(text: str, flag: str) -> str:
+    """The help of one option in a command's --help, its wrapped lines joined."""
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if re.match(rf"\s+(-\w, )?{flag}\b", x))
+    end = next((i for i in range(start + 1, len(lines)) if re.match(r"\s+-", lines[i])), len(lines))
+    return " ".join(x.strip() for x in lines[start:end])
+
+
+def test_help_summaries_are_whole_and_nothing_is_split_at_a_hyphen(tmp_path):
+    """`mtp-trt --help` lists each command with its whole summary (no "..."), at any width; no help wraps a flag,
+    a command or a default at one of its hyphens (`no-` / `verify`); metavars are written one way; --verify says
+    what README.md says."""
+    from typer.main import get_command
+
+    from mtp_trt.cli import app
+
+    summaries = {name: cmd.short_help for name, cmd in get_command(app).commands.items()}
+    assert sorted(summaries) == sorted(COMMANDS)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for columns in (60, 80, 132):
+        texts = helps(columns, tmp_path)
+        listed: dict[str, str] = {}  # command -> its summary, the wrapped lines joined
+        for line in texts[""].split("Commands:\n")[1].splitlines():
+            entry = re.match(r"  (\w+)  +(.*)", line)
+            if entry:
+                name = entry.group(1)
+            listed[name] = f"{listed.get(name, '')} {entry.group(2) if entry else line.strip()}".strip()
+        assert listed == summaries, (columns, listed)
+        assert all(x.endswith(".") and "..." not in x for x in listed.values()), listed
+        for name, text in texts.items():
+            split = [x for x in text.splitlines() if re.search(r"[A-Za-z0-9]-$", x)]
+            assert not split, (columns, name, split)
+            assert not re.findall(r"--[a-z-]+ [A-Z]+\b", text), (columns, name)  # `<int>`, `<text>`: not `N`, `TEXT`
+        for name in ("run", "serve", "bench"):
+            verify = option_help(texts[name], "--verify")
+            assert "whose size, mtime, ctime or inode changed" in verify and "[default: no-verify]" in verify, verify
+        assert "--batch <int>" in texts["bench"]
+    assert "only files whose size, mtime, ctime or inode changed" in readme
+
+
+# (command line before the flag, flag, every value the flag takes in any command)
+CHOICES = [
+    (["export", "-o", "OUT"], "--mtp-mode", {"eagle", "vanilla"}),
+    (["export", "-o", "OUT"], "--dtype", {"fp32", "fp16", "bf16"}),
+    (["export", "-o", "OUT"], "--lowering", {"onnx", "plugin"}),
+    (["export", "-o", "OUT"], "--moe-form", {"auto", "tensorrt", "static", "gather", "ort", "cpu"}),
+    (["export", "-o", "OUT"], "--quant", {"none", "int8", "int4", "fp8"}),
+    (["export", "-o", "OUT", "--quant", "int8"], "--group-size", {"16", "32", "64", "128", "256"}),
+    (["build", "DIR", "-o", "OUT"], "--precision", {"fp32", "fp16", "bf16"}),
+    (["build", "DIR", "-o", "OUT"], "--flavour", {"auto", "tensorrt", "tensorrt_rtx"}),
+    (["build", "DIR", "-o", "OUT"], "--plugins", {"auto", "cpp", "python"}),
+    *[(argv, flag, values) for argv in (["run", "-p", "x"], ["serve"], ["bench"]) for flag, values in (
+        ("--quant", {"none", "int8", "int4", "fp8"}),
+        ("--group-size", {"16", "32", "64", "128", "256"}))],
+    *[(argv, "--mtp-mode", {"eagle", "vanilla"}) for argv in (["run", "-p", "x"], ["serve"])],
+]
+
+
+def test_each_command_lists_the_values_it_takes(tmp_path):
+    """Each flag that takes one of a set of values: its help in each command names exactly the values that command
+    accepts, as its error for a value it refuses lists them (run's --quant: not fp8, which run refuses)."""
+    texts = helps(200, tmp_path)
+    argvs = []
+    for argv, flag, _ in CHOICES:
+        bad = "48" if flag == "--group-size" else "fp8" if flag == "--quant" and argv[0] != "export" else "nope"
+        extra = ["--quant", "int4"] if flag == "--group-size" and argv[0] != "export" else []
+        argvs.append([str(tmp_path / "OUT") if a == "OUT" else str(tmp_path) if a == "DIR" else a for a in argv]
+                     + extra + [flag, bad])
+    for (argv, flag, values), (code, err, _) in zip(CHOICES, run_cli(argvs, tmp_path / "cache")):
+        last = err.strip().splitlines()[-1]
+        listed = re.search(r"(?:expected|must be) one of ([\w, ]+?)(?:, got |$)", last)
+        assert code == 2 and last.startswith(f"error: {flag}") and listed, (argv, flag, err)
+        accepted = set(listed.group(1).split(", "))
+        named = set(re.findall(r"[\w.]+", option_help(texts[argv[0]], flag))) & values
+        assert accepted <= values and named == accepted, (argv[0], flag, named, accepted)
+    assert not (tmp_path / "OUT").exists()
+
+
+# --------------------------------------------------------------------------------- --config and --json
+def spec_config_examples() -> list[tuple[str, str]]:
+    """The example speculative configs of docs/speculative_config.md: [(json or yaml, text)]."""
+    text = (ROOT / "docs" / "speculative_config.md").read_text()
+    return re.findall(r"```(json|yaml)\n(.*?)```", text, re.S)
+
+
+def test_every_example_speculative_config_runs_and_json_is_compact(exp, tmp_path):
+    """Each example of docs/speculative_config.md (TensorRT-LLM's and vLLM's forms, JSON and YAML: four) runs with
+    `mtp-trt run --config`, at the nextn it asks for; `--json` puts each list of token ids on one line."""
+    yaml = pytest.importorskip("yaml")
+    examples = spec_config_examples()
+    forms = {(lang, "decoding_type" in body) for lang, body in examples}
+    assert len(examples) == 4 and forms == {("json", True), ("json", False), ("yaml", True), ("yaml", False)}
+    argvs, wanted = [], []
+    for i, (lang, body) in enumerate(examples):
+        path = tmp_path / f"spec{i}.{lang}"
+        path.write_text(body)
+        data = json.loads(body) if lang == "json" else yaml.safe_load(body)
+        data = data.get("speculative_config", data)
+        wanted.append(data.get("num_nextn_predict_layers", data.get("num_speculative_tokens")))
+        argvs.append(["run", exp, "-p", "def f(x):", "--max-new-tokens", "40", "--json", "--config", path])
+    longest = 0
+    for argv, nextn, (code, err, out) in zip(argvs, wanted, run_cli(argvs, tmp_path / "cache")):
+        assert code == 0, (argv, err)
+        result = json.loads(out)
+        assert result["summary"]["nextn"] == nextn and result["mtp_mode"] == "eagle", (argv, result["summary"])
+        tokens = result["results"][0]["tokens"]
+        longest = max(longest, len(tokens))
+        assert f'"tokens": {json.dumps(tokens)},' == out.splitlines()[5].strip(), out
+        assert len(out.splitlines()) < 30, out
+    assert longest >= 30  # a long answer, in a few lines
+
+
+# ------------------------------------------------------------------------------------------- bench and load
+# os.getloadavg made to answer, in turn, the loads of sys.argv[1] (a JSON list of 1-minute loads, with the
+# machine's usable cores added to each)
+_LOADS = r"""
+import json, os, sys
+cores = len(os.sched_getaffinity(0))
+loads = [x + cores for x in json.loads(sys.argv[1])]
+os.getloadavg = lambda: (loads.pop(0), 0.0, 0.0)
+"""
+
+
+def test_bench_prints_the_load_average_and_warns_when_the_machine_is_busy(ckpt, tmp_path):
+    """`bench` prints the 1-minute load average before and after its timing beside the figures (and writes it to
+    the JSON); it warns where, before, fewer cores were idle than the threads it runs (one each), or where, after,
+    the load was above the cores: a quiet machine gets no warning."""
+    cores = len(os.sched_getaffinity(0))
+    # (before, after) per run, less the cores: quiet (one thread each), busy before, busy during
+    runs = [(-cores + 0.2, -cores + 1.0), (1.0, 2.0), (-cores + 0.1, 3.0)]
+    argvs = [["bench", ckpt, "--threads", "1", "--repeats", "1", "--max-new-tokens", "4", "-o", tmp_path / f"b{i}.json"]
+             for i in range(len(runs))]
+    results = run_cli(argvs, tmp_path / "cache", _LOADS, json.dumps([x for run in runs for x in run]))
+    for i, ((before, after), (code, err, out)) in enumerate(zip(runs, results)):
+        assert code == 0, err
+        line = (f"load average (1 minute): {before + cores:.2f} before, {after + cores:.2f} after the timing; "
+                f"{cores} usable core{'s' if cores > 1 else ''}, 1 thread per graph")
+        assert line in out.splitlines(), out
+        meta = json.loads((tmp_path / f"b{i}.json").read_text())["meta"]
+        assert meta["load_average"] == {"before": [round(before + cores, 2), 0.0, 0.0],
+                                        "after": [round(after + cores, 2), 0.0, 0.0]}
+        warnings = [x for x in err.splitlines() if x.startswith("warning: ")]
+        if i == 0:
+            assert not warnings, err
+        else:
+            assert len(warnings) == 1 and ("before the timing" if i == 1 else "during the timing") in warnings[0]
+            assert "the figures are lower than on a quiet machine" in warnings[0], err

@@ -114,3 +114,21 @@ def test_missing_test_dependencies_are_named(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("onnx", "typer") else find(n, *a))
     got = gpu_check.run_tests(with_tensorrt=False)
     assert got == {"error": "cannot run: onnx, typer not installed (pip install -e '.[cpu,dev]' installs them)"}
+
+
+def test_kernel_session_runs_v2_first_then_the_default_path(tmp_path):
+    """--kernels DIR: v2 as it is (its GPU tests, its tables uniform and ragged, one Nsight Compute pass at H128 B64
+    S1), then the same on the default path (v3 on Hopper), then the other tables."""
+    steps = gpu_check.kernel_session_steps(tmp_path)
+    names = [name for name, _, _ in steps]
+    assert names[:4] == ["v2: GPU kernel tests", "v2: MLA table, uniform lengths", "v2: MLA table, ragged lengths",
+                         "v2: Nsight Compute, main kernel at H128 B64 T4096 S1"]
+    assert [n.split(":")[0] for n in names[4:8]] == ["default"] * 4
+    for name, cmd, env in steps[:4]:
+        assert env == {"MTP_TRT_MLA_PATH": "v2"}, name
+        assert cmd[0] == "ncu" or "pytest" in cmd or "--force-v2" in cmd, name
+    for name, cmd, env in steps[4:]:
+        assert env == {} and "--force-v2" not in cmd, name
+    ncu = steps[3][1]
+    assert ncu[:3] == ["ncu", "--clock-control", "none"] and "64x4096" in ncu and "--uniform" in ncu
+    assert ["--ragged" in cmd for _, cmd, _ in steps[1:3]] == [False, True]

@@ -270,18 +270,23 @@ def test_engines_without_a_gpu_are_one_line(setup, tmp_path):
     raw = json.loads((gone / "engines.json").read_text())
     raw["export"]["checkpoint"] = str(tmp_path / "nowhere")
     (gone / "engines.json").write_text(json.dumps(raw))
-    # what ONNX Runtime can run instead, as the message names it: an onnx-lowering export (plugin-free engines), or
-    # the checkpoint (a plugin-lowering export does not run on ONNX Runtime)
-    for engine_dir, instead in ((engines["plugin"], f"ONNX Runtime runs their checkpoint instead: mtp-trt run "
-                                                    f"{ref.raw['checkpoint']}"),
-                                (engines["onnx"], f"ONNX Runtime runs their export instead: mtp-trt run "
-                                                  f"{ref.root.parent.resolve() / 'onnx-trt'}"),
-                                (gone, f"ONNX Runtime runs the checkpoint they come from instead ({tmp_path / 'nowhere'}, "
-                                       f"not on this machine): mtp-trt run CHECKPOINT")):
-        for args in (["run", str(engine_dir), "-p", "x"], ["bench", str(engine_dir), "--repeats", "1"]):
+    # what ONNX Runtime can run instead, as the message names it, with the command asked: an onnx-lowering export
+    # (plugin-free engines; not for bench, which takes checkpoints), or the checkpoint (a plugin-lowering export does
+    # not run on ONNX Runtime)
+    ckpt, plain = ref.raw["checkpoint"], ref.root.parent.resolve() / "onnx-trt"
+    commands = ("run", "serve", "bench")
+    checkpoint = {c: f"ONNX Runtime runs their checkpoint instead: mtp-trt {c} {ckpt}" for c in commands}
+    onnx_export = {c: f"ONNX Runtime runs their export instead: mtp-trt {c} {plain}" for c in ("run", "serve")}
+    nowhere = {c: f"ONNX Runtime runs the checkpoint they come from instead ({tmp_path / 'nowhere'}, not on this "
+                  f"machine): mtp-trt {c} CHECKPOINT" for c in commands}
+    for engine_dir, instead in ((engines["plugin"], checkpoint), (engines["onnx"], {**checkpoint, **onnx_export}),
+                                (gone, nowhere)):
+        for args in (["run", str(engine_dir), "-p", "x"], ["serve", str(engine_dir)],
+                     ["bench", str(engine_dir), "--repeats", "1"]):
             r = CliRunner().invoke(app, args, env=env)
             assert r.exit_code == 2, r.output
-            assert "running engines needs an NVIDIA GPU" in r.output and r.output.rstrip().endswith(instead), r.output
+            assert "running engines needs an NVIDIA GPU" in r.output, r.output
+            assert r.output.rstrip().endswith(instead[args[0]]), r.output
             assert "Traceback" not in r.output and r.output.count("error:") == 1
     import subprocess  # the installed command passes check's own exit codes through (3: skipped)
 

@@ -30,6 +30,9 @@ def build(src: Path, out: Path, *flags: str, env: dict | None = None) -> None:
     run = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), *flags, str(src)],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # every folder of package data is a listed package (pyproject.toml): setuptools has nothing to warn about
+    said = run.stdout + run.stderr
+    assert "would be ignored" not in said and "absent from the `packages`" not in said, said[-3000:]
 
 
 PREBUILT_GLIBC = {"libmtp_ort_ops.so": 27, "libmtp_kernels.so": 34}  # the newest GLIBC_2.NN each one needs

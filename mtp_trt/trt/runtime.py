@@ -130,26 +130,29 @@ class Buffer:
         return self.host[:n].view(dtype).reshape(shape).copy()
 
 
-def onnx_runtime_instead(export: dict) -> str:
-    """What ONNX Runtime can run in place of engines (engines.json's "export" record), as a command: the export
-    they were built from where it is an onnx-lowering export still on this machine, else its checkpoint (an export
-    for TensorRT, --lowering plugin or --moe-form tensorrt, does not run on ONNX Runtime's CPU operators)."""
+def onnx_runtime_instead(export: dict, command: str = "run") -> str:
+    """What ONNX Runtime can run in place of engines (engines.json's "export" record), as the same mtp-trt
+    `command` (run, serve or bench) on it: the export they were built from where it is an onnx-lowering export
+    still on this machine (not for bench, which takes checkpoints), else its checkpoint (an export for TensorRT,
+    --lowering plugin or --moe-form tensorrt, does not run on ONNX Runtime's CPU operators)."""
     exp, ckpt = export.get("dir"), export.get("checkpoint")
-    if exp and export.get("lowering") == "onnx" and (Path(exp) / "manifest.json").is_file():
-        return f"ONNX Runtime runs their export instead: mtp-trt run {exp}"
+    if command != "bench" and exp and export.get("lowering") == "onnx" and (Path(exp) / "manifest.json").is_file():
+        return f"ONNX Runtime runs their export instead: mtp-trt {command} {exp}"
     if ckpt and (Path(ckpt) / "config.json").is_file():
-        return f"ONNX Runtime runs their checkpoint instead: mtp-trt run {ckpt}"
+        return f"ONNX Runtime runs their checkpoint instead: mtp-trt {command} {ckpt}"
     return (f"ONNX Runtime runs the checkpoint they come from instead ({ckpt or 'not recorded'}, not on this "
-            f"machine): mtp-trt run CHECKPOINT")
+            f"machine): mtp-trt {command} CHECKPOINT")
 
 
 class TrtBackend(Backend):
     """Runs an engine directory (`mtp-trt build`) on the GPU.  See the module docstring."""
 
     def __init__(self, engine_dir: str | Path, *, device=None, loader=None, kernels=None, cuda_graphs: bool = True,
-                 plugins: str = "auto", share: TrtBackend | None = None):
+                 plugins: str = "auto", share: TrtBackend | None = None, command: str = "run"):
         """share: another TrtBackend of the same engine directory whose device, loader and deserialized engines
-        this one uses too (its own contexts, caches and buffers), so a process holds each engine once."""
+        this one uses too (its own contexts, caches and buffers), so a process holds each engine once; command: the
+        mtp-trt command running them (run, serve or bench), for the message of a machine that cannot."""
+        self.command = command
         if share is not None:
             device, loader, kernels = share.device, share.loader, share._kernels
         self.em = em.EngineManifest.load(engine_dir)
@@ -188,7 +191,8 @@ class TrtBackend(Backend):
             version = compat.load(self.em.flavour).version
         except MtpTrtError:
             version = None
-        problem = plan.runtime_problem(self.em, cc, why, version, onnx_runtime_instead(self.em.raw["export"]))
+        problem = plan.runtime_problem(self.em, cc, why, version, onnx_runtime_instead(self.em.raw["export"],
+                                                                                      self.command))
         if problem:
             raise MtpTrtError(problem)
         return Device()

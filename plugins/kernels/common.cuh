@@ -68,6 +68,11 @@ template <> __device__ __forceinline__ float unpack16<__nv_bfloat16>(const uint4
 }
 
 // ---- warp reductions ----------------------------------------------------------------------
+// A softmax score in log2 units, +inf (an fp32 overflow of q.row or of its scaling) taken as the largest finite
+// float, so that the running max stays finite and exp2(x - max) is 1 for that row, not inf - inf = NaN; -inf (hidden)
+// and NaN pass through.
+__device__ __forceinline__ float finite_score(float x) { return x > 3.402823466e38f ? 3.402823466e38f : x; }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
@@ -250,7 +255,7 @@ inline cudaError_t launch_status() { return cudaGetLastError(); }
 constexpr int kMaxDevices = 64;
 
 struct DeviceFacts {
-    std::atomic<int> num_sms{0}, smem_optin{0};
+    std::atomic<int> num_sms{0}, smem_optin{0}, cc_major{0};
 };
 inline DeviceFacts g_devices[kMaxDevices];
 
@@ -280,6 +285,8 @@ inline int device_attribute(std::atomic<int> DeviceFacts::*slot, cudaDeviceAttr 
 }
 
 inline int current_num_sms() { return device_attribute(&DeviceFacts::num_sms, cudaDevAttrMultiProcessorCount, 132); }
+// The compute capability's major number (9: Hopper; 0 where it cannot be read).
+inline int compute_major() { return device_attribute(&DeviceFacts::cc_major, cudaDevAttrComputeCapabilityMajor, 0); }
 inline int max_optin_smem() {
     return device_attribute(&DeviceFacts::smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
 }

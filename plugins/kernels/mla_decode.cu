@@ -19,8 +19,10 @@
 #include <math.h>
 
 #include <atomic>
+#include <cstdlib>
 
 #include "common.cuh"
+#include "hopper.cuh"
 
 namespace mtp {
 namespace {
@@ -221,6 +223,7 @@ __device__ void v2_schedule(const MlaParams& p, int nseq, int KT) {
 // the last block, the persistent schedule (when P > 1).
 __global__ void __launch_bounds__(128) mla_v2_prologue_kernel(const MlaParams p, uint4* cache, const uint4* new_rows,
                                                               int ncommit, int S, int units, int nseq, int KT) {
+    hopper::grid_launch_dependents();  // v3's main kernel may start; it waits for this grid before reading
     if (static_cast<int>(blockIdx.x) < ncommit) {
         const int row = blockIdx.x;
         const int b = row / S, s = row - b * S;
@@ -401,7 +404,7 @@ __global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p
                         const int t = t0 + cg * C::NW + nb * 8 + 2 * c4 + (e & 1);
                         bool ok = row_of[h] < nq;
                         if (!all_visible) ok = ok && t < L && row_visible(p, b, t, c, tok_of[h], mask_b);
-                        const float x = ok ? sc[nb][e] * p.scale_log2 : -INFINITY;
+                        const float x = ok ? finite_score(sc[nb][e] * p.scale_log2) : -INFINITY;
                         sc[nb][e] = x;
                         mx[h] = fmaxf(mx[h], x);
                     }
@@ -493,6 +496,7 @@ constexpr int V2C_THREADS = 128;
 template <typename T>
 __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaParams p, int nseq) {
     __shared__ float sw[V2C_THREADS / 32][MTP_MLA_MAX_SPLITS];
+    hopper::grid_dependency_wait();  // launched dependent on v3's main kernel: its partials complete and visible
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int M = p.S * p.H;
     const long long row = static_cast<long long>(blockIdx.x) * (V2C_THREADS / 32) + warp;
@@ -541,6 +545,310 @@ __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaPa
         pk.y = pack2<T>(a[j].z * inv, a[j].w * inv);
         *reinterpret_cast<uint2*>(out + 128 * j) = pk;
     }
+}
+
+// =============================================================================================
+// v3: DeepSeek's shapes on Hopper (sm_90a): warpgroup MMA and TMA (hopper.cuh).  Same grid, schedule, workspace and
+// combine as v2 (the prologue cuts the tiles of KT = 64 rows); only dense launches (sparse lists stay on v2).
+//
+// A block takes 64 query rows (m = s * H + h, rows past the sequence's M are computed and dropped) and two
+// warpgroups.  Per 64-row KV tile (its 576 values as 9 slices of 64, each a TMA box of 64 x 64 landing 128-byte
+// swizzled, 8 KB; all 9 on one mbarrier; a 3-D tensor map [sequence][T_max][stride], so a tile never reads another
+// sequence's rows), with P(i) already in shared memory:
+//   barrier A     P(i), its rescale factors and tile i's rows past the sequence's end (zeroed) visible
+//   warpgroup 0   issues S(i + 1) = Q . K(i + 1)^T (36 wgmma m64n64k16, Q -- loaded once per segment by TMA -- and
+//                 the tile both from shared memory, K-major) and its half of P(i) . V(i), waits for S(i + 1) only,
+//                 and runs the mask and online softmax of tile i + 1 (a quad holds a row) while the tensor cores do
+//                 P(i) . V(i)
+//   warpgroup 1   its half of P(i) . V(i)
+//                 (O = alpha O + P . V: warpgroup g owns output columns 256 g .. 256 g + 255, 4 x 32 fp32 registers
+//                 per thread; V is the tile's first 8 slices read MN-major, no copy)
+//   barrier B     P(i) . V(i) done: sP and tile i's stage free; one thread issues the TMA of tile i + 2 into it;
+//                 warpgroup 0 publishes P(i + 1) (rounded to T) and its factors, zeroes tile i + 1's rows past the
+//                 sequence's end (the cache there may hold NaN, and 0 * NaN would reach O), fences for the async proxy
+// Two stages: tile i + 1 lands while tile i is computed.  The prologue, this kernel and the combine are chained by
+// programmatic dependent launch: each waits (griddepcontrol.wait) before reading what the previous one wrote.
+// Not yet done: FlashMLA's "seesaw" (each warpgroup computing S for half the rows so that both softmaxes overlap the
+// other's MMA), a producer warp with setmaxnreg, deeper stages.
+// Shared memory: 1 KB alignment slack, Q 72 KB, 2 stages of 72 KB, P 8 KB, 3 mbarriers, fp32 alpha / l / m per row.
+// =============================================================================================
+constexpr int V3_KT = 64;
+constexpr int V3_THREADS = 256;
+constexpr int V3_SLICES = V2_D / 64;  // 9
+constexpr uint32_t V3_SLICE = 64 * 128;
+constexpr uint32_t V3_TILE = V3_SLICES * V3_SLICE;  // 73728
+constexpr size_t V3_Q_OFF = 0, V3_K_OFF = V3_TILE, V3_P_OFF = 3 * V3_TILE, V3_BAR_OFF = V3_P_OFF + V3_SLICE;
+constexpr size_t V3_ALPHA_OFF = V3_BAR_OFF + 64, V3_L_OFF = V3_ALPHA_OFF + 256, V3_M_OFF = V3_L_OFF + 256;
+constexpr size_t V3_BYTES = 1024 + V3_M_OFF + 256;  // 231,232 bytes
+
+template <typename T>
+__global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p, const __grid_constant__ CUtensorMap tm_q,
+                                                               const __grid_constant__ CUtensorMap tm_kv) {
+#if defined(MTP_HAS_WGMMA) || defined(MTP_EMULATE_DEVICE)  // code for sm_90a only (v3_serves never launches it elsewhere)
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned char* sQ = smem + V3_Q_OFF;
+    unsigned char* sK = smem + V3_K_OFF;
+    unsigned char* sP = smem + V3_P_OFF;
+    uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + V3_BAR_OFF);
+    uint64_t* bar_kv = bar_q + 1;  // [2]
+    float* sAlpha = reinterpret_cast<float*>(smem + V3_ALPHA_OFF);
+    float* sL = reinterpret_cast<float*>(smem + V3_L_OFF);
+    float* sM = reinterpret_cast<float*>(smem + V3_M_OFF);
+
+    const int tid = threadIdx.x, w = (tid >> 5) & 3, lane = tid & 31;
+    const int wg = __shfl_sync(kFullMask, tid >> 7, 0);  // warp-uniform to the compiler: wgmma in uniform branches
+    const int g = lane >> 2, c4 = lane & 3;
+    const int M = p.S * p.H;
+    const int m0 = blockIdx.x * 64;
+    const int nq = min(64, M - m0);
+    const int row_of[2] = {16 * w + g, 16 * w + g + 8};
+    int tok_of[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
+
+    if (tid == 0) {
+        hopper::mbar_init(bar_q, 1);
+        hopper::mbar_init(bar_kv, 1);
+        hopper::mbar_init(bar_kv + 1, 1);
+        hopper::mbar_init_fence();
+    }
+    __syncthreads();
+    hopper::grid_dependency_wait();  // the prologue's commit and schedule are complete and visible
+    hopper::grid_launch_dependents();
+
+    int bf, tf, bl, tl;
+    if (p.nsplit > 1) {
+        const int4 run = p.part_sched[blockIdx.y];
+        if (run.x < 0) return;
+        bf = run.x, tf = run.y, bl = run.z, tl = run.w;
+    } else {
+        bf = bl = blockIdx.y;
+        tf = 0;
+        tl = v2_tiles(p, bf, V3_KT);
+    }
+    const uint32_t q_base = hopper::smem_addr(sQ), k_base = hopper::smem_addr(sK), p_base = hopper::smem_addr(sP);
+    unsigned q_phase = 0, it = 0;  // Q loads so far; KV tiles so far (stage it % 2, parity (it / 2) & 1)
+
+    for (int b = bf; b <= bl; ++b) {
+        int c;
+        const int L = seq_rows(p, b, c);
+        const int nt = (L + V3_KT - 1) / V3_KT;
+        const int tb = b == bf ? tf : 0;
+        int te = b == bl ? tl : nt;
+        const bool direct = tb == 0 && te == nt;
+        const int lim = tile_rows(p, L, c, m0 + nq - 1);
+        te = min(te, (lim + V3_KT - 1) / V3_KT);
+        const int n = max(0, te - tb);
+        const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
+
+        auto issue = [&](int i, unsigned stage) {  // tile tb + i into stage (one thread)
+            hopper::mbar_arrive_expect_tx(bar_kv + stage, V3_TILE);
+            for (int j = 0; j < V3_SLICES; ++j)
+                hopper::tma_load_3d(sK + stage * V3_TILE + j * V3_SLICE, &tm_kv, 64 * j, (tb + i) * V3_KT, b,
+                                    bar_kv + stage);
+        };
+        if (tid == 0 && n > 0) {
+            hopper::mbar_arrive_expect_tx(bar_q, V3_TILE);
+            for (int j = 0; j < V3_SLICES; ++j)
+                hopper::tma_load_3d(sQ + j * V3_SLICE, &tm_q, 64 * j, m0, b, bar_q);
+            for (int i = 0; i < 2 && i < n; ++i) issue(i, (it + i) & 1);
+        }
+
+        float acc[4][32];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 32; ++e) acc[j][e] = 0.f;
+        float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+        float sc[32];        // warpgroup 0: the scores of the next tile, then its P (rounded to T, as floats)
+        float alpha_n[2];    // warpgroup 0: that tile's rescale factors
+
+        // warpgroup 0: S of tile k (in `stage`) issued into sc (a commit group of its own; not waited for)
+        auto scores = [&](unsigned stage) {
+            const uint32_t kt_base = k_base + stage * V3_TILE;
+#pragma unroll
+            for (int j = 0; j < V3_SLICES; ++j)
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks) {
+                    const uint64_t da = hopper::smem_desc(q_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
+                    const uint64_t db = hopper::smem_desc(kt_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
+                    hopper::Wgmma64<T, false>::run(sc, da, db, j > 0 || ks > 0);
+                }
+            hopper::wgmma_commit();
+        };
+        // warpgroup 0, after S of tile k is complete: mask, online softmax (a quad holds a row) -> P in sc, alpha_n
+        auto softmax = [&](int k) {
+            const int t0 = (tb + k) * V3_KT;
+            const bool all_visible = t0 + V3_KT <= c;
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int i8 = 0; i8 < 8; ++i8)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e >> 1;
+                    const int t = t0 + 8 * i8 + 2 * c4 + (e & 1);
+                    bool ok = row_of[h] < nq;
+                    if (!all_visible) ok = ok && t < L && visible(t, c, tok_of[h], p.S, mask_b);
+                    const float x = ok ? finite_score(sc[4 * i8 + e] * p.scale_log2) : -INFINITY;
+                    sc[4 * i8 + e] = x;
+                    mx[h] = fmaxf(mx[h], x);
+                }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+                const float m_new = fmaxf(m_run[h], mx[h]);
+                alpha_n[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+                float ls = 0.f;
+#pragma unroll
+                for (int i8 = 0; i8 < 8; ++i8)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x = sc[4 * i8 + 2 * h + e];
+                        const float q = to_f<T>(from_f<T>(x == -INFINITY ? 0.f : exp2f(x - m_new)));
+                        sc[4 * i8 + 2 * h + e] = q;
+                        ls += q;  // the denominator sums the rounded weights
+                    }
+                l_run[h] = l_run[h] * alpha_n[h] + ls;
+                m_run[h] = m_new;
+            }
+        };
+        // warpgroup 0, when sP and the tile's stage are free of readers: P and alpha to shared memory, the tile's rows
+        // past the sequence's end zeroed for P . V (their P is 0, the cache there may hold NaN); fenced for wgmma
+        auto publish = [&](int k, unsigned stage) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row_of[h];
+#pragma unroll
+                for (int i8 = 0; i8 < 8; ++i8)
+                    *reinterpret_cast<uint32_t*>(sP + hopper::swizzle128((r >> 3) * 1024 + (r & 7) * 128 +
+                                                                        2 * (8 * i8 + 2 * c4))) =
+                        pack2<T>(sc[4 * i8 + 2 * h], sc[4 * i8 + 2 * h + 1]);
+                if (c4 == 0) sAlpha[r] = alpha_n[h];
+            }
+            const int t0 = (tb + k) * V3_KT;
+            if (t0 + V3_KT > L) {
+                unsigned char* sKt = sK + stage * V3_TILE;
+                for (int e = tid; e < V3_KT * 8 * 8; e += 128) {  // (row, slice, 16-byte chunk) of V's 8 slices
+                    const int r = e >> 6, j = (e >> 3) & 7, ch = e & 7;
+                    if (t0 + r >= L)
+                        *reinterpret_cast<uint4*>(sKt + j * V3_SLICE + hopper::swizzle128(r * 128 + ch * 16)) =
+                            make_uint4(0, 0, 0, 0);
+                }
+            }
+            hopper::fence_proxy_async();
+        };
+
+        if (n > 0) {
+            hopper::mbar_wait(bar_q, q_phase & 1);
+            ++q_phase;
+            hopper::mbar_wait(bar_kv + (it & 1), (it >> 1) & 1);
+            if (wg == 0) {
+                hopper::wgmma_fence();
+                scores(it & 1);
+                hopper::wgmma_wait<0>();
+                hopper::fence_regs(sc);
+                softmax(0);
+                publish(0, it & 1);
+            }
+        }
+        // Tile i: P(i) is published.  Warpgroup 0 issues S(i + 1), then its half of P(i) . V(i), waits for S(i + 1) only
+        // and runs the softmax of tile i + 1 while the tensor cores do P(i) . V(i); warpgroup 1 does its half of
+        // P(i) . V(i).  Two block barriers per tile.
+        for (int i = 0; i < n; ++i) {
+            const unsigned stage = (it + i) & 1, nstage = stage ^ 1u;
+            const unsigned nparity = ((it + i + 1) >> 1) & 1;
+            const bool next = i + 1 < n;
+            __syncthreads();  // A: P(i), alpha(i) and tile i's zeroed rows visible
+            {
+                const float a0 = sAlpha[row_of[0]], a1 = sAlpha[row_of[1]];
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int i8 = 0; i8 < 8; ++i8) {
+                        acc[j][4 * i8 + 0] *= a0;
+                        acc[j][4 * i8 + 1] *= a0;
+                        acc[j][4 * i8 + 2] *= a1;
+                        acc[j][4 * i8 + 3] *= a1;
+                    }
+            }
+            const uint32_t kt_base = k_base + stage * V3_TILE;
+            auto pv = [&]() {  // this warpgroup's half of P(i) . V(i), one commit group
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk) {
+                        const uint64_t da = hopper::smem_desc(p_base + 32 * kk, 16, 1024, hopper::kSwizzle128B);
+                        const uint64_t db = hopper::smem_desc(kt_base + (4 * wg + j) * V3_SLICE + 2048 * kk, 0, 1024,
+                                                              hopper::kSwizzle128B);
+                        hopper::Wgmma64<T, true>::run(acc[j], da, db, true);
+                    }
+                hopper::wgmma_commit();
+            };
+            if (wg == 0 && next) {
+                hopper::mbar_wait(bar_kv + nstage, nparity);
+                hopper::wgmma_fence();
+                scores(nstage);
+                pv();
+                hopper::wgmma_wait<1>();  // S(i + 1) complete; P(i) . V(i) may still run
+                hopper::fence_regs(sc);
+                softmax(i + 1);
+                hopper::wgmma_wait<0>();
+            } else {
+                hopper::wgmma_fence();
+                pv();
+                hopper::wgmma_wait<0>();
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
+            if (wg == 1 && next) hopper::mbar_wait(bar_kv + nstage, nparity);  // tile i + 1's data visible here too
+            __syncthreads();  // B: P(i) . V(i) done: sP and stage i free
+            if (tid == 0 && i + 2 < n) issue(i + 2, stage);
+            if (wg == 0 && next) publish(i + 1, nstage);
+        }
+        it += n;
+
+        // ---- epilogue: row sums over the quad; direct output or fp32 partials (v2's workspace layout)
+        if (wg == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float l = l_run[h];
+                l += __shfl_xor_sync(kFullMask, l, 1);
+                l += __shfl_xor_sync(kFullMask, l, 2);
+                if (c4 == 0) {
+                    sL[row_of[h]] = l;
+                    sM[row_of[h]] = m_run[h];
+                }
+            }
+        }
+        __syncthreads();
+        const int slot = blockIdx.y + b;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row_of[h];
+            if (r >= nq) continue;
+            const float l = sL[r];
+            const float inv = direct ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
+            const size_t orow = direct ? static_cast<size_t>(b) * M + m0 + r : static_cast<size_t>(slot) * M + m0 + r;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int i8 = 0; i8 < 8; ++i8) {
+                    const int col = 256 * wg + 64 * j + 8 * i8 + 2 * c4;
+                    const float v0 = acc[j][4 * i8 + 2 * h] * inv, v1 = acc[j][4 * i8 + 2 * h + 1] * inv;
+                    if (direct)
+                        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + orow * V2_DL + col) = pack2<T>(v0, v1);
+                    else
+                        *reinterpret_cast<float2*>(p.opart + orow * V2_DL + col) = make_float2(v0, v1);
+                }
+            if (!direct && wg == 0 && c4 == 0) p.ml[orow] = make_float2(sM[r], l);
+        }
+        __syncthreads();  // sL / sM read
+    }
+#else
+    __trap();
+#endif
 }
 
 // =============================================================================================
@@ -723,7 +1031,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) mla_tc_kernel(const MlaParams p
                     float acc_s = 0.f;
 #pragma unroll
                     for (int w = 0; w < TC_WARPS; ++w) acc_s += sSp[(w * TC_QT + r) * TC_SS + lane];
-                    x = acc_s * p.scale_log2;
+                    x = finite_score(acc_s * p.scale_log2);
                 }
                 const float m_old = sM[r];
                 const float m_new = fmaxf(m_old, warp_max(x));
@@ -913,7 +1221,7 @@ __global__ void __launch_bounds__(SM_THREADS) mla_simt_kernel(const MlaParams p)
             float x = 0.f;
             for (int d = 0; d < D; ++d) x = fmaf(qr[d], kr[d], x);
             const bool ok = t < end && row_visible(p, b, t, c, s, mask_b);
-            x = ok ? x * p.scale_log2 : -INFINITY;
+            x = ok ? finite_score(x * p.scale_log2) : -INFINITY;
             const float m_new = fmaxf(mrun[qi], warp_max(x));
             float pv = 0.f, alpha = 1.f;
             if (m_new != -INFINITY) {
@@ -1113,6 +1421,52 @@ bool v2_config(mtp_dtype dtype, const MlaParams& p, long long M, int flags, int&
     return smem <= optin;
 }
 
+// Whether v3 serves a launch v2 serves: a dense launch on a compute capability 9 GPU running this library's sm_90a
+// code (not JIT-compiled PTX of another arch), with room for its shared memory, unless MTP_MLA_FORCE_V2.
+bool v3_serves(const MlaParams& p, int flags) {
+    static const bool env_v2 = [] {  // MTP_TRT_MLA_PATH=v2: v2 everywhere (comparisons on a GPU, whole test runs)
+        const char* e = getenv("MTP_TRT_MLA_PATH");
+        return e && e[0] == 'v' && e[1] == '2' && e[2] == 0;
+    }();
+    if (p.sel || (flags & MTP_MLA_FORCE_V2) || env_v2 || compute_major() != 9 ||
+        static_cast<size_t>(max_optin_smem()) < V3_BYTES)
+        return false;
+    static const int binary = [] {
+        cudaFuncAttributes a = {};
+        if (cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(mla_v3_kernel<__nv_bfloat16>)) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        return a.binaryVersion;
+    }();
+    return binary == 90;
+}
+
+// v3's tensor maps: q as [nseq][M rows][576], the cache as [nseq][T_max rows][stride] (so a tile never reads past
+// its sequence's T_max rows); false where the driver cannot encode them (v2 serves the launch then).
+bool v3_maps(const MlaParams& p, int nseq, CUtensorMap& tm_q, CUtensorMap& tm_kv) {
+    const uint64_t M = static_cast<uint64_t>(p.S) * p.H;
+    return hopper::encode_tensor_map_3d(&tm_q, p.q, V2_D, M, nseq, V2_D * 2, 64) &&
+           hopper::encode_tensor_map_3d(&tm_kv, p.cache, p.stride, p.T_max, nseq, static_cast<uint64_t>(p.stride) * 2,
+                                        V3_KT);
+}
+
+template <typename T>
+cudaError_t launch_v3(MlaParams& p, int nseq, const CUtensorMap& tm_q, const CUtensorMap& tm_kv, cudaStream_t stream) {
+    const long long M = static_cast<long long>(p.S) * p.H;
+    static std::atomic<unsigned long long> raised{0};
+    const int dev = current_device();
+    const unsigned long long bit = dev >= 0 && dev < kMaxDevices ? 1ull << dev : 0;
+    if (!bit || !(raised.load(std::memory_order_relaxed) & bit)) {
+        const cudaError_t e = cudaFuncSetAttribute(mla_v3_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(V3_BYTES));
+        if (e != cudaSuccess) return e;
+        raised.fetch_or(bit, std::memory_order_relaxed);
+    }
+    const dim3 grid(static_cast<unsigned>((M + 63) / 64), static_cast<unsigned>(p.nsplit > 1 ? p.nsplit : nseq));
+    return hopper::launch_pdl(mla_v3_kernel<T>, grid, V3_THREADS, V3_BYTES, stream, p, tm_q, tm_kv);
+}
+
 template <typename T>
 cudaError_t launch_v2(MlaParams& p, int nseq, int R, int KT, size_t smem, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>((static_cast<long long>(p.S) * p.H + R - 1) / R),
@@ -1144,6 +1498,9 @@ cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, const Commit& co
     int R = 0, KT = 0;
     size_t smem = 0;
     if (v2_config(dtype, p, M, flags, R, KT, smem)) {
+        CUtensorMap tm_q, tm_kv;
+        const bool v3 = v3_serves(p, flags) && v3_maps(p, nseq, tm_q, tm_kv);
+        if (v3) KT = V3_KT;
         if (parts > 1) {
             const size_t rows = (static_cast<size_t>(parts) + nseq - 1) * M;
             char* ws = static_cast<char*>(workspace);
@@ -1169,13 +1526,21 @@ cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, const Commit& co
                 commit.S, static_cast<int>(row_bytes / 16), nseq, KT);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
         }
-        if (dtype == MTP_DTYPE_F16)
+        if (v3)
+            err = dtype == MTP_DTYPE_F16 ? launch_v3<__half>(p, nseq, tm_q, tm_kv, stream)
+                                         : launch_v3<__nv_bfloat16>(p, nseq, tm_q, tm_kv, stream);
+        else if (dtype == MTP_DTYPE_F16)
             err = launch_v2<__half>(p, nseq, R, KT, smem, stream);
         else
             err = launch_v2<__nv_bfloat16>(p, nseq, R, KT, smem, stream);
         if (err != cudaSuccess || parts <= 1) return err;
         const long long rows = static_cast<long long>(nseq) * M;
         const unsigned blocks = static_cast<unsigned>((rows + V2C_THREADS / 32 - 1) / (V2C_THREADS / 32));
+        if (v3)
+            return dtype == MTP_DTYPE_F16
+                       ? hopper::launch_pdl(mla_v2_combine_kernel<__half>, dim3(blocks), V2C_THREADS, 0, stream, p, nseq)
+                       : hopper::launch_pdl(mla_v2_combine_kernel<__nv_bfloat16>, dim3(blocks), V2C_THREADS, 0, stream,
+                                            p, nseq);
         if (dtype == MTP_DTYPE_F16)
             mla_v2_combine_kernel<__half><<<blocks, V2C_THREADS, 0, stream>>>(p, nseq);
         else
@@ -1273,7 +1638,8 @@ extern "C" cudaError_t mtp_mla_decode(mtp_dtype dtype, const void* q, void* kv_c
     const int D = Dl + Dr;
     if (M > (1LL << 24) || static_cast<long long>(S) * S > (1LL << 30)) return cudaErrorInvalidValue;
     if (num_splits > 1) {
-        if (!workspace ||
+        // the partial outputs are read as float4 and their (max, sum) as float2: 16-byte aligned workspace
+        if (!workspace || !aligned16(workspace) ||
             workspace_bytes < mtp_mla_decode_workspace_size(B, S, H, Dl, num_splits))
             return cudaErrorInvalidValue;
     }
@@ -1298,7 +1664,8 @@ extern "C" cudaError_t mtp_mla_sparse_decode(mtp_dtype dtype, const void* q, voi
         H > (1 << 24))
         return cudaErrorInvalidValue;
     if (num_splits > 1 &&
-        (!workspace || workspace_bytes < mtp_mla_decode_workspace_size(B * S, 1, H, Dl, num_splits)))
+        (!workspace || !aligned16(workspace) ||
+         workspace_bytes < mtp_mla_decode_workspace_size(B * S, 1, H, Dl, num_splits)))
         return cudaErrorInvalidValue;
     MlaParams p = mla_params(q, kv_cache, past_len, out, 1, H, Dl, Dr, C, T_max, scale, num_splits);
     p.sel = selected;

@@ -54,7 +54,10 @@ int mtp_get_last_error(void);
  *
  * Precision: fp32 accumulation everywhere.  fp16/bf16: the probabilities are rounded to the input
  * type before the P.V product (as in FlashAttention); the softmax denominator sums those rounded
- * values, so the weights used are exactly normalised.
+ * values, so the weights used are exactly normalised.  A score beyond the fp32 range (+inf, or
+ * scale * q . row overflowing) counts as the largest fp32 value: such rows share the weight equally
+ * (no NaN row).
+ * The workspace (num_splits > 1) must be 16-byte aligned (cudaErrorInvalidValue otherwise).
  *
  * Work split (num_splits): num_splits == 1 -- one block per (block of query rows, sequence), `out`
  * written directly, no workspace (pass NULL/0).  num_splits = P > 1 -- a persistent grid of P "parts"
@@ -77,6 +80,7 @@ int mtp_get_last_error(void);
 #define MTP_MLA_FORCE_SIMT 1
 #define MTP_MLA_SINGLE_STAGE 2 /* general tensor-core kernel: no double buffering (benchmarking) */
 #define MTP_MLA_FORCE_V1 4     /* DeepSeek's dims served by the general kernels, not v2 (benchmarking) */
+#define MTP_MLA_FORCE_V2 8     /* DeepSeek's dims on v2 where v3 (Hopper) would serve them (benchmarking) */
 #define MTP_MLA_MAX_SPLITS 256
 
 /* Parts of the persistent grid for a launch: floor(num_sms / ceil(S*H / 64)) -- one wave of blocks of

@@ -4,6 +4,7 @@ asks of it (tests/kernels/test_emulated.py runs its launches on the emulated ker
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from mtp_trt.plugins import bench_kernels as bk
 from mtp_trt.plugins import reference as ref
@@ -88,7 +89,114 @@ def test_ragged_lengths_are_seeded_and_in_range():
     assert np.array_equal(lens, bk.Bench(None, seed=5).past_lengths(1000, 100, 2, True))
 
 
-def test_rotation_exceeds_l2_three_times():
-    assert bk.rotation({"l2_bytes": 60 << 20}, 4 << 20) == 16
-    assert bk.rotation({"l2_bytes": 60 << 20}, 50 << 20) == 4
-    assert bk.rotation({"l2_bytes": 60 << 20}, 1 << 30) == 1
+H200 = {"l2_bytes": 60 << 20, "global_mem_bytes": 141 * 10**9, "sm_count": 132}  # as cudaGetDeviceProperties
+
+
+def test_plan_rotation_reads_three_l2_between_two_uses_of_a_copy():
+    for read in (1 << 20, (60 << 20) // 3, 60 << 20, 1 << 30):
+        rot = bk.plan_rotation(60 << 20, read, read, 30, 1 << 40)
+        assert rot.calls % rot.copies == 0 and rot.calls >= 30
+        # the ratio from the sequence of copies the timed calls use, two replays of the graph, warm-up aside
+        assert bk.reuse_bytes(rot.sequence(), read) > 3 * (60 << 20), read
+        assert rot.l2_ratio == bk.reuse_bytes(rot.sequence(), read) / (60 << 20)
+    # 1 MiB read per call: 182 copies, and a graph of 182 calls (30 calls would re-read 30 MiB, within L2)
+    rot = bk.plan_rotation(60 << 20, 1 << 20, 1 << 20, 30, 1 << 40)
+    assert (rot.copies, rot.calls) == (182, 182) and rot.l2_ratio == 181 / 60
+    # a budget that holds fewer copies gives fewer, and the ratio says so
+    rot = bk.plan_rotation(60 << 20, 1 << 20, 1 << 20, 30, 50 << 20)
+    assert rot.copies == 50 and rot.l2_ratio < 1
+    rot = bk.plan_rotation(60 << 20, 1 << 10, 1 << 10, 30, 1 << 40)  # and at most MAX_COPIES
+    assert rot.copies == bk.MAX_COPIES and rot.l2_ratio < 1
+
+
+def test_reuse_bytes_counts_the_calls_between_two_uses():
+    assert bk.reuse_bytes([0, 1, 2, 0, 1, 2], 10) == 20
+    assert bk.reuse_bytes([0, 1, 0, 2], 10) == 10
+    assert bk.reuse_bytes([0, 0], 10) == 0
+    assert bk.reuse_bytes([0, 1], 10) == float("inf")
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "uniform"])
+def test_every_benchmarked_kernel_reads_three_l2_between_two_uses_of_a_copy(ragged):
+    """Every row the benchmark times, on an H200's L2 and memory: the bytes each kernel reads between two uses of one
+    copy of its inputs (from the sequence of copies its calls use) exceed L2 three times."""
+    b = bk.Bench(None, seed=0)
+    for H in (128, 16):
+        for S in (1, 2, 4):
+            for B, T in bk.CONFIGS_BT:
+                lens = b.past_lengths(B, T, S, ragged)
+                rot = bk.mla_rotation(H200, B, T, H, S, lens, 30)
+                assert rot.l2_ratio > 3, ("mla", B, T, H, S, rot)
+    for S in (1, 2, 4):
+        for B, T in bk.DSA_BT:
+            lens = b.past_lengths(B, T, S, ragged)
+            rot = bk.select_rotation(H200, B, T, S, lens, 30)
+            assert rot.l2_ratio > 3, ("select", B, T, S, rot)
+            n = min(bk.TOPK, T)
+            lists = bk.sparse_lists(b.rng, B, S, bk.TOPK, n, 2 * n, 0)
+            distinct = sum(len(np.unique(lists[i][lists[i] >= 0])) for i in range(B))
+            rot = bk.sparse_rotation(H200, B, S, bk.H_DSA, distinct, 2 * n, 30)
+            assert rot.l2_ratio > 3, ("sparse", B, T, S, rot)
+    for B in bk.ACCEPT_B:
+        assert bk.accept_rotation(H200, B, bk.K_ACCEPT, bk.V_ACCEPT, 30).l2_ratio > 3, ("accept", B)
+
+
+def test_indexer_copies_are_sized_on_the_keys_it_reads():
+    """The selection reads 128 of each row's 704 values: its copies are sized on those 256 bytes per row, so at
+    B 1, T 4096 they are many more than whole rows would need."""
+    lens = np.int32([4095])
+    rot = bk.select_rotation(H200, 1, 4096, 1, lens, 30)
+    assert rot.read_bytes == 4096 * 128 * 2 + 64 * 128 * 2 + 64 * 4
+    assert (rot.copies - 1) * rot.read_bytes > 3 * (60 << 20)
+    assert rot.copies > 5 * 3 * (60 << 20) / (4096 * 704 * 2)  # whole rows would have given a fifth as many
+
+
+def test_sparse_lists_name_fresh_rows_on_every_copy():
+    rng = np.random.default_rng(0)
+    seen = set()
+    for k in range(4):
+        sel = bk.sparse_lists(rng, 2, 3, 40, 30, 60, k)
+        assert sel.shape == (2, 3, 40) and np.all(sel[..., 30:] == -1)
+        rows = sel[..., :30]
+        assert np.all(np.diff(rows, axis=-1) > 0) and rows.min() >= 60 * k and rows.max() < 60 * (k + 1)
+        assert not seen & set(rows.ravel().tolist())
+        seen |= set(rows.ravel().tolist())
+
+
+def test_lengths_are_ragged_unless_uniform_is_asked():
+    assert not bk.parser().parse_args([]).uniform
+    assert bk.parser().parse_args(["--uniform"]).uniform and not bk.parser().parse_args(["--ragged"]).uniform
+
+
+def test_mla_expected_is_the_reference():
+    rng = np.random.default_rng(2)
+    B, S, H, T, D = 3, 2, 4, 50, bk.DL + bk.DR
+    q, cache, new = rng.standard_normal((B, S, H, D)), rng.standard_normal((B, T, D)), rng.standard_normal((B, S, D))
+    lens = np.int32([0, 17, 48])
+    want, after = ref.mla_decode(q, cache, lens, dl=bk.DL, scale=0.05, new_rows=new)
+    got = bk.mla_expected(q, after, lens, S, 0.05, [0, 2])
+    assert np.allclose(got, want[[0, 2]], rtol=1e-12, atol=1e-12)
+
+
+def test_select_expected_is_the_reference(monkeypatch):
+    for name, value in {"HI": 4, "DI": 16, "TOPK": 8}.items():
+        monkeypatch.setattr(bk, name, value)
+    rng = np.random.default_rng(3)
+    B, S, T = 2, 2, 30
+    iq, w = rng.standard_normal((B, S, 4, 16)), rng.random((B, S, 4))
+    cache = rng.standard_normal((B, T, 20))
+    lens = np.int32([5, 28])
+    want, want_scores = ref.dsa_select(iq, w, cache, lens, key_offset=4, k=8, scale=16**-0.5)
+    got, scores = bk.select_expected(iq, w, cache[..., 4:], lens, S, [0, 1])
+    assert np.array_equal(got, want)
+    assert np.allclose(scores, want_scores, equal_nan=True, rtol=1e-6)
+
+
+def test_mismatch_names_the_worst_value_and_never_passes_nan():
+    want = np.ones((2, 3))
+    assert bk.mismatch(want + 0.01, want, 2e-2) is None
+    got = want.copy()
+    got[1, 2] = 1.5
+    assert "1 of 6 values off" in bk.mismatch(got, want, 2e-2) and "(1, 2)" in bk.mismatch(got, want, 2e-2)
+    got[0, 0] = np.nan
+    assert "(0, 0)" in bk.mismatch(got, want, 2e-2)

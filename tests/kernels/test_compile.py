@@ -68,6 +68,7 @@ def test_attention_kernels_do_not_spill(compiled):
     assert sum("mla_tc_kernel" in n for n in on90) == 4  # the general tensor-core kernel: fp16/bf16 x 1/2 stages
     assert sum("mla_simt_kernel" in n for n in on90) == 3  # fp32/fp16/bf16
     assert sum("mla_v2_kernel" in n for n in on90) == 12  # fp16/bf16 x (rows, tile) 64/32/16 x 32/16
+    assert sum("mla_v3_kernel" in n for n in on90) == 2  # fp16/bf16 (wgmma, TMA; a trap on the other archs)
     for name, arch, stack, st, ld in entries:
         assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
 
@@ -146,3 +147,23 @@ def test_library_host_functions_without_gpu(tmp_path, monkeypatch):
     with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):  # B * S > 65535 sequences
         lib.mla_sparse_decode("bfloat16", 16, 16, 16, 0, 16, 16, 0, 0, 40000, 2, 16, 512, 64, 704, 100, 8, 0.1, 1)
     lib.mla_sparse_decode("bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 16, 512, 64, 704, 100, 8, 0.1, 1)  # B = 0
+
+
+def test_v3_runs_on_warpgroup_mma_and_tma(compiled):
+    """sm_90a SASS of the MLA kernels: v3's products are HGMMA (64x64x16) and its loads UTMALDG (TMA), with no
+    local memory; needs cuobjdump (set CUOBJDUMP; pip's nvidia-cuda-cuobjdump carries one, with nvidia-cuda-nvdisasm)."""
+    import subprocess
+
+    from .test_hopper import find_cuobjdump
+
+    if (cuobjdump := find_cuobjdump()) is None:
+        pytest.skip("cuobjdump not found")
+    _, _, out = compiled
+    sass = subprocess.run([cuobjdump, "-sass", "-arch", "sm_90a", str(out / "mla_decode.o")], capture_output=True,
+                          text=True)
+    assert sass.returncode == 0, sass.stderr
+    v3 = [blk for blk in sass.stdout.split("Function : ")[1:] if "mla_v3_kernel" in blk.splitlines()[0]]
+    assert len(v3) == 2
+    for blk in v3:
+        assert blk.count("HGMMA.64x64x16.F32") >= 8 and "UTMALDG.3D" in blk, blk.splitlines()[0]
+        assert "LDL" not in blk and "STL" not in blk

@@ -65,7 +65,7 @@ def test_mla_decode_emulated_single_stage_small_smem(emu_lib, host, monkeypatch)
 def _count(lib, which: str) -> int:
     fn = lib.lib.mtp_emu_count
     fn.restype, fn.argtypes = ctypes.c_long, [ctypes.c_int]
-    return fn({"attribute": 0, "func_attribute": 1, "cp_async": 2, "syncthreads": 3}[which])
+    return fn({"attribute": 0, "func_attribute": 1, "cp_async": 2, "syncthreads": 3, "wgmma": 4}[which])
 
 
 def test_mla_prefill_reads_only_the_causal_prefix(emu_lib, host):
@@ -180,35 +180,68 @@ def small_bench(monkeypatch):
 
 
 def test_mla_benchmark_launches_emulated(emu_lib, small_bench):
-    """The MLA table's launches are valid (the kernel library checks every argument); bytes and FLOPs count the rows
-    each sequence reads (T rows, or its ragged length + S)."""
+    """The MLA table's launches are valid (the kernel library checks every argument), their output matched the
+    reference before timing, and bytes and FLOPs count the rows each sequence reads (T rows, or its ragged length +
+    S), the new rows the commit reads and writes."""
     bk = small_bench
     b = bk.Bench(HostRuntime(), seed=1)
     info = {"l2_bytes": 1 << 16, "sm_count": 132}
-    r = bk.bench_mla(b, emu_lib, info, 2, 40, 4, 2, "bfloat16", 1, 0)
-    assert r["bytes"] == 2 * 40 * 80 * 2 + 2 * 2 * 4 * 80 * 2 + 2 * 2 * 4 * 64 * 2
+    r = bk.bench_mla(b, emu_lib, info, 2, 40, 4, 2, "bfloat16", 1, 0, ragged=False)
+    assert "mismatch" not in r, r.get("mismatch")
+    assert r["bytes"] == 2 * 40 * 80 * 2 + 2 * 2 * 4 * 80 * 2 + 2 * (2 * 2 * 80 * 2) + 2 * 2 * 4 * 64 * 2
     assert r["flops"] == 2 * 2 * 4 * (2 * 40) * (80 + 64) and r["GBps"] == r["bytes"] / 0.5e6
     assert r["TFLOPS"] == r["flops"] / 0.5e9 and "torch_us" not in r
-    assert r["rows"] == 2 * 40
-    r = bk.bench_mla(bk.Bench(HostRuntime(), seed=1), emu_lib, info, 2, 40, 4, 2, "bfloat16", 1, 0, ragged=True)
+    assert r["rows"] == 2 * 40 and r["l2_ratio"] > 3
+    r = bk.bench_mla(bk.Bench(HostRuntime(), seed=1), emu_lib, info, 2, 40, 4, 2, "bfloat16", 1, 0)  # ragged
+    assert "mismatch" not in r, r.get("mismatch")
     assert r["ragged"] and 2 * 2 <= r["rows"] < 2 * 40 and r["flops"] == 2 * 2 * 4 * r["rows"] * (80 + 64)
 
 
+def test_mla_benchmark_does_not_time_a_wrong_output(emu_lib, small_bench, monkeypatch):
+    bk = small_bench
+    monkeypatch.setattr(bk.Bench, "timed", lambda *a, **k: pytest.fail("a mismatched kernel was timed"))
+    right = bk.mla_expected
+    monkeypatch.setattr(bk, "mla_expected", lambda *a: right(*a) + 0.5)
+    r = bk.bench_mla(bk.Bench(HostRuntime(), seed=1), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 2, 40, 4, 2,
+                     "bfloat16", 1, 0)
+    assert "values off" in r["mismatch"] and "time_us" not in r
+    assert "OUTPUT MISMATCH, not timed" in bk.mla_line(r)
+
+
 def test_dsa_benchmark_launches_emulated(emu_lib, small_bench):
-    """The DSA table: valid launches, the attention runs on the selection the select launch left, and the byte and
-    FLOP counts are as documented."""
+    """The DSA table: valid launches whose outputs matched the reference, sparse MLA over lists of fresh rows, and
+    the byte and FLOP counts as documented."""
     bk = small_bench
     r = bk.bench_dsa(bk.Bench(HostRuntime()), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 1, 40, 4, 2,
-                     "bfloat16", 1)
+                     "bfloat16", 1, ragged=False)
+    assert not [k for k in r if k.endswith("mismatch")], r
     assert r["select_bytes"] == 40 * 16 * 2 + 2 * 4 * 16 * 2 + 2 * 4 * 4 + 2 * 8 * 4
     assert r["select_flops"] == 2 * 2 * 40 * 4 * 16
-    assert r["attend_bytes"] == 2 * 8 * 80 * 2 + 2 * 4 * 80 * 2 + 2 * 4 * 64 * 2
+    assert 8 <= r["attend_rows"] <= 16  # two tokens of 8 rows each from one slab of 16
+    assert r["attend_bytes"] == r["attend_rows"] * 80 * 2 + 2 * 4 * 80 * 2 + 2 * 8 * 4 + 2 * 4 * 64 * 2
     assert r["select_GBps"] == r["select_bytes"] / 0.5e6
+    assert r["select_l2_ratio"] > 3 and r["attend_l2_ratio"] > 3 and r["attend_copies"] > 1
+    r = bk.bench_dsa(bk.Bench(HostRuntime(), seed=4), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 3, 40, 4, 2,
+                     "bfloat16", 1)  # ragged
+    assert not [k for k in r if k.endswith("mismatch")], r
 
 
 def test_accept_benchmark_launches_emulated(emu_lib, small_bench):
     bk = small_bench
     r = bk.bench_accept(bk.Bench(HostRuntime()), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 2, 3, 5000,
                         "bfloat16", 1)
+    assert not [k for k in r if k.endswith("mismatch")], r
     assert r["strict_bytes"] == r["relaxed_bytes"] == 2 * 4 * 5000 * 2 and r["rejection_bytes"] == 2 * 2 * 5000 * 2
     assert r["strict_GBps"] == r["strict_bytes"] / 0.5e6
+
+
+def test_accept_benchmark_does_not_time_a_wrong_output(emu_lib, small_bench, monkeypatch):
+    bk = small_bench
+    timed = []
+    monkeypatch.setattr(bk.Bench, "timed", lambda self, fn, iters, warmup=3: (timed.append(fn), 0.5)[1])
+    right = bk.ref.accept_strict
+    monkeypatch.setattr(bk.ref, "accept_strict", lambda *a, **k: (lambda t: (t[0] + 1, *t[1:]))(right(*a, **k)))
+    r = bk.bench_accept(bk.Bench(HostRuntime()), emu_lib, {"l2_bytes": 1 << 16, "sm_count": 132}, 2, 3, 5000,
+                        "bfloat16", 1)
+    assert "strict_mismatch" in r and "strict_us" not in r and "relaxed_us" in r and len(timed) == 2
+    assert "MISMATCH, not timed" in bk.accept_line(r, 1000.0)

@@ -54,14 +54,22 @@ def ptr_or_0(gpu, arr):
 # MLA decode
 # ---------------------------------------------------------------------------------------------
 def run_mla(gpu, lib, *, B, S, H, Dl, Dr, T_max, past_len, dtype, mask=None, commit=True, num_splits=None,
-            flags=0, seed=0, no_visible=False):
+            flags=0, seed=0, no_visible=False, huge_scores=False):
     rng = np.random.default_rng(seed)
     D = Dl + Dr
     past_len = np.asarray(past_len, np.int32)
     assert past_len.shape == (B,) and np.all(past_len + S <= T_max)
-    q_s, q = to_storage(rng.standard_normal((B, S, H, D), np.float32), dtype)
-    c_s, cache = to_storage(rng.standard_normal((B, T_max, D), np.float32), dtype)
-    n_s, new = to_storage(rng.standard_normal((B, S, D), np.float32), dtype)
+    q32 = rng.standard_normal((B, S, H, D), np.float32)
+    c32 = rng.standard_normal((B, T_max, D), np.float32)
+    n32 = rng.standard_normal((B, S, D), np.float32)
+    if huge_scores:  # scores beyond the fp32 range: q . row = +inf in fp32 (3e38 * 2) for the rows holding 2 in
+        # value 0, +-7.5e37 for the others; the even heads see them (the odd ones stay ordinary)
+        q32[:, :, 0::2, 0] = 3e38
+        c32[..., 0] = rng.choice(np.float32([2.0, 0.25, -0.25]), c32.shape[:-1])
+        n32[..., 0] = 2.0  # every query sees at least one +inf row (its own)
+    q_s, q = to_storage(q32, dtype)
+    c_s, cache = to_storage(c32, dtype)
+    n_s, new = to_storage(n32, dtype)
     if isinstance(mask, str) and mask == "causal":  # what no mask means, spelled out (then no causal cut is made)
         mask = np.broadcast_to(np.tril(np.ones((S, S), np.uint8)), (B, S, S)).copy()
     if isinstance(mask, str) and mask == "tree":

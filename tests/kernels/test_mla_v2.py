@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from mtp_trt.plugins import cuda_lib
 from mtp_trt.plugins import reference as ref
 
 from . import test_gpu_kernels as G
@@ -79,6 +80,41 @@ def test_sparse_lists_over_parts(emu_lib, host):
     """mtp_mla_sparse_decode on v2: every query token a sequence of K slots (-1s and out-of-range rows skipped)."""
     G.run_mla_sparse(host, emu_lib, B=2, S=2, H=16, Dl=DL, Dr=D - DL, Di=128, T_max=200, past_len=[60, 190], K=100,
                      dtype="bfloat16", num_splits=5, empty_query=True)
+
+
+@pytest.mark.parametrize("flags,dtype,splits", [(0, "bfloat16", 1), (0, "bfloat16", 5), (4, "bfloat16", 3),
+                                                (1, "float32", 3)], ids=["v2", "v2-parts", "general-tc", "simt"])
+def test_scores_beyond_fp32_range(emu_lib, host, device, flags, dtype, splits):
+    """q . row = +inf in fp32 for some rows (3e38 * 2): those rows share the weight (the reference's float64 scores
+    are finite and dwarf the others), no NaN row -- on v2 with and without the combine, the general kernels, SIMT."""
+    device("sm90")
+    G.run_mla(host, emu_lib, B=2, S=2, H=16, Dl=DL, Dr=D - DL, T_max=90, past_len=[20, 70], dtype=dtype,
+              num_splits=splits, flags=flags, huge_scores=True)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_misaligned_workspace_is_refused(emu_lib, host, sparse):
+    """The combine reads the workspace as float4 / float2: a workspace that is not 16-byte aligned is an invalid
+    argument (nothing launched); the same buffer 16-byte aligned is accepted."""
+    B, S, H, T, P = 1, 1, 16, 64, 3
+    ws = emu_lib.mla_decode_workspace_size(B * S, 1, H, DL, P)
+    d_q, d_cache, d_len = host.alloc(B * S * H * D * 2), host.alloc(B * T * D * 2), host.upload(np.int32([10]))
+    d_sel, d_out, d_ws = host.upload(np.arange(8, dtype=np.int32)), host.alloc(B * S * H * DL * 2), host.alloc(ws + 16)
+    host.poison(d_q, B * S * H * D * 2, 0x3C)
+    host.poison(d_cache, B * T * D * 2, 0x3C)
+
+    def call(w):
+        if sparse:
+            emu_lib.mla_sparse_decode("bfloat16", d_q, d_cache, d_len, 0, d_sel, d_out, w, ws, B, S, H, DL, D - DL, D,
+                                      T, 8, 0.1, P, 0)
+        else:
+            emu_lib.mla_decode("bfloat16", d_q, d_cache, d_len, 0, 0, d_out, w, ws, B, S, H, DL, D - DL, T, 0.1, P, 0)
+        host.sync("mla")
+
+    for off in (4, 8):
+        with pytest.raises(cuda_lib.CudaKernelError, match="invalid argument"):
+            call(d_ws + off)
+    call(d_ws + 16)
 
 
 # ---------------------------------------------------------------------------------------------------------------

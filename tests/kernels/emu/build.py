@@ -41,22 +41,24 @@ def rewrite(src: str) -> str:
     return out
 
 
-def build_emulated_library(out_dir: str | os.PathLike) -> Path:
-    """Compile (cached by content hash inside out_dir) and return the .so path."""
+def build_emulated_library(out_dir: str | os.PathLike, sources=None, name: str = "libmtp_emu") -> Path:
+    """Compile (cached by content hash inside out_dir) and return the .so path: the library's sources, or `sources`
+    (paths of other .cu files that include the kernels' headers, e.g. a test probe)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     inc = cuda_include_dir()
     h = hashlib.sha256()
-    for p in sorted(cuda_lib.KERNEL_DIR.iterdir()) + sorted(EMU_DIR.glob("*.[ch]*")):
+    paths = [cuda_lib.KERNEL_DIR / n for n in cuda_lib.SOURCES] if sources is None else [Path(p) for p in sources]
+    for p in sorted(cuda_lib.KERNEL_DIR.iterdir()) + sorted(EMU_DIR.glob("*.[ch]*")) + paths:
         if p.is_file():
             h.update(p.name.encode() + p.read_bytes())
-    lib = out_dir / f"libmtp_emu-{h.hexdigest()[:16]}.so"
+    lib = out_dir / f"{name}-{h.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     srcs = []
-    for name in cuda_lib.SOURCES:
-        dst = out_dir / (Path(name).stem + "_emu.cpp")
-        dst.write_text(rewrite((cuda_lib.KERNEL_DIR / name).read_text()))
+    for path in paths:
+        dst = out_dir / f"{name}-{path.stem}_emu.cpp"
+        dst.write_text(rewrite(path.read_text()))
         srcs.append(str(dst))
     srcs.append(str(EMU_DIR / "emu_runtime.cpp"))
     tmp = lib.with_suffix(".tmp.so")

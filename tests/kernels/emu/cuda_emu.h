@@ -18,10 +18,15 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -39,13 +44,15 @@
 #define __shared__ static
 #undef __launch_bounds__
 #define __launch_bounds__(...)
+#undef __grid_constant__
+#define __grid_constant__
 
 using std::max;
 using std::min;
 
 namespace emu {
 
-enum Count { kAttribute, kFuncAttribute, kCpAsync, kSyncthreads, kCounts };
+enum Count { kAttribute, kFuncAttribute, kCpAsync, kSyncthreads, kWgmma, kTma, kCounts };
 extern std::atomic<long> counts[kCounts];  // calls the tests count (emu_runtime.cpp: mtp_emu_count);
                                            // kSyncthreads counts block barriers once per block (thread 0)
 
@@ -65,10 +72,25 @@ struct Warp {
     uint32_t a[32][4], b[32][2];
 };
 
+// An mbarrier (emu_hopper.h): arrivals still expected in the current phase, its transaction bytes, its parity.
+struct Mbar {
+    long expected = 0, pending = 0, tx = 0;
+    unsigned phase = 0;
+};
+struct TmaCopy {  // a TMA box copy not yet landed (deferred mode)
+    uint32_t bar;
+    long bytes;
+    std::function<void()> copy;
+};
+
 struct Block {
     std::unique_ptr<std::barrier<>> bar;
     std::vector<std::unique_ptr<Warp>> warps;
     std::vector<unsigned char> smem;
+    std::mutex hmu;  // mbarriers and TMA of the block (emu_hopper.h)
+    std::condition_variable hcv;
+    std::map<uint32_t, Mbar> mbars;  // by shared-memory offset
+    std::vector<TmaCopy> tma;
 };
 
 struct PendingCopy {
@@ -88,6 +110,10 @@ struct Ctx {
     std::vector<Block*>* cluster_blocks = nullptr;
     std::vector<PendingCopy> open;
     std::vector<std::vector<PendingCopy>> groups;
+    // wgmma (emu_hopper.h): issued operations not yet committed, and the committed groups not yet waited for; each
+    // runs (reads shared memory, updates the issuing thread's accumulators) when a wait retires its group
+    std::vector<std::function<void()>> wg_open;
+    std::vector<std::vector<std::function<void()>>> wg_groups;
 };
 inline thread_local Ctx ctx;
 
@@ -140,6 +166,8 @@ void run_grid(K kernel, dim3 g, dim3 b, size_t smem, unsigned cluster, Args... a
                             ctx.cluster_blocks = &members;
                             ctx.open.clear();
                             ctx.groups.clear();
+                            ctx.wg_open.clear();
+                            ctx.wg_groups.clear();
                             kernel(args...);
                             ctx.warp->bar.arrive_and_drop();
                             blk.bar->arrive_and_drop();

@@ -1,6 +1,7 @@
 // emu_runtime.cpp -- the few CUDA runtime calls the kernel launchers make, for the host emulation.
-// Device properties come from MTP_EMU_SMS (default 132) and MTP_EMU_SMEM_OPTIN (default 232448,
-// an H100; 101376 for an sm_86/89 GPU); cudaGetDevice returns MTP_EMU_DEVICE (default 0); kernels report the PTX
+// Device properties come from MTP_EMU_SMS (default 132), MTP_EMU_SMEM_OPTIN (default 232448,
+// an H100; 101376 for an sm_86/89 GPU) and MTP_EMU_CC (compute capability, default 80: the kernels take their sm_80
+// paths; 90 selects the Hopper ones); cudaGetDevice returns MTP_EMU_DEVICE (default 0); kernels report the PTX
 // arch MTP_EMU_PTX (default 90).
 #include "cuda_emu.h"
 
@@ -42,6 +43,8 @@ cudaError_t cudaDeviceGetAttribute(int* v, enum cudaDeviceAttr attr, int) {
     switch (attr) {
         case cudaDevAttrMultiProcessorCount: *v = env_int("MTP_EMU_SMS", 132); break;
         case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = env_int("MTP_EMU_SMEM_OPTIN", 232448); break;
+        case cudaDevAttrComputeCapabilityMajor: *v = env_int("MTP_EMU_CC", 80) / 10; break;
+        case cudaDevAttrComputeCapabilityMinor: *v = env_int("MTP_EMU_CC", 80) % 10; break;
         default: *v = 0;
     }
     return cudaSuccess;

@@ -1,0 +1,129 @@
+// hopper_probe.cu -- tests only: one warpgroup multiplies A [64 x K] by B [64 x K] (or B given as [K x 64]) with
+// plugins/kernels/hopper.cuh's wgmma, both operands staged in shared memory in the 128-byte-swizzled layouts MLA
+// decode v3 uses.  The same source runs under the host emulation (tests/kernels/test_hopper.py) and, built for
+// sm_90a, on a Hopper GPU, where it checks the emulation's reading of the PTX ISA's layouts against the hardware.
+#include "hopper.cuh"
+
+namespace {
+using namespace mtp;
+
+constexpr int kSlice = 64 * 128;  // one 64-row slice of 64 16-bit values, 128-byte swizzled: 8 atoms of 1024 bytes
+
+// overwrite != 0: after issuing, thread 0 zeroes A's shared copy before the wait (a deliberate ordering bug; the
+// emulation, which runs wgmma at the wait, must then give a different product).
+template <typename T, bool TRANS_B>
+__global__ void __launch_bounds__(128, 1) wgmma_probe_kernel(const T* a, const T* b, float* d, int K, int overwrite) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned char* sA = smem;
+    unsigned char* sB = smem + (K / 64) * kSlice;
+    const int tid = threadIdx.x;
+    for (int i = tid; i < 64 * K; i += 128) {
+        const int r = i / K, k = i % K;  // A[r][k]; B[n = r][k] (K-major) or B[k][n] as given
+        const uint32_t off = (k / 64) * kSlice + (r / 8) * 1024 + (r % 8) * 128 + (k % 64) * 2;
+        *reinterpret_cast<T*>(sA + hopper::swizzle128(off)) = a[i];
+        if (!TRANS_B) {
+            *reinterpret_cast<T*>(sB + hopper::swizzle128(off)) = b[i];
+        } else {
+            const int kb = i / 64, n = i % 64;  // b is [K][64]
+            *reinterpret_cast<T*>(sB + hopper::swizzle128(kb * 128 + n * 2)) = b[i];
+        }
+    }
+    hopper::fence_proxy_async();
+    __syncthreads();
+    float acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    hopper::wgmma_fence();
+    const uint32_t a0 = hopper::smem_addr(sA), b0 = hopper::smem_addr(sB);
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        const uint64_t da = hopper::smem_desc(a0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024, hopper::kSwizzle128B);
+        const uint64_t db = TRANS_B ? hopper::smem_desc(b0 + k0 * 128, 0, 1024, hopper::kSwizzle128B)
+                                    : hopper::smem_desc(b0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024,
+                                                        hopper::kSwizzle128B);
+        hopper::Wgmma64<T, TRANS_B>::run(acc, da, db, k0 > 0);
+    }
+    hopper::wgmma_commit();
+    if (overwrite) {
+        if (tid == 0)
+            for (int i = 0; i < (K / 64) * kSlice; ++i) sA[i] = 0;
+        __syncthreads();
+    }
+    hopper::wgmma_wait<0>();
+    hopper::fence_regs(acc);
+    const int w = tid / 32, g = (tid % 32) / 4, c = tid % 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) d[(16 * w + g + 8 * h) * 64 + 8 * i + 2 * c + e] = acc[4 * i + 2 * h + e];
+}
+
+template <typename T, bool TRANS_B>
+cudaError_t launch(const void* a, const void* b, float* d, int K, int overwrite, cudaStream_t stream) {
+    const size_t smem = 1024 + 2 * static_cast<size_t>(K / 64) * kSlice;
+    cudaError_t err = cudaFuncSetAttribute(wgmma_probe_kernel<T, TRANS_B>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    wgmma_probe_kernel<T, TRANS_B><<<1, 128, smem, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b), d, K,
+                                                              overwrite);
+    return cudaGetLastError();
+}
+}  // namespace
+
+// D [64][64] fp32 = A [64][K] . B^T with B [64][K] (trans_b = 0) or D = A . B with B [K][64] (trans_b = 1); fp16 or
+// bf16 (mtp_dtype); K a multiple of 64, at most 576.  cudaErrorNotSupported on a GPU other than sm_90.
+extern "C" cudaError_t mtp_probe_wgmma(int dtype, const void* a, const void* b, float* d, int K, int trans_b,
+                                       int overwrite, cudaStream_t stream) {
+    if ((dtype != MTP_DTYPE_F16 && dtype != MTP_DTYPE_BF16) || K <= 0 || K % 64 != 0 || K > 576 || !a || !b || !d)
+        return cudaErrorInvalidValue;
+#ifndef MTP_EMULATE_DEVICE
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev))
+        return cudaErrorNoDevice;
+    if (major != 9 || minor != 0) return cudaErrorNotSupported;
+#endif
+    if (dtype == MTP_DTYPE_F16)
+        return trans_b ? launch<__half, true>(a, b, d, K, overwrite, stream)
+                       : launch<__half, false>(a, b, d, K, overwrite, stream);
+    return trans_b ? launch<__nv_bfloat16, true>(a, b, d, K, overwrite, stream)
+                   : launch<__nv_bfloat16, false>(a, b, d, K, overwrite, stream);
+}
+
+// ---- TMA: one box of 64 values x box_rows rows at (x, y, z) of a 3-D tensor map lands in shared memory (128-byte
+// swizzled, on an mbarrier) and is written back unswizzled to out [box_rows][64].
+namespace {
+__global__ void __launch_bounds__(128, 1) tma_probe_kernel(const __grid_constant__ CUtensorMap tm, uint16_t* out,
+                                                           int box_rows, int x, int y, int z) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+    uint64_t* bar = reinterpret_cast<uint64_t*>(smem + box_rows * 128);
+    if (threadIdx.x == 0) {
+        hopper::mbar_init(bar, 1);
+        hopper::mbar_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        hopper::mbar_arrive_expect_tx(bar, box_rows * 128);
+        hopper::tma_load_3d(smem, &tm, x, y, z, bar);
+    }
+    hopper::mbar_wait(bar, 0);
+    for (int i = threadIdx.x; i < box_rows * 64; i += 128)
+        out[i] = *reinterpret_cast<const uint16_t*>(smem + hopper::swizzle128((i / 64) * 128 + (i % 64) * 2));
+}
+}  // namespace
+
+// base: depth x rows x cols 16-bit values, rows row_bytes apart; out: [box_rows][64].
+extern "C" cudaError_t mtp_probe_tma(const void* base, int cols, int rows, int depth, int row_bytes, int box_rows,
+                                     int x, int y, int z, uint16_t* out, cudaStream_t stream) {
+    CUtensorMap tm;
+    if (!hopper::encode_tensor_map_3d(&tm, base, cols, rows, depth, row_bytes, box_rows)) return cudaErrorInvalidValue;
+    const size_t smem = 1024 + static_cast<size_t>(box_rows) * 128 + 64;
+    cudaError_t err = cudaFuncSetAttribute(tma_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    tma_probe_kernel<<<1, 128, smem, stream>>>(tm, out, box_rows, x, y, z);
+    return cudaGetLastError();
+}

@@ -1,0 +1,146 @@
+"""MLA decode v3 (Hopper: wgmma, TMA, mbarriers; plugins/kernels/mla_decode.cu mla_v3_kernel) under the CPU
+emulation, on an emulated compute capability 9.0 device: against the NumPy reference over the shapes v3 serves (one
+and two 64-row blocks, S = 1 .. 4, tree masks, ragged lengths over many parts, empty parts, scores beyond fp32), with
+TMA copies landing at issue and at the wait; the cache rows each block reads (the TMA trace); v2 still serving sparse
+lists and MTP_MLA_FORCE_V2.  The emulation implements the PTX ISA's layouts (tests/kernels/emu/emu_hopper.h): it
+checks that the kernel uses them consistently, not the hardware's reading of them (test_hopper.py's probe does
+that on a GPU)."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from mtp_trt.plugins import cuda_lib
+from mtp_trt.plugins import reference as ref
+
+from . import test_gpu_kernels as G
+from ._gpu import to_storage
+from .test_emulated import _count, emu_lib, host, pytestmark  # noqa: F401 - fixtures and markers shared
+
+D, DL = 576, 512
+_devices = itertools.count(40)  # device facts are read once per device: each test its own emulated device
+
+
+@pytest.fixture()
+def hopper(monkeypatch):
+    def use(tma: str = "immediate"):
+        monkeypatch.setenv("MTP_EMU_CC", "90")
+        monkeypatch.setenv("MTP_EMU_SMEM_OPTIN", "232448")
+        monkeypatch.setenv("MTP_EMU_DEVICE", str(next(_devices)))
+        monkeypatch.setenv("MTP_EMU_TMA", tma)
+    return use
+
+
+CASES = [
+    ("H16-S1-one-part", dict(B=2, S=1, H=16, T_max=90, past_len=[0, 80], dtype="bfloat16", num_splits=1)),
+    ("H16-S4-parts", dict(B=2, S=4, H=16, T_max=150, past_len=[5, 140], dtype="float16", num_splits=3)),
+    ("H16-S3-tree-none-visible", dict(B=2, S=3, H=20, T_max=70, past_len=[0, 60], dtype="bfloat16", mask="tree",
+                                      no_visible=True, num_splits=2)),
+    ("H128-S1-two-blocks", dict(B=1, S=1, H=128, T_max=200, past_len=[190], dtype="bfloat16", num_splits=1)),
+    ("H128-S2-tree-parts", dict(B=2, S=2, H=128, T_max=140, past_len=[70, 130], dtype="bfloat16", mask="tree",
+                                num_splits=4)),
+    ("ragged-many-parts", dict(B=6, S=2, H=16, T_max=300, past_len=[0, 298, 7, 150, 64, 230], dtype="bfloat16",
+                               num_splits=7)),
+    ("more-parts-than-tiles", dict(B=1, S=1, H=16, T_max=140, past_len=[130], dtype="float16", num_splits=12)),
+]
+
+
+@pytest.mark.parametrize("tma", ["immediate", "deferred"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_v3_against_the_reference(emu_lib, host, hopper, name, tma):
+    hopper(tma)
+    wgmma = _count(emu_lib, "wgmma")
+    G.run_mla(host, emu_lib, Dl=DL, Dr=D - DL, **dict(CASES)[name])
+    assert _count(emu_lib, "wgmma") > wgmma  # v3 ran
+
+
+def test_v3_scores_beyond_fp32_range(emu_lib, host, hopper):
+    hopper()
+    G.run_mla(host, emu_lib, B=2, S=2, H=16, Dl=DL, Dr=D - DL, T_max=90, past_len=[20, 70], dtype="bfloat16",
+              num_splits=3, huge_scores=True)
+
+
+def test_v3_ignores_nan_rows_past_the_sequence(emu_lib, host, hopper):
+    """The cache rows past each sequence's end hold NaN (a caller's unused cache may hold anything): the 64-row tiles
+    read them, the kernel must not let them into P . V."""
+    hopper()
+    rng = np.random.default_rng(1)
+    B, S, H, T = 2, 1, 16, 130
+    past = np.int32([40, 100])
+    q_s, q = to_storage(rng.standard_normal((B, S, H, D)), "bfloat16")
+    c32 = rng.standard_normal((B, T, D)).astype(np.float32)
+    for b in range(B):
+        c32[b, past[b] + S:] = np.nan
+    c_s, cache = to_storage(c32, "bfloat16")
+    n_s, new = to_storage(rng.standard_normal((B, S, D)), "bfloat16")
+    want, after = ref.mla_decode(q, np.nan_to_num(cache), past, dl=DL, scale=0.05, new_rows=new)
+    for splits in (1, 3):
+        d_cache = host.upload(c_s)
+        d_out, d_ws, ws = G.decode_buffers(host, emu_lib, B, S, H, DL, "bfloat16", splits)
+        emu_lib.mla_decode("bfloat16", host.upload(q_s), d_cache, host.upload(past), host.upload(n_s), 0, d_out, d_ws,
+                           ws, B, S, H, DL, D - DL, T, 0.05, splits, 0)
+        got = G.from_storage(host.download(d_out, want.shape, np.uint16), "bfloat16")
+        G.assert_close(got, want, atol=2e-2, rtol=2e-2, name=f"NaN past the end, {splits} parts")
+
+
+def test_sparse_lists_and_force_v2_stay_on_v2(emu_lib, host, hopper):
+    hopper()
+    wgmma = _count(emu_lib, "wgmma")
+    G.run_mla_sparse(host, emu_lib, B=1, S=2, H=16, Dl=DL, Dr=D - DL, Di=128, T_max=200, past_len=[150], K=64,
+                     dtype="bfloat16", num_splits=3)
+    G.run_mla(host, emu_lib, B=1, S=1, H=16, Dl=DL, Dr=D - DL, T_max=90, past_len=[60], dtype="bfloat16",
+              num_splits=2, flags=cuda_lib.MLA_FORCE_V2)
+    assert _count(emu_lib, "wgmma") == wgmma
+
+
+@pytest.mark.parametrize("B,S,H,T,past,P", [(3, 1, 16, 200, [0, 199, 64], 4), (2, 1, 128, 150, [149, 20], 3)],
+                         ids=["H16-ragged", "H128-two-blocks"])
+def test_v3_schedule_bytes_read_and_two_barriers_per_tile(emu_lib, host, hopper, B, S, H, T, past, P):
+    """The schedule the device wrote (64-row tiles) is reference.mla_schedule's; the TMA trace: every block of 64 query
+    rows reads the rows of every sequence's tiles (64 rows each, the last one's rows past the sequence's end included
+    up to its T_max rows, never the next sequence's) exactly once, all 576 values, and no other cache row; two block
+    barriers per tile."""
+    hopper()
+    rng = np.random.default_rng(0)
+    past = np.int32(past)
+    q_s, _ = to_storage(rng.standard_normal((B, S, H, D)), "bfloat16")
+    c_s, _ = to_storage(rng.standard_normal((B, T, D)), "bfloat16")
+    d_cache = host.upload(c_s)
+    d_out, d_ws, ws = G.decode_buffers(host, emu_lib, B, S, H, DL, "bfloat16", P)
+    trace = emu_lib.lib.mtp_emu_trace
+    trace.restype, trace.argtypes = ctypes.c_long, [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+    barriers = _count(emu_lib, "syncthreads")
+    trace(1, None, 0)
+    emu_lib.mla_decode("bfloat16", host.upload(q_s), d_cache, host.upload(past), 0, 0, d_out, d_ws, ws, B, S, H, DL,
+                       D - DL, T, 1 / math.sqrt(D), P, 0)
+    n = trace(0, None, 0)
+    barriers = _count(emu_lib, "syncthreads") - barriers
+    rows = np.zeros(2 * n, np.uint64)
+    trace(0, rows.ctypes.data, n)
+    blocks, addrs = rows[0::2], rows[1::2].astype(np.int64)
+    in_cache = (addrs >= d_cache) & (addrs < d_cache + c_s.nbytes)
+    L = np.minimum(past + S, T)
+    for mb in range(-(-S * H // 64)):
+        mine = in_cache & ((blocks & ((1 << 21) - 1)) == mb)
+        got, loads = np.unique((addrs[mine] - d_cache) // (D * 2), return_counts=True)
+        want = np.concatenate([b * T + np.arange(min(-(-int(n_) // 64) * 64, T)) for b, n_ in enumerate(L)])
+        assert np.array_equal(got, want) and np.all(loads == D * 2 // 16), (mb, np.unique(loads, return_counts=True))
+    # the schedule the prologue wrote (64-row tiles) is the reference's
+    tiles = [-(-int(n_) // 64) for n_ in L]
+    runs, seqs = ref.mla_schedule(tiles, P)
+    wsb = host.download(d_ws, (ws,), np.uint8)
+    M, align = S * H, lambda v: -(-v // 256) * 256
+    off = align((P + B - 1) * M * DL * 4) + align((P + B - 1) * M * 8)
+    part = wsb[off:off + 16 * P].view(np.int32).reshape(P, 4)
+    seq = wsb[off + align(16 * P):off + align(16 * P) + 8 * B].view(np.int32).reshape(B, 2)
+    assert [None if r[0] < 0 else tuple(int(x) for x in r) for r in part] == runs
+    assert [tuple(int(x) for x in r) for r in seq] == seqs
+    # block barriers: one after the mbarriers' init, two per 64-row tile, two per segment (a sequence's share of a
+    # part: the epilogue); the schedule block: 2 + 3 per chunk of 128 sequences
+    per_block = [1 + sum(2 * n_ + 2 for n_ in ref.mla_run_segments(r, tiles)) if r is not None else 1 for r in runs]
+    assert barriers == -(-S * H // 64) * sum(per_block) + 2 + 3 * -(-B // 128), barriers
