@@ -36,12 +36,13 @@ def download(repo: str, revision: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub import errors as hf
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import disable_progress_bars, logging as hf_logging
     except ImportError:
         raise MtpTrtError(f"{named}: no such directory; as a Hugging Face repo id it needs huggingface_hub "
                           f"(pip install huggingface_hub)") from None
     if not sys.stderr.isatty():  # progress bars on a terminal only
         disable_progress_bars()
+    hf_logging.set_verbosity_error()  # its retries are not errors; a failure is one line, below
     try:
         return Path(snapshot_download(repo, revision=revision, allow_patterns=FILES))
     except hf.GatedRepoError:

@@ -1302,15 +1302,16 @@ def _cli(*args, env: dict) -> subprocess.CompletedProcess:
 def test_models_by_hugging_face_repo_id(ckpt, tmp_path):
     """`run ORG/NAME` downloads the repo (only the files a model needs) from the Hub (a stand-in on 127.0.0.1)
     into HF_HOME and runs it, with run's text for the local copy; offline, the download is reused; ORG/NAME@REV
-    takes a revision; an unknown repo, an unknown revision, a gated repo without a token and an unreachable Hub
-    each end in one line naming the repo."""
+    takes a revision; an unknown repo, an unknown revision, a gated repo without a token, a download cut short
+    and an unreachable Hub each end in one line naming the repo."""
     pytest.importorskip("huggingface_hub")
     from hub_standin import Hub
 
     files = {f.name: f.read_bytes() for f in ckpt.iterdir() if f.is_file()} | {"README.md": b"# a model\n",
                                                                               "extra.bin": b"\0" * 1000}
     commit = "c0ffee" + "0" * 34
-    hub = Hub({"org/model": (commit, files), "org/gated": (commit, files)}, gated={"org/gated"})
+    hub = Hub({"org/model": (commit, files), "org/gated": (commit, files), "org/cut": (commit, files)},
+              gated={"org/gated"}, cut={"org/cut"})
     try:
         env = _hub_env(tmp_path, hub.url)
         r = _cli("run", "org/model", "-p", "ab", "--max-new-tokens", "4", "--json", env=env)
@@ -1328,6 +1329,7 @@ def test_models_by_hugging_face_repo_id(ckpt, tmp_path):
                 (["inspect", "org/nope"], {}, "org/nope: no such directory, nor a repository on the Hugging Face Hub"),
                 (["inspect", "org/model@v9"], {}, "org/model@v9: the Hugging Face repository has no revision 'v9'"),
                 (["inspect", "org/gated"], {}, "org/gated: a gated repository"),
+                (["inspect", "org/cut"], {}, "org/cut: cannot download it from the Hugging Face Hub"),
                 (["inspect", "org/gated"], {"HF_TOKEN": "hf_test"}, None)):
             r = _cli(*args, env={**env, **extra})
             if fragment is None:
