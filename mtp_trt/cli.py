@@ -131,7 +131,7 @@ def inspect(checkpoint: Path = typer.Argument(None, help="Hugging Face checkpoin
     from mtp_trt.runner import demo_model
     from mtp_trt.validate import directory, stored_mtp_modules
 
-    ckpt = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)")
+    ckpt = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)", hub=True)
     cfg = ModelConfig.from_file(ckpt)
     stored = stored_mtp_modules(ckpt, cfg.num_hidden_layers)
     mtp = str(cfg.num_nextn_predict_layers) if stored in (None, cfg.num_nextn_predict_layers) else \
@@ -261,7 +261,7 @@ def export(
     from mtp_trt.runner import demo_model
     from mtp_trt.validate import check_choice, check_dsa, check_output_dir, directory, require
 
-    checkpoint = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)")
+    checkpoint = directory(checkpoint or demo_model(), "a checkpoint directory (config.json)", hub=True)
     # the flags' values and the output first, in one line before any other (the exporter checks them again)
     check_output_dir(out)
     check_choice("--mtp-mode", mtp_mode, MTP_MODES, "mode")
@@ -422,7 +422,7 @@ def run(
     if max_new_tokens < 1:
         raise MtpTrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     v.check_sampling(temperature, top_k, top_p, seed, relaxed_topk, relaxed_delta, relaxed_source)
-    v.check_stop(list(stop or ()))
+    stop = v.check_stop(list(stop or ()))
     v.check_threads(threads)
     with StageDisplay("preparing the model") as show:
         runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show,
@@ -433,7 +433,7 @@ def run(
                           tree_budget=tree_budget)
     if opts.tree is not None and not opts.sampling.greedy:
         typer.secho("note: sampling drafts a chain (tree drafting is greedy only)", fg="yellow", err=True)
-    encoded = [runner.encode(p) for p in prompts]
+    encoded = runner.encode_prompts(prompts, truncate)  # too many, or too long to tokenize: refused before
     ids = runner.fit(encoded, opts.nextn, truncate, max_new_tokens)  # a prompt too long: refused before any output
     stream = not json_out and len(prompts) == 1
     if stream:
@@ -444,7 +444,7 @@ def run(
         sys.stdout.flush()
 
     report = runner.run(prompts, opts, seed=seed, stop=tuple(stop or ()), on_text=on_text if stream else None,
-                        truncate=truncate)
+                        truncate=truncate, ids=encoded)
     truncated = [i for i, (a, b) in enumerate(zip(encoded, ids)) if len(b) < len(a)]
     if truncated:
         typer.secho(f"note: prompt(s) {', '.join(map(str, truncated))} truncated to their last tokens (--truncate)",
@@ -452,7 +452,7 @@ def run(
     if json_out:
         out = {"results": [r.__dict__ for r in report.results], "summary": report.summary(),
                "model": str(manifest.root), "mtp_mode": manifest.mtp_mode}
-        typer.echo(compact_json(out))
+        _emit(compact_json(out))
         return
     if stream:
         typer.echo()
@@ -507,6 +507,8 @@ def serve(
     served_model_name: str = typer.Option(None, help="The model id clients name (default: the model directory's "
                                                      "name)."),
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds running requests may take to finish."),
+    request_timeout: float = typer.Option(30.0, help="Seconds a client has to send a request's head, and again its "
+                                                     "body; slower ones are answered 408 and disconnected."),
     max_request_bytes: int = typer.Option(None, help="Largest request body read; larger ones are answered 413 "
                                                      "before they are read (default: 64 KiB + 32 bytes per cache "
                                                      "row)."),
@@ -534,7 +536,12 @@ def serve(
         v.check_positive(flag, value)
     if not 0 <= port <= 65535:
         raise MtpTrtError(f"--port must be in 0..65535, got {port}")
+    if not host.strip():
+        raise MtpTrtError("--host: empty (0.0.0.0 listens on every interface, 127.0.0.1 on this machine only)")
     v.check_number("--shutdown-timeout", shutdown_timeout, 0)
+    v.check_number("--request-timeout", request_timeout, 0)
+    if request_timeout <= 0:
+        raise MtpTrtError(f"--request-timeout must be > 0, got {request_timeout:g}")
     if max_request_bytes is not None:
         v.check_positive("--max-request-bytes", max_request_bytes)
     v.check_threads(threads)
@@ -550,9 +557,10 @@ def serve(
 
     def ready(server) -> None:
         typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, nextn {opts.nextn}, up to {max_batch} requests at "
-                    f"once) on http://{host}:{port}/v1", fg="green", err=True)
+                    f"once) on {server.url}", fg="green", err=True)
 
-    run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready, max_request_bytes=max_request_bytes)
+    run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready, max_request_bytes=max_request_bytes,
+               request_timeout=request_timeout)
 
 
 @command("Time tokens/s of MTP decoding (nextn 0..K and trees) against transformers' generate.")
@@ -612,7 +620,8 @@ def bench(
     elif transformers is None:
         transformers = sweep.transformers and all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
     scheme = v.quant_scheme(quant, group_size)
-    ckpt = v.directory(model or demo_model(), "a checkpoint (config.json) or an engine directory (engines.json)")
+    ckpt = v.directory(model or demo_model(), "a checkpoint (config.json) or an engine directory (engines.json)",
+                       hub=True)
     engines = (ckpt / "engines.json").is_file()
     if (ckpt / "manifest.json").is_file():
         raise MtpTrtError(f"{ckpt}: bench takes a checkpoint (it exports it in each MTP mode it times, and runs "
@@ -696,6 +705,20 @@ def _closed_stdout() -> bool:
     except OSError:
         os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: 1
         return True
+
+
+def _emit(text: str) -> None:
+    """Print `text` and a newline to standard output, every byte accounted for: Python's buffered stdout reports
+    a large write that a closed pipe cut short as written; written here to the descriptor, it is an EPIPE."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured output)
+        typer.echo(text)
+        return
+    sys.stdout.flush()
+    data = memoryview((text + "\n").encode(sys.stdout.encoding or "utf-8", sys.stdout.errors or "strict"))
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _write_failed(e: OSError) -> int:

@@ -30,10 +30,21 @@ LEGACY_PARTIAL_AGE_S = 600  # a partial directory without a lock file (older mtp
 
 
 def cache_dir(*parts: str) -> Path:
-    """`$MTP_TRT_CACHE_DIR`, else `$XDG_CACHE_HOME/mtp-trt`, else `~/.cache/mtp-trt`; joined with parts."""
+    """`$MTP_TRT_CACHE_DIR`, else `$XDG_CACHE_HOME/mtp-trt`, else `~/.cache/mtp-trt`, else (no home directory:
+    `HOME` unset for a user without a passwd entry, as in some containers) `mtp-trt-UID` in the temporary
+    directory; joined with parts."""
     root = os.environ.get("MTP_TRT_CACHE_DIR")
     if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp-trt"
+        base = os.environ.get("XDG_CACHE_HOME")
+        if not base:
+            try:
+                base = Path.home() / ".cache"
+            except (RuntimeError, KeyError):
+                import tempfile
+
+                return Path(tempfile.gettempdir(), f"mtp-trt-{os.getuid() if hasattr(os, 'getuid') else 0}",
+                            *parts)
+        root = Path(base) / "mtp-trt"
     return Path(root).joinpath(*parts)
 
 

@@ -122,6 +122,37 @@ def _record_path(root: Path) -> Path:
     return cache_dir("verified", hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24] + ".json")
 
 
+def file_digests(root: Path) -> dict[str, str]:
+    """The sha256 of each file directly in `root`, by name.  A file whose (size, mtime, ctime, inode, device)
+    equal those recorded when it was last hashed is not read again (the record: cache_dir("digests"), best
+    effort), so that a checkpoint is read in full once per change of a file, not once per run."""
+    record_path = cache_dir("digests", hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24] + ".json")
+    try:
+        record = parse_json(record_path.read_bytes(), str(record_path))
+    except (OSError, MtpTrtError):
+        record = {}
+    known = record.get("files") if isinstance(record, dict) and record.get("root") == str(root.resolve()) else {}
+    known = known if isinstance(known, dict) else {}
+    digests, seen, hashed = {}, {}, False
+    for f in sorted(root.iterdir()):
+        if not f.is_file():
+            continue
+        key = _stat_key(f)
+        entry = known.get(f.name)
+        if isinstance(entry, list) and entry[:-1] == key and isinstance(entry[-1], str):
+            digests[f.name] = entry[-1]
+        else:
+            digests[f.name], hashed = sha256(f), True
+            key = _stat_key(f)
+        seen[f.name] = key + [digests[f.name]]
+    if hashed or set(seen) != set(known):
+        try:
+            write_atomic(record_path, json.dumps({"root": str(root.resolve()), "files": seen}).encode())
+        except OSError:
+            pass
+    return digests
+
+
 def verify_files(manifest: Path, files: list[tuple[str, str]], origin: str, force: bool = False) -> dict:
     """Check that each (file, sha256) listed by `manifest` (a manifest file's path) has that hash.  A file
     whose (size, mtime, ctime, inode, device) equal those recorded when it last hashed to the same digest is

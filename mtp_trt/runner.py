@@ -8,6 +8,7 @@ the export options (under `mtp_trt.fsutil.cache_dir("exports")`), so later runs 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ from mtp_trt.quant import Scheme
 
 # The bundled demo checkpoint: package data in an installed wheel (mtp_trt/demo_model), samples/demo-model in a
 # source tree (an editable install); MTP_TRT_DEMO_MODEL overrides both.
+CACHE_NAME_CHARS = 64  # of a checkpoint's directory name, in its cache entry's name
 DEFAULT_MAX_BATCH = 8  # a checkpoint's export in the cache decodes this many sequences at once, or the batch asked
 DEMO_MODEL_DIRS = (Path(__file__).resolve().parent / "demo_model",
                    Path(__file__).resolve().parent.parent / "samples" / "demo-model")
@@ -39,12 +41,13 @@ def demo_model() -> Path:
 
 
 def checkpoint_key(ckpt: Path, **options) -> str:
-    """Digest of the checkpoint's files (names, sizes, mtimes), the export options and the exporter revision."""
+    """Digest of the checkpoint's files (names and contents: manifest.file_digests, each file read again only
+    when its size, times or inode change), the export options and the exporter revision."""
+    from mtp_trt.manifest import file_digests
+
     h = hashlib.sha256(json.dumps(options | {"exporter_revision": EXPORTER_REVISION}, sort_keys=True).encode())
-    for f in sorted(ckpt.iterdir()):
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for name, digest in file_digests(ckpt).items():
+        h.update(f"{name}:{digest}".encode())
     return h.hexdigest()[:16]
 
 
@@ -60,7 +63,7 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     hashes (once per change of its files; every time with `verify`)."""
     from mtp_trt.validate import directory
 
-    path = directory(Path(model) if model else demo_model(), MODELS)
+    path = directory(Path(model) if model else demo_model(), MODELS, hub=True)
     if (path / "manifest.json").is_file():
         m = Manifest.load(path)
         if mtp_mode and mtp_mode != m.mtp_mode:
@@ -92,7 +95,12 @@ def cache_entry(ckpt: Path, mode: str, scheme: Scheme, max_batch: int) -> Path:
     key = checkpoint_key(ckpt, mode=mode, cpu_ops=ort_lib.available()[0],  # (the default export uses them if it can)
                          **({"quant": scheme.tag} if scheme.quantized else {}),
                          **({"max_batch": max_batch} if max_batch != DEFAULT_MAX_BATCH else {}))
-    return cache_dir("exports") / f"{ckpt.name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
+    from mtp_trt.hub import snapshot_name
+
+    # the key tells entries apart; the name is for people (a Hugging Face snapshot's: its repo's name and commit),
+    # cut short so that the names of the entry's lock and partial files stay within the file system's 255 bytes
+    name = (snapshot_name(ckpt) or ckpt.name)[:CACHE_NAME_CHARS]
+    return cache_dir("exports") / f"{name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
 
 
 def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = Scheme(),
@@ -128,8 +136,15 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
                 stage("loading torch, checking the checkpoint")  # as `mtp-trt export` says it (cli.CHECKING)
                 from mtp_trt.exporters.export import export  # torch: only on first use
 
-                export(ckpt, out, mtp_mode=mode, progress=stage,
-                       quant_scheme=scheme.name, group_size=scheme.block_size, max_batch=max_batch)
+                try:
+                    export(ckpt, out, mtp_mode=mode, progress=stage,
+                           quant_scheme=scheme.name, group_size=scheme.block_size, max_batch=max_batch)
+                except OSError as e:  # the cache's file system is full (or over quota): the cache is the place
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                        raise
+                    raise MtpTrtError(f"{cache_dir()}: cannot write the export of {ckpt.name} into the cache "
+                                      f"({e.strerror or e}); free space there, or set MTP_TRT_CACHE_DIR to a "
+                                      f"directory with room") from None
     return Manifest.load(out)
 
 
@@ -156,7 +171,7 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
     serve), for the message of engines this machine cannot run."""
     from mtp_trt.validate import directory
 
-    path = directory(Path(model) if model else demo_model(), MODELS)
+    path = directory(Path(model) if model else demo_model(), MODELS, hub=True)
     if (path / "engines.json").is_file():
         from mtp_trt.trt import manifest as em
         from mtp_trt.trt.runtime import TrtBackend
@@ -279,6 +294,51 @@ class Runner:
             raise MtpTrtError("empty prompt: give some text with --prompt")
         return ids
 
+    def prompt_chars(self) -> int:
+        """More characters than a prompt that fits the cache can have: every token covers at most as many
+        characters as the vocabulary's longest token, and normalization is allowed to remove three in four."""
+        if getattr(self, "_prompt_chars", None) is None:
+            longest = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+            self._prompt_chars = 4 * max(longest, 1) * self.manifest.max_seq_len + 64
+        return self._prompt_chars
+
+    def encode_prompts(self, prompts: list[str], truncate: bool = False) -> list[list[int]]:
+        """Prompt ids of a batch, judged before any tokenizing where they can be: more prompts than the export's
+        max_batch, or a prompt of more characters than the cache could hold as tokens (prompt_chars), is an
+        MtpTrtError naming it (with `truncate`, such a prompt is cut to its last prompt_chars characters first).
+        The tokenizer works in a thread: the main thread stays free for SIGTERM and Ctrl-C."""
+        import threading
+
+        self.check_batch(len(prompts))
+        limit = self.prompt_chars()
+        texts = []
+        for i, p in enumerate(prompts):
+            if len(p) > limit and not truncate:
+                raise MtpTrtError(f"prompt {i} has {len(p)} characters, more than the export's cache "
+                                  f"({self.manifest.max_seq_len} rows, max_seq_len) can hold as tokens; shorten it, "
+                                  f"or give --truncate to keep its last tokens")
+            texts.append(p[-limit:] if len(p) > limit else p)
+        done, out = threading.Event(), {}
+
+        def work():
+            try:
+                out["ids"] = [self.encode(t) for t in texts]
+            except BaseException as e:  # handed to the main thread
+                out["error"] = e
+            done.set()
+
+        threading.Thread(target=work, name="mtp-trt-tokenize", daemon=True).start()
+        while not done.wait(0.5):  # (a wait a signal handler interrupts)
+            pass
+        if "error" in out:
+            raise out["error"]
+        return out["ids"]
+
+    def check_batch(self, n: int) -> None:
+        if n > self.manifest.max_batch:
+            raise MtpTrtError(f"{n} prompts, but the export ({self.manifest.root}) decodes at most max_batch "
+                              f"{self.manifest.max_batch} at once; give fewer, or export with --max-batch {n}")
+
     def fit(self, ids: list[list[int]], nextn: int, truncate: bool = False, new_tokens: int = 1) -> list[list[int]]:
         """Prompts that fit the export's cache with room for one decode step (prompt + 2 nextn + 2 rows); a
         longer one is an error naming it, or with `truncate` keeps its last tokens (and its BOS): as many as
@@ -286,9 +346,7 @@ class Runner:
         cache)."""
         rows = self.manifest.max_seq_len
         room = rows - 2 * nextn - 2
-        if len(ids) > self.manifest.max_batch:
-            raise MtpTrtError(f"{len(ids)} prompts, but the export ({self.manifest.root}) decodes at most max_batch "
-                              f"{self.manifest.max_batch} at once; give fewer, or export with --max-batch {len(ids)}")
+        self.check_batch(len(ids))
         if room < 1:
             raise MtpTrtError(f"{self.manifest.root}: max_seq_len {rows} leaves no room for a prompt with --nextn "
                               f"{nextn}")
@@ -315,9 +373,11 @@ class Runner:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def run(self, prompts: list[str], opts: DecodeOptions, seed: int = 0, stop: tuple[str, ...] = (),
-            on_text: Callable[[int, str], None] | None = None, truncate: bool = False) -> RunReport:
+            on_text: Callable[[int, str], None] | None = None, truncate: bool = False,
+            ids: list[list[int]] | None = None) -> RunReport:
         """Decode the prompts as one batch.  on_text(i, new_text) streams each sequence's new text.  Prompts
-        that do not fit the cache are refused before any decoding (or truncated: see fit)."""
+        that do not fit the cache are refused before any decoding (or truncated: see fit).  `ids`: the prompts'
+        ids where the caller has them (encode_prompts)."""
         shown = [0] * len(prompts)
 
         def show(i: int, text: str) -> None:
@@ -332,7 +392,7 @@ class Runner:
                     s.finish_reason = "stop"
                 show(i, text if stopped else text[: len(text) - held_back(text, stop)])
 
-        ids = self.fit([self.encode(p) for p in prompts], opts.nextn, truncate, opts.max_new_tokens)
+        ids = self.fit(ids or self.encode_prompts(prompts, truncate), opts.nextn, truncate, opts.max_new_tokens)
         self.backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)  # loading is not decoding time
         t0 = time.perf_counter()
         seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)

@@ -51,6 +51,13 @@ class Request:
     decoded: int = -1  # generated tokens `text` was decoded from
     counted: int = 0  # generated tokens counted in the engine's figures
     ended: bool = False
+    stopped_at: int | None = None  # with a stop string: the tokens up to the one that completes it
+
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens of the completion (usage): those generated, but not past the one that completes a stop
+        string (a step may accept drafts beyond it)."""
+        return self.stopped_at if self.stopped_at is not None else len(self.seq.generated)
 
 
 
@@ -143,6 +150,7 @@ class Engine:
             if r in self.waiting:
                 self.waiting.remove(r)
                 r.ended = True
+                self._finished("cancelled")
             elif not r.ended:
                 self.cancelled.add(r.id)
                 self.lock.notify()
@@ -194,6 +202,7 @@ class Engine:
         for r in leaving:
             if not r.ended:
                 r.ended = True
+                self._finished("cancelled")
                 self._post(r, "error", 503, "the server is shutting down")
         self._flush()
 
@@ -204,7 +213,7 @@ class Engine:
             if i in batch.seqs and batch.seqs[i].finish_reason is None:
                 batch.seqs[i].finish_reason = "cancelled"
                 self.requests[i].ended = True
-                self.figures.finished["cancelled"] = self.figures.finished.get("cancelled", 0) + 1
+                self._finished("cancelled")
         if new:
             admit(batch, {r.id: r.seq for r in new})
             self.figures.prompt_tokens += sum(len(r.seq.prompt) for r in new)
@@ -226,10 +235,13 @@ class Engine:
     def _text(self, r: Request) -> None:
         if r.decoded == len(r.seq.generated):
             return
-        r.decoded = len(r.seq.generated)
+        before, r.decoded = max(r.decoded, 0), len(r.seq.generated)
         r.text, hit = cut_at_stop(self.runner.decode(r.seq.generated), r.stop)
         if hit and r.seq.finish_reason is None:
             r.seq.finish_reason = "stop"
+            # the fewest tokens whose text holds the stop string (those before this step's did not)
+            r.stopped_at = next((n for n in range(before + 1, r.decoded)
+                                 if cut_at_stop(self.runner.decode(r.seq.generated[:n]), r.stop)[1]), r.decoded)
 
     def _count_drafts(self, drafts: int, draft_tokens: int, accepted_per_pos: np.ndarray) -> None:
         s, f = self.batch.stats, self.figures
@@ -260,12 +272,17 @@ class Engine:
                     r.sent = upto
                 if done:
                     r.ended = True
-                    self.figures.finished[r.seq.finish_reason] = self.figures.finished.get(r.seq.finish_reason, 0) + 1
+                    self._finished(r.seq.finish_reason)
                     self._post(r, "end", r.seq.finish_reason)
             if r.seq.finish_reason is not None and i not in active:
                 del batch.seqs[i]
                 with self.lock:
                     del self.requests[i]
+
+    def _finished(self, reason: str) -> None:
+        """Count a request ended (/metrics), from the engine thread or a caller's."""
+        with self.lock:
+            self.figures.finished[reason] = self.figures.finished.get(reason, 0) + 1
 
     def _post(self, r: Request, *event) -> None:
         """Queue an event for a request; _flush hands a round's events over, one wake-up per event loop."""
@@ -273,7 +290,10 @@ class Engine:
 
     def _flush(self) -> None:
         for loop, items in self.outbox.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed (the server was forced to stop): nobody to tell
+                pass
         self.outbox = {}
 
     def _fail(self, message: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 from mtp_trt.contract import BY_SAFETENSORS
@@ -76,11 +77,23 @@ def check_choice(flag: str, value, choices, what: str = "value") -> None:
         raise MtpTrtError(f"{flag}: unknown {what} {value!r}; expected one of {', '.join(map(str, choices))}")
 
 
-def directory(path: Path, what: str) -> Path:
+def directory(path: Path, what: str, hub: bool = False) -> Path:
     """`path`, a directory: else one MtpTrtError saying that nothing is there or that it is a file, and what was
-    expected (a mistyped path reads as one, not as a directory of the wrong kind)."""
+    expected (a mistyped path reads as one, not as a directory of the wrong kind).  With `hub`, a path where
+    nothing is that reads as a Hugging Face repo id (ORG/NAME, ORG/NAME@REVISION) is its downloaded snapshot
+    (mtp_trt.hub)."""
+    if hub:
+        from mtp_trt import hub as hf
+
+        if (named := hf.repo_id(path)) is not None:
+            return hf.download(*named)
     if not path.exists():
-        raise MtpTrtError(f"{path}: no such file or directory; expected {what}")
+        shown = str(path)
+        url = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", shown)  # a URL, its "//" made one by Path
+        if url and url.group(1).lower() in ("http", "https", "hf", "s3", "gs", "ftp", "file"):
+            shown = f"{url.group(1)}://{shown[url.end():]}"
+            raise MtpTrtError(f"{shown}: a URL; mtp-trt reads a local directory, expected {what}")
+        raise MtpTrtError(f"{shown}: no such file or directory; expected {what}")
     if not path.is_dir():
         raise MtpTrtError(f"{path}: is a file, not a directory; expected {what}")
     return path
@@ -122,18 +135,18 @@ def check_sampling(temperature: float, top_k: int, top_p: float, seed: int, rela
 
 
 def text_arg(flag: str, text: str) -> str:
-    """A command-line string that must be text: arguments with bytes that are not UTF-8 reach Python as
-    surrogate escapes, which no tokenizer can take."""
+    """A command-line string that must be text, as text: the bytes of an argument Python could not decode (they
+    reach it as surrogate escapes: under LC_ALL=C, any byte beyond ASCII) are read as UTF-8; bytes that are not
+    UTF-8 are an error naming the first."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raw = os.fsencode(text)
         try:
-            raw.decode("utf-8")
-            start = 0
+            return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            start = e.start
-        raise MtpTrtError(f"{flag} {raw!r}: not valid UTF-8 (byte {raw[start]:#04x} at offset {start})") from None
+            raise MtpTrtError(f"{flag} {raw!r}: not valid UTF-8 (byte {raw[e.start]:#04x} at offset {e.start})"
+                              ) from None
     return text
 
 
@@ -164,11 +177,12 @@ def read_prompt_file(path: Path) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
-def check_stop(stop: list[str]) -> None:
+def check_stop(stop: list[str]) -> list[str]:
+    """The stop strings, as text (text_arg)."""
     for s in stop:
         if not s:
             raise MtpTrtError("--stop must not be empty (an empty string would stop before any text)")
-        text_arg("--stop", s)
+    return [text_arg("--stop", s) for s in stop]
 
 
 def check_writable_file(path: Path, flag: str) -> None:

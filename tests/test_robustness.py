@@ -311,6 +311,102 @@ def test_verification_is_remembered_until_a_file_changes(exp, tmp_path, monkeypa
     assert verify_export(m)["hashed"] == 1  # the restored file, once
 
 
+def test_export_cache_key_follows_the_checkpoints_contents(ckpt, tmp_path, monkeypatch):
+    """A checkpoint whose weights are replaced by a file of the same size and mtime gets a new cache entry (its
+    export is not reused); a file touched without a change keeps the entry; the files are read again only when
+    one of them changes."""
+    import mtp_trt.manifest as manifest
+    from mtp_trt.quant import Scheme
+    from mtp_trt.runner import DEFAULT_MAX_BATCH, cache_entry
+
+    monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "ckpt"
+    shutil.copytree(ckpt, root)
+    hashed = []
+    real_sha = manifest.sha256
+    monkeypatch.setattr(manifest, "sha256", lambda path: hashed.append(path.name) or real_sha(path))
+    entry = cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH)
+    files = sorted(f.name for f in root.iterdir() if f.is_file())
+    assert sorted(hashed) == files
+    hashed.clear()
+    assert cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH) == entry and hashed == []
+    w = next(root.glob("*.safetensors"))
+    st = w.stat()
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0x01
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))  # same name, size and mtime
+    changed = cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH)
+    assert changed != entry and hashed == [w.name]
+    data[-1] ^= 0x01
+    w.write_bytes(bytes(data))  # back as it was, with a new mtime
+    assert cache_entry(root, "eagle", Scheme(), DEFAULT_MAX_BATCH) == entry
+
+
+_WATCH_TOKENIZER = r"""
+import mtp_trt.tokenizer as _t
+_encode, _calls = _t.encode, [0]
+def _watched(tokenizer, text, policy):
+    _calls[0] += 1
+    if len(text) > 1_000_000 or _calls[0] > 10_000:
+        raise AssertionError(f"tokenized: {len(text)} characters, call {_calls[0]}")
+    return _encode(tokenizer, text, policy)
+_t.encode = _watched
+"""
+
+
+def test_huge_prompts_are_refused_before_they_are_tokenized(exp, tmp_path):
+    """A 50 MB one-line prompt file is refused by its length in one line, not tokenized (which took gigabytes);
+    with --truncate only its end is tokenized; two million prompts are refused for the export's batch before
+    one is tokenized."""
+    big, many = tmp_path / "big.txt", tmp_path / "many.txt"
+    big.write_text("ab " * 17_000_000 + "\n")
+    many.write_text("a\n" * 2_000_000)
+    (code, err, _), (tcode, terr, tout), (mcode, merr, _) = run_cli(
+        [["run", exp, "--prompt-file", big, "--max-new-tokens", "2"],
+         ["run", exp, "--prompt-file", big, "--max-new-tokens", "2", "--truncate"],
+         ["run", exp, "--prompt-file", many, "--max-new-tokens", "2"]],
+        tmp_path / "cache", _LIMIT + _WATCH_TOKENIZER, str(MEMORY_LIMIT))
+    assert code == 2 and "prompt 0 has 51000000 characters" in err and "--truncate" in err, err
+    assert_one_error(err)
+    assert tcode == 0 and "truncated to their last tokens" in terr, terr
+    assert mcode == 2 and "2000000 prompts, but the export" in merr, merr
+    assert_one_error(merr)
+
+
+_TOKENIZER_IN_C = r"""
+import ctypes, sys
+import mtp_trt.tokenizer as t
+def _encode_in_c(tokenizer, text, policy):
+    # as a tokenizer's long call into native code: the GIL released, no signal handler run until it returns
+    sys.stderr.write("tokenizing\n"); sys.stderr.flush()
+    mutex, libc = ctypes.create_string_buffer(64), ctypes.CDLL(None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # a second lock by its owner: blocks for good, and no signal interrupts it
+t.encode = _encode_in_c
+from mtp_trt.cli import entry
+sys.argv = ["mtp-trt", *sys.argv[1:]]
+sys.exit(entry())
+"""
+
+
+def test_sigterm_is_acted_on_while_a_prompt_is_tokenized(exp, tmp_path):
+    """SIGTERM while the tokenizer works (in native code, as on a long prompt): the command ends at once (status
+    143, no traceback), without waiting for the tokenizer to return."""
+    p = subprocess.Popen([sys.executable, "-c", _TOKENIZER_IN_C, "run", str(exp), "-p", "abc", "--max-new-tokens",
+                          "2"], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "MTP_TRT_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        assert p.stderr.readline() == "tokenizing\n"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 128 + signal.SIGTERM
+        assert "Traceback" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_run_verify_flag_hashes_again(exp, tmp_path):
     cache = tmp_path / "cache"
     for extra in ((), ("--verify",)):
@@ -1033,19 +1129,72 @@ def test_check_validates_engines_json_against_its_export(exp, tmp_path):
 
 
 # --------------------------------------------------------------------------------------- 7. small ones
+_PAUSED_EXPORT = r"""
+import sys, threading
+import mtp_trt.exporters.export as x
+_export = x.export
+def _paused(*args, progress, **kwargs):
+    def stage(text):
+        if "mtp_0.onnx" in text:  # the target graph is written into the partial directory: wait there
+            sys.stderr.write("paused\n"); sys.stderr.flush()
+            threading.Event().wait()
+        progress(text)
+    return _export(*args, progress=stage, **kwargs)
+x.export = _paused
+from mtp_trt.cli import entry
+sys.argv = ["mtp-trt", *sys.argv[1:]]
+sys.exit(entry())
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_prints_interrupted(ckpt, tmp_path):
-    """SIGINT while a checkpoint is exported into the cache: "error: interrupted", status 130, no partial."""
+    """SIGINT while a checkpoint is exported into the cache (held mid-way, after its first graph, until the
+    signal): "error: interrupted", status 130, no partial."""
     cache = tmp_path / "cache"
-    p = subprocess.Popen(["mtp-trt", "run", str(ckpt), "-p", "x"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
-    _wait_for(lambda: any((d / "target.onnx").exists() for d in _partials(cache / "exports")))
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+    p = subprocess.Popen([sys.executable, "-c", _PAUSED_EXPORT, "run", str(ckpt), "-p", "x"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
+    try:
+        lines = []
+        while (line := p.stderr.readline()) and line != "paused\n":
+            lines.append(line)
+        assert line == "paused\n", lines
+        assert any((d / "target.onnx").exists() for d in _partials(cache / "exports"))
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     assert p.returncode == 130, err
     assert_one_error(err)
     assert err.strip().splitlines()[-1] == "error: interrupted"
     assert not _partials(cache / "exports")
+
+
+def test_json_output_cut_by_a_closed_pipe_is_one_line(tmp_path):
+    """`mtp-trt run --json | head -c 1000`: the reader leaves before the JSON is whole; the output lost is an
+    error line and exit status 2, not a silent success."""
+    import fcntl
+
+    read, write = os.pipe()
+    fcntl.fcntl(write, 1031, 4096)  # F_SETPIPE_SZ: a 4 KiB pipe, less than the JSON
+    p = subprocess.Popen(["mtp-trt", "run", *[x for p in ("The quick", "Once upon", "def f(x):", "import") for x in
+                                              ("-p", p)], "--max-new-tokens", "600", "--json"],
+                         stdout=write, stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as reader:
+            head = reader.read(1000)  # the JSON has begun
+        assert head.startswith(b"{")
+        assert p.wait(300) == 2
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert_one_error(err)
+    assert "cannot write the output" in err, err
 
 
 def test_prompt_file_from_stdin_and_help_flags(exp, tmp_path):
@@ -1059,3 +1208,142 @@ def test_prompt_file_from_stdin_and_help_flags(exp, tmp_path):
     assert "<bool>" not in r.stdout and "--verify / --no-verify" in r.stdout and "--json " in r.stdout, r.stdout
     r = subprocess.run(["mtp-trt", "bench", "--help"], capture_output=True, text=True, env=env)
     assert "--out" in r.stdout and "--json" not in r.stdout, r.stdout
+
+
+_NO_HOME = r"""
+import pwd, sys
+def _unknown(uid):
+    raise KeyError(f"getpwuid(): uid not found: {uid}")
+pwd.getpwuid = _unknown  # a user without a passwd entry (HOME is unset too)
+from mtp_trt.cli import entry
+sys.argv = ["mtp-trt", *sys.argv[1:]]
+sys.exit(entry())
+"""
+
+
+def test_no_home_directory(exp, tmp_path):
+    """HOME unset for a user without a passwd entry: a run works, its cache in the temporary directory."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "MTP_TRT_CACHE_DIR", "XDG_CACHE_HOME")}
+    r = subprocess.run([sys.executable, "-c", _NO_HOME, "run", str(exp), "-p", "ab", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=300, env={**env, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (tmp_path / f"mtp-trt-{os.getuid()}").is_dir()
+
+
+def test_utf8_arguments_under_the_c_locale(exp, tmp_path):
+    """LC_ALL=C without UTF-8 coercion: `-p 'café:'` and `--stop 'é'` reach Python as surrogate escapes of their
+    UTF-8 bytes; they are read as the text they are (they were refused as "not valid UTF-8")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_") and k != "LANG"}
+    env |= {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0", "MTP_TRT_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "mtp_trt.cli", "run", str(exp), "-p", "café:", "--stop", "é",
+                        "--max-new-tokens", "2", "--json"], capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    assert json.loads(r.stdout)["results"][0]["prompt"] == "café:"
+
+
+def test_a_checkpoint_with_a_long_directory_name(ckpt, tmp_path):
+    """A checkpoint directory of 240 characters (within the file system's 255): exported and run (its cache
+    entry's lock file name was too long)."""
+    long = tmp_path / ("m" * 240)
+    shutil.copytree(ckpt, long)
+    r = mtp_trt("run", long, "-p", "ab", "--max-new-tokens", "2", "--json", cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+
+
+_FULL_DISK = r"""
+import errno, os, sys
+import mtp_trt.exporters.export as x
+_export = x.export
+def _full(*args, progress, **kwargs):
+    def stage(text):
+        if "mtp_0.onnx" in text:  # mid-way through the export: the cache's file system fills up
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        progress(text)
+    return _export(*args, progress=stage, **kwargs)
+x.export = _full
+from mtp_trt.cli import entry
+sys.argv = ["mtp-trt", *sys.argv[1:]]
+sys.exit(entry())
+"""
+
+
+def test_a_full_cache_is_named(ckpt, tmp_path):
+    """The cache's file system fills up during an export: one line naming the cache (not "cannot write the
+    output"), status 2, no partial directory left."""
+    cache = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "-c", _FULL_DISK, "run", str(ckpt), "-p", "x", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert_one_error(r.stderr)
+    assert f"error: {cache}: cannot write the export of" in r.stderr and "No space left" in r.stderr, r.stderr
+    assert not _partials(cache / "exports")
+
+
+def test_a_url_is_named_as_given(tmp_path):
+    """A model given as a URL is named as given (Path made `https://` into `https:/`), as a URL."""
+    (code, err, _), = run_cli([["run", "https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite", "-p", "x"]],
+                              tmp_path / "cache")
+    assert code == 2 and err.startswith("error: https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite: a URL"), err
+    assert_one_error(err)
+
+
+# ------------------------------------------------------------------------------------------ models by repo id
+def _hub_env(tmp_path: Path, endpoint: str, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return env | {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "MTP_TRT_CACHE_DIR": str(tmp_path / "cache"),
+                  **extra}
+
+
+def _cli(*args, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mtp_trt.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_models_by_hugging_face_repo_id(ckpt, tmp_path):
+    """`run ORG/NAME` downloads the repo (only the files a model needs) from the Hub (a stand-in on 127.0.0.1)
+    into HF_HOME and runs it, with run's text for the local copy; offline, the download is reused; ORG/NAME@REV
+    takes a revision; an unknown repo, an unknown revision, a gated repo without a token, a download cut short
+    and an unreachable Hub each end in one line naming the repo."""
+    pytest.importorskip("huggingface_hub")
+    from hub_standin import Hub
+
+    files = {f.name: f.read_bytes() for f in ckpt.iterdir() if f.is_file()} | {"README.md": b"# a model\n",
+                                                                              "extra.bin": b"\0" * 1000}
+    commit = "c0ffee" + "0" * 34
+    hub = Hub({"org/model": (commit, files), "org/gated": (commit, files), "org/cut": (commit, files)},
+              gated={"org/gated"}, cut={"org/cut"})
+    try:
+        env = _hub_env(tmp_path, hub.url)
+        r = _cli("run", "org/model", "-p", "ab", "--max-new-tokens", "4", "--json", env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        local = _cli("run", ckpt, "-p", "ab", "--max-new-tokens", "4", "--json", env=env)
+        text = json.loads(r.stdout)["results"][0]["text"]
+        assert text == json.loads(local.stdout)["results"][0]["text"]
+        fetched = {path.rsplit("/", 1)[1] for method, path in hub.log if "/resolve/" in path}
+        assert fetched == set(files) - {"README.md", "extra.bin"}, fetched
+        assert (tmp_path / "hf" / "hub" / "models--org--model" / "snapshots" / commit / "config.json").is_file()
+        assert any(e.name.startswith("model-c0ffee000000-eagle-") for e in (tmp_path / "cache" / "exports").iterdir())
+        r = _cli("inspect", f"org/model@{commit}", env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        for args, extra, fragment in (
+                (["inspect", "org/nope"], {}, "org/nope: no such directory, nor a repository on the Hugging Face Hub"),
+                (["inspect", "org/model@v9"], {}, "org/model@v9: the Hugging Face repository has no revision 'v9'"),
+                (["inspect", "org/gated"], {}, "org/gated: a gated repository"),
+                (["inspect", "org/cut"], {}, "org/cut: cannot download it from the Hugging Face Hub"),
+                (["inspect", "org/gated"], {"HF_TOKEN": "hf_test"}, None)):
+            r = _cli(*args, env={**env, **extra})
+            if fragment is None:
+                assert r.returncode == 0, r.stderr[-2000:]
+                continue
+            assert r.returncode == 2 and fragment in r.stderr, (args, r.stderr[-2000:])
+            assert_one_error(r.stderr)
+    finally:
+        hub.close()
+    offline = _cli("run", "org/model", "-p", "ab", "--max-new-tokens", "4", "--json",  # the Hub gone: reused
+                   env={**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    assert json.loads(offline.stdout)["results"][0]["text"] == text
+    r = _cli("inspect", "org/other", env=_hub_env(tmp_path, hub.url))  # nothing listens there now
+    assert r.returncode == 2 and "org/other: no such directory" in r.stderr and "cannot be reached" in r.stderr, \
+        r.stderr[-2000:]
+    assert_one_error(r.stderr)

@@ -146,7 +146,11 @@ def server(tmp_path_factory, demo):
 
 def metrics(url: str) -> dict:
     """Every sample of /metrics: (name, sorted labels without model_name) -> value."""
-    text = call(url, "GET", "/metrics").text
+    return metrics_with(url, None)
+
+
+def metrics_with(url: str, headers: dict | None) -> dict:
+    text = call(url, "GET", "/metrics", headers=headers).text
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -256,6 +260,32 @@ def test_cancelled_stream_leaves_the_others_intact(server):
     assert m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())] < 2000
 
 
+def test_non_streamed_requests_whose_clients_leave_free_their_slots(server):
+    """Four non-streamed requests fill the four slots; their clients leave: each request is cancelled (its slot
+    freed, counted as cancelled), not decoded to its end."""
+    before = metrics(server.url)
+    body = json.dumps({"model": "demo-chat", "prompt": PROMPTS[2], "max_tokens": 4000, "temperature": 0}).encode()
+    host, port = server.url[7:].split(":")
+    socks = []
+    for _ in range(4):
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        socks.append(sock)
+    deadline = time.monotonic() + 60
+    while metrics(server.url)[("vllm:num_requests_running", ())] < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metrics(server.url)[("vllm:num_requests_running", ())] == 4
+    for sock in socks:
+        sock.close()
+    deadline = time.monotonic() + 120
+    while (m := metrics(server.url))[("vllm:num_requests_running", ())] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    key = ("vllm:request_success_total", (("finished_reason", "cancelled"),))
+    assert m[key] - before.get(key, 0) == 4
+    assert m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())] < 4 * 4000
+
+
 def error_of(response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
@@ -292,6 +322,106 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert r.status_code == status, r.text
     e = error_of(r)
     assert e["param"] == param and e["message"] and e["type"] == "invalid_request_error"
+
+
+COMPLETION = {"model": "demo-chat", "prompt": "a", "max_tokens": 2}
+CHAT = {"model": "demo-chat", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/completions", {"max_token": 5}, "max_token"),  # a typo: OpenAI's "Unrecognized request argument"
+    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/chat/completions", {"max_token": 5}, "max_token"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),  # a completions field
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": " return x"}, "suffix"),
+    ("/v1/completions", {"logit_bias": {"50": 100}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"50": -100}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 1.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"frequency_penalty": 3}, "frequency_penalty"),  # out of OpenAI's range
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+     "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "narrator", "content": "a"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "4", "tool_call_id": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a", "colour": "red"}]}, "messages.0.colour"),
+])
+def test_fields_that_would_change_the_output_are_honoured_or_refused(server, path, extra, param):
+    """OpenAI's fields this server does not implement, unknown fields and unknown roles: 400 naming the field
+    (never a 200 with the output of the request without them)."""
+    r = call(server.url, "POST", path, {**(COMPLETION if "chat" not in path else CHAT), **extra})
+    assert r.status_code == 400, r.text
+    e = error_of(r)
+    assert e["param"] == param and param.split(".")[-1] in e["message"], e
+    if param == "max_token":
+        assert e["message"] == "Unrecognized request argument supplied: max_token"
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(server):
+    """What OpenAI's clients and frameworks send by default (penalties 0, no bias, no logprobs, text format, no
+    tools, user, store, an assistant reply without content) is accepted and changes nothing."""
+    want = call(server.url, "POST", "/v1/completions", {**COMPLETION, "temperature": 0}).json()["choices"][0]["text"]
+    r = call(server.url, "POST", "/v1/completions", {**COMPLETION, "temperature": 0, "presence_penalty": 0,
+                                                     "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None,
+                                                     "best_of": 1, "echo": False, "suffix": None, "user": "u"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    r = call(server.url, "POST", "/v1/chat/completions", {**CHAT, "logprobs": False, "response_format": {"type": "text"},
+                                                          "tools": [], "tool_choice": "none", "user": "u",
+                                                          "parallel_tool_calls": True, "store": False,
+                                                          "metadata": {"k": "v"}, "modalities": ["text"]})
+    assert r.status_code == 200, r.text
+
+
+def test_assistant_content_null_is_empty_not_none(server, demo):
+    """An assistant message without content (as after a tool call) renders as empty text, not "None"."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "Again"}]
+    prompt = "<s><|user|>Hi\n<|assistant|>\n<|user|>Again\n<|assistant|>"
+    ids = demo.tokenizer.encode(prompt, add_special_tokens=False).ids
+    r = call(server.url, "POST", "/v1/chat/completions", {**CHAT, "messages": messages})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+
+
+def test_echo_puts_the_prompt_first(server):
+    plain = server.client.completions.create(model="demo-chat", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    out = server.client.completions.create(model="demo-chat", prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                           echo=True)
+    assert out.choices[0].text == PROMPTS[1] + plain.choices[0].text
+    assert out.usage.completion_tokens == plain.usage.completion_tokens
+    chunks = list(server.client.completions.create(model="demo-chat", prompt=PROMPTS[1], max_tokens=12,
+                                                   temperature=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+
+
+def test_usage_counts_no_token_past_a_stop_string(server, demo):
+    """A step may accept drafts beyond the token that completes a stop string: usage counts up to that token
+    (the tokens whose text holds the stop string), streamed or not."""
+    tokens = demo.run([PROMPTS[0]], demo.options(None, max_new_tokens=NEW)).results[0].tokens
+    text = demo.decode(tokens)
+    checked = 0
+    for at in range(6, 30, 3):
+        stop = text[at:at + 2]
+        if not stop.strip() or text.index(stop) != at:
+            continue
+        want = next(n for n in range(1, len(tokens) + 1) if stop in demo.decode(tokens[:n]))
+        kw = dict(model="demo-chat", prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stop=[stop])
+        out = server.client.completions.create(**kw)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (text[:at], "stop")
+        assert out.usage.completion_tokens == want, (stop, out.usage.completion_tokens, want)
+        last = list(server.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))[-1]
+        assert last.usage.completion_tokens == want
+        checked += 1
+    assert checked >= 4
 
 
 def test_every_error_status_is_an_openai_error_object(server, monkeypatch):
@@ -434,6 +564,34 @@ def test_full_queue_api_key_and_no_chat_template(tight):
         tight.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}])
 
 
+def test_queued_requests_whose_clients_leave_are_counted(tight):
+    """Two streams closed, one running and one still queued: both are counted as cancelled in /metrics."""
+    headers = {"authorization": "Bearer sekret"}
+
+    def cancelled():
+        m = metrics_with(tight.url, headers)
+        return m.get(("vllm:request_success_total", (("finished_reason", "cancelled"),)), 0), m
+
+    before, _ = cancelled()
+    kw = dict(model="demo", prompt=PROMPTS[0], max_tokens=3000, temperature=0)
+    running = tight.client.completions.create(**kw, stream=True)
+    next(iter(running))
+    waiting = tight.client.completions.create(**kw, stream=True)
+    deadline = time.monotonic() + 10
+    while cancelled()[1][("vllm:num_requests_waiting", ())] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    waiting.close()
+    running.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        count, m = cancelled()
+        if m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0 \
+                and count - before == 2:
+            break
+        time.sleep(0.05)
+    assert count - before == 2, (before, count)
+
+
 def test_sigterm_finishes_the_running_request(demo, tmp_path):
     """`mtp-trt serve`: after SIGTERM the streaming request still completes (and ends with [DONE]), new
     and the process exits as on any SIGTERM, without a traceback."""
@@ -479,4 +637,181 @@ def test_bad_options_and_a_busy_port_are_one_line(demo):
         s.bind(("127.0.0.1", 0))
         s.listen()
         r = CliRunner().invoke(app, ["serve", str(demo.manifest.root), "--port", str(s.getsockname()[1])])
-    assert r.exit_code == 2 and "cannot listen there" in r.output and "Traceback" not in r.output
+        assert r.exit_code == 2 and "cannot listen there" in r.output and "Traceback" not in r.output
+        # an empty host is not "every interface" without a word (the busy port keeps a server from starting)
+        r = CliRunner().invoke(app, ["serve", str(demo.manifest.root), "--host", "", "--port", str(s.getsockname()[1])])
+        assert r.exit_code == 2 and "--host: empty" in r.output and "Traceback" not in r.output
+
+
+def test_the_printed_url_is_the_one_listened_on(demo):
+    """`--port 0` prints the port the system chose, `--host ::1` the address in brackets: the URL printed works."""
+    proc = subprocess.Popen([sys.executable, "-m", "mtp_trt.cli", "serve", str(demo.manifest.root), "--host", "::1",
+                             "--port", "0", "--max-batch", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        for line in proc.stderr:
+            if " on http" in line:
+                break
+        url = line.split(" on ")[-1].strip()
+        assert url.startswith("http://[::1]:") and url.endswith("/v1") and not url.startswith("http://[::1]:0/"), line
+        port = int(url[len("http://[::1]:"):-3])
+        conn = http.client.HTTPConnection("::1", port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def _serve_process(root, *args, files: int | None = None) -> tuple[subprocess.Popen, int]:
+    """`mtp-trt serve ROOT --port 0 ARGS` in a process (at most `files` open files), and the port it printed."""
+    def limit():
+        if files is not None:
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+    proc = subprocess.Popen([sys.executable, "-m", "mtp_trt.cli", "serve", str(root), "--port", "0", *map(str, args)],
+                            stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+    for line in proc.stderr:
+        if " on http://" in line:
+            return proc, int(line.rsplit(":", 1)[1].split("/")[0])
+    proc.wait(30)
+    raise AssertionError(f"the server did not start (exit {proc.returncode})")
+
+
+def test_slow_and_idle_clients_are_cut_off(demo):
+    """With 256 open files: 300 idle connections leave the server reachable (/health answers while they are open);
+    a half-sent request head is closed with a 408 after --request-timeout, a half-sent body answered 408; the log
+    has no traceback and no flood of "Too many open files"."""
+    proc, port = _serve_process(demo.manifest.root, "--max-batch", "1", "--request-timeout", "3", files=256)
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+        url = f"http://127.0.0.1:{port}"
+        assert call(url, "GET", "/health").status_code == 200
+        head = socket.create_connection(("127.0.0.1", port), timeout=60)
+        head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        body = socket.create_connection(("127.0.0.1", port), timeout=60)
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        for sock in (head, body):
+            answer = b""
+            while part := sock.recv(65536):  # until the server closes the connection
+                answer += part
+            sock.close()
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer
+        assert call(url, "GET", "/health").status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.send_signal(signal.SIGTERM)
+        err = proc.stderr.read()
+        proc.wait(60)
+    assert "Traceback" not in err and err.count("open files") <= 3 and len(err) < 20_000, err[-3000:]
+
+
+def test_a_malformed_request_line_gets_an_openai_error(server):
+    host, port = server.url[7:].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"NOT AN HTTP REQUEST\r\n\r\n")
+        answer = b""
+        while part := sock.recv(65536):
+            answer += part
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer
+    assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+def _sse(response) -> list[str]:
+    """The non-empty lines of a server-sent event stream, to its end."""
+    lines = []
+    try:
+        while line := response.readline():
+            if line.strip():
+                lines.append(line.decode().strip())
+    except http.client.IncompleteRead:  # cut mid-body
+        lines.append("<cut>")
+    return lines
+
+
+def test_shutdown_timeout_ends_every_stream_with_an_event(demo):
+    """SIGTERM with a request still decoding past --shutdown-timeout and two queued: the running stream and the
+    queued stream each end with an error event and `data: [DONE]`, the queued non-streamed request gets a 503; a
+    client that left mid-body before that left no traceback in the log."""
+    proc, port = _serve_process(demo.manifest.root, "--max-batch", "1", "--shutdown-timeout", "1")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # leaves mid-body
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")
+        body = {"model": demo.manifest.root.name, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0}
+
+        def open_stream():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                         {"content-type": "application/json"})
+            return conn.getresponse()
+
+        running = open_stream()
+        assert running.readline().startswith(b"data: {")  # decoding
+        queued = open_stream()
+        assert queued.status == 200
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(call, url, "POST", "/v1/completions", body)
+            deadline = time.monotonic() + 30
+            while metrics(url)[("vllm:num_requests_waiting", ())] < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert metrics(url)[("vllm:num_requests_waiting", ())] == 2
+            proc.send_signal(signal.SIGTERM)
+            for lines in (_sse(running), _sse(queued)):
+                assert lines[-1] == "data: [DONE]", lines[-3:]
+                last = json.loads(lines[-2][6:])
+                assert last.get("error", {}).get("message") == "the server is shutting down" or \
+                    last["choices"][0]["finish_reason"] is not None, lines[-3:]
+            reply = whole.result(timeout=60)
+        assert reply.status_code == 503 and error_of(reply)["type"] == "server_error"
+        assert proc.wait(60) == 128 + signal.SIGTERM
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "ClientDisconnect" not in err, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_ctrl_c_twice_stops_at_once_without_tracebacks(demo):
+    """Ctrl-C once starts the graceful shutdown (the server stops listening); Ctrl-C again, with a stream running
+    and a request queued, stops it at once: status 130, "error: interrupted", no traceback in the log."""
+    proc, port = _serve_process(demo.manifest.root, "--max-batch", "1", "--shutdown-timeout", "60")
+    try:
+        body = {"model": demo.manifest.root.name, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0}
+        running = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        running.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                        {"content-type": "application/json"})
+        stream = running.getresponse()
+        assert stream.readline().startswith(b"data: {")
+        queued = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        queued.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        deadline = time.monotonic() + 30
+        while metrics(f"http://127.0.0.1:{port}")[("vllm:num_requests_waiting", ())] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while True:  # until the server no longer listens: shutting down
+            assert time.monotonic() < deadline
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                time.sleep(0.05)
+            except OSError:
+                break
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        err = proc.stderr.read()
+        assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: interrupted", err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
