@@ -50,15 +50,24 @@ class Sequence:
     num_draft_tokens: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
     drafts_per_pos: list[int] = dataclasses.field(default_factory=list)  # drafts that had position j
+    accepted_hist: list[int] = dataclasses.field(default_factory=list)  # [j]: steps that accepted j drafts
     acceptance: Acceptance | None = None  # its recent acceptance per position (adaptive speculation)
 
-    def spec_usage(self) -> dict:
-        """This sequence's speculative figures: draft tokens, accepted tokens, acceptance per position."""
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": sum(self.accepted_per_pos),
-                "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
-                "acceptance_rate_per_pos": [round(a / d, 4) if d else 0.0
-                                            for a, d in zip(self.accepted_per_pos, self.drafts_per_pos)]}
+    def spec_usage(self, nextn: int) -> dict:
+        """This sequence's speculative figures under vLLM's per-request names (`--per-request-spec-decode-metrics`),
+        with the acceptance per draft position: num_spec_steps are its verify steps with drafts, nextn the most
+        drafts a step may have."""
+        accepted = sum(self.accepted_per_pos)
+        hist = self.accepted_hist + [0] * (nextn + 1 - len(self.accepted_hist))
+        return {"mean_acceptance_length": round(1 + accepted / self.num_drafts, 4) if self.num_drafts else 1.0,
+                "draft_acceptance_rate": round(accepted / self.num_draft_tokens, 4) if self.num_draft_tokens else 0.0,
+                "acceptance_histogram": hist, "num_spec_steps": self.num_drafts,
+                "num_accepted_draft_tokens": accepted, "num_draft_tokens": self.num_draft_tokens,
+                "num_spec_tokens": nextn,
+                "num_accepted_tokens_per_pos": self.accepted_per_pos + [0] * (nextn - len(self.accepted_per_pos)),
+                "acceptance_rate_per_pos": [round(a / d, 4) if d else 0.0 for a, d in
+                                            zip(self.accepted_per_pos + [0] * nextn, self.drafts_per_pos + [0] * nextn)
+                                            ][:nextn]}
 
     @property
     def generated(self) -> list[int]:
@@ -105,6 +114,7 @@ class Stats:
     draft_tokens: int = 0  # draft tokens verified
     seq_steps: int = 0  # verify steps summed over the sequences, with drafts or without
     k_chosen: list = dataclasses.field(default_factory=list)  # the K of each batched step
+    last_accepted: list = dataclasses.field(default_factory=list)  # the drafts each sequence accepted, last step
 
     def __post_init__(self):
         if self.num_drafts_per_pos is None and self.num_accepted_tokens_per_pos is not None:
@@ -346,6 +356,7 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
         stats.num_drafts_per_pos[:k] += n
     # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most)
     accepted, nums = tokens.tolist(), num.tolist()
+    stats.last_accepted = nums
     st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
     for m in nums:
         stats.num_accepted_tokens_per_pos[:m] += 1
@@ -371,6 +382,8 @@ def _count_drafts(s: Sequence, k: int, m: int, width: int) -> None:
     if len(s.accepted_per_pos) < width:
         s.accepted_per_pos += [0] * (width - len(s.accepted_per_pos))
         s.drafts_per_pos += [0] * (width - len(s.drafts_per_pos))
+        s.accepted_hist += [0] * (width + 1 - len(s.accepted_hist))
+    s.accepted_hist[m] += 1
     s.num_drafts += 1
     s.num_draft_tokens += k
     for j in range(k):
@@ -433,6 +446,7 @@ class Batch:
     k: int = 0  # drafts the active sequences hold for the next step (opts.nextn unless adaptive)
     cost: CostModel = dataclasses.field(default_factory=CostModel)  # measured step seconds (adaptive)
     policy: Callable | None = None  # policy(batch) -> K wanted for the next step (adaptive; default auto_k)
+    explore: int = 0  # auto_k: steps until the next exploring steps at every draft
 
     @property
     def capacity(self) -> int:
@@ -554,12 +568,29 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
 def auto_k(batch: Batch) -> int:
     """The K (0..nextn) of the next step that maximizes expected tokens per second (mtp_trt/speculation.py): each
     active sequence's decayed acceptance per position (a new one: the batch's so far), the measured step costs."""
-    st, stats = batch.st, batch.stats
-    seen = stats.num_drafts_per_pos > 0
-    prior = np.where(seen, stats.num_accepted_tokens_per_pos / np.maximum(stats.num_drafts_per_pos, 1), PRIOR)
-    rates = [acceptance_rates(s.acceptance, prior) if s.acceptance is not None else prior
+    st, stats, nextn = batch.st, batch.stats, batch.opts.nextn
+    batch.explore -= 1
+    if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at every draft (the first drafts them, the second
+        if batch.explore < -2:  # is timed): what a K not chosen lately accepts and costs is learnt again
+            batch.explore = EXPLORE_EVERY
+        else:
+            return nextn
+    rates = [acceptance_rates(s.acceptance, chain_prior(stats)) if s.acceptance is not None else chain_prior(stats)
              for s in _active(st, batch.seqs)]
-    return choose_k(rates, batch.cost, batch.opts.nextn, current=batch.k)
+    return choose_k(rates, batch.cost, nextn, current=batch.k)
+
+
+EXPLORE_EVERY = 64
+
+
+def chain_prior(stats: Stats) -> np.ndarray:
+    """The acceptance per position a sequence is assumed to have before its own history: the decode's so far, a
+    position never tried taking the rate of the one before it (PRIOR for the first)."""
+    rates = np.full(len(stats.num_drafts_per_pos), PRIOR)
+    last = PRIOR
+    for j, (a, d) in enumerate(zip(stats.num_accepted_tokens_per_pos.tolist(), stats.num_drafts_per_pos.tolist())):
+        last = rates[j] = a / d if d else last
+    return rates
 
 
 def step(backend: Backend, batch: Batch, on_accept=None) -> None:
