@@ -52,6 +52,9 @@ class Sequence:
     drafts_per_pos: list[int] = dataclasses.field(default_factory=list)  # drafts that had position j
     accepted_hist: list[int] = dataclasses.field(default_factory=list)  # [j]: steps that accepted j drafts
     acceptance: Acceptance | None = None  # its recent acceptance per position (adaptive speculation)
+    # every step with all drafts while it runs: a seeded sampling sequence, whose draws (and so its text) depend on
+    # the K of each step; lossless either way, but reproducible only at a fixed K
+    fixed_k: bool = False
 
     def spec_usage(self, nextn: int) -> dict:
         """This sequence's speculative figures under vLLM's per-request names (`--per-request-spec-decode-metrics`),
@@ -100,6 +103,7 @@ class State:
     carry: np.ndarray | None  # [B, K, D] vanilla: depth k-1's hidden at row mtp_past_len[:, k-1]
     tree_tokens: np.ndarray | None = None  # [B, N] tree drafting: the next step's tree (mtp_trt/tree.py)
     tree_parents: np.ndarray | None = None  # [B, N]
+    avail: np.ndarray | None = None  # [B] drafts each slot holds for its next step (adaptive speculation)
 
 
 @dataclasses.dataclass
@@ -285,12 +289,13 @@ def _draft_vanilla(backend, st, active, out1, start1, q, opts, qd) -> None:
         prev_out, prev_start = out, start
 
 
-def verify(backend: Backend, st: State, seqs, opts: DecodeOptions,
-           k: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def verify(backend: Backend, st: State, seqs, opts: DecodeOptions, k: int | None = None,
+           caps: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Run the target on [last, the first k drafts] (k: default opts.nextn) and accept: greedy sequences as the
     graph does (relaxed while thinking when asked), sampling ones by lossless rejection sampling with their own
-    parameters.  Returns accepted tokens [n, K+1] (then -1), the number of drafts accepted [n], and the hidden
-    states [n, K+1, D]."""
+    parameters.  caps[i]: sequence i's drafts (<= k; the others in its row are not its own: never accepted).
+    Returns accepted tokens [n, K+1] (then -1), the number of drafts accepted [n], and the hidden states
+    [n, K+1, D]."""
     n, k = st.n, opts.nextn if k is None else k
     active = _active(st, seqs)
     ids = np.concatenate([st.last[:n, None], st.drafts[:n, :k]], 1).astype(np.int32)
@@ -300,12 +305,18 @@ def verify(backend: Backend, st: State, seqs, opts: DecodeOptions,
     tokens, num = out[C.ACCEPTED_TOKENS].copy(), out[C.NUM_ACCEPTED].copy()
     st.thinking[:n] = out[C.THINKING_OUT]
     for i, s in enumerate(active):
+        c = k if caps is None else caps[i]
         if s.sampling.greedy:
+            if num[i] > c:  # drafts c+1.. were accepted, so token c is the target's own: the bonus
+                num[i] = c
+                tokens[i, c + 1:] = -1
+                st.thinking[i] = thinking_after(tokens[i, :c + 1].tolist(), before[i], opts.think_ids)
             continue
-        p = probabilities(out[C.LOGITS][i:i + 1], s.sampling)
-        q = st.q_dist[i:i + 1, :k] if st.q_dist is not None and k else np.zeros((1, 0, p.shape[-1]))
-        t, m = speculative_accept(p, q, st.drafts[i:i + 1, :k], s.rng)
-        tokens[i], num[i] = t[0], m[0]
+        p = probabilities(out[C.LOGITS][i:i + 1, :c + 1], s.sampling)
+        q = st.q_dist[i:i + 1, :c] if st.q_dist is not None and c else np.zeros((1, 0, p.shape[-1]))
+        t, m = speculative_accept(p, q, st.drafts[i:i + 1, :c], s.rng)
+        tokens[i] = -1
+        tokens[i, :c + 1], num[i] = t[0], m[0]
         st.thinking[i] = thinking_after(t[0, :m[0] + 1], before[i], opts.think_ids)
     return tokens, num, out[C.HIDDEN_STATES]
 
@@ -340,9 +351,9 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
 
 
 def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, opts: DecodeOptions,
-           rows: int, k: int | None = None) -> np.ndarray:
+           rows: int, k: int | None = None, caps: list[int] | None = None) -> np.ndarray:
     """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions, count the
-    step's drafts (k: the drafts verified, default opts.nextn; a tree's depth).  Returns the start rows of this step
+    step's drafts (k: the drafts verified, default opts.nextn; a tree's depth; caps: each sequence's, when fewer).  Returns the start rows of this step
     (the old past_len) for the MTP depth-1 update."""
     n, k = st.n, opts.nextn if k is None else k
     start = st.past_len[:n].copy()
@@ -350,20 +361,22 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
     stats.steps += 1
     stats.seq_steps += n
     stats.k_chosen.append(k)
-    if k:
-        stats.num_drafts += n
-        stats.draft_tokens += n * k
-        stats.num_drafts_per_pos[:k] += n
+    caps = [k] * n if caps is None else caps
+    for c in caps:
+        if c:
+            stats.num_drafts += 1
+            stats.draft_tokens += c
+            stats.num_drafts_per_pos[:c] += 1
     # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most)
     accepted, nums = tokens.tolist(), num.tolist()
     stats.last_accepted = nums
     st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
     for m in nums:
         stats.num_accepted_tokens_per_pos[:m] += 1
-    for s, row, m, past in zip(_active(st, seqs), accepted, nums, st.past_len[:n].tolist()):
+    for s, row, m, past, c in zip(_active(st, seqs), accepted, nums, st.past_len[:n].tolist(), caps):
         s.steps += 1
-        if k:
-            _count_drafts(s, k, m, len(stats.num_accepted_tokens_per_pos))
+        if c:
+            _count_drafts(s, c, m, len(stats.num_accepted_tokens_per_pos))
         room = s.max_new_tokens - s.num_generated
         for t in row[:min(m + 1, room)]:
             s.tokens.append(t)
@@ -400,7 +413,7 @@ def _swap(backend: Backend, st: State, i: int, j: int, *extra: np.ndarray) -> No
         return
     backend.swap_slots(i, j)
     for arr in (st.order, st.past_len, st.last, st.thinking, st.drafts, st.mtp_past_len, st.q_dist, st.carry,
-                st.tree_tokens, st.tree_parents, *extra):
+                st.tree_tokens, st.tree_parents, st.avail, *extra):
         if arr is not None:
             arr[[i, j]] = arr[[j, i]]
 
@@ -443,7 +456,7 @@ class Batch:
     opts: DecodeOptions
     rows: int  # cache rows per sequence
     joining: Join | None = None
-    k: int = 0  # drafts the active sequences hold for the next step (opts.nextn unless adaptive)
+    k: int = 0  # drafts joining sequences get (opts.nextn unless adaptive: the K of the last step)
     cost: CostModel = dataclasses.field(default_factory=CostModel)  # measured step seconds (adaptive)
     policy: Callable | None = None  # policy(batch) -> K wanted for the next step (adaptive; default auto_k)
     explore: int = 0  # auto_k: steps until the next exploring steps at every draft
@@ -475,6 +488,7 @@ def open_batch(backend: Backend, opts: DecodeOptions, capacity: int, rows: int, 
     if opts.tree_graph:
         st.tree_tokens, st.tree_parents = zeros(opts.tree.budget), zeros(opts.tree.budget)
     stats = Stats(num_accepted_tokens_per_pos=np.zeros(k, np.int64))
+    st.avail = np.full(capacity, k, np.int64)
     return Batch(st, {}, stats, opts, rows, k=k)
 
 
@@ -551,7 +565,10 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
         hidden = np.zeros((m, lens.max(), j.hidden[0][0].shape[-1]), j.hidden[0][0].dtype)
         for i, parts in enumerate(j.hidden):
             hidden[i, :lens[i]] = np.concatenate(parts)
-        draft(backend, st, batch.seqs, hidden, np.zeros(m, np.int32), opts, batch.k)
+        # a sequence that keeps every draft (Sequence.fixed_k) gets them from its first step
+        k = opts.nextn if any(s.fixed_k for s in seqs) else batch.k
+        draft(backend, st, batch.seqs, hidden, np.zeros(m, np.int32), opts, k)
+        st.avail[:m] = k
         if opts.tree_graph:  # the chain's drafts are the first tree step's tree
             st.tree_tokens[:m], st.tree_parents[:m] = chain_tree(st.drafts[:m], opts.tree.budget)
     for s in seqs:
@@ -569,6 +586,9 @@ def auto_k(batch: Batch) -> int:
     """The K (0..nextn) of the next step that maximizes expected tokens per second (mtp_trt/speculation.py): each
     active sequence's decayed acceptance per position (a new one: the batch's so far), the measured step costs."""
     st, stats, nextn = batch.st, batch.stats, batch.opts.nextn
+    active = _active(st, batch.seqs)
+    if any(s.fixed_k for s in active):
+        return nextn
     batch.explore -= 1
     if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at every draft (the first drafts them, the second
         if batch.explore < -2:  # is timed): what a K not chosen lately accepts and costs is learnt again
@@ -576,8 +596,8 @@ def auto_k(batch: Batch) -> int:
         else:
             return nextn
     rates = [acceptance_rates(s.acceptance, chain_prior(stats)) if s.acceptance is not None else chain_prior(stats)
-             for s in _active(st, batch.seqs)]
-    return choose_k(rates, batch.cost, nextn, current=batch.k)
+             for s in active]
+    return choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()))
 
 
 EXPLORE_EVERY = 64
@@ -607,25 +627,28 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     if not st.n:
         return
     greedy = not _samples(_active(st, seqs))
-    k = k_next = batch.k
+    k = k_next = opts.nextn
+    caps = None
     if opts.adaptive:
         k_next = max(0, min(opts.nextn, int((batch.policy or auto_k)(batch))))
-        k = min(k, k_next)
+        caps = np.minimum(st.avail[:st.n], k_next).tolist()  # each sequence verifies the drafts it holds, at most K
+        k = max(caps)
+        caps = None if min(caps) == k else caps
     # vanilla's step and tree graphs need every depth's window to start at row >= 0 (past_len >= K - 1)
     early = backend.manifest.mtp_mode == "vanilla" and st.past_len[:st.n].min() < opts.nextn - 1
-    if greedy and not early and k == k_next and (opts.tree_graph or backend.has_step(k)):
+    if greedy and not early and k == k_next and caps is None and (opts.tree_graph or backend.has_step(k)):
         n, t0 = st.n, time.perf_counter()
         fused_step(backend, st, seqs, batch.stats, opts, batch.rows, k)
         if opts.adaptive:
             observe_cost(batch.cost, k, n, time.perf_counter() - t0)
-        batch.k = k
+        st.avail[:n], batch.k = k, k
         if on_accept:
             on_accept()
         retire(backend, st, seqs)
         return
-    tokens, num, hidden = verify(backend, st, seqs, opts, k)
-    start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k)
-    batch.k = k_next
+    tokens, num, hidden = verify(backend, st, seqs, opts, k, caps)
+    start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k, caps)
+    st.avail[:st.n], batch.k = k_next, k_next
     if on_accept:
         on_accept()
     retire(backend, st, seqs, hidden, start)
@@ -666,7 +689,6 @@ def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int
                 s.finish_reason = s.finish_reason or "cancelled"
             retire(backend, batch.st, batch.seqs)
             batch.seqs.clear()
-            batch.k = opts.nextn
     finally:
         batch.policy, batch.cost = policy, model
 
@@ -677,7 +699,7 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
     samples with sequence_rng(seed, i).  `on_step(seqs)` is called after every verify step (for streaming).
     Adaptive speculation: `cost` the measured step costs (calibrate), `policy` overrides auto_k."""
     seqs = [Sequence(prompt=list(p), sampling=opts.sampling, max_new_tokens=opts.max_new_tokens,
-                     rng=sequence_rng(seed, i)) for i, p in enumerate(prompts)]
+                     rng=sequence_rng(seed, i), fixed_k=not opts.sampling.greedy) for i, p in enumerate(prompts)]
     rows = min(backend.manifest.max_seq_len,
                max(len(p) for p in prompts) + opts.max_new_tokens + 2 * opts.nextn + 2)
     batch = open_batch(backend, opts, len(seqs), rows)

@@ -173,3 +173,22 @@ def test_sampling_with_varying_k_is_reproducible(demo):
     assert len(set(sa.k_chosen)) > 1 and sa.num_drafts > 0
     fixed, _ = generate(runner.backend, ids, dataclasses.replace(opts, adaptive=False), seed=7)
     assert all(len(s.generated) > 0 for s in fixed)
+
+
+def test_auto_follows_the_costs_and_keeps_seeded_sampling_at_all_drafts(demo):
+    runner, ids, plain = demo
+    nextn = runner.manifest.nextn
+    opts = DecodeOptions(nextn=nextn, max_new_tokens=NEW, eos_ids=runner.manifest.eos_ids, adaptive=True)
+    dear = CostModel()  # drafts that cost far more than they can bring: auto stops drafting (but to explore)
+    for k in range(nextn + 1):
+        for rows in (1, len(ids)):
+            observe_cost(dear, k, rows, 1.0 + 10.0 * k)
+    seqs, stats = generate(runner.backend, ids, opts, cost=dear)
+    assert [s.generated for s in seqs] == plain
+    assert stats.k_chosen.count(0) > len(stats.k_chosen) // 2
+    # a seeded sampling decode keeps every draft (its text then is that of --speculation fixed with the same seed)
+    sampled = dataclasses.replace(opts, sampling=SamplingParams(temperature=0.8), max_new_tokens=16)
+    a, sa = generate(runner.backend, ids, sampled, seed=5, cost=dear)
+    b, _ = generate(runner.backend, ids, dataclasses.replace(sampled, adaptive=False), seed=5)
+    assert set(sa.k_chosen) == {nextn}
+    assert [s.generated for s in a] == [s.generated for s in b]
