@@ -4,6 +4,7 @@ decoding's (nextn 0), and each sequence's speculative figures add up to the deco
 
 import dataclasses
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -192,3 +193,43 @@ def test_auto_follows_the_costs_and_keeps_seeded_sampling_at_all_drafts(demo):
     b, _ = generate(runner.backend, ids, dataclasses.replace(sampled, adaptive=False), seed=5)
     assert set(sa.k_chosen) == {nextn}
     assert [s.generated for s in a] == [s.generated for s in b]
+
+
+# ------------------------------------------------------------------------------------------- the command line
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from mtp_trt.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--speculation", "auto", "--nextn", "1"], "--speculation auto chooses K per step, but --nextn fixes it"),
+    (["--speculation", "auto", "--tree-topk", "2"], "trees are drafted at a fixed depth"),
+    (["--speculation", "sometimes"], "--speculation: unknown mode 'sometimes'; expected one of auto, fixed"),
+])
+def test_contradictory_speculation_flags_are_one_line(args, says):
+    r = _cli("run", "-p", "x", *args)
+    assert r.exit_code == 2  # (mtp-trt's status for a refused command line)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.output
+
+
+def test_run_json_auto_reports_per_result_figures_and_plain_greedy_text(demo):
+    runner, ids, plain = demo
+    r = _cli("run", *[x for p in PROMPTS for x in ("-p", p)], "--max-new-tokens", NEW, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    assert [x["tokens"] for x in out["results"]] == plain
+    s = out["summary"]
+    assert s["speculation"] == "auto" and sum(s["k_steps"].values()) == s["steps"]
+    specs = [x["speculative_decoding"] for x in out["results"]]
+    assert sum(x["num_accepted_draft_tokens"] for x in specs) == s["num_accepted_tokens"]
+    assert sum(x["num_draft_tokens"] for x in specs) == s["num_draft_tokens"]
+    assert all(x["num_spec_tokens"] == runner.manifest.nextn for x in specs)
+    fixed = _cli("run", "-p", PROMPTS[0], "--max-new-tokens", NEW, "--json", "--speculation", "fixed")
+    f = json.loads(fixed.stdout[fixed.stdout.index("{"):])
+    assert f["summary"]["speculation"] == "fixed" and f["summary"]["k_steps"] == {str(runner.manifest.nextn):
+                                                                                  f["summary"]["steps"]}
+    assert f["results"][0]["tokens"] == plain[0]
