@@ -459,7 +459,8 @@ class Batch:
     k: int = 0  # drafts joining sequences get (opts.nextn unless adaptive: the K of the last step)
     cost: CostModel = dataclasses.field(default_factory=CostModel)  # measured step seconds (adaptive)
     policy: Callable | None = None  # policy(batch) -> K wanted for the next step (adaptive; default auto_k)
-    explore: int = 0  # auto_k: steps until the next exploring steps at every draft
+    explore: int = 0  # auto_k: steps until the next exploring steps
+    explored: int = 0  # auto_k: the K those steps ran last
 
     @property
     def capacity(self) -> int:
@@ -590,11 +591,15 @@ def auto_k(batch: Batch) -> int:
     if any(s.fixed_k for s in active):
         return nextn
     batch.explore -= 1
-    if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at every draft (the first drafts them, the second
-        if batch.explore < -2:  # is timed): what a K not chosen lately accepts and costs is learnt again
-            batch.explore = EXPLORE_EVERY
+    if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at another K (the first may draft them, the second
+        if batch.explore < -2:  # is timed), the K in turn: what a K not chosen lately costs (and, going up, what the
+            batch.explore = EXPLORE_EVERY  # further drafts accept) is learnt again
         else:
-            return nextn
+            if batch.explore == -1:
+                batch.explored = (batch.explored + 1) % (nextn + 1)
+                if batch.explored == int(st.avail[:st.n].min()):
+                    batch.explored = (batch.explored + 1) % (nextn + 1)
+            return batch.explored
     rates = [acceptance_rates(s.acceptance, chain_prior(stats)) if s.acceptance is not None else chain_prior(stats)
              for s in active]
     return choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()))
@@ -658,10 +663,11 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
             st.tree_tokens[:st.n], st.tree_parents[:st.n] = chain_tree(st.drafts[:st.n], opts.tree.budget)
 
 
-def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int], steps: int = 3) -> None:
-    """Time `steps` greedy steps of each K (nextn .. 0) at each batch size in `sizes` (dummy sequences of `prompt`,
-    after one untimed step per K: the first call of a shape allocates) into batch.cost, the median per (K, rows).
-    The batch must be empty; it is left empty."""
+def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int], steps: int = 4) -> None:
+    """Time greedy steps of each K (0..nextn) at each batch size in `sizes` (dummy sequences of `prompt`) into
+    batch.cost, the fastest per (K, rows) of `steps` rounds; each round visits every K (so that a burst of load on
+    the machine falls on all of them alike) with two steps, the second timed (the first may draft more, or be the
+    first call of a shape).  The batch must be empty; it is left empty."""
     opts, policy, model = batch.opts, batch.policy, batch.cost
     want = [0]
     batch.policy = lambda b: want[0]  # noqa: E731
@@ -672,19 +678,20 @@ def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int
             admit(batch, seqs)
             while batch.joining:
                 prefill_chunk(backend, batch)
-            for k in range(opts.nextn, -1, -1):
-                want[0] = k
-                times = []
-                for i in range(steps + 1):
-                    retire(backend, batch.st, batch.seqs)
-                    rows, t0 = batch.st.n, time.perf_counter()
-                    if not rows:
-                        break
-                    step(backend, batch)
-                    if i and rows == n:
-                        times.append(time.perf_counter() - t0)
-                if times:
-                    observe_cost(model, k, n, float(np.median(times)))
+            times: dict[int, list[float]] = {k: [] for k in range(opts.nextn + 1)}
+            for _ in range(steps):
+                for k in range(opts.nextn, -1, -1):
+                    want[0] = k
+                    for i in range(2):
+                        retire(backend, batch.st, batch.seqs)
+                        rows, t0 = batch.st.n, time.perf_counter()
+                        if rows:
+                            step(backend, batch)
+                        if i and rows == n:
+                            times[k].append(time.perf_counter() - t0)
+            for k, t in times.items():
+                if t:  # the fastest: other work on the machine only ever slows a step
+                    observe_cost(model, k, n, float(np.min(t)))
             for s in seqs.values():
                 s.finish_reason = s.finish_reason or "cancelled"
             retire(backend, batch.st, batch.seqs)

@@ -364,13 +364,13 @@ class Runner:
         return RunReport(results, stats, seconds, opts.nextn, opts.tree.spec if opts.tree_graph else None,
                          "auto" if opts.adaptive else "fixed")
 
-    def calibrate(self, opts: DecodeOptions, ids: list[list[int]], steps: int = 3):
+    def calibrate(self, opts: DecodeOptions, ids: list[list[int]], steps: int = 4):
         """The step costs of adaptive speculation for this batch size: `steps` timed steps of each K (decode.calibrate)
         on sequences of the first prompt's first tokens."""
         from mtp_trt.decode import calibrate, open_batch
 
         prompt = ids[0][:16]
-        rows = min(self.manifest.max_seq_len, len(prompt) + (steps + 2) * (opts.nextn + 1) ** 2 + 2 * opts.nextn + 8)
+        rows = min(self.manifest.max_seq_len, len(prompt) + 2 * steps * (opts.nextn + 1) ** 2 + 2 * opts.nextn + 8)
         batch = open_batch(self.backend, opts, len(ids), rows)
         calibrate(self.backend, batch, prompt, [len(ids)], steps)
         return batch.cost

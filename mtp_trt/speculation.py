@@ -22,7 +22,8 @@ DECAY = 0.9  # weight of an acceptance observation after each later step of the 
 PRIOR = 0.5  # acceptance of a position never tried yet anywhere (pseudo-count PRIOR_WEIGHT)
 PRIOR_WEIGHT = 1.0
 COST_ALPHA = 0.1  # EWMA weight of a newly timed step
-CLIP = 1.5  # a timed step counts as at most this factor away from the estimate
+CLIP = 1.5  # a slower timed step counts as at most this factor above the estimate
+DOWN_ALPHA = 0.5  # EWMA weight of a step faster than the estimate
 MARGIN = 0.03  # another K must promise this much more than the current one
 
 
@@ -71,14 +72,18 @@ class CostModel:
 
 
 def observe_cost(model: CostModel, k: int, rows: int, seconds: float) -> None:
-    """A step of `rows` sequences with `k` drafts took `seconds`: the first time its estimate, then an EWMA of the
-    time clipped to CLIP x (and 1 / CLIP x) the estimate, so that one step the process was preempted in moves it
-    little (a lasting change still moves it, step by step)."""
+    """A step of `rows` sequences with `k` drafts took `seconds`: the first time its estimate, then an EWMA.  A
+    slower step counts as at most CLIP x the estimate, with weight `alpha` (one step the process was preempted in
+    moves it little; a lasting change still gets there); a faster one, with weight DOWN_ALPHA (a step is never
+    faster than the work allows: an estimate taken while the machine was busy comes down at once)."""
     table = model.seconds.setdefault(k, {})
     old = table.get(rows)
-    if old is not None:
-        seconds = min(max(seconds, old / CLIP), old * CLIP)
-    table[rows] = seconds if old is None else (1 - model.alpha) * old + model.alpha * seconds
+    if old is None:
+        table[rows] = seconds
+    elif seconds >= old:
+        table[rows] = (1 - model.alpha) * old + model.alpha * min(seconds, old * CLIP)
+    else:
+        table[rows] = (1 - DOWN_ALPHA) * old + DOWN_ALPHA * seconds
 
 
 def estimate_cost(model: CostModel, k: int, rows: int) -> float | None:

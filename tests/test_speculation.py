@@ -11,7 +11,7 @@ import pytest
 
 from mtp_trt.decode import DecodeOptions, calibrate, generate, open_batch
 from mtp_trt.sampling import SamplingParams
-from mtp_trt.speculation import (CLIP, PRIOR, Acceptance, CostModel, acceptance_rates, choose_k, estimate_cost,
+from mtp_trt.speculation import (CLIP, DOWN_ALPHA, PRIOR, Acceptance, CostModel, acceptance_rates, choose_k, estimate_cost,
                                  expected_tokens, observe_acceptance, observe_cost)
 
 
@@ -52,12 +52,12 @@ def test_cost_ewma_and_interpolation():
     assert estimate_cost(m, 1, 4) is None
     observe_cost(m, 1, 4, 2.0)
     assert estimate_cost(m, 1, 4) == 2.0  # the first observation is the estimate
-    observe_cost(m, 1, 4, 3.0)
-    assert estimate_cost(m, 1, 4) == 2.5  # then the EWMA
-    observe_cost(m, 1, 8, 5.0)
-    assert estimate_cost(m, 1, 6) == pytest.approx(3.75)  # linear between measured sizes
-    assert estimate_cost(m, 1, 16) == pytest.approx(10.0)  # beyond: proportional to the nearest
-    assert estimate_cost(m, 1, 2) == pytest.approx(1.25)
+    observe_cost(m, 1, 4, 2.5)
+    assert estimate_cost(m, 1, 4) == 2.25  # then the EWMA
+    observe_cost(m, 1, 8, 4.25)
+    assert estimate_cost(m, 1, 6) == pytest.approx(3.25)  # linear between measured sizes
+    assert estimate_cost(m, 1, 16) == pytest.approx(8.5)  # beyond: proportional to the nearest
+    assert estimate_cost(m, 1, 2) == pytest.approx(1.125)
     assert estimate_cost(m, 0, 4) is None
     observe_cost(m, 0, 1, 1.0)
     observe_cost(m, 0, 1, 100.0)  # a preempted step: counted as CLIP x the estimate
@@ -65,6 +65,8 @@ def test_cost_ewma_and_interpolation():
     for _ in range(30):  # a lasting change still gets there
         observe_cost(m, 0, 1, 3.0)
     assert estimate_cost(m, 0, 1) == pytest.approx(3.0)
+    observe_cost(m, 0, 1, 1.0)  # faster: DOWN_ALPHA's weight (an estimate taken while busy comes down at once)
+    assert estimate_cost(m, 0, 1) == pytest.approx((1 - DOWN_ALPHA) * 3.0 + DOWN_ALPHA * 1.0)
 
 
 def _model(costs: dict) -> CostModel:
