@@ -8,7 +8,7 @@ Not run in CI.
   python benchmarks/serve.py --no-llama --clients 1 4 16 32 --nextn 0 1 2 3 auto --threads 1   # mtp-trt only
   python benchmarks/serve.py --stress [--requests 200] [--clients 32]
 
-Every server runs at once, each in its own process (mtp-trt at each --nextn, `auto` being --speculation auto, with
+Every server runs at once (started one after another), each in its own process (mtp-trt at each --nextn, `auto` being --speculation auto, with
 --max-batch the most clients;
 llama.cpp with its f32 GGUF of the checkpoint, made as benchmarks/llama_cpp.py makes it, `--interrupt_requests
 False` so that a new request waits instead of cutting the running one off); rounds visit them in turn (a shared
@@ -284,10 +284,13 @@ def main():
 
     ckpt = demo_model()
     most = max(a.clients)
-    servers = [Server(f"mtp-trt nextn {k}", [sys.executable, "-m", "mtp_trt.cli", "serve",
-                                             *(["--speculation", "auto"] if k == "auto" else ["--nextn", k]),
-                                             "--threads", str(a.threads), "--max-batch", str(most),
-                                             "--max-queue", str(most)], ckpt.name) for k in a.nextn]
+    servers = []
+    for k in a.nextn:  # one after another: a server times its steps at start-up (--speculation auto), alone
+        servers.append(Server(f"mtp-trt nextn {k}", [sys.executable, "-m", "mtp_trt.cli", "serve",
+                                                     *(["--speculation", "auto"] if k == "auto" else ["--nextn", k]),
+                                                     "--threads", str(a.threads), "--max-batch", str(most),
+                                                     "--max-queue", str(most)], ckpt.name))
+        servers[-1].wait_ready()
     if not a.no_llama:
         gguf = ensure_gguf("demo", ckpt, "f32", a.sdist, a.llama_python, a.threads)
         servers.append(Server("llama.cpp", [a.llama_python, "-m", "llama_cpp.server", "--model", str(gguf),

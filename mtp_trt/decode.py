@@ -605,7 +605,7 @@ def auto_k(batch: Batch) -> int:
     return choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()))
 
 
-EXPLORE_EVERY = 64
+EXPLORE_EVERY = 128  # steps between two explorations (each: two steps at another K)
 
 
 def chain_prior(stats: Stats) -> np.ndarray:

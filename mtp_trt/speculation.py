@@ -24,7 +24,8 @@ PRIOR_WEIGHT = 1.0
 COST_ALPHA = 0.1  # EWMA weight of a newly timed step
 CLIP = 1.5  # a slower timed step counts as at most this factor above the estimate
 DOWN_ALPHA = 0.5  # EWMA weight of a step faster than the estimate
-MARGIN = 0.03  # another K must promise this much more than the current one
+MARGIN = 0.03  # a smaller K must promise this much more than the current one
+UP_MARGIN = 0.10  # a larger one this much (going up costs a step that drafts more, unfused)
 
 
 @dataclasses.dataclass
@@ -113,11 +114,12 @@ def step_rate(rates: list[np.ndarray], model: CostModel, k: int) -> float | None
 
 
 def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int | None = None,
-             margin: float = MARGIN) -> int:
+             margin: float = MARGIN, up_margin: float = UP_MARGIN) -> int:
     """The K in 0..max_k maximizing expected tokens per second of a step over these sequences (their acceptance
     rates per position); a K whose cost was never measured is not chosen (`current`, else max_k, when none was).
-    Ties go to the smaller K; `current` (the K the sequences hold drafts for) stays unless another K beats it by
-    `margin` (timing noise should not flip K every step)."""
+    Ties go to the smaller K; `current` (the K the sequences hold drafts for) stays unless a smaller K beats it by
+    `margin`, a larger one by `up_margin` (timing noise should not flip K every step, and going up costs a step
+    that verifies the drafts held and drafts more, unfused)."""
     fallback = max_k if current is None else current
     if not rates:
         return fallback
@@ -129,7 +131,7 @@ def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int
         if r > best_rate * (1 + 1e-9):
             best, best_rate = k, r
     here = dict(scored).get(current)
-    if here is not None and best_rate <= here * (1 + margin):
+    if here is not None and best_rate <= here * (1 + (up_margin if best > current else margin)):
         return current
     return best
 

@@ -113,6 +113,12 @@ def test_choose_k_edge_cases():
     close = _model({(0, 1): 1.0, (1, 1): 1.85})  # K = 1 is 2.7% better: not worth leaving K = 0
     assert choose_k([np.array([0.9])], close, 1, current=0) == 0
     assert choose_k([np.array([0.9])], close, 1, current=1) == 1
+    up = _model({(0, 1): 1.0, (1, 1): 1.75})  # K = 1 is 8.6% better: not enough to go up, enough to stay
+    assert choose_k([np.array([0.9])], up, 1, current=0) == 0
+    assert choose_k([np.array([0.9])], up, 1, current=1) == 1
+    assert choose_k([np.array([0.9])], _model({(0, 1): 1.0, (1, 1): 1.6}), 1, current=0) == 1  # 18.75%: up
+    down = _model({(0, 1): 1.0, (1, 1): 2.0})  # K = 0 is 5% better: down
+    assert choose_k([np.array([0.9])], down, 1, current=1) == 0
 
 
 # ------------------------------------------------------------------------------------------- the demo model
