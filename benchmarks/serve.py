@@ -8,8 +8,8 @@ Not run in CI.
   python benchmarks/serve.py --no-llama --clients 1 4 16 32 --nextn 0 1 2 3 auto --threads 1   # mtp-trt only
   python benchmarks/serve.py --stress [--requests 200] [--clients 32]
 
-Every server runs at once (started one after another), each in its own process (mtp-trt at each --nextn, `auto` being --speculation auto, with
---max-batch the most clients;
+Every server runs at once (started one after another), each in its own process (mtp-trt at each --nextn, `auto`
+being --speculation auto, with --max-batch the most clients;
 llama.cpp with its f32 GGUF of the checkpoint, made as benchmarks/llama_cpp.py makes it, `--interrupt_requests
 False` so that a new request waits instead of cutting the running one off); rounds visit them in turn (a shared
 machine drifts alike for all).  With 1 client the client asks the 8 prompts one after another; with N > 1,
@@ -359,8 +359,8 @@ def main():
     zero = {x["clients"]: x for x in mtp if x["server"] == "mtp-trt nextn 0"}
     for x in mtp:
         if x["server"] != "mtp-trt nextn 0" and x["clients"] in zero:
-            print(f"{x['server']}: {x['clients']} clients {x['tokens_per_second'] / zero[x['clients']]['tokens_per_second']:.2f}x"
-                  f" nextn 0's tokens/s")
+            ratio = x['tokens_per_second'] / zero[x['clients']]['tokens_per_second']
+            print(f"{x['server']}: {x['clients']} clients {ratio:.2f}x nextn 0's tokens/s")
     for name, why in failed.items():
         print(f"{name}: stalled ({why}); its figures are of the rounds before")
     a.json.write_text(json.dumps({"tokens": a.tokens, "rounds": a.rounds, "threads": a.threads, "report": report,

@@ -362,8 +362,8 @@ def _speculation(config: Path | None, nextn: int | None, mtp_mode: str | None, r
     if speculation is not None:
         v.check_choice("--speculation", speculation, ("auto", "fixed"), "mode")
         if speculation == "auto" and (nextn is not None or config):
-            raise MtpTrtError(f"--speculation auto chooses K per step, but {'--nextn' if nextn is not None else '--config'}"
-                              f" fixes it; give one of them")
+            fixing = "--nextn" if nextn is not None else "--config"
+            raise MtpTrtError(f"--speculation auto chooses K per step, but {fixing} fixes it; give one of them")
     relaxed_source = "--relaxed-topk"
     if config:
         from mtp_trt.spec_config import load_spec_config

@@ -52,9 +52,14 @@ class Sequence:
     drafts_per_pos: list[int] = dataclasses.field(default_factory=list)  # drafts that had position j
     accepted_hist: list[int] = dataclasses.field(default_factory=list)  # [j]: steps that accepted j drafts
     acceptance: Acceptance | None = None  # its recent acceptance per position (adaptive speculation)
-    # every step with all drafts while it runs: a seeded sampling sequence, whose draws (and so its text) depend on
-    # the K of each step; lossless either way, but reproducible only at a fixed K
-    fixed_k: bool = False
+    # every step with all drafts while it runs (adaptive speculation): a sampling sequence's draws (and so its text)
+    # depend on the K of each step, lossless either way but reproducible only at a fixed K.  None: whether it samples
+    # (a server passes False for a sampling request without a seed)
+    fixed_k: bool | None = None
+
+    @property
+    def keeps_k(self) -> bool:
+        return (not self.sampling.greedy) if self.fixed_k is None else self.fixed_k
 
     def spec_usage(self, nextn: int) -> dict:
         """This sequence's speculative figures under vLLM's per-request names (`--per-request-spec-decode-metrics`),
@@ -353,8 +358,8 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
 def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, opts: DecodeOptions,
            rows: int, k: int | None = None, caps: list[int] | None = None) -> np.ndarray:
     """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions, count the
-    step's drafts (k: the drafts verified, default opts.nextn; a tree's depth; caps: each sequence's, when fewer).  Returns the start rows of this step
-    (the old past_len) for the MTP depth-1 update."""
+    step's drafts (k: the drafts verified, default opts.nextn; a tree's depth; caps: each sequence's, when fewer).
+    Returns the start rows of this step    (the old past_len) for the MTP depth-1 update."""
     n, k = st.n, opts.nextn if k is None else k
     start = st.past_len[:n].copy()
     st.past_len[:n] += num + 1
@@ -566,8 +571,8 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
         hidden = np.zeros((m, lens.max(), j.hidden[0][0].shape[-1]), j.hidden[0][0].dtype)
         for i, parts in enumerate(j.hidden):
             hidden[i, :lens[i]] = np.concatenate(parts)
-        # a sequence that keeps every draft (Sequence.fixed_k) gets them from its first step
-        k = opts.nextn if any(s.fixed_k for s in seqs) else batch.k
+        # a sequence that keeps every draft (Sequence.keeps_k) gets them from its first step
+        k = opts.nextn if any(s.keeps_k for s in seqs) else batch.k
         draft(backend, st, batch.seqs, hidden, np.zeros(m, np.int32), opts, k)
         st.avail[:m] = k
         if opts.tree_graph:  # the chain's drafts are the first tree step's tree
@@ -588,7 +593,7 @@ def auto_k(batch: Batch) -> int:
     active sequence's decayed acceptance per position (a new one: the batch's so far), the measured step costs."""
     st, stats, nextn = batch.st, batch.stats, batch.opts.nextn
     active = _active(st, batch.seqs)
-    if any(s.fixed_k for s in active):
+    if any(s.keeps_k for s in active):
         return nextn
     batch.explore -= 1
     if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at another K (the first may draft them, the second
@@ -600,8 +605,8 @@ def auto_k(batch: Batch) -> int:
                 if batch.explored == int(st.avail[:st.n].min()):
                     batch.explored = (batch.explored + 1) % (nextn + 1)
             return batch.explored
-    rates = [acceptance_rates(s.acceptance, chain_prior(stats)) if s.acceptance is not None else chain_prior(stats)
-             for s in active]
+    prior = chain_prior(stats)
+    rates = np.array([acceptance_rates(s.acceptance, prior) if s.acceptance is not None else prior for s in active])
     return choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()))
 
 
@@ -701,12 +706,13 @@ def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int
 
 
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,
-             on_step=None, cost: CostModel | None = None, policy: Callable | None = None) -> tuple[list[Sequence], Stats]:
+             on_step=None, cost: CostModel | None = None,
+             policy: Callable | None = None) -> tuple[list[Sequence], Stats]:
     """Decode a batch of prompts: all join at once, then steps until every one has finished.  Sequence i
     samples with sequence_rng(seed, i).  `on_step(seqs)` is called after every verify step (for streaming).
     Adaptive speculation: `cost` the measured step costs (calibrate), `policy` overrides auto_k."""
     seqs = [Sequence(prompt=list(p), sampling=opts.sampling, max_new_tokens=opts.max_new_tokens,
-                     rng=sequence_rng(seed, i), fixed_k=not opts.sampling.greedy) for i, p in enumerate(prompts)]
+                     rng=sequence_rng(seed, i)) for i, p in enumerate(prompts)]
     rows = min(backend.manifest.max_seq_len,
                max(len(p) for p in prompts) + opts.max_new_tokens + 2 * opts.nextn + 2)
     batch = open_batch(backend, opts, len(seqs), rows)

@@ -140,7 +140,7 @@ class Engine:
         queue, on `loop`.  Raises QueueFull or ShuttingDown."""
         rng = sequence_rng(seed) if seed is not None else np.random.default_rng()
         seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new_tokens, rng=rng,
-                       fixed_k=seed is not None and not sampling.greedy)  # its text reproducible: decode.Sequence
+                       fixed_k=None if seed is not None else False)  # seeded: its text reproducible (decode.Sequence)
         with self.lock:
             if not self.admitting:
                 raise ShuttingDown()

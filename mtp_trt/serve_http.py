@@ -390,7 +390,8 @@ class _Collector:
     """The engine's figures as Prometheus metrics, under vLLM's names (model_name label)."""
 
     def __init__(self, engine: Engine, model_id: str, counter, gauge, histogram):
-        self.engine, self.model_id, self.counter, self.gauge, self.histogram = engine, model_id, counter, gauge, histogram
+        self.engine, self.model_id = engine, model_id
+        self.counter, self.gauge, self.histogram = counter, gauge, histogram
 
     def collect(self):
         e, f, label = self.engine, self.engine.figures, [self.model_id]

@@ -104,13 +104,12 @@ def estimate_cost(model: CostModel, k: int, rows: int) -> float | None:
     return table[near] * rows / near
 
 
-def step_rate(rates: list[np.ndarray], model: CostModel, k: int) -> float | None:
-    """Expected tokens per second of a step with k drafts over sequences with these acceptance rates (None: the
-    cost of k at this many rows is unknown)."""
-    cost = estimate_cost(model, k, len(rates))
-    if cost is None or cost <= 0:
-        return None
-    return sum(expected_tokens(r, k) for r in rates) / cost
+def batch_expected_tokens(rates) -> np.ndarray:
+    """[K + 1]: for k = 0..K, the tokens a step with k drafts emits over sequences with these rates [n, K] (the sum
+    of their expected_tokens), at once."""
+    rates = np.asarray(rates, float).reshape(len(rates), -1)
+    per_k = np.cumprod(rates, axis=1).sum(axis=0)  # [K]: sum over sequences of prod_{j<=i} a_j
+    return len(rates) + np.concatenate([[0.0], np.cumsum(per_k)])
 
 
 def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int | None = None,
@@ -121,9 +120,11 @@ def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int
     `margin`, a larger one by `up_margin` (timing noise should not flip K every step, and going up costs a step
     that verifies the drafts held and drafts more, unfused)."""
     fallback = max_k if current is None else current
-    if not rates:
+    if len(rates) == 0:
         return fallback
-    scored = [(k, r) for k in range(max_k + 1) if (r := step_rate(rates, model, k)) is not None]
+    tokens = batch_expected_tokens(rates)
+    costs = [(k, estimate_cost(model, k, len(rates))) for k in range(max_k + 1)]
+    scored = [(k, float(tokens[k]) / c) for k, c in costs if c is not None and c > 0]
     if not scored:
         return fallback
     best, best_rate = scored[0]

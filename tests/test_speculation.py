@@ -11,8 +11,9 @@ import pytest
 
 from mtp_trt.decode import DecodeOptions, calibrate, generate, open_batch
 from mtp_trt.sampling import SamplingParams
-from mtp_trt.speculation import (CLIP, DOWN_ALPHA, PRIOR, Acceptance, CostModel, acceptance_rates, choose_k, estimate_cost,
-                                 expected_tokens, observe_acceptance, observe_cost)
+from mtp_trt.speculation import (CLIP, DOWN_ALPHA, PRIOR, Acceptance, CostModel, acceptance_rates,
+                                  batch_expected_tokens, choose_k, estimate_cost, expected_tokens, observe_acceptance,
+                                  observe_cost)
 
 
 # ----------------------------------------------------------------------------------------- plain functions
@@ -22,6 +23,13 @@ def test_expected_tokens_is_one_plus_the_chained_products():
     assert expected_tokens(rates, 1) == pytest.approx(1.8)
     assert expected_tokens(rates, 2) == pytest.approx(1 + 0.8 + 0.4)
     assert expected_tokens(rates, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+
+
+def test_batch_expected_tokens_sums_each_sequences():
+    rates = np.array([[0.8, 0.5, 0.25], [0.3, 0.9, 0.1], [1.0, 1.0, 1.0]])
+    want = [sum(expected_tokens(r, k) for r in rates) for k in range(4)]
+    assert batch_expected_tokens(rates).tolist() == pytest.approx(want)
+    assert batch_expected_tokens(np.zeros((2, 0))).tolist() == [2.0]
 
 
 def test_acceptance_without_history_is_the_prior():
