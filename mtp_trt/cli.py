@@ -487,10 +487,16 @@ def run(
 
 def compact_json(value, level: int = 0) -> str:
     """JSON for `run --json`: an object's fields one per line, indented, and a list of numbers or strings (the token
-    ids, the acceptance rates) on one line, so that a long answer stays a few lines."""
+    ids, the acceptance rates) and a small object deeper in (a result's speculative figures) on one line, so that a
+    long answer stays a few lines."""
     import json
 
     pad, inner = "  " * level, "  " * (level + 1)
+    flat = lambda v: not isinstance(v, (dict, list)) or (isinstance(v, list) and not any(  # noqa: E731
+        isinstance(x, (dict, list)) for x in v))
+    if isinstance(value, dict) and level >= 2 and all(not isinstance(v, (dict, list)) for v in value.values()) or \
+            isinstance(value, dict) and level >= 3 and all(flat(v) for v in value.values()):
+        return json.dumps(value, separators=(", ", ": "))  # a result's speculative figures, the steps per K: one line
     if isinstance(value, dict) and value:
         fields = [f"{inner}{json.dumps(str(k))}: {compact_json(v, level + 1)}" for k, v in value.items()]
         return "{\n" + ",\n".join(fields) + f"\n{pad}}}"
