@@ -466,6 +466,7 @@ class Batch:
     policy: Callable | None = None  # policy(batch) -> K wanted for the next step (adaptive; default auto_k)
     explore: int = 0  # auto_k: steps until the next exploring steps
     explored: int = 0  # auto_k: the K those steps ran last
+    explored_turn: int = 0  # auto_k: explorations so far (below and above the current K in turn)
 
     @property
     def capacity(self) -> int:
@@ -596,14 +597,15 @@ def auto_k(batch: Batch) -> int:
     if any(s.keeps_k for s in active):
         return nextn
     batch.explore -= 1
-    if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at another K (the first may draft them, the second
-        if batch.explore < -2:  # is timed), the K in turn: what a K not chosen lately costs (and, going up, what the
-            batch.explore = EXPLORE_EVERY  # further drafts accept) is learnt again
-        else:
+    if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at a neighbouring K, one below and one above the
+        if batch.explore < -2:  # current K in turn (the first step may draft them, the second is timed): what it costs
+            batch.explore = EXPLORE_EVERY  # (and, going up, what one more draft accepts) is learnt again, at the price
+        else:  # of a step or two of a K near the best; the policy then climbs one K at a time where that pays
             if batch.explore == -1:
-                batch.explored = (batch.explored + 1) % (nextn + 1)
-                if batch.explored == int(st.avail[:st.n].min()):
-                    batch.explored = (batch.explored + 1) % (nextn + 1)
+                current = int(st.avail[:st.n].min())
+                near = [k for k in (current - 1, current + 1) if 0 <= k <= nextn]
+                batch.explored = near[batch.explored_turn % len(near)] if near else current
+                batch.explored_turn += 1
             return batch.explored
     prior = chain_prior(stats)
     rates = np.array([acceptance_rates(s.acceptance, prior) if s.acceptance is not None else prior for s in active])
