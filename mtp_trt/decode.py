@@ -546,7 +546,7 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     j.done = np.minimum(j.done + width, lens)
     joined = bool((j.done == lens).all())
     if joined:
-        _start(backend, batch, seqs, lens, thinking)
+        _start(backend, batch, seqs, lens, thinking, n)
     for i in reversed(range(m)):
         _swap(backend, st, i, j.first + i)
     st.n = n
@@ -559,9 +559,11 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     return joined
 
 
-def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarray, thinking: np.ndarray) -> None:
+def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarray, thinking: np.ndarray,
+           active: int = 0) -> None:
     """The joining sequences (in slots 0..m-1, st.n = m) with their prompts done: the first token, the state,
-    the first drafts, the first stop conditions."""
+    the first drafts, the first stop conditions.  `active`: the sequences decoding beside them (adaptive
+    speculation drafts the K the policy would choose for all of them together)."""
     st, opts, j = batch.st, batch.opts, batch.joining
     m = len(seqs)
     st.past_len[:m], st.last[:m], st.mtp_past_len[:m] = lens, j.last, 0
@@ -573,7 +575,7 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
         for i, parts in enumerate(j.hidden):
             hidden[i, :lens[i]] = np.concatenate(parts)
         # a sequence that keeps every draft (Sequence.keeps_k) gets them from its first step
-        k = opts.nextn if any(s.keeps_k for s in seqs) else batch.k
+        k = opts.nextn if any(s.keeps_k for s in seqs) else join_k(batch, m + active) if opts.adaptive else batch.k
         draft(backend, st, batch.seqs, hidden, np.zeros(m, np.int32), opts, k)
         st.avail[:m] = k
         if opts.tree_graph:  # the chain's drafts are the first tree step's tree
@@ -610,6 +612,16 @@ def auto_k(batch: Batch) -> int:
     prior = chain_prior(stats)
     rates = np.array([acceptance_rates(s.acceptance, prior) if s.acceptance is not None else prior for s in active])
     return choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()))
+
+
+def join_k(batch: Batch, rows: int) -> int:
+    """The drafts sequences joining a batch of `rows` sequences (them included) get: the K auto_k would choose for
+    `rows` sequences of the decode's acceptance so far (batch.k under another policy, or before any cost is
+    known)."""
+    if batch.policy is not None or not batch.cost.seconds:
+        return batch.k
+    prior = chain_prior(batch.stats)
+    return choose_k(np.tile(prior, (rows, 1)), batch.cost, batch.opts.nextn)
 
 
 EXPLORE_EVERY = 128  # steps between two explorations (each: two steps at another K)

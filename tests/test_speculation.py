@@ -249,3 +249,18 @@ def test_run_json_auto_reports_per_result_figures_and_plain_greedy_text(demo):
     assert f["summary"]["speculation"] == "fixed" and f["summary"]["k_steps"] == {str(runner.manifest.nextn):
                                                                                   f["summary"]["steps"]}
     assert f["results"][0]["tokens"] == plain[0]
+
+
+def test_joining_sequences_draft_what_the_batch_they_join_will_run(demo):
+    from mtp_trt.decode import join_k
+
+    runner, ids, _ = demo
+    nextn = runner.manifest.nextn
+    opts = DecodeOptions(nextn=nextn, max_new_tokens=8, eos_ids=runner.manifest.eos_ids, adaptive=True)
+    batch = open_batch(runner.backend, opts, 4, 128)
+    assert join_k(batch, 4) == batch.k  # nothing measured: as before
+    for k in range(nextn + 1):  # drafts cheap alone, dear at 4 rows
+        observe_cost(batch.cost, k, 1, 1.0 + 0.05 * k)
+        observe_cost(batch.cost, k, 4, 4.0 + 4.0 * k)
+    assert join_k(batch, 1) == nextn
+    assert join_k(batch, 4) == 0
