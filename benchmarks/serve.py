@@ -3,11 +3,13 @@ checkpoint: N concurrent streaming clients of the bench prompts (mtp_trt/bench.p
 Not run in CI.
 
   python -m venv LLAMA_VENV && LLAMA_VENV/bin/pip install "llama-cpp-python[server]==0.3.36"
-  python benchmarks/serve.py --llama-python LLAMA_VENV/bin/python [--clients 1 16] [--nextn 0 1 2 3]
+  python benchmarks/serve.py --llama-python LLAMA_VENV/bin/python [--clients 1 16] [--nextn 0 1 2 3 auto]
       [--tokens 128] [--rounds 3] [--threads 2] [--json FILE]
+  python benchmarks/serve.py --no-llama --clients 1 4 16 32 --nextn 0 1 2 3 auto --threads 1   # mtp-trt only
   python benchmarks/serve.py --stress [--requests 200] [--clients 32]
 
-Every server runs at once, each in its own process (mtp-trt at each --nextn with --max-batch the most clients;
+Every server runs at once (started one after another), each in its own process (mtp-trt at each --nextn, `auto`
+being --speculation auto, with --max-batch the most clients;
 llama.cpp with its f32 GGUF of the checkpoint, made as benchmarks/llama_cpp.py makes it, `--interrupt_requests
 False` so that a new request waits instead of cutting the running one off); rounds visit them in turn (a shared
 machine drifts alike for all).  With 1 client the client asks the 8 prompts one after another; with N > 1,
@@ -264,7 +266,9 @@ def main():
     ap.add_argument("--passes", type=int, default=4, help="--stress: passes of --requests requests")
     ap.add_argument("--sdist", type=Path, help="llama-cpp-python's sdist (only if the demo's GGUF is not cached)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--nextn", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--nextn", nargs="+", default=["0", "1", "2", "3", "auto"],
+                    help="fixed nextn values and/or `auto` (--speculation auto)")
+    ap.add_argument("--no-llama", action="store_true", help="mtp-trt's servers only (no llama.cpp)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -272,19 +276,27 @@ def main():
     a = ap.parse_args()
     if a.stress:
         return stress(a)
-    if not a.llama_python:
-        ap.error("--llama-python is required (or --stress)")
+    if not a.llama_python and not a.no_llama:
+        ap.error("--llama-python is required (or --no-llama, or --stress)")
+    for k in a.nextn:
+        if k != "auto" and not k.isdigit():
+            ap.error(f"--nextn: {k!r} is neither a number nor auto")
 
     ckpt = demo_model()
-    gguf = ensure_gguf("demo", ckpt, "f32", a.sdist, a.llama_python, a.threads)
     most = max(a.clients)
-    servers = [Server(f"mtp-trt nextn {k}", [sys.executable, "-m", "mtp_trt.cli", "serve", "--nextn", str(k),
-                                             "--threads", str(a.threads), "--max-batch", str(most),
-                                             "--max-queue", str(most)], ckpt.name) for k in a.nextn]
-    servers.append(Server("llama.cpp", [a.llama_python, "-m", "llama_cpp.server", "--model", str(gguf),
-                                        "--model_alias", "demo", "--n_threads", str(a.threads), "--n_ctx", "2048",
-                                        "--interrupt_requests", "False"], "demo",
-                          env={"OMP_WAIT_POLICY": "PASSIVE"}))
+    servers = []
+    for k in a.nextn:  # one after another: a server times its steps at start-up (--speculation auto), alone
+        servers.append(Server(f"mtp-trt nextn {k}", [sys.executable, "-m", "mtp_trt.cli", "serve",
+                                                     *(["--speculation", "auto"] if k == "auto" else ["--nextn", k]),
+                                                     "--threads", str(a.threads), "--max-batch", str(most),
+                                                     "--max-queue", str(most)], ckpt.name))
+        servers[-1].wait_ready()
+    if not a.no_llama:
+        gguf = ensure_gguf("demo", ckpt, "f32", a.sdist, a.llama_python, a.threads)
+        servers.append(Server("llama.cpp", [a.llama_python, "-m", "llama_cpp.server", "--model", str(gguf),
+                                            "--model_alias", "demo", "--n_threads", str(a.threads), "--n_ctx", "2048",
+                                            "--interrupt_requests", "False"], "demo",
+                              env={"OMP_WAIT_POLICY": "PASSIVE"}))
     from mtp_trt.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ckpt / "tokenizer.json")
@@ -344,6 +356,11 @@ def main():
                 one = next(y for y in mtp if y["server"] == x["server"] and y["clients"] == a.clients[0])
                 print(f"{x['server']}: {c} clients {x['tokens_per_second'] / one['tokens_per_second']:.2f}x "
                       f"{a.clients[0]} client's tokens/s")
+    zero = {x["clients"]: x for x in mtp if x["server"] == "mtp-trt nextn 0"}
+    for x in mtp:
+        if x["server"] != "mtp-trt nextn 0" and x["clients"] in zero:
+            ratio = x['tokens_per_second'] / zero[x['clients']]['tokens_per_second']
+            print(f"{x['server']}: {x['clients']} clients {ratio:.2f}x nextn 0's tokens/s")
     for name, why in failed.items():
         print(f"{name}: stalled ({why}); its figures are of the rounds before")
     a.json.write_text(json.dumps({"tokens": a.tokens, "rounds": a.rounds, "threads": a.threads, "report": report,

@@ -347,12 +347,23 @@ def check(
     raise typer.Exit(result.exit_code)
 
 
+SPECULATION_HELP = ("auto: choose the draft tokens K (0 .. the export's nextn) before every step, for the most "
+                    "expected tokens per second from each request's recent acceptance and the step times measured at "
+                    "start-up and while decoding; fixed: --nextn (default all exported) every step.  Default: auto, "
+                    "unless --nextn, --config, a tree or a vanilla-mode export fixes K.")
+
+
 def _speculation(config: Path | None, nextn: int | None, mtp_mode: str | None, relaxed_topk: int,
-                 relaxed_delta: float) -> tuple:
+                 relaxed_delta: float, speculation: str | None = None) -> tuple:
     """The MTP options of `run` and `serve`, merged with a speculative config file (--config), checked; and the
     source of relaxed_topk for messages."""
     from mtp_trt import validate as v
 
+    if speculation is not None:
+        v.check_choice("--speculation", speculation, ("auto", "fixed"), "mode")
+        if speculation == "auto" and (nextn is not None or config):
+            fixing = "--nextn" if nextn is not None else "--config"
+            raise MtpTrtError(f"--speculation auto chooses K per step, but {fixing} fixes it; give one of them")
     relaxed_source = "--relaxed-topk"
     if config:
         from mtp_trt.spec_config import load_spec_config
@@ -393,6 +404,7 @@ def run(
     config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config, JSON or YAML (examples: "
                                            "docs/speculative_config.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    speculation: str = typer.Option(None, help=SPECULATION_HELP),
     threads: int = typer.Option(0, help="ONNX Runtime threads per graph (0 = the usable cores, at most 8)."),
     cuda_graphs: bool = typer.Option(True, help="TensorRT engines: replay each decode step as a CUDA graph."),
     bos: bool = typer.Option(None, "--bos/--no-bos", help="Start prompts with BOS or not (default: as the "
@@ -418,7 +430,7 @@ def run(
     if not prompts:
         raise MtpTrtError("no prompt: give --prompt TEXT or --prompt-file FILE")
     nextn, mtp_mode, relaxed_topk, relaxed_delta, relaxed_source = _speculation(config, nextn, mtp_mode, relaxed_topk,
-                                                                                relaxed_delta)
+                                                                                relaxed_delta, speculation)
     if max_new_tokens < 1:
         raise MtpTrtError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     v.check_sampling(temperature, top_k, top_p, seed, relaxed_topk, relaxed_delta, relaxed_source)
@@ -430,7 +442,7 @@ def run(
     manifest = runner.manifest
     opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
                           relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, tree_topk=tree_topk,
-                          tree_budget=tree_budget)
+                          tree_budget=tree_budget, speculation=speculation)
     if opts.tree is not None and not opts.sampling.greedy:
         typer.secho("note: sampling drafts a chain (tree drafting is greedy only)", fg="yellow", err=True)
     encoded = runner.encode_prompts(prompts, truncate)  # too many, or too long to tokenize: refused before
@@ -466,17 +478,25 @@ def run(
     s = report.summary()
     rates = " ".join(f"{a:.2f}" for a in s["acceptance_rate_per_pos"]) or "-"
     tree = f" tree {s['tree']} (depth:top-k:budget)" if s.get("tree") else ""
+    auto = f" (auto, steps per K: {' '.join(f'{k}:{n}' for k, n in s['k_steps'].items())})" \
+        if s["speculation"] == "auto" else ""
     typer.secho(f"\n{s['new_tokens']} new tokens in {s['seconds']:.2f} s ({s['tokens_per_second']:.1f} tokens/s), "
-                f"{manifest.mtp_mode} nextn={s['nextn']}{tree}: {s['mean_acceptance_length']:.2f} tokens per "
+                f"{manifest.mtp_mode} nextn={s['nextn']}{auto}{tree}: {s['mean_acceptance_length']:.2f} tokens per "
                 f"step, acceptance per draft {'depth' if tree else 'position'}: {rates}", fg="green", err=True)
 
 
 def compact_json(value, level: int = 0) -> str:
     """JSON for `run --json`: an object's fields one per line, indented, and a list of numbers or strings (the token
-    ids, the acceptance rates) on one line, so that a long answer stays a few lines."""
+    ids, the acceptance rates) and a small object deeper in (a result's speculative figures) on one line, so that a
+    long answer stays a few lines."""
     import json
 
     pad, inner = "  " * level, "  " * (level + 1)
+    flat = lambda v: not isinstance(v, (dict, list)) or (isinstance(v, list) and not any(  # noqa: E731
+        isinstance(x, (dict, list)) for x in v))
+    if isinstance(value, dict) and level >= 2 and all(not isinstance(v, (dict, list)) for v in value.values()) or \
+            isinstance(value, dict) and level >= 3 and all(flat(v) for v in value.values()):
+        return json.dumps(value, separators=(", ", ": "))  # a result's speculative figures, the steps per K: one line
     if isinstance(value, dict) and value:
         fields = [f"{inner}{json.dumps(str(k))}: {compact_json(v, level + 1)}" for k, v in value.items()]
         return "{\n" + ",\n".join(fields) + f"\n{pad}}}"
@@ -503,6 +523,7 @@ def serve(
     tree_budget: int = typer.Option(None, help="Tree nodes verified per step (default: the export's tree)."),
     config: Path = typer.Option(None, help="TensorRT-LLM or vLLM speculative config, JSON or YAML (examples: "
                                            "docs/speculative_config.md)."),
+    speculation: str = typer.Option(None, help=SPECULATION_HELP),
     api_key: str = typer.Option(None, help="Require `Authorization: Bearer KEY` on /v1/ endpoints."),
     served_model_name: str = typer.Option(None, help="The model id clients name (default: the model directory's "
                                                      "name)."),
@@ -531,7 +552,7 @@ def serve(
     from mtp_trt.serve import Engine
 
     nextn, mtp_mode, relaxed_topk, relaxed_delta, _ = _speculation(config, nextn, mtp_mode, relaxed_topk,
-                                                                   relaxed_delta)
+                                                                   relaxed_delta, speculation)
     for flag, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--prefill-chunk", prefill_chunk)):
         v.check_positive(flag, value)
     if not 0 <= port <= 65535:
@@ -551,12 +572,13 @@ def serve(
         runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show,
                              bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size), command="serve")
         opts = runner.options(nextn, relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, tree_topk=tree_topk,
-                              tree_budget=tree_budget)
+                              tree_budget=tree_budget, speculation=speculation)
         engine = Engine(runner, opts, max_batch=max_batch, max_queue=max_queue, chunk=prefill_chunk)
     name = served_model_name or (model or demo_model()).resolve().name
 
     def ready(server) -> None:
-        typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, nextn {opts.nextn}, up to {max_batch} requests at "
+        k = f"K auto 0..{opts.nextn}" if opts.adaptive else f"nextn {opts.nextn}"
+        typer.secho(f"serving {name} ({runner.manifest.mtp_mode}, {k}, up to {max_batch} requests at "
                     f"once) on {server.url}", fg="green", err=True)
 
     run_server(engine, name, host, port, api_key, shutdown_timeout, ready=ready, max_request_bytes=max_request_bytes,

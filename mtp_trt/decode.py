@@ -18,12 +18,16 @@ overwrite the rejected rows).  MTP row i takes (h_i, t_{i+1}) and predicts t_{i+
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 
 import numpy as np
 
 from mtp_trt import contract as C
 from mtp_trt.backend import Backend
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
+from mtp_trt.speculation import (PRIOR, Acceptance, CostModel, acceptance_rates, choose_k, observe_acceptance,
+                                  observe_cost)
 from mtp_trt.tree import TreeShape, chain_tree
 
 
@@ -41,6 +45,37 @@ class Sequence:
     sampling: SamplingParams = SamplingParams()
     max_new_tokens: int = 128
     rng: np.random.Generator | None = None  # this sequence's draws (sampling only): sequence_rng
+    # its speculative figures (vLLM's names): verify steps with drafts, draft tokens, accepted drafts per position
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    drafts_per_pos: list[int] = dataclasses.field(default_factory=list)  # drafts that had position j
+    accepted_hist: list[int] = dataclasses.field(default_factory=list)  # [j]: steps that accepted j drafts
+    acceptance: Acceptance | None = None  # its recent acceptance per position (adaptive speculation)
+    # every step with all drafts while it runs (adaptive speculation): a sampling sequence's draws (and so its text)
+    # depend on the K of each step, lossless either way but reproducible only at a fixed K.  None: whether it samples
+    # (a server passes False for a sampling request without a seed)
+    fixed_k: bool | None = None
+
+    @property
+    def keeps_k(self) -> bool:
+        return (not self.sampling.greedy) if self.fixed_k is None else self.fixed_k
+
+    def spec_usage(self, nextn: int) -> dict:
+        """This sequence's speculative figures under vLLM's per-request names (`--per-request-spec-decode-metrics`),
+        with the acceptance per draft position: num_spec_steps are its verify steps with drafts, nextn the most
+        drafts a step may have."""
+        accepted = sum(self.accepted_per_pos)
+        hist = self.accepted_hist + [0] * (nextn + 1 - len(self.accepted_hist))
+        return {"mean_acceptance_length": round(1 + accepted / self.num_drafts, 4) if self.num_drafts else 1.0,
+                "draft_acceptance_rate": round(accepted / self.num_draft_tokens, 4) if self.num_draft_tokens else 0.0,
+                "acceptance_histogram": hist, "num_spec_steps": self.num_drafts,
+                "num_accepted_draft_tokens": accepted, "num_draft_tokens": self.num_draft_tokens,
+                "num_spec_tokens": nextn,
+                "num_accepted_tokens_per_pos": self.accepted_per_pos + [0] * (nextn - len(self.accepted_per_pos)),
+                "acceptance_rate_per_pos": [round(a / d, 4) if d else 0.0 for a, d in
+                                            zip(self.accepted_per_pos + [0] * nextn, self.drafts_per_pos + [0] * nextn)
+                                            ][:nextn]}
 
     @property
     def generated(self) -> list[int]:
@@ -73,6 +108,7 @@ class State:
     carry: np.ndarray | None  # [B, K, D] vanilla: depth k-1's hidden at row mtp_past_len[:, k-1]
     tree_tokens: np.ndarray | None = None  # [B, N] tree drafting: the next step's tree (mtp_trt/tree.py)
     tree_parents: np.ndarray | None = None  # [B, N]
+    avail: np.ndarray | None = None  # [B] drafts each slot holds for its next step (adaptive speculation)
 
 
 @dataclasses.dataclass
@@ -81,8 +117,17 @@ class Stats:
     step checks (K = 0: plain steps); accepted tokens are accepted drafts, without the bonus token each step adds."""
 
     steps: int = 0  # batched verify steps
-    num_drafts: int = 0  # verify steps summed over the sequences
+    num_drafts: int = 0  # verify steps with drafts (K > 0) summed over the sequences
     num_accepted_tokens_per_pos: np.ndarray | None = None  # [K] drafts accepted at each position
+    num_drafts_per_pos: np.ndarray | None = None  # [K] drafts that had position j (K varies: adaptive speculation)
+    draft_tokens: int = 0  # draft tokens verified
+    seq_steps: int = 0  # verify steps summed over the sequences, with drafts or without
+    k_chosen: list = dataclasses.field(default_factory=list)  # the K of each batched step
+    last_accepted: list = dataclasses.field(default_factory=list)  # the drafts each sequence accepted, last step
+
+    def __post_init__(self):
+        if self.num_drafts_per_pos is None and self.num_accepted_tokens_per_pos is not None:
+            self.num_drafts_per_pos = np.zeros_like(self.num_accepted_tokens_per_pos)
 
     @property
     def num_accepted_tokens(self) -> int:
@@ -91,27 +136,29 @@ class Stats:
     @property
     def num_draft_tokens(self) -> int:
         """Draft tokens verified: K per draft (a tree's depth: one path's)."""
-        return self.num_drafts * len(self.num_accepted_tokens_per_pos)
+        return self.draft_tokens
 
     @property
     def num_emitted_tokens(self) -> int:
         """Tokens the verify steps emitted: the accepted drafts and each step's bonus token."""
-        return self.num_accepted_tokens + self.num_drafts
+        return self.num_accepted_tokens + self.seq_steps
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Mean tokens per verify step of a sequence (accepted drafts + the bonus)."""
-        return self.num_emitted_tokens / max(self.num_drafts, 1)
+        """Mean tokens per verify step of a sequence (accepted drafts + the bonus; 1 for steps without drafts)."""
+        return self.num_emitted_tokens / max(self.seq_steps, 1)
 
     @property
     def acceptance_rate_per_pos(self) -> list[float]:
-        """The share of the drafts accepted at each position."""
-        return [float(a / self.num_drafts) if self.num_drafts else 0.0 for a in self.num_accepted_tokens_per_pos]
+        """The share of the drafts at each position that were accepted."""
+        return [float(a / d) if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_drafts_per_pos)]
 
     def __add__(self, other: Stats) -> Stats:
         """The figures of two decodes with the same nextn taken together."""
         return Stats(self.steps + other.steps, self.num_drafts + other.num_drafts,
-                     self.num_accepted_tokens_per_pos + other.num_accepted_tokens_per_pos)
+                     self.num_accepted_tokens_per_pos + other.num_accepted_tokens_per_pos,
+                     self.num_drafts_per_pos + other.num_drafts_per_pos, self.draft_tokens + other.draft_tokens,
+                     self.seq_steps + other.seq_steps, self.k_chosen + other.k_chosen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +171,7 @@ class DecodeOptions:
     eos_ids: tuple[int, ...] = ()
     think_ids: tuple[int, int] = (-1, -1)
     tree: TreeShape | None = None  # greedy tree drafting of depth nextn, either mode (sampling runs the chain)
+    adaptive: bool = False  # choose K in 0..nextn before every step (mtp_trt/speculation.py); eagle chains only
 
     @property
     def tree_graph(self) -> str | None:
@@ -166,10 +214,14 @@ def _active(st: State, seqs) -> list[Sequence]:
 
 
 # ------------------------------------------------------------------------------------------- steps
-def draft(backend: Backend, st: State, seqs, hidden: np.ndarray, start: np.ndarray, opts: DecodeOptions) -> None:
-    """Fill st.drafts (and st.q_dist) for the active slots.  `hidden` [n, S, D] is the target's output for
-    rows start .. start+S-1; the last accepted position is q = past_len - 1 (past_len already advanced)."""
-    n, k = st.n, opts.nextn
+def draft(backend: Backend, st: State, seqs, hidden: np.ndarray, start: np.ndarray, opts: DecodeOptions,
+          k: int | None = None) -> None:
+    """Fill st.drafts[:, :k] (and st.q_dist) for the active slots (k: default opts.nextn).  `hidden` [n, S, D] is
+    the target's output for rows start .. start+S-1; the last accepted position is q = past_len - 1 (past_len
+    already advanced)."""
+    n, k = st.n, opts.nextn if k is None else k
+    if k == 0:
+        return
     q = st.past_len[:n] - 1
     active = _active(st, seqs)
     logits = _samples(active)
@@ -200,11 +252,12 @@ def draft(backend: Backend, st: State, seqs, hidden: np.ndarray, start: np.ndarr
         _draft_vanilla(backend, st, active, out, start, q, opts, qd)
     if qd is not None:
         dist = np.stack(qd, 1)
-        if st.q_dist is None or st.q_dist.shape[1:] != dist.shape[1:]:
-            st.q_dist = np.zeros((len(st.order), *dist.shape[1:]), dist.dtype)
-        st.q_dist[:n] = dist
+        width = st.drafts.shape[1]
+        if st.q_dist is None or st.q_dist.shape[2:] != dist.shape[2:]:
+            st.q_dist = np.zeros((len(st.order), width, *dist.shape[2:]), dist.dtype)
+        st.q_dist[:n, :k] = dist
     for i, s in enumerate(active):
-        s.draft_log.append((int(q[i]), st.drafts[i].tolist()))
+        s.draft_log.append((int(q[i]), st.drafts[i, :k].tolist()))
 
 
 def _draft_vanilla(backend, st, active, out1, start1, q, opts, qd) -> None:
@@ -241,73 +294,94 @@ def _draft_vanilla(backend, st, active, out1, start1, q, opts, qd) -> None:
         prev_out, prev_start = out, start
 
 
-def verify(backend: Backend, st: State, seqs, opts: DecodeOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Run the target on [last, drafts] and accept: greedy sequences as the graph does (relaxed while thinking
-    when asked), sampling ones by lossless rejection sampling with their own parameters.  Returns accepted
-    tokens [n, K+1] (then -1), the number of drafts accepted [n], and the hidden states [n, K+1, D]."""
-    n = st.n
+def verify(backend: Backend, st: State, seqs, opts: DecodeOptions, k: int | None = None,
+           caps: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run the target on [last, the first k drafts] (k: default opts.nextn) and accept: greedy sequences as the
+    graph does (relaxed while thinking when asked), sampling ones by lossless rejection sampling with their own
+    parameters.  caps[i]: sequence i's drafts (<= k; the others in its row are not its own: never accepted).
+    Returns accepted tokens [n, K+1] (then -1), the number of drafts accepted [n], and the hidden states
+    [n, K+1, D]."""
+    n, k = st.n, opts.nextn if k is None else k
     active = _active(st, seqs)
-    ids = np.concatenate([st.last[:n, None], st.drafts[:n]], 1).astype(np.int32)
+    ids = np.concatenate([st.last[:n, None], st.drafts[:n, :k]], 1).astype(np.int32)
     before = st.thinking[:n].copy()
     out = backend.target(n, ids, st.past_len[:n], before, opts.relaxed_topk, opts.relaxed_delta,
                          logits=_samples(active))
     tokens, num = out[C.ACCEPTED_TOKENS].copy(), out[C.NUM_ACCEPTED].copy()
     st.thinking[:n] = out[C.THINKING_OUT]
     for i, s in enumerate(active):
+        c = k if caps is None else caps[i]
         if s.sampling.greedy:
+            if num[i] > c:  # drafts c+1.. were accepted, so token c is the target's own: the bonus
+                num[i] = c
+                tokens[i, c + 1:] = -1
+                st.thinking[i] = thinking_after(tokens[i, :c + 1].tolist(), before[i], opts.think_ids)
             continue
-        p = probabilities(out[C.LOGITS][i:i + 1], s.sampling)
-        q = st.q_dist[i:i + 1] if st.q_dist is not None and opts.nextn else np.zeros((1, 0, p.shape[-1]))
-        t, m = speculative_accept(p, q, st.drafts[i:i + 1], s.rng)
-        tokens[i], num[i] = t[0], m[0]
+        p = probabilities(out[C.LOGITS][i:i + 1, :c + 1], s.sampling)
+        q = st.q_dist[i:i + 1, :c] if st.q_dist is not None and c else np.zeros((1, 0, p.shape[-1]))
+        t, m = speculative_accept(p, q, st.drafts[i:i + 1, :c], s.rng)
+        tokens[i] = -1
+        tokens[i, :c + 1], num[i] = t[0], m[0]
         st.thinking[i] = thinking_after(t[0, :m[0] + 1], before[i], opts.think_ids)
     return tokens, num, out[C.HIDDEN_STATES]
 
 
-def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOptions, rows: int) -> None:
+def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOptions, rows: int,
+               k: int | None = None) -> None:
     """Greedy: verify, accept and draft in one backend call: the export's `step_K` graph, or with
     opts.tree_graph its tree graph (verify the tree, accept its longest path, commit it, draft the next tree:
     exporters/tree.py, exporters/tree_vanilla.py).  Vanilla passes and keeps the carried hidden states of
     depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds rows < past_len + 1 - k, as after the
     separate graphs."""
-    n, k, tree = st.n, opts.nextn, opts.tree_graph
-    ids = np.concatenate([st.last[:n, None], (st.tree_tokens if tree else st.drafts)[:n]], 1).astype(np.int32)
+    n, k, tree = st.n, opts.nextn if k is None else k, opts.tree_graph
+    ids = np.concatenate([st.last[:n, None], st.tree_tokens[:n] if tree else st.drafts[:n, :k]], 1).astype(np.int32)
     carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
     rest = (st.past_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
     out = backend.tree_step(tree, n, ids, st.tree_parents[:n], *rest) if tree else backend.step(n, ids, *rest)
     st.thinking[:n] = out[C.THINKING_OUT]
-    accept(st, seqs, out[C.ACCEPTED_TOKENS], out[C.NUM_ACCEPTED], stats, opts, rows)
+    accept(st, seqs, out[C.ACCEPTED_TOKENS], out[C.NUM_ACCEPTED], stats, opts, rows, k)
     if not k:
         return
     if tree:
         st.tree_tokens[:n], st.tree_parents[:n] = out[C.TREE_TOKENS], out[C.TREE_PARENTS_OUT]
     else:
-        st.drafts[:n] = out[C.DRAFTS]
+        st.drafts[:n, :k] = out[C.DRAFTS]
         st.mtp_past_len[:n] = st.past_len[:n, None] + 1 - np.arange(1, st.mtp_past_len.shape[1] + 1)
     if C.CARRY_OUT in out:
         st.carry[:n, 1:] = out[C.CARRY_OUT]
     for i, s in enumerate(_active(st, seqs)):
         if s.finish_reason is None:  # a tree step logs its tokens, then its parents
-            drafts = st.tree_tokens[i].tolist() + st.tree_parents[i].tolist() if tree else st.drafts[i].tolist()
+            drafts = st.tree_tokens[i].tolist() + st.tree_parents[i].tolist() if tree else st.drafts[i, :k].tolist()
             s.draft_log.append((int(st.past_len[i]) - 1, drafts))
 
 
 def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, opts: DecodeOptions,
-           rows: int) -> np.ndarray:
-    """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions.
-    Returns the start rows of this step (the old past_len) for the MTP depth-1 update."""
-    n = st.n
+           rows: int, k: int | None = None, caps: list[int] | None = None) -> np.ndarray:
+    """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions, count the
+    step's drafts (k: the drafts verified, default opts.nextn; a tree's depth; caps: each sequence's, when fewer).
+    Returns the start rows of this step    (the old past_len) for the MTP depth-1 update."""
+    n, k = st.n, opts.nextn if k is None else k
     start = st.past_len[:n].copy()
     st.past_len[:n] += num + 1
     stats.steps += 1
-    stats.num_drafts += n
+    stats.seq_steps += n
+    stats.k_chosen.append(k)
+    caps = [k] * n if caps is None else caps
+    for c in caps:
+        if c:
+            stats.num_drafts += 1
+            stats.draft_tokens += c
+            stats.num_drafts_per_pos[:c] += 1
     # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most)
     accepted, nums = tokens.tolist(), num.tolist()
+    stats.last_accepted = nums
     st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
     for m in nums:
         stats.num_accepted_tokens_per_pos[:m] += 1
-    for s, row, m, past in zip(_active(st, seqs), accepted, nums, st.past_len[:n].tolist()):
+    for s, row, m, past, c in zip(_active(st, seqs), accepted, nums, st.past_len[:n].tolist(), caps):
         s.steps += 1
+        if c:
+            _count_drafts(s, c, m, len(stats.num_accepted_tokens_per_pos))
         room = s.max_new_tokens - s.num_generated
         for t in row[:min(m + 1, room)]:
             s.tokens.append(t)
@@ -321,13 +395,30 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
     return start
 
 
+def _count_drafts(s: Sequence, k: int, m: int, width: int) -> None:
+    """A sequence's figures after a verify step with k drafts, m accepted (width: the most drafts a step has)."""
+    if len(s.accepted_per_pos) < width:
+        s.accepted_per_pos += [0] * (width - len(s.accepted_per_pos))
+        s.drafts_per_pos += [0] * (width - len(s.drafts_per_pos))
+        s.accepted_hist += [0] * (width + 1 - len(s.accepted_hist))
+    s.accepted_hist[m] += 1
+    s.num_drafts += 1
+    s.num_draft_tokens += k
+    for j in range(k):
+        s.drafts_per_pos[j] += 1
+    for j in range(m):
+        s.accepted_per_pos[j] += 1
+    if s.acceptance is not None:
+        observe_acceptance(s.acceptance, k, m)
+
+
 def _swap(backend: Backend, st: State, i: int, j: int, *extra: np.ndarray) -> None:
     """Exchange slots i and j: their cache rows and every per-slot array (and `extra` ones)."""
     if i == j:
         return
     backend.swap_slots(i, j)
     for arr in (st.order, st.past_len, st.last, st.thinking, st.drafts, st.mtp_past_len, st.q_dist, st.carry,
-                st.tree_tokens, st.tree_parents, *extra):
+                st.tree_tokens, st.tree_parents, st.avail, *extra):
         if arr is not None:
             arr[[i, j]] = arr[[j, i]]
 
@@ -370,6 +461,12 @@ class Batch:
     opts: DecodeOptions
     rows: int  # cache rows per sequence
     joining: Join | None = None
+    k: int = 0  # drafts joining sequences get (opts.nextn unless adaptive: the K of the last step)
+    cost: CostModel = dataclasses.field(default_factory=CostModel)  # measured step seconds (adaptive)
+    policy: Callable | None = None  # policy(batch) -> K wanted for the next step (adaptive; default auto_k)
+    explore: int = 0  # auto_k: steps until the next exploring steps
+    explored: int = 0  # auto_k: the K those steps ran last
+    explored_turn: int = 0  # auto_k: explorations so far (below and above the current K in turn)
 
     @property
     def capacity(self) -> int:
@@ -385,7 +482,8 @@ def open_batch(backend: Backend, opts: DecodeOptions, capacity: int, rows: int, 
     """Load the graphs, allocate `capacity` slots of `rows` cache rows, no sequence yet.  `mixed`: sequences
     bring their own sampling (a server), so both the greedy graphs (the fused step) and what sampling reads
     (the logits) are prepared, whatever opts.sampling says."""
-    backend.prepare(opts.nextn, opts.sampling.greedy or mixed, opts.tree_graph)
+    for k in range(opts.nextn + 1) if opts.adaptive else [opts.nextn]:
+        backend.prepare(k, opts.sampling.greedy or mixed, opts.tree_graph)
     if mixed:
         backend.prepare(opts.nextn, False, opts.tree_graph)
     backend.allocate(capacity, rows)
@@ -397,7 +495,8 @@ def open_batch(backend: Backend, opts: DecodeOptions, capacity: int, rows: int, 
     if opts.tree_graph:
         st.tree_tokens, st.tree_parents = zeros(opts.tree.budget), zeros(opts.tree.budget)
     stats = Stats(num_accepted_tokens_per_pos=np.zeros(k, np.int64))
-    return Batch(st, {}, stats, opts, rows)
+    st.avail = np.full(capacity, k, np.int64)
+    return Batch(st, {}, stats, opts, rows, k=k)
 
 
 def admit(batch: Batch, new: dict) -> None:
@@ -408,6 +507,8 @@ def admit(batch: Batch, new: dict) -> None:
         raise ValueError(f"admit: {len(new)} sequences for {batch.free} free slots")
     for s in new.values():
         s.tokens = list(s.prompt)
+        if batch.opts.adaptive and s.acceptance is None:
+            s.acceptance = Acceptance.empty(batch.opts.nextn)
     batch.seqs.update(new)
     m = len(new)
     st.order[st.n:st.n + m] = list(new)
@@ -445,7 +546,7 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     j.done = np.minimum(j.done + width, lens)
     joined = bool((j.done == lens).all())
     if joined:
-        _start(backend, batch, seqs, lens, thinking)
+        _start(backend, batch, seqs, lens, thinking, n)
     for i in reversed(range(m)):
         _swap(backend, st, i, j.first + i)
     st.n = n
@@ -458,9 +559,11 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     return joined
 
 
-def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarray, thinking: np.ndarray) -> None:
+def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarray, thinking: np.ndarray,
+           active: int = 0) -> None:
     """The joining sequences (in slots 0..m-1, st.n = m) with their prompts done: the first token, the state,
-    the first drafts, the first stop conditions."""
+    the first drafts, the first stop conditions.  `active`: the sequences decoding beside them (adaptive
+    speculation drafts the K the policy would choose for all of them together)."""
     st, opts, j = batch.st, batch.opts, batch.joining
     m = len(seqs)
     st.past_len[:m], st.last[:m], st.mtp_past_len[:m] = lens, j.last, 0
@@ -471,7 +574,10 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
         hidden = np.zeros((m, lens.max(), j.hidden[0][0].shape[-1]), j.hidden[0][0].dtype)
         for i, parts in enumerate(j.hidden):
             hidden[i, :lens[i]] = np.concatenate(parts)
-        draft(backend, st, batch.seqs, hidden, np.zeros(m, np.int32), opts)
+        # a sequence that keeps every draft (Sequence.keeps_k) gets them from its first step
+        k = opts.nextn if any(s.keeps_k for s in seqs) else join_k(batch, m + active) if opts.adaptive else batch.k
+        draft(backend, st, batch.seqs, hidden, np.zeros(m, np.int32), opts, k)
+        st.avail[:m] = k
         if opts.tree_graph:  # the chain's drafts are the first tree step's tree
             st.tree_tokens[:m], st.tree_parents[:m] = chain_tree(st.drafts[:m], opts.tree.budget)
     for s in seqs:
@@ -485,43 +591,146 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
             s.finish_reason, s.message = "length", f"KV cache full ({batch.rows} rows per sequence)"
 
 
+def auto_k(batch: Batch) -> int:
+    """The K (0..nextn) of the next step that maximizes expected tokens per second (mtp_trt/speculation.py): each
+    active sequence's decayed acceptance per position (a new one: the batch's so far), the measured step costs."""
+    st, stats, nextn = batch.st, batch.stats, batch.opts.nextn
+    active = _active(st, batch.seqs)
+    if any(s.keeps_k for s in active):
+        return nextn
+    batch.explore -= 1
+    if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at a neighbouring K, one below and one above the
+        if batch.explore < -2:  # current K in turn (the first step may draft them, the second is timed): what it costs
+            batch.explore = EXPLORE_EVERY  # (and, going up, what one more draft accepts) is learnt again, at the price
+        else:  # of a step or two of a K near the best; the policy then climbs one K at a time where that pays
+            if batch.explore == -1:
+                current = int(st.avail[:st.n].min())
+                near = [k for k in (current - 1, current + 1) if 0 <= k <= nextn]
+                batch.explored = near[batch.explored_turn % len(near)] if near else current
+                batch.explored_turn += 1
+            return batch.explored
+    prior = chain_prior(stats)
+    rates = np.array([acceptance_rates(s.acceptance, prior) if s.acceptance is not None else prior for s in active])
+    return choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()))
+
+
+def join_k(batch: Batch, rows: int) -> int:
+    """The drafts sequences joining a batch of `rows` sequences (them included) get: the K auto_k would choose for
+    `rows` sequences of the decode's acceptance so far (batch.k under another policy, or before any cost is
+    known)."""
+    if batch.policy is not None or not batch.cost.seconds:
+        return batch.k
+    prior = chain_prior(batch.stats)
+    return choose_k(np.tile(prior, (rows, 1)), batch.cost, batch.opts.nextn)
+
+
+EXPLORE_EVERY = 128  # steps between two explorations (each: two steps at another K)
+
+
+def chain_prior(stats: Stats) -> np.ndarray:
+    """The acceptance per position a sequence is assumed to have before its own history: the decode's so far, a
+    position never tried taking the rate of the one before it (PRIOR for the first)."""
+    rates = np.full(len(stats.num_drafts_per_pos), PRIOR)
+    last = PRIOR
+    for j, (a, d) in enumerate(zip(stats.num_accepted_tokens_per_pos.tolist(), stats.num_drafts_per_pos.tolist())):
+        last = rates[j] = a / d if d else last
+    return rates
+
+
 def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     """One decode step of the active sequences: cancelled ones leave first; verify, accept (`on_accept()` then
     may finish sequences, e.g. at a stop string), retire the finished ones, draft.  Fused into one graph call
-    when every active sequence is greedy and the export has the step (or tree) graph."""
+    when every active sequence is greedy and the export has the step (or tree) graph.
+
+    Adaptive speculation (opts.adaptive): K is chosen before the step (batch.policy, default auto_k).  Fewer drafts
+    than the sequences hold: the step verifies the first K (a chain's first K drafts are what K drafts would be).
+    More: this step verifies the K it has and drafts the K wanted (target and MTP graphs, unfused).  Fused steps are
+    timed into batch.cost."""
     st, seqs, opts = batch.st, batch.seqs, batch.opts
     retire(backend, st, seqs)
     if not st.n:
         return
     greedy = not _samples(_active(st, seqs))
+    k = k_next = opts.nextn
+    caps = None
+    if opts.adaptive:
+        k_next = max(0, min(opts.nextn, int((batch.policy or auto_k)(batch))))
+        caps = np.minimum(st.avail[:st.n], k_next).tolist()  # each sequence verifies the drafts it holds, at most K
+        k = max(caps)
+        caps = None if min(caps) == k else caps
     # vanilla's step and tree graphs need every depth's window to start at row >= 0 (past_len >= K - 1)
     early = backend.manifest.mtp_mode == "vanilla" and st.past_len[:st.n].min() < opts.nextn - 1
-    if greedy and not early and (opts.tree_graph or backend.has_step(opts.nextn)):
-        fused_step(backend, st, seqs, batch.stats, opts, batch.rows)
+    if greedy and not early and k == k_next and caps is None and (opts.tree_graph or backend.has_step(k)):
+        n, t0 = st.n, time.perf_counter()
+        fused_step(backend, st, seqs, batch.stats, opts, batch.rows, k)
+        if opts.adaptive:
+            observe_cost(batch.cost, k, n, time.perf_counter() - t0)
+        st.avail[:n], batch.k = k, k
         if on_accept:
             on_accept()
         retire(backend, st, seqs)
         return
-    tokens, num, hidden = verify(backend, st, seqs, opts)
-    start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows)
+    tokens, num, hidden = verify(backend, st, seqs, opts, k, caps)
+    start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k, caps)
+    st.avail[:st.n], batch.k = k_next, k_next
     if on_accept:
         on_accept()
     retire(backend, st, seqs, hidden, start)
-    if opts.nextn and st.n:
-        draft(backend, st, seqs, hidden[:st.n], start[:st.n], opts)
+    if k_next and st.n:
+        draft(backend, st, seqs, hidden[:st.n], start[:st.n], opts, k_next)
         if opts.tree_graph:  # the chain's drafts are the next tree step's tree
             st.tree_tokens[:st.n], st.tree_parents[:st.n] = chain_tree(st.drafts[:st.n], opts.tree.budget)
 
 
+def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int], steps: int = 4) -> None:
+    """Time greedy steps of each K (0..nextn) at each batch size in `sizes` (dummy sequences of `prompt`) into
+    batch.cost, the fastest per (K, rows) of `steps` rounds; each round visits every K (so that a burst of load on
+    the machine falls on all of them alike) with two steps, the second timed (the first may draft more, or be the
+    first call of a shape).  The batch must be empty; it is left empty."""
+    opts, policy, model = batch.opts, batch.policy, batch.cost
+    want = [0]
+    batch.policy = lambda b: want[0]  # noqa: E731
+    batch.cost = CostModel()  # the steps run here are not observed twice
+    try:
+        for n in sorted(set(min(x, batch.capacity) for x in sizes)):
+            seqs = {-1 - i: Sequence(list(prompt), max_new_tokens=1 << 30) for i in range(n)}
+            admit(batch, seqs)
+            while batch.joining:
+                prefill_chunk(backend, batch)
+            times: dict[int, list[float]] = {k: [] for k in range(opts.nextn + 1)}
+            for _ in range(steps):
+                for k in range(opts.nextn, -1, -1):
+                    want[0] = k
+                    for i in range(2):
+                        retire(backend, batch.st, batch.seqs)
+                        rows, t0 = batch.st.n, time.perf_counter()
+                        if rows:
+                            step(backend, batch)
+                        if i and rows == n:
+                            times[k].append(time.perf_counter() - t0)
+            for k, t in times.items():
+                if t:  # the fastest: other work on the machine only ever slows a step
+                    observe_cost(model, k, n, float(np.min(t)))
+            for s in seqs.values():
+                s.finish_reason = s.finish_reason or "cancelled"
+            retire(backend, batch.st, batch.seqs)
+            batch.seqs.clear()
+    finally:
+        batch.policy, batch.cost = policy, model
+
+
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,
-             on_step=None) -> tuple[list[Sequence], Stats]:
+             on_step=None, cost: CostModel | None = None,
+             policy: Callable | None = None) -> tuple[list[Sequence], Stats]:
     """Decode a batch of prompts: all join at once, then steps until every one has finished.  Sequence i
-    samples with sequence_rng(seed, i).  `on_step(seqs)` is called after every verify step (for streaming)."""
+    samples with sequence_rng(seed, i).  `on_step(seqs)` is called after every verify step (for streaming).
+    Adaptive speculation: `cost` the measured step costs (calibrate), `policy` overrides auto_k."""
     seqs = [Sequence(prompt=list(p), sampling=opts.sampling, max_new_tokens=opts.max_new_tokens,
                      rng=sequence_rng(seed, i)) for i, p in enumerate(prompts)]
     rows = min(backend.manifest.max_seq_len,
                max(len(p) for p in prompts) + opts.max_new_tokens + 2 * opts.nextn + 2)
     batch = open_batch(backend, opts, len(seqs), rows)
+    batch.cost, batch.policy = cost or batch.cost, policy
     admit(batch, dict(enumerate(seqs)))
     prefill_chunk(backend, batch)
     while batch.st.n:

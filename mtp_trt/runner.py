@@ -209,6 +209,7 @@ class Result:
     tokens: list[int]
     finish_reason: str
     message: str = ""
+    speculative_decoding: dict | None = None  # its speculative figures (Sequence.spec_usage)
 
 
 @dataclasses.dataclass
@@ -218,6 +219,7 @@ class RunReport:
     seconds: float
     nextn: int
     tree: str | None = None  # DEPTH:TOPK:BUDGET when a tree was drafted
+    speculation: str = "fixed"  # auto: K chosen per step (the steps per K: k_steps)
 
     @property
     def new_tokens(self) -> int:
@@ -233,7 +235,9 @@ class RunReport:
                 "tree": self.tree, "steps": self.stats.steps, "num_drafts": self.stats.num_drafts,
                 "num_draft_tokens": self.stats.num_draft_tokens, "num_accepted_tokens": self.stats.num_accepted_tokens,
                 "mean_acceptance_length": round(self.stats.mean_acceptance_length, 4),
-                "acceptance_rate_per_pos": [round(a, 4) for a in self.stats.acceptance_rate_per_pos]}
+                "acceptance_rate_per_pos": [round(a, 4) for a in self.stats.acceptance_rate_per_pos],
+                "speculation": self.speculation,
+                "k_steps": {str(k): self.stats.k_chosen.count(k) for k in sorted(set(self.stats.k_chosen))}}
 
 
 class Runner:
@@ -254,13 +258,26 @@ class Runner:
         self.backend = backend or OrtBackend(manifest, threads=threads)
 
     def options(self, nextn: int | None, tree_topk: int | None = None, tree_budget: int | None = None,
-                **kwargs) -> DecodeOptions:
-        """Decode options for this export; tree_topk >= 2 drafts a tree of depth nextn (mtp_trt/tree.py)."""
+                speculation: str | None = None, **kwargs) -> DecodeOptions:
+        """Decode options for this export; tree_topk >= 2 drafts a tree of depth nextn (mtp_trt/tree.py).
+        speculation: `auto` chooses K in 0..the export's nextn before every step (eagle chains), `fixed` runs
+        nextn (default: the export's) every step; None: auto where it applies (no --nextn, no tree, an eagle
+        export with drafts), else fixed."""
         m = self.manifest
+        if speculation not in (None, "auto", "fixed"):
+            raise MtpTrtError(f"--speculation must be auto or fixed, got {speculation!r}")
+        if speculation == "auto":
+            why = ("--nextn fixes K" if nextn is not None else "trees are drafted at a fixed depth (--tree-topk)"
+                   if tree_topk not in (None, 1) else f"the export is in {m.mtp_mode} mode (auto needs eagle)"
+                   if m.mtp_mode != "eagle" else "the export has no MTP drafts" if not m.nextn else None)
+            if why:
+                raise MtpTrtError(f"--speculation auto chooses K per step, but {why}; drop one of them")
+        adaptive = speculation == "auto" or (speculation is None and nextn is None and tree_topk in (None, 1)
+                                             and m.mtp_mode == "eagle" and m.nextn > 0)
         nextn = m.nextn if nextn is None else nextn
         if not 0 <= nextn <= m.nextn:
             raise MtpTrtError(f"--nextn must be in 0..{m.nextn} for this export ({m.root}), got {nextn}")
-        opts = DecodeOptions(nextn=nextn, eos_ids=m.eos_ids, think_ids=m.think_ids, **kwargs)
+        opts = DecodeOptions(nextn=nextn, eos_ids=m.eos_ids, think_ids=m.think_ids, adaptive=adaptive, **kwargs)
         tree = self.tree(nextn, tree_topk, tree_budget)
         return opts if tree is None else dataclasses.replace(opts, tree=tree)
 
@@ -394,13 +411,26 @@ class Runner:
 
         ids = self.fit(ids or self.encode_prompts(prompts, truncate), opts.nextn, truncate, opts.max_new_tokens)
         self.backend.prepare(opts.nextn, opts.sampling.greedy, opts.tree_graph)  # loading is not decoding time
+        cost = self.calibrate(opts, ids) if opts.adaptive else None  # neither is timing the steps
         t0 = time.perf_counter()
-        seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step)
+        seqs, stats = generate(self.backend, ids, opts, seed=seed, on_step=on_step, cost=cost)
         seconds = time.perf_counter() - t0
         results = []
         for i, (p, s) in enumerate(zip(prompts, seqs)):
             text, stopped = cut_at_stop(self.decode(s.generated), stop)
             show(i, text)  # what was held back as a possible stop string's start
             reason = "stop" if stopped else s.finish_reason or "length"  # (a stop string in the last step's tokens)
-            results.append(Result(p, text, s.generated, reason, s.message))
-        return RunReport(results, stats, seconds, opts.nextn, opts.tree.spec if opts.tree_graph else None)
+            results.append(Result(p, text, s.generated, reason, s.message, s.spec_usage(opts.nextn)))
+        return RunReport(results, stats, seconds, opts.nextn, opts.tree.spec if opts.tree_graph else None,
+                         "auto" if opts.adaptive else "fixed")
+
+    def calibrate(self, opts: DecodeOptions, ids: list[list[int]], steps: int = 4):
+        """The step costs of adaptive speculation for this batch size: `steps` timed steps of each K (decode.calibrate)
+        on sequences of the first prompt's first tokens."""
+        from mtp_trt.decode import calibrate, open_batch
+
+        prompt = ids[0][:16]
+        rows = min(self.manifest.max_seq_len, len(prompt) + 2 * steps * (opts.nextn + 1) ** 2 + 2 * opts.nextn + 8)
+        batch = open_batch(self.backend, opts, len(ids), rows)
+        calibrate(self.backend, batch, prompt, [len(ids)], steps)
+        return batch.cost

@@ -17,7 +17,8 @@ from collections import deque
 
 import numpy as np
 
-from mtp_trt.decode import Batch, DecodeOptions, Sequence, admit, open_batch, prefill_chunk, sequence_rng, step
+from mtp_trt.decode import (Batch, DecodeOptions, Sequence, admit, calibrate, open_batch, prefill_chunk, sequence_rng,
+                            step)
 from mtp_trt.runner import Runner, cut_at_stop, held_back
 from mtp_trt.sampling import SamplingParams
 
@@ -72,6 +73,8 @@ class EngineFigures:
     num_draft_tokens: int = 0
     num_accepted_tokens_per_pos: np.ndarray | None = None
     recent: deque = dataclasses.field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) per step
+    k_chosen: list = dataclasses.field(default_factory=list)  # [k]: decode steps that verified k drafts
+    accepted_length: list = dataclasses.field(default_factory=list)  # [j]: sequence steps that accepted j drafts
 
 
 def release_free_memory() -> None:
@@ -103,7 +106,8 @@ class Engine:
         self.admitting = True
         self.stopping = False
         self.outbox: dict[asyncio.AbstractEventLoop, list] = {}  # this round's events, by the loop they go to
-        self.figures = EngineFigures(num_accepted_tokens_per_pos=np.zeros(opts.nextn, np.int64))
+        self.figures = EngineFigures(num_accepted_tokens_per_pos=np.zeros(opts.nextn, np.int64),
+                                     k_chosen=[0] * (opts.nextn + 1), accepted_length=[0] * (opts.nextn + 1))
         self.thread = threading.Thread(target=self._loop, name="mtp-trt-engine", daemon=True)
 
     # ------------------------------------------------------------------ called from any thread
@@ -127,13 +131,23 @@ class Engine:
         while batch.st.n:
             step(backend, batch)
         batch.seqs.clear()
+        if self.opts.adaptive:  # the step costs of each K at batch sizes 1, 2, 4, ... max_batch
+            sizes = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i < self.max_batch] + [self.max_batch]
+            calibrate(backend, batch, prompt, sizes)
+
+    def step_costs(self) -> dict[tuple[int, int], float]:
+        """The adaptive policy's step cost model: {(K, rows): seconds} measured so far."""
+        from mtp_trt.speculation import cost_summary
+
+        return cost_summary(self.batch.cost)
 
     def submit(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int, seed: int | None,
                stop: tuple[str, ...], loop: asyncio.AbstractEventLoop) -> Request:
         """Queue a request (prompt ids that fit: max_prompt_tokens); its events arrive on the returned Request's
         queue, on `loop`.  Raises QueueFull or ShuttingDown."""
         rng = sequence_rng(seed) if seed is not None else np.random.default_rng()
-        seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new_tokens, rng=rng)
+        seq = Sequence(prompt=list(prompt), sampling=sampling, max_new_tokens=max_new_tokens, rng=rng,
+                       fixed_k=None if seed is not None else False)  # seeded: its text reproducible (decode.Sequence)
         with self.lock:
             if not self.admitting:
                 raise ShuttingDown()
@@ -220,9 +234,16 @@ class Engine:
         if batch.joining:
             prefill_chunk(backend, batch, self.chunk)
         before = (batch.stats.num_drafts, batch.stats.num_draft_tokens, batch.stats.num_accepted_tokens_per_pos.copy())
+        steps = batch.stats.steps
         if batch.st.n:
             step(backend, batch, self._stop_strings)
         self._count_drafts(*before)
+        if batch.stats.steps > steps:
+            self.figures.k_chosen[batch.stats.k_chosen[-1]] += 1
+            if len(batch.stats.k_chosen) > 4096:  # the figures are kept here; the batch's list would only grow
+                del batch.stats.k_chosen[:]
+            for m in batch.stats.last_accepted:
+                self.figures.accepted_length[m] += 1
         self._events()
         self._flush()
 
@@ -245,10 +266,9 @@ class Engine:
 
     def _count_drafts(self, drafts: int, draft_tokens: int, accepted_per_pos: np.ndarray) -> None:
         s, f = self.batch.stats, self.figures
-        if self.opts.nextn:
-            f.num_drafts += s.num_drafts - drafts
-            f.num_draft_tokens += s.num_draft_tokens - draft_tokens
-            f.num_accepted_tokens_per_pos += s.num_accepted_tokens_per_pos - accepted_per_pos
+        f.num_drafts += s.num_drafts - drafts
+        f.num_draft_tokens += s.num_draft_tokens - draft_tokens
+        f.num_accepted_tokens_per_pos += s.num_accepted_tokens_per_pos - accepted_per_pos
 
     def _events(self) -> None:
         """Send each request its new text; end the finished ones and let them go."""
@@ -305,7 +325,9 @@ class Engine:
                 r.ended = True
                 self._post(r, "error", 500, message)
         self._flush()
-        self.batch = open_batch(self.runner.backend, self.opts, self.max_batch, self.rows, mixed=True)
+        cost, self.batch = self.batch.cost, open_batch(self.runner.backend, self.opts, self.max_batch, self.rows,
+                                                       mixed=True)
+        self.batch.cost = cost
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         """Generated tokens per second over the last `window` seconds."""

@@ -13,6 +13,7 @@ works, so that a large prompt does not hold up other clients (or /health).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import socket
@@ -239,7 +240,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
     `max_request_bytes` (default: default_request_bytes), read within `request_timeout` seconds (default
     REQUEST_TIMEOUT_S)."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     runner = engine.runner
     render_chat = chat_renderer(runner.manifest.root)
@@ -280,7 +281,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
                                             "owned_by": "mtp-trt"}]}
 
     registry = CollectorRegistry()
-    registry.register(_Collector(engine, model_id, CounterMetricFamily, GaugeMetricFamily))
+    registry.register(_Collector(engine, model_id, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily))
 
     @app.get("/metrics")
     async def metrics():
@@ -447,7 +448,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
             raise
         finally:
             watcher.cancel()
-        return shape.whole("".join(text), reason, _usage(r), _mtp(r) if body.mtp_stats else None)
+        return shape.whole("".join(text), reason, _usage(r, engine.opts.nextn), _mtp(r) if body.mtp_stats else None)
 
     async def watch_disconnect(request: HttpRequest, r) -> None:
         """(beside a non-streamed request, its body read) wait for its client to leave; then say so to the handler."""
@@ -475,7 +476,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
                         last["mtp"] = _mtp(r)
                     yield shape.event(last, usage)
                     if usage:
-                        yield shape.event({**shape.chunk(None, None), "choices": [], "usage": _usage(r)}, False)
+                        yield shape.event({**shape.chunk(None, None), "choices": [],
+                                           "usage": _usage(r, engine.opts.nextn)}, False)
                     break
             yield "data: [DONE]\n\n"
         finally:  # the client left (the generator is closed) or the stream ended: nothing more to decode
@@ -532,9 +534,12 @@ class _Shape:
         return out | ({"mtp": mtp} if mtp is not None else {})
 
 
-def _usage(r) -> dict:
+def _usage(r, nextn: int) -> dict:
+    """OpenAI's usage, with the request's speculative figures under `speculative_decoding` (vLLM's per-request
+    names, and the acceptance per draft position: Sequence.spec_usage)."""
     prompt, completion = len(r.seq.prompt), r.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "speculative_decoding": r.seq.spec_usage(nextn)}
 
 
 def _mtp(r) -> dict:
@@ -547,8 +552,9 @@ def _mtp(r) -> dict:
 class _Collector:
     """The engine's figures as Prometheus metrics, under vLLM's names (model_name label)."""
 
-    def __init__(self, engine: Engine, model_id: str, counter, gauge):
-        self.engine, self.model_id, self.counter, self.gauge = engine, model_id, counter, gauge
+    def __init__(self, engine: Engine, model_id: str, counter, gauge, histogram):
+        self.engine, self.model_id = engine, model_id
+        self.counter, self.gauge, self.histogram = counter, gauge, histogram
 
     def collect(self):
         e, f, label = self.engine, self.engine.figures, [self.model_id]
@@ -581,6 +587,25 @@ class _Collector:
         for pos, count in enumerate(f.num_accepted_tokens_per_pos.tolist()):
             per_pos.add_metric([self.model_id, str(pos)], count)
         yield per_pos
+        yield _histogram(self.histogram, "mtp_trt:spec_decode_num_drafts_per_step",
+                         "Draft tokens K verified per decode step (chosen per step with --speculation auto).",
+                         self.model_id, f.k_chosen)
+        yield _histogram(self.histogram, "mtp_trt:spec_decode_accepted_length",
+                         "Draft tokens accepted per verify step of a request.", self.model_id, f.accepted_length)
+        cost = self.gauge("mtp_trt:step_cost_seconds", "The step cost model: measured seconds of a decode step with K "
+                          "drafts over `rows` requests (EWMA).", labels=["model_name", "k", "rows"])
+        for (k, rows), seconds in e.step_costs().items():
+            cost.add_metric([self.model_id, str(k), str(rows)], seconds)
+        yield cost
+
+
+def _histogram(kind, name: str, doc: str, model_id: str, counts: list[int]):
+    """A Prometheus histogram of small integers: counts[j] observations of value j (buckets le=0, 1, ...)."""
+    m = kind(name, doc, labels=["model_name"])
+    buckets = [(str(j), c) for j, c in zip(range(len(counts)), itertools.accumulate(counts))] + \
+        [("+Inf", sum(counts))]
+    m.add_metric([model_id], buckets, sum_value=sum(j * c for j, c in enumerate(counts)))
+    return m
 
 
 def raise_open_file_limit() -> int:

@@ -229,7 +229,9 @@ def test_stop_seed_and_mtp_figures(server, demo):
     assert alone.results[0].text == a  # `mtp-trt run --seed 3` draws the same
     r = call(server.url, "POST", "/v1/completions", {"model": "demo-chat", "prompt": PROMPTS[2], "max_tokens": NEW,
                                                      "temperature": 0, "mtp_stats": True}).json()
-    assert 0 < r["mtp"]["steps"] < NEW - 1 and r["mtp"]["mean_acceptance_length"] > 1
+    steps, spec = r["mtp"]["steps"], r["usage"]["speculative_decoding"]  # (K chosen per step: K = 0 steps count too)
+    assert 0 < steps <= NEW - 1 and r["mtp"]["mean_acceptance_length"] == pytest.approx((NEW - 1) / steps, abs=1e-4)
+    assert NEW - 1 - steps <= spec["num_accepted_draft_tokens"] <= NEW - 1 - steps + 3  # the last step may be cut
 
 
 def test_cancelled_stream_leaves_the_others_intact(server):
@@ -520,16 +522,58 @@ def test_models_health_and_metrics(server):
     after = metrics(server.url)
     delta = {k: v - before.get(k, 0) for k, v in after.items()}
     k = 3  # the demo export's nextn
-    steps = r["mtp"]["steps"]
+    steps = r["mtp"]["steps"]  # verify steps, with drafts (K chosen per step) or without
+    spec = r["usage"]["speculative_decoding"]
     assert delta[("vllm:generation_tokens_total", ())] == r["usage"]["completion_tokens"] == 30
     assert delta[("vllm:prompt_tokens_total", ())] == r["usage"]["prompt_tokens"]
-    assert delta[("vllm:spec_decode_num_drafts_total", ())] == steps
-    assert delta[("vllm:spec_decode_num_draft_tokens_total", ())] == steps * k
+    assert delta[("vllm:spec_decode_num_drafts_total", ())] == spec["num_spec_steps"] <= steps
+    assert delta[("vllm:spec_decode_num_draft_tokens_total", ())] == spec["num_draft_tokens"] <= steps * k
     accepted = delta[("vllm:spec_decode_num_accepted_tokens_total", ())]
     per_pos = [delta[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(j)),))] for j in range(k)]
-    assert accepted == sum(per_pos) and per_pos == sorted(per_pos, reverse=True)
+    assert accepted == sum(per_pos) == spec["num_accepted_draft_tokens"]
+    assert per_pos == spec["num_accepted_tokens_per_pos"]
+    assert per_pos == sorted(per_pos, reverse=True)
     assert 29 - steps <= accepted <= 29 - steps + k  # 30 tokens = first + per step (accepted + 1), the last cut
     assert after[("vllm:num_requests_waiting", ())] == 0
+    # the histograms: one K per batched step (this request ran alone: one per verify step), one accepted length per
+    # verify step of a request; their sums are the draft tokens and the accepted ones
+    assert delta[("mtp_trt:spec_decode_num_drafts_per_step_count", ())] == steps
+    assert delta[("mtp_trt:spec_decode_num_drafts_per_step_sum", ())] == spec["num_draft_tokens"]
+    assert delta[("mtp_trt:spec_decode_accepted_length_count", ())] == steps
+    assert delta[("mtp_trt:spec_decode_accepted_length_sum", ())] == accepted
+    assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"]
+    costs = {key: v for key, v in after.items() if key[0] == "mtp_trt:step_cost_seconds"}
+    assert {dict(labels)["k"] for _, labels in costs} == {str(j) for j in range(k + 1)}  # measured at start-up
+    assert all(v > 0 for v in costs.values())
+
+
+def test_usage_carries_each_requests_speculative_figures(server, demo):
+    """Streamed (include_usage) and not, completions and chat: usage.speculative_decoding adds up (accepted drafts
+    per position, the steps' histogram, tokens = the first + every verify step's accepted drafts + 1); the text is
+    `mtp-trt run`'s at nextn 0."""
+    want = demo.decode(demo.run([PROMPTS[2]], demo.options(0, max_new_tokens=NEW)).results[0].tokens)
+    out = server.client.completions.create(model="demo-chat", prompt=PROMPTS[2], max_tokens=NEW, temperature=0,
+                                           extra_body={"mtp_stats": True})
+    assert out.choices[0].text == want
+    chunks = list(server.client.completions.create(model="demo-chat", prompt=PROMPTS[2], max_tokens=NEW,
+                                                   temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    chat = server.client.chat.completions.create(model="demo-chat", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=12, temperature=0)
+    for usage in (out.usage, chunks[-1].usage, chat.usage):
+        spec = usage.model_extra["speculative_decoding"]
+        assert spec["num_spec_tokens"] == 3 and len(spec["acceptance_histogram"]) == 4
+        assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"]
+        assert sum(j * c for j, c in enumerate(spec["acceptance_histogram"])) == spec["num_accepted_draft_tokens"]
+        assert sum(spec["num_accepted_tokens_per_pos"]) == spec["num_accepted_draft_tokens"] <= spec["num_draft_tokens"]
+        if spec["num_spec_steps"]:
+            assert spec["mean_acceptance_length"] == pytest.approx(
+                1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"], abs=1e-4)
+    steps = out.model_extra["mtp"]["steps"]
+    spec = out.usage.model_extra["speculative_decoding"]
+    assert out.usage.completion_tokens - 1 - steps <= spec["num_accepted_draft_tokens"] <= \
+        out.usage.completion_tokens - 1 - steps + 3
 
 
 @pytest.fixture(scope="module")
