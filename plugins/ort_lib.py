@@ -6,6 +6,10 @@ sources it was built from), so a user needs no compiler and no ONNX Runtime head
 compiler and ONNX Runtime's C API headers (``onnxruntime_c_api.h``; its wheel ships none): point
 ``ONNXRUNTIME_INCLUDE_DIR`` at them and run ``python -m mtp_trt.plugins.ort_lib --ship``.
 ``MTP_TRT_ORT_OPS_LIB`` names another library to use instead.
+
+The kernels run on the best instruction set the CPU has (kernels.h); ``MTP_TRT_CPU_ISA`` (one of CPU_ISAS) makes
+every kernel of the process use one set, to compare sets on one machine.  A value that is not a set, or one this
+CPU lacks, is refused by register() (one MtpTrtError line naming the variable and the value).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ SOURCES = ("kernels.h", "qkernels_impl.h", "kernels.cpp", "mtp_ort_ops.cpp")
 PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
 PREBUILT_LIB, PREBUILT_INFO = PREBUILT_DIR / "libmtp_ort_ops.so", PREBUILT_DIR / "libmtp_ort_ops.json"
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
+CPU_ISA_ENV = "MTP_TRT_CPU_ISA"
+CPU_ISAS = ("scalar", "avx2", "avx-vnni", "avx512-vnni")  # its values: the library's (kernels.h kCpuIsaNames)
 
 
 def source_hash() -> str:
@@ -137,11 +143,29 @@ def available() -> tuple[bool, str]:
     return path is not None, why
 
 
+def cpu_isa(path: Path | None = None) -> tuple[str, str]:
+    """(the instruction set the library's kernels run on in this process, why MTP_TRT_CPU_ISA cannot be had: ""
+    where it can) -- from the library (`path`, else the one register() uses).  The library reads the variable
+    once per process, the first time a kernel or this asks."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(path or resolve_library()))
+    if not hasattr(lib, "MtpOrtCpuIsaError"):  # (a library built before the switch: it ignores the variable)
+        set_ = os.environ.get(CPU_ISA_ENV)
+        return "", (f"{CPU_ISA_ENV}={set_}: {path} does not read it (built from older sources)" if set_ else "")
+    lib.MtpOrtCpuIsa.restype = lib.MtpOrtCpuIsaError.restype = ctypes.c_char_p
+    return lib.MtpOrtCpuIsa().decode(), lib.MtpOrtCpuIsaError().decode()
+
+
 def register(session_options) -> None:
-    """Register the operators with an onnxruntime.SessionOptions (an MtpTrtError where none is available)."""
+    """Register the operators with an onnxruntime.SessionOptions (an MtpTrtError where none is available, or
+    where MTP_TRT_CPU_ISA names an instruction set the kernels or this CPU do not have)."""
     path, why = _resolved()
     if path is None:
         raise MtpTrtError(why)
+    refused = cpu_isa(path)[1]
+    if refused:
+        raise MtpTrtError(refused)
     session_options.register_custom_ops_library(str(path))
 
 

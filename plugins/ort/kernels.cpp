@@ -10,19 +10,72 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 namespace mtp_ort {
+
+bool cpu_has(CpuIsa isa) {
+    switch (isa) {
+        case CpuIsa::scalar: return true;
+        case CpuIsa::avx2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        case CpuIsa::avx_vnni:
+            return cpu_has(CpuIsa::avx2) && (__builtin_cpu_supports("avxvnni") || cpu_has(CpuIsa::avx512_vnni));
+        case CpuIsa::avx512_vnni:
+            return cpu_has(CpuIsa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                   __builtin_cpu_supports("avx512vnni");
+    }
+    return false;
+}
+
 namespace {
 
-// The AVX2/FMA kernels where the CPU has them, unless MTP_ORT_PORTABLE is set (tests compare both paths).
-bool use_avx2() {
-    static const bool ok =
-        !std::getenv("MTP_ORT_PORTABLE") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return ok;
+// (the set, whether MTP_TRT_CPU_ISA chose it, the refusal's text)
+struct IsaChoice {
+    CpuIsa isa = CpuIsa::scalar;
+    bool forced = false;
+    std::string error;
+};
+
+const IsaChoice& isa_choice() {
+    static const IsaChoice choice = [] {
+        IsaChoice c;
+        for (CpuIsa isa : {CpuIsa::avx2, CpuIsa::avx_vnni, CpuIsa::avx512_vnni})
+            if (cpu_has(isa)) c.isa = isa;
+        const char* env = std::getenv("MTP_TRT_CPU_ISA");
+        if (!env || !*env) return c;
+        const CpuIsa best = c.isa;
+        std::string names;
+        for (int i = 0; i < int(std::size(kCpuIsaNames)); ++i) {
+            names += (i ? ", " : "") + std::string(kCpuIsaNames[i]);
+            if (std::strcmp(env, kCpuIsaNames[i]) == 0) c.isa = CpuIsa(i), c.forced = true;
+        }
+        if (!c.forced)
+            c.error = "MTP_TRT_CPU_ISA=" + std::string(env) + " is not an instruction set of mtp-trt's CPU kernels (" +
+                      names + ")";
+        else if (!cpu_has(c.isa))
+            c.error = "MTP_TRT_CPU_ISA=" + std::string(env) + ": this CPU lacks that instruction set (it has " +
+                      kCpuIsaNames[int(best)] + ")";
+        if (!c.error.empty()) c.isa = best, c.forced = false;
+        return c;
+    }();
+    return choice;
 }
+
+}  // namespace
+
+CpuIsa cpu_isa() { return isa_choice().isa; }
+const char* cpu_isa_error() { return isa_choice().error.c_str(); }
+
+namespace {
+
+// The AVX2/FMA float kernels: every instruction set but scalar (kernels.h cpu_isa).
+bool use_avx2() { return cpu_isa() != CpuIsa::scalar; }
 
 // Rows of a matrix: row t at base + t * ld (Strided), or wherever a table of row pointers says (Table: DeepSeek
 // Sparse Attention's selected rows, read in place).
@@ -348,9 +401,14 @@ namespace {
 enum class IndexPath { scalar, avx2, avx512 };
 
 IndexPath index_path() {
-    static const IndexPath path = !use_avx2()                                                        ? IndexPath::scalar
-                                  : !std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512f") ? IndexPath::avx512
-                                                                                                   : IndexPath::avx2;
+    static const IndexPath path = [] {
+        switch (cpu_isa()) {
+            case CpuIsa::scalar: return IndexPath::scalar;
+            case CpuIsa::avx512_vnni: return IndexPath::avx512;
+            default:  // (unforced: AVX-512F without VNNI still runs the 512-bit indexer)
+                return !isa_choice().forced && __builtin_cpu_supports("avx512f") ? IndexPath::avx512 : IndexPath::avx2;
+        }
+    }();
     return path;
 }
 
@@ -633,20 +691,17 @@ struct QAct {
 constexpr int kRows = 4;  // weight rows per tile
 
 // avx512_vnni_256: AVX512-VNNI's 256-bit form, the AVX-VNNI kernels on a CPU with AVX-512 but no AVX-VNNI
-// (MTP_ORT_NO_AVX512=1 there).
+// (MTP_TRT_CPU_ISA=avx-vnni there).
 enum class QPath { scalar, avx2, avx_vnni, avx512_vnni, avx512_vnni_256 };
 
 QPath qpath() {
     static const QPath path = [] {
-        if (!use_avx2() || !__builtin_cpu_supports("f16c")) return QPath::scalar;
-        if (!std::getenv("MTP_ORT_NO_VNNI")) {
-            const bool avx512 = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-            if (avx512 && !std::getenv("MTP_ORT_NO_AVX512")) return QPath::avx512_vnni;
-            if (__builtin_cpu_supports("avxvnni")) return QPath::avx_vnni;
-            if (avx512) return QPath::avx512_vnni_256;
+        switch (cpu_isa()) {
+            case CpuIsa::scalar: return QPath::scalar;
+            case CpuIsa::avx2: return QPath::avx2;
+            case CpuIsa::avx_vnni: return __builtin_cpu_supports("avxvnni") ? QPath::avx_vnni : QPath::avx512_vnni_256;
+            default: return QPath::avx512_vnni;
         }
-        return QPath::avx2;
     }();
     return path;
 }
@@ -833,7 +888,7 @@ void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* 
 
 size_t qpack_max_bytes() {
     static const size_t limit = [] {
-        if (qpath() == QPath::scalar || qpath() == QPath::avx2) return size_t(0);
+        if (qpath() == QPath::scalar) return size_t(0);
         const char* env = std::getenv("MTP_ORT_PACK_MAX_BYTES");
         return env && *env ? size_t(std::strtoull(env, nullptr, 10)) : size_t(16) << 20;
     }();
@@ -844,6 +899,7 @@ QPack qpack(const QWeights& w, size_t n) {
     QPack p;
     const bool wide = qpath() == QPath::avx512_vnni;  // (the 256-bit paths' shapes are the same)
     p.n = n, p.k = w.k, p.block = w.block, p.bits = w.bits;
+    p.sign = w.bits == 8 && qpath() == QPath::avx2;
     p.rows = wide ? q_avx512_vnni::kPackRows : q_avx_vnni::kPackRows;
     p.group = wide ? q_avx512_vnni::kPackTiles : q_avx_vnni::kPackTiles;
     const size_t P = p.rows, G = p.group, nb = w.blocks(), pieces = w.row_bytes() / 4;
@@ -855,6 +911,9 @@ QPack qpack(const QWeights& w, size_t n) {
         const uint8_t* row = w.data + j * w.row_bytes();
         uint8_t* to = out + g * p.group_bytes() + (t * P + r) * 4;
         for (size_t i = 0; i < pieces; ++i) std::memcpy(to + i * G * P * 4, row + 4 * i, 4);
+        if (p.sign)
+            for (size_t i = 0; i < pieces; ++i)
+                for (size_t b = 0; b < 4; ++b) to[i * G * P * 4 + b] ^= 0x80;
         for (size_t b = 0; b < nb; ++b) p.scales[((g * nb + b) * G + t) * P + r] = w.scale(j * nb + b);
     }
     return p;
@@ -864,6 +923,7 @@ void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, si
     switch (qpath()) {
         case QPath::avx512_vnni: return q_avx512_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
         case QPath::avx512_vnni_256: return q_avx512_vnni_256::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
+        case QPath::avx2: return q_avx2::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
         default: return q_avx_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
     }
 }

@@ -20,6 +20,23 @@
 
 namespace mtp_ort {
 
+// ------------------------------------------------------------------------------ instruction sets
+// The instruction sets the kernels are written for, by the names the environment variable MTP_TRT_CPU_ISA takes:
+//   scalar       portable C++, any CPU
+//   avx2         AVX2 + FMA + F16C: the float kernels, and the quantized products by vpmaddubsw
+//   avx-vnni     avx2's float kernels; the quantized products by 256-bit vpdpbusd: AVX-VNNI's, or on a CPU with
+//                AVX512-VNNI but no AVX-VNNI, AVX512-VNNI's 256-bit form (qpath_name "avx512-vnni-256")
+//   avx512-vnni  AVX-512 (F, BW, DQ, VL) + AVX512-VNNI: 512-bit quantized products and lightning indexer
+// Chosen once per process: MTP_TRT_CPU_ISA where it names a set this CPU has, else the last of them the CPU has
+// (the indexer on AVX-512F where the CPU has it).
+enum class CpuIsa { scalar, avx2, avx_vnni, avx512_vnni };
+constexpr const char* kCpuIsaNames[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni"};
+CpuIsa cpu_isa();
+bool cpu_has(CpuIsa isa);
+// "" where MTP_TRT_CPU_ISA is unset or names a set this CPU has; else why not, in one line (the kernels then
+// run on the sets the CPU has; mtp_ort_ops.cpp refuses to register the operators).
+const char* cpu_isa_error();
+
 // y[i * ldy + j] = sum_k x[i * ldx + k] * w[j * ldw + k]   for i < m, j < n.
 void rows_dot(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k, float* y,
               size_t ldy);
@@ -62,8 +79,8 @@ void index_scores(const float* q, const float* w, size_t heads, size_t di, float
 // min(k, visible rows).  scratch: n floats.
 size_t select_top(const float* scores, size_t n, size_t k, float* scratch, int32_t* idx);
 
-// The instruction set of the indexer's scores: "scalar", "avx2" or "avx512" (chosen once per process;
-// MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_AVX512=1 AVX2).
+// The instruction set of the indexer's scores: "scalar", "avx2" or "avx512" (cpu_isa(): avx2 and avx-vnni run
+// the AVX2 kernels, avx512-vnni the AVX-512 ones).
 const char* index_path_name();
 
 // SwiGLU on interleaved gate/up pairs: a[i * lda + j] = silu(h[i * ldh + 2j]) * h[i * ldh + 2j + 1], j < units.
@@ -137,6 +154,7 @@ struct QPack {
     size_t n = 0, rows = 0, group = 0;  // N, rows per tile, tiles per group
     size_t k = 0, block = 0;
     int bits = 0;
+    bool sign = false;           // 8 bits: the bytes hold q = u - 128 as int8 (the AVX2 kernels), else u
     std::vector<uint8_t> bytes;  // the groups, `group_bytes()` each, from `data()` (64-byte aligned)
     std::vector<float> scales;
 
@@ -151,10 +169,10 @@ struct QPack {
     QWeights format() const { return {nullptr, nullptr, k, block, bits}; }
 };
 
-// The largest weight (its bytes, scales left out) packed: 0 where this CPU's path has no packed kernels (no
-// VNNI), else MTP_ORT_PACK_MAX_BYTES where set (0: never pack), else 16 MiB -- packing pays where the products are
-// compute-bound (cached weights, several activation rows) and little where a weight streams from memory, and a
-// packed copy is memory the weights take twice.
+// The largest weight (its bytes, scales left out) packed: 0 on the scalar path, else MTP_ORT_PACK_MAX_BYTES
+// where set (0: never pack), else 16 MiB -- packing pays where the products are compute-bound (cached weights,
+// several activation rows) and little where a weight streams from memory, and a packed copy is memory the
+// weights take twice.
 size_t qpack_max_bytes();
 
 // W's first n rows packed (qpack_max_bytes() > 0).
@@ -164,9 +182,8 @@ QPack qpack(const QWeights& w, size_t n);
 // bits whatever j0, n and m (the rows of a tile and the activation rows of a call never meet in a sum).
 void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy);
 
-// The instruction set of the quantized products: "scalar", "avx2", "avx-vnni", "avx512-vnni" or "avx512-vnni-256"
-// (chosen once per process from the CPU; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_VNNI=1 AVX2,
-// MTP_ORT_NO_AVX512=1 the 256-bit kernels: AVX-VNNI where the CPU has it, else AVX512-VNNI's 256-bit form).
+// The instruction set of the quantized products: cpu_isa()'s name, or "avx512-vnni-256" where avx-vnni runs in
+// AVX512-VNNI's 256-bit form.
 const char* qpath_name();
 
 }  // namespace mtp_ort
