@@ -323,8 +323,8 @@ struct Piece {
 template <int Bits>
 QK inline size_t x_piece(size_t g, int h) {
     if constexpr (Bits == 8) return 8 * g + 4 * size_t(h);
-    const size_t kb = g / 4;
-    return kb / 4 * 128 + size_t(h) * 64 + kb % 4 * 16 + g % 4 * 4;
+    // (block kb = g / 4: kb / 4 * 128 + h * 64 + kb % 4 * 16 + g % 4 * 4, i.e. 128 bytes a group of 16 pieces)
+    return 4 * g + g / 16 * 64 + size_t(h) * 64;
 }
 
 // T tiles of a group (from tile t0, all in one group) by C activation rows; rows of the tiles outside [j0, j1)
@@ -342,6 +342,9 @@ QK void ptile(const QPack& p, size_t t0, const uint8_t* x, size_t ldx, const QAc
     for (int t = 0; t < T; ++t)
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) acc[t][c] = Vec::zero();
+    const uint8_t* xc[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) xc[c] = x + c * ldx;
     size_t g = 0;
     for (size_t b = 0; b < nb; ++b) {
         Vec::F part[T][C];
@@ -350,21 +353,21 @@ QK void ptile(const QPack& p, size_t t0, const uint8_t* x, size_t ldx, const QAc
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c) part[t][c] = Vec::zero();
         for (size_t e = 0; e < per_block; ++e, ++g) {
+            const uint8_t* wg = w + g * pieces * stride;
             if constexpr (kPackAhead > 0)
 #pragma GCC unroll 2
                 for (size_t h = 0; h < pieces * stride; h += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(w + g * pieces * stride + h + kPackAhead), _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(wg + h + kPackAhead), _MM_HINT_T0);
             Piece<Bits> pc[T];
 #pragma GCC unroll 8
-            for (int t = 0; t < T; ++t) pc[t].load(w + g * pieces * stride + t * piece, stride);
-            const size_t lane = Bits == 8 ? 2 * g : g;  // QAct's lane of these 8 values
+            for (int t = 0; t < T; ++t) pc[t].load(wg + t * piece, stride);
+            const size_t lane = Bits == 8 ? 2 * g : g, xo = x_piece<Bits>(g, 0);  // QAct's lane of these 8 values
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c) {
-                const uint8_t* xc = x + c * ldx;
-                const Vec::I corr = Piece<Bits>::kCorr ? Vec::set1_32(load32(xc + a.corr_at + 4 * lane)) : Vec::I();
-                const Vec::I x0 = Vec::set1_32(load32(xc + x_piece<Bits>(g, 0)));
-                const Vec::I x1 = Vec::set1_32(load32(xc + x_piece<Bits>(g, 1)));
-                const Vec::F xs = Vec::set1(reinterpret_cast<const float*>(xc + a.scale_at)[lane]);
+                const Vec::I corr = Piece<Bits>::kCorr ? Vec::set1_32(load32(xc[c] + a.corr_at + 4 * lane)) : Vec::I();
+                const Vec::I x0 = Vec::set1_32(load32(xc[c] + xo));
+                const Vec::I x1 = Vec::set1_32(load32(xc[c] + xo + (Bits == 8 ? 4 : 64)));
+                const Vec::F xs = Vec::set1(reinterpret_cast<const float*>(xc[c] + a.scale_at)[lane]);
 #pragma GCC unroll 8
                 for (int t = 0; t < T; ++t) part[t][c] = Vec::fma(Vec::cvt(pc[t].with(corr, x0, x1)), xs, part[t][c]);
             }
