@@ -739,13 +739,6 @@ void quantize_block_scalar(const float* x, size_t k, size_t kb, const QWeights& 
     store_lanes(s, sum, kb, w, a, row);
 }
 
-AVX2 inline int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
 // quantize_block_scalar's bytes, 32 values at a time (the same divisions and roundings).
 AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeights& w, const QAct& a,
                               uint8_t* row) {
@@ -756,25 +749,37 @@ AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeight
         if (32 * kb < k) std::copy(src, x + k, pad);
         src = pad;
     }
-    __m256 v[4];
-    float s[4];
-    for (int t = 0; t < 4; ++t) {  // each 8 values their own scale
-        v[t] = _mm256_loadu_ps(src + 8 * t);
-        __m256 m = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[t]);
-        m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
-        s[t] = _mm256_cvtss_f32(m) / 127.f;
-    }
+    __m256 v[4], m[4];
+    for (int t = 0; t < 4; ++t) v[t] = _mm256_loadu_ps(src + 8 * t), m[t] = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[t]);
+    // each 8 values their own scale: the four maxima of |v| side by side, then max / 127
+    const __m256 m01 = _mm256_max_ps(_mm256_unpacklo_ps(m[0], m[1]), _mm256_unpackhi_ps(m[0], m[1]));
+    const __m256 m23 = _mm256_max_ps(_mm256_unpacklo_ps(m[2], m[3]), _mm256_unpackhi_ps(m[2], m[3]));
+    const __m256 mm = _mm256_max_ps(_mm256_shuffle_ps(m01, m23, 0x44), _mm256_shuffle_ps(m01, m23, 0xEE));
+    const __m128 s = _mm_div_ps(_mm_max_ps(_mm256_castps256_ps128(mm), _mm256_extractf128_ps(mm, 1)), _mm_set1_ps(127.f));
+    // 8 zeros: any nonzero divisor gives zeros
+    const __m256 sd = _mm256_castps128_ps256(_mm_blendv_ps(s, _mm_set1_ps(1.f), _mm_cmpeq_ps(s, _mm_setzero_ps())));
     const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
     __m256i q[4];
-    for (int t = 0; t < 4; ++t) {  // 8 zeros: any nonzero divisor gives zeros
-        const __m256 sv = _mm256_set1_ps(s[t] > 0.f ? s[t] : 1.f);
+    for (int t = 0; t < 4; ++t) {
+        const __m256 sv = _mm256_permutevar8x32_ps(sd, _mm256_set1_epi32(t));
         const __m256 r = _mm256_round_ps(_mm256_div_ps(v[t], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         q[t] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     }
-    const int32_t sum[4] = {hsum_epi32(q[0]), hsum_epi32(q[1]), hsum_epi32(q[2]), hsum_epi32(q[3])};
-    store_lanes(s, sum, kb, w, a, row);
+    // the four sums of q side by side; the lanes (store_lanes' values): -z * sum in each 8 values' first lane
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+    const __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m128i corr = _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(sum, w.bits - 1));
+    uint8_t* corr_at = row + a.corr_at + 4 * kb * size_t(w.bits);
+    uint8_t* scale_at = row + a.scale_at + 4 * kb * size_t(w.bits);
+    if (w.bits == 4) {  // a lane per 8 values
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(corr_at), corr);
+        _mm_storeu_ps(reinterpret_cast<float*>(scale_at), s);
+    } else {  // two lanes per 8 values
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(corr_at), _mm_unpacklo_epi32(corr, _mm_setzero_si128()));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(corr_at + 16), _mm_unpackhi_epi32(corr, _mm_setzero_si128()));
+        _mm_storeu_ps(reinterpret_cast<float*>(scale_at), _mm_unpacklo_ps(s, s));
+        _mm_storeu_ps(reinterpret_cast<float*>(scale_at + 16), _mm_unpackhi_ps(s, s));
+    }
     // packs interleave the 128-bit lanes: dwords come out as 0 2 4 6 1 3 5 7 of the natural order
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
