@@ -1,6 +1,6 @@
 // kernels.cpp -- the CPU kernels of kernels.h: an AVX2/FMA path (chosen at run time where the CPU has it) and
-// a portable scalar path with the same results up to float rounding; the quantized products also have a
-// VNNI path (qkernels_impl.h).
+// a portable scalar path with the same results up to float rounding; the quantized products also have VNNI
+// paths (qkernels_impl.h).  The instruction set: cpu_isa (kernels.h).
 #include "kernels.h"
 
 #include <immintrin.h>

@@ -8,7 +8,7 @@
 // few rows (M = 1..a few), so the kernels stream each weight row once and keep the rows of x in registers or
 // L1: matrix-vector products over the one shared mapping of weights.bin (ONNX Runtime's MatMul packs a private
 // copy per session).  The quantized products can also read a weight packed once per process (QPack), which
-// the VNNI paths multiply with less float work (a third at 8 bits) and no sum across a vector.
+// the vector paths multiply with less float work (a third at 8 bits) and no sum across a vector.
 #ifndef MTP_ORT_KERNELS_H
 #define MTP_ORT_KERNELS_H
 
@@ -143,7 +143,7 @@ void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint
 // (qrow_bytes(w) apart) and j < n rows of w; each part's sum of integer products is exact.
 void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy);
 
-// A quantized weight's rows repacked for the VNNI kernels (where the CPU has them).  A tile is `rows` weight
+// A quantized weight's rows repacked for the vector kernels (every path but scalar).  A tile is `rows` weight
 // rows, one per int32 lane of the path's vectors; for every 8 values of K (an activation scale's span) a tile
 // holds its rows' 4-byte pieces side by side (8 bits: two pieces, 4 bits: one), so one vector load holds the
 // same piece of every row, the integer products of 8 values come out one row per lane, and the float work is

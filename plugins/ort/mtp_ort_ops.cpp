@@ -1347,7 +1347,7 @@ extern "C" __attribute__((visibility("default"))) const char* MtpOrtCpuIsaNames(
 // for tests and benchmarks, through ctypes.
 extern "C" __attribute__((visibility("default"))) const char* MtpOrtQuantPath() { return mtp_ort::qpath_name(); }
 
-// The bytes of the packed weight copies the process holds (the quantized operators' kernels on the VNNI paths),
+// The bytes of the packed weight copies the process holds (the quantized operators' kernels on the vector paths),
 // likewise.
 extern "C" __attribute__((visibility("default"))) size_t MtpOrtPackedBytes() {
     return mtp_ort::PackRegistry::get().bytes();

@@ -267,8 +267,9 @@ QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float
 // is one vector, the tile's rows' 4 bytes side by side, and the group's tiles' pieces follow each other.  Their
 // products with the activation's matching 4 bytes (broadcast to every lane) start from the zero-point
 // correction of the 8 values (QAct::corr), are scaled by their activation scale into a per-block float sum,
-// and each block's sum by the rows' block scales into the result.  The hardware prefetchers follow the one run
-// of memory a group's pass reads (prefetch instructions made it slower, cached or not).
+// and each block's sum by the rows' block scales into the result.  On the VNNI paths the hardware prefetchers
+// follow the one run of memory a group's pass reads (prefetch instructions made it slower, cached or not); the
+// AVX2 kernels prefetch ahead of it (kPackAhead).
 // Without VNNI (AVX2) a piece's products are vpmaddubsw's: 4 bits, the unsigned nibbles times x's signed bytes,
 // the two halves' int16 pairs added (each <= 2 * 15 * 127, their sum fits) and summed to int32 by vpmaddwd,
 // then the correction; 8 bits, packed as the signed q (QPack::sign) so that |q| times x with q's sign moved
