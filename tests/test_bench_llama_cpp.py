@@ -210,3 +210,46 @@ def test_isa_sets_the_kernels_set_for_mtp_trt(tmp_path, monkeypatch):
     assert bench_module.check_isa("scalar", fake_llama_python(tmp_path, "CPU : SSE3 = 1 | ")) == "CPU : SSE3 = 1 |"
     assert os.environ["MTP_TRT_CPU_ISA"] == "scalar"
     assert bench_module.child_script("isa") == ["scalar", ""]
+
+
+# ---------------------------------------------------------------------------------------------- --prefill
+def test_prefill_prompts_have_the_asked_length():
+    from llama_cpp import prefill_ids, prompt_ids
+    from real_size import DEMO
+
+    tok = DEMO / "tokenizer.json"
+    one = prompt_ids(tok)
+    for n in (2, len(one) - 1, len(one), 512, 2048):
+        ids = prefill_ids(tok, n)
+        assert len(ids) == n and ids[0] == 1
+        assert ids[:min(n, len(one)) - 1] == one[:min(n, len(one)) - 1]  # the prompt's own tokens first
+
+
+def test_prefill_exports_hold_the_longest_prompt():
+    from llama_api import EXPORT_ROWS, export_path
+    from llama_cpp import prefill_rows
+
+    assert prefill_rows("85m", [50, 512]) is None and prefill_rows("85m", [EXPORT_ROWS - 2]) is None
+    assert prefill_rows("304m", [50, 2048]) == 2304 and prefill_rows("demo", [2048]) is None
+    assert export_path("85m", 1, "int4", 32, 2304) != export_path("85m", 1, "int4", 32)
+    assert export_path("85m", 1, "int4", 32, EXPORT_ROWS) == export_path("85m", 1, "int4", 32)
+
+
+def test_prefill_table_times_the_first_token_and_pairs_equal_bits():
+    from llama_cpp import label, prefill_table
+
+    runs = {("llama", "q8_0"): [{"first": 0.2}, {"first": 0.4}, {"first": 0.3}],
+            ("llama", "q4_k_m"): [{"first": 0.5}, {"first": 0.5}, {"first": 0.5}],
+            ("mtp", "int8", 0): [{"first": 0.1}, {"first": 0.1}, {"first": 0.2}]}
+    rows = {r["engine"]: r for r in prefill_table("demo", 512, runs, label, {"llama": "avx2", "mtp": "avx2"})}
+    assert rows["llama.cpp Q8_0"]["ttft_ms"] == pytest.approx(300)
+    assert rows["llama.cpp Q8_0"]["prefill_tokens_per_second"] == pytest.approx(512 / 0.3)
+    mtp = rows["mtp-trt int8 nextn 0"]
+    assert mtp["ttft_ms"] == pytest.approx(100) and mtp["isa"] == "avx2"
+    assert mtp["speed_ratio"] == {"Q8_0": pytest.approx(2.0)}  # per round 2, 4, 1.5: the median
+    assert "speed_ratio" not in rows["llama.cpp Q4_K_M"]
+
+
+def test_prefill_refuses_a_prompt_without_tokens():
+    run = bench("--prefill", "50", "1")
+    assert run.returncode == 2 and "--prefill 1: a prompt is BOS and at least one token (N >= 2)" in run.stderr
