@@ -303,6 +303,44 @@ AVX2 void swiglu_pairs_avx2(const float* h, size_t m, size_t ldh, size_t units, 
     }
 }
 
+// In place: s[t] = s[t] * scale where visible[t] (visible == nullptr: every t), else -inf; returns the max.
+float scale_visible_max_scalar(float* s, size_t n, float scale, const uint8_t* visible) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (size_t t = 0; t < n; ++t) {
+        s[t] = !visible || visible[t] ? s[t] * scale : -std::numeric_limits<float>::infinity();
+        mx = std::max(mx, s[t]);
+    }
+    return mx;
+}
+
+// scale_visible_max_scalar 8 rows at a time (the same products; the max of the same values).
+AVX2 float scale_visible_max_avx2(float* s, size_t n, float scale, const uint8_t* visible) {
+    const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 mx = ninf;
+    size_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + t), sc);
+        if (visible) {
+            int64_t bytes;
+            std::memcpy(&bytes, visible + t, 8);
+            const __m256i seen = _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes)),
+                                                    _mm256_setzero_si256());
+            v = _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(seen));
+        }
+        _mm256_storeu_ps(s + t, v);
+        mx = _mm256_max_ps(mx, v);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return std::max(_mm_cvtss_f32(m), scale_visible_max_scalar(s + t, n - t, scale, visible ? visible + t : nullptr));
+}
+
+float scale_visible_max(float* s, size_t n, float scale, const uint8_t* visible) {
+    if (use_avx2()) return scale_visible_max_avx2(s, n, scale, visible);
+    return scale_visible_max_scalar(s, n, scale, visible);
+}
+
 float exp_shift_sum(float* x, size_t n, float max) {
     if (use_avx2()) return exp_shift_sum_avx2(x, n, max);
     float s = 0.f;
@@ -364,11 +402,8 @@ void attend(const float* q, size_t heads, size_t c, size_t dl, float scale, A a,
     const float ninf = -std::numeric_limits<float>::infinity();
     for (size_t h = 0; h < heads; ++h) {
         float* s = scores + h * l;
-        float mx = ninf;
-        for (size_t t = 0; t < n; ++t) {
-            s[t] = (t < n_a || !visible || visible[t - n_a]) ? s[t] * scale : ninf;
-            mx = std::max(mx, s[t]);
-        }
+        const float mx = std::max(scale_visible_max(s, n_a, scale, nullptr),
+                                  scale_visible_max(s + n_a, n_b, scale, visible));
         std::fill(s + n, s + l, ninf);
         std::fill(out + h * ldo, out + h * ldo + dl, 0.f);
         if (mx == ninf) {  // no row seen (only where a selection is empty): a zero output
