@@ -130,8 +130,10 @@ const char* cpu_isa_error() { return isa_choice().error.c_str(); }
 
 namespace {
 
-// The vector float kernels (x86: AVX2/FMA; ARM64: NEON): every instruction set but scalar (kernels.h cpu_isa).
-[[maybe_unused]] bool use_avx2() { return cpu_isa() != CpuIsa::scalar; }
+#if MTP_ORT_X86
+// The AVX2/FMA float kernels: every x86 instruction set but scalar (kernels.h cpu_isa; ARM64: neon::use_neon).
+bool use_avx2() { return cpu_isa() != CpuIsa::scalar; }
+#endif
 
 // Rows of a matrix: row t at base + t * ld (Strided), or wherever a table of row pointers says (Table: DeepSeek
 // Sparse Attention's selected rows, read in place).
