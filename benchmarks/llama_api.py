@@ -250,12 +250,16 @@ def ensure_gguf(name: str, ckpt: Path, kind: str, sdist: Path | None, llama_pyth
     return out
 
 
-def export_path(size: str, nextn: int, quant: str, group_size: int) -> Path:
+EXPORT_ROWS = 1024  # the cache rows a sequence of the 85m / 304m exports holds (real_size.py's); the demo's: its own
+
+
+def export_path(size: str, nextn: int, quant: str, group_size: int, rows: int | None = None) -> Path:
     """The cached mtp-trt export of checkpoint `size` at `quant` (the demo: with `nextn` MTP depths; the others:
-    nextn 1)."""
+    nextn 1), holding `rows` cache rows a sequence where given (85m / 304m: else EXPORT_ROWS)."""
     tag = "" if quant == "none" else f"-{quant}-g{group_size}"
     base = f"export-{size}-n{nextn}" if size == "demo" else f"export-{size}-default"
-    return cache_dir() / f"{base}{tag}-{revision()}"
+    rows_tag = f"-s{rows}" if rows is not None and (size == "demo" or rows != EXPORT_ROWS) else ""
+    return cache_dir() / f"{base}{tag}{rows_tag}-{revision()}"
 
 
 def export_child(ckpt: str, out: str, nextn: int, max_seq_len: int | None, quant: str, group_size: int) -> dict:
@@ -267,12 +271,14 @@ def export_child(ckpt: str, out: str, nextn: int, max_seq_len: int | None, quant
     return {"seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()}
 
 
-def ensure_export(size: str, ckpt: Path, nextn: int, quant: str, group_size: int, progress=print) -> Path:
-    """The mtp-trt export of `ckpt` (checkpoint `size`) at `quant`, made once (in a child of this Python)."""
-    out = export_path(size, nextn, quant, group_size)
+def ensure_export(size: str, ckpt: Path, nextn: int, quant: str, group_size: int, progress=print,
+                  rows: int | None = None) -> Path:
+    """The mtp-trt export of `ckpt` (checkpoint `size`) at `quant`, made once (in a child of this Python);
+    `rows`: the cache rows a sequence holds (default: the demo's own, EXPORT_ROWS for 85m / 304m)."""
+    out = export_path(size, nextn, quant, group_size, rows)
     if not (out / "manifest.json").is_file():
         progress(f"{size}: exporting --quant {quant} to {out} ...")
-        args = (nextn, None) if size == "demo" else (1, 1024)
+        args = (nextn, rows) if size == "demo" else (1, rows or EXPORT_ROWS)
         r = run_child(sys.executable, "export", str(ckpt), str(out), *args, quant, group_size)
         progress(f"{size}: exported --quant {quant} in {r['seconds']:.0f} s, peak RSS {r['peak_rss_mb']:.0f} MB")
     return out

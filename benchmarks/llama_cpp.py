@@ -8,11 +8,33 @@ int4).  Not run in CI.
       --sdist SDIST_DIR/llama_cpp_python-0.3.36.tar.gz [--sizes demo 85m 304m] \\
       [--quant none int8 int4] [--group-size 32] [--gguf f32 q8_0 q4_0 q4_k_m] \\
       [--tokens 64] [--rounds 5] [--threads 2] [--nextn 0 1 2 3] [--prompt-repeat 1] [--no-spin] [--transformers]
-      [--json FILE]
+      [--json FILE] [--isa scalar|avx2|avx-vnni|avx512-vnni] [--prefill 50 512 2048]
       [--llama-mtp-bin LLAMA_BUILD/bin/llama-speculative-simple]
 
 (--sdist, llama-cpp-python's source distribution, is needed only while a checkpoint's f32 GGUF is not yet in
 the cache: it carries llama.cpp's converter.)
+
+Instruction sets: every row names the one its engine runs on (mtp-trt: its CPU kernels' set, ort_lib.cpu_isa;
+llama.cpp: the widest set its ggml was compiled with, from llama_print_system_info).  --isa ISA runs both on one
+set on any x86 machine that has it: mtp-trt with MTP_TRT_CPU_ISA=ISA, llama.cpp from a --llama-python built for
+ISA alone (checked against its system info: refused where it has a wider set or lacks one ISA needs).  For
+--isa avx2, a llama-cpp-python built without -march=native and without AVX-512, AVX-VNNI or AMX (about 15
+minutes on 2 cores):
+
+  python -m venv LLAMA_AVX2 && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+      -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+      -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+      LLAMA_AVX2/bin/pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36
+  python benchmarks/llama_cpp.py --isa avx2 --llama-python LLAMA_AVX2/bin/python ...
+
+(--llama-mtp-bin's binary is not checked: build it with the same flags.)
+
+Prefill (--prefill N ...): for each prompt length N (BOS and the prompt's text repeated, cut at N tokens), fresh
+workers of every llama.cpp type and of mtp-trt at nextn 0, round-robin over --rounds, each round one generation
+of one token: time to the first token (the prompt's pass and the first token: llama.cpp's whole prompt in one
+llama_decode) and prefill tokens/s = N / that time, medians; mtp-trt over llama.cpp at the same bits, the median
+of per-round ratios.  The 85m / 304m exports hold 1024 rows a sequence: a longer prompt gets exports of its own
+that hold it (the rows rounded up to 256, cached beside the others).
 
 Checkpoints: the demo (samples/demo-model) and benchmarks/real_size.py's random 85m / 304m (made on the fly).
 GGUFs: llama.cpp's converter (f32) and llama_model_quantize (Q8_0, Q4_0, Q4_K_M), benchmarks/llama_api.py.
@@ -75,7 +97,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_api import GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_export, ensure_gguf, run_child  # noqa: E402
+from llama_api import (EXPORT_ROWS, GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_export, ensure_gguf,  # noqa: E402
+                       run_child)
 from real_size import DEMO, PROMPT, make_checkpoint, peak_rss_mb  # noqa: E402
 
 QUANTS = ("none", "int8", "int4")
@@ -125,6 +148,40 @@ def prompt_ids(tokenizer_json: Path, text: str = PROMPT) -> list[int]:
     from tokenizers import Tokenizer
 
     return [1] + Tokenizer.from_file(str(tokenizer_json)).encode(text).ids  # BOS first
+
+
+def prefill_ids(tokenizer_json: Path, n: int) -> list[int]:
+    """n prompt ids, BOS first: the prompt's text repeated as often as it takes, cut at n tokens."""
+    repeat = 1
+    while len(ids := prompt_ids(tokenizer_json, PROMPT * repeat)) < n:
+        repeat = repeat * 2
+    return ids[:n]
+
+
+def prefill_rows(size: str, lengths: list[int]) -> int | None:
+    """The cache rows a sequence of the prefill exports of checkpoint `size` holds: None (the decode exports')
+    where EXPORT_ROWS hold the longest prompt and its first token, else that rounded up to 256 (85m / 304m; the
+    demo's exports hold 4096)."""
+    need = max(lengths) + 2
+    return None if size == "demo" or need <= EXPORT_ROWS else -(-need // 256) * 256
+
+
+def prefill_table(size: str, n: int, runs: dict, label_of, isa_of: dict) -> list[dict]:
+    """Rows of the prefill table for prompts of n tokens: each configuration's time to the first token (the
+    prompt's pass and the first token's, median over rounds) and prefill tokens/s (n over it); mtp-trt's rows
+    also the median of per-round ratios to each llama.cpp type at the same bits (speed, mtp-trt over it)."""
+    out = []
+    for k, rs in runs.items():
+        ttft = statistics.median(r["first"] for r in rs)
+        row = {"size": size, "prompt_tokens": n, "engine": label_of(k), "isa": isa_of[k[0]], "kind": k[0],
+               "weights": k[1], "ttft_ms": ttft * 1e3, "prefill_tokens_per_second": n / ttft,
+               "firsts": [r["first"] for r in rs]}
+        if k[0] == "mtp":
+            row["speed_ratio"] = {GGUF_LABELS[g]: statistics.median(y["first"] / x["first"]
+                                                                    for x, y in zip(rs, runs[("llama", g)]))
+                                  for q, g in PAIRS if q == k[1] and ("llama", g) in runs}
+        out.append(row)
+    return out
 
 
 class LlamaWorker:
@@ -336,6 +393,19 @@ def child_script(*args) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def isa_child() -> list:
+    """(in a child process: the library reads MTP_TRT_CPU_ISA once per process) [the instruction set mtp-trt's
+    CPU kernels take in this environment, why MTP_TRT_CPU_ISA is refused or ""]; [None, why] where the
+    operators are not available."""
+    from mtp_trt.errors import MtpTrtError
+    from mtp_trt.plugins import ort_lib
+
+    try:
+        return list(ort_lib.cpu_isa())
+    except MtpTrtError as e:
+        return [None, str(e)]
+
+
 def check_llama_python(python: str) -> None:
     res = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
                          text=True, cwd="/")
@@ -354,6 +424,65 @@ def label(key: tuple) -> str:
     if key[0] == "llama-mtp":
         return f"llama.cpp {GGUF_LABELS[key[1]]} draft-mtp {key[2]}"
     return f"llama.cpp {GGUF_LABELS[key[1]]}" if key[0] == "llama" else f"mtp-trt {key[1]} nextn {key[2]}"
+
+
+# llama.cpp's CPU features (llama_print_system_info's `NAME = 1` flags: those its ggml was compiled with) that an
+# --isa needs, and those it must lack, so that both engines run one instruction set.
+ISA_FEATURES = {
+    "scalar": ((), ("AVX", "AVX2", "FMA", "F16C", "AVX512", "AVX_VNNI", "AVX512_VNNI", "AMX_INT8")),
+    "avx2": (("AVX2", "FMA", "F16C"), ("AVX512", "AVX_VNNI", "AVX512_VNNI", "AMX_INT8")),
+    "avx-vnni": (("AVX2", "FMA", "F16C", "AVX_VNNI"), ("AVX512", "AVX512_VNNI", "AMX_INT8")),
+    "avx512-vnni": (("AVX2", "FMA", "F16C", "AVX512", "AVX512_VNNI"), ("AMX_INT8",)),
+}
+
+
+def llama_features(system_info: str) -> set[str]:
+    """The CPU features llama_print_system_info() says its ggml was built with (`AVX2 = 1 | ...`)."""
+    return {name for name, on in re.findall(r"\b([A-Z][A-Z0-9_]*) = (\d+)", system_info) if on != "0"}
+
+
+def llama_isa(system_info: str) -> str:
+    """The instruction set (ort_lib.CPU_ISAS' names) of a llama.cpp build: the widest of ISA_FEATURES whose
+    features it has ("scalar" where none)."""
+    have = llama_features(system_info)
+    return next(isa for isa in reversed(ISA_FEATURES) if set(ISA_FEATURES[isa][0]) <= have)
+
+
+def llama_isa_problem(system_info: str, isa: str) -> str | None:
+    """Why a llama.cpp build with this system info is not built for `isa` alone, or None."""
+    need, lack = ISA_FEATURES[isa]
+    have = llama_features(system_info)
+    missing, extra = [f for f in need if f not in have], [f for f in lack if f in have]
+    if not missing and not extra:
+        return None
+    return "its ggml was built " + "; ".join(
+        ([f"without {', '.join(missing)}"] if missing else []) + ([f"with {', '.join(extra)}"] if extra else []))
+
+
+def llama_system_info(python: str) -> str:
+    res = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+                         capture_output=True, text=True, cwd="/")
+    if res.returncode:
+        raise SystemExit(f"--llama-python {python}: cannot read llama.cpp's system info "
+                         f"({(res.stderr.strip().splitlines() or ['no output'])[-1]})")
+    return res.stdout.strip()
+
+
+def check_isa(isa: str, llama_python: str) -> str:
+    """--isa: mtp-trt's kernels (MTP_TRT_CPU_ISA, set for every process from here on) and llama.cpp's build both
+    on `isa`, else SystemExit in one line; returns llama.cpp's system info."""
+    from mtp_trt.plugins import ort_lib
+
+    os.environ[ort_lib.CPU_ISA_ENV] = isa
+    refused = child_script("isa")[1]
+    if refused:
+        raise SystemExit(f"--isa {isa}: {refused}")
+    info = llama_system_info(llama_python)
+    why = llama_isa_problem(info, isa)
+    if why:
+        raise SystemExit(f"--isa {isa}: --llama-python {llama_python}: {why} (build llama-cpp-python for {isa}: "
+                         f"see benchmarks/llama_cpp.py's docstring)")
+    return info
 
 
 def check_draft_mtp_binary(binary: str) -> str | None:
@@ -389,6 +518,11 @@ def main():
     ap.add_argument("--no-spin", action="store_true", help="neither engine's threads busy-wait (a busy machine)")
     ap.add_argument("--llama-mtp-bin", help="llama.cpp's llama-speculative-simple: also run llama.cpp's own MTP "
                     "drafting (--spec-type draft-mtp) at every --nextn K above 0, on GGUFs that keep the MTP block")
+    ap.add_argument("--prefill", type=int, nargs="+", metavar="N",
+                    help="also time the first token after prompts of N tokens (BOS first; the prompt's text "
+                         "repeated): time to first token and prefill tokens/s, mtp-trt at nextn 0")
+    ap.add_argument("--isa", choices=ISA_FEATURES, help="both engines on one instruction set: mtp-trt with "
+                    "MTP_TRT_CPU_ISA=ISA, and a --llama-python whose llama.cpp is built for ISA alone (checked)")
     ap.add_argument("--json", type=Path, help="also write the report here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -398,13 +532,15 @@ def main():
         return
     if a.child:
         name, *args = json.loads(a.child)
-        jobs = {"checkpoint": lambda size: str(make_checkpoint(size)), "margins": margins_child}
+        jobs = {"checkpoint": lambda size: str(make_checkpoint(size)), "margins": margins_child, "isa": isa_child}
         print(json.dumps(jobs[name](*args)))
         return
     if a.tokens < 2 or a.rounds < 1:
         raise SystemExit("--tokens must be >= 2 and --rounds >= 1")
     if a.prompt_repeat < 1:
         ap.error(f"--prompt-repeat {a.prompt_repeat}: must be >= 1")
+    if a.prefill and min(a.prefill) < 2:
+        ap.error(f"--prefill {min(a.prefill)}: a prompt is BOS and at least one token (N >= 2)")
     nextn_of = {size: a.nextn or ([0, 1, 2, 3] if size == "demo" else [0]) for size in a.sizes}
     if a.llama_mtp_bin:
         if not any(n > 0 for ns in nextn_of.values() for n in ns):
@@ -427,7 +563,11 @@ def main():
             raise SystemExit(f"--quant {' '.join(a.quant)}: quantized exports run on mtp-trt's CPU operators, "
                              f"which are not available here ({why})")
     check_llama_python(a.llama_python)
-    report, tables, drafting_tables = [], [], []
+    llama_info = check_isa(a.isa, a.llama_python) if a.isa else llama_system_info(a.llama_python)
+    isa_of = {"llama": llama_isa(llama_info), "llama-mtp": None,  # (the binary's set: not read)
+              "mtp": a.isa or child_script("isa")[0]}
+    print(f"instruction sets: mtp-trt {isa_of['mtp']}, llama.cpp {isa_of['llama']} ({llama_info})", flush=True)
+    report, tables, drafting_tables, prefill = [], [], [], []
     for size, nextns in nextn_of.items():
         ckpt = DEMO if size == "demo" else Path(child_script("checkpoint", size))
         progress = lambda m: print(m, flush=True)  # noqa: E731
@@ -475,14 +615,15 @@ def main():
                 gen = rs[-1]["generated"]
                 first_diff = next((i for i, (x, y) in enumerate(zip(gen, ref)) if x != y), None)
                 against = label(ref_key)
-            row = {"size": size, "engine": label(k), "kind": k[0], "weights": k[1],
+            row = {"size": size, "engine": label(k), "isa": isa_of[k[0]], "kind": k[0], "weights": k[1],
                    "nextn": k[2] if k[0] != "llama" else None, "decode_tokens_per_second": rate[k]["decode"],
                    "best_decode_tokens_per_second": rate[k]["best"], "tokens_per_second": rate[k]["with_prompt"],
                    "peak_rss_mb": rss[k], "first_difference_from": against, "first_difference": first_diff,
                    "mean_acceptance_length": rs[-1].get("mean_acceptance_length"),
                    "runs": [{x: r[x] for x in ("seconds", "first")} for r in rs]}
             report.append(row)
-            print(f"{size:5s} {label(k):30s} decode {rate[k]['decode']:8.1f} tokens/s (best round "
+            print(f"{size:5s} {label(k):30s} [{row['isa'] or '?'}] decode {rate[k]['decode']:8.1f} tokens/s "
+                  f"(best round "
                   f"{rate[k]['best']:8.1f}; with the prompt {rate[k]['with_prompt']:8.1f}), peak RSS {rss[k]:6.0f} MB"
                   + (f", {row['mean_acceptance_length']:.2f} tokens/step" if row["nextn"] else "")
                   + ("" if k == ref_key else f"; tokens = {against}'s: "
@@ -498,6 +639,7 @@ def main():
                 configs.append((f"best nextn ({best[2]})", best))
             for what, k in configs:
                 tables.append({"size": size, "pair": f"{q} / {GGUF_LABELS[g]}", "config": what,
+                               "isa": f"{isa_of['mtp']} / {isa_of['llama']}",
                                "mtp_tokens_per_second": rate[k]["decode"],
                                "llama_tokens_per_second": rate[("llama", g)]["decode"],
                                "speed_ratio": round_ratio(runs[k], runs[("llama", g)], a.tokens),
@@ -515,6 +657,31 @@ def main():
                         "llama_tokens_per_second": rate[k]["decode"],
                         "speed_ratio": round_ratio(runs[best], runs[k], a.tokens),
                         "llama_over_plain": round_ratio(runs[k], runs[("llama", g)], a.tokens)})
+        if a.prefill:  # each prompt length its own workers: llama.cpp's types, mtp-trt at nextn 0
+            rows = prefill_rows(size, a.prefill)
+            pexports = exports if rows is None else {
+                q: ensure_export(size, ckpt, max(nextns), q, a.group_size, progress, rows=rows) for q in a.quant}
+            for e in pexports.values():
+                if max(a.prefill) + 2 > (cap := Manifest.load(e).max_seq_len):
+                    raise SystemExit(f"--prefill {max(a.prefill)}: {size}'s export {e} holds {cap} cache rows")
+            for n in a.prefill:
+                pids = prefill_ids(ckpt / "tokenizer.json", n)
+                pw = {("llama", k): Worker(a.llama_python, "llama", str(g), pids, 1, a.threads, spin=spin)
+                      for k, g in ggufs.items()}
+                pw |= {("mtp", q, 0): Worker(sys.executable, "mtp", str(e), pids, 1, a.threads, 0, spin=spin)
+                       for q, e in pexports.items()}
+                pruns = {k: [] for k in pw}
+                for _ in range(a.rounds):
+                    for k, w in pw.items():
+                        pruns[k].append(w.ask("run"))
+                for w in pw.values():
+                    w.close()
+                for row in prefill_table(size, n, pruns, label, isa_of):
+                    prefill.append(row)
+                    ratios = ", ".join(f"{v:.2f}x {g}" for g, v in row.get("speed_ratio", {}).items())
+                    print(f"{size:5s} prefill {n:5d} tokens  {row['engine']:30s} [{row['isa'] or '?'}] first token "
+                          f"{row['ttft_ms']:8.1f} ms, {row['prefill_tokens_per_second']:8.0f} tokens/s"
+                          + (f"; speed over llama.cpp: {ratios}" if ratios else ""), flush=True)
         if a.transformers:
             engines = {label(k): rs[-1]["generated"] for k, rs in runs.items() if k[0] != "llama-mtp"}
             for k, v in child_script("margins", str(ckpt), ids, engines).items():
@@ -522,26 +689,30 @@ def main():
                     "equal" if v["first_difference"] is None else
                     f"first difference at new token {v['first_difference']}, where transformers' top-2 logits are "
                     f"{v['top2_margin']:.1e} apart"), flush=True)
-    print_tables(report, tables, drafting_tables)
-    out = {"report": report, "pairs": tables} | ({"draft_mtp": drafting_tables} if a.llama_mtp_bin else {})
+    print_tables(report, tables, drafting_tables, prefill)
+    out = {"report": report, "pairs": tables} | ({"draft_mtp": drafting_tables} if a.llama_mtp_bin else {}) | \
+        ({"prefill": prefill} if a.prefill else {})
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
 
 
-def print_tables(report: list[dict], tables: list[dict], drafting: list[dict] = ()) -> None:
-    print("\n| checkpoint | engine | decode tokens/s (median) | best round | peak RSS MB | tokens/step |")
-    print("|---|---|---|---|---|---|")
+def print_tables(report: list[dict], tables: list[dict], drafting: list[dict] = (),
+                 prefill: list[dict] = ()) -> None:
+    print("\n| checkpoint | engine | instruction set | decode tokens/s (median) | best round | peak RSS MB | "
+          "tokens/step |")
+    print("|---|---|---|---|---|---|---|")
     for r in report:
         acc = f"{r['mean_acceptance_length']:.2f}" if r["nextn"] else ""
-        print(f"| {r['size']} | {r['engine']} | {r['decode_tokens_per_second']:.1f} | "
+        print(f"| {r['size']} | {r['engine']} | {r.get('isa') or '?'} | {r['decode_tokens_per_second']:.1f} | "
               f"{r['best_decode_tokens_per_second']:.1f} | {r['peak_rss_mb']:.0f} | {acc} |")
     if tables:
-        print("\n| checkpoint | mtp-trt / llama.cpp | mtp-trt config | mtp-trt tokens/s | llama.cpp tokens/s | "
-              "speed ratio | mtp-trt RSS MB | llama.cpp RSS MB | RSS ratio |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n| checkpoint | mtp-trt / llama.cpp | instruction sets | mtp-trt config | mtp-trt tokens/s | "
+              "llama.cpp tokens/s | speed ratio | mtp-trt RSS MB | llama.cpp RSS MB | RSS ratio |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for t in tables:
-            print(f"| {t['size']} | {t['pair']} | {t['config']} | {t['mtp_tokens_per_second']:.1f} | "
+            print(f"| {t['size']} | {t['pair']} | {t.get('isa', '?')} | {t['config']} | "
+                  f"{t['mtp_tokens_per_second']:.1f} | "
                   f"{t['llama_tokens_per_second']:.1f} | {t['speed_ratio']:.2f}x | {t['mtp_rss_mb']:.0f} | "
                   f"{t['llama_rss_mb']:.0f} | {t['rss_ratio']:.2f}x |")
     if drafting:
@@ -552,8 +723,17 @@ def print_tables(report: list[dict], tables: list[dict], drafting: list[dict] = 
             print(f"| {t['size']} | {t['pair']} | {t['nextn']} (fastest) | {t['mtp_acceptance_length']:.2f} | "
                   f"{t['mtp_tokens_per_second']:.1f} | {t['draft_mtp_k']} | {t['llama_acceptance_length']:.2f} | "
                   f"{t['llama_tokens_per_second']:.1f} | {t['speed_ratio']:.2f}x | {t['llama_over_plain']:.2f}x |")
+    if prefill:
+        print("\n| checkpoint | prompt tokens | engine | instruction set | time to first token ms | prefill tokens/s | "
+              "speed ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for r in prefill:
+            ratio = ", ".join(f"{v:.2f}x {g}" for g, v in r.get("speed_ratio", {}).items())
+            print(f"| {r['size']} | {r['prompt_tokens']} | {r['engine']} | {r['isa'] or '?'} | {r['ttft_ms']:.1f} | "
+                  f"{r['prefill_tokens_per_second']:.0f} | {ratio} |")
     print("(speed ratio: median of per-round ratios of decode tokens/s, mtp-trt over llama.cpp; RSS ratio: peak "
-          "RSS, mtp-trt over llama.cpp)", flush=True)
+          "RSS, mtp-trt over llama.cpp" + ("; prefill: of the times to the first token, llama.cpp's over mtp-trt's at "
+                                           "the same bits" if prefill else "") + ")", flush=True)
 
 
 if __name__ == "__main__":

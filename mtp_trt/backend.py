@@ -214,6 +214,11 @@ class OrtBackend(Backend):
             raise MtpTrtError(f"{manifest.root}: bf16 graphs do not run on ONNX Runtime's CPU provider; "
                               f"export with --dtype fp32")
         self.manifest = manifest
+        if manifest.raw.get("cpu_ops"):  # MTP_TRT_CPU_ISA refused before anything runs (ort_lib.register's line)
+            from mtp_trt.plugins import ort_lib
+
+            if ort_lib.available()[0] and (refused := ort_lib.cpu_isa()[1]):
+                raise MtpTrtError(refused)
         self.threads = threads or default_threads()
         weights = manifest.raw.get("weights")
         weights = weights if isinstance(weights, dict) else {}
@@ -246,6 +251,8 @@ class OrtBackend(Backend):
             try:
                 options = self.session_options(g.file, name.startswith(self.prepack))
                 self.sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            except MtpTrtError:  # (already one line: the CPU operators not available, MTP_TRT_CPU_ISA refused)
+                raise
             except Exception as e:  # ORT's message is a long C++ trace: keep its first line
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise MtpTrtError(f"{path}: ONNX Runtime cannot load this graph ({first[:300]})") from None

@@ -8,6 +8,12 @@ and ONNX Runtime's C API headers (``onnxruntime_c_api.h``; its wheel ships none)
 at them and run ``python -m mtp_trt.plugins.ort_lib --ship`` (this machine's library), or ``--ship --arch
 aarch64`` on x86-64 (cross-compiled by ``aarch64-linux-gnu-g++``, or ``$MTP_TRT_AARCH64_CXX``).
 ``MTP_TRT_ORT_OPS_LIB`` names another library to use instead.
+
+The kernels run on the best instruction set the CPU has (kernels.h); ``MTP_TRT_CPU_ISA`` (one of CPU_ISAS:
+``scalar`` anywhere; x86-64 ``avx2``, ``avx-vnni``, ``avx512-vnni``; ARM64 ``neon``, ``neon-dotprod``,
+``neon-i8mm``) makes every kernel of the process use one set, to compare sets on one machine.  A value that is not
+a set, or one this CPU lacks (another architecture's included), is refused by register() (one MtpTrtError line
+naming the variable and the value).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ SOURCE_DIR = Path(__file__).resolve().parent / "ort"
 SOURCES = ("kernels.h", "qkernels_impl.h", "kernels_neon.h", "qkernels_neon.h", "kernels.cpp", "mtp_ort_ops.cpp")
 PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden")
+CPU_ISA_ENV = "MTP_TRT_CPU_ISA"
+# its values: the library's (kernels.h kCpuIsaNames): scalar (any CPU), then x86-64's sets, then ARM64's
+CPU_ISAS = ("scalar", "avx2", "avx-vnni", "avx512-vnni", "neon", "neon-dotprod", "neon-i8mm")
 
 # The shipped libraries, by architecture (platform.machine()'s names for it, normalized): each a .so and its record.
 ARCHS = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
@@ -174,11 +183,29 @@ def available() -> tuple[bool, str]:
     return path is not None, why
 
 
+def cpu_isa(path: Path | None = None) -> tuple[str, str]:
+    """(the instruction set the library's kernels run on in this process, why MTP_TRT_CPU_ISA cannot be had: ""
+    where it can) -- from the library (`path`, else the one register() uses).  The library reads the variable
+    once per process, the first time a kernel or this asks."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(path or resolve_library()))
+    if not hasattr(lib, "MtpOrtCpuIsaError"):  # (a library built before the switch: it ignores the variable)
+        set_ = os.environ.get(CPU_ISA_ENV)
+        return "", (f"{CPU_ISA_ENV}={set_}: {path} does not read it (built from older sources)" if set_ else "")
+    lib.MtpOrtCpuIsa.restype = lib.MtpOrtCpuIsaError.restype = ctypes.c_char_p
+    return lib.MtpOrtCpuIsa().decode(), lib.MtpOrtCpuIsaError().decode()
+
+
 def register(session_options) -> None:
-    """Register the operators with an onnxruntime.SessionOptions (an MtpTrtError where none is available)."""
+    """Register the operators with an onnxruntime.SessionOptions (an MtpTrtError where none is available, or
+    where MTP_TRT_CPU_ISA names an instruction set the kernels or this CPU do not have)."""
     path, why = _resolved()
     if path is None:
         raise MtpTrtError(why)
+    refused = cpu_isa(path)[1]
+    if refused:
+        raise MtpTrtError(refused)
     session_options.register_custom_ops_library(str(path))
 
 

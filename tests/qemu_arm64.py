@@ -12,7 +12,7 @@ defaults to ~/.cache/mtp-trt/qemu-arm64.
 qemu-user shows the guest the host's /proc/cpuinfo, which ONNX Runtime's CPU detection (cpuinfo) cannot parse on
 ARM (it crashes on import); a small LD_PRELOAD library built here makes /proc/cpuinfo read as an ARM64 one.  Each
 path runs on an emulated CPU that has it (cortex-a53: NEON; cortex-a76: SDOT; max: SMMLA; scalar:
-MTP_ORT_PORTABLE=1), and the library reports the path before the tests start.
+MTP_TRT_CPU_ISA=scalar), and the library reports the path before the tests start.
 
 Left out under qemu, with the reason: the tests that start a child Python (qemu-user cannot exec an aarch64
 binary without binfmt_misc: the per-path comparisons, which this script's --path does instead) and those that
@@ -38,10 +38,11 @@ DEBS = ("python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libc6 lib
 # at this machine's versions: the operator tests' and mtp-trt's runtime (tests/test_ort_arm64.py decodes exports)
 WHEELS = ("onnxruntime", "onnx", "numpy", "tokenizers", "safetensors", "typer", "rich")
 PATHS = {"neon-i8mm": ("max", {}), "neon-dotprod": ("cortex-a76", {}), "neon": ("cortex-a53", {}),
-         "scalar": ("max", {"MTP_ORT_PORTABLE": "1"})}
+         "scalar": ("max", {"MTP_TRT_CPU_ISA": "scalar"})}
 TESTS = ("tests/test_ort_ops.py", "tests/test_ort_quant_ops.py", "tests/test_ort_dsa.py")
 LEFT_OUT = ("not portable_path_agrees and not every_instruction_set and not is_mla_attention_after_the_projections "
-            "and not mtp_accept_matches_the_decomposed")
+            "and not mtp_accept_matches_the_decomposed and not cpu_isa_switch_selects and not unknown_cpu_isa "
+            "and not cpu_isa_the_cpu_lacks")
 
 SHIM = r"""
 // /proc/cpuinfo reads as $FAKE_CPUINFO (qemu-user shows the guest the host's).
@@ -126,7 +127,7 @@ def setup() -> None:
 def command(path: str, *args: str) -> tuple[list[str], dict]:
     """(argv, environment) running the aarch64 Python with `args` on `path`'s emulated CPU."""
     cpu, extra = PATHS[path]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTP_ORT_")} | extra
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTP_ORT_") and k != "MTP_TRT_CPU_ISA"} | extra
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(DIR / "site")])
     argv = ["qemu-aarch64", "-cpu", cpu, "-E", f"LD_PRELOAD={DIR / 'shim.so'}", "-E", f"FAKE_CPUINFO={DIR / 'cpuinfo'}",
             "-L", str(DIR), str(DIR / PYTHON), *args]

@@ -143,3 +143,114 @@ def test_llama_cpp_refuses_bad_mtp_flags_before_any_work(tmp_path):
         assert res.stderr.strip().splitlines()[-1].startswith(f"llama_cpp.py: {message}")
         assert "Traceback" not in res.stderr
     assert not cache.exists() or not any(cache.rglob("*"))  # no checkpoint, export or GGUF begun
+
+
+# ------------------------------------------------------------------------------------------------ --isa
+# llama_print_system_info() of llama-cpp-python 0.3.36 built with the docstring's AVX2 flags (GGML_NATIVE=OFF,
+# no AVX-512, AVX-VNNI or AMX), and the same with the flags a native build on an AVX-512 VNNI + AMX CPU adds
+AVX2_INFO = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | "
+             "OPENMP = 1 | REPACK = 1 | ")
+NATIVE_INFO = AVX2_INFO.replace("AVX2 = 1 |", "AVX_VNNI = 1 | AVX2 = 1 |").replace(
+    "BMI2 = 1 |", "BMI2 = 1 | AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 |")
+
+
+def test_llama_isa_reads_the_system_info():
+    from llama_cpp import llama_isa, llama_isa_problem
+
+    assert llama_isa(AVX2_INFO) == "avx2" and llama_isa(NATIVE_INFO) == "avx512-vnni"
+    assert llama_isa("CPU : SSE3 = 1 | LLAMAFILE = 1 | ") == "scalar"
+    assert llama_isa_problem(AVX2_INFO, "avx2") is None
+    assert llama_isa_problem(AVX2_INFO.replace("AVX2 = 1", "AVX2 = 0"), "avx2") == "its ggml was built without AVX2"
+    assert llama_isa_problem(NATIVE_INFO, "avx2") == "its ggml was built with AVX512, AVX_VNNI, AVX512_VNNI, AMX_INT8"
+    assert llama_isa_problem(AVX2_INFO, "avx512-vnni") == "its ggml was built without AVX512, AVX512_VNNI"
+    assert llama_isa_problem(NATIVE_INFO, "avx512-vnni") == "its ggml was built with AMX_INT8"
+
+
+def fake_llama_python(tmp_path: Path, info: str) -> str:
+    """A stand-in for --llama-python: `import llama_cpp` works and its system info is `info`."""
+    path = tmp_path / "python"
+    path.write_text(f"#!{sys.executable}\nimport sys\n"
+                    f"print({info!r} if 'system_info' in sys.argv[-1] else '0.3.36')\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llama_cpp.py"), *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_isa_is_one_of_the_kernels_sets():
+    from mtp_trt.plugins import ort_lib
+    from llama_cpp import ISA_FEATURES
+
+    # (--isa compares with llama.cpp on x86-64: scalar and the x86 sets, by the kernels' names)
+    assert tuple(ISA_FEATURES) == tuple(i for i in ort_lib.CPU_ISAS if not i.startswith("neon"))
+    run = bench("--isa", "avx3")
+    assert run.returncode == 2 and "--isa: invalid choice: 'avx3'" in run.stderr
+
+
+def test_isa_refuses_a_llama_cpp_built_for_other_sets(tmp_path):
+    """--isa avx2 with a llama.cpp built natively on an AVX-512 machine: one line naming what it was built with,
+    before any checkpoint is made."""
+    native = fake_llama_python(tmp_path, NATIVE_INFO)
+    run = bench("--isa", "avx2", "--llama-python", native, "--sizes", "demo")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"--isa avx2: --llama-python {native}: its ggml was built with AVX512, AVX_VNNI, AVX512_VNNI, AMX_INT8 "
+        "(build llama-cpp-python for avx2: see benchmarks/llama_cpp.py's docstring)")
+
+
+def test_isa_sets_the_kernels_set_for_mtp_trt(tmp_path, monkeypatch):
+    """check_isa: MTP_TRT_CPU_ISA for every process from then on (what a fresh process's kernels take), and
+    llama.cpp's system info back where it is built for the set."""
+    import llama_cpp as bench_module
+
+    monkeypatch.setenv("MTP_TRT_CPU_ISA", "")  # (restored after: check_isa sets it for the rest of the process)
+    assert bench_module.check_isa("scalar", fake_llama_python(tmp_path, "CPU : SSE3 = 1 | ")) == "CPU : SSE3 = 1 |"
+    assert os.environ["MTP_TRT_CPU_ISA"] == "scalar"
+    assert bench_module.child_script("isa") == ["scalar", ""]
+
+
+# ---------------------------------------------------------------------------------------------- --prefill
+def test_prefill_prompts_have_the_asked_length():
+    from llama_cpp import prefill_ids, prompt_ids
+    from real_size import DEMO
+
+    tok = DEMO / "tokenizer.json"
+    one = prompt_ids(tok)
+    for n in (2, len(one) - 1, len(one), 512, 2048):
+        ids = prefill_ids(tok, n)
+        assert len(ids) == n and ids[0] == 1
+        assert ids[:min(n, len(one)) - 1] == one[:min(n, len(one)) - 1]  # the prompt's own tokens first
+
+
+def test_prefill_exports_hold_the_longest_prompt():
+    from llama_api import EXPORT_ROWS, export_path
+    from llama_cpp import prefill_rows
+
+    assert prefill_rows("85m", [50, 512]) is None and prefill_rows("85m", [EXPORT_ROWS - 2]) is None
+    assert prefill_rows("304m", [50, 2048]) == 2304 and prefill_rows("demo", [2048]) is None
+    assert export_path("85m", 1, "int4", 32, 2304) != export_path("85m", 1, "int4", 32)
+    assert export_path("85m", 1, "int4", 32, EXPORT_ROWS) == export_path("85m", 1, "int4", 32)
+
+
+def test_prefill_table_times_the_first_token_and_pairs_equal_bits():
+    from llama_cpp import label, prefill_table
+
+    runs = {("llama", "q8_0"): [{"first": 0.2}, {"first": 0.4}, {"first": 0.3}],
+            ("llama", "q4_k_m"): [{"first": 0.5}, {"first": 0.5}, {"first": 0.5}],
+            ("mtp", "int8", 0): [{"first": 0.1}, {"first": 0.1}, {"first": 0.2}]}
+    rows = {r["engine"]: r for r in prefill_table("demo", 512, runs, label, {"llama": "avx2", "mtp": "avx2"})}
+    assert rows["llama.cpp Q8_0"]["ttft_ms"] == pytest.approx(300)
+    assert rows["llama.cpp Q8_0"]["prefill_tokens_per_second"] == pytest.approx(512 / 0.3)
+    mtp = rows["mtp-trt int8 nextn 0"]
+    assert mtp["ttft_ms"] == pytest.approx(100) and mtp["isa"] == "avx2"
+    assert mtp["speed_ratio"] == {"Q8_0": pytest.approx(2.0)}  # per round 2, 4, 1.5: the median
+    assert "speed_ratio" not in rows["llama.cpp Q4_K_M"]
+
+
+def test_prefill_refuses_a_prompt_without_tokens():
+    run = bench("--prefill", "50", "1")
+    assert run.returncode == 2 and "--prefill 1: a prompt is BOS and at least one token (N >= 2)" in run.stderr

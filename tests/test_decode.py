@@ -5,6 +5,7 @@ seeded sampling is reproducible; stop conditions; continuous batching (sequences
 between steps) changes no sequence's tokens."""
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -256,6 +257,23 @@ def test_backend_loads_only_the_graphs_a_decode_runs(setup, tmp_path):
     assert set(be.sessions) == {"target", "mtp_0", f"step_{K}"}
     with pytest.raises(MtpTrtError, match=r"step_1\.onnx: ONNX Runtime cannot load this graph"):
         be.prepare(1, greedy=True)
+
+
+def test_backend_refuses_an_instruction_set_in_one_line(setup):
+    """MTP_TRT_CPU_ISA naming no set: OrtBackend raises ort_lib.register's one line when it is made, before any
+    graph is loaded (a child process: the library reads the variable once per process)."""
+    import subprocess
+    import sys
+
+    root = setup[1]["eagle"].manifest.root
+    code = ("import sys\nfrom mtp_trt.backend import OrtBackend\nfrom mtp_trt.errors import MtpTrtError\n"
+            "from mtp_trt.manifest import Manifest\ntry:\n    OrtBackend(Manifest.load(sys.argv[1]))\n"
+            "except MtpTrtError as e:\n    print(e)")
+    env = {k: v for k, v in os.environ.items() if k != "MTP_TRT_CPU_ISA"} | {"MTP_TRT_CPU_ISA": "avx3"}
+    run = subprocess.run([sys.executable, "-c", code, str(root)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == ("MTP_TRT_CPU_ISA=avx3 is not an instruction set of mtp-trt's CPU kernels "
+                                  "(scalar, avx2, avx-vnni, avx512-vnni, neon, neon-dotprod, neon-i8mm)")
 
 
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])

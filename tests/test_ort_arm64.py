@@ -1,6 +1,6 @@
 """The CPU operators' kernels (plugins/ort/kernels.cpp) on ARM64, through tests/cpp/kernels_driver.cpp built for
 aarch64 and run under qemu-user -- one emulated CPU per instruction set: cortex-a53 (plain NEON), cortex-a76
-(NEON with SDOT), `max` (SDOT and SMMLA), and the scalar path (MTP_ORT_PORTABLE=1).  On an ARM64 machine the
+(NEON with SDOT), `max` (SDOT and SMMLA), and the scalar path (MTP_TRT_CPU_ISA=scalar).  On an ARM64 machine the
 driver runs natively, and each path the CPU lacks is skipped.
 
 Each call's inputs go through every path, compared with:
@@ -57,14 +57,14 @@ def _why_not() -> str | None:
 
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=f"ARM64 kernels: {_why_not()}")
 
-# path name -> (the emulated CPU, the environment that selects the path on it)
+# path name -> (the emulated CPU, the environment that selects the path on it; the others are the CPU's best)
 PATHS = {
-    "scalar": ("max", {"MTP_ORT_PORTABLE": "1"}),
+    "scalar": ("max", {"MTP_TRT_CPU_ISA": "scalar"}),
     "neon": ("cortex-a53", {}),
     "neon-dotprod": ("cortex-a76", {}),
     "neon-i8mm": ("max", {}),
 }
-FORCED = {"neon": {"MTP_ORT_NO_DOTPROD": "1"}, "neon-dotprod": {"MTP_ORT_NO_I8MM": "1"}}  # on a native CPU
+FORCED = {name: {"MTP_TRT_CPU_ISA": name} for name in ("neon", "neon-dotprod")}  # on a native CPU
 NEON = ("neon", "neon-dotprod", "neon-i8mm")
 TOL = 1e-5
 
@@ -96,7 +96,7 @@ def drivers(tmp_path_factory):
 
 def _command(drivers, path: str | None, build: str = "arm") -> tuple[list[str], dict]:
     """The argv prefix and environment that run the driver `build` on `path` (None: the x86 build, natively)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTP_ORT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTP_ORT_") and k != "MTP_TRT_CPU_ISA"}
     if path is None:
         return [str(drivers["x86"])], env
     cpu, extra = PATHS[path]
@@ -120,13 +120,29 @@ def paths(drivers):
 
 
 @pytest.mark.skipif(NATIVE_ARM, reason="needs qemu's emulated CPUs")
-@pytest.mark.parametrize("env,want", [({"MTP_ORT_NO_I8MM": "1"}, "neon-dotprod"), ({"MTP_ORT_NO_DOTPROD": "1"}, "neon"),
-                                      ({"MTP_ORT_PORTABLE": "1"}, "scalar")])
-def test_environment_steps_down(drivers, env, want):
-    """On a CPU with SMMLA and SDOT (qemu's max), each variable selects the path below."""
+@pytest.mark.parametrize("want", ["neon-i8mm", "neon-dotprod", "neon", "scalar"])
+def test_cpu_isa_selects_the_path(drivers, want):
+    """On a CPU with SMMLA and SDOT (qemu's max), MTP_TRT_CPU_ISA selects each ARM64 set."""
     argv, base = _command(drivers, "neon-i8mm")
-    out = subprocess.run([*argv, "paths"], capture_output=True, text=True, env=base | env, check=True).stdout.split()
+    out = subprocess.run([*argv, "paths"], capture_output=True, text=True, env=base | {"MTP_TRT_CPU_ISA": want},
+                         check=True).stdout.split()
     assert out == [want, "scalar" if want == "scalar" else "neon"]
+
+
+@pytest.mark.skipif(NATIVE_ARM, reason="needs qemu's emulated CPUs")
+@pytest.mark.parametrize("cpu,value,why", [
+    ("cortex-a53", "neon-dotprod", "this CPU lacks that instruction set (it has neon)"),
+    ("cortex-a76", "neon-i8mm", "this CPU lacks that instruction set (it has neon-dotprod)"),
+    ("max", "avx2", "this CPU lacks that instruction set (it has neon-i8mm)"),
+    ("max", "sse", "is not an instruction set of mtp-trt's CPU kernels (scalar, avx2, avx-vnni, avx512-vnni, neon, "
+                   "neon-dotprod, neon-i8mm)")])
+def test_cpu_isa_refused_in_one_line(drivers, cpu, value, why):
+    """A set the emulated CPU lacks (or another architecture's, or no set at all): one line naming the variable."""
+    argv, env = _command(drivers, "neon")
+    argv[argv.index("cortex-a53")] = cpu
+    proc = subprocess.run([*argv, "paths"], capture_output=True, text=True, env=env | {"MTP_TRT_CPU_ISA": value})
+    assert proc.returncode == 2 and not proc.stdout
+    assert proc.stderr == f"kernels_driver: MTP_TRT_CPU_ISA={value}{':' if 'lacks' in why else ''} {why}\n"
 
 
 def call(drivers, path, tmp_path, op, params, *arrays, build="arm") -> np.ndarray:
@@ -323,7 +339,7 @@ def test_quantized_demo_decodes_the_same_text_on_arm(tmp_path, quant):
     give the text of the x86 run."""
     qemu_arm64 = qemu_env()
     pytest.importorskip("torch", reason="the export needs torch")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTP_ORT_")} | {
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTP_ORT_") and k != "MTP_TRT_CPU_ISA"} | {
         "MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
     export = tmp_path / "export"
     proc = subprocess.run([sys.executable, "-m", "mtp_trt.cli", "export", "-o", str(export), "--quant", quant],

@@ -181,7 +181,8 @@ def test_any_thread_count_gives_the_same_bits(monkeypatch):
         assert np.array_equal(sel, outs[0][0]) and np.array_equal(y, outs[0][1])
 
 
-PATHS = {"avx512": ({}, "avx512f"), "avx2": ({"MTP_ORT_NO_AVX512": "1"}, "avx2"), "scalar": ({"MTP_ORT_PORTABLE": "1"}, "")}
+PATHS = {"avx512": ({}, "avx512f"), "avx2": ({"MTP_TRT_CPU_ISA": "avx2"}, "avx2"),
+         "scalar": ({"MTP_TRT_CPU_ISA": "scalar"}, "")}
 PATH_CHILD = """
 import ctypes, sys
 import numpy as np
@@ -213,7 +214,7 @@ def test_every_instruction_set_path_selects_the_same_rows(path, tmp_path):
     env, flag = PATHS[path]
     if flag and flag not in cpu_flags():
         pytest.skip(f"this CPU has no {flag}")
-    clean = {k: v for k, v in os.environ.items() if k not in ("MTP_ORT_NO_AVX512", "MTP_ORT_PORTABLE")}
+    clean = {k: v for k, v in os.environ.items() if k != "MTP_TRT_CPU_ISA"}
     code = PATH_CHILD.format(tests=os.path.dirname(__file__))
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "out.npz")], check=True, env=clean | env)
     out = np.load(tmp_path / "out.npz")

@@ -320,8 +320,8 @@ def test_any_thread_count_gives_the_same_bits(monkeypatch):
 
 
 def test_portable_path_agrees_with_avx2():
-    """MTP_ORT_PORTABLE=1 runs the scalar kernels: the same results up to float rounding (a child process, since
-    the path is chosen once per process)."""
+    """MTP_TRT_CPU_ISA=scalar runs the scalar kernels: the same results up to float rounding (a child process,
+    since the path is chosen once per process)."""
     code = (
         "import numpy as np, sys; sys.path.insert(0, %r); import test_ort_ops as t; "
         "rng = np.random.default_rng(5); ins = t.moe_inputs(rng, 3, 40, 8, 12, 12); "
@@ -331,7 +331,8 @@ def test_portable_path_agrees_with_avx2():
         "np.save(sys.argv[1], np.concatenate([m.ravel(), y.ravel()]))") % os.path.dirname(__file__)
     outs = []
     for portable in (False, True):
-        env = {k: v for k, v in os.environ.items() if k != "MTP_ORT_PORTABLE"} | ({"MTP_ORT_PORTABLE": "1"} if portable else {})
+        env = {k: v for k, v in os.environ.items() if k != "MTP_TRT_CPU_ISA"} | \
+            ({"MTP_TRT_CPU_ISA": "scalar"} if portable else {})
         path = f"{os.environ.get('TMPDIR', '/tmp')}/ort_ops_{os.getpid()}_{int(portable)}.npy"
         subprocess.run([sys.executable, "-c", code, path], check=True, env=env, capture_output=True)
         outs.append(np.load(path))

@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import platform
+import shutil
 import subprocess
 import sys
 
@@ -422,15 +424,18 @@ def test_mla_self_attention_with_int8_products_gives_each_token_the_same_bits(mo
     assert np.array_equal(rows1[0, 0], rows[0, 2]) and np.array_equal(out1[0, 0], out[0, 2])
 
 
-PATHS = {  # the path, the environment that forces it, the CPU flags it needs
-    "avx512-vnni": ({}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
-    "avx512-vnni-unpacked": ({"MTP_ORT_PACK_MAX_BYTES": "0"}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")),
-    "avx-vnni": ({"MTP_ORT_NO_AVX512": "1"}, ("avx_vnni",)),
-    "avx512-vnni-256": ({"MTP_ORT_NO_AVX512": "1"}, ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq", "-avx_vnni")),
-    "avx2": ({"MTP_ORT_NO_VNNI": "1"}, ("avx2", "fma")),
-    "scalar": ({"MTP_ORT_PORTABLE": "1"}, ()),
+ISA = ort_lib.CPU_ISA_ENV
+AVX512_VNNI = ("avx512_vnni", "avx512vl", "avx512bw", "avx512dq")
+PATHS = {  # the path, the environment that forces it, the CPU flags it needs ("-flag": it must lack)
+    "avx512-vnni": ({ISA: "avx512-vnni"}, AVX512_VNNI),
+    "avx512-vnni-unpacked": ({ISA: "avx512-vnni", "MTP_ORT_PACK_MAX_BYTES": "0"}, AVX512_VNNI),
+    "avx-vnni": ({ISA: "avx-vnni"}, ("avx_vnni",)),
+    "avx512-vnni-256": ({ISA: "avx-vnni"}, (*AVX512_VNNI, "-avx_vnni")),
+    "avx2": ({ISA: "avx2"}, ("avx2", "fma", "f16c")),
+    "avx2-unpacked": ({ISA: "avx2", "MTP_ORT_PACK_MAX_BYTES": "0"}, ("avx2", "fma", "f16c")),
+    "scalar": ({ISA: "scalar"}, ()),
 }
-PACKED = ("avx512-vnni", "avx-vnni", "avx512-vnni-256")  # the paths that pack constant weights
+PACKED = ("avx512-vnni", "avx-vnni", "avx512-vnni-256", "avx2")  # the paths that pack constant weights
 
 
 def ops_library():
@@ -513,15 +518,14 @@ def cpu_flags() -> set:
 def test_every_instruction_set_matches_the_reference(path, tmp_path):
     """Each path the CPU has, forced by its environment variable in a child process (the path is chosen once
     per process), against the reference at the exact tolerance: the same integer products everywhere, with the
-    weights read as stored and, on the VNNI paths (unless MTP_ORT_PACK_MAX_BYTES=0), constant weights packed."""
+    weights read as stored and, on every vector path (unless MTP_ORT_PACK_MAX_BYTES=0), constant weights packed."""
     env_vars, flags = PATHS[path]
     need, lack = {f for f in flags if f[0] != "-"}, {f[1:] for f in flags if f[0] == "-"}
     if not need <= cpu_flags():
         pytest.skip(f"this CPU lacks {', '.join(sorted(need - cpu_flags()))}")
     if lack & cpu_flags():
         pytest.skip(f"this CPU has {', '.join(sorted(lack & cpu_flags()))}, which the environment selects instead")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MTP_ORT_PORTABLE", "MTP_ORT_NO_VNNI", "MTP_ORT_NO_AVX512", "MTP_ORT_PACK_MAX_BYTES")}
+    env = {k: v for k, v in os.environ.items() if k not in (ISA, "MTP_ORT_PACK_MAX_BYTES")}
     out = tmp_path / "out.npz"
     run = subprocess.run([sys.executable, "-c", PATH_CHILD.format(tests=os.path.dirname(__file__)), str(out)],
                          env=env | env_vars, capture_output=True, text=True)
@@ -543,13 +547,98 @@ def test_every_instruction_set_matches_the_reference(path, tmp_path):
             close(got[f"{name}-{weights}"], qmoe_reference(ins, attrs), EXACT)
 
 
+ISA_CHILD = """
+import sys
+from mtp_trt.errors import MtpTrtError
+from mtp_trt.plugins import ort_lib
+class Options:  # (registering needs no ONNX Runtime here)
+    def register_custom_ops_library(self, path):
+        pass
+print(ort_lib.cpu_isa()[0])
+try:
+    ort_lib.register(Options())
+except MtpTrtError as e:
+    print("refused:", e)
+"""
+
+
+def isa_child(value: str, *, qemu_cpu: str | None = None) -> list[str]:
+    """The lines a child process prints with MTP_TRT_CPU_ISA=value: the set the kernels run on, then "refused: "
+    and ort_lib.register's error where it refuses (under qemu-x86_64 -cpu qemu_cpu where given: a CPU without
+    some of this one's sets)."""
+    lib = str(ort_lib.resolve_library())  # (built here where needed, not under the emulator)
+    env = {k: v for k, v in os.environ.items() if k != ISA} | {ISA: value, "MTP_TRT_ORT_OPS_LIB": lib}
+    cmd = [sys.executable, "-c", ISA_CHILD]
+    if qemu_cpu:
+        cmd = [shutil.which("qemu-x86_64"), "-cpu", qemu_cpu, *cmd]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
+def test_cpu_isa_names_are_the_librarys():
+    lib = ops_library()
+    lib.MtpOrtCpuIsaNames.restype = ctypes.c_char_p
+    assert tuple(lib.MtpOrtCpuIsaNames().decode().split()) == ort_lib.CPU_ISAS
+
+
+@pytest.mark.parametrize("value", ["avx2", "scalar"])
+def test_cpu_isa_switch_selects_every_kernel(value):
+    """The quantized products, the float kernels' indexer and the reported set all follow MTP_TRT_CPU_ISA (the
+    results: test_every_instruction_set_matches_the_reference)."""
+    if value == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU lacks AVX2")
+    code = ("import ctypes; from mtp_trt.plugins import ort_lib; lib = ctypes.CDLL(str(ort_lib.resolve_library())); "
+            "lib.MtpOrtQuantPath.restype = lib.MtpOrtIndexPath.restype = lib.MtpOrtCpuIsa.restype = ctypes.c_char_p; "
+            "print(lib.MtpOrtCpuIsa().decode(), lib.MtpOrtQuantPath().decode(), lib.MtpOrtIndexPath().decode())")
+    env = {k: v for k, v in os.environ.items() if k != ISA} | {ISA: value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [value, value, value]
+
+
+def test_unknown_cpu_isa_is_refused_in_one_line():
+    """A value that names no set: register() raises one MtpTrtError naming the variable, the value and the sets
+    (the kernels meanwhile run on the CPU's best set), and ONNX Runtime registering the library itself gets the
+    same refusal, not a crash."""
+    lines = isa_child("avx3")
+    assert len(lines) == 2 and lines[0] in ort_lib.CPU_ISAS
+    assert lines[1] == ("refused: MTP_TRT_CPU_ISA=avx3 is not an instruction set of mtp-trt's CPU kernels "
+                        "(scalar, avx2, avx-vnni, avx512-vnni, neon, neon-dotprod, neon-i8mm)")
+    code = ("import onnxruntime as ort, sys; o = ort.SessionOptions()\n"
+            "try:\n    o.register_custom_ops_library(sys.argv[1])\nexcept Exception as e:\n    print(e)")
+    env = {k: v for k, v in os.environ.items() if k != ISA} | {ISA: "avx3"}
+    run = subprocess.run([sys.executable, "-c", code, str(ort_lib.resolve_library())], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and "MTP_TRT_CPU_ISA=avx3 is not an instruction set" in run.stdout, run
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 CPU refusing ARM64's sets")
+@pytest.mark.parametrize("value", ["neon", "neon-dotprod", "neon-i8mm"])
+def test_cpu_isa_of_another_architecture_is_refused_in_one_line(value):
+    """An ARM64 set on x86-64: a set this CPU lacks, refused in one line (the kernels on the CPU's best set)."""
+    lines = isa_child(value)
+    assert len(lines) == 2 and lines[0] in ort_lib.CPU_ISAS and not lines[0].startswith("neon")
+    assert lines[1] == f"refused: MTP_TRT_CPU_ISA={value}: this CPU lacks that instruction set (it has {lines[0]})"
+
+
+@pytest.mark.skipif(not shutil.which("qemu-x86_64"), reason="needs qemu-x86_64 (Debian's qemu-user)")
+def test_cpu_isa_the_cpu_lacks_is_refused_in_one_line():
+    """On an AVX2-only CPU (qemu-x86_64's Haswell model): MTP_TRT_CPU_ISA=avx512-vnni and avx-vnni are refused in
+    one line, avx2 and scalar are had, and unset the kernels take AVX2."""
+    for value in ("avx512-vnni", "avx-vnni"):
+        assert isa_child(value, qemu_cpu="Haswell") == [
+            "avx2", f"refused: MTP_TRT_CPU_ISA={value}: this CPU lacks that instruction set (it has avx2)"]
+    for value in ("avx2", "scalar", ""):
+        assert isa_child(value, qemu_cpu="Haswell") == [value or "avx2"]
+
+
 def test_packed_weights_are_one_copy_per_process_freed_with_their_sessions():
     """Sessions handed the same weight memory (OrtBackend's shared weights.bin mapping) share one packed copy
     of each quantized weight; it is freed when the last session that uses it is.  A session's config entry
     ort_lib.PACK_MAX_BYTES_KEY limits the weights it packs."""
     lib = ops_library()
     if not packs_by_default(lib):
-        pytest.skip("this process does not pack (no VNNI path, or MTP_ORT_PACK_MAX_BYTES set)")
+        pytest.skip("this process does not pack (the scalar path, or MTP_ORT_PACK_MAX_BYTES set)")
     rng = np.random.default_rng(3)
     k, n = 256, 128
     data, scales = random_weight(rng, n, k, 8, 32)

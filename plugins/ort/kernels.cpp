@@ -1,6 +1,7 @@
 // kernels.cpp -- the CPU kernels of kernels.h: an AVX2/FMA path (chosen at run time where the CPU has it) and
-// a portable scalar path with the same results up to float rounding; the quantized products also have a
-// VNNI path (qkernels_impl.h).  On ARM64 the vector paths are NEON's (kernels_neon.h, qkernels_neon.h).
+// a portable scalar path with the same results up to float rounding; the quantized products also have VNNI
+// paths (qkernels_impl.h).  On ARM64 the vector paths are NEON's (kernels_neon.h, qkernels_neon.h).  The
+// instruction set: cpu_isa (kernels.h).
 #include "kernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -26,23 +27,113 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 namespace mtp_ort {
+
 namespace {
 
-// The AVX2/FMA kernels where the CPU has them, unless MTP_ORT_PORTABLE is set (tests compare both paths).
-[[maybe_unused]] bool use_avx2() {
-#if MTP_ORT_X86
-    static const bool ok =
-        !std::getenv("MTP_ORT_PORTABLE") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    return ok;
-#else
-    return false;
-#endif
+#if MTP_ORT_NEON
+// The CPU's SDOT (FEAT_DotProd) and SMMLA (FEAT_I8MM): Linux's hardware capabilities, macOS's sysctl; false where
+// neither says.
+#if defined(__linux__)
+bool arm_has_dotprod() { return (getauxval(AT_HWCAP) & (1ul << 20)) != 0; }  // HWCAP_ASIMDDP
+bool arm_has_i8mm() { return (getauxval(AT_HWCAP2) & (1ul << 13)) != 0; }    // HWCAP2_I8MM
+#elif defined(__APPLE__)
+bool sysctl_flag(const char* name) {
+    int v = 0;
+    size_t size = sizeof v;
+    return sysctlbyname(name, &v, &size, nullptr, 0) == 0 && v != 0;
 }
+bool arm_has_dotprod() { return sysctl_flag("hw.optional.arm.FEAT_DotProd"); }
+bool arm_has_i8mm() { return sysctl_flag("hw.optional.arm.FEAT_I8MM"); }
+#else
+bool arm_has_dotprod() { return false; }
+bool arm_has_i8mm() { return false; }
+#endif
+#endif  // MTP_ORT_NEON
+
+// The sets of this architecture, in the order the CPU is searched for the best (the last it has).
+#if MTP_ORT_X86
+constexpr CpuIsa kArchIsas[] = {CpuIsa::avx2, CpuIsa::avx_vnni, CpuIsa::avx512_vnni};
+#elif MTP_ORT_NEON
+constexpr CpuIsa kArchIsas[] = {CpuIsa::neon, CpuIsa::neon_dotprod, CpuIsa::neon_i8mm};
+#else
+constexpr CpuIsa kArchIsas[] = {CpuIsa::scalar};
+#endif
+
+}  // namespace
+
+bool cpu_has(CpuIsa isa) {
+    switch (isa) {
+        case CpuIsa::scalar: return true;
+#if MTP_ORT_X86
+        case CpuIsa::avx2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        case CpuIsa::avx_vnni:
+            return cpu_has(CpuIsa::avx2) && (__builtin_cpu_supports("avxvnni") || cpu_has(CpuIsa::avx512_vnni));
+        case CpuIsa::avx512_vnni:
+            return cpu_has(CpuIsa::avx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                   __builtin_cpu_supports("avx512vnni");
+#elif MTP_ORT_NEON
+        case CpuIsa::neon: return true;  // (AdvSIMD: every ARMv8-A CPU)
+        case CpuIsa::neon_dotprod: return arm_has_dotprod();
+        case CpuIsa::neon_i8mm: return arm_has_dotprod() && arm_has_i8mm();
+#endif
+        default: return false;  // (another architecture's sets)
+    }
+}
+
+namespace {
+
+// (the set, whether MTP_TRT_CPU_ISA chose it, the refusal's text)
+struct IsaChoice {
+    CpuIsa isa = CpuIsa::scalar;
+    bool forced = false;
+    std::string error;
+};
+
+const IsaChoice& isa_choice() {
+    static const IsaChoice choice = [] {
+        IsaChoice c;
+        for (CpuIsa isa : kArchIsas)
+            if (cpu_has(isa)) c.isa = isa;
+        const char* env = std::getenv("MTP_TRT_CPU_ISA");
+        if (!env || !*env) return c;
+        const CpuIsa best = c.isa;
+        std::string names;
+        for (int i = 0; i < int(std::size(kCpuIsaNames)); ++i) {
+            names += (i ? ", " : "") + std::string(kCpuIsaNames[i]);
+            if (std::strcmp(env, kCpuIsaNames[i]) == 0) c.isa = CpuIsa(i), c.forced = true;
+        }
+        if (!c.forced)
+            c.error = "MTP_TRT_CPU_ISA=" + std::string(env) + " is not an instruction set of mtp-trt's CPU kernels (" +
+                      names + ")";
+        else if (!cpu_has(c.isa))
+            c.error = "MTP_TRT_CPU_ISA=" + std::string(env) + ": this CPU lacks that instruction set (it has " +
+                      kCpuIsaNames[int(best)] + ")";
+        if (!c.error.empty()) c.isa = best, c.forced = false;
+        return c;
+    }();
+    return choice;
+}
+
+}  // namespace
+
+CpuIsa cpu_isa() { return isa_choice().isa; }
+const char* cpu_isa_error() { return isa_choice().error.c_str(); }
+
+namespace {
+
+#if MTP_ORT_X86
+// The AVX2/FMA float kernels: every x86 instruction set but scalar (kernels.h cpu_isa; ARM64: neon::use_neon).
+bool use_avx2() { return cpu_isa() != CpuIsa::scalar; }
+#endif
 
 // Rows of a matrix: row t at base + t * ld (Strided), or wherever a table of row pointers says (Table: DeepSeek
 // Sparse Attention's selected rows, read in place).
@@ -279,6 +370,49 @@ AVX2 void swiglu_pairs_avx2(const float* h, size_t m, size_t ldh, size_t units, 
 
 #endif  // MTP_ORT_X86
 
+// In place: s[t] = s[t] * scale where visible[t] (visible == nullptr: every t), else -inf; returns the max.
+float scale_visible_max_scalar(float* s, size_t n, float scale, const uint8_t* visible) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (size_t t = 0; t < n; ++t) {
+        s[t] = !visible || visible[t] ? s[t] * scale : -std::numeric_limits<float>::infinity();
+        mx = std::max(mx, s[t]);
+    }
+    return mx;
+}
+
+#if MTP_ORT_X86
+// scale_visible_max_scalar 8 rows at a time (the same products; the max of the same values).
+AVX2 float scale_visible_max_avx2(float* s, size_t n, float scale, const uint8_t* visible) {
+    const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 mx = ninf;
+    size_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + t), sc);
+        if (visible) {
+            int64_t bytes;
+            std::memcpy(&bytes, visible + t, 8);
+            const __m256i seen = _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes)),
+                                                    _mm256_setzero_si256());
+            v = _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(seen));
+        }
+        _mm256_storeu_ps(s + t, v);
+        mx = _mm256_max_ps(mx, v);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return std::max(_mm_cvtss_f32(m), scale_visible_max_scalar(s + t, n - t, scale, visible ? visible + t : nullptr));
+}
+
+#endif
+
+float scale_visible_max(float* s, size_t n, float scale, const uint8_t* visible) {
+#if MTP_ORT_X86
+    if (use_avx2()) return scale_visible_max_avx2(s, n, scale, visible);
+#endif
+    return scale_visible_max_scalar(s, n, scale, visible);
+}
+
 float exp_shift_sum(float* x, size_t n, float max) {
 #if MTP_ORT_X86
     if (use_avx2()) return exp_shift_sum_avx2(x, n, max);
@@ -360,11 +494,8 @@ void attend(const float* q, size_t heads, size_t c, size_t dl, float scale, A a,
     const float ninf = -std::numeric_limits<float>::infinity();
     for (size_t h = 0; h < heads; ++h) {
         float* s = scores + h * l;
-        float mx = ninf;
-        for (size_t t = 0; t < n; ++t) {
-            s[t] = (t < n_a || !visible || visible[t - n_a]) ? s[t] * scale : ninf;
-            mx = std::max(mx, s[t]);
-        }
+        const float mx = std::max(scale_visible_max(s, n_a, scale, nullptr),
+                                  scale_visible_max(s + n_a, n_b, scale, visible));
         std::fill(s + n, s + l, ninf);
         std::fill(out + h * ldo, out + h * ldo + dl, 0.f);
         if (mx == ninf) {  // no row seen (only where a selection is empty): a zero output
@@ -398,9 +529,14 @@ enum class IndexPath { scalar, avx2, avx512, neon };
 
 IndexPath index_path() {
 #if MTP_ORT_X86
-    static const IndexPath path = !use_avx2()                                                        ? IndexPath::scalar
-                                  : !std::getenv("MTP_ORT_NO_AVX512") && __builtin_cpu_supports("avx512f") ? IndexPath::avx512
-                                                                                                   : IndexPath::avx2;
+    static const IndexPath path = [] {
+        switch (cpu_isa()) {
+            case CpuIsa::scalar: return IndexPath::scalar;
+            case CpuIsa::avx512_vnni: return IndexPath::avx512;
+            default:  // (unforced: AVX-512F without VNNI still runs the 512-bit indexer)
+                return !isa_choice().forced && __builtin_cpu_supports("avx512f") ? IndexPath::avx512 : IndexPath::avx2;
+        }
+    }();
     return path;
 #elif MTP_ORT_NEON
     return neon::use_neon() ? IndexPath::neon : IndexPath::scalar;
@@ -698,31 +834,23 @@ struct QAct {
 [[maybe_unused]] constexpr int kRows = 4;  // weight rows per tile (x86)
 
 // avx512_vnni_256: AVX512-VNNI's 256-bit form, the AVX-VNNI kernels on a CPU with AVX-512 but no AVX-VNNI
-// (MTP_ORT_NO_AVX512=1 there).
+// (MTP_TRT_CPU_ISA=avx-vnni there).
 enum class QPath { scalar, avx2, avx_vnni, avx512_vnni, avx512_vnni_256, neon, neon_dotprod, neon_i8mm };
 
 QPath qpath() {
     static const QPath path = [] {
-#if MTP_ORT_NEON
-        if (!neon::use_neon()) return QPath::scalar;
-        if (!std::getenv("MTP_ORT_NO_DOTPROD") && neon::cpu_has_dotprod()) {
-            if (!std::getenv("MTP_ORT_NO_I8MM") && neon::cpu_has_i8mm()) return QPath::neon_i8mm;
-            return QPath::neon_dotprod;
-        }
-        return QPath::neon;
-#elif MTP_ORT_X86
-        if (!use_avx2() || !__builtin_cpu_supports("f16c")) return QPath::scalar;
-        if (!std::getenv("MTP_ORT_NO_VNNI")) {
-            const bool avx512 = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-            if (avx512 && !std::getenv("MTP_ORT_NO_AVX512")) return QPath::avx512_vnni;
-            if (__builtin_cpu_supports("avxvnni")) return QPath::avx_vnni;
-            if (avx512) return QPath::avx512_vnni_256;
-        }
-        return QPath::avx2;
-#else
-        return QPath::scalar;
+        switch (cpu_isa()) {
+#if MTP_ORT_X86
+            case CpuIsa::avx2: return QPath::avx2;
+            case CpuIsa::avx_vnni: return __builtin_cpu_supports("avxvnni") ? QPath::avx_vnni : QPath::avx512_vnni_256;
+            case CpuIsa::avx512_vnni: return QPath::avx512_vnni;
+#elif MTP_ORT_NEON
+            case CpuIsa::neon: return QPath::neon;
+            case CpuIsa::neon_dotprod: return QPath::neon_dotprod;
+            case CpuIsa::neon_i8mm: return QPath::neon_i8mm;
 #endif
+            default: return QPath::scalar;
+        }
     }();
     return path;
 }
@@ -761,13 +889,6 @@ void quantize_block_scalar(const float* x, size_t k, size_t kb, const QWeights& 
 }
 
 #if MTP_ORT_X86
-AVX2 inline int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
 // quantize_block_scalar's bytes, 32 values at a time (the same divisions and roundings).
 AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeights& w, const QAct& a,
                               uint8_t* row) {
@@ -778,25 +899,37 @@ AVX2 void quantize_block_avx2(const float* x, size_t k, size_t kb, const QWeight
         if (32 * kb < k) std::copy(src, x + k, pad);
         src = pad;
     }
-    __m256 v[4];
-    float s[4];
-    for (int t = 0; t < 4; ++t) {  // each 8 values their own scale
-        v[t] = _mm256_loadu_ps(src + 8 * t);
-        __m256 m = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[t]);
-        m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
-        s[t] = _mm256_cvtss_f32(m) / 127.f;
-    }
+    __m256 v[4], m[4];
+    for (int t = 0; t < 4; ++t) v[t] = _mm256_loadu_ps(src + 8 * t), m[t] = _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[t]);
+    // each 8 values their own scale: the four maxima of |v| side by side, then max / 127
+    const __m256 m01 = _mm256_max_ps(_mm256_unpacklo_ps(m[0], m[1]), _mm256_unpackhi_ps(m[0], m[1]));
+    const __m256 m23 = _mm256_max_ps(_mm256_unpacklo_ps(m[2], m[3]), _mm256_unpackhi_ps(m[2], m[3]));
+    const __m256 mm = _mm256_max_ps(_mm256_shuffle_ps(m01, m23, 0x44), _mm256_shuffle_ps(m01, m23, 0xEE));
+    const __m128 s = _mm_div_ps(_mm_max_ps(_mm256_castps256_ps128(mm), _mm256_extractf128_ps(mm, 1)), _mm_set1_ps(127.f));
+    // 8 zeros: any nonzero divisor gives zeros
+    const __m256 sd = _mm256_castps128_ps256(_mm_blendv_ps(s, _mm_set1_ps(1.f), _mm_cmpeq_ps(s, _mm_setzero_ps())));
     const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
     __m256i q[4];
-    for (int t = 0; t < 4; ++t) {  // 8 zeros: any nonzero divisor gives zeros
-        const __m256 sv = _mm256_set1_ps(s[t] > 0.f ? s[t] : 1.f);
+    for (int t = 0; t < 4; ++t) {
+        const __m256 sv = _mm256_permutevar8x32_ps(sd, _mm256_set1_epi32(t));
         const __m256 r = _mm256_round_ps(_mm256_div_ps(v[t], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         q[t] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     }
-    const int32_t sum[4] = {hsum_epi32(q[0]), hsum_epi32(q[1]), hsum_epi32(q[2]), hsum_epi32(q[3])};
-    store_lanes(s, sum, kb, w, a, row);
+    // the four sums of q side by side; the lanes (store_lanes' values): -z * sum in each 8 values' first lane
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+    const __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m128i corr = _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(sum, w.bits - 1));
+    uint8_t* corr_at = row + a.corr_at + 4 * kb * size_t(w.bits);
+    uint8_t* scale_at = row + a.scale_at + 4 * kb * size_t(w.bits);
+    if (w.bits == 4) {  // a lane per 8 values
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(corr_at), corr);
+        _mm_storeu_ps(reinterpret_cast<float*>(scale_at), s);
+    } else {  // two lanes per 8 values
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(corr_at), _mm_unpacklo_epi32(corr, _mm_setzero_si128()));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(corr_at + 16), _mm_unpackhi_epi32(corr, _mm_setzero_si128()));
+        _mm_storeu_ps(reinterpret_cast<float*>(scale_at), _mm_unpacklo_ps(s, s));
+        _mm_storeu_ps(reinterpret_cast<float*>(scale_at + 16), _mm_unpackhi_ps(s, s));
+    }
     // packs interleave the 128-bit lanes: dwords come out as 0 2 4 6 1 3 5 7 of the natural order
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -956,8 +1089,8 @@ void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* 
 
 size_t qpack_max_bytes() {
     static const size_t limit = [] {
-        if (qpath() != QPath::avx_vnni && qpath() != QPath::avx512_vnni && qpath() != QPath::avx512_vnni_256)
-            return size_t(0);
+        // (the packed kernels: x86's vector paths; ARM64's products read the weights as stored)
+        if (!MTP_ORT_X86 || qpath() == QPath::scalar) return size_t(0);
         const char* env = std::getenv("MTP_ORT_PACK_MAX_BYTES");
         return env && *env ? size_t(std::strtoull(env, nullptr, 10)) : size_t(16) << 20;
     }();
@@ -969,6 +1102,7 @@ QPack qpack(const QWeights& w, size_t n) {
 #if MTP_ORT_X86
     const bool wide = qpath() == QPath::avx512_vnni;  // (the 256-bit paths' shapes are the same)
     p.n = n, p.k = w.k, p.block = w.block, p.bits = w.bits;
+    p.sign = w.bits == 8 && qpath() == QPath::avx2;
     p.rows = wide ? q_avx512_vnni::kPackRows : q_avx_vnni::kPackRows;
     p.group = wide ? q_avx512_vnni::kPackTiles : q_avx_vnni::kPackTiles;
     const size_t P = p.rows, G = p.group, nb = w.blocks(), pieces = w.row_bytes() / 4;
@@ -980,10 +1114,13 @@ QPack qpack(const QWeights& w, size_t n) {
         const uint8_t* row = w.data + j * w.row_bytes();
         uint8_t* to = out + g * p.group_bytes() + (t * P + r) * 4;
         for (size_t i = 0; i < pieces; ++i) std::memcpy(to + i * G * P * 4, row + 4 * i, 4);
+        if (p.sign)
+            for (size_t i = 0; i < pieces; ++i)
+                for (size_t b = 0; b < 4; ++b) to[i * G * P * 4 + b] ^= 0x80;
         for (size_t b = 0; b < nb; ++b) p.scales[((g * nb + b) * G + t) * P + r] = w.scale(j * nb + b);
     }
 #else
-    (void)w, (void)n;  // (never called: qpack_max_bytes() is 0 without VNNI)
+    (void)w, (void)n;  // (never called: qpack_max_bytes() is 0 off x86)
 #endif
     return p;
 }
@@ -993,6 +1130,7 @@ void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, si
     switch (qpath()) {
         case QPath::avx512_vnni: return q_avx512_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
         case QPath::avx512_vnni_256: return q_avx512_vnni_256::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
+        case QPath::avx2: return q_avx2::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
         default: return q_avx_vnni::qrows_dot_packed(qx, m, p, j0, n, y, ldy);
     }
 #else

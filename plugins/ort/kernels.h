@@ -7,8 +7,8 @@
 // w [N, K] in nn.Linear's [out, in] layout, the layout the checkpoint and weights.bin store.  Decoding has
 // few rows (M = 1..a few), so the kernels stream each weight row once and keep the rows of x in registers or
 // L1: matrix-vector products over the one shared mapping of weights.bin (ONNX Runtime's MatMul packs a private
-// copy per session).  The quantized products can also read a weight packed once per process (QPack), which
-// the VNNI paths multiply with less float work (a third at 8 bits) and no sum across a vector.
+// copy per session).  On x86 the quantized products can also read a weight packed once per process (QPack),
+// which the vector paths multiply with less float work (a third at 8 bits) and no sum across a vector.
 #ifndef MTP_ORT_KERNELS_H
 #define MTP_ORT_KERNELS_H
 
@@ -19,6 +19,29 @@
 #include <vector>
 
 namespace mtp_ort {
+
+// ------------------------------------------------------------------------------ instruction sets
+// The instruction sets the kernels are written for, by the names the environment variable MTP_TRT_CPU_ISA takes:
+//   scalar        portable C++, any CPU
+// x86-64:
+//   avx2          AVX2 + FMA + F16C: the float kernels, and the quantized products by vpmaddubsw
+//   avx-vnni      avx2's float kernels; the quantized products by 256-bit vpdpbusd: AVX-VNNI's, or on a CPU with
+//                 AVX512-VNNI but no AVX-VNNI, AVX512-VNNI's 256-bit form (qpath_name "avx512-vnni-256")
+//   avx512-vnni   AVX-512 (F, BW, DQ, VL) + AVX512-VNNI: 512-bit quantized products and lightning indexer
+// ARM64:
+//   neon          AdvSIMD (every ARMv8-A CPU): the float kernels, and the quantized products by SMULL
+//   neon-dotprod  neon's float kernels; the quantized products by SDOT (FEAT_DotProd)
+//   neon-i8mm     neon's float kernels; the quantized products by SMMLA (FEAT_I8MM) and SDOT
+// Chosen once per process: MTP_TRT_CPU_ISA where it names a set this CPU has, else the last of its architecture's
+// sets the CPU has (x86: the indexer on AVX-512F where the CPU has it).  A CPU has the sets of its own
+// architecture only (cpu_has: the CPU's feature flags; on ARM64 Linux's HWCAP/HWCAP2, macOS's sysctl).
+enum class CpuIsa { scalar, avx2, avx_vnni, avx512_vnni, neon, neon_dotprod, neon_i8mm };
+constexpr const char* kCpuIsaNames[] = {"scalar", "avx2", "avx-vnni", "avx512-vnni", "neon", "neon-dotprod", "neon-i8mm"};
+CpuIsa cpu_isa();
+bool cpu_has(CpuIsa isa);
+// "" where MTP_TRT_CPU_ISA is unset or names a set this CPU has; else why not, in one line (the kernels then
+// run on the sets the CPU has; mtp_ort_ops.cpp refuses to register the operators).
+const char* cpu_isa_error();
 
 // y[i * ldy + j] = sum_k x[i * ldx + k] * w[j * ldw + k]   for i < m, j < n.
 void rows_dot(const float* x, size_t m, size_t ldx, const float* w, size_t ldw, size_t n, size_t k, float* y,
@@ -62,8 +85,8 @@ void index_scores(const float* q, const float* w, size_t heads, size_t di, float
 // min(k, visible rows).  scratch: n floats.
 size_t select_top(const float* scores, size_t n, size_t k, float* scratch, int32_t* idx);
 
-// The instruction set of the indexer's scores: "scalar", "avx2" or "avx512"; on ARM64 "neon" (chosen once per
-// process; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_AVX512=1 AVX2).
+// The instruction set of the indexer's scores: "scalar", "avx2" or "avx512"; on ARM64 "neon" (cpu_isa(): avx2 and
+// avx-vnni run the AVX2 kernels, avx512-vnni the AVX-512 ones, every ARM64 set but scalar the NEON ones).
 const char* index_path_name();
 
 // SwiGLU on interleaved gate/up pairs: a[i * lda + j] = silu(h[i * ldh + 2j]) * h[i * ldh + 2j + 1], j < units.
@@ -126,7 +149,7 @@ void quantize_rows(const float* x, size_t m, size_t ldx, const QWeights& w, uint
 // (qrow_bytes(w) apart) and j < n rows of w; each part's sum of integer products is exact.
 void qrows_dot(const uint8_t* qx, size_t m, const QWeights& w, size_t n, float* y, size_t ldy);
 
-// A quantized weight's rows repacked for the VNNI kernels (where the CPU has them).  A tile is `rows` weight
+// A quantized weight's rows repacked for x86's vector kernels (every x86 path but scalar).  A tile is `rows` weight
 // rows, one per int32 lane of the path's vectors; for every 8 values of K (an activation scale's span) a tile
 // holds its rows' 4-byte pieces side by side (8 bits: two pieces, 4 bits: one), so one vector load holds the
 // same piece of every row, the integer products of 8 values come out one row per lane, and the float work is
@@ -137,6 +160,7 @@ struct QPack {
     size_t n = 0, rows = 0, group = 0;  // N, rows per tile, tiles per group
     size_t k = 0, block = 0;
     int bits = 0;
+    bool sign = false;           // 8 bits: the bytes hold q = u - 128 as int8 (the AVX2 kernels), else u
     std::vector<uint8_t> bytes;  // the groups, `group_bytes()` each, from `data()` (64-byte aligned)
     std::vector<float> scales;
 
@@ -151,10 +175,10 @@ struct QPack {
     QWeights format() const { return {nullptr, nullptr, k, block, bits}; }
 };
 
-// The largest weight (its bytes, scales left out) packed: 0 where this CPU's path has no packed kernels (no
-// VNNI), else MTP_ORT_PACK_MAX_BYTES where set (0: never pack), else 16 MiB -- packing pays where the products are
-// compute-bound (cached weights, several activation rows) and little where a weight streams from memory, and a
-// packed copy is memory the weights take twice.
+// The largest weight (its bytes, scales left out) packed: 0 on the scalar path and on ARM64 (whose products read
+// the weights as stored), else MTP_ORT_PACK_MAX_BYTES where set (0: never pack), else 16 MiB -- packing pays where the products are compute-bound (cached weights,
+// several activation rows) and little where a weight streams from memory, and a packed copy is memory the
+// weights take twice.
 size_t qpack_max_bytes();
 
 // W's first n rows packed (qpack_max_bytes() > 0).
@@ -164,10 +188,8 @@ QPack qpack(const QWeights& w, size_t n);
 // bits whatever j0, n and m (the rows of a tile and the activation rows of a call never meet in a sum).
 void qrows_dot_packed(const uint8_t* qx, size_t m, const QPack& p, size_t j0, size_t n, float* y, size_t ldy);
 
-// The instruction set of the quantized products: "scalar", "avx2", "avx-vnni", "avx512-vnni" or "avx512-vnni-256"
-// (chosen once per process from the CPU; MTP_ORT_PORTABLE=1 forces scalar, MTP_ORT_NO_VNNI=1 AVX2,
-// MTP_ORT_NO_AVX512=1 the 256-bit kernels: AVX-VNNI where the CPU has it, else AVX512-VNNI's 256-bit form).  On
-// ARM64: "neon-i8mm", "neon-dotprod" or "neon" (MTP_ORT_NO_I8MM=1 and MTP_ORT_NO_DOTPROD=1 step down).
+// The instruction set of the quantized products: cpu_isa()'s name, or "avx512-vnni-256" where avx-vnni runs in
+// AVX512-VNNI's 256-bit form.
 const char* qpath_name();
 
 }  // namespace mtp_ort

@@ -1,7 +1,7 @@
 // kernels_neon.h -- the float kernels of kernels.h on ARM64 (AdvSIMD/NEON, which every ARMv8-A CPU has), and the
-// run-time test for the quantized products' extensions (qkernels_neon.h).  kernels.cpp includes this file once,
-// on aarch64 only, inside namespace mtp_ort::{anonymous}::neon, after the scalar kernels and the row accessors
-// (Strided, Table); <arm_neon.h> and the CPU-feature headers come from kernels.cpp.
+// target attributes of the quantized products' extensions (qkernels_neon.h; kernels.cpp cpu_has tests the CPU for
+// them).  kernels.cpp includes this file once, on aarch64 only, inside namespace mtp_ort::{anonymous}::neon, after
+// the scalar kernels and the row accessors (Strided, Table); <arm_neon.h> comes from kernels.cpp.
 //
 // Each result has the same arithmetic whatever the tiling around it, as on x86: a dot product of two rows is
 // always two 4-lane accumulators over 8 values a step, summed across the lanes, then the tail in order; so a
@@ -16,29 +16,9 @@
 #define MTP_ORT_NEON_I8MM "arch=armv8.2-a+dotprod+i8mm"
 #endif
 
-// The NEON kernels unless MTP_ORT_PORTABLE is set (tests compare them with the scalar ones).
-inline bool use_neon() {
-    static const bool ok = !std::getenv("MTP_ORT_PORTABLE");
-    return ok;
-}
-
-// The CPU's SDOT (FEAT_DotProd) and SMMLA (FEAT_I8MM): Linux's hardware capabilities, macOS's sysctl; false where
-// neither says.
-#if defined(__linux__)
-inline bool cpu_has_dotprod() { return (getauxval(AT_HWCAP) & (1ul << 20)) != 0; }   // HWCAP_ASIMDDP
-inline bool cpu_has_i8mm() { return (getauxval(AT_HWCAP2) & (1ul << 13)) != 0; }     // HWCAP2_I8MM
-#elif defined(__APPLE__)
-inline bool sysctl_flag(const char* name) {
-    int v = 0;
-    size_t size = sizeof v;
-    return sysctlbyname(name, &v, &size, nullptr, 0) == 0 && v != 0;
-}
-inline bool cpu_has_dotprod() { return sysctl_flag("hw.optional.arm.FEAT_DotProd"); }
-inline bool cpu_has_i8mm() { return sysctl_flag("hw.optional.arm.FEAT_I8MM"); }
-#else
-inline bool cpu_has_dotprod() { return false; }
-inline bool cpu_has_i8mm() { return false; }
-#endif
+// The NEON kernels on every instruction set but scalar (kernels.h cpu_isa; MTP_TRT_CPU_ISA=scalar: the tests
+// compare both).
+inline bool use_neon() { return cpu_isa() != CpuIsa::scalar; }
 
 // The weight rows two tiles ahead of rows j .. j + R - 1 (which are read 8 values at a time, at t): R * 8 values a
 // step, front to back, one stream (as kernels.cpp's prefetch_rows_ahead).  Strided rows only.

@@ -1319,6 +1319,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
         const OrtApi* v1 = base->GetApi(1);
         return v1 ? v1->CreateStatus(ORT_FAIL, "mtp_trt.cpu operators need ONNX Runtime >= 1.18") : nullptr;
     }
+    if (*cpu_isa_error()) return api->CreateStatus(ORT_FAIL, cpu_isa_error());
     OrtCustomOpDomain* domain = nullptr;
     MTP_RETURN_IF(api->CreateCustomOpDomain(kDomain, &domain));
     for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla, &g_mla_self, &g_accept, &g_indexer, &g_qmatmul, &g_qmoe})
@@ -1327,11 +1328,26 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
 }
 
 
+// Why MTP_TRT_CPU_ISA cannot be had ("" where it can; kernels.h cpu_isa_error), the instruction set chosen
+// (kernels.h kCpuIsaNames) and every name: for ort_lib (an mtp-trt error before a session is made) and tests.
+extern "C" __attribute__((visibility("default"))) const char* MtpOrtCpuIsaError() { return mtp_ort::cpu_isa_error(); }
+extern "C" __attribute__((visibility("default"))) const char* MtpOrtCpuIsa() {
+    return mtp_ort::kCpuIsaNames[int(mtp_ort::cpu_isa())];
+}
+extern "C" __attribute__((visibility("default"))) const char* MtpOrtCpuIsaNames() {
+    static const std::string names = [] {
+        std::string s;
+        for (const char* n : mtp_ort::kCpuIsaNames) s += (s.empty() ? "" : " ") + std::string(n);
+        return s;
+    }();
+    return names.c_str();
+}
+
 // The instruction set of the quantized products in this process (kernels.h qpath_name):
 // for tests and benchmarks, through ctypes.
 extern "C" __attribute__((visibility("default"))) const char* MtpOrtQuantPath() { return mtp_ort::qpath_name(); }
 
-// The bytes of the packed weight copies the process holds (the quantized operators' kernels on the VNNI paths),
+// The bytes of the packed weight copies the process holds (the quantized operators' kernels on the vector paths),
 // likewise.
 extern "C" __attribute__((visibility("default"))) size_t MtpOrtPackedBytes() {
     return mtp_ort::PackRegistry::get().bytes();

@@ -69,10 +69,25 @@ struct Vec {
         return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), lanes_mask(bytes / 4));
     }
     QK static F loadf(const float* p) { return _mm256_loadu_ps(p); }
-    QK static F loadf_part(const float* p, size_t n) { return _mm256_maskload_ps(p, lanes_mask(n)); }
-    QK static F loadh_part(const uint16_t* p, size_t n) {  // n <= 4 float16 values, zeros after
+    // n <= 8 float32 / n <= 4 float16 values, zeros after: loads of fixed sizes (a masked load or a copy of n
+    // values costs more than the rest of a step)
+    QK static F loadf_part(const float* p, size_t n) {
+        switch (n) {
+            case 1: return _mm256_castps128_ps256(_mm_load_ss(p));
+            case 2: return _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+            case 4: return _mm256_castps128_ps256(_mm_loadu_ps(p));
+            case 8: return _mm256_loadu_ps(p);
+            default: return _mm256_maskload_ps(p, lanes_mask(n));
+        }
+    }
+    QK static F loadh_part(const uint16_t* p, size_t n) {
         uint64_t v = 0;
-        std::memcpy(&v, p, 2 * n);
+        switch (n) {
+            case 1: v = p[0]; break;
+            case 2: { uint32_t u; std::memcpy(&u, p, 4); v = u; break; }
+            case 3: { uint32_t u; std::memcpy(&u, p, 4); v = u | uint64_t(p[2]) << 32; break; }
+            default: std::memcpy(&v, p, 8);
+        }
         return _mm256_cvtph_ps(_mm_cvtsi64_si128(int64_t(v)));
     }
     QK static F set1(float f) { return _mm256_set1_ps(f); }
@@ -245,7 +260,6 @@ QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float
     return w.half ? qdot<8, true>(x, m, w, n, y, ldy) : qdot<8, false>(x, m, w, n, y, ldy);
 }
 
-#if QK_VNNI
 // ------------------------------------------------------------------------------------ packed weights (QPack)
 // A tile is Vec::kLanes weight rows, row p in lane p; a group kPackTiles tiles.  For each 8 values G of K (an
 // activation scale's span): 8 bits, two pieces (bytes 8G..8G+3 and 8G+4..8G+7 of each row); 4 bits, one
@@ -253,11 +267,19 @@ QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float
 // is one vector, the tile's rows' 4 bytes side by side, and the group's tiles' pieces follow each other.  Their
 // products with the activation's matching 4 bytes (broadcast to every lane) start from the zero-point
 // correction of the 8 values (QAct::corr), are scaled by their activation scale into a per-block float sum,
-// and each block's sum by the rows' block scales into the result.  The hardware prefetchers follow the one run
-// of memory a group's pass reads (prefetch instructions made it slower, cached or not).
+// and each block's sum by the rows' block scales into the result.  On the VNNI paths the hardware prefetchers
+// follow the one run of memory a group's pass reads (prefetch instructions made it slower, cached or not); the
+// AVX2 kernels prefetch ahead of it (kPackAhead).
+// Without VNNI (AVX2) a piece's products are vpmaddubsw's: 4 bits, the unsigned nibbles times x's signed bytes,
+// the two halves' int16 pairs added (each <= 2 * 15 * 127, their sum fits) and summed to int32 by vpmaddwd,
+// then the correction; 8 bits, packed as the signed q (QPack::sign) so that |q| times x with q's sign moved
+// onto it cannot saturate (pairs <= 2 * 128 * 127), each half summed to int32 on its own, no correction.
 constexpr size_t kPackRows = Vec::kLanes;
 constexpr size_t kPackTiles = QK_512 ? 4 : 2;  // the tiles one pass takes (their accumulators fill the registers)
 constexpr int kPackCols = 2;                   // activation rows per pass
+// Bytes a pass prefetches ahead of what it reads (AVX2: without, a group's run of memory streams at about half
+// the rate; the VNNI kernels, tuned on weights the last-level cache holds, read without).
+constexpr size_t kPackAhead = QK_VNNI ? 0 : 1024;
 
 QK inline int32_t load32(const uint8_t* p) {
     int32_t v;
@@ -265,13 +287,45 @@ QK inline int32_t load32(const uint8_t* p) {
     return v;
 }
 
+// One piece of a tile (8 values of each of its rows): the weights, and their exact integer products with an
+// activation's bytes x0 (4 bits: the even elements; 8 bits: the first 4) and x1 broadcast to every lane, plus
+// corr where the path's weights need the zero-point correction (kCorr).
+template <int Bits>
+struct Piece {
+    static constexpr bool kCorr = QK_VNNI || Bits == 4;
+    Vec::I lo, hi;
+    QK void load(const uint8_t* wt, size_t stride) {
+        if constexpr (Bits == 8) {
+            lo = Vec::load(wt), hi = Vec::load(wt + stride);
+        } else {
+            const Vec::I u = Vec::load(wt);
+            lo = Vec::low_nibbles(u), hi = Vec::high_nibbles(u);
+        }
+    }
+    QK Vec::I with(Vec::I corr, Vec::I x0, Vec::I x1) const {
+#if QK_VNNI
+        return Vec::dot(Vec::dot(corr, lo, x0), hi, x1);
+#else
+        const __m256i ones = _mm256_set1_epi16(1);
+        if constexpr (Bits == 4) {
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+            return _mm256_add_epi32(_mm256_madd_epi16(p, ones), corr);
+        }
+        (void)corr;
+        return _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(x0, lo)), ones),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(x1, hi)), ones));
+#endif
+    }
+};
+
 // The activation's bytes that meet piece `h` of the 8 values G (4 bits: h 0 the low nibbles' even elements,
 // 1 the odd ones; 8 bits: x's order).
 template <int Bits>
 QK inline size_t x_piece(size_t g, int h) {
     if constexpr (Bits == 8) return 8 * g + 4 * size_t(h);
-    const size_t kb = g / 4;
-    return kb / 4 * 128 + size_t(h) * 64 + kb % 4 * 16 + g % 4 * 4;
+    // (block kb = g / 4: kb / 4 * 128 + h * 64 + kb % 4 * 16 + g % 4 * 4, i.e. 128 bytes a group of 16 pieces)
+    return 4 * g + g / 16 * 64 + size_t(h) * 64;
 }
 
 // T tiles of a group (from tile t0, all in one group) by C activation rows; rows of the tiles outside [j0, j1)
@@ -289,6 +343,9 @@ QK void ptile(const QPack& p, size_t t0, const uint8_t* x, size_t ldx, const QAc
     for (int t = 0; t < T; ++t)
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) acc[t][c] = Vec::zero();
+    const uint8_t* xc[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) xc[c] = x + c * ldx;
     size_t g = 0;
     for (size_t b = 0; b < nb; ++b) {
         Vec::F part[T][C];
@@ -297,28 +354,23 @@ QK void ptile(const QPack& p, size_t t0, const uint8_t* x, size_t ldx, const QAc
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c) part[t][c] = Vec::zero();
         for (size_t e = 0; e < per_block; ++e, ++g) {
-            Vec::I lo[T], hi[T];
+            const uint8_t* wg = w + g * pieces * stride;
+            if constexpr (kPackAhead > 0)
+#pragma GCC unroll 2
+                for (size_t h = 0; h < pieces * stride; h += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(wg + h + kPackAhead), _MM_HINT_T0);
+            Piece<Bits> pc[T];
 #pragma GCC unroll 8
-            for (int t = 0; t < T; ++t) {
-                const uint8_t* wt = w + g * pieces * stride + t * piece;
-                if constexpr (Bits == 8) {
-                    lo[t] = Vec::load(wt), hi[t] = Vec::load(wt + stride);
-                } else {
-                    const Vec::I u = Vec::load(wt);
-                    lo[t] = Vec::low_nibbles(u), hi[t] = Vec::high_nibbles(u);
-                }
-            }
-            const size_t lane = Bits == 8 ? 2 * g : g;  // QAct's lane of these 8 values
+            for (int t = 0; t < T; ++t) pc[t].load(wg + t * piece, stride);
+            const size_t lane = Bits == 8 ? 2 * g : g, xo = x_piece<Bits>(g, 0);  // QAct's lane of these 8 values
 #pragma GCC unroll 8
             for (int c = 0; c < C; ++c) {
-                const uint8_t* xc = x + c * ldx;
-                const Vec::I corr = Vec::set1_32(load32(xc + a.corr_at + 4 * lane));
-                const Vec::I x0 = Vec::set1_32(load32(xc + x_piece<Bits>(g, 0)));
-                const Vec::I x1 = Vec::set1_32(load32(xc + x_piece<Bits>(g, 1)));
-                const Vec::F xs = Vec::set1(reinterpret_cast<const float*>(xc + a.scale_at)[lane]);
+                const Vec::I corr = Piece<Bits>::kCorr ? Vec::set1_32(load32(xc[c] + a.corr_at + 4 * lane)) : Vec::I();
+                const Vec::I x0 = Vec::set1_32(load32(xc[c] + xo));
+                const Vec::I x1 = Vec::set1_32(load32(xc[c] + xo + (Bits == 8 ? 4 : 64)));
+                const Vec::F xs = Vec::set1(reinterpret_cast<const float*>(xc[c] + a.scale_at)[lane]);
 #pragma GCC unroll 8
-                for (int t = 0; t < T; ++t)
-                    part[t][c] = Vec::fma(Vec::cvt(Vec::dot(Vec::dot(corr, lo[t], x0), hi[t], x1)), xs, part[t][c]);
+                for (int t = 0; t < T; ++t) part[t][c] = Vec::fma(Vec::cvt(pc[t].with(corr, x0, x1)), xs, part[t][c]);
             }
         }
 #pragma GCC unroll 8
@@ -371,4 +423,3 @@ QK void qrows_dot_packed(const uint8_t* x, size_t m, const QPack& p, size_t j0, 
     if (p.bits == 4) return pdot<4>(x, m, p, j0, n, y, ldy);
     return pdot<8>(x, m, p, j0, n, y, ldy);
 }
-#endif

@@ -5,6 +5,9 @@
 //   kernels_driver paths                      prints "<qpath_name> <index_path_name>"
 //   kernels_driver <op> <input> <output>      op: qdot quantize rows_dot rows_axpy attend swiglu index
 //
+// MTP_TRT_CPU_ISA selects the instruction set (kernels.h cpu_isa); where it cannot be had the driver refuses,
+// as the operators' library does: its one line (cpu_isa_error) on stderr, exit status 2.
+//
 // An input file is 8 int64 parameters, then the op's arrays back to back (their sizes follow from the
 // parameters); the output is the op's float32 (or byte) results back to back.
 #include <cstdint>
@@ -122,6 +125,7 @@ void run(const std::string& op, Input& in, const char* out) {
 
 int main(int argc, char** argv) {
     try {
+        if (*cpu_isa_error()) throw std::runtime_error(cpu_isa_error());
         if (argc == 2 && std::string(argv[1]) == "paths") {
             std::printf("%s %s\n", qpath_name(), index_path_name());
             return 0;
