@@ -14,6 +14,7 @@ at the output path.
 
 from __future__ import annotations
 
+import contextlib
 import io as io_module
 import json
 import shutil
@@ -98,16 +99,30 @@ class _WeightsAsInputs(torch.nn.Module):
                 m._parameters[key] = p
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread while it lasts.  Tracing runs thousands of tiny operators (the example inputs are
+    B=2, S=3, the weights placeholders) and torch's exporter passes; on several threads each operator pays for
+    waking and joining the others, which costs several times the work itself (on a busy machine, tens of
+    milliseconds an operator).  The weights are computed afterwards, on all threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _trace(module: torch.nn.Module, io: tuple[list[dict], list[dict]], cfg: ModelConfig, dtype: torch.dtype,
            lowering: str) -> onnx.ModelProto:
     """The graph as torch.onnx traces it on the placeholder weights: parameters as inputs named as the
-    module's parameters, nothing folded (streaming.fold_graph folds)."""
+    module's parameters, nothing folded (streaming.fold_graph folds); on one thread (_one_thread)."""
     inputs, outputs = io
     wrapper = _WeightsAsInputs(module)
     args = tuple(_example(s, cfg, dtype) for s in inputs) + tuple(p for _, p in module.named_parameters())
     axes = {s["name"]: {i: d for i, d in enumerate(s["shape"]) if isinstance(d, str)} for s in inputs + outputs}
     buf = io_module.BytesIO()
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), _one_thread():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
         torch.onnx.export(wrapper, args, buf, dynamo=False, opset_version=OPSET, do_constant_folding=False,
                           input_names=[s["name"] for s in inputs] + wrapper.names,

@@ -1,8 +1,10 @@
 """ONNX Runtime's fused CPU operators (`com.microsoft` domain) for the onnx lowering's graphs when they are
 meant for ONNX Runtime only (the default; `--moe-form tensorrt` keeps standard operators, for TensorRT).
 
-Each is a torch.autograd.Function that computes the reference's arithmetic when traced and exports as one
-ONNX Runtime node, to cut the kernels a decode step launches (docs/benchmarks.md):
+Each is a torch.autograd.Function that computes the reference's arithmetic when run and exports as one
+ONNX Runtime node, to cut the kernels a decode step launches (docs/benchmarks.md).  While traced, the heavy
+ones (MoE, MlaAttention, MlaSelfAttention) return zeros of their output's shape: the export traces them on
+placeholder weights, where the values steer nothing, and computing them was a large share of the tracing.
   * RotaryEmbedding: RoPE on x [B, S, heads * Dr] at positions [B, S] from the cos/sin tables [P, Dr/2]
     (model.apply_rope's products; either pair layout) -- one node instead of a gather and two multiply-adds;
   * SkipSimplifiedLayerNormalization: a residual add and the RMSNorm after it, (norm(h + delta), h + delta) --
@@ -130,6 +132,8 @@ class CpuMoEOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, bias, fc1, fc2, shared_fc1, shared_fc2, attrs: tuple):
+        if torch.jit.is_tracing():  # the output's shape is all a trace needs
+            return torch.zeros_like(x)
         *routing, norm, scaling = attrs
         scores, idx = select_experts(x, gate, bias, *routing)
         w = scores.gather(-1, idx)
@@ -221,6 +225,8 @@ class CpuMlaOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_lat, q_pe, rows, cache, past_len, visible, selected, heads: int, scale: float):
+        if torch.jit.is_tracing():  # (as CpuMoEOp)
+            return torch.zeros_like(q_lat)
         b, s, _ = q_lat.shape
         r, t = rows.shape[1], cache.shape[1]
         q = torch.cat([q_lat.unflatten(-1, (heads, -1)), q_pe.unflatten(-1, (heads, -1))], -1).float()
@@ -260,6 +266,9 @@ class CpuMlaSelfOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, kv_norm, positions, cache, past_len, extra, visible, w_uk, w_uv, tables: tuple,
                 heads: int, scale: float, eps: float, interleave: int):
+        if torch.jit.is_tracing():  # (as CpuMoEOp)
+            width = heads * (kv_norm.shape[0] if w_uv is None else w_uv.shape[1])
+            return q.new_zeros((*q.shape[:-1], width)), torch.zeros_like(kv)
         *tables, dtype = tables
         cos, sin = (torch.from_numpy(t).to(dtype)[positions] for t in tables)  # [B, S, Dr/2]
         dl, dr = kv_norm.shape[0], 2 * cos.shape[-1]

@@ -438,7 +438,8 @@ def run(
     v.check_threads(threads)
     with StageDisplay("preparing the model") as show:
         runner = open_runner(model, mtp_mode, threads=threads or None, cuda_graphs=cuda_graphs, progress=show,
-                             bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size), batch=len(prompts))
+                             bos=bos, verify=verify, scheme=v.quant_scheme(quant, group_size), batch=len(prompts),
+                             trees=bool(tree_topk and tree_topk >= 2))  # (a checkpoint's export)
     manifest = runner.manifest
     opts = runner.options(nextn, sampling=SamplingParams(temperature, top_k, top_p), max_new_tokens=max_new_tokens,
                           relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, tree_topk=tree_topk,

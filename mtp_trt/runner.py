@@ -56,11 +56,14 @@ MODELS = "an engine directory (engines.json), an export directory (manifest.json
 
 
 def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None, verify: bool = False,
-                   scheme: Scheme | None = None, batch: int = 1, bos: bool | None = None) -> Manifest:
+                   scheme: Scheme | None = None, batch: int = 1, bos: bool | None = None,
+                   trees: bool = True) -> Manifest:
     """An export directory as is; a checkpoint exported (once) into the cache with all its MTP modules, the
     weights quantized as `scheme` says (default: not) and caches for `batch` sequences (at least the export's
     default), its BOS rule (with --bos/--no-bos: `bos`) checked before.  Either is checked against its manifest's
-    hashes (once per change of its files; every time with `verify`)."""
+    hashes (once per change of its files; every time with `verify`).  `trees`: whether the caller may draft
+    trees; a checkpoint's export without them (cache_entry's `trees`) leaves out the tree step graphs, a third of
+    a first run's export, unless the cache already holds the export with them."""
     from mtp_trt.validate import directory
 
     path = directory(Path(model) if model else demo_model(), MODELS, hub=True)
@@ -81,35 +84,39 @@ def resolve_export(model: str | Path | None, mtp_mode: str | None, progress=None
     mode = mtp_mode or "eagle"
     scheme = scheme or Scheme()
     max_batch = max(batch, DEFAULT_MAX_BATCH)
-    m = export_cached(path, cache_entry(path, mode, scheme, max_batch), mode, progress or (lambda msg: None), scheme,
-                      max_batch, bos)
+    trees = trees or (cache_entry(path, mode, scheme, max_batch) / "manifest.json").is_file()
+    m = export_cached(path, cache_entry(path, mode, scheme, max_batch, trees), mode, progress or (lambda msg: None),
+                      scheme, max_batch, bos, trees)
     verify_export(m, force=verify)
     return m
 
 
-def cache_entry(ckpt: Path, mode: str, scheme: Scheme, max_batch: int) -> Path:
+def cache_entry(ckpt: Path, mode: str, scheme: Scheme, max_batch: int, trees: bool = True) -> Path:
     """Where a checkpoint's export with these options lives in the cache (its name: the checkpoint's, the mode, the
-    quantization, and the checkpoint_key of its files and the options)."""
+    quantization, `-chain` for an export without tree step graphs (`trees` False), and the checkpoint_key of its
+    files and the options)."""
     from mtp_trt.plugins import ort_lib
 
     key = checkpoint_key(ckpt, mode=mode, cpu_ops=ort_lib.available()[0],  # (the default export uses them if it can)
                          **({"quant": scheme.tag} if scheme.quantized else {}),
-                         **({"max_batch": max_batch} if max_batch != DEFAULT_MAX_BATCH else {}))
+                         **({"max_batch": max_batch} if max_batch != DEFAULT_MAX_BATCH else {}),
+                         **({} if trees else {"trees": "none"}))
     from mtp_trt.hub import snapshot_name
 
     # the key tells entries apart; the name is for people (a Hugging Face snapshot's: its repo's name and commit),
     # cut short so that the names of the entry's lock and partial files stay within the file system's 255 bytes
     name = (snapshot_name(ckpt) or ckpt.name)[:CACHE_NAME_CHARS]
-    return cache_dir("exports") / f"{name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}-{key}"
+    return cache_dir("exports") / (f"{name}-{mode}{'-' + scheme.tag if scheme.quantized else ''}"
+                                   f"{'' if trees else '-chain'}-{key}")
 
 
 def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = Scheme(),
-                  max_batch: int = DEFAULT_MAX_BATCH, bos: bool | None = None) -> Manifest:
+                  max_batch: int = DEFAULT_MAX_BATCH, bos: bool | None = None, trees: bool = True) -> Manifest:
     """Export `ckpt` into the cache entry `out` unless it is there.  Any number of processes may ask at once:
     one exports (under a lock file in cache_dir("locks")), the others say that they wait, wait and reuse its
     result.  Partial directories left by killed processes are removed first (never a live one's: fsutil).  The
     export's stages are reported as `caching NAME: STAGE`, the first of them torch's import and the checks (the
-    weight scan included), before anything is exported."""
+    weight scan included), before anything is exported.  `trees`: the default tree step graphs, or none."""
     from mtp_trt.config import ModelConfig
     from mtp_trt.fsutil import locked, remove_stale_partials
     from mtp_trt.tokenizer import bos_policy, check_vocab, load_tokenizer
@@ -137,7 +144,7 @@ def export_cached(ckpt: Path, out: Path, mode: str, progress, scheme: Scheme = S
                 from mtp_trt.exporters.export import export  # torch: only on first use
 
                 try:
-                    export(ckpt, out, mtp_mode=mode, progress=stage,
+                    export(ckpt, out, mtp_mode=mode, progress=stage, trees=None if trees else "none",
                            quant_scheme=scheme.name, group_size=scheme.block_size, max_batch=max_batch)
                 except OSError as e:  # the cache's file system is full (or over quota): the cache is the place
                     if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -163,12 +170,13 @@ def verify_engines(engine_dir: Path, force: bool = False) -> dict:
 
 def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: int | None = None,
                 cuda_graphs: bool = True, progress=None, bos: bool | None = None, verify: bool = False,
-                scheme: Scheme | None = None, batch: int = 1, command: str = "run") -> Runner:
+                scheme: Scheme | None = None, batch: int = 1, command: str = "run", trees: bool = True) -> Runner:
     """A Runner for an engine directory (engines.json: TensorRT on the GPU, mtp_trt/trt/runtime.py), an export
     directory or a checkpoint (ONNX Runtime on the CPU).  The files are checked against their manifest's hashes
     (once per change of the files; every time with `verify`); `bos`: see mtp_trt.tokenizer; `scheme`: the
     quantization a checkpoint is exported with (resolve_export); `command`: the mtp-trt command asking (run or
-    serve), for the message of engines this machine cannot run."""
+    serve), for the message of engines this machine cannot run; `trees`: whether the caller may draft trees
+    (resolve_export)."""
     from mtp_trt.validate import directory
 
     path = directory(Path(model) if model else demo_model(), MODELS, hub=True)
@@ -184,7 +192,7 @@ def open_runner(model: str | Path | None, mtp_mode: str | None = None, threads: 
         verify_engines(path, force=verify)
         return Runner(m, TrtBackend(path, cuda_graphs=cuda_graphs, command=command), bos=bos)
     return Runner(resolve_export(path, mtp_mode, progress=progress, verify=verify, scheme=scheme, batch=batch,
-                                 bos=bos), threads=threads, bos=bos)
+                                 bos=bos, trees=trees), threads=threads, bos=bos)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:

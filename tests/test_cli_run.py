@@ -32,6 +32,30 @@ def test_run_exports_a_checkpoint_on_first_use_then_reuses_it(ckpt, tmp_path):
     assert len(list((tmp_path / "cache" / "exports").iterdir())) == 1
 
 
+def test_run_exports_tree_graphs_only_when_a_tree_is_drafted(ckpt, tmp_path):
+    """A run drafting chains exports no tree step graphs (a third of the export); one with --tree-topk exports
+    the checkpoint with them, which later runs of either kind reuse."""
+    env = {"MTP_TRT_CACHE_DIR": str(tmp_path / "cache")}
+    exports = tmp_path / "cache" / "exports"
+    chain = mtp_trt("run", ckpt, "-p", "def f(x):", "--max-new-tokens", "12", env=env)
+    assert chain.returncode == 0, chain.stderr
+    assert "exporting step_2.onnx" in chain.stderr and "exporting tree_" not in chain.stderr
+    [entry] = exports.iterdir()
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert manifest["trees"] == [] and not [g for g in manifest["graphs"] if g.startswith("tree_")]
+    assert not list(entry.glob("tree_*"))
+    tree = mtp_trt("run", ckpt, "-p", "def f(x):", "--max-new-tokens", "12", "--tree-topk", "2", env=env)
+    assert tree.returncode == 0, tree.stderr
+    assert "exporting tree_2_2_4.onnx" in tree.stderr and "tree 2:2:4" in tree.stderr
+    assert tree.stdout == chain.stdout  # greedy: a tree drafts, the output is the model's
+    assert len(list(exports.iterdir())) == 2
+    for argv in ([], ["--tree-topk", "2"]):
+        again = mtp_trt("run", ckpt, "-p", "def f(x):", "--max-new-tokens", "12", *argv, env=env)
+        assert again.returncode == 0 and "exporting" not in again.stderr, again.stderr
+        assert again.stdout == chain.stdout
+    assert len(list(exports.iterdir())) == 2
+
+
 def test_run_json_batch_and_nextn_zero_agree(ckpt, tmp_path):
     out = tmp_path / "exp"
     assert mtp_trt("export", ckpt, "-o", out, "--mtp-mode", "vanilla").returncode == 0

@@ -334,3 +334,31 @@ def test_half_precision_exports(ckpt, tmp_path, dtype, onnx_type):
         with torch.no_grad():
             ref = load_checkpoint(ckpt, nextn=0)(torch.from_numpy(ids).long())[0].numpy()
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+
+
+def test_tracing_runs_on_one_thread_and_restores_torch_threads(ckpt, tmp_path, monkeypatch):
+    """Tracing's thousands of tiny operators run on one thread (on several, each paid for waking the others: most
+    of a first run's time on a busy machine); the weights are computed, and torch left, on the threads it had --
+    also when the export stops in the middle of a trace."""
+    seen, trace, cut = [], torch.onnx.export, []
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        if cut:
+            raise KeyboardInterrupt
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        export(ckpt, tmp_path / "out", nextn=1, max_seq_len=64)
+        assert len(seen) == 4 and set(seen) == {1}  # target, mtp_0, step_0, step_1
+        assert torch.get_num_threads() == 2
+        cut.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            export(ckpt, tmp_path / "cut", nextn=1, max_seq_len=64)
+        assert torch.get_num_threads() == 2
+        assert not (tmp_path / "cut").exists()
+    finally:
+        torch.set_num_threads(before)

@@ -307,7 +307,7 @@ def test_progress_on_a_log_is_whole_lines_in_order(ckpt, tmp_path, monkeypatch):
     shutil.copytree(ckpt, long)
     cache = tmp_path / "cache"
     monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(cache))
-    entry = cache_entry(long, "eagle", Scheme(), DEFAULT_MAX_BATCH)
+    entry = cache_entry(long, "eagle", Scheme(), DEFAULT_MAX_BATCH, trees=False)  # a run that drafts no tree
     lines, waiting = [], threading.Event()
     with locked(cache / "locks" / f"{entry.name}.lock"):  # another process exporting it, as far as run can tell
         p = subprocess.Popen(["mtp-trt", "run", str(long), "-p", "x", "--max-new-tokens", "2"], stdout=subprocess.PIPE,
