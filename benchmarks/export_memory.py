@@ -3,7 +3,7 @@ placeholder weights, folding, writing its weights to weights.bin, checking), sam
 and the process's own peak (VmHWM) at the end.
 
   python benchmarks/export_memory.py CHECKPOINT OUT [--nextn 1] [--max-seq-len 1024]
-  python benchmarks/export_memory.py 304m OUT       # benchmarks/real_size.py's random 304M checkpoint
+  python benchmarks/export_memory.py 304m OUT       # the random 304M checkpoint (benchmarks/bench_common.py)
 
 The export streams the weights (exporters/streaming.py): its peak is a fixed overhead (Python, torch,
 the traced graphs) plus a few times the largest layer's tensors, not the model's size.
@@ -26,14 +26,15 @@ def status_mb(key: str) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoint", help="a checkpoint directory, or a size of benchmarks/real_size.py (85m, 304m)")
+    ap.add_argument("checkpoint", help="a checkpoint directory, or the size of a random checkpoint of "
+                                       "benchmarks/bench_common.py (85m, 304m)")
     ap.add_argument("out")
     ap.add_argument("--nextn", type=int, default=1)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     a = ap.parse_args()
     ckpt = a.checkpoint
     if not Path(ckpt).is_dir():  # made (or found in the cache) by a process of its own: it holds the model
-        code = f"import real_size; print(real_size.make_checkpoint({ckpt!r}))"
+        code = f"import bench_common; print(bench_common.make_checkpoint({ckpt!r}))"
         ckpt = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, check=True,
                               capture_output=True, text=True).stdout.strip().splitlines()[-1]
 

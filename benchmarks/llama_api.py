@@ -1,8 +1,9 @@
-"""llama.cpp for the benchmarks that set it beside mtp-trt (benchmarks/llama_cpp.py, benchmarks/quant_quality.py):
-GGUF files made with llama.cpp's own tools, mtp-trt exports of the same checkpoints, and llama.cpp driven through
-its C API as its own programs drive it.
+"""llama.cpp for the benchmarks that set it beside mtp-trt (benchmarks/beside_llama_cpp.py, quant_quality.py,
+serve.py, v2_lite.py): GGUF files made with llama.cpp's own tools, mtp-trt exports of the same checkpoints, and
+llama.cpp driven through its C API as its own programs drive it.  It imports no benchmark script (only
+benchmarks/bench_common.py).
 
-GGUF files, cached in mtp-trt's cache directory, in bench-real-size (real_size.cache_dir(); never in git):
+GGUF files, cached in mtp-trt's cache directory, in bench-real-size (bench_common.cache_dir(); never in git):
 
 * f32: llama.cpp's converter (`convert_hf_to_gguf.py`, unpacked from llama-cpp-python's source distribution)
   run on the Hugging Face checkpoint with `--outtype f32`, in the Python that runs mtp-trt (it needs torch).
@@ -49,7 +50,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from real_size import cache_dir, peak_rss_mb, read_mapped, revision  # noqa: E402
+from bench_common import cache_dir, peak_rss_mb, read_mapped, revision  # noqa: E402
 
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 GGUF_TYPES = {"f32": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
@@ -63,20 +64,12 @@ LLAMA_SETTINGS = {"default": (True, True), "--no-repack": (False, True), "--load
 
 
 def import_llama():
-    """The llama_cpp package (not benchmarks/llama_cpp.py, which its directory on sys.path would shadow it
-    with), or SystemExit saying how to get it."""
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-    mod = sys.modules.get("llama_cpp")
-    if mod is not None and not hasattr(mod, "llama_decode"):
-        del sys.modules["llama_cpp"]
+    """The llama_cpp package (llama-cpp-python), or SystemExit saying how to get it."""
     try:
         import llama_cpp
     except ImportError as e:
         raise SystemExit(f"{sys.executable}: the llama_cpp package cannot be imported ({e}); `pip install "
                          f"llama-cpp-python`, or pass --llama-python with a Python that has it") from None
-    finally:
-        sys.path[:] = saved
     missing = [f for f in ("llama_decode", "llama_sampler_chain_init", "llama_model_quantize", "llama_memory_clear",
                            "llama_batch_init", "llama_get_logits") if not hasattr(llama_cpp, f)]
     if missing:
@@ -410,7 +403,7 @@ def decode_child(gguf: str, ids: list[int], tokens: int, rounds: int, threads: i
     """(in a child process, a Python with llama_cpp) one GGUF alone with model settings `settings`
     (LLAMA_SETTINGS), as benchmarks/v2_lite.py times an export: new tokens / seconds of a whole generation
     (prompt included), the median of `rounds` after a warm-up, the tokens, the process's peak RSS, and its peak
-    RSS once every page of its mappings of the GGUF file has been read (real_size.read_mapped)."""
+    RSS once every page of its mappings of the GGUF file has been read (bench_common.read_mapped)."""
     import statistics
 
     engine = LlamaEngine(gguf, n_ctx=len(ids) + tokens + 16, threads=threads, settings=settings)
@@ -450,7 +443,8 @@ def main():
                 "logits": logits_child, "greedy": greedy_child}
         print(json.dumps(jobs[name](*args)))
         return
-    raise SystemExit("a module of benchmarks/llama_cpp.py and benchmarks/quant_quality.py; run those")
+    raise SystemExit("a module of the benchmarks that set llama.cpp beside mtp-trt (benchmarks/beside_llama_cpp.py, "
+                     "quant_quality.py, serve.py, v2_lite.py); run those")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Quantized-weight CPU operators on ONNX Runtime: mtp-trt's `mtp_trt.cpu::QMatMul` and `QMoE` against ONNX Runtime's
 `com.microsoft::MatMulNBits` (accuracy_level 4: int8 activations; the same bytes) and `com.microsoft::QMoE`, and the
 fp32 forms (`MatMul`, `mtp_trt.cpu::MoE`), on the shapes of the project's checkpoints: the 85M and 304M random
-checkpoints of benchmarks/real_size.py and DeepSeek-V2-Lite (hidden 2048, 64 experts top-6 of width 1408, 2 shared).
+checkpoints (benchmarks/bench_common.py) and DeepSeek-V2-Lite (hidden 2048, 64 experts top-6 of width 1408, 2 shared).
 
   python benchmarks/quant_ops.py                       # every table, 2 threads
   python benchmarks/quant_ops.py --tables matmul --models v2-lite --rows 1 64

@@ -5,7 +5,7 @@ in CI.
   python benchmarks/quant_quality.py --llama-python LLAMA_VENV/bin/python [--sdist SDIST] \\
       [--quant none int8 int4] [--group-size 32] [--gguf f32 q8_0 q4_0 q4_k_m] [--windows N] [--tokens 128]
 
-(LLAMA_VENV, SDIST: as in benchmarks/llama_cpp.py; --sdist is needed while the demo's f32 GGUF is not cached.)
+(LLAMA_VENV, SDIST: as in benchmarks/beside_llama_cpp.py; --sdist is needed while the demo's f32 GGUF is not cached.)
 
 Held-out text: the demo model's own held-out split (samples/demo_data.py): the Python standard library files
 (of the running Python; the model was trained on 3.11.7's) whose sha1(relative path) % 100 < 5, which
@@ -55,8 +55,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_common import DEMO, cache_dir  # noqa: E402
 from llama_api import GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_export, ensure_gguf  # noqa: E402
-from real_size import DEMO, cache_dir  # noqa: E402
 
 QUANTS = ("none", "int8", "int4")
 NEXTN = 3  # the demo's MTP modules

@@ -10,7 +10,7 @@ Not run in CI.
 
 Every server runs at once (started one after another), each in its own process (mtp-trt at each --nextn, `auto`
 being --speculation auto, with --max-batch the most clients;
-llama.cpp with its f32 GGUF of the checkpoint, made as benchmarks/llama_cpp.py makes it, `--interrupt_requests
+llama.cpp with its f32 GGUF of the checkpoint, made as benchmarks/beside_llama_cpp.py makes it, `--interrupt_requests
 False` so that a new request waits instead of cutting the running one off); rounds visit them in turn (a shared
 machine drifts alike for all).  With 1 client the client asks the 8 prompts one after another; with N > 1,
 N clients each ask one prompt (prompt i mod 8), all at once.  Per configuration, medians over rounds of:

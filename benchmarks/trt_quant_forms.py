@@ -13,7 +13,7 @@ One K x N weight (default 1024 x 1024) in a one-matmul network, y = x @ W, stron
 
   python benchmarks/trt_quant_forms.py [--archs 7.5,8.0,8.6,8.9,12.0] [--k 1024 --n 1024]
 
-With --checkpoint 85m (or 304m, benchmarks/real_size.py's random checkpoints): that checkpoint exported with
+With --checkpoint 85m (or 304m, the random checkpoints of benchmarks/bench_common.py): that checkpoint exported with
 `--lowering plugin --dtype fp16 --nextn 0 --trees none` and each of `--quant none int4 fp8` instead, built for
 the first of --archs, and the sizes of its engines and weights.bin printed.
 
@@ -124,13 +124,14 @@ def build(api, builder, log, data: bytes, arch: str, k: int) -> str:
 
 
 def checkpoint_engines(size: str, arch: str, schemes=("none", "int4", "fp8")) -> None:
-    """--checkpoint: the engine sizes of one real_size.py checkpoint under each scheme (module docstring)."""
+    """--checkpoint: the engine sizes of one random checkpoint (bench_common.SIZES) under each scheme (module
+    docstring)."""
     import json
     import tempfile
 
     from mtp_trt.exporters.export import export
     from mtp_trt.trt import builder
-    from real_size import make_checkpoint
+    from bench_common import make_checkpoint
 
     ckpt = make_checkpoint(size)
     with tempfile.TemporaryDirectory(prefix="trt-quant-forms-") as tmp:

@@ -56,9 +56,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_size  # noqa: E402
+import bench_common  # noqa: E402
+from bench_common import DEMO, PROMPT, cache_dir, decode_fn, peak_rss_mb, read_mapped, revision  # noqa: E402
 from llama_api import LLAMA_SETTINGS, converter_dir, gguf_path, run_child  # noqa: E402
-from real_size import DEMO, cache_dir, decode_fn, peak_rss_mb, read_mapped, revision  # noqa: E402
 
 V2_LITE = dict(
     architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
@@ -185,7 +185,7 @@ def compare_logits(a, b) -> dict:
 
 def child(*args) -> dict:
     """This script's `--child` entry in a fresh process (its memory is its own)."""
-    return real_size.child(*args, script=__file__)
+    return bench_common.child(*args, script=__file__)
 
 
 def measured(label: str, run) -> tuple[str, str, dict]:
@@ -251,7 +251,7 @@ def main() -> None:
 
         make_q4_k_m(ckpt, q4, a)
         print(f"llama.cpp Q4_K_M: {q4.stat().st_size / GIB:.2f} GiB", flush=True)
-        ids = [1] + Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json")).encode(real_size.PROMPT).ids
+        ids = [1] + Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json")).encode(PROMPT).ids
         for settings in LLAMA_SETTINGS:
             rows.append(measured(f"llama.cpp Q4_K_M, {settings}", lambda: run_child(
                 str(a.llama_python), "decode", str(q4), ids, a.tokens, a.rounds, a.threads, settings)))

@@ -1,4 +1,4 @@
-"""benchmarks/llama_cpp.py's llama.cpp MTP drafting peer (--llama-mtp-bin), without llama.cpp: the parser on a
+"""benchmarks/beside_llama_cpp.py's llama.cpp MTP drafting peer (--llama-mtp-bin), without llama.cpp: the parser on a
 real run of llama-speculative-simple (tests/data/draft-mtp-k2.*: `--spec-type draft-mtp --spec-draft-n-max 2
 -n 16` on the demo's Q8_0 GGUF with its MTP block), the runner on a stand-in that replays that run, and the
 flag checks."""
@@ -16,8 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from llama_cpp import DraftMtpRunner, first_difference, parse_draft_mtp  # noqa: E402
-from real_size import PROMPT  # noqa: E402
+from bench_common import PROMPT  # noqa: E402
+from beside_llama_cpp import DraftMtpRunner, first_difference, parse_draft_mtp  # noqa: E402
 
 STDOUT = (DATA / "draft-mtp-k2.stdout").read_bytes()
 STDERR = (DATA / "draft-mtp-k2.stderr").read_text()
@@ -137,10 +137,11 @@ def test_llama_cpp_refuses_bad_mtp_flags_before_any_work(tmp_path):
     ]
     cache = tmp_path / "cache"
     for flags, message in cases:
-        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llama_cpp.py"), *flags], capture_output=True,
-                             text=True, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)}, timeout=120)
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "beside_llama_cpp.py"), *flags],
+                             capture_output=True, text=True, env={**os.environ, "MTP_TRT_CACHE_DIR": str(cache)},
+                             timeout=120)
         assert res.returncode == 2, res.stderr
-        assert res.stderr.strip().splitlines()[-1].startswith(f"llama_cpp.py: {message}")
+        assert res.stderr.strip().splitlines()[-1].startswith(f"beside_llama_cpp.py: {message}")
         assert "Traceback" not in res.stderr
     assert not cache.exists() or not any(cache.rglob("*"))  # no checkpoint, export or GGUF begun
 
@@ -155,7 +156,7 @@ NATIVE_INFO = AVX2_INFO.replace("AVX2 = 1 |", "AVX_VNNI = 1 | AVX2 = 1 |").repla
 
 
 def test_llama_isa_reads_the_system_info():
-    from llama_cpp import llama_isa, llama_isa_problem
+    from beside_llama_cpp import llama_isa, llama_isa_problem
 
     assert llama_isa(AVX2_INFO) == "avx2" and llama_isa(NATIVE_INFO) == "avx512-vnni"
     assert llama_isa("CPU : SSE3 = 1 | LLAMAFILE = 1 | ") == "scalar"
@@ -177,13 +178,13 @@ def fake_llama_python(tmp_path: Path, info: str) -> str:
 
 def bench(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llama_cpp.py"), *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "beside_llama_cpp.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_isa_is_one_of_the_kernels_sets():
     from mtp_trt.plugins import ort_lib
-    from llama_cpp import ISA_FEATURES
+    from beside_llama_cpp import ISA_FEATURES
 
     # (--isa compares with llama.cpp on x86-64: scalar and the x86 sets, by the kernels' names)
     assert tuple(ISA_FEATURES) == tuple(i for i in ort_lib.CPU_ISAS if not i.startswith("neon"))
@@ -199,13 +200,13 @@ def test_isa_refuses_a_llama_cpp_built_for_other_sets(tmp_path):
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1] == (
         f"--isa avx2: --llama-python {native}: its ggml was built with AVX512, AVX_VNNI, AVX512_VNNI, AMX_INT8 "
-        "(build llama-cpp-python for avx2: see benchmarks/llama_cpp.py's docstring)")
+        "(build llama-cpp-python for avx2: see benchmarks/beside_llama_cpp.py's docstring)")
 
 
 def test_isa_sets_the_kernels_set_for_mtp_trt(tmp_path, monkeypatch):
     """check_isa: MTP_TRT_CPU_ISA for every process from then on (what a fresh process's kernels take), and
     llama.cpp's system info back where it is built for the set."""
-    import llama_cpp as bench_module
+    import beside_llama_cpp as bench_module
 
     monkeypatch.setenv("MTP_TRT_CPU_ISA", "")  # (restored after: check_isa sets it for the rest of the process)
     assert bench_module.check_isa("scalar", fake_llama_python(tmp_path, "CPU : SSE3 = 1 | ")) == "CPU : SSE3 = 1 |"
@@ -215,8 +216,8 @@ def test_isa_sets_the_kernels_set_for_mtp_trt(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- --prefill
 def test_prefill_prompts_have_the_asked_length():
-    from llama_cpp import prefill_ids, prompt_ids
-    from real_size import DEMO
+    from bench_common import DEMO
+    from beside_llama_cpp import prefill_ids, prompt_ids
 
     tok = DEMO / "tokenizer.json"
     one = prompt_ids(tok)
@@ -227,8 +228,8 @@ def test_prefill_prompts_have_the_asked_length():
 
 
 def test_prefill_exports_hold_the_longest_prompt():
+    from beside_llama_cpp import prefill_rows
     from llama_api import EXPORT_ROWS, export_path
-    from llama_cpp import prefill_rows
 
     assert prefill_rows("85m", [50, 512]) is None and prefill_rows("85m", [EXPORT_ROWS - 2]) is None
     assert prefill_rows("304m", [50, 2048]) == 2304 and prefill_rows("demo", [2048]) is None
@@ -237,7 +238,7 @@ def test_prefill_exports_hold_the_longest_prompt():
 
 
 def test_prefill_table_times_the_first_token_and_pairs_equal_bits():
-    from llama_cpp import label, prefill_table
+    from beside_llama_cpp import label, prefill_table
 
     runs = {("llama", "q8_0"): [{"first": 0.2}, {"first": 0.4}, {"first": 0.3}],
             ("llama", "q4_k_m"): [{"first": 0.5}, {"first": 0.5}, {"first": 0.5}],

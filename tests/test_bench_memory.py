@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from real_size import read_mapped  # noqa: E402
+from bench_common import read_mapped  # noqa: E402
 
 
 def rss_mib() -> float:

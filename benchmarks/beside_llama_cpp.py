@@ -4,7 +4,7 @@ int4).  Not run in CI.
 
   python -m venv LLAMA_VENV && LLAMA_VENV/bin/pip install llama-cpp-python==0.3.36
   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d SDIST_DIR
-  python benchmarks/llama_cpp.py --llama-python LLAMA_VENV/bin/python \\
+  python benchmarks/beside_llama_cpp.py --llama-python LLAMA_VENV/bin/python \\
       --sdist SDIST_DIR/llama_cpp_python-0.3.36.tar.gz [--sizes demo 85m 304m] \\
       [--quant none int8 int4] [--group-size 32] [--gguf f32 q8_0 q4_0 q4_k_m] \\
       [--tokens 64] [--rounds 5] [--threads 2] [--nextn 0 1 2 3] [--prompt-repeat 1] [--no-spin] [--transformers]
@@ -25,7 +25,7 @@ minutes on 2 cores):
       -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
       -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
       LLAMA_AVX2/bin/pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36
-  python benchmarks/llama_cpp.py --isa avx2 --llama-python LLAMA_AVX2/bin/python ...
+  python benchmarks/beside_llama_cpp.py --isa avx2 --llama-python LLAMA_AVX2/bin/python ...
 
 (--llama-mtp-bin's binary is not checked: build it with the same flags.)
 
@@ -36,7 +36,7 @@ llama_decode) and prefill tokens/s = N / that time, medians; mtp-trt over llama.
 of per-round ratios.  The 85m / 304m exports hold 1024 rows a sequence: a longer prompt gets exports of its own
 that hold it (the rows rounded up to 256, cached beside the others).
 
-Checkpoints: the demo (samples/demo-model) and benchmarks/real_size.py's random 85m / 304m (made on the fly).
+Checkpoints: the demo (samples/demo-model) and the random 85m / 304m of benchmarks/bench_common.py (made on the fly).
 GGUFs: llama.cpp's converter (f32) and llama_model_quantize (Q8_0, Q4_0, Q4_K_M), benchmarks/llama_api.py.
 mtp-trt: one export per --quant (the demo with all its MTP modules; 85m / 304m with nextn 1, max_seq_len 1024,
 as real_size.py exports them).  Everything converted or exported goes under mtp-trt's cache directory, in
@@ -97,9 +97,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import DEMO, PROMPT, make_checkpoint, peak_rss_mb  # noqa: E402
 from llama_api import (EXPORT_ROWS, GGUF_LABELS, GGUF_TYPES, LlamaEngine, ensure_export, ensure_gguf,  # noqa: E402
                        run_child)
-from real_size import DEMO, PROMPT, make_checkpoint, peak_rss_mb  # noqa: E402
 
 QUANTS = ("none", "int8", "int4")
 PAIRS = (("none", "f32"), ("int8", "q8_0"), ("int4", "q4_k_m"), ("int4", "q4_0"))  # same bits: mtp-trt / llama.cpp
@@ -481,7 +481,7 @@ def check_isa(isa: str, llama_python: str) -> str:
     why = llama_isa_problem(info, isa)
     if why:
         raise SystemExit(f"--isa {isa}: --llama-python {llama_python}: {why} (build llama-cpp-python for {isa}: "
-                         f"see benchmarks/llama_cpp.py's docstring)")
+                         f"see benchmarks/beside_llama_cpp.py's docstring)")
     return info
 
 
