@@ -36,12 +36,16 @@ class Hub:
                 self._send(status, json.dumps({"error": code}).encode(), {"X-Error-Code": code,
                                                                           "Content-Type": "application/json"}, head)
 
-            def _repo(self, repo_id, head=False):
+            def _repo(self, repo_id, rev, head=False):
+                """(sha, files) of repo_id at rev ("main" or its sha), else None with the Hub's error sent."""
                 if repo_id not in hub.repos:
                     self._error(401, "RepoNotFound", head)
                     return None
                 if repo_id in hub.gated and self.headers.get("authorization") != f"Bearer {hub.token}":
                     self._error(401, "GatedRepo", head)
+                    return None
+                if rev not in ("main", hub.repos[repo_id][0]):
+                    self._error(404, "RevisionNotFound", head)
                     return None
                 return hub.repos[repo_id]
 
@@ -52,12 +56,10 @@ class Hub:
                 if parts[:2] == ["api", "models"]:
                     # /api/models/ORG/NAME/revision/REV
                     repo_id, rev = "/".join(parts[2:4]), parts[5] if len(parts) > 5 else "main"
-                    repo = self._repo(repo_id, head)
+                    repo = self._repo(repo_id, rev, head)
                     if repo is None:
                         return
                     sha, files = repo
-                    if rev not in ("main", sha):
-                        return self._error(404, "RevisionNotFound", head)
                     if len(parts) > 4 and parts[4] == "tree":
                         body = [{"type": "file", "path": f, "size": len(d),
                                  "oid": hashlib.sha1(b"blob %d\0" % len(d) + d).hexdigest()} for f, d in files.items()]
@@ -67,12 +69,10 @@ class Hub:
                     return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head)
                 if len(parts) >= 5 and parts[2] == "resolve":
                     repo_id, rev, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-                    repo = self._repo(repo_id, head)
+                    repo = self._repo(repo_id, rev, head)
                     if repo is None:
                         return
                     sha, files = repo
-                    if rev not in ("main", sha):
-                        return self._error(404, "RevisionNotFound", head)
                     if name not in files:
                         return self._error(404, "EntryNotFound", head)
                     data = files[name]
