@@ -660,8 +660,8 @@ def test_sigterm_finishes_the_running_request(demo, tmp_path):
         while line := r.readline():
             if line.strip():
                 lines.append(line.decode().strip())
-            if len(lines) == 3:
-                proc.send_signal(signal.SIGTERM)
+                if len(lines) == 3:  # one signal (a second one means: stop at once)
+                    proc.send_signal(signal.SIGTERM)
         conn.close()
         assert lines[-1] == "data: [DONE]"
         chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
