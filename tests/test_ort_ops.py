@@ -258,6 +258,28 @@ def test_mla_self_attention_rows_do_not_depend_on_their_neighbours():
     assert np.array_equal(rows1[0, 0], rows[0, 2]) and np.array_equal(out1[0, 0], out[0, 2])
 
 
+def test_mla_attention_reads_no_row_after_the_last_visible_one():
+    """A token's attention stops at its last visible row (a prompt's token does not read the rows of the tokens
+    after it): those rows set to NaN leave every output finite and the same bits as with the rows there."""
+    b, s, h, dl, dr, t, r = 2, 6, 4, 32, 16, 10, 6
+    ins = mla_inputs(np.random.default_rng(7), b, s, h, dl, dr, t, r, None)
+    want = run_node("MlaAttention", ins, dict(heads=h, scale=0.2))
+    masked = dict(ins, visible=np.tril(np.ones((1, s, r), bool)))  # causal, as without a mask
+    for last in range(s):  # token `last` sees rows 0..last; rows after it NaN
+        poisoned = dict(masked, rows=ins["rows"].copy())
+        poisoned["rows"][:, last + 1:] = np.nan
+        got = run_node("MlaAttention", poisoned, dict(heads=h, scale=0.2))
+        assert np.array_equal(got[:, last], want[:, last]), last
+    q = mla_self_inputs(np.random.default_rng(8), 1, 5, 4, 16, 24, 8, 12, 12, 0, None, True)
+    attrs = dict(heads=4, scale=0.2, eps=1e-6, interleave=1)
+    out, _ = run_node("MlaSelfAttention", q, attrs, outputs=2)
+    assert np.isfinite(out).all()
+    poisoned = dict(q, kv=q["kv"].copy())
+    poisoned["kv"][:, 3:] = np.nan  # tokens 3, 4 (NaN rows); tokens 0..2 must not see them
+    out_p, _ = run_node("MlaSelfAttention", poisoned, attrs, outputs=2)
+    assert np.array_equal(out_p[:, :3], out[:, :3])
+
+
 # ------------------------------------------------------------------------------------------ MtpAccept
 ACCEPT_CASES = [  # b, s, v, relaxed_topk, relaxed_delta
     (1, 1, 384, None, None),  # a plain step: the argmax and its flag

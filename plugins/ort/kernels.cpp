@@ -514,6 +514,8 @@ void attend(const float* q, size_t heads, size_t c, size_t dl, float scale, A a,
 void mla_attend_token(const float* q, size_t heads, size_t c, size_t dl, float scale, const float* cache,
                       size_t n_cache, const float* rows, size_t n_rows, size_t ld, const uint8_t* visible,
                       float* scores, float* out, size_t ldo) {
+    if (visible)  // the rows after the last visible one take no part (a prompt's token: those of the tokens after it)
+        while (n_rows && !visible[n_rows - 1]) --n_rows;
     attend(q, heads, c, dl, scale, Strided{cache, ld}, n_cache, Strided{rows, ld}, n_rows, visible, scores, out, ldo);
 }
 

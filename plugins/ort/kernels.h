@@ -54,6 +54,7 @@ void rows_axpy(const float* p, size_t m, size_t ldp, const float* v, size_t ldv,
 // Absorbed MLA attention of one query token: q [H, C] (C = latent + rope dims) against the visible key rows
 // (n_cache rows of `cache` then the rows of `rows` for which visible[r] != 0; visible == nullptr: all
 // n_rows; rows `ld` >= C floats apart, keys their first C values), values the first dl dims of the same rows.
+// Rows after the last visible one are not read: a token gets the same bits as in a step where they are absent.
 // scores: scratch of H * mla_scores_stride(n_cache + n_rows) floats.
 // out [H, dl] (ldo apart).
 inline size_t mla_scores_stride(size_t keys) { return (keys + 7) & ~size_t(7); }
