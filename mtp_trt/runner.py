@@ -227,7 +227,7 @@ class RunReport:
     seconds: float
     nextn: int
     tree: str | None = None  # DEPTH:TOPK:BUDGET when a tree was drafted
-    speculation: str = "fixed"  # auto: K chosen per step (the steps per K: k_steps)
+    speculation: str = "fixed"  # auto: K chosen per step (the steps per K: k_steps; each step's: k_per_step)
 
     @property
     def new_tokens(self) -> int:
@@ -243,9 +243,10 @@ class RunReport:
                 "tree": self.tree, "steps": self.stats.steps, "num_drafts": self.stats.num_drafts,
                 "num_draft_tokens": self.stats.num_draft_tokens, "num_accepted_tokens": self.stats.num_accepted_tokens,
                 "mean_acceptance_length": round(self.stats.mean_acceptance_length, 4),
-                "acceptance_rate_per_pos": [round(a, 4) for a in self.stats.acceptance_rate_per_pos],
+                "acceptance_rate_per_pos": [a if a is None else round(a, 4) for a in self.stats.acceptance_rate_per_pos],
                 "speculation": self.speculation,
-                "k_steps": {str(k): self.stats.k_chosen.count(k) for k in sorted(set(self.stats.k_chosen))}}
+                "k_steps": {str(k): self.stats.k_chosen.count(k) for k in sorted(set(self.stats.k_chosen))},
+                "k_per_step": self.stats.k_chosen}
 
 
 class Runner:

@@ -19,8 +19,8 @@ import dataclasses
 import numpy as np
 
 DECAY = 0.9  # weight of an acceptance observation after each later step of the same sequence
-PRIOR = 0.5  # acceptance of a position never tried yet anywhere (pseudo-count PRIOR_WEIGHT)
-PRIOR_WEIGHT = 1.0
+PRIOR = 1.0  # acceptance assumed of a position no sequence has tried yet: optimistic, so that it is tried (its first
+PRIOR_WEIGHT = 1.0  # observations then outweigh it: this many pseudo-observations)
 COST_ALPHA = 0.1  # EWMA weight of a newly timed step
 CLIP = 1.5  # a slower timed step counts as at most this factor above the estimate
 DOWN_ALPHA = 0.5  # EWMA weight of a step faster than the estimate
@@ -54,8 +54,9 @@ def observe_acceptance(a: Acceptance, k: int, m: int, decay: float = DECAY) -> N
 
 def acceptance_rates(a: Acceptance, prior: np.ndarray | None = None, weight: float = PRIOR_WEIGHT) -> np.ndarray:
     """a_j per position: (accepted + weight * prior) / (tried + weight); `prior` (default PRIOR) stands in for a
-    position with little history (a new sequence: the batch's rates)."""
-    p = np.full(len(a.tried), PRIOR) if prior is None else np.asarray(prior, float)
+    position with little history (a new sequence: the batch's rates).  Counts [n, K] (n sequences' stacked) give
+    rates [n, K]."""
+    p = np.full(a.tried.shape[-1], PRIOR) if prior is None else np.asarray(prior, float)
     return (a.accepted + weight * p) / (a.tried + weight)
 
 
