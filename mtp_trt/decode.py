@@ -27,7 +27,7 @@ from mtp_trt import contract as C
 from mtp_trt.backend import Backend
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
 from mtp_trt.speculation import (PRIOR, PRIOR_WEIGHT, Acceptance, CostModel, acceptance_rates, choose_k,
-                                  observe_acceptance, observe_cost)
+                                  observe_acceptance, observe_between, observe_cost)
 from mtp_trt.tree import TreeShape, chain_tree
 
 
@@ -477,6 +477,7 @@ class Batch:
     explore: int = EXPLORE_FIRST  # auto_k: steps until the next exploring steps
     explore_gap: int = EXPLORE_FIRST  # auto_k: the steps between the last two explorations
     held: int | None = None  # auto_k: the K it chose last (explorations aside)
+    ended: float | None = None  # when the last timed step ended (None: a prefill or an untimed step since)
     explored: int = 0  # auto_k: the K those steps ran last
     explored_turn: int = 0  # auto_k: explorations so far (below and above the current K in turn)
 
@@ -533,6 +534,7 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     joining slots are swapped to the front for the call (the backend runs slots 0..m-1) and back.  Returns
     whether they joined."""
     st, opts, j = batch.st, batch.opts, batch.joining
+    batch.ended = None  # a prefill is not part of the time between two steps
     seqs = [batch.seqs[i] for i in j.ids]
     m, n = len(seqs), st.n
     lens = np.array([len(s.prompt) for s in seqs])
@@ -625,7 +627,8 @@ def auto_k(batch: Batch) -> int:
                 batch.explored = near[batch.explored_turn % len(near)] if near else current
                 batch.explored_turn += 1
             return batch.explored
-    history = Acceptance(np.array([s.acceptance.tried for s in active]), np.array([s.acceptance.accepted for s in active]))
+    history = Acceptance(np.array([s.acceptance.tried for s in active]),
+                         np.array([s.acceptance.accepted for s in active]))
     rates = acceptance_rates(history, chain_prior(stats))  # [n, nextn] at once
     # the K the policy chose last stays unless another beats it by a margin (not the K an exploration left)
     batch.held = choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()) if batch.held is None
@@ -663,7 +666,7 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     Adaptive speculation (opts.adaptive): K is chosen before the step (batch.policy, default auto_k).  Fewer drafts
     than the sequences hold: the step verifies the first K (a chain's first K drafts are what K drafts would be).
     More: this step verifies the K it has and drafts the K wanted (target and MTP graphs, unfused).  Fused steps are
-    timed into batch.cost."""
+    timed into batch.cost, and so is the time from the end of one to the start of the next (no prefill between)."""
     st, seqs, opts = batch.st, batch.seqs, batch.opts
     retire(backend, st, seqs)
     if not st.n:
@@ -680,14 +683,18 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     early = backend.manifest.mtp_mode == "vanilla" and st.past_len[:st.n].min() < opts.nextn - 1
     if greedy and not early and k == k_next and caps is None and (opts.tree_graph or backend.has_step(k)):
         n, t0 = st.n, time.perf_counter()
+        if opts.adaptive and batch.ended is not None:
+            observe_between(batch.cost, n, t0 - batch.ended)
         fused_step(backend, st, seqs, batch.stats, opts, batch.rows, k)
         if opts.adaptive:
-            observe_cost(batch.cost, k, n, time.perf_counter() - t0)
+            batch.ended = time.perf_counter()
+            observe_cost(batch.cost, k, n, batch.ended - t0)
         st.avail[:n], batch.k = k, k
         if on_accept:
             on_accept()
         retire(backend, st, seqs)
         return
+    batch.ended = None  # (an unfused step is not timed)
     tokens, num, hidden = verify(backend, st, seqs, opts, k, caps)
     start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k, caps)
     st.avail[:st.n], batch.k = k_next, k_next
@@ -734,7 +741,7 @@ def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int
             retire(backend, batch.st, batch.seqs)
             batch.seqs.clear()
     finally:
-        batch.policy, batch.cost = policy, model
+        batch.policy, batch.cost, batch.ended = policy, model, None
 
 
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,

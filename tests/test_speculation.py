@@ -14,7 +14,7 @@ from mtp_trt.decode import (Batch, DecodeOptions, Sequence, State, Stats, accept
 from mtp_trt.sampling import SamplingParams
 from mtp_trt.speculation import (CLIP, DOWN_ALPHA, PRIOR, Acceptance, CostModel, acceptance_rates,
                                   batch_expected_tokens, choose_k, estimate_cost, expected_tokens, observe_acceptance,
-                                  observe_cost)
+                                  observe_between, observe_cost)
 
 
 # ----------------------------------------------------------------------------------------- plain functions
@@ -99,6 +99,14 @@ def test_choose_k_maximizes_tokens_per_second():
     assert choose_k(rates, mid, 0) == 0  # max_k bounds it
     # poor acceptance turns speculation off at the same costs
     assert choose_k([np.array([0.1, 0.1, 0.1])], cheap, 3) == 0
+
+
+def test_the_time_between_steps_counts_for_every_k():
+    rates = [np.array([0.8, 0.6, 0.5])]
+    m = _model({(0, 1): 1.0, (1, 1): 1.5, (2, 1): 2.0, (3, 1): 2.5})  # 1.8 / 1.5 = 1.2 tokens per unit: K = 1
+    assert choose_k(rates, m, 3) == 1
+    observe_between(m, 1, 2.0)  # each step also costs 2 units around it: 1 / 3, 1.8 / 3.5, 2.28 / 4, 2.52 / 4.5
+    assert choose_k(rates, m, 3) == 2
 
 
 def test_choose_k_scales_with_the_batch_and_its_costs():
