@@ -161,9 +161,9 @@ class Stats:
         """The figures of two decodes with the same nextn taken together."""
         return Stats(self.steps + other.steps, self.num_drafts + other.num_drafts,
                      self.num_accepted_tokens_per_pos + other.num_accepted_tokens_per_pos,
-                     self.num_drafts_per_pos + other.num_drafts_per_pos, self.draft_tokens + other.draft_tokens,
-                     self.seq_steps + other.seq_steps, self.k_chosen + other.k_chosen,
-                     num_tried_per_pos=self.num_tried_per_pos + other.num_tried_per_pos)
+                     self.num_drafts_per_pos + other.num_drafts_per_pos,
+                     self.num_tried_per_pos + other.num_tried_per_pos, self.draft_tokens + other.draft_tokens,
+                     self.seq_steps + other.seq_steps, self.k_chosen + other.k_chosen)
 
 
 @dataclasses.dataclass(frozen=True)
