@@ -477,7 +477,7 @@ def run(
         if r.message:
             typer.secho(f"note: {r.message}", fg="yellow", err=True)
     s = report.summary()
-    rates = " ".join(f"{a:.2f}" for a in s["acceptance_rate_per_pos"]) or "-"
+    rates = " ".join("-" if a is None else f"{a:.2f}" for a in s["acceptance_rate_per_pos"]) or "-"
     tree = f" tree {s['tree']} (depth:top-k:budget)" if s.get("tree") else ""
     auto = f" (auto, steps per K: {' '.join(f'{k}:{n}' for k, n in s['k_steps'].items())})" \
         if s["speculation"] == "auto" else ""

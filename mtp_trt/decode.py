@@ -26,8 +26,8 @@ import numpy as np
 from mtp_trt import contract as C
 from mtp_trt.backend import Backend
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
-from mtp_trt.speculation import (PRIOR, Acceptance, CostModel, acceptance_rates, choose_k, observe_acceptance,
-                                  observe_cost)
+from mtp_trt.speculation import (PRIOR, PRIOR_WEIGHT, Acceptance, CostModel, acceptance_rates, choose_k,
+                                  observe_acceptance, observe_between, observe_cost)
 from mtp_trt.tree import TreeShape, chain_tree
 
 
@@ -64,7 +64,7 @@ class Sequence:
     def spec_usage(self, nextn: int) -> dict:
         """This sequence's speculative figures under vLLM's per-request names (`--per-request-spec-decode-metrics`),
         with the acceptance per draft position: num_spec_steps are its verify steps with drafts, nextn the most
-        drafts a step may have."""
+        drafts a step may have; a position no draft of it had has no acceptance rate (None)."""
         accepted = sum(self.accepted_per_pos)
         hist = self.accepted_hist + [0] * (nextn + 1 - len(self.accepted_hist))
         return {"mean_acceptance_length": round(1 + accepted / self.num_drafts, 4) if self.num_drafts else 1.0,
@@ -73,7 +73,7 @@ class Sequence:
                 "num_accepted_draft_tokens": accepted, "num_draft_tokens": self.num_draft_tokens,
                 "num_spec_tokens": nextn,
                 "num_accepted_tokens_per_pos": self.accepted_per_pos + [0] * (nextn - len(self.accepted_per_pos)),
-                "acceptance_rate_per_pos": [round(a / d, 4) if d else 0.0 for a, d in
+                "acceptance_rate_per_pos": [round(a / d, 4) if d else None for a, d in
                                             zip(self.accepted_per_pos + [0] * nextn, self.drafts_per_pos + [0] * nextn)
                                             ][:nextn]}
 
@@ -120,14 +120,17 @@ class Stats:
     num_drafts: int = 0  # verify steps with drafts (K > 0) summed over the sequences
     num_accepted_tokens_per_pos: np.ndarray | None = None  # [K] drafts accepted at each position
     num_drafts_per_pos: np.ndarray | None = None  # [K] drafts that had position j (K varies: adaptive speculation)
+    num_tried_per_pos: np.ndarray | None = None  # [K] drafts that had position j with positions 1..j-1 accepted
     draft_tokens: int = 0  # draft tokens verified
     seq_steps: int = 0  # verify steps summed over the sequences, with drafts or without
     k_chosen: list = dataclasses.field(default_factory=list)  # the K of each batched step
     last_accepted: list = dataclasses.field(default_factory=list)  # the drafts each sequence accepted, last step
 
     def __post_init__(self):
-        if self.num_drafts_per_pos is None and self.num_accepted_tokens_per_pos is not None:
-            self.num_drafts_per_pos = np.zeros_like(self.num_accepted_tokens_per_pos)
+        if self.num_accepted_tokens_per_pos is not None:
+            for name in ("num_drafts_per_pos", "num_tried_per_pos"):
+                if getattr(self, name) is None:
+                    setattr(self, name, np.zeros_like(self.num_accepted_tokens_per_pos))
 
     @property
     def num_accepted_tokens(self) -> int:
@@ -149,15 +152,17 @@ class Stats:
         return self.num_emitted_tokens / max(self.seq_steps, 1)
 
     @property
-    def acceptance_rate_per_pos(self) -> list[float]:
-        """The share of the drafts at each position that were accepted."""
-        return [float(a / d) if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_drafts_per_pos)]
+    def acceptance_rate_per_pos(self) -> list[float | None]:
+        """The share of the drafts at each position that were accepted (vLLM's: of all drafts that had position
+        j); None for a position no draft had (adaptive speculation may never run that many drafts)."""
+        return [float(a / d) if d else None for a, d in zip(self.num_accepted_tokens_per_pos, self.num_drafts_per_pos)]
 
     def __add__(self, other: Stats) -> Stats:
         """The figures of two decodes with the same nextn taken together."""
         return Stats(self.steps + other.steps, self.num_drafts + other.num_drafts,
                      self.num_accepted_tokens_per_pos + other.num_accepted_tokens_per_pos,
-                     self.num_drafts_per_pos + other.num_drafts_per_pos, self.draft_tokens + other.draft_tokens,
+                     self.num_drafts_per_pos + other.num_drafts_per_pos,
+                     self.num_tried_per_pos + other.num_tried_per_pos, self.draft_tokens + other.draft_tokens,
                      self.seq_steps + other.seq_steps, self.k_chosen + other.k_chosen)
 
 
@@ -376,8 +381,9 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
     accepted, nums = tokens.tolist(), num.tolist()
     stats.last_accepted = nums
     st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
-    for m in nums:
+    for m, c in zip(nums, caps):
         stats.num_accepted_tokens_per_pos[:m] += 1
+        stats.num_tried_per_pos[:min(m + 1, c)] += 1
     for s, row, m, past, c in zip(_active(st, seqs), accepted, nums, st.past_len[:n].tolist(), caps):
         s.steps += 1
         if c:
@@ -438,6 +444,10 @@ def retire(backend: Backend, st: State, seqs, *extra: np.ndarray) -> None:
 
 
 # --------------------------------------------------------------------------------- continuous batching
+EXPLORE_FIRST = 16  # steps before a decode's first exploration (two steps at another K: auto_k)
+EXPLORE_EVERY = 256  # the most steps between two (the interval doubles after each)
+
+
 @dataclasses.dataclass
 class Join:
     """Sequences being prefilled, chunk by chunk, in the free slots first .. first+m-1 (behind the active ones)."""
@@ -464,7 +474,10 @@ class Batch:
     k: int = 0  # drafts joining sequences get (opts.nextn unless adaptive: the K of the last step)
     cost: CostModel = dataclasses.field(default_factory=CostModel)  # measured step seconds (adaptive)
     policy: Callable | None = None  # policy(batch) -> K wanted for the next step (adaptive; default auto_k)
-    explore: int = 0  # auto_k: steps until the next exploring steps
+    explore: int = EXPLORE_FIRST  # auto_k: steps until the next exploring steps
+    explore_gap: int = EXPLORE_FIRST  # auto_k: the steps between the last two explorations
+    held: int | None = None  # auto_k: the K it chose last (explorations aside)
+    ended: float | None = None  # when the last timed step ended (None: a prefill or an untimed step since)
     explored: int = 0  # auto_k: the K those steps ran last
     explored_turn: int = 0  # auto_k: explorations so far (below and above the current K in turn)
 
@@ -521,6 +534,7 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     joining slots are swapped to the front for the call (the backend runs slots 0..m-1) and back.  Returns
     whether they joined."""
     st, opts, j = batch.st, batch.opts, batch.joining
+    batch.ended = None  # a prefill is not part of the time between two steps
     seqs = [batch.seqs[i] for i in j.ids]
     m, n = len(seqs), st.n
     lens = np.array([len(s.prompt) for s in seqs])
@@ -599,19 +613,27 @@ def auto_k(batch: Batch) -> int:
     if any(s.keeps_k for s in active):
         return nextn
     batch.explore -= 1
-    if batch.explore < 0:  # every EXPLORE_EVERY steps, two steps at a neighbouring K, one below and one above the
-        if batch.explore < -2:  # current K in turn (the first step may draft them, the second is timed): what it costs
-            batch.explore = EXPLORE_EVERY  # (and, going up, what one more draft accepts) is learnt again, at the price
-        else:  # of a step or two of a K near the best; the policy then climbs one K at a time where that pays
+    if batch.explore < 0:  # now and then two steps at a neighbouring K, one below and one above the current K in turn
+        if batch.explore < -2:  # (the first step may draft them, the second is timed): what it costs (and, going up,
+            # what one more draft accepts) is learnt again, at the price of a step or two of a K near the best; the
+            # policy then climbs one K at a time where that pays.  The first soon, then ever rarer (EXPLORE_FIRST,
+            # twice that, ... up to EXPLORE_EVERY steps apart): a K left on a few unlucky steps is retried early.
+            batch.explore_gap = min(2 * batch.explore_gap, EXPLORE_EVERY)
+            batch.explore = batch.explore_gap
+        else:
             if batch.explore == -1:
-                current = int(st.avail[:st.n].min())
+                current = int(st.avail[:st.n].min()) if batch.held is None else batch.held
                 near = [k for k in (current - 1, current + 1) if 0 <= k <= nextn]
                 batch.explored = near[batch.explored_turn % len(near)] if near else current
                 batch.explored_turn += 1
             return batch.explored
-    prior = chain_prior(stats)
-    rates = np.array([acceptance_rates(s.acceptance, prior) if s.acceptance is not None else prior for s in active])
-    return choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()))
+    history = Acceptance(np.array([s.acceptance.tried for s in active]),
+                         np.array([s.acceptance.accepted for s in active]))
+    rates = acceptance_rates(history, chain_prior(stats))  # [n, nextn] at once
+    # the K the policy chose last stays unless another beats it by a margin (not the K an exploration left)
+    batch.held = choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()) if batch.held is None
+                          else batch.held)
+    return batch.held
 
 
 def join_k(batch: Batch, rows: int) -> int:
@@ -624,16 +646,15 @@ def join_k(batch: Batch, rows: int) -> int:
     return choose_k(np.tile(prior, (rows, 1)), batch.cost, batch.opts.nextn)
 
 
-EXPLORE_EVERY = 128  # steps between two explorations (each: two steps at another K)
-
-
-def chain_prior(stats: Stats) -> np.ndarray:
-    """The acceptance per position a sequence is assumed to have before its own history: the decode's so far, a
-    position never tried taking the rate of the one before it (PRIOR for the first)."""
-    rates = np.full(len(stats.num_drafts_per_pos), PRIOR)
+def chain_prior(stats: Stats, weight: float = PRIOR_WEIGHT) -> np.ndarray:
+    """The acceptance per position a sequence is assumed to have before its own history: the decode's conditional
+    rate a_j = accepted at j / tried at j (drafts that reached position j with 1..j-1 accepted), each pulled
+    towards the rate of the position before it (PRIOR for the first) by `weight` pseudo-observations: a position
+    never tried takes the previous one's rate, and a few rejections lower a position's rate without zeroing it."""
+    rates = np.empty(len(stats.num_tried_per_pos))
     last = PRIOR
-    for j, (a, d) in enumerate(zip(stats.num_accepted_tokens_per_pos.tolist(), stats.num_drafts_per_pos.tolist())):
-        last = rates[j] = a / d if d else last
+    for j, (a, t) in enumerate(zip(stats.num_accepted_tokens_per_pos.tolist(), stats.num_tried_per_pos.tolist())):
+        last = rates[j] = (a + weight * last) / (t + weight)
     return rates
 
 
@@ -645,7 +666,7 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     Adaptive speculation (opts.adaptive): K is chosen before the step (batch.policy, default auto_k).  Fewer drafts
     than the sequences hold: the step verifies the first K (a chain's first K drafts are what K drafts would be).
     More: this step verifies the K it has and drafts the K wanted (target and MTP graphs, unfused).  Fused steps are
-    timed into batch.cost."""
+    timed into batch.cost, and so is the time from the end of one to the start of the next (no prefill between)."""
     st, seqs, opts = batch.st, batch.seqs, batch.opts
     retire(backend, st, seqs)
     if not st.n:
@@ -662,14 +683,18 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     early = backend.manifest.mtp_mode == "vanilla" and st.past_len[:st.n].min() < opts.nextn - 1
     if greedy and not early and k == k_next and caps is None and (opts.tree_graph or backend.has_step(k)):
         n, t0 = st.n, time.perf_counter()
+        if opts.adaptive and batch.ended is not None:
+            observe_between(batch.cost, n, t0 - batch.ended)
         fused_step(backend, st, seqs, batch.stats, opts, batch.rows, k)
         if opts.adaptive:
-            observe_cost(batch.cost, k, n, time.perf_counter() - t0)
+            batch.ended = time.perf_counter()
+            observe_cost(batch.cost, k, n, batch.ended - t0)
         st.avail[:n], batch.k = k, k
         if on_accept:
             on_accept()
         retire(backend, st, seqs)
         return
+    batch.ended = None  # (an unfused step is not timed)
     tokens, num, hidden = verify(backend, st, seqs, opts, k, caps)
     start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k, caps)
     st.avail[:st.n], batch.k = k_next, k_next
@@ -716,7 +741,7 @@ def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int
             retire(backend, batch.st, batch.seqs)
             batch.seqs.clear()
     finally:
-        batch.policy, batch.cost = policy, model
+        batch.policy, batch.cost, batch.ended = policy, model, None
 
 
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,

@@ -210,6 +210,43 @@ def held_back(text: str, stop: tuple[str, ...]) -> int:
         (n for x in stop for n in range(min(len(x) - 1, len(body)), 0, -1) if body.endswith(x[:n])), default=0)
 
 
+DETOKENIZE_CONTEXT = 5  # tokens before the new ones that incremental detokenization decodes again with them
+
+
+@dataclasses.dataclass
+class Detokenizer:
+    """Incremental detokenization of one sequence's tokens (`detokenize`): the text of tokens[:read], final, and
+    where the tokens decoded again for context start."""
+
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+
+
+def detokenize(decode: Callable[[list[int]], str], d: Detokenizer, tokens: list[int]) -> str:
+    """decode(tokens), decoding only the tokens added since the last call with a few before them (vLLM's
+    incremental detokenizer): the new text is decode(context + new) less decode(context), so a token whose text
+    depends on its neighbours (byte-level pieces, a leading space a decoder strips at the start) comes out as in the
+    whole text.  A text ending in an incomplete character (U+FFFD: a UTF-8 sequence split across tokens) is
+    returned but not kept: its tokens are decoded again next time.  A decoder whose text of earlier tokens changes
+    with later ones gets the whole decode."""
+    if len(tokens) < d.read:  # not the same sequence's tokens grown: start again
+        d.text, d.prefix, d.read = "", 0, 0
+    if len(tokens) == d.read:
+        return d.text
+    before = decode(tokens[d.prefix:d.read]) if d.read > d.prefix else ""
+    window = decode(tokens[d.prefix:])
+    if not window.startswith(before):
+        return decode(tokens)
+    new = window[len(before):]
+    if new.endswith("\ufffd"):
+        return d.text + new
+    d.text += new
+    d.read = len(tokens)
+    d.prefix = max(0, d.read - DETOKENIZE_CONTEXT)
+    return d.text
+
+
 @dataclasses.dataclass
 class Result:
     prompt: str
@@ -227,7 +264,7 @@ class RunReport:
     seconds: float
     nextn: int
     tree: str | None = None  # DEPTH:TOPK:BUDGET when a tree was drafted
-    speculation: str = "fixed"  # auto: K chosen per step (the steps per K: k_steps)
+    speculation: str = "fixed"  # auto: K chosen per step (the steps per K: k_steps; each step's: k_per_step)
 
     @property
     def new_tokens(self) -> int:
@@ -243,9 +280,10 @@ class RunReport:
                 "tree": self.tree, "steps": self.stats.steps, "num_drafts": self.stats.num_drafts,
                 "num_draft_tokens": self.stats.num_draft_tokens, "num_accepted_tokens": self.stats.num_accepted_tokens,
                 "mean_acceptance_length": round(self.stats.mean_acceptance_length, 4),
-                "acceptance_rate_per_pos": [round(a, 4) for a in self.stats.acceptance_rate_per_pos],
+                "acceptance_rate_per_pos": [a if a is None else round(a, 4) for a in self.stats.acceptance_rate_per_pos],
                 "speculation": self.speculation,
-                "k_steps": {str(k): self.stats.k_chosen.count(k) for k in sorted(set(self.stats.k_chosen))}}
+                "k_steps": {str(k): self.stats.k_chosen.count(k) for k in sorted(set(self.stats.k_chosen))},
+                "k_per_step": self.stats.k_chosen}
 
 
 class Runner:
@@ -391,10 +429,16 @@ class Runner:
             out.append(head + x[len(x) - keep + len(head):])
         return out
 
-    def decode(self, tokens: list[int]) -> str:
-        """Text of generated tokens; special tokens such as <think> are shown, the final EOS is not."""
+    def decode(self, tokens: list[int], d: Detokenizer | None = None) -> str:
+        """Text of generated tokens; special tokens such as <think> are shown, the final EOS is not.  `d`: the
+        sequence's incremental detokenization (its tokens so far, one call per step: `detokenize`)."""
         if tokens and tokens[-1] in self.manifest.eos_ids:
             tokens = tokens[:-1]
+        if d is not None:
+            return detokenize(self._decode, d, tokens)
+        return self._decode(tokens)
+
+    def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def run(self, prompts: list[str], opts: DecodeOptions, seed: int = 0, stop: tuple[str, ...] = (),
@@ -404,6 +448,7 @@ class Runner:
         that do not fit the cache are refused before any decoding (or truncated: see fit).  `ids`: the prompts'
         ids where the caller has them (encode_prompts)."""
         shown = [0] * len(prompts)
+        detok = [Detokenizer() for _ in prompts]
 
         def show(i: int, text: str) -> None:
             if on_text and len(text) > shown[i]:
@@ -412,7 +457,7 @@ class Runner:
 
         def on_step(seqs: list[Sequence]) -> None:
             for i, s in enumerate(seqs):
-                text, stopped = cut_at_stop(self.decode(s.generated), stop)
+                text, stopped = cut_at_stop(self.decode(s.generated, detok[i]), stop)
                 if stopped and s.finish_reason is None:
                     s.finish_reason = "stop"
                 show(i, text if stopped else text[: len(text) - held_back(text, stop)])

@@ -19,7 +19,7 @@ import numpy as np
 
 from mtp_trt.decode import (Batch, DecodeOptions, Sequence, admit, calibrate, open_batch, prefill_chunk, sequence_rng,
                             step)
-from mtp_trt.runner import Runner, cut_at_stop, held_back
+from mtp_trt.runner import Detokenizer, Runner, cut_at_stop, held_back
 from mtp_trt.sampling import SamplingParams
 
 
@@ -50,6 +50,7 @@ class Request:
     text: str = ""  # the generated text so far, cut at a stop string
     sent: int = 0  # characters of `text` already sent
     decoded: int = -1  # generated tokens `text` was decoded from
+    detokenizer: Detokenizer = dataclasses.field(default_factory=Detokenizer)  # its text, decoded incrementally
     counted: int = 0  # generated tokens counted in the engine's figures
     ended: bool = False
     stopped_at: int | None = None  # with a stop string: the tokens up to the one that completes it
@@ -257,7 +258,7 @@ class Engine:
         if r.decoded == len(r.seq.generated):
             return
         before, r.decoded = max(r.decoded, 0), len(r.seq.generated)
-        r.text, hit = cut_at_stop(self.runner.decode(r.seq.generated), r.stop)
+        r.text, hit = cut_at_stop(self.runner.decode(r.seq.generated, r.detokenizer), r.stop)
         if hit and r.seq.finish_reason is None:
             r.seq.finish_reason = "stop"
             # the fewest tokens whose text holds the stop string (those before this step's did not)

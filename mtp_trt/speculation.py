@@ -7,7 +7,7 @@ Plain functions over explicit state (gpt-fast style), used by mtp_trt/decode.py 
   accepted given the ones before it were);
 * a `CostModel` holds the measured seconds of one step per (K, batch rows): timed at start-up (`calibrate` in
   decode.py) and updated on the fly with an EWMA of the steps actually run, interpolated in the rows between
-  measured sizes;
+  measured sizes; with the time between two steps (the per-step work around the graphs, whatever K), likewise;
 * `choose_k` picks the K maximizing expected accepted tokens per second of the batch:
   sum over the sequences of E_K = 1 + sum_{i<=K} prod_{j<=i} a_j, divided by the step's cost at (rows, K).
 """
@@ -19,8 +19,8 @@ import dataclasses
 import numpy as np
 
 DECAY = 0.9  # weight of an acceptance observation after each later step of the same sequence
-PRIOR = 0.5  # acceptance of a position never tried yet anywhere (pseudo-count PRIOR_WEIGHT)
-PRIOR_WEIGHT = 1.0
+PRIOR = 1.0  # acceptance assumed of a position no sequence has tried yet: optimistic, so that it is tried (its first
+PRIOR_WEIGHT = 1.0  # observations then outweigh it: this many pseudo-observations)
 COST_ALPHA = 0.1  # EWMA weight of a newly timed step
 CLIP = 1.5  # a slower timed step counts as at most this factor above the estimate
 DOWN_ALPHA = 0.5  # EWMA weight of a step faster than the estimate
@@ -54,8 +54,9 @@ def observe_acceptance(a: Acceptance, k: int, m: int, decay: float = DECAY) -> N
 
 def acceptance_rates(a: Acceptance, prior: np.ndarray | None = None, weight: float = PRIOR_WEIGHT) -> np.ndarray:
     """a_j per position: (accepted + weight * prior) / (tried + weight); `prior` (default PRIOR) stands in for a
-    position with little history (a new sequence: the batch's rates)."""
-    p = np.full(len(a.tried), PRIOR) if prior is None else np.asarray(prior, float)
+    position with little history (a new sequence: the batch's rates).  Counts [n, K] (n sequences' stacked) give
+    rates [n, K]."""
+    p = np.full(a.tried.shape[-1], PRIOR) if prior is None else np.asarray(prior, float)
     return (a.accepted + weight * p) / (a.tried + weight)
 
 
@@ -70,6 +71,9 @@ class CostModel:
 
     seconds: dict = dataclasses.field(default_factory=dict)  # k -> {rows: seconds}
     alpha: float = COST_ALPHA
+    # rows -> seconds from the end of one step to the start of the next: the per-step work around the graphs
+    # (choosing K, retiring, the caller's streaming and detokenizing), the same whatever K
+    between: dict = dataclasses.field(default_factory=dict)
 
 
 def observe_cost(model: CostModel, k: int, rows: int, seconds: float) -> None:
@@ -77,12 +81,20 @@ def observe_cost(model: CostModel, k: int, rows: int, seconds: float) -> None:
     slower step counts as at most CLIP x the estimate, with weight `alpha` (one step the process was preempted in
     moves it little; a lasting change still gets there); a faster one, with weight DOWN_ALPHA (a step is never
     faster than the work allows: an estimate taken while the machine was busy comes down at once)."""
-    table = model.seconds.setdefault(k, {})
+    _observe(model.seconds.setdefault(k, {}), rows, seconds, model.alpha)
+
+
+def observe_between(model: CostModel, rows: int, seconds: float) -> None:
+    """The time between two steps of `rows` sequences (model.between), as observe_cost learns a step's."""
+    _observe(model.between, rows, seconds, model.alpha)
+
+
+def _observe(table: dict, rows: int, seconds: float, alpha: float) -> None:
     old = table.get(rows)
     if old is None:
         table[rows] = seconds
     elif seconds >= old:
-        table[rows] = (1 - model.alpha) * old + model.alpha * min(seconds, old * CLIP)
+        table[rows] = (1 - alpha) * old + alpha * min(seconds, old * CLIP)
     else:
         table[rows] = (1 - DOWN_ALPHA) * old + DOWN_ALPHA * seconds
 
@@ -90,7 +102,10 @@ def observe_cost(model: CostModel, k: int, rows: int, seconds: float) -> None:
 def estimate_cost(model: CostModel, k: int, rows: int) -> float | None:
     """Estimated seconds of a step of `rows` sequences with `k` drafts: measured, else linear between the nearest
     measured row counts (beyond them: proportional to the rows from the nearest); None when k was never timed."""
-    table = model.seconds.get(k)
+    return _interpolate(model.seconds.get(k), rows)
+
+
+def _interpolate(table: dict | None, rows: int) -> float | None:
     if not table:
         return None
     if rows in table:
@@ -115,16 +130,17 @@ def batch_expected_tokens(rates) -> np.ndarray:
 def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int | None = None,
              margin: float = MARGIN, up_margin: float = UP_MARGIN) -> int:
     """The K in 0..max_k maximizing expected tokens per second of a step over these sequences (their acceptance
-    rates per position); a K whose cost was never measured is not chosen (`current`, else max_k, when none was).
-    Ties go to the smaller K; `current` (the K the sequences hold drafts for) stays unless a smaller K beats it by
+    rates per position): its tokens over its cost, the step's and the time between two steps; a K whose cost was
+    never measured is not chosen (`current`, else max_k, when none was).  Ties go to the smaller K; `current` (the K the sequences hold drafts for) stays unless a smaller K beats it by
     `margin`, a larger one by `up_margin` (timing noise should not flip K every step, and going up costs a step
     that verifies the drafts held and drafts more, unfused)."""
     fallback = max_k if current is None else current
     if len(rates) == 0:
         return fallback
     tokens = batch_expected_tokens(rates)
+    between = _interpolate(model.between, len(rates)) or 0.0
     costs = [(k, estimate_cost(model, k, len(rates))) for k in range(max_k + 1)]
-    scored = [(k, float(tokens[k]) / c) for k, c in costs if c is not None and c > 0]
+    scored = [(k, float(tokens[k]) / (c + between)) for k, c in costs if c is not None and c > 0]
     if not scored:
         return fallback
     best, best_rate = scored[0]

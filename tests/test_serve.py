@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 from mtp_trt.cli import app
 from mtp_trt.decode import Sequence, generate, sequence_rng
-from mtp_trt.runner import open_runner
+from mtp_trt.runner import Detokenizer, detokenize, open_runner
 from mtp_trt.sampling import SamplingParams
 from runtime_models import drive
 
@@ -76,6 +76,38 @@ def test_stop_strings_are_held_back_until_decided():
     assert cut_at_stop("abc", ("x",)) == ("abc", False)
     assert held_back("hello ST", ("STOP",)) == 2 and held_back("hello", ("STOP",)) == 0
     assert held_back("ab\ufffd", ()) == 1
+
+
+TRICKY = "naïve café — 日本語のテキスト 🎉🚀 x\n\t  two  spaces, then ‘quotes’ and ≥ ≤ ∑ and ﬁn."
+
+
+@pytest.mark.parametrize("chunks", [[1], [2, 1, 3], [5, 1, 1, 4]])
+def test_incremental_detokenization_is_the_whole_decode(demo, chunks):
+    """The text decoded a few tokens at a time (as steps accept them) is the text of all the tokens decoded at once,
+    after every step: characters split across tokens, spaces, a final EOS."""
+    tokens = demo.tokenizer.encode(TRICKY).ids + [demo.manifest.eos_ids[0]]
+    assert any(demo.decode(tokens[:n]).endswith("\ufffd") for n in range(len(tokens))), "no split character"
+    d, n, i = Detokenizer(), 0, 0
+    while n < len(tokens):
+        n = min(len(tokens), n + chunks[i % len(chunks)])
+        i += 1
+        assert demo.decode(tokens[:n], d) == demo.decode(tokens[:n]), n
+    assert demo.decode(tokens, d) == TRICKY
+
+
+def test_incremental_detokenization_with_a_decoder_that_strips_or_rewrites():
+    pieces = {1: "\u2581a", 2: "\u2581b", 3: "c", 4: " ."}
+
+    def strip_first(ids):  # sentencepiece's Metaspace: the leading space of the text is dropped
+        return "".join(pieces[t] for t in ids).replace("\u2581", " ").removeprefix(" ")
+
+    def cleanup(ids):  # a later token changes the text before it (" ." -> ".")
+        return strip_first(ids).replace(" .", ".")
+
+    for decode in (strip_first, cleanup):
+        d, ids = Detokenizer(), [1, 2, 3, 4, 1, 4, 3]
+        for n in range(1, len(ids) + 1):
+            assert detokenize(decode, d, ids[:n]) == decode(ids[:n]), (decode.__name__, n)
 
 
 # ------------------------------------------------------------------------------------------- the server

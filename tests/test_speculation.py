@@ -9,11 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from mtp_trt.decode import DecodeOptions, calibrate, generate, open_batch
+from mtp_trt.decode import (Batch, DecodeOptions, Sequence, State, Stats, accept, auto_k, calibrate, chain_prior,
+                            generate, join_k, open_batch)
 from mtp_trt.sampling import SamplingParams
 from mtp_trt.speculation import (CLIP, DOWN_ALPHA, PRIOR, Acceptance, CostModel, acceptance_rates,
                                   batch_expected_tokens, choose_k, estimate_cost, expected_tokens, observe_acceptance,
-                                  observe_cost)
+                                  observe_between, observe_cost)
 
 
 # ----------------------------------------------------------------------------------------- plain functions
@@ -100,6 +101,14 @@ def test_choose_k_maximizes_tokens_per_second():
     assert choose_k([np.array([0.1, 0.1, 0.1])], cheap, 3) == 0
 
 
+def test_the_time_between_steps_counts_for_every_k():
+    rates = [np.array([0.8, 0.6, 0.5])]
+    m = _model({(0, 1): 1.0, (1, 1): 1.5, (2, 1): 2.0, (3, 1): 2.5})  # 1.8 / 1.5 = 1.2 tokens per unit: K = 1
+    assert choose_k(rates, m, 3) == 1
+    observe_between(m, 1, 2.0)  # each step also costs 2 units around it: 1 / 3, 1.8 / 3.5, 2.28 / 4, 2.52 / 4.5
+    assert choose_k(rates, m, 3) == 2
+
+
 def test_choose_k_scales_with_the_batch_and_its_costs():
     # batch of 1 pays for drafts, batch of 16 does not: the cost of K grows with the rows
     m = _model({(0, 1): 1.0, (3, 1): 1.2, (0, 16): 4.0, (3, 16): 10.0})
@@ -127,6 +136,93 @@ def test_choose_k_edge_cases():
     assert choose_k([np.array([0.9])], _model({(0, 1): 1.0, (1, 1): 1.6}), 1, current=0) == 1  # 18.75%: up
     down = _model({(0, 1): 1.0, (1, 1): 2.0})  # K = 0 is 5% better: down
     assert choose_k([np.array([0.9])], down, 1, current=1) == 0
+
+
+# ------------------------------------------------------------------------------------- the policy, simulated
+def _stats(accepted, tried, drafts=None) -> Stats:
+    return Stats(num_accepted_tokens_per_pos=np.array(accepted), num_tried_per_pos=np.array(tried),
+                 num_drafts_per_pos=np.array(drafts if drafts is not None else tried))
+
+
+def test_chain_prior_is_the_conditional_rate():
+    # 10 steps at K = 3: draft 1 accepted 8 times, draft 2 (tried those 8 times) 4 times, draft 3 (tried 4) 2 times
+    prior = chain_prior(_stats([8, 4, 2], [10, 8, 4], [10, 10, 10]), weight=0.0)
+    assert prior.tolist() == pytest.approx([0.8, 0.5, 0.5])  # not 8/10, 4/10, 2/10: the chance given the ones before
+    # untried positions take the previous position's rate; a position tried once and rejected is not zeroed
+    assert chain_prior(_stats([0, 0, 0], [0, 0, 0])).tolist() == [PRIOR] * 3
+    prior = chain_prior(_stats([9, 0, 0], [10, 1, 0]))
+    assert prior[0] == pytest.approx((9 + PRIOR) / 11) and prior[1] == pytest.approx(prior[0] / 2) and prior[2] == prior[1]
+
+
+def _sequences_drafting(rates, n, seed):
+    """Whether each draft of a step is accepted, as a sequence whose draft j is accepted with probability rates[j]
+    given the ones before it were: m = the drafts accepted out of `cap`."""
+    rng = np.random.default_rng(seed)
+
+    def accepted(cap: int) -> int:
+        m = 0
+        while m < cap and rng.random() < rates[m]:
+            m += 1
+        return m
+    return accepted
+
+
+def simulate(rates, costs: dict, nextn: int = 3, n: int = 1, steps: int = 60, seed: int = 0) -> list[int]:
+    """The K auto_k has `n` sequences verify step after step (as decode.step runs them: a step verifies the drafts
+    the sequences hold, at most the K chosen, and drafts the K chosen), each sequence's drafts accepted with the
+    conditional rates `rates`, at the fixed step costs `costs` {(k, rows): seconds}; no model."""
+    opts = DecodeOptions(nextn=nextn, max_new_tokens=1 << 30, adaptive=True)
+    zeros = lambda *shape: np.zeros((n, *shape), np.int64)  # noqa: E731
+    st = State(order=np.arange(n), n=n, past_len=zeros(), last=zeros(), thinking=zeros(), drafts=zeros(nextn),
+               q_dist=None, mtp_past_len=zeros(1), carry=None, avail=zeros())
+    seqs = {i: Sequence([1], max_new_tokens=1 << 30, acceptance=Acceptance.empty(nextn)) for i in range(n)}
+    batch = Batch(st, seqs, Stats(num_accepted_tokens_per_pos=np.zeros(nextn, np.int64)), opts, rows=1 << 30,
+                  cost=_model(costs))
+    st.avail[:] = join_k(batch, n)
+    draws = [_sequences_drafting(rates, n, [seed, i]) for i in range(n)]
+    ks = []
+    for _ in range(steps):
+        want = auto_k(batch)
+        caps = np.minimum(st.avail[:n], want)
+        k = int(caps.max())
+        num = np.array([d(int(c)) for d, c in zip(draws, caps)])
+        accept(st, seqs, np.zeros((n, k + 1), np.int32), num, batch.stats, opts, batch.rows, k,
+               None if caps.min() == k else caps.tolist())
+        st.avail[:n] = want
+        ks.append(k)
+    return ks
+
+
+DEMO = [0.83, 0.75, 0.4]  # the demo's conditional acceptance per position (mtp-trt run, fixed K = 3)
+
+
+def _costs(per_k, rows=1):
+    return {(k, rows): s for k, s in enumerate(per_k)}
+
+
+@pytest.mark.parametrize("per_k, best", [
+    ([1.0, 1.02, 1.04, 1.06], 3),  # drafts almost free: all of them
+    ([1.0, 1.1, 1.2, 1.6], 2),  # the third draft (accepted 40%) costs more than it brings
+    ([1.0, 1.5, 2.3, 3.1], 1),
+    ([1.0, 2.0, 3.0, 4.0], 0),
+])
+def test_one_sequence_finds_the_best_k_within_a_few_steps_and_stays(per_k, best):
+    ks = simulate(DEMO, _costs(per_k), steps=100)
+    trace = "".join(map(str, ks))
+    assert trace[3:16] == str(best) * 13, trace  # within 3 steps, then steady until the first exploration
+    # after it the best K again, but for the explorations (at steps 16, 48: two steps each, one more to climb back)
+    assert ks[16:].count(best) >= len(ks) - 16 - 2 * 3, trace
+
+
+def test_a_large_batch_settles_on_no_drafts_within_a_few_steps():
+    # step costs where the demo's fixed K = 3 gives 0.73x (16 rows) and 0.68x (32 rows) nextn 0's tokens per second:
+    # a verify row costs about as much as a token, no draft pays
+    costs = {**_costs([2.3 * (1 + 0.9 * k) for k in range(4)], 16), **_costs([4.1 * (1 + k) for k in range(4)], 32)}
+    for n in (16, 32):
+        ks = simulate(DEMO, costs, n=n, steps=600)
+        # the first step may try every position (none tried yet: assumed accepted); then no drafts, but for the
+        # explorations (a step at K = 1 each, the step before it verifying none), ever rarer
+        assert ks[1:].count(0) >= len(ks) - 1 - 5, "".join(map(str, ks))
 
 
 # ------------------------------------------------------------------------------------------- the demo model
@@ -249,6 +345,17 @@ def test_run_json_auto_reports_per_result_figures_and_plain_greedy_text(demo):
     assert f["summary"]["speculation"] == "fixed" and f["summary"]["k_steps"] == {str(runner.manifest.nextn):
                                                                                   f["summary"]["steps"]}
     assert f["results"][0]["tokens"] == plain[0]
+
+
+def test_one_sequence_with_cheap_drafts_reaches_all_drafts(demo):
+    runner, ids, plain = demo
+    nextn = runner.manifest.nextn
+    opts = DecodeOptions(nextn=nextn, max_new_tokens=64, eos_ids=runner.manifest.eos_ids, adaptive=True)
+    cheap = _model(_costs([1.0 + 0.01 * k for k in range(nextn + 1)]))
+    seqs, stats = generate(runner.backend, ids[:1], opts, cost=cheap)
+    assert seqs[0].generated[:len(plain[0])] == plain[0]
+    ks = stats.k_chosen
+    assert ks[2:16] == [nextn] * 14, ks  # from the third step, until the first exploration
 
 
 def test_joining_sequences_draft_what_the_batch_they_join_will_run(demo):
