@@ -6,8 +6,10 @@ Plain functions over explicit state (gpt-fast style), used by mtp_trt/decode.py 
   is *tried* when drafts 1..j-1 were accepted, and its rate a_j is accepted / tried (the chance that draft j is
   accepted given the ones before it were);
 * a `CostModel` holds the measured seconds of one step per (K, batch rows): timed at start-up (`calibrate` in
-  decode.py) and updated on the fly with an EWMA of the steps actually run, interpolated in the rows between
-  measured sizes; with the time between two steps (the per-step work around the graphs, whatever K), likewise;
+  decode.py), interpolated in the rows between measured sizes, times a load factor per batch size that every K
+  shares, which follows the steps actually run (so that steps timed while the machine is busy make every K dearer
+  alike, not only the K running); with the time between two steps (the per-step work around the graphs, whatever
+  K), likewise;
 * `choose_k` picks the K maximizing expected accepted tokens per second of the batch:
   sum over the sequences of E_K = 1 + sum_{i<=K} prod_{j<=i} a_j, divided by the step's cost at (rows, K).
 """
@@ -21,7 +23,8 @@ import numpy as np
 DECAY = 0.9  # weight of an acceptance observation after each later step of the same sequence
 PRIOR = 1.0  # acceptance assumed of a position no sequence has tried yet: optimistic, so that it is tried (its first
 PRIOR_WEIGHT = 1.0  # observations then outweigh it: this many pseudo-observations)
-COST_ALPHA = 0.1  # EWMA weight of a newly timed step
+COST_ALPHA = 0.1  # EWMA weight of a newly timed step in the load factor
+SHAPE_ALPHA = 0.002  # ... and in its own K's cost beside the others' (slow: a K seldom run keeps its calibrated cost)
 CLIP = 1.5  # a slower timed step counts as at most this factor above the estimate
 DOWN_ALPHA = 0.5  # EWMA weight of a step faster than the estimate
 MARGIN = 0.03  # a smaller K must promise this much more than the current one
@@ -67,21 +70,34 @@ def expected_tokens(rates: np.ndarray, k: int) -> float:
 
 @dataclasses.dataclass
 class CostModel:
-    """Seconds of one decode step by (k, rows): an EWMA of the timed steps (`observe_cost`)."""
+    """Seconds of one decode step by (k, rows): each K's cost as timed, times a load factor per batch size shared by
+    every K, both following the timed steps (`observe_cost`)."""
 
-    seconds: dict = dataclasses.field(default_factory=dict)  # k -> {rows: seconds}
+    seconds: dict = dataclasses.field(default_factory=dict)  # k -> {rows: seconds at load 1}
     alpha: float = COST_ALPHA
+    load: dict = dataclasses.field(default_factory=dict)  # rows -> how much slower steps run now than `seconds` says
     # rows -> seconds from the end of one step to the start of the next: the per-step work around the graphs
     # (choosing K, retiring, the caller's streaming and detokenizing), the same whatever K
     between: dict = dataclasses.field(default_factory=dict)
 
 
 def observe_cost(model: CostModel, k: int, rows: int, seconds: float) -> None:
-    """A step of `rows` sequences with `k` drafts took `seconds`: the first time its estimate, then an EWMA.  A
-    slower step counts as at most CLIP x the estimate, with weight `alpha` (one step the process was preempted in
-    moves it little; a lasting change still gets there); a faster one, with weight DOWN_ALPHA (a step is never
-    faster than the work allows: an estimate taken while the machine was busy comes down at once)."""
-    _observe(model.seconds.setdefault(k, {}), rows, seconds, model.alpha)
+    """A step of `rows` sequences with `k` drafts took `seconds`: the first time at that size, its cost (at the
+    current load); after that its ratio to the estimate moves the load factor of that size, which every K shares
+    (weight `alpha`), and slowly this K's cost beside the others' (SHAPE_ALPHA).  A slower step counts as at most
+    CLIP x the estimate (one step the process was preempted in moves it little; a lasting change still gets there);
+    a faster one with weight DOWN_ALPHA (a step is never faster than the work allows: an estimate taken while the
+    machine was busy comes down at once)."""
+    table = model.seconds.setdefault(k, {})
+    load = _interpolate(model.load, rows, flat=True) or 1.0
+    base = table.get(rows)
+    if base is None:
+        table[rows] = seconds / load
+        return
+    ratio = seconds / (base * load)
+    ratio, weight = (min(ratio, CLIP), model.alpha) if ratio >= 1 else (ratio, DOWN_ALPHA)
+    model.load[rows] = load * (1 - weight + weight * ratio)
+    table[rows] = base * (1 - SHAPE_ALPHA + SHAPE_ALPHA * ratio)
 
 
 def observe_between(model: CostModel, rows: int, seconds: float) -> None:
@@ -101,11 +117,15 @@ def _observe(table: dict, rows: int, seconds: float, alpha: float) -> None:
 
 def estimate_cost(model: CostModel, k: int, rows: int) -> float | None:
     """Estimated seconds of a step of `rows` sequences with `k` drafts: measured, else linear between the nearest
-    measured row counts (beyond them: proportional to the rows from the nearest); None when k was never timed."""
-    return _interpolate(model.seconds.get(k), rows)
+    measured row counts (beyond them: proportional to the rows from the nearest), times the load factor at that
+    size (likewise between sizes; beyond them the nearest's); None when k was never timed."""
+    cost = _interpolate(model.seconds.get(k), rows)
+    return None if cost is None else cost * (_interpolate(model.load, rows, flat=True) or 1.0)
 
 
-def _interpolate(table: dict | None, rows: int) -> float | None:
+def _interpolate(table: dict | None, rows: int, flat: bool = False) -> float | None:
+    """table[rows], else linear between the nearest sizes; beyond them the nearest's value (flat) or that value
+    scaled by the rows (a cost)."""
     if not table:
         return None
     if rows in table:
@@ -116,7 +136,7 @@ def _interpolate(table: dict | None, rows: int) -> float | None:
         lo, hi = max(below), min(above)
         return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
     near = max(below) if below else min(above)
-    return table[near] * rows / near
+    return table[near] if flat else table[near] * rows / near
 
 
 def batch_expected_tokens(rates) -> np.ndarray:
@@ -155,4 +175,5 @@ def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int
 
 def cost_summary(model: CostModel) -> dict[tuple[int, int], float]:
     """{(k, rows): seconds} of every measured step (for /metrics)."""
-    return {(k, rows): s for k, table in sorted(model.seconds.items()) for rows, s in sorted(table.items())}
+    return {(k, rows): estimate_cost(model, k, rows) for k, table in sorted(model.seconds.items())
+            for rows in sorted(table)}

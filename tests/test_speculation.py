@@ -12,7 +12,7 @@ import pytest
 from mtp_trt.decode import (Batch, DecodeOptions, Sequence, State, Stats, accept, auto_k, calibrate, chain_prior,
                             generate, join_k, open_batch)
 from mtp_trt.sampling import SamplingParams
-from mtp_trt.speculation import (CLIP, DOWN_ALPHA, PRIOR, Acceptance, CostModel, acceptance_rates,
+from mtp_trt.speculation import (CLIP, DOWN_ALPHA, PRIOR, SHAPE_ALPHA, Acceptance, CostModel, acceptance_rates,
                                   batch_expected_tokens, choose_k, estimate_cost, expected_tokens, observe_acceptance,
                                   observe_between, observe_cost)
 
@@ -56,26 +56,48 @@ def test_acceptance_counts_tried_positions_and_decays():
     assert acceptance_rates(a)[0] < 0.1
 
 
-def test_cost_ewma_and_interpolation():
+def test_cost_load_factor_and_interpolation():
     m = CostModel(alpha=0.5)
     assert estimate_cost(m, 1, 4) is None
     observe_cost(m, 1, 4, 2.0)
     assert estimate_cost(m, 1, 4) == 2.0  # the first observation is the estimate
-    observe_cost(m, 1, 4, 2.5)
-    assert estimate_cost(m, 1, 4) == 2.25  # then the EWMA
-    observe_cost(m, 1, 8, 4.25)
-    assert estimate_cost(m, 1, 6) == pytest.approx(3.25)  # linear between measured sizes
-    assert estimate_cost(m, 1, 16) == pytest.approx(8.5)  # beyond: proportional to the nearest
-    assert estimate_cost(m, 1, 2) == pytest.approx(1.125)
+    observe_cost(m, 1, 4, 2.5)  # 1.25x the estimate: the size's load factor by alpha, K's own cost by SHAPE_ALPHA
+    assert m.load[4] == pytest.approx(1.125)
+    assert estimate_cost(m, 1, 4) == pytest.approx(2.0 * (1 + SHAPE_ALPHA * 0.25) * 1.125)
+    observe_cost(m, 1, 8, 4.5)  # a new size: its cost at the load there (the nearest size's)
+    assert m.seconds[1][8] == pytest.approx(4.0) and estimate_cost(m, 1, 8) == pytest.approx(4.5)
+    base4 = m.seconds[1][4]
+    assert estimate_cost(m, 1, 6) == pytest.approx((base4 + 4.0) / 2 * 1.125)  # linear between measured sizes
+    assert estimate_cost(m, 1, 16) == pytest.approx(8.0 * 1.125)  # beyond: proportional to the nearest
+    assert estimate_cost(m, 1, 2) == pytest.approx(base4 / 2 * 1.125)
     assert estimate_cost(m, 0, 4) is None
+
+    m = CostModel(alpha=0.5)
     observe_cost(m, 0, 1, 1.0)
+    observe_cost(m, 1, 1, 2.0)
     observe_cost(m, 0, 1, 100.0)  # a preempted step: counted as CLIP x the estimate
-    assert estimate_cost(m, 0, 1) == pytest.approx(0.5 * 1.0 + 0.5 * CLIP)
-    for _ in range(30):  # a lasting change still gets there
+    assert m.load[1] == pytest.approx(0.5 + 0.5 * CLIP)
+    for _ in range(40):  # a lasting slow-down of the K running: every K's estimate follows, their ratio stays
         observe_cost(m, 0, 1, 3.0)
-    assert estimate_cost(m, 0, 1) == pytest.approx(3.0)
+    assert estimate_cost(m, 0, 1) == pytest.approx(3.0, rel=1e-3)
+    assert estimate_cost(m, 1, 1) / estimate_cost(m, 0, 1) == pytest.approx(2.0, rel=0.1)
+    before, load = estimate_cost(m, 0, 1), m.load[1]
     observe_cost(m, 0, 1, 1.0)  # faster: DOWN_ALPHA's weight (an estimate taken while busy comes down at once)
-    assert estimate_cost(m, 0, 1) == pytest.approx((1 - DOWN_ALPHA) * 3.0 + DOWN_ALPHA * 1.0)
+    assert m.load[1] == pytest.approx(load * (1 - DOWN_ALPHA + DOWN_ALPHA / before))
+    assert estimate_cost(m, 0, 1) < 0.7 * before
+
+
+def test_a_busy_machine_does_not_turn_the_policy_from_the_k_running():
+    """Steps of the K running timed on a busy machine (2x the calibrated cost, as when the server's other threads
+    take the cores) do not make the other K look cheaper: with drafts that pay, auto keeps them."""
+    m = CostModel()
+    for k, c in enumerate((1.0, 1.2, 1.4, 1.6)):  # calibrated, quiet
+        observe_cost(m, k, 1, c)
+    rates = np.array([[0.85, 0.8, 0.6]])
+    assert choose_k(rates, m, 3) == 3
+    for _ in range(200):
+        observe_cost(m, 3, 1, 3.2)
+    assert choose_k(rates, m, 3, current=3) == 3
 
 
 def _model(costs: dict) -> CostModel:
