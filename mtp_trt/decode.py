@@ -346,7 +346,8 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
         st.tree_tokens[:n], st.tree_parents[:n] = out[C.TREE_TOKENS], out[C.TREE_PARENTS_OUT]
     else:
         st.drafts[:n, :k] = out[C.DRAFTS]
-        st.mtp_past_len[:n] = st.past_len[:n, None] + 1 - np.arange(1, st.mtp_past_len.shape[1] + 1)
+    # both graphs commit module k's rows below past_len + 1 - k (an unfused step drafts on from there)
+    st.mtp_past_len[:n] = st.past_len[:n, None] + 1 - np.arange(1, st.mtp_past_len.shape[1] + 1)
     if C.CARRY_OUT in out:
         st.carry[:n, 1:] = out[C.CARRY_OUT]
     for i, s in enumerate(_active(st, seqs)):
