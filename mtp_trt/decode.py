@@ -713,10 +713,16 @@ def drafts_room(backend: Backend, past_len: int, rows: int) -> int:
     return rows + 1 - past_len if backend.manifest.mtp_mode == "eagle" else 1 << 30
 
 
+def tree_rows(tree: TreeShape) -> int:
+    """The cache rows a tree step (exporters/tree.py, exporters/tree_vanilla.py) needs past a sequence's past_len:
+    the tree's rows at past_len + node, its drafting's at past_len + the path + 1 .. (topk rows per level below
+    depth 1), and its tokens' room (2 nextn + 2 for a chain's)."""
+    return max(2 * tree.depth, tree.budget, tree.depth + 1 + tree.topk * (tree.depth - 1)) + 2
+
+
 def fits_tree(past_len: int, rows: int, tree: TreeShape) -> bool:
-    """Whether a tree step (exporters/tree.py) fits the cache at `past_len` rows: the tree's rows at past_len + node,
-    its drafting's at past_len + the path + 1 .. (topk rows per level below depth 1), and its tokens' room."""
-    return past_len + max(2 * tree.depth, tree.budget, tree.depth + 1 + tree.topk * (tree.depth - 1)) + 2 <= rows
+    """Whether a tree step fits the cache at `past_len` rows (tree_rows)."""
+    return past_len + tree_rows(tree) <= rows
 
 
 def fits_step(backend: Backend, past_len: int, rows: int, k: int, tree: TreeShape | None) -> bool:
@@ -788,11 +794,12 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
              policy: Callable | None = None) -> tuple[list[Sequence], Stats]:
     """Decode a batch of prompts: all join at once, then steps until every one has finished.  Sequence i
     samples with sequence_rng(seed, i).  `on_step(seqs)` is called after every verify step (for streaming).
-    Adaptive speculation: `cost` the measured step costs (calibrate), `policy` overrides auto_k."""
+    Adaptive speculation: `cost` the measured step costs (calibrate), `policy` overrides auto_k.  Each slot gets
+    the rows of its tokens and of a fused step (a tree's: tree_rows), as far as the export's max_seq_len allows."""
     seqs = [Sequence(prompt=list(p), sampling=opts.sampling, max_new_tokens=opts.max_new_tokens,
                      rng=sequence_rng(seed, i)) for i, p in enumerate(prompts)]
-    rows = min(backend.manifest.max_seq_len,
-               max(len(p) for p in prompts) + opts.max_new_tokens + 2 * opts.nextn + 2)
+    step_rows = max(2 * opts.nextn + 2, tree_rows(opts.tree) if opts.tree_graph else 0)
+    rows = min(backend.manifest.max_seq_len, max(len(p) for p in prompts) + opts.max_new_tokens + step_rows)
     batch = open_batch(backend, opts, len(seqs), rows)
     batch.cost, batch.policy = cost or batch.cost, policy
     admit(batch, dict(enumerate(seqs)))
