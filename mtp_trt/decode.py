@@ -351,7 +351,8 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
         st.tree_tokens[:n], st.tree_parents[:n] = out[C.TREE_TOKENS], out[C.TREE_PARENTS_OUT]
     else:
         st.drafts[:n, :k] = out[C.DRAFTS]
-        st.mtp_past_len[:n] = st.past_len[:n, None] + 1 - np.arange(1, st.mtp_past_len.shape[1] + 1)
+    # both graphs commit module k's rows below past_len + 1 - k (an unfused step drafts on from there)
+    st.mtp_past_len[:n] = st.past_len[:n, None] + 1 - np.arange(1, st.mtp_past_len.shape[1] + 1)
     if C.CARRY_OUT in out:
         st.carry[:n, 1:] = out[C.CARRY_OUT]
     for i, s in enumerate(_active(st, seqs)):
@@ -396,7 +397,7 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
                 break
         if s.finish_reason is None and s.num_generated >= s.max_new_tokens:
             s.finish_reason = "length"
-        if s.finish_reason is None and past + 2 * opts.nextn + 2 > rows:
+        if s.finish_reason is None and past + 2 > rows:  # as plain decoding: the next token would not fit
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
     return start
 
@@ -590,6 +591,7 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
             hidden[i, :lens[i]] = np.concatenate(parts)
         # a sequence that keeps every draft (Sequence.keeps_k) gets them from its first step
         k = opts.nextn if any(s.keeps_k for s in seqs) else join_k(batch, m + active) if opts.adaptive else batch.k
+        k = min(k, drafts_room(backend, int(lens.max()), batch.rows))  # (a prompt that nearly fills the cache)
         draft(backend, st, batch.seqs, hidden, np.zeros(m, np.int32), opts, k)
         st.avail[:m] = k
         if opts.tree_graph:  # the chain's drafts are the first tree step's tree
@@ -601,7 +603,7 @@ def _start(backend: Backend, batch: Batch, seqs: list[Sequence], lens: np.ndarra
             s.finish_reason = "stop"
         elif s.max_new_tokens <= 1:
             s.finish_reason = "length"
-        elif len(s.tokens) + 2 * opts.nextn + 2 > batch.rows:
+        elif len(s.tokens) >= batch.rows:  # as accept: past_len (the prompt) + 2 > rows
             s.finish_reason, s.message = "length", f"KV cache full ({batch.rows} rows per sequence)"
 
 
@@ -666,7 +668,11 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     Adaptive speculation (opts.adaptive): K is chosen before the step (batch.policy, default auto_k).  Fewer drafts
     than the sequences hold: the step verifies the first K (a chain's first K drafts are what K drafts would be).
     More: this step verifies the K it has and drafts the K wanted (target and MTP graphs, unfused).  Fused steps are
-    timed into batch.cost, and so is the time from the end of one to the start of the next (no prefill between)."""
+    timed into batch.cost, and so is the time from the end of one to the start of the next (no prefill between).
+
+    Near the end of the cache (either policy) a step verifies at most the drafts whose tokens fit (fitting_drafts),
+    down to none, so that sequences end where plain decoding does with its tokens; it runs unfused where the step
+    graph's rows would not fit (fits_step), and still drafts (within the cache: drafts_room)."""
     st, seqs, opts = batch.st, batch.seqs, batch.opts
     retire(backend, st, seqs)
     if not st.n:
@@ -674,14 +680,22 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     greedy = not _samples(_active(st, seqs))
     k = k_next = opts.nextn
     caps = None
+    top = int(st.past_len[:st.n].max())  # the longest sequence's cache rows
+    fit = fitting_drafts(top, batch.rows, opts.nextn)
     if opts.adaptive:
         k_next = max(0, min(opts.nextn, int((batch.policy or auto_k)(batch))))
-        caps = np.minimum(st.avail[:st.n], k_next).tolist()  # each sequence verifies the drafts it holds, at most K
+    chain = bool(opts.tree_graph) and not fits_tree(top, batch.rows, opts.tree)
+    if opts.adaptive or fit < k or chain:
+        if chain:  # the tree step does not fit the cache: a chain step verifies a path of the tree each holds
+            caps = tree_path(st, fit)
+        else:  # each sequence verifies the drafts it holds, at most K, at most what fits the cache
+            caps = np.minimum(st.avail[:st.n], min(k_next, fit)).tolist()
         k = max(caps)
         caps = None if min(caps) == k else caps
     # vanilla's step and tree graphs need every depth's window to start at row >= 0 (past_len >= K - 1)
     early = backend.manifest.mtp_mode == "vanilla" and st.past_len[:st.n].min() < opts.nextn - 1
-    if greedy and not early and k == k_next and caps is None and (opts.tree_graph or backend.has_step(k)):
+    if (greedy and not early and k == k_next and caps is None and (opts.tree_graph or backend.has_step(k))
+            and fits_step(backend, top, batch.rows, k, opts.tree_graph and opts.tree)):
         n, t0 = st.n, time.perf_counter()
         if opts.adaptive and batch.ended is not None:
             observe_between(batch.cost, n, t0 - batch.ended)
@@ -702,9 +716,65 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
         on_accept()
     retire(backend, st, seqs, hidden, start)
     if k_next and st.n:
+        k_next = min(k_next, drafts_room(backend, int(st.past_len[:st.n].max()), batch.rows))
+        st.avail[:st.n] = k_next
         draft(backend, st, seqs, hidden[:st.n], start[:st.n], opts, k_next)
         if opts.tree_graph:  # the chain's drafts are the next tree step's tree
             st.tree_tokens[:st.n], st.tree_parents[:st.n] = chain_tree(st.drafts[:st.n], opts.tree.budget)
+
+
+def fitting_drafts(past_len: int, rows: int, nextn: int) -> int:
+    """The most drafts (0..nextn) a step may verify where the longest sequence holds `past_len` cache rows: K drafts
+    and the bonus token must fit its `rows` tokens (past_len + K + 2 <= rows; a sequence ends at `rows` tokens, as
+    in plain decoding), so that near the end of the cache the steps verify fewer drafts, down to plain steps, and
+    give plain decoding's tokens."""
+    return max(0, min(nextn, rows - 2 - past_len))
+
+
+def drafts_room(backend: Backend, past_len: int, rows: int) -> int:
+    """The most drafts the MTP graphs may draft within the `rows` cache rows where the longest sequence holds
+    `past_len` rows (after accepting): eagle's depth d writes row past_len + d - 2; vanilla's depths write rows
+    below past_len only."""
+    return rows + 1 - past_len if backend.manifest.mtp_mode == "eagle" else 1 << 30
+
+
+def tree_rows(tree: TreeShape) -> int:
+    """The cache rows a tree step (exporters/tree.py, exporters/tree_vanilla.py) needs past a sequence's past_len:
+    the tree's rows at past_len + node, its drafting's at past_len + the path + 1 .. (topk rows per level below
+    depth 1), and its tokens' room (2 nextn + 2 for a chain's)."""
+    return max(2 * tree.depth, tree.budget, tree.depth + 1 + tree.topk * (tree.depth - 1)) + 2
+
+
+def fits_tree(past_len: int, rows: int, tree: TreeShape) -> bool:
+    """Whether a tree step fits the cache at `past_len` rows (tree_rows)."""
+    return past_len + tree_rows(tree) <= rows
+
+
+def fits_step(backend: Backend, past_len: int, rows: int, k: int, tree: TreeShape | None) -> bool:
+    """Whether the fused step (or tree) graph fits the cache at `past_len` rows: eagle's step drafts K more after
+    accepting up to K (MTP rows up to past_len + 2K - 1); vanilla's writes no row past its verify rows."""
+    if tree:
+        return fits_tree(past_len, rows, tree)
+    return backend.manifest.mtp_mode != "eagle" or past_len + 2 * k <= rows
+
+
+def tree_path(st: State, fit: int) -> list[int]:
+    """A tree decode's step that runs as a chain (the tree step does not fit the cache): st.drafts become a path
+    of the tree each active sequence holds (from the root, each node's first child), at most `fit` drafts;
+    returns each sequence's path length."""
+    caps = []
+    for i in range(st.n):
+        tokens, parents = st.tree_tokens[i].tolist(), st.tree_parents[i].tolist()
+        node, path = 0, []
+        while len(path) < fit:
+            child = next((j for j in range(node, len(tokens)) if parents[j] == node), None)
+            if child is None:
+                break
+            path.append(tokens[child])
+            node = child + 1
+        st.drafts[i, :len(path)] = path
+        caps.append(len(path))
+    return caps
 
 
 def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int], steps: int = 4) -> None:
@@ -749,11 +819,12 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
              policy: Callable | None = None) -> tuple[list[Sequence], Stats]:
     """Decode a batch of prompts: all join at once, then steps until every one has finished.  Sequence i
     samples with sequence_rng(seed, i).  `on_step(seqs)` is called after every verify step (for streaming).
-    Adaptive speculation: `cost` the measured step costs (calibrate), `policy` overrides auto_k."""
+    Adaptive speculation: `cost` the measured step costs (calibrate), `policy` overrides auto_k.  Each slot gets
+    the rows of its tokens and of a fused step (a tree's: tree_rows), as far as the export's max_seq_len allows."""
     seqs = [Sequence(prompt=list(p), sampling=opts.sampling, max_new_tokens=opts.max_new_tokens,
                      rng=sequence_rng(seed, i)) for i, p in enumerate(prompts)]
-    rows = min(backend.manifest.max_seq_len,
-               max(len(p) for p in prompts) + opts.max_new_tokens + 2 * opts.nextn + 2)
+    step_rows = max(2 * opts.nextn + 2, tree_rows(opts.tree) if opts.tree_graph else 0)
+    rows = min(backend.manifest.max_seq_len, max(len(p) for p in prompts) + opts.max_new_tokens + step_rows)
     batch = open_batch(backend, opts, len(seqs), rows)
     batch.cost, batch.policy = cost or batch.cost, policy
     admit(batch, dict(enumerate(seqs)))

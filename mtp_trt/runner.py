@@ -403,7 +403,7 @@ class Runner:
                               f"{self.manifest.max_batch} at once; give fewer, or export with --max-batch {n}")
 
     def fit(self, ids: list[list[int]], nextn: int, truncate: bool = False, new_tokens: int = 1) -> list[list[int]]:
-        """Prompts that fit the export's cache with room for one decode step (prompt + 2 nextn + 2 rows); a
+        """Prompts that fit the export's cache by README's rule (prompt + 2 nextn + 2 rows); a
         longer one is an error naming it, or with `truncate` keeps its last tokens (and its BOS): as many as
         leave room for `new_tokens` to be generated (at least one token, where `new_tokens` alone fills the
         cache)."""
@@ -413,9 +413,9 @@ class Runner:
         if room < 1:
             raise MtpTrtError(f"{self.manifest.root}: max_seq_len {rows} leaves no room for a prompt with --nextn "
                               f"{nextn}")
-        # decode.accept: a sequence of g < new_tokens generated tokens holds prompt + g - 1 rows and needs 2 nextn + 2
-        # more for its next step; after the prefill it holds the prompt and needs 2 nextn + 3 (decode.prefill_chunk)
-        keep = room if new_tokens <= 1 else max(1, rows - 2 * nextn - max(new_tokens, 3))
+        # decode.accept: a sequence ends at `rows` tokens, prompt included, whatever nextn (the steps verify fewer
+        # drafts near the end)
+        keep = room if new_tokens <= 1 else max(1, min(room, rows - new_tokens))
         out = []
         for i, x in enumerate(ids):
             if len(x) <= (keep if truncate else room):

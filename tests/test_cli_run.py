@@ -107,12 +107,19 @@ def test_run_bad_input_is_one_line(ckpt, tmp_path, args, message):
 
 
 def test_run_stops_at_the_cache_limit(ckpt, tmp_path):
+    """`run` at the cache limit: finish reason length with its message, and MTP (the export's nextn, K chosen per
+    step or fixed) gives plain decoding's tokens up to it."""
     out = tmp_path / "exp"
     assert mtp_trt("export", ckpt, "-o", out, "--max-seq-len", "24").returncode == 0
-    r = mtp_trt("run", out, "-p", "def f(x): return x", "--max-new-tokens", "50", "--json", "--threads", "1")
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)["results"][0]
-    assert res["finish_reason"] == "length" and "KV cache full (24 rows per sequence)" in res["message"]
+    results = []
+    for args in (["--nextn", "0"], [], ["--speculation", "fixed"]):
+        r = mtp_trt("run", out, "-p", "def f(x): return x", "--max-new-tokens", "50", "--json", "--threads", "1",
+                    *args)
+        assert r.returncode == 0, r.stderr
+        res = json.loads(r.stdout)["results"][0]
+        assert res["finish_reason"] == "length" and "KV cache full (24 rows per sequence)" in res["message"]
+        results.append((res["tokens"], res["text"]))
+    assert results[1] == results[0] and results[2] == results[0]
 
 
 def test_bench_times_every_configuration_and_writes_json_and_plot(ckpt, tmp_path):

@@ -294,3 +294,81 @@ def test_joining_and_leaving_change_no_sequence(setup, mode):
     assert [seqs[i].generated for i in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
     assert seqs[2].generated == alone and alone != reference[2]
     assert seqs[4].finish_reason == "cancelled" and len(seqs[4].generated) < len(reference[0])
+
+
+# ------------------------------------------------------------------------------------------- the cache limit
+LIMIT = 40  # the demo export's max_seq_len: every prompt below runs into it
+
+
+@pytest.fixture(scope="module")
+def demo_limit(tmp_path_factory):
+    """The bundled demo (3 MTP modules, whose drafts are mostly accepted) exported in both modes with a
+    40-row cache and the tree 3:3:8, and again with room (for the drafts' reference), and its prompts."""
+    from mtp_trt.exporters.export import export
+    from mtp_trt.runner import Runner, demo_model
+
+    root, demo = tmp_path_factory.mktemp("limit"), demo_model()
+    runners = {(mode, rows): Runner(Manifest.load(export(demo, root / f"{mode}-{rows}", nextn=K, mtp_mode=mode,
+                                                         max_seq_len=rows, trees="3:3:8" if rows == LIMIT else "none")))
+               for mode in ("eagle", "vanilla") for rows in (LIMIT, 128)}
+    r = runners["eagle", LIMIT]
+    prompts = [r.encode(t) for t in ("def read_lines(path):\n    \"\"\"Return the lines of a file.", "class Stack:\n",
+                                     "import os\n")]
+    return runners, prompts
+
+
+def _limit_configs(mode: str) -> list[dict]:
+    """Every way of drafting a greedy decode: nextn 1..3 fixed, the tree, and (eagle) K chosen per step."""
+    fixed = [dict(nextn=n, speculation="fixed") for n in range(1, K + 1)] + [dict(nextn=K, tree_topk=3)]
+    return fixed + ([dict(nextn=None, speculation="auto")] if mode == "eagle" else [])
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_mtp_gives_plain_decodings_tokens_up_to_the_cache_limit(demo_limit, mode):
+    """At the cache limit greedy MTP (nextn 1..3, fixed and auto, the chain and the tree) ends where plain greedy
+    decoding (nextn 0) does, with its tokens, finish reason and message: the last steps verify fewer drafts,
+    down to none.  Each prompt alone and the three together; every sequence ends at max_seq_len tokens."""
+    runners, prompts = demo_limit
+    r = runners[mode, LIMIT]
+    for batch in [[p] for p in prompts] + [prompts]:
+        plain, _ = generate(r.backend, batch, r.options(0, max_new_tokens=100))
+        want = [(s.generated, s.finish_reason, s.message) for s in plain]
+        assert all(len(s.tokens) == LIMIT and s.message == f"KV cache full ({LIMIT} rows per sequence)"
+                   for s in plain), want
+        for kw in _limit_configs(mode):
+            opts = r.options(max_new_tokens=100, **kw)
+            seqs, stats = generate(r.backend, batch, opts)
+            assert [(s.generated, s.finish_reason, s.message) for s in seqs] == want, (batch, kw)
+            assert stats.mean_acceptance_length > 1.3, "drafts must be accepted for this test to bite"
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_drafts_near_the_cache_limit_equal_those_with_room(demo_limit, mode):
+    """The MTP caches stay whole while the last steps verify fewer drafts: every draft made near the cache limit
+    (and after, in a batch, for the sequences that were held back by another one's limit) equals the draft made
+    at the same position by a decode with room in the cache.  Continuous batching too (serve's loop: sequences
+    joining in chunks, beside others at their limit): plain decoding's tokens."""
+    from runtime_models import drive
+
+    runners, prompts = demo_limit
+    r, room = runners[mode, LIMIT], runners[mode, 128]
+    for kw in _limit_configs(mode):
+        if kw.get("tree_topk"):
+            continue  # (a tree step logs its tree)
+        opts = r.options(max_new_tokens=100, **kw)
+        seqs, _ = generate(r.backend, prompts, opts)
+        ref, _ = generate(room.backend, prompts, room.options(max_new_tokens=100, **kw))
+        near = 0
+        for s, t in zip(seqs, ref):
+            drafts = dict(t.draft_log)
+            for q, d in s.draft_log:
+                assert q not in drafts or d[:len(drafts[q])] == drafts[q][:len(d)], (kw, q, d, drafts.get(q))
+                near += q in drafts and q + 2 + K > LIMIT
+        assert near >= len(prompts), "the comparison must reach the steps that verify fewer drafts"
+    plain, _ = generate(r.backend, prompts, r.options(0, max_new_tokens=100))
+    for kw in _limit_configs(mode):
+        opts = r.options(max_new_tokens=100, **kw)
+        joining = [Sequence(p, max_new_tokens=100) for p in prompts]
+        drive(r.backend, opts, joining, {0: ("admit", [0]), 3: ("admit", [1, 2])}, capacity=2, chunk=4, rows=LIMIT)
+        assert [s.generated for s in joining] == [s.generated for s in plain], kw
+        assert all(s.finish_reason == "length" and "KV cache full" in s.message for s in joining)

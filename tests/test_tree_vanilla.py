@@ -191,6 +191,34 @@ def test_drafted_vanilla_trees_equal_pytorch_recomputation(vanilla, spec):
     assert checked >= 6
 
 
+def test_trees_drafted_after_chain_steps_equal_pytorch_recomputation(vanilla):
+    """Near the end of the cache a tree decode runs chain steps (decode.fits_tree); the trees it drafts when tree
+    steps resume after them (here: the longer sequence has left the batch at its limit) are EAGLE-2's expansion
+    from the state the chain steps left, and both sequences end at the limit with plain greedy decoding's tokens."""
+    from mtp_trt.decode import Sequence, admit, open_batch, prefill_chunk, step
+
+    model, be, _ = vanilla
+    shape, rows = TreeShape(2, 3, 5), 40
+    prompts = [PROMPTS[0] + PROMPTS[2] + PROMPTS[3], PROMPTS[1]]  # 19 and 2 tokens
+    batch = open_batch(be, opts(shape), 2, rows)
+    seqs = {i: Sequence(list(p), max_new_tokens=100) for i, p in enumerate(prompts)}
+    admit(batch, seqs)
+    prefill_chunk(be, batch)
+    while batch.st.n:
+        step(be, batch)
+    resumed = 0
+    for s in seqs.values():
+        assert s.generated == greedy_generate(model, s.prompt, rows - len(s.prompt), eos_ids=(EOS,))
+        assert (s.finish_reason, s.message) == ("length", f"KV cache full ({rows} rows per sequence)")
+        chain_q = [q for q, d in s.draft_log[1:] if len(d) != 2 * shape.budget]  # (after the prefill's chain)
+        for q, tree in s.draft_log:
+            if len(tree) == 2 * shape.budget:
+                got = list(zip(tree[:shape.budget], tree[shape.budget:]))
+                assert got == _reference_vanilla_tree(model, s.tokens, q, shape), f"q={q}"
+                resumed += any(c < q for c in chain_q)
+    assert resumed, "tree steps must follow chain steps for this test to bite"
+
+
 # ------------------------------------------------------------------ export, runner, CLI
 def test_vanilla_tree_graph_contract(vanilla, tmp_path):
     """The manifest's vanilla tree graphs: the vanilla step's caches and carry, each module's D + 1 window rows to
