@@ -544,7 +544,7 @@ def test_every_example_speculative_config_runs_and_json_is_compact(exp, tmp_path
         tokens = result["results"][0]["tokens"]
         longest = max(longest, len(tokens))
         assert f'"tokens": {json.dumps(tokens)},' == out.splitlines()[5].strip(), out
-        assert len(out.splitlines()) < 30, out
+        assert len(out.splitlines()) < 40, out  # lists on one line each: not a line per token
     assert longest >= 30  # a long answer, in a few lines
 
 
