@@ -26,8 +26,8 @@ import numpy as np
 from mtp_trt import contract as C
 from mtp_trt.backend import Backend
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
-from mtp_trt.speculation import (PRIOR, PRIOR_WEIGHT, Acceptance, CostModel, acceptance_rates, choose_k,
-                                  observe_acceptance, observe_between, observe_cost)
+from mtp_trt.speculation import (PRIOR, PRIOR_WEIGHT, Acceptance, CostModel, acceptance_rates, choose_k, could_pay,
+                                  observe_acceptance, observe_cost)
 from mtp_trt.tree import TreeShape, chain_tree
 
 
@@ -478,7 +478,6 @@ class Batch:
     explore: int = EXPLORE_FIRST  # auto_k: steps until the next exploring steps
     explore_gap: int = EXPLORE_FIRST  # auto_k: the steps between the last two explorations
     held: int | None = None  # auto_k: the K it chose last (explorations aside)
-    ended: float | None = None  # when the last timed step ended (None: a prefill or an untimed step since)
     explored: int = 0  # auto_k: the K those steps ran last
     explored_turn: int = 0  # auto_k: explorations so far (below and above the current K in turn)
 
@@ -535,7 +534,6 @@ def prefill_chunk(backend: Backend, batch: Batch, chunk: int | None = None) -> b
     joining slots are swapped to the front for the call (the backend runs slots 0..m-1) and back.  Returns
     whether they joined."""
     st, opts, j = batch.st, batch.opts, batch.joining
-    batch.ended = None  # a prefill is not part of the time between two steps
     seqs = [batch.seqs[i] for i in j.ids]
     m, n = len(seqs), st.n
     lens = np.array([len(s.prompt) for s in seqs])
@@ -614,24 +612,29 @@ def auto_k(batch: Batch) -> int:
     active = _active(st, batch.seqs)
     if any(s.keeps_k for s in active):
         return nextn
-    batch.explore -= 1
-    if batch.explore < 0:  # now and then two steps at a neighbouring K, one below and one above the current K in turn
-        if batch.explore < -2:  # (the first step may draft them, the second is timed): what it costs (and, going up,
-            # what one more draft accepts) is learnt again, at the price of a step or two of a K near the best; the
-            # policy then climbs one K at a time where that pays.  The first soon, then ever rarer (EXPLORE_FIRST,
-            # twice that, ... up to EXPLORE_EVERY steps apart): a K left on a few unlucky steps is retried early.
-            batch.explore_gap = min(2 * batch.explore_gap, EXPLORE_EVERY)
-            batch.explore = batch.explore_gap
-        else:
-            if batch.explore == -1:
-                current = int(st.avail[:st.n].min()) if batch.held is None else batch.held
-                near = [k for k in (current - 1, current + 1) if 0 <= k <= nextn]
-                batch.explored = near[batch.explored_turn % len(near)] if near else current
-                batch.explored_turn += 1
-            return batch.explored
     history = Acceptance(np.array([s.acceptance.tried for s in active]),
                          np.array([s.acceptance.accepted for s in active]))
     rates = acceptance_rates(history, chain_prior(stats))  # [n, nextn] at once
+    batch.explore -= 1
+    if batch.explore == -1:  # now and then two steps at a neighbouring K, one below and one above the current K in
+        # turn (the first step may draft them, the second is timed): what it costs (and, going up, what one more
+        # draft accepts) is learnt again, at the price of a step or two of a K near the best; the policy then climbs
+        # one K at a time where that pays.  A K above that could not pay even with every draft accepted is not
+        # tried (a large batch, where drafts cost more than they can bring).
+        current = int(st.avail[:st.n].min()) if batch.held is None else batch.held
+        near = [k for k in (current - 1, current + 1) if 0 <= k <= nextn
+                and (k < current or could_pay(rates, batch.cost, k, current))]
+        if near:
+            batch.explored = near[batch.explored_turn % len(near)]
+            batch.explored_turn += 1
+        else:
+            batch.explore = -3
+    if batch.explore < -2:  # the first soon, then ever rarer (EXPLORE_FIRST, twice that, ... up to EXPLORE_EVERY
+        # steps apart): a K left on a few unlucky steps is retried early
+        batch.explore_gap = min(2 * batch.explore_gap, EXPLORE_EVERY)
+        batch.explore = batch.explore_gap
+    elif batch.explore < 0:
+        return batch.explored
     # the K the policy chose last stays unless another beats it by a margin (not the K an exploration left)
     batch.held = choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()) if batch.held is None
                           else batch.held)
@@ -668,7 +671,7 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     Adaptive speculation (opts.adaptive): K is chosen before the step (batch.policy, default auto_k).  Fewer drafts
     than the sequences hold: the step verifies the first K (a chain's first K drafts are what K drafts would be).
     More: this step verifies the K it has and drafts the K wanted (target and MTP graphs, unfused).  Fused steps are
-    timed into batch.cost, and so is the time from the end of one to the start of the next (no prefill between).
+    timed into batch.cost.
 
     Near the end of the cache (either policy) a step verifies at most the drafts whose tokens fit (fitting_drafts),
     down to none, so that sequences end where plain decoding does with its tokens; it runs unfused where the step
@@ -697,18 +700,14 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     if (greedy and not early and k == k_next and caps is None and (opts.tree_graph or backend.has_step(k))
             and fits_step(backend, top, batch.rows, k, opts.tree_graph and opts.tree)):
         n, t0 = st.n, time.perf_counter()
-        if opts.adaptive and batch.ended is not None:
-            observe_between(batch.cost, n, t0 - batch.ended)
         fused_step(backend, st, seqs, batch.stats, opts, batch.rows, k)
         if opts.adaptive:
-            batch.ended = time.perf_counter()
-            observe_cost(batch.cost, k, n, batch.ended - t0)
+            observe_cost(batch.cost, k, n, time.perf_counter() - t0)
         st.avail[:n], batch.k = k, k
         if on_accept:
             on_accept()
         retire(backend, st, seqs)
         return
-    batch.ended = None  # (an unfused step is not timed)
     tokens, num, hidden = verify(backend, st, seqs, opts, k, caps)
     start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k, caps)
     st.avail[:st.n], batch.k = k_next, k_next
@@ -811,7 +810,7 @@ def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int
             retire(backend, batch.st, batch.seqs)
             batch.seqs.clear()
     finally:
-        batch.policy, batch.cost, batch.ended = policy, model, None
+        batch.policy, batch.cost = policy, model
 
 
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,

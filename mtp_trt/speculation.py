@@ -8,8 +8,7 @@ Plain functions over explicit state (gpt-fast style), used by mtp_trt/decode.py 
 * a `CostModel` holds the measured seconds of one step per (K, batch rows): timed at start-up (`calibrate` in
   decode.py), interpolated in the rows between measured sizes, times a load factor per batch size that every K
   shares, which follows the steps actually run (so that steps timed while the machine is busy make every K dearer
-  alike, not only the K running); with the time between two steps (the per-step work around the graphs, whatever
-  K), likewise;
+  alike, not only the K running);
 * `choose_k` picks the K maximizing expected accepted tokens per second of the batch:
   sum over the sequences of E_K = 1 + sum_{i<=K} prod_{j<=i} a_j, divided by the step's cost at (rows, K).
 """
@@ -76,9 +75,6 @@ class CostModel:
     seconds: dict = dataclasses.field(default_factory=dict)  # k -> {rows: seconds at load 1}
     alpha: float = COST_ALPHA
     load: dict = dataclasses.field(default_factory=dict)  # rows -> how much slower steps run now than `seconds` says
-    # rows -> seconds from the end of one step to the start of the next: the per-step work around the graphs
-    # (choosing K, retiring, the caller's streaming and detokenizing), the same whatever K
-    between: dict = dataclasses.field(default_factory=dict)
 
 
 def observe_cost(model: CostModel, k: int, rows: int, seconds: float) -> None:
@@ -98,21 +94,6 @@ def observe_cost(model: CostModel, k: int, rows: int, seconds: float) -> None:
     ratio, weight = (min(ratio, CLIP), model.alpha) if ratio >= 1 else (ratio, DOWN_ALPHA)
     model.load[rows] = load * (1 - weight + weight * ratio)
     table[rows] = base * (1 - SHAPE_ALPHA + SHAPE_ALPHA * ratio)
-
-
-def observe_between(model: CostModel, rows: int, seconds: float) -> None:
-    """The time between two steps of `rows` sequences (model.between), as observe_cost learns a step's."""
-    _observe(model.between, rows, seconds, model.alpha)
-
-
-def _observe(table: dict, rows: int, seconds: float, alpha: float) -> None:
-    old = table.get(rows)
-    if old is None:
-        table[rows] = seconds
-    elif seconds >= old:
-        table[rows] = (1 - alpha) * old + alpha * min(seconds, old * CLIP)
-    else:
-        table[rows] = (1 - DOWN_ALPHA) * old + DOWN_ALPHA * seconds
 
 
 def estimate_cost(model: CostModel, k: int, rows: int) -> float | None:
@@ -147,10 +128,21 @@ def batch_expected_tokens(rates) -> np.ndarray:
     return len(rates) + np.concatenate([[0.0], np.cumsum(per_k)])
 
 
+def could_pay(rates, model: CostModel, k: int, current: int, up_margin: float = UP_MARGIN) -> bool:
+    """Whether a step with k > current drafts could beat the current K by `up_margin` over sequences with these
+    rates [n, K] even if every draft were accepted (what exploring k could at best find); True where either cost is
+    unknown."""
+    n = len(rates)
+    c_k, c_now = estimate_cost(model, k, n), estimate_cost(model, current, n)
+    if not c_k or not c_now:
+        return True
+    return n * (1 + k) / c_k > (1 + up_margin) * float(batch_expected_tokens(rates)[current]) / c_now
+
+
 def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int | None = None,
              margin: float = MARGIN, up_margin: float = UP_MARGIN) -> int:
     """The K in 0..max_k maximizing expected tokens per second of a step over these sequences (their acceptance
-    rates per position): its tokens over its cost, the step's and the time between two steps; a K whose cost was
+    rates per position): its tokens over its cost; a K whose cost was
     never measured is not chosen (`current`, else max_k, when none was).  Ties go to the smaller K; `current` (the K the sequences hold drafts for) stays unless a smaller K beats it by
     `margin`, a larger one by `up_margin` (timing noise should not flip K every step, and going up costs a step
     that verifies the drafts held and drafts more, unfused)."""
@@ -158,9 +150,8 @@ def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int
     if len(rates) == 0:
         return fallback
     tokens = batch_expected_tokens(rates)
-    between = _interpolate(model.between, len(rates)) or 0.0
     costs = [(k, estimate_cost(model, k, len(rates))) for k in range(max_k + 1)]
-    scored = [(k, float(tokens[k]) / (c + between)) for k, c in costs if c is not None and c > 0]
+    scored = [(k, float(tokens[k]) / c) for k, c in costs if c is not None and c > 0]
     if not scored:
         return fallback
     best, best_rate = scored[0]
