@@ -17,6 +17,7 @@ overwrite the rejected rows).  MTP row i takes (h_i, t_{i+1}) and predicts t_{i+
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from mtp_trt import contract as C
 from mtp_trt.backend import Backend
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
 from mtp_trt.speculation import (PRIOR, PRIOR_WEIGHT, Acceptance, CostModel, acceptance_rates, choose_k, could_pay,
-                                  observe_acceptance, observe_cost)
+                                  observe_acceptance, observe_cost, remembered)
 from mtp_trt.tree import TreeShape, chain_tree
 
 
@@ -416,7 +417,7 @@ def _count_drafts(s: Sequence, k: int, m: int, width: int) -> None:
     for j in range(m):
         s.accepted_per_pos[j] += 1
     if s.acceptance is not None:
-        observe_acceptance(s.acceptance, k, m)
+        observe_acceptance(s.acceptance, k, m, s.steps)
 
 
 def _swap(backend: Backend, st: State, i: int, j: int, *extra: np.ndarray) -> None:
@@ -445,6 +446,7 @@ def retire(backend: Backend, st: State, seqs, *extra: np.ndarray) -> None:
 
 
 # --------------------------------------------------------------------------------- continuous batching
+FORGET_EVERY = 8  # auto_k: steps the K chosen for unchanged sequences at K = 0 stands (what was learnt fades)
 EXPLORE_FIRST = 16  # steps before a decode's first exploration (two steps at another K: auto_k)
 EXPLORE_EVERY = 256  # the most steps between two (the interval doubles after each)
 
@@ -480,6 +482,7 @@ class Batch:
     held: int | None = None  # auto_k: the K it chose last (explorations aside)
     explored: int = 0  # auto_k: the K those steps ran last
     explored_turn: int = 0  # auto_k: explorations so far (below and above the current K in turn)
+    chosen_for: tuple | None = None  # auto_k: what `held` was chosen from (the slots' sequences, drafts verified)
 
     @property
     def capacity(self) -> int:
@@ -612,10 +615,13 @@ def auto_k(batch: Batch) -> int:
     active = _active(st, batch.seqs)
     if any(s.keeps_k for s in active):
         return nextn
-    history = Acceptance(np.array([s.acceptance.tried for s in active]),
-                         np.array([s.acceptance.accepted for s in active]))
-    rates = acceptance_rates(history, chain_prior(stats))  # [n, nextn] at once
     batch.explore -= 1
+    key = (st.order[:st.n].tobytes(), stats.num_drafts, stats.steps // FORGET_EVERY)
+    if batch.explore >= 0 and key == batch.chosen_for:  # the same sequences, no draft verified since (a batch at
+        return batch.held  # K = 0), but for the load (every K shares it) and a few steps of fading (remembered)
+    counts = [remembered(s.acceptance, s.steps) for s in active]
+    history = Acceptance(np.array([c[0] for c in counts]), np.array([c[1] for c in counts]))
+    rates = acceptance_rates(history, chain_prior(stats))  # [n, nextn] at once
     if batch.explore == -1:  # now and then two steps at a neighbouring K, one below and one above the current K in
         # turn (the first step may draft them, the second is timed): what it costs (and, going up, what one more
         # draft accepts) is learnt again, at the price of a step or two of a K near the best; the policy then climbs
@@ -638,17 +644,18 @@ def auto_k(batch: Batch) -> int:
     # the K the policy chose last stays unless another beats it by a margin (not the K an exploration left)
     batch.held = choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()) if batch.held is None
                           else batch.held)
+    batch.chosen_for = key
     return batch.held
 
 
 def join_k(batch: Batch, rows: int) -> int:
     """The drafts sequences joining a batch of `rows` sequences (them included) get: the K auto_k would choose for
-    `rows` sequences of the decode's acceptance so far (batch.k under another policy, or before any cost is
-    known)."""
+    `rows` sequences of the decode's acceptance so far, with its margins about the K it holds (no drafts made that
+    the next step would not verify); batch.k under another policy, or before any cost is known."""
     if batch.policy is not None or not batch.cost.seconds:
         return batch.k
     prior = chain_prior(batch.stats)
-    return choose_k(np.tile(prior, (rows, 1)), batch.cost, batch.opts.nextn)
+    return choose_k(np.tile(prior, (rows, 1)), batch.cost, batch.opts.nextn, current=batch.held)
 
 
 def chain_prior(stats: Stats, weight: float = PRIOR_WEIGHT) -> np.ndarray:
@@ -776,12 +783,18 @@ def tree_path(st: State, fit: int) -> list[int]:
     return caps
 
 
+WARM = 3  # calibrate: steps of a K before the one timed
+
+
 def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int], steps: int = 4) -> None:
     """Time greedy steps of each K (0..nextn) at each batch size in `sizes` (dummy sequences of `prompt`) into
     batch.cost, the fastest per (K, rows) of `steps` rounds; each round visits every K (so that a burst of load on
-    the machine falls on all of them alike) with two steps, the second timed (the first may draft more, or be the
-    first call of a shape).  The batch must be empty; it is left empty."""
-    opts, policy, model = batch.opts, batch.policy, batch.cost
+    the machine falls on all of them alike) with WARM + 1 steps, the last timed: the first may draft more, or be the
+    first call of a shape, and the next ones find the caches holding another K's graph (a decode that keeps its K
+    runs warm: timed after one such step, K = 3 of the demo came out 1.3-1.5x its cost in a steady decode, where
+    K = 0 came out 1.1x).  The batch must be empty; it is left empty, its figures (and so the acceptance the
+    policy assumes of new sequences) as they were."""
+    opts, policy, model, stats = batch.opts, batch.policy, batch.cost, copy.deepcopy(batch.stats)
     want = [0]
     batch.policy = lambda b: want[0]  # noqa: E731
     batch.cost = CostModel()  # the steps run here are not observed twice
@@ -795,12 +808,12 @@ def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int
             for _ in range(steps):
                 for k in range(opts.nextn, -1, -1):
                     want[0] = k
-                    for i in range(2):
+                    for i in range(WARM + 1):
                         retire(backend, batch.st, batch.seqs)
                         rows, t0 = batch.st.n, time.perf_counter()
                         if rows:
                             step(backend, batch)
-                        if i and rows == n:
+                        if i == WARM and rows == n:
                             times[k].append(time.perf_counter() - t0)
             for k, t in times.items():
                 if t:  # the fastest: other work on the machine only ever slows a step
@@ -810,7 +823,7 @@ def calibrate(backend: Backend, batch: Batch, prompt: list[int], sizes: list[int
             retire(backend, batch.st, batch.seqs)
             batch.seqs.clear()
     finally:
-        batch.policy, batch.cost = policy, model
+        batch.policy, batch.cost, batch.stats = policy, model, stats
 
 
 def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, seed: int = 0,

@@ -20,6 +20,8 @@ import dataclasses
 import numpy as np
 
 DECAY = 0.9  # weight of an acceptance observation after each later step of the same sequence
+FORGET = 0.95  # ... after each later step that tried none of its drafts (K = 0): what was learnt fades back to the
+# prior, so that a sequence whose drafts once failed is tried again (after about 20 such steps at the demo's rates)
 PRIOR = 1.0  # acceptance assumed of a position no sequence has tried yet: optimistic, so that it is tried (its first
 PRIOR_WEIGHT = 1.0  # observations then outweigh it: this many pseudo-observations)
 COST_ALPHA = 0.1  # EWMA weight of a newly timed step in the load factor
@@ -32,26 +34,38 @@ UP_MARGIN = 0.10  # a larger one this much (going up costs a step that drafts mo
 
 @dataclasses.dataclass
 class Acceptance:
-    """Decayed counts per draft position: tried[j], accepted[j] (position j + 1)."""
+    """Decayed counts per draft position: tried[j], accepted[j] (position j + 1); `at`: the sequence's step count
+    when they were last observed."""
 
     tried: np.ndarray
     accepted: np.ndarray
+    at: int = 0
 
     @classmethod
     def empty(cls, k: int) -> Acceptance:
         return cls(np.zeros(k), np.zeros(k))
 
 
-def observe_acceptance(a: Acceptance, k: int, m: int, decay: float = DECAY) -> None:
-    """One verify step of a sequence with `k` drafts, `m` of them accepted: positions 1..min(m + 1, k) were tried,
-    1..m accepted.  Older observations decay by `decay` (only the positions this step tried: a position not tried
-    keeps what was last learnt about it)."""
+def observe_acceptance(a: Acceptance, k: int, m: int, step: int | None = None, decay: float = DECAY) -> None:
+    """One verify step (the sequence's `step`-th) with `k` drafts, `m` of them accepted: positions 1..min(m + 1, k)
+    were tried, 1..m accepted.  Older observations decay by `decay` (only the positions this step tried: a position
+    not tried keeps what was last learnt about it), and by FORGET for each step without drafts since the last."""
     if k <= 0:
         return
+    if step is not None:
+        a.tried[:], a.accepted[:] = remembered(a, step - 1)
+        a.at = step
     tried = min(m + 1, k)
     a.tried[:tried] = a.tried[:tried] * decay + 1
     a.accepted[:tried] *= decay
     a.accepted[:m] += 1
+
+
+def remembered(a: Acceptance, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tried, accepted) as of the sequence's `step`-th step: faded by FORGET for each step since they were
+    observed (steps that verified no draft)."""
+    f = FORGET ** max(0, step - a.at)
+    return a.tried * f, a.accepted * f
 
 
 def acceptance_rates(a: Acceptance, prior: np.ndarray | None = None, weight: float = PRIOR_WEIGHT) -> np.ndarray:

@@ -2,6 +2,7 @@
 choice of K), and on the bundled demo model: whatever K is chosen step after step, greedy output is plain greedy
 decoding's (nextn 0), and each sequence's speculative figures add up to the decode's."""
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -181,15 +182,18 @@ def _sequences_drafting(rates, n, seed):
     return accepted
 
 
-def simulate(rates, costs: dict, nextn: int = 3, n: int = 1, steps: int = 60, seed: int = 0) -> list[int]:
+def simulate(rates, costs: dict, nextn: int = 3, n: int = 1, steps: int = 60, seed: int = 0,
+             history: Acceptance | None = None) -> list[int]:
     """The K auto_k has `n` sequences verify step after step (as decode.step runs them: a step verifies the drafts
     the sequences hold, at most the K chosen, and drafts the K chosen), each sequence's drafts accepted with the
-    conditional rates `rates`, at the fixed step costs `costs` {(k, rows): seconds}; no model."""
+    conditional rates `rates`, at the fixed step costs `costs` {(k, rows): seconds}; no model.  `history`: what
+    each sequence is taken to have learnt before (default nothing)."""
     opts = DecodeOptions(nextn=nextn, max_new_tokens=1 << 30, adaptive=True)
     zeros = lambda *shape: np.zeros((n, *shape), np.int64)  # noqa: E731
     st = State(order=np.arange(n), n=n, past_len=zeros(), last=zeros(), thinking=zeros(), drafts=zeros(nextn),
                q_dist=None, mtp_past_len=zeros(1), carry=None, avail=zeros())
-    seqs = {i: Sequence([1], max_new_tokens=1 << 30, acceptance=Acceptance.empty(nextn)) for i in range(n)}
+    seqs = {i: Sequence([1], max_new_tokens=1 << 30, acceptance=copy.deepcopy(history) if history else
+                        Acceptance.empty(nextn)) for i in range(n)}
     batch = Batch(st, seqs, Stats(num_accepted_tokens_per_pos=np.zeros(nextn, np.int64)), opts, rows=1 << 30,
                   cost=_model(costs))
     st.avail[:] = join_k(batch, n)
@@ -226,6 +230,16 @@ def test_one_sequence_finds_the_best_k_within_a_few_steps_and_stays(per_k, best)
     assert trace[3:16] == str(best) * 13, trace  # within 3 steps, then steady until the first exploration
     # after it the best K again, but for the explorations (at steps 16, 48: two steps each, one more to climb back)
     assert ks[16:].count(best) >= len(ks) - 16 - 2 * 3, trace
+
+
+def test_a_sequence_whose_drafts_failed_is_tried_again():
+    """Twenty first drafts rejected in a row (K = 0 follows), then drafts as good as the demo's: what was learnt
+    fades over the steps without drafts, the sequence drafts again within a few dozen steps and keeps the best K."""
+    failed = Acceptance(np.array([20.0, 0.0, 0.0]), np.zeros(3))
+    ks = simulate(DEMO, _costs([1.0, 1.1, 1.2, 1.6]), steps=120, history=failed)
+    trace = "".join(map(str, ks))
+    assert trace[:10] == "0" * 10 and trace[:50].strip("0"), trace
+    assert ks[60:].count(2) >= 60 - 2 * 3, trace
 
 
 def test_a_large_batch_settles_on_no_drafts_within_a_few_steps():
