@@ -323,6 +323,7 @@ def _limit_configs(mode: str) -> list[dict]:
     return fixed + ([dict(nextn=None, speculation="auto")] if mode == "eagle" else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_mtp_gives_plain_decodings_tokens_up_to_the_cache_limit(demo_limit, mode):
     """At the cache limit greedy MTP (nextn 1..3, fixed and auto, the chain and the tree) ends where plain greedy
@@ -342,6 +343,7 @@ def test_mtp_gives_plain_decodings_tokens_up_to_the_cache_limit(demo_limit, mode
             assert stats.mean_acceptance_length > 1.3, "drafts must be accepted for this test to bite"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_drafts_near_the_cache_limit_equal_those_with_room(demo_limit, mode):
     """The MTP caches stay whole while the last steps verify fewer drafts: every draft made near the cache limit

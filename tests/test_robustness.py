@@ -1299,6 +1299,7 @@ def _cli(*args, env: dict) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_models_by_hugging_face_repo_id(ckpt, tmp_path):
     """`run ORG/NAME` downloads the repo (only the files a model needs) from the Hub (a stand-in on 127.0.0.1)
     into HF_HOME and runs it, with run's text for the local copy; offline, the download is reused; ORG/NAME@REV

@@ -756,6 +756,7 @@ def _serve_process(root, *args, files: int | None = None) -> tuple[subprocess.Po
     raise AssertionError(f"the server did not start (exit {proc.returncode})")
 
 
+@pytest.mark.slow
 def test_slow_and_idle_clients_are_cut_off(demo):
     """With 256 open files: 300 idle connections leave the server reachable (/health answers while they are open,
     well before --request-timeout would close them: a new connection closes the oldest idle one); a half-sent

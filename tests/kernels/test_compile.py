@@ -57,6 +57,7 @@ def test_every_kernel_compiles_for_every_arch(compiled):
     print(f"total wall time {total:.1f} s")
 
 
+@pytest.mark.slow
 def test_attention_kernels_do_not_spill(compiled):
     """Every MLA kernel on every shipped arch: no stack, no spills (v2 keeps 128 fp32 accumulators per thread at
     64 query rows and stays under 255 registers)."""
@@ -73,6 +74,7 @@ def test_attention_kernels_do_not_spill(compiled):
         assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
 
 
+@pytest.mark.slow
 def test_indexer_kernels_do_not_spill(compiled):
     """DSA's kernels, every arch: the histogram clear, the tensor-core scoring (fp16/bf16: 16 rows x 64 heads of
     accumulators and a tile of keys in registers), the SIMT scoring (one accumulator per indexer head, three
@@ -87,6 +89,7 @@ def test_indexer_kernels_do_not_spill(compiled):
         assert (stack, st, ld) == (0, 0, 0), f"{name} on {arch}: {stack} B stack, {st}/{ld} B spill stores/loads"
 
 
+@pytest.mark.slow
 def test_acceptance_kernels_do_not_spill(compiled):
     """The acceptance kernels (a row read by a cluster of blocks with 16-byte loads, four in flight per thread), every
     arch: argmax rows (three dtypes x strict / relaxed), the per-sequence walk, rejection sampling (three dtypes)."""
@@ -109,6 +112,7 @@ def test_nvcc_command_lists_the_sources_and_archs(tmp_path):
         cuda_lib.parse_archs("hopper")
 
 
+@pytest.mark.slow
 def test_library_host_functions_without_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("MTP_TRT_CACHE_DIR", str(tmp_path / "cache"))
     path = cuda_lib.build_library(["90a"])
@@ -149,6 +153,7 @@ def test_library_host_functions_without_gpu(tmp_path, monkeypatch):
     lib.mla_sparse_decode("bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 16, 512, 64, 704, 100, 8, 0.1, 1)  # B = 0
 
 
+@pytest.mark.slow
 def test_v3_runs_on_warpgroup_mma_and_tma(compiled):
     """sm_90a SASS of the MLA kernels: v3's products are HGMMA (64x64x16) and its loads UTMALDG (TMA), with no
     local memory; needs cuobjdump (set CUOBJDUMP; pip's nvidia-cuda-cuobjdump carries one, with nvidia-cuda-nvdisasm)."""
