@@ -625,11 +625,11 @@ def auto_k(batch: Batch) -> int:
     if batch.explore == -1:  # now and then two steps at a neighbouring K, one below and one above the current K in
         # turn (the first step may draft them, the second is timed): what it costs (and, going up, what one more
         # draft accepts) is learnt again, at the price of a step or two of a K near the best; the policy then climbs
-        # one K at a time where that pays.  A K above that could not pay even with every draft accepted is not
-        # tried (a large batch, where drafts cost more than they can bring).
+        # one K at a time where that pays.  A K that could not be better is not tried: above, one that could not
+        # pay even with every draft accepted (a large batch, where drafts cost more than they can bring); below,
+        # one the estimates put well below the current K (one sequence whose drafts are mostly accepted).
         current = int(st.avail[:st.n].min()) if batch.held is None else batch.held
-        near = [k for k in (current - 1, current + 1) if 0 <= k <= nextn
-                and (k < current or could_pay(rates, batch.cost, k, current))]
+        near = [k for k in (current - 1, current + 1) if 0 <= k <= nextn and could_pay(rates, batch.cost, k, current)]
         if near:
             batch.explored = near[batch.explored_turn % len(near)]
             batch.explored_turn += 1

@@ -23,7 +23,7 @@ DECAY = 0.9  # weight of an acceptance observation after each later step of the 
 FORGET = 0.95  # ... after each later step that tried none of its drafts (K = 0): what was learnt fades back to the
 # prior, so that a sequence whose drafts once failed is tried again (after about 20 such steps at the demo's rates)
 PRIOR = 1.0  # acceptance assumed of a position no sequence has tried yet: optimistic, so that it is tried (its first
-PRIOR_WEIGHT = 1.0  # observations then outweigh it: this many pseudo-observations)
+PRIOR_WEIGHT = 4.0  # observations soon outweigh it: this many pseudo-observations; one rejected draft is no verdict)
 COST_ALPHA = 0.1  # EWMA weight of a newly timed step in the load factor
 SHAPE_ALPHA = 0.002  # ... and in its own K's cost beside the others' (slow: a K seldom run keeps its calibrated cost)
 CLIP = 1.5  # a slower timed step counts as at most this factor above the estimate
@@ -143,22 +143,26 @@ def batch_expected_tokens(rates) -> np.ndarray:
 
 
 def could_pay(rates, model: CostModel, k: int, current: int, up_margin: float = UP_MARGIN) -> bool:
-    """Whether a step with k > current drafts could beat the current K by `up_margin` over sequences with these
-    rates [n, K] even if every draft were accepted (what exploring k could at best find); True where either cost is
-    unknown."""
+    """Whether exploring k could find it better than the current K over sequences with these rates [n, K]: above,
+    if with every draft accepted it would beat the current K by `up_margin`; below, if the estimates put it within
+    `up_margin` of the current K (where they may be wrong).  True where either cost is unknown."""
     n = len(rates)
     c_k, c_now = estimate_cost(model, k, n), estimate_cost(model, current, n)
     if not c_k or not c_now:
         return True
-    return n * (1 + k) / c_k > (1 + up_margin) * float(batch_expected_tokens(rates)[current]) / c_now
+    tokens = batch_expected_tokens(rates)
+    now = float(tokens[current]) / c_now
+    if k > current:
+        return n * (1 + k) / c_k > (1 + up_margin) * now
+    return float(tokens[k]) / c_k > now / (1 + up_margin)
 
 
 def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int | None = None,
              margin: float = MARGIN, up_margin: float = UP_MARGIN) -> int:
     """The K in 0..max_k maximizing expected tokens per second of a step over these sequences (their acceptance
-    rates per position): its tokens over its cost; a K whose cost was
-    never measured is not chosen (`current`, else max_k, when none was).  Ties go to the smaller K; `current` (the K the sequences hold drafts for) stays unless a smaller K beats it by
-    `margin`, a larger one by `up_margin` (timing noise should not flip K every step, and going up costs a step
+    rates per position): its tokens over its cost; a K whose cost was never measured is not chosen (`current`, else
+    max_k, when none was).  Ties go to the smaller K; `current` (the K the sequences hold drafts for) stays unless a
+    smaller K beats it by `margin`, a larger one by `up_margin` (timing noise should not flip K every step, and going up costs a step
     that verifies the drafts held and drafts more, unfused)."""
     fallback = max_k if current is None else current
     if len(rates) == 0:
