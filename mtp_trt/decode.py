@@ -622,13 +622,14 @@ def auto_k(batch: Batch) -> int:
     counts = [remembered(s.acceptance, s.steps) for s in active]
     history = Acceptance(np.array([c[0] for c in counts]), np.array([c[1] for c in counts]))
     rates = acceptance_rates(history, chain_prior(stats))  # [n, nextn] at once
+    # the K the policy chose last stays unless another beats it by a margin (not the K an exploration left)
+    current = int(st.avail[:st.n].min()) if batch.held is None else batch.held
     if batch.explore == -1:  # now and then two steps at a neighbouring K, one below and one above the current K in
         # turn (the first step may draft them, the second is timed): what it costs (and, going up, what one more
         # draft accepts) is learnt again, at the price of a step or two of a K near the best; the policy then climbs
         # one K at a time where that pays.  A K that could not be better is not tried: above, one that could not
         # pay even with every draft accepted (a large batch, where drafts cost more than they can bring); below,
         # one the estimates put well below the current K (one sequence whose drafts are mostly accepted).
-        current = int(st.avail[:st.n].min()) if batch.held is None else batch.held
         near = [k for k in (current - 1, current + 1) if 0 <= k <= nextn and could_pay(rates, batch.cost, k, current)]
         if near:
             batch.explored = near[batch.explored_turn % len(near)]
@@ -641,9 +642,7 @@ def auto_k(batch: Batch) -> int:
         batch.explore = batch.explore_gap
     elif batch.explore < 0:
         return batch.explored
-    # the K the policy chose last stays unless another beats it by a margin (not the K an exploration left)
-    batch.held = choose_k(rates, batch.cost, nextn, current=int(st.avail[:st.n].min()) if batch.held is None
-                          else batch.held)
+    batch.held = choose_k(rates, batch.cost, nextn, current=current)
     batch.chosen_for = key
     return batch.held
 
