@@ -162,8 +162,8 @@ def choose_k(rates: list[np.ndarray], model: CostModel, max_k: int, current: int
     """The K in 0..max_k maximizing expected tokens per second of a step over these sequences (their acceptance
     rates per position): its tokens over its cost; a K whose cost was never measured is not chosen (`current`, else
     max_k, when none was).  Ties go to the smaller K; `current` (the K the sequences hold drafts for) stays unless a
-    smaller K beats it by `margin`, a larger one by `up_margin` (timing noise should not flip K every step, and going up costs a step
-    that verifies the drafts held and drafts more, unfused)."""
+    smaller K beats it by `margin`, a larger one by `up_margin` (timing noise should not flip K every step, and
+    going up costs a step that verifies the drafts held and drafts more, unfused)."""
     fallback = max_k if current is None else current
     if len(rates) == 0:
         return fallback
