@@ -103,7 +103,9 @@ class Backend(ABC):
         committing the target's rows and the MTP caches'.  carry [n, K-1, D]: vanilla's hidden states kept
         from the previous step.  Returns accepted_tokens, num_accepted, thinking_out and (K > 0) drafts and
         (vanilla, K > 1) carry_out."""
-        feed = verify_feed(input_ids, past_len, thinking, relaxed_topk, relaxed_delta) | {C.CARRY: carry}
+        feed = verify_feed(input_ids, past_len, thinking, relaxed_topk, relaxed_delta)
+        if carry is not None:
+            feed[C.CARRY] = carry
         return self._step(C.step_graph(input_ids.shape[1] - 1), n, feed)
 
     def tree_step(self, graph: str, n: int, input_ids: np.ndarray, tree_parents: np.ndarray, past_len: np.ndarray,
@@ -115,19 +117,18 @@ class Backend(ABC):
         num_accepted, thinking_out, the next tree: tree_tokens, tree_parents_out, and (vanilla, D > 1)
         carry_out."""
         feed = verify_feed(input_ids, past_len, thinking, relaxed_topk, relaxed_delta)
-        return self._step(graph, n, feed | {C.TREE_PARENTS: tree_parents.astype(np.int32, copy=False),
-                                            C.CARRY: carry})
+        feed[C.TREE_PARENTS] = tree_parents.astype(np.int32, copy=False)
+        if carry is not None:
+            feed[C.CARRY] = carry
+        return self._step(graph, n, feed)
 
     def _step(self, graph: str, n: int, feed: dict) -> dict[str, np.ndarray]:
-        """A step or tree graph: the inputs it has, the STEP_OUTPUTS it has (worked out once per graph: a step
-        runs on every decode step)."""
-        names = self.__dict__.setdefault("_step_names", {})
-        if graph not in names:
-            g = self.manifest.graphs[graph]
-            outputs = {t.name for t in g.outputs}
-            names[graph] = ({t.name for t in g.inputs}, [k for k in C.STEP_OUTPUTS if k in outputs])
-        inputs, fetch = names[graph]
-        feed = {k: v for k, v in feed.items() if k in inputs and v is not None}
+        """A step or tree graph: the STEP_OUTPUTS it has (worked out once per graph: a step runs on every decode
+        step); `run` feeds the inputs it has."""
+        fetch = self.__dict__.setdefault("_step_fetch", {}).get(graph)
+        if fetch is None:
+            outputs = {t.name for t in self.manifest.graphs[graph].outputs}
+            fetch = self._step_fetch[graph] = [k for k in C.STEP_OUTPUTS if k in outputs]
         return self.run(graph, n, feed, fetch, replay=True)
 
     @abstractmethod
@@ -168,6 +169,42 @@ SHARE_WEIGHTS_BYTES = 128 << 20
 PACK_WEIGHTS_BYTES = {8: 128 << 20, 4: 64 << 20}
 # ONNX data type -> numpy dtype of the weights a session can be handed (others load the usual way)
 ONNX_NUMPY = {C.dtype(t).onnx: C.dtype(t).host for t in ("fp32", "uint8", "fp16", "int32", "int64", "bool", "fp64")}
+
+
+class BoundCall:
+    """A graph call that repeats with the same shapes (a step or tree graph, on every decode step): its inputs
+    and outputs bound once (ONNX Runtime's IOBinding) to arrays of the backend's -- the cache views, input arrays
+    that each call fills in place, output arrays that each call overwrites -- so that a call converts, allocates
+    and looks up nothing.  Made by the first call of its shape, which runs unbound and gives the outputs' shapes.
+    `result`: the `fetch` outputs (the next call overwrites them); `commits`: per window offset from past_len,
+    the caches and the graph's new rows for them."""
+
+    def __init__(self, backend: OrtBackend, graph: str, n: int, feed: dict[str, np.ndarray],
+                 views: dict[str, np.ndarray], fetch: list[str], kv_outputs: list[str], groups):
+        import onnxruntime as ort
+
+        names, session = fetch + kv_outputs, backend.session(graph)
+        self.inputs = {k: np.array(v, copy=True, order="C") for k, v in feed.items()}
+        outs = dict(zip(names, session.run(names, self.inputs | views)))
+        self.commits = []
+        for offset, entries in groups:
+            layers = [backend.layer_of[fam, i] for _, fam, i, _ in entries]
+            if len(layers) > 1 and layers == list(range(layers[0], layers[0] + len(layers))):
+                # consecutive layers of the store: their new rows side by side, committed in one copy
+                stack = np.stack([outs[new] for *_, new in entries])
+                outs |= {new: stack[j] for j, (*_, new) in enumerate(entries)}
+                store = backend.store[layers[0]:layers[-1] + 1, :n]
+                self.commits.append((offset, [store.transpose(1, 0, 2, 3)], [stack.transpose(1, 0, 2, 3)]))
+            else:
+                outs |= {new: np.array(outs[new], copy=True, order="C") for *_, new in entries}
+                self.commits.append((offset, [views[kv] for kv, *_ in entries], [outs[new] for *_, new in entries]))
+        outs |= {k: np.array(outs[k], copy=True, order="C") for k in fetch}
+        self.session, self.binding = session, session.io_binding()
+        for k, v in (self.inputs | views).items():
+            self.binding.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
+        for k, v in outs.items():
+            self.binding.bind_ortvalue_output(k, ort.OrtValue.ortvalue_from_numpy(v))
+        self.result = {k: outs[k] for k in fetch}
 
 
 class OrtBackend(Backend):
@@ -238,10 +275,12 @@ class OrtBackend(Backend):
         self.sessions: dict[str, ort.InferenceSession] = {}  # created on first use: a run needs only some
         self.plans: dict[tuple[str, str], tuple] = {}  # (graph, MTP cache family) -> how to feed and commit it
         self.np_dtype = C.dtype(manifest.dtype).host
-        self.caches: dict[str, list[np.ndarray]] = {}
+        self.caches: dict[str, list[np.ndarray]] = {}  # per family, its layers: views of `store` (allocate)
+        self.store = np.zeros(0, self.np_dtype)
+        self.layer_of: dict[tuple[str, int], int] = {}  # (family, index) -> its layer of `store`
         self.views: dict[tuple, dict[str, np.ndarray]] = {}
-        self.bound: dict[tuple, tuple] = {}
-        self.written = np.zeros(0, np.int64)  # allocate
+        self.bound: dict[tuple, BoundCall] = {}
+        self.written: list[int] = []  # allocate
 
     def session(self, name: str):
         """The ONNX Runtime session of graph `name`, created the first time it is asked for."""
@@ -314,23 +353,30 @@ class OrtBackend(Backend):
         check_memory(cache_bytes(m.config, m.config.num_hidden_layers + n_mtp, batch, rows,
                                  np.dtype(self.np_dtype).itemsize),
                      f"{m.root}: the caches of {batch} sequences x {rows} rows")
-        self.caches = {C.TARGET_FAMILY: [np.zeros(shape, self.np_dtype) for _ in range(m.config.num_hidden_layers)]}
-        self.caches |= {C.mtp_family(k): [np.zeros(shape, self.np_dtype)] for k in range(n_mtp)}
+        layers = m.config.num_hidden_layers
+        # every cache one layer of one array: a step's new rows of all its layers are committed in one copy
+        self.store = np.zeros((layers + n_mtp, *shape), self.np_dtype)
+        self.caches = {C.TARGET_FAMILY: list(self.store[:layers])}
+        self.caches |= {C.mtp_family(k): [self.store[layers + k]] for k in range(n_mtp)}
+        self.layer_of = {(C.TARGET_FAMILY, i): i for i in range(layers)}
+        self.layer_of |= {(C.mtp_family(k), 0): layers + k for k in range(n_mtp)}
         self.views = {}  # (graph, family, n) -> its cache inputs (_cache_views)
-        self.bound = {}  # (graph, family, n, outputs) -> its bound call (_run_bound)
-        self.written = np.zeros(batch, np.int64)  # per slot: rows below this were ever written (swap_slots)
+        self.bound = {}  # (graph, family, n, outputs) -> its BoundCall
+        self.written = [0] * batch  # per slot: rows below this were ever written (swap_slots)
 
     def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
-        """new_rows[i] [n, S, C] into caches[i] at rows past_len[b] .. + S - 1, clipped to the buffer: one slice
-        copy per sequence and cache (cheaper than fancy indexing at the few sequences of a decode)."""
-        n, s = new_rows[0].shape[:2]
-        t = caches[0].shape[1]
+        """new_rows[i] [n, S, C] into caches[i] [B, T, C] at rows past_len[b] .. + S - 1, clipped to the buffer
+        (or [n, L, S, C] into [B, L, T, C]: L layers at once): one slice copy per sequence and cache (cheaper than
+        fancy indexing at the few sequences of a decode)."""
+        n, s = new_rows[0].shape[0], new_rows[0].shape[-2]
+        t, written = caches[0].shape[-2], self.written
         for b, p in enumerate(past_len[:n].tolist()):
             lo, hi = max(p, 0), min(p + s, t)  # never write outside the buffer
             if lo < hi:
                 for cache, new in zip(caches, new_rows):
-                    cache[b, lo:hi] = new[b, lo - p:hi - p]
-                self.written[b] = max(self.written[b], hi)
+                    cache[b, ..., lo:hi, :] = new[b, ..., lo - p:hi - p, :]
+                if hi > written[b]:
+                    written[b] = hi
 
     def has_graph(self, graph):
         return graph in self.manifest.graphs
@@ -359,50 +405,34 @@ class OrtBackend(Backend):
         return self.views[key]
 
     def run(self, graph, n, feed, fetch, family=mtp_family(0), replay=False):
-        inputs, kv_outputs, groups = self._plan(graph, family)
-        views = self._cache_views(graph, family, n, groups)
-        feed = {k: v for k, v in feed.items() if k in inputs}
-        names = fetch + kv_outputs
-        if replay:
-            out = self._run_bound(graph, family, n, feed, names, views)
+        call = self.bound.get((graph, family, n, tuple(fetch))) if replay else None
+        if call is not None:  # a step: its inputs copied into the bound arrays, nothing else looked up
+            for k, v in feed.items():
+                if (bound := call.inputs.get(k)) is not None:
+                    bound[...] = v
+            call.session.run_with_iobinding(call.binding)
+            out, commits = dict(call.result), call.commits
         else:
-            out = dict(zip(names, self.session(graph).run(names, feed | views)))
-        for offset, entries in groups:  # one index computation per window offset
-            self._commit([views[kv] for kv, *_ in entries], [out.pop(new) for *_, new in entries],
-                         feed[C.PAST_LEN] + offset)
+            inputs, kv_outputs, groups = self._plan(graph, family)
+            views = self._cache_views(graph, family, n, groups)
+            feed = {k: v for k, v in feed.items() if k in inputs}
+            if replay:
+                call = self.bound[graph, family, n, tuple(fetch)] = BoundCall(self, graph, n, feed, views, fetch,
+                                                                              kv_outputs, groups)
+                out, commits = dict(call.result), call.commits
+            else:
+                names = fetch + kv_outputs
+                out = dict(zip(names, self.session(graph).run(names, feed | views)))
+                commits = [(offset, [views[kv] for kv, *_ in entries], [out.pop(new) for *_, new in entries])
+                           for offset, entries in groups]
+        past_len = feed[C.PAST_LEN]
+        for offset, caches, new_rows in commits:  # one index computation per window offset
+            self._commit(caches, new_rows, past_len + offset if offset else past_len)
         return out
-
-    def _run_bound(self, graph: str, family: str, n: int, feed: dict[str, np.ndarray], names: list[str],
-                   views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A call that repeats with the same shapes (a step or tree graph on every decode step): its inputs and
-        outputs bound once (ONNX Runtime's IOBinding) to arrays of this backend's -- the cache views, input arrays
-        that each call fills in place, output arrays that each call overwrites -- so that a call converts and
-        allocates nothing.  The first call of each shape runs unbound, which gives the outputs' shapes.  The
-        returned arrays are those bound: the next call of this graph overwrites them."""
-        key = (graph, family, n, tuple(names))  # (the contract fixes the inputs' shapes of these)
-        bound = self.bound.get(key)
-        if bound is None:
-            import onnxruntime as ort
-
-            session = self.session(graph)
-            arrays = {k: np.array(v, copy=True, order="C") for k, v in feed.items()}
-            outs = {k: np.array(v, copy=True, order="C") for k, v in zip(names, session.run(names, arrays | views))}
-            binding = session.io_binding()
-            for k, v in (arrays | views).items():
-                binding.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
-            for k, v in outs.items():
-                binding.bind_ortvalue_output(k, ort.OrtValue.ortvalue_from_numpy(v))
-            self.bound[key] = (session, binding, arrays, outs)
-            return dict(outs)
-        session, binding, arrays, outs = bound
-        for k, v in feed.items():
-            arrays[k][...] = v
-        session.run_with_iobinding(binding)
-        return dict(outs)
 
     def swap_slots(self, i, j):
         rows = max(self.written[i], self.written[j])  # beyond: never written, zero in both
         for caches in self.caches.values():
             for c in caches:
                 c[[i, j], :rows] = c[[j, i], :rows]
-        self.written[[i, j]] = self.written[[j, i]]
+        self.written[i], self.written[j] = self.written[j], self.written[i]

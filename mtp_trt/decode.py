@@ -31,6 +31,7 @@ from mtp_trt.speculation import (PRIOR, PRIOR_WEIGHT, Acceptance, CostModel, acc
                                   observe_acceptance, observe_cost, remembered)
 from mtp_trt.tree import TreeShape, chain_tree
 
+DEPTHS = np.arange(1024, dtype=np.int32)  # 0, 1, ...: an offset per MTP module (fused_step)
 
 @dataclasses.dataclass
 class Sequence:
@@ -340,7 +341,8 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
     depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds rows < past_len + 1 - k, as after the
     separate graphs."""
     n, k, tree = st.n, opts.nextn if k is None else k, opts.tree_graph
-    ids = np.concatenate([st.last[:n, None], st.tree_tokens[:n] if tree else st.drafts[:n, :k]], 1).astype(np.int32)
+    ids = np.concatenate([st.last[:n, None], st.tree_tokens[:n] if tree else st.drafts[:n, :k]], 1) if k else \
+        st.last[:n, None]
     carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
     rest = (st.past_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
     out = backend.tree_step(tree, n, ids, st.tree_parents[:n], *rest) if tree else backend.step(n, ids, *rest)
@@ -353,7 +355,7 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
     else:
         st.drafts[:n, :k] = out[C.DRAFTS]
     # both graphs commit module k's rows below past_len + 1 - k (an unfused step drafts on from there)
-    st.mtp_past_len[:n] = st.past_len[:n, None] + 1 - np.arange(1, st.mtp_past_len.shape[1] + 1)
+    st.mtp_past_len[:n] = st.past_len[:n, None] - DEPTHS[:st.mtp_past_len.shape[1]]  # module j + 1: past_len - j
     if C.CARRY_OUT in out:
         st.carry[:n, 1:] = out[C.CARRY_OUT]
     for i, s in enumerate(_active(st, seqs)):
@@ -368,25 +370,25 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
     step's drafts (k: the drafts verified, default opts.nextn; a tree's depth; caps: each sequence's, when fewer).
     Returns the start rows of this step    (the old past_len) for the MTP depth-1 update."""
     n, k = st.n, opts.nextn if k is None else k
-    start = st.past_len[:n].copy()
-    st.past_len[:n] += num + 1
+    # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most)
+    accepted, nums, start = tokens.tolist(), num.tolist(), st.past_len[:n].copy()
+    after = [p + m + 1 for p, m in zip(start.tolist(), nums)]
+    st.past_len[:n] = after
+    st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
     stats.steps += 1
     stats.seq_steps += n
     stats.k_chosen.append(k)
+    stats.last_accepted = nums
     caps = [k] * n if caps is None else caps
-    for c in caps:
+    for m, c in zip(nums, caps):
         if c:
             stats.num_drafts += 1
             stats.draft_tokens += c
             stats.num_drafts_per_pos[:c] += 1
-    # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most)
-    accepted, nums = tokens.tolist(), num.tolist()
-    stats.last_accepted = nums
-    st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
-    for m, c in zip(nums, caps):
-        stats.num_accepted_tokens_per_pos[:m] += 1
-        stats.num_tried_per_pos[:min(m + 1, c)] += 1
-    for s, row, m, past, c in zip(_active(st, seqs), accepted, nums, st.past_len[:n].tolist(), caps):
+            stats.num_tried_per_pos[:min(m + 1, c)] += 1
+        if m:
+            stats.num_accepted_tokens_per_pos[:m] += 1
+    for s, row, m, past, c in zip(_active(st, seqs), accepted, nums, after, caps):
         s.steps += 1
         if c:
             _count_drafts(s, c, m, len(stats.num_accepted_tokens_per_pos))
@@ -434,6 +436,8 @@ def _swap(backend: Backend, st: State, i: int, j: int, *extra: np.ndarray) -> No
 def retire(backend: Backend, st: State, seqs, *extra: np.ndarray) -> None:
     """Move finished sequences behind the active ones (swapping one slot's cache rows per finish, none for those
     already last); `extra` per-slot arrays of this step (hidden states, start rows) are permuted alike."""
+    if all(seqs[o].finish_reason is None for o in st.order[:st.n].tolist()):
+        return
     done = lambda i: seqs[int(st.order[i])].finish_reason is not None  # noqa: E731
     i = 0
     while i < st.n:
