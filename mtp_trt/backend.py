@@ -11,6 +11,7 @@ keep the unfinished ones first so finished ones cost nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 
@@ -43,7 +44,8 @@ class Backend(ABC):
         """Run graph `graph` on slots 0..n-1 with the inputs in `feed` that it has (+ its caches: `family`, the
         persistent cache of an MTP graph's `kv`) and commit its new rows at past_len; returns the outputs `fetch`.
         replay: the call repeats every step with the same shapes (the step and tree graphs: worth capturing or
-        binding once); its returned arrays may then be overwritten by the next call of the same graph."""
+        binding once); its returned dict and arrays may then be the backend's own, overwritten by the next call of
+        the same graph (read them, do not change them)."""
 
     @abstractmethod
     def has_graph(self, graph: str) -> bool:
@@ -144,9 +146,18 @@ def chunks(s: int, size: int) -> list[tuple[int, int]]:
 def verify_feed(input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray, relaxed_topk: int,
                 relaxed_delta: float) -> dict[str, np.ndarray]:
     """The inputs of a verifying graph (target, step, tree) that the decode loop passes."""
+    topk, delta = relaxed_inputs(relaxed_topk, relaxed_delta)
     return {C.INPUT_IDS: input_ids.astype(np.int32, copy=False), C.PAST_LEN: past_len.astype(np.int32, copy=False),
-            C.THINKING: thinking.astype(np.int32, copy=False), C.RELAXED_TOPK: np.array(relaxed_topk, np.int32),
-            C.RELAXED_DELTA: np.array(relaxed_delta, np.float32)}
+            C.THINKING: thinking.astype(np.int32, copy=False), C.RELAXED_TOPK: topk, C.RELAXED_DELTA: delta}
+
+
+@functools.lru_cache(maxsize=16)
+def relaxed_inputs(relaxed_topk: int, relaxed_delta: float) -> tuple[np.ndarray, np.ndarray]:
+    """The relaxed-acceptance inputs as arrays, made once per setting and read-only (a bound call copies a
+    read-only input again only when it is another array: BoundCall)."""
+    topk, delta = np.array(relaxed_topk, np.int32), np.array(relaxed_delta, np.float32)
+    topk.flags.writeable = delta.flags.writeable = False
+    return topk, delta
 
 
 def default_threads() -> int:
@@ -176,8 +187,9 @@ class BoundCall:
     and outputs bound once (ONNX Runtime's IOBinding) to arrays of the backend's -- the cache views, input arrays
     that each call fills in place, output arrays that each call overwrites -- so that a call converts, allocates
     and looks up nothing.  Made by the first call of its shape, which runs unbound and gives the outputs' shapes.
-    `result`: the `fetch` outputs (the next call overwrites them); `commits`: per window offset from past_len,
-    the caches and the graph's new rows for them."""
+    `result`: the `fetch` outputs (the next call overwrites them: the caller reads, never changes, the dict);
+    `commits`: per window offset from past_len, the caches and the graph's new rows for them.  An input fed the
+    same read-only array as last time (relaxed_inputs) is not copied again."""
 
     def __init__(self, backend: OrtBackend, graph: str, n: int, feed: dict[str, np.ndarray],
                  views: dict[str, np.ndarray], fetch: list[str], kv_outputs: list[str], groups):
@@ -185,11 +197,13 @@ class BoundCall:
 
         names, session = fetch + kv_outputs, backend.session(graph)
         self.inputs = {k: np.array(v, copy=True, order="C") for k, v in feed.items()}
+        self.fed = dict(feed)  # the array each input was last copied from
         outs = dict(zip(names, session.run(names, self.inputs | views)))
         self.commits = []
         for offset, entries in groups:
             layers = [backend.layer_of[fam, i] for _, fam, i, _ in entries]
-            if len(layers) > 1 and layers == list(range(layers[0], layers[0] + len(layers))):
+            if (len(layers) > 1 and layers == list(range(layers[0], layers[0] + len(layers)))
+                    and len({outs[new].shape for *_, new in entries}) == 1):
                 # consecutive layers of the store: their new rows side by side, committed in one copy
                 stack = np.stack([outs[new] for *_, new in entries])
                 outs |= {new: stack[j] for j, (*_, new) in enumerate(entries)}
@@ -407,11 +421,13 @@ class OrtBackend(Backend):
     def run(self, graph, n, feed, fetch, family=mtp_family(0), replay=False):
         call = self.bound.get((graph, family, n, tuple(fetch))) if replay else None
         if call is not None:  # a step: its inputs copied into the bound arrays, nothing else looked up
+            fed = call.fed
             for k, v in feed.items():
-                if (bound := call.inputs.get(k)) is not None:
+                if (bound := call.inputs.get(k)) is not None and not (v is fed[k] and not v.flags.writeable):
                     bound[...] = v
+                    fed[k] = v
             call.session.run_with_iobinding(call.binding)
-            out, commits = dict(call.result), call.commits
+            out, commits = call.result, call.commits
         else:
             inputs, kv_outputs, groups = self._plan(graph, family)
             views = self._cache_views(graph, family, n, groups)
