@@ -147,8 +147,16 @@ def verify_feed(input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarra
                 relaxed_delta: float) -> dict[str, np.ndarray]:
     """The inputs of a verifying graph (target, step, tree) that the decode loop passes."""
     topk, delta = relaxed_inputs(relaxed_topk, relaxed_delta)
-    return {C.INPUT_IDS: input_ids.astype(np.int32, copy=False), C.PAST_LEN: past_len.astype(np.int32, copy=False),
-            C.THINKING: thinking.astype(np.int32, copy=False), C.RELAXED_TOPK: topk, C.RELAXED_DELTA: delta}
+    return {C.INPUT_IDS: int32(input_ids), C.PAST_LEN: int32(past_len), C.THINKING: int32(thinking),
+            C.RELAXED_TOPK: topk, C.RELAXED_DELTA: delta}
+
+
+INT32 = np.dtype(np.int32)
+
+
+def int32(a: np.ndarray) -> np.ndarray:
+    """`a` as int32, itself where it is (the decode loop's arrays are: no NumPy call on every step)."""
+    return a if a.dtype is INT32 else a.astype(np.int32)
 
 
 @functools.lru_cache(maxsize=16)
@@ -383,12 +391,15 @@ class OrtBackend(Backend):
         (or [n, L, S, C] into [B, L, T, C]: L layers at once): one slice copy per sequence and cache (cheaper than
         fancy indexing at the few sequences of a decode)."""
         n, s = new_rows[0].shape[0], new_rows[0].shape[-2]
-        t, written = caches[0].shape[-2], self.written
+        t, written, layers = caches[0].shape[-2], self.written, caches[0].ndim == 4
         for b, p in enumerate(past_len[:n].tolist()):
             lo, hi = max(p, 0), min(p + s, t)  # never write outside the buffer
             if lo < hi:
                 for cache, new in zip(caches, new_rows):
-                    cache[b, ..., lo:hi, :] = new[b, ..., lo - p:hi - p, :]
+                    if layers:
+                        cache[b, :, lo:hi] = new[b, :, lo - p:hi - p]
+                    else:
+                        cache[b, lo:hi] = new[b, lo - p:hi - p]
                 if hi > written[b]:
                     written[b] = hi
 

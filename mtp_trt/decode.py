@@ -31,7 +31,6 @@ from mtp_trt.speculation import (PRIOR, PRIOR_WEIGHT, Acceptance, CostModel, acc
                                   observe_acceptance, observe_cost, remembered)
 from mtp_trt.tree import TreeShape, chain_tree
 
-DEPTHS = np.arange(1024, dtype=np.int32)  # 0, 1, ...: an offset per MTP module (fused_step)
 
 @dataclasses.dataclass
 class Sequence:
@@ -341,8 +340,11 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
     depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds rows < past_len + 1 - k, as after the
     separate graphs."""
     n, k, tree = st.n, opts.nextn if k is None else k, opts.tree_graph
-    ids = np.concatenate([st.last[:n, None], st.tree_tokens[:n] if tree else st.drafts[:n, :k]], 1) if k else \
-        st.last[:n, None]
+    ids = st.last[:n, None]
+    if k:  # [last, the drafts or the tree]
+        drafts = st.tree_tokens[:n] if tree else st.drafts[:n, :k]
+        ids = np.empty((n, 1 + drafts.shape[1]), np.int32)
+        ids[:, 0], ids[:, 1:] = st.last[:n], drafts
     carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
     rest = (st.past_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
     out = backend.tree_step(tree, n, ids, st.tree_parents[:n], *rest) if tree else backend.step(n, ids, *rest)
@@ -352,27 +354,31 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
         return
     if tree:
         st.tree_tokens[:n], st.tree_parents[:n] = out[C.TREE_TOKENS], out[C.TREE_PARENTS_OUT]
+        drafts = [t + p for t, p in zip(out[C.TREE_TOKENS].tolist(), out[C.TREE_PARENTS_OUT].tolist())]
     else:
         st.drafts[:n, :k] = out[C.DRAFTS]
-    # both graphs commit module k's rows below past_len + 1 - k (an unfused step drafts on from there)
-    st.mtp_past_len[:n] = st.past_len[:n, None] - DEPTHS[:st.mtp_past_len.shape[1]]  # module j + 1: past_len - j
+        drafts = out[C.DRAFTS].tolist()
+    # both graphs commit module k's rows below past_len + 1 - k (an unfused step drafts on from there): module
+    # j + 1's past_len - j (lists: see accept)
+    past = st.past_len[:n].tolist()
+    st.mtp_past_len[:n] = [[p - j for j in range(st.mtp_past_len.shape[1])] for p in past]
     if C.CARRY_OUT in out:
         st.carry[:n, 1:] = out[C.CARRY_OUT]
-    for i, s in enumerate(_active(st, seqs)):
+    for s, p, d in zip(_active(st, seqs), past, drafts):
         if s.finish_reason is None:  # a tree step logs its tokens, then its parents
-            drafts = st.tree_tokens[i].tolist() + st.tree_parents[i].tolist() if tree else st.drafts[i, :k].tolist()
-            s.draft_log.append((int(st.past_len[i]) - 1, drafts))
+            s.draft_log.append((p - 1, d))
 
 
 def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, opts: DecodeOptions,
-           rows: int, k: int | None = None, caps: list[int] | None = None) -> np.ndarray:
+           rows: int, k: int | None = None, caps: list[int] | None = None) -> list[int]:
     """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions, count the
     step's drafts (k: the drafts verified, default opts.nextn; a tree's depth; caps: each sequence's, when fewer).
-    Returns the start rows of this step    (the old past_len) for the MTP depth-1 update."""
+    Returns the start rows of this step (the old past_len) for the MTP depth-1 update."""
     n, k = st.n, opts.nextn if k is None else k
-    # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most)
-    accepted, nums, start = tokens.tolist(), num.tolist(), st.past_len[:n].copy()
-    after = [p + m + 1 for p, m in zip(start.tolist(), nums)]
+    # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most,
+    # and a NumPy call rarely made in a step costs most of all: its code is out of the caches after the graph's run)
+    accepted, nums, start = tokens.tolist(), num.tolist(), st.past_len[:n].tolist()
+    after = [p + m + 1 for p, m in zip(start, nums)]
     st.past_len[:n] = after
     st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
     stats.steps += 1
@@ -380,14 +386,11 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
     stats.k_chosen.append(k)
     stats.last_accepted = nums
     caps = [k] * n if caps is None else caps
-    for m, c in zip(nums, caps):
-        if c:
-            stats.num_drafts += 1
-            stats.draft_tokens += c
-            stats.num_drafts_per_pos[:c] += 1
-            stats.num_tried_per_pos[:min(m + 1, c)] += 1
-        if m:
-            stats.num_accepted_tokens_per_pos[:m] += 1
+    stats.num_drafts += sum(1 for c in caps if c)
+    stats.draft_tokens += sum(caps)
+    _count_prefixes(stats.num_drafts_per_pos, caps)
+    _count_prefixes(stats.num_tried_per_pos, [min(m + 1, c) for m, c in zip(nums, caps)])
+    _count_prefixes(stats.num_accepted_tokens_per_pos, nums)
     for s, row, m, past, c in zip(_active(st, seqs), accepted, nums, after, caps):
         s.steps += 1
         if c:
@@ -403,6 +406,16 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
         if s.finish_reason is None and past + 2 > rows:  # as plain decoding: the next token would not fit
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
     return start
+
+
+def _count_prefixes(counts: np.ndarray, lengths: list[int]) -> None:
+    """counts[:m] += 1 for each m of `lengths`, in Python (see accept: no NumPy ufunc in a step)."""
+    if any(lengths):
+        total = counts.tolist()
+        for m in lengths:
+            for j in range(m):
+                total[j] += 1
+        counts[:] = total
 
 
 def _count_drafts(s: Sequence, k: int, m: int, width: int) -> None:
@@ -693,7 +706,7 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     greedy = not _samples(_active(st, seqs))
     k = k_next = opts.nextn
     caps = None
-    top = int(st.past_len[:st.n].max())  # the longest sequence's cache rows
+    top = max(st.past_len[:st.n].tolist())  # the longest sequence's cache rows
     fit = fitting_drafts(top, batch.rows, opts.nextn)
     if opts.adaptive:
         k_next = max(0, min(opts.nextn, int((batch.policy or auto_k)(batch))))
@@ -719,7 +732,7 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
         retire(backend, st, seqs)
         return
     tokens, num, hidden = verify(backend, st, seqs, opts, k, caps)
-    start = accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k, caps)
+    start = np.array(accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k, caps))
     st.avail[:st.n], batch.k = k_next, k_next
     if on_accept:
         on_accept()
