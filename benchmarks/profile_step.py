@@ -1,5 +1,6 @@
 """Where one decode step's time goes: ONNX Runtime's profiler (time per operator type in the step graph, node
-count) and Python's (the decode loop around the graph calls, alone and profiled), batch 1, greedy.
+count) and Python's (the decode loop around the graph calls: alone, inside the decode, and profiled), batch 1,
+greedy.
 
   python benchmarks/profile_step.py EXPORT_DIR [--nextn 0] [--tokens 64] [--threads 2]
 """
@@ -92,6 +93,35 @@ def main():
     backend.bound.clear()
     print(f"Python around the graph calls (stand-in sessions, CPU time, best of 7 decodes): {min(per_step) * 1e6:.1f} "
           f"us per step")
+
+    # 0b. Python in the decode itself: each step's wall time less its graph calls (median over the steps of 5
+    #     decodes).  More than the stand-ins' figure: a graph call streams the weights through the CPU's caches,
+    #     so the Python after it runs with its code and data out of them.
+    import mtp_trt.decode as decode
+
+    in_step = [0.0]
+    step_python = []
+    real_step = decode.step
+
+    def timed_step(*args, **kwargs):
+        in_step[0] = sum(s.seconds for s in timed.values())
+        t0 = time.perf_counter()
+        real_step(*args, **kwargs)
+        step_python.append(time.perf_counter() - t0 - (sum(s.seconds for s in timed.values()) - in_step[0]))
+
+    timed = {name: Timed(s) for name, s in backend.sessions.items()}
+    backend.sessions.update(timed)
+    backend.bound.clear()
+    decode.step = timed_step
+    try:
+        for _ in range(5):
+            generate(backend, [PROMPT], opts)
+    finally:
+        decode.step = real_step
+        backend.sessions.update({name: s.session for name, s in timed.items()})
+        backend.bound.clear()
+    print(f"Python around the graph calls in the decode (wall time, median of {len(step_python)} steps): "
+          f"{np.median(step_python) * 1e6:.1f} us per step")
 
     # 1. wall time of whole decodes, the share spent outside ONNX Runtime, and Python's profile of one
     timed = {name: Timed(s) for name, s in backend.sessions.items()}
