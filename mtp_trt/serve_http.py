@@ -306,6 +306,14 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
         seed = body.seed % (1 << 64) if body.seed is not None else None
         return SamplingParams(body.temperature, max(body.top_k, 0), body.top_p), seed, tuple(stop)
 
+    def fits_as_text(text: str, prompt_param: str) -> None:
+        """A prompt of more characters than the cache can hold as tokens (runner.prompt_chars) is refused before
+        it is tokenized: tokenizing megabytes takes seconds, and their ids hold the interpreter while they are made."""
+        if len(text) > runner.prompt_chars():
+            raise ApiError(400, f"the prompt has {len(text)} characters, more than this server's "
+                                f"{engine.max_prompt_tokens} prompt tokens can cover (cache rows {engine.rows}, nextn "
+                                f"{engine.opts.nextn})", prompt_param, "context_length_exceeded")
+
     def limit(value: int | None, param: str, prompt: list[int], prompt_param: str) -> int:
         if value is not None and value < 1:
             raise ApiError(400, f"{param}: must be >= 1, got {value}", param)
@@ -370,6 +378,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
             raise ApiError(400, f"prompt: one prompt per request is supported, got {len(prompts)}", "prompt")
         if not prompts[0]:
             raise ApiError(400, "prompt: empty", "prompt")
+        fits_as_text(prompts[0], "prompt")
         ids = runner.encode(prompts[0])
         return body, ids, decoding, limit(body.max_tokens, "max_tokens", ids, "prompt")
 
@@ -392,6 +401,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, max_re
             if shown and shown not in text:
                 raise ApiError(400, f"messages.{i}: the model's chat template leaves this {m['role']} message out "
                                     f"of the prompt (it does not render the role {m['role']!r})", f"messages.{i}.role")
+        fits_as_text(text, "messages")
         ids = encode(runner.tokenizer, text, TEMPLATE_PLACES_SPECIALS)
         if not ids:
             raise ApiError(400, "messages: the chat template gives an empty prompt", "messages")
