@@ -94,47 +94,36 @@ def main():
     print(f"Python around the graph calls (stand-in sessions, CPU time, best of 7 decodes): {min(per_step) * 1e6:.1f} "
           f"us per step")
 
-    # 0b. Python in the decode itself: each step's wall time less its graph calls (median over the steps of 5
-    #     decodes).  More than the stand-ins' figure: a graph call streams the weights through the CPU's caches,
-    #     so the Python after it runs with its code and data out of them.
+    # 1. wall time of whole decodes, the share spent outside ONNX Runtime, Python in the decode itself (each step's
+    #    wall time less its graph calls: more than the stand-ins' figure, as a graph call streams the weights through
+    #    the CPU's caches and the Python after it runs with its code and data out of them), and Python's profile
     import mtp_trt.decode as decode
-
-    in_step = [0.0]
-    step_python = []
-    real_step = decode.step
-
-    def timed_step(*args, **kwargs):
-        in_step[0] = sum(s.seconds for s in timed.values())
-        t0 = time.perf_counter()
-        real_step(*args, **kwargs)
-        step_python.append(time.perf_counter() - t0 - (sum(s.seconds for s in timed.values()) - in_step[0]))
 
     timed = {name: Timed(s) for name, s in backend.sessions.items()}
     backend.sessions.update(timed)
     backend.bound.clear()
+    graph_seconds = lambda: sum(s.seconds for s in timed.values())  # noqa: E731
+    step_python, real_step = [], decode.step
+
+    def timed_step(*args, **kwargs):
+        before, t0 = graph_seconds(), time.perf_counter()
+        real_step(*args, **kwargs)
+        step_python.append(time.perf_counter() - t0 - (graph_seconds() - before))
+
+    walls, outside = [], []
     decode.step = timed_step
     try:
         for _ in range(5):
-            generate(backend, [PROMPT], opts)
+            for s in timed.values():
+                s.seconds = 0.0
+            t0 = time.perf_counter()
+            seqs, stats = generate(backend, [PROMPT], opts)
+            walls.append(time.perf_counter() - t0)
+            outside.append(walls[-1] - graph_seconds())
     finally:
         decode.step = real_step
-        backend.sessions.update({name: s.session for name, s in timed.items()})
-        backend.bound.clear()
     print(f"Python around the graph calls in the decode (wall time, median of {len(step_python)} steps): "
           f"{np.median(step_python) * 1e6:.1f} us per step")
-
-    # 1. wall time of whole decodes, the share spent outside ONNX Runtime, and Python's profile of one
-    timed = {name: Timed(s) for name, s in backend.sessions.items()}
-    backend.sessions.update(timed)
-    backend.bound.clear()
-    walls, outside = [], []
-    for _ in range(5):
-        for s in timed.values():
-            s.seconds = 0.0
-        t0 = time.perf_counter()
-        seqs, stats = generate(backend, [PROMPT], opts)
-        walls.append(time.perf_counter() - t0)
-        outside.append(walls[-1] - sum(s.seconds for s in timed.values()))
     wall, steps = sorted(walls)[2], stats.steps
     print(f"outside ONNX Runtime (no profiler, median of 5 decodes): {sorted(outside)[2] * 1e3 / steps:.3f} ms per "
           f"step of {wall * 1e3 / steps:.3f} ms")
