@@ -54,8 +54,8 @@ K times over (a longer context: each new token attends over K times as many rows
 Each configuration runs in a worker process of its own (a GGUF type on llama.cpp, or an mtp-trt export at
 one nextn), so that its peak RSS (VmHWM, after loading and decoding) is its own; the parent asks each worker
 in turn, round-robin, for one timed generation while the others wait.  Decode tokens/s = (new tokens - 1) /
-the time after the first token (the prompt's pass excluded: for mtp-trt, the time of a one-token generation
-subtracted); medians over rounds, the best round's beside them, and "with prompt" = new tokens / the whole
+the time after the first token within the same generation (the prompt's pass excluded; mtp-trt's first token
+is where `generate` reports it, after the prompt's pass); medians over rounds, the best round's beside them, and "with prompt" = new tokens / the whole
 generation's time.  A ratio of two configurations is the median of their per-round ratios (configurations
 timed moments apart; the machine is shared).  The table pairs each mtp-trt quantization with llama.cpp at
 the same bits: none / f32, int8 / Q8_0, int4 / Q4_K_M and int4 / Q4_0, at nextn 0 and, on the demo (the only
@@ -207,15 +207,13 @@ class MtpWorker:
 
         backend = OrtBackend(Manifest.load(export), threads=threads, spin=os.environ.get("MTP_TRT_SPIN", "1") == "1")
         opts = DecodeOptions(nextn=nextn, max_new_tokens=tokens)  # no EOS: always `tokens` new tokens
-        first = DecodeOptions(nextn=nextn, max_new_tokens=1)
-        self.run = lambda: generate(backend, [ids], opts)
-        self.run_first = lambda: generate(backend, [ids], first)
+        self.run = lambda on_step: generate(backend, [ids], opts, on_step=on_step)
 
     def __call__(self) -> list[int]:
+        marks = []  # when generate reports its first token (after the prompt's pass), then after every step
         t0 = time.perf_counter()
-        self.run_first()
-        self.first = time.perf_counter() - t0  # prompt + first token: a generation of its own
-        seqs, self.stats = self.run()
+        seqs, self.stats = self.run(lambda _: marks or marks.append(time.perf_counter()))
+        self.first = marks[0] - t0  # prompt + first token, inside the timed generation (as llama.cpp's)
         return list(seqs[0].generated)
 
 
@@ -228,8 +226,7 @@ def worker(kind: str, *args) -> None:
         if line.strip() == "run":
             t0 = time.perf_counter()
             out = fn()
-            # one whole generation's seconds (mtp-trt's call also ran the one-token generation first)
-            seconds = time.perf_counter() - t0 - (fn.first if kind == "mtp" else 0.0)
+            seconds = time.perf_counter() - t0  # one whole generation
             extra = {"mean_acceptance_length": fn.stats.mean_acceptance_length} if kind == "mtp" else {}
             print(json.dumps({"seconds": seconds, "first": fn.first, "generated": out, **extra}), flush=True)
         else:

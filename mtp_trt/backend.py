@@ -168,6 +168,16 @@ def relaxed_inputs(relaxed_topk: int, relaxed_delta: float) -> tuple[np.ndarray,
     return topk, delta
 
 
+@functools.cache
+def bounded_spin() -> bool:
+    """Whether this ONNX Runtime bounds how long idle threads spin (`session.intra_op.spin_duration_us`, 1.26 on;
+    earlier versions spin for tens of milliseconds and ignore the key)."""
+    import onnxruntime as ort
+
+    major, minor = (int(x) for x in ort.__version__.split(".")[:2])
+    return (major, minor) >= (1, 26)
+
+
 def default_threads() -> int:
     """The cores this process may use, capped at 8: the graphs' ops are small, so more threads would mostly
     wait (measured on 2 cores only, where 2 threads are 6-20% faster than 1)."""
@@ -186,6 +196,12 @@ SHARE_WEIGHTS_BYTES = 128 << 20
 # on AVX2, alike on AVX512-VNNI; at 304M (190-357 MB) packing gained 0.98-1.04x in decode and 1.4x in prefill (int4),
 # not worth twice the memory.
 PACK_WEIGHTS_BYTES = {8: 128 << 20, 4: 64 << 20}
+# How long a session's idle threads spin after its run before they sleep (ONNX Runtime >= 1.26,
+# `session.intra_op.spin_duration_us`): longer than the Python between two decode steps (~0.07-0.11 ms on the
+# demo), so the next step finds them awake, and short enough that a pool left idle (the prefill graph's, the
+# last step's) takes a core from the next session's work or another process for at most this long.  Waking a
+# sleeping thread at every step cost the demo 7-10% at nextn 0 and 2 threads (2026-11-29, 2-core Intel Xeon).
+SPIN_BETWEEN_RUNS_US = 500
 # ONNX data type -> numpy dtype of the weights a session can be handed (others load the usual way)
 ONNX_NUMPY = {C.dtype(t).onnx: C.dtype(t).host for t in ("fp32", "uint8", "fp16", "int32", "int64", "bool", "fp64")}
 
@@ -233,10 +249,13 @@ class OrtBackend(Backend):
     """ONNX Runtime, CPU execution provider, running the `onnx` lowering, `threads` intra-op threads per
     session (default: default_threads()).
 
-    A decode step runs several sessions in turn (target, MTP graphs).  Each session's pool stops spinning
-    when its run ends (`session.force_spinning_stop`): otherwise its idle threads spin on and fight the next
-    session's for the cores (measured 2-4x slower on 2 cores).  Between the kernels of a run they spin, as
-    ONNX Runtime's threads do by default (`spin`; `session.intra_op.allow_spinning`): on a quiet machine
+    A decode runs several sessions (prefill, step graphs), each with its own pool.  After a run a pool's idle
+    threads spin for SPIN_BETWEEN_RUNS_US (`session.intra_op.spin_duration_us`) and then sleep: the next decode
+    step finds them awake, and a pool left idle takes a core from the next session's run for at most that
+    long (ONNX Runtime's own default, tens of milliseconds, made 2 cores 2-4x slower).  Before ONNX Runtime
+    1.26, which cannot bound it, a pool stops spinning when its run ends (`session.force_spinning_stop`).
+    Between the kernels of a run the threads spin, as ONNX Runtime's do by default (`spin`;
+    `session.intra_op.allow_spinning`): on a quiet machine
     that is 1.7x faster on the demo (1068 against 615 tokens/s at nextn 0, 2 threads) and up to 1.2x at
     85M; on a machine busy with other work a spinning thread takes the core from the one doing the work,
     and spin=False is faster there (85M, 2 threads on 2 cores shared with test runs: 80 against 45
@@ -339,8 +358,11 @@ class OrtBackend(Backend):
             if not self.pack_weights:
                 options.add_session_config_entry(ort_lib.PACK_MAX_BYTES_KEY, "0")
         options.intra_op_num_threads = self.threads
-        options.add_session_config_entry("session.force_spinning_stop", "1")
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
+        if self.spin and bounded_spin():
+            options.add_session_config_entry("session.intra_op.spin_duration_us", str(SPIN_BETWEEN_RUNS_US))
+        else:
+            options.add_session_config_entry("session.force_spinning_stop", "1")
         if self.tables is None or file not in self.tables:
             return options
         if not prepack:

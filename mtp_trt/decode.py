@@ -846,7 +846,8 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
              on_step=None, cost: CostModel | None = None,
              policy: Callable | None = None) -> tuple[list[Sequence], Stats]:
     """Decode a batch of prompts: all join at once, then steps until every one has finished.  Sequence i
-    samples with sequence_rng(seed, i).  `on_step(seqs)` is called after every verify step (for streaming).
+    samples with sequence_rng(seed, i).  `on_step(seqs)` is called after the prompts' pass (their first tokens)
+    and after every verify step (for streaming).
     Adaptive speculation: `cost` the measured step costs (calibrate), `policy` overrides auto_k.  Each slot gets
     the rows of its tokens and of a fused step (a tree's: tree_rows), as far as the export's max_seq_len allows."""
     seqs = [Sequence(prompt=list(p), sampling=opts.sampling, max_new_tokens=opts.max_new_tokens,
@@ -857,6 +858,8 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
     batch.cost, batch.policy = cost or batch.cost, policy
     admit(batch, dict(enumerate(seqs)))
     prefill_chunk(backend, batch)
+    if on_step:
+        on_step(seqs)
     while batch.st.n:
         step(backend, batch, (lambda: on_step(seqs)) if on_step else None)
     return seqs, batch.stats

@@ -255,3 +255,26 @@ def test_prefill_table_times_the_first_token_and_pairs_equal_bits():
 def test_prefill_refuses_a_prompt_without_tokens():
     run = bench("--prefill", "50", "1")
     assert run.returncode == 2 and "--prefill 1: a prompt is BOS and at least one token (N >= 2)" in run.stderr
+
+
+
+def test_mtp_worker_times_its_first_token_inside_the_timed_generation(tmp_path, monkeypatch):
+    """The decode figure is (tokens - 1) / (seconds - first) for both engines: mtp-trt's `first` must come from
+    the same generation as its seconds (as llama.cpp's does), not from a generation of its own, whose cold start
+    would be subtracted from the warm one's time."""
+    import beside_llama_cpp as bench_module
+    from runtime_models import make_random
+
+    from mtp_trt import decode
+    from mtp_trt.backend import OrtBackend
+    from mtp_trt.exporters.export import export
+    from mtp_trt.manifest import Manifest
+
+    out = export(make_random(tmp_path / "ckpt", nextn=1), tmp_path / "export", nextn=1, max_seq_len=64, trees="none")
+    ids, calls, real = [1, 5, 9, 13], [], decode.generate
+    monkeypatch.setattr(decode, "generate", lambda *a, **k: calls.append(k) or real(*a, **k))
+    worker = bench_module.MtpWorker(str(out), ids, 6, 1, 1)
+    generated = worker()
+    assert len(calls) == 1 and 0 < worker.first  # one generation, its first token timed inside it
+    seqs, _ = real(OrtBackend(Manifest.load(out), threads=1), [ids], decode.DecodeOptions(nextn=1, max_new_tokens=6))
+    assert generated == seqs[0].generated
