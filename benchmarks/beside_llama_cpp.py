@@ -55,8 +55,8 @@ Each configuration runs in a worker process of its own (a GGUF type on llama.cpp
 one nextn), so that its peak RSS (VmHWM, after loading and decoding) is its own; the parent asks each worker
 in turn, round-robin, for one timed generation while the others wait.  Decode tokens/s = (new tokens - 1) /
 the time after the first token within the same generation (the prompt's pass excluded; mtp-trt's first token
-is where `generate` reports it, after the prompt's pass); medians over rounds, the best round's beside them, and "with prompt" = new tokens / the whole
-generation's time.  A ratio of two configurations is the median of their per-round ratios (configurations
+is where `generate` first reports, after the prompt's pass); medians over rounds, the best round's beside them,
+and "with prompt" = new tokens / the whole generation's time.  A ratio of two configurations is the median of their per-round ratios (configurations
 timed moments apart; the machine is shared).  The table pairs each mtp-trt quantization with llama.cpp at
 the same bits: none / f32, int8 / Q8_0, int4 / Q4_K_M and int4 / Q4_0, at nextn 0 and, on the demo (the only
 checkpoint whose MTP modules are trained), at the fastest nextn.  --no-spin: neither engine's threads
@@ -210,7 +210,7 @@ class MtpWorker:
         self.run = lambda on_step: generate(backend, [ids], opts, on_step=on_step)
 
     def __call__(self) -> list[int]:
-        marks = []  # when generate reports its first token (after the prompt's pass), then after every step
+        marks = []  # when generate first reports: its first token, after the prompt's pass
         t0 = time.perf_counter()
         seqs, self.stats = self.run(lambda _: marks or marks.append(time.perf_counter()))
         self.first = marks[0] - t0  # prompt + first token, inside the timed generation (as llama.cpp's)

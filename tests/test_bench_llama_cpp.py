@@ -257,7 +257,6 @@ def test_prefill_refuses_a_prompt_without_tokens():
     assert run.returncode == 2 and "--prefill 1: a prompt is BOS and at least one token (N >= 2)" in run.stderr
 
 
-
 def test_mtp_worker_times_its_first_token_inside_the_timed_generation(tmp_path, monkeypatch):
     """The decode figure is (tokens - 1) / (seconds - first) for both engines: mtp-trt's `first` must come from
     the same generation as its seconds (as llama.cpp's does), not from a generation of its own, whose cold start
