@@ -59,9 +59,9 @@ is where `generate` first reports, after the prompt's pass); medians over rounds
 and "with prompt" = new tokens / the whole generation's time.  A ratio of two configurations is the median of
 their per-round ratios (configurations timed moments apart; the machine is shared).  The table pairs each
 mtp-trt quantization with llama.cpp at the same bits: none / f32, int8 / Q8_0, int4 / Q4_K_M and int4 / Q4_0,
-at nextn 0 and, on the demo (the only checkpoint whose MTP modules are trained), at the fastest nextn.  --no-spin: neither engine's threads
-busy-wait (OrtBackend(spin=False); OMP_WAIT_POLICY=PASSIVE for llama.cpp's OpenMP threads), for a machine
-busy with other work; by default both spin, as each does on its own.
+at nextn 0 and, on the demo (the only checkpoint whose MTP modules are trained), at the fastest nextn.
+--no-spin: neither engine's threads busy-wait (OrtBackend(spin=False); OMP_WAIT_POLICY=PASSIVE for llama.cpp's
+OpenMP threads), for a machine busy with other work; by default both spin, as each does on its own.
 
 llama.cpp's own MTP drafting (--llama-mtp-bin: llama.cpp's llama-speculative-simple, built from the llama.cpp
 that llama-cpp-python vendors): for each --gguf type and each --nextn K above 0, "llama.cpp <type> draft-mtp K"
