@@ -23,7 +23,7 @@ from mtp_trt.exporters.lowering import (Dims, Mask, MlaGenerationAttentionOp, Ml
 from mtp_trt.exporters.model import MLA, DecoderLayer, DeepseekV3, Indexer, MoE, as_fp32
 from mtp_trt.exporters.moe import moe_forward, swiglu
 from mtp_trt.exporters.ort_ops import (CpuAcceptOp, CpuIndexerOp, CpuMlaOp, CpuMlaSelfOp, RotaryOp, add_norm,
-                                       cpu_mlp)
+                                       cpu_mlp, cpu_norm)
 
 Tensor = torch.Tensor
 
@@ -238,14 +238,14 @@ def block_parts(layer: DecoderLayer, h: Tensor, delta: Tensor | None, group: Gro
     block's input norm can be one node), its own FFN branch returned unadded: -> (h, ffn, commit)."""
     attn: MLA = layer.self_attn
     cfg, dims = attn.cfg, group.dims
-    x, h = add_norm(h, delta, layer.input_layernorm, group.fused)
+    x, h = add_norm(h, delta, layer.input_layernorm, group.fused, group.cpu)
     if lowering == "onnx" and group.cpu and not cfg.dsa:  # one MlaSelfAttention node from the projections to W^UV
         o, latent = cpu_attention(attn, x, group, cache)
         if new_rows is not None:
             new_rows.append(latent)
     else:
         o, latent = attention(attn, x, group, cache, lowering, new_rows)
-    x, h = add_norm(h, o, layer.post_attention_layernorm, group.fused)
+    x, h = add_norm(h, o, layer.post_attention_layernorm, group.fused, group.cpu)
     if isinstance(layer.mlp, MoE):
         ffn = moe_forward(layer.mlp, x, dims.b, dims.s, group.moe)
     else:
@@ -272,7 +272,7 @@ def cpu_attention(attn: MLA, x: Tensor, group: Group, cache: Tensor) -> tuple[Te
         c_q, kv = x, attn.kv_a_proj_with_mqa(x)
     else:  # W^DQ and W^DKV in one matmul
         c_q, kv = linear_cat(x, attn.q_a_proj, attn.kv_a_proj_with_mqa).split([cfg.q_lora_rank, dl + dr], -1)
-        c_q = attn.q_a_layernorm(c_q)
+        c_q = cpu_norm(attn.q_a_layernorm, c_q, group.cpu)
     wq, wo = folded_mla(attn) if group.fold else (None, None)
     w_uk, w_uv = attn.w_uk_uv()
     q = F.linear(c_q, q_up(attn, wq)[0])
@@ -294,7 +294,7 @@ def attention(attn: MLA, x: Tensor, group: Group, cache: Tensor, lowering: str,
         c_q, (c_kv, k_pe) = x, attn.kv_a_proj_with_mqa(x).split([dl, dr], -1)
     else:  # W^DQ and W^DKV in one matmul
         c_q, c_kv, k_pe = linear_cat(x, attn.q_a_proj, attn.kv_a_proj_with_mqa).split([cfg.q_lora_rank, dl, dr], -1)
-        c_q = attn.q_a_layernorm(c_q)
+        c_q = cpu_norm(attn.q_a_layernorm, c_q, group.cpu)
     wq, wo = folded_mla(attn) if group.fold else (None, None)
     w_uk, w_uv = attn.w_uk_uv()  # [H, Dn, Dl], [H, Dv, Dl] (unused where folded)
     if group.fused:  # rows reordered: every head's latent (folded) or nope rows, then every head's rope rows
@@ -361,7 +361,7 @@ def main_forward(m: DeepseekV3, group: Group, input_ids, caches, lowering: str, 
     for layer, cache in zip(m.model.layers, caches):
         h, ffn, commit = block_parts(layer, h, ffn, group, cache, lowering, new_rows)
         commits.append(commit)
-    h = add_norm(h, ffn, m.model.norm, group.fused)[0]
+    h = add_norm(h, ffn, m.model.norm, group.fused, group.cpu)[0]
     return h, m.lm_head(h).float(), commits
 
 
@@ -374,7 +374,8 @@ def mtp_block(m: DeepseekV3, k: int, hidden, next_tokens, group: Group, cache, l
     emb = m.model.embed_tokens(next_tokens)
     if first_row:
         emb = emb * (group.positions != 0)[..., None].to(hidden.dtype)
-    h = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
+    normed = [cpu_norm(layer.enorm, emb, group.cpu), cpu_norm(layer.hnorm, hidden, group.cpu)]
+    h = layer.eh_proj(torch.cat(normed, dim=-1))
     return block_forward(layer, h, group, cache, lowering)
 
 
@@ -452,7 +453,7 @@ class MtpGraph(_Graph):
         m = self.model
         group = self.group(*next_tokens.shape, past_len, past_len, cache)
         h, commit = mtp_block(m, self.k, hidden, next_tokens, group, cache, self.lowering)
-        logits = m.lm_head(m.mtp[self.k].shared_head.norm(h)).float()
+        logits = m.lm_head(cpu_norm(m.mtp[self.k].shared_head.norm, h, group.cpu)).float()
         probs, tokens = logits.softmax(-1).max(-1)
         return h, tokens.to(torch.int32), probs, logits, commit
 

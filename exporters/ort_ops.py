@@ -8,7 +8,7 @@ placeholder weights, where the values steer nothing, and computing them was a la
   * RotaryEmbedding: RoPE on x [B, S, heads * Dr] at positions [B, S] from the cos/sin tables [P, Dr/2]
     (model.apply_rope's products; either pair layout) -- one node instead of a gather and two multiply-adds;
   * SkipSimplifiedLayerNormalization: a residual add and the RMSNorm after it, (norm(h + delta), h + delta) --
-    one node instead of two;
+    one node instead of two (mtp-trt's RmsNorm below where `cpu_ops`);
 and mtp-trt's own CPU operators (domain `mtp_trt.cpu`, the custom-op library of plugins/ort, registered by
 plugins/ort_lib.py), used where the export's `cpu_ops` is on (export.check_cpu_ops):
   * MoE: DeepSeekMoE with its router and shared experts -- one node instead of ~25 router nodes and
@@ -19,6 +19,9 @@ plugins/ort_lib.py), used where the export's `cpu_ops` is on (export.check_cpu_o
     and W^UK, MlaAttention's attention, W^UV) -- one node instead of ~15 (without DeepSeek Sparse Attention);
   * MoE without routed experts: a dense SwiGLU MLP -- one node instead of five (quantized exports);
   * MtpAccept: the drafts' acceptance (exporters/lowering.py accept_decomposed) -- one node instead of ~100;
+  * RmsNorm: RMSNorm, or a residual add and the RMSNorm after it -- as ONNX Runtime's (Skip)SimplifiedLayerNormalization,
+    but splitting its rows over the threads only where they are many (ONNX Runtime's split any two rows: at a decode
+    step's 2-4 rows, 1.5 us a norm more on 2 threads than on one);
   * LightningIndexer: DeepSeek Sparse Attention's indexer scores over every seen row and its top-k selection --
     one node instead of ~12, with no [heads x rows] product kept.
 """
@@ -67,17 +70,52 @@ class SkipRmsNormOp(torch.autograd.Function):
         return y.setType(h.type()), s.setType(h.type())  # (the exporter's shape inference does not know the op)
 
 
-def add_norm(h: Tensor, delta: Tensor | None, norm: RMSNorm, fused: bool) -> tuple[Tensor, Tensor]:
-    """(norm(h + delta), h + delta); delta None: (norm(h), h).  fused: one SkipSimplifiedLayerNormalization."""
+def add_norm(h: Tensor, delta: Tensor | None, norm: RMSNorm, fused: bool, cpu: bool = False) -> tuple[Tensor, Tensor]:
+    """(norm(h + delta), h + delta); delta None: (norm(h), h).  fused: one SkipSimplifiedLayerNormalization node;
+    cpu: one mtp_trt.cpu::RmsNorm node (for delta None too)."""
     if delta is None:
-        return norm(h), h
+        return cpu_norm(norm, h, cpu), h
+    if cpu:
+        return CpuSkipRmsNormOp.apply(h, delta, norm.weight, norm.eps)
     if fused:
         return SkipRmsNormOp.apply(h, delta, norm.weight, norm.eps)
     h = h + delta
     return norm(h), h
 
 
+def cpu_norm(norm: RMSNorm, x: Tensor, cpu: bool) -> Tensor:
+    """norm(x), as one mtp_trt.cpu::RmsNorm node where `cpu`."""
+    return CpuRmsNormOp.apply(x, norm.weight, norm.eps) if cpu else norm(x)
+
+
 # --------------------------------------------------------------- mtp-trt's own CPU operators (plugins/ort)
+class CpuRmsNormOp(torch.autograd.Function):
+    """RMSNorm as one `mtp_trt.cpu::RmsNorm` node: x [.., D], weight [D] -> norm(x)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def symbolic(g, x, weight, eps: float):
+        return g.op(f"{CPU_DOMAIN}::RmsNorm", x, weight, epsilon_f=eps).setType(x.type())
+
+
+class CpuSkipRmsNormOp(torch.autograd.Function):
+    """A residual add and the RMSNorm after it as one `mtp_trt.cpu::RmsNorm` node: h [.., D], delta [.., D],
+    weight [D] -> (norm(h + delta), h + delta)."""
+
+    @staticmethod
+    def forward(ctx, h, delta, weight, eps: float):
+        s = h + delta
+        return rms_norm(s, weight, eps), s
+
+    @staticmethod
+    def symbolic(g, h, delta, weight, eps: float):
+        y, s = g.op(f"{CPU_DOMAIN}::RmsNorm", h, weight, delta, epsilon_f=eps, outputs=2)
+        return y.setType(h.type()), s.setType(h.type())
+
+
 
 
 def _interleaved(gate: Tensor, up: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ FORMAT = "mtp-trt-export"
 FORMAT_VERSION = 1
 # Bumped whenever the exporter writes different graphs for the same checkpoint (CHANGELOG.md, "Exporter
 # revisions", says what each changed), so exports cached by `mtp-trt run` are redone rather than reused.
-EXPORTER_REVISION = 22
+EXPORTER_REVISION = 23
 MTP_MODES = ("eagle", "vanilla")
 MANIFEST_DIGEST = "manifest_sha256"  # the manifest's own digest (seal): every field that decides the output
 

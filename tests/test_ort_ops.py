@@ -1,11 +1,11 @@
 """mtp-trt's CPU operators for ONNX Runtime (plugins/ort, domain mtp_trt.cpu) against their NumPy references
-(plugins/ort_reference.py), one node at a time: MoE (router included) and MLA attention on random and adversarial
-inputs -- sizes that are not multiples of the vector width, router ties, groups, extra rows, visibility masks,
+(plugins/ort_reference.py), one node at a time: MoE (router included), MLA attention and RmsNorm on random and
+adversarial inputs -- sizes that are not multiples of the vector width, router ties, groups, extra rows, visibility masks,
 cache lengths out of range -- the AVX2 and portable paths, any thread count giving the same bits, and bad input
 as one error naming the op and the input.
 
-Tolerances: float32 kernels against float64 references, relative to the output's largest magnitude: 2e-6 (MoE)
-and 2e-6 (attention), a few float32 ulps of accumulated rounding."""
+Tolerances: float32 kernels against float64 references, relative to the output's largest magnitude: 2e-6 (MoE,
+attention and RmsNorm), a few float32 ulps of accumulated rounding."""
 
 from __future__ import annotations
 
@@ -322,6 +322,24 @@ def test_mtp_accept_matches_the_decomposed_acceptance(case):
         assert np.array_equal(g, w.numpy())
 
 
+# ------------------------------------------------------------------------------------------ RmsNorm
+@pytest.mark.parametrize("rows,d,skip,sum_out", [(1, 256, True, True), (2, 256, True, False), (4, 37, False, False),
+                                                 (300, 512, True, True), (3, 5, False, False)])
+def test_rms_norm_matches_reference(rows, d, skip, sum_out):
+    """norm(x) or norm(x + skip) with its sum (output 1, where the node has it), at widths off the vector width and
+    row counts that run on one thread and split over threads."""
+    rng = np.random.default_rng(rows * d)
+    x = (rng.standard_normal((1, rows, d)) * 3).astype(np.float32)
+    k = rng.standard_normal((1, rows, d)).astype(np.float32) if skip else None
+    w = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    out = run_node("RmsNorm", dict(x=x, weight=w, skip=k), dict(epsilon=1e-5), dict(weight=w), outputs=2 if sum_out else 1)
+    s = x + k if skip else x
+    y = out[0] if sum_out else out
+    close(y, ref.rms_norm(s.astype(np.float64), w, 1e-5))
+    if sum_out:
+        assert np.array_equal(out[1], s)
+
+
 # ------------------------------------------------------------------------------ threads and paths
 def test_any_thread_count_gives_the_same_bits(monkeypatch):
     """Work is split by output columns, heads and tokens, never within a sum: 1, 2 and 3 threads agree exactly,
@@ -332,13 +350,16 @@ def test_any_thread_count_gives_the_same_bits(monkeypatch):
     attrs = dict(top_k=2, n_group=4, topk_group=2, softmax=0, group_top2=1, norm_topk_prob=1,
                  routed_scaling_factor=2.5)
     mla = mla_inputs(rng, 1, 2, 8, 32, 16, 50, 2, None)
+    norm = dict(x=rng.standard_normal((3, 5, 40)).astype(np.float32), weight=rng.standard_normal(40).astype(np.float32),
+                skip=rng.standard_normal((3, 5, 40)).astype(np.float32))
     outs = []
     for split, n in itertools.product(("0", ""), (1, 2, 3)):
         monkeypatch.setenv("MTP_ORT_MIN_PARALLEL_WORK", split)  # read when a session makes its kernels
         outs.append((run_node("MoE", moe, attrs, consts, threads=n),
-                     run_node("MlaAttention", mla, dict(heads=8, scale=0.2), threads=n)))
-    for moe_y, mla_y in outs[1:]:
-        assert np.array_equal(moe_y, outs[0][0]) and np.array_equal(mla_y, outs[0][1])
+                     run_node("MlaAttention", mla, dict(heads=8, scale=0.2), threads=n),
+                     *run_node("RmsNorm", norm, dict(epsilon=1e-6), threads=n, outputs=2)))
+    for out in outs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(out, outs[0]))
 
 
 def test_portable_path_agrees_with_avx2():
@@ -375,6 +396,14 @@ def test_bad_shapes_are_one_error_naming_the_op_and_input():
     mla["visible"] = mla["visible"][:, :, :1]
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"visible \[1, 2, 1\] must be"):
         run_node("MlaAttention", mla, dict(heads=4, scale=0.1))
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match=r"RmsNorm: x \[2, 8\] must be \[\.\.\., D\] with D = 6"):
+        run_node("RmsNorm", dict(x=x, weight=np.ones(6, np.float32)), dict(epsilon=1e-6))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"RmsNorm: skip \[2, 4\] must be"):
+        run_node("RmsNorm", dict(x=x, weight=np.ones(8, np.float32), skip=x[:, :4].copy()), dict(epsilon=1e-6))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"RmsNorm: output 1 .* needs the skip"):
+        run_node("RmsNorm", dict(x=x, weight=np.ones(8, np.float32)), dict(epsilon=1e-6), outputs=2)
     moe = moe_inputs(rng, 2, 16, 4, 8, 0)
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"MoE: top_k 5.*4 experts"):
         run_node("MoE", moe, dict(top_k=5, n_group=1, topk_group=1, softmax=0, group_top2=0, norm_topk_prob=1,

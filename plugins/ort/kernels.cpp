@@ -733,8 +733,14 @@ const char* index_path_name() {
 }
 
 void rms_norm_row(const float* x, size_t n, const float* w, float eps, float* y) {
+    constexpr size_t L = 8;  // partial sums, element i into lane i % L (the compiler keeps them in one vector)
+    float part[L] = {};
+    size_t i = 0;
+    for (; i + L <= n; i += L)
+        for (size_t l = 0; l < L; ++l) part[l] += x[i + l] * x[i + l];
+    for (; i < n; ++i) part[i % L] += x[i] * x[i];
     float ss = 0.f;
-    for (size_t i = 0; i < n; ++i) ss += x[i] * x[i];
+    for (float p : part) ss += p;
     const float r = 1.f / std::sqrt(ss / float(n) + eps);
     for (size_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
 }

@@ -21,6 +21,8 @@
 //                                                                      (draft acceptance, exporters/lowering.py's)
 //   LightningIndexer(q [B, S, Hi*Di], weights [B, S, Hi], rows [B, R, C], cache [B, T, C], past_len [B] int32,
 //                    visible [B|1, S, R] bool?)                    -> [B, S, K] int32 (DSA's top-k rows)
+//   RmsNorm(x [..., D], weight [D], skip [..., D]?)                -> y [..., D], x + skip [..., D]?
+//                                                                      (RMSNorm of x or of x + skip)
 //   QMatMul(x [..., K], w uint8 [N, K/bs, blob], scales [N, K/bs]) -> [..., N]       (x W^T, W quantized)
 //   QMoE(x, gate, bias?, fc1 uint8 [E, 2I, D/bs, blob], fc1_scales [E, 2I, D/bs], fc2 uint8 [E, D, I/bs, blob],
 //        fc2_scales [E, D, I/bs], shared_fc1 [2Is, D/bs, blob]?, shared_fc1_scales?, shared_fc2 [D, Is/bs, blob]?,
@@ -1218,6 +1220,52 @@ struct LightningIndexerKernel {
     }
 };
 
+// ------------------------------------------------------------------------------------------------ RmsNorm
+// RMSNorm of each row of x, or of x + skip (the residual add first; output 1 its sum, where the node asks for it):
+// weight * row / sqrt(mean(row^2) + epsilon), as exporters/model.py's rms_norm.  The rows are split over the
+// intra-op threads only where they are worth it (Call::parallel; ONNX Runtime's own SimplifiedLayerNormalization
+// and SkipSimplifiedLayerNormalization split any two rows, which at a decode step's few rows costs more than the
+// norms themselves).
+struct RmsNormKernel {
+    float eps = 1e-6f;
+
+    RmsNormKernel(const OrtApi* api, const OrtKernelInfo* info, OrtStatus** status) {
+        *status = attr_float(api, info, "epsilon", &eps);
+    }
+
+    OrtStatus* compute(const Call& c) const {
+        View x, w, skip;
+        MTP_RETURN_IF(c.input(0, x));
+        MTP_RETURN_IF(c.input(1, w));
+        MTP_RETURN_IF(c.input(2, skip));
+        MTP_RETURN_IF(need_float(c, x, "x", 0));
+        MTP_RETURN_IF(need_float(c, w, "weight", 1));
+        const int64_t d = w.dim(0);
+        if (x.shape.empty() || x.dim(-1) != d || d < 1)
+            return c.error("x " + x.str() + " must be [..., D] with D = " + std::to_string(d) + " (weight " + w.str() + ")");
+        if (skip.present && (skip.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || skip.shape != x.shape))
+            return c.error("skip " + skip.str() + " must be float32 of x's shape " + x.str());
+        size_t outputs = 0;
+        MTP_RETURN_IF(c.api->KernelContext_GetOutputCount(c.ctx, &outputs));
+        if (outputs > 1 && !skip.present) return c.error("output 1 (x + skip) needs the skip input");
+        float *y = nullptr, *sum = nullptr;
+        MTP_RETURN_IF(c.output(0, x.shape, &y));
+        if (outputs > 1) MTP_RETURN_IF(c.output(1, x.shape, &sum));
+        const size_t rows = size_t(x.size() / d), n = size_t(d);
+        auto norm = [&](size_t r) {
+            const float* row = x.f() + r * n;
+            if (skip.present) {  // the sum in output 1, or in this thread's scratch where the node has no output 1
+                float* s = sum ? sum + r * n : scratch(n);
+                const float* k = skip.f() + r * n;
+                for (size_t i = 0; i < n; ++i) s[i] = row[i] + k[i];
+                row = s;
+            }
+            rms_norm_row(row, n, w.f(), eps, y + r * n);
+        };
+        return c.parallel(rows, norm, double(rows) * double(n));
+    }
+};
+
 // --------------------------------------------------------------------------------- registration
 struct Spec {
     const char* name;
@@ -1225,6 +1273,7 @@ struct Spec {
     std::vector<bool> optional;
     ONNXTensorElementDataType output = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     size_t outputs = 1;  // all of type `output`
+    size_t required_outputs = outputs;  // the first ones; the others optional
 };
 
 template <class K>
@@ -1242,7 +1291,9 @@ struct Op : OrtCustomOp {
         };
         GetOutputTypeCount = [](const OrtCustomOp* op) { return static_cast<const Op*>(op)->spec.outputs; };
         GetOutputType = [](const OrtCustomOp* op, size_t) { return static_cast<const Op*>(op)->spec.output; };
-        GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+        GetOutputCharacteristic = [](const OrtCustomOp* op, size_t i) {
+            return i < static_cast<const Op*>(op)->spec.required_outputs ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+        };
         GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
         CreateKernelV2 = [](const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
                             void** kernel) -> OrtStatus* {
@@ -1304,6 +1355,7 @@ Op<MtpAcceptKernel> g_accept({"MtpAccept", {F32, I32, I32, I32, F32}, {false, fa
 Op<LightningIndexerKernel> g_indexer({"LightningIndexer", {F32, F32, F32, F32, I32, BOOL},
                                       {false, false, false, false, false, true}, I32});
 Op<QMatMulKernel> g_qmatmul({"QMatMul", {F32, U8, SCALES}, {false, false, false}});
+Op<RmsNormKernel> g_rms_norm({"RmsNorm", {F32, F32, F32}, {false, false, true}, F32, 2, 1});
 Op<QMoEKernel> g_qmoe({"QMoE", {F32, F32, F32, U8, SCALES, U8, SCALES, U8, SCALES, U8, SCALES},
                        {false, true, true, true, true, true, true, true, true, true, true}});
 
@@ -1322,7 +1374,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     if (*cpu_isa_error()) return api->CreateStatus(ORT_FAIL, cpu_isa_error());
     OrtCustomOpDomain* domain = nullptr;
     MTP_RETURN_IF(api->CreateCustomOpDomain(kDomain, &domain));
-    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla, &g_mla_self, &g_accept, &g_indexer, &g_qmatmul, &g_qmoe})
+    for (const OrtCustomOp* op : std::initializer_list<const OrtCustomOp*>{&g_moe, &g_mla, &g_mla_self, &g_accept, &g_indexer, &g_qmatmul, &g_qmoe, &g_rms_norm})
         MTP_RETURN_IF(api->CustomOpDomain_Add(domain, op));
     return api->AddCustomOpDomain(options, domain);  // (the domain is kept for the process, as the ops are)
 }
