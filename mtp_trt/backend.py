@@ -36,7 +36,8 @@ class Backend(ABC):
 
     @abstractmethod
     def allocate(self, batch: int, rows: int) -> None:
-        """(Re)allocate every cache for `batch` sequences of `rows` tokens."""
+        """(Re)allocate every cache for `batch` sequences of `rows` tokens (a decode of the same shape as the last one
+        may run on its caches, zeroed)."""
 
     @abstractmethod
     def run(self, graph: str, n: int, feed: dict[str, np.ndarray], fetch: list[str], family: str = mtp_family(0),
@@ -392,6 +393,11 @@ class OrtBackend(Backend):
         if rows > m.max_seq_len:
             raise MtpTrtError(f"{m.root}: {rows} cache rows per sequence needed, but the export allows "
                               f"max_seq_len = {m.max_seq_len}; re-export with a larger --max-seq-len")
+        if self.store.shape[1:3] == (batch, rows):  # the same caches serve the next decode, and its bound calls
+            for b, written in enumerate(self.written):
+                self.store[:, b, :written] = 0  # as new: zero wherever the last decode wrote (swap_slots)
+            self.written = [0] * batch
+            return
         shape = (batch, rows, m.config.cache_dim)
         n_mtp = len(set(m.mtp_graphs))
         check_memory(cache_bytes(m.config, m.config.num_hidden_layers + n_mtp, batch, rows,

@@ -140,6 +140,26 @@ def test_bound_step_calls_equal_unbound_ones(setup, mode):
     assert be.bound and not unbound.bound
 
 
+def test_a_decode_of_the_same_shape_reuses_the_caches_and_bound_calls(setup):
+    """A second decode of as many sequences and rows runs on the first one's caches and bound step calls (as a
+    llama.cpp context serves its next generation), zeroed where the first wrote, with the same tokens and drafts;
+    another shape gets new ones."""
+    _, backends, reference = setup
+    be = backends["eagle"]
+    opts = DecodeOptions(nextn=K, max_new_tokens=NEW, eos_ids=(EOS,))
+    first, _ = generate(be, PROMPTS, opts)
+    store, bound = be.store, list(be.bound.values())
+    second, _ = generate(be, PROMPTS, opts)
+    assert be.store is store and list(be.bound.values()) == bound
+    assert [s.generated for s in second] == [s.generated for s in first] == reference
+    assert [s.draft_log for s in second] == [s.draft_log for s in first]
+    assert store.any()
+    be.allocate(*store.shape[1:3])
+    assert be.store is store and not store.any() and be.written == [0] * store.shape[1]
+    be.allocate(store.shape[1], store.shape[2] - 1)
+    assert be.store is not store and not be.bound
+
+
 def _reference_drafts(model, tokens, q, mode):
     """Recompute from scratch, in PyTorch with no cache, the K drafts made after position q."""
     with torch.no_grad():
