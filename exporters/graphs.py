@@ -384,9 +384,10 @@ def row_at(h: Tensor, index: Tensor, width: int) -> Tensor:
     return h.gather(1, index[:, None, None].expand(-1, 1, width))
 
 
-def draft_token(m: DeepseekV3, k: int, h: Tensor) -> Tensor:
-    """MTP module k's greedy draft from its output hidden state h [B, 1, D] -> [B, 1] int32."""
-    return m.lm_head(m.mtp[k].shared_head.norm(h)).float().argmax(-1).to(torch.int32)
+def draft_token(m: DeepseekV3, k: int, h: Tensor, cpu: bool = False) -> Tensor:
+    """MTP module k's greedy draft from its output hidden state h [B, 1, D] -> [B, 1] int32 (cpu: its norm as
+    mtp-trt's RmsNorm node)."""
+    return m.lm_head(cpu_norm(m.mtp[k].shared_head.norm, h, cpu)).float().argmax(-1).to(torch.int32)
 
 
 class _Graph(nn.Module):
@@ -489,7 +490,7 @@ class StepGraph(_Graph):
         cache = caches[layers]
         h1, commit1 = mtp_block(m, 0, h, accepted.clamp(min=0), group, cache, self.lowering, first_row=False)
         h_prev = row_at(h1, num.long(), m.cfg.hidden_size)  # row past_len + num
-        d = draft_token(m, 0, h_prev)  # [B, 1]
+        d = draft_token(m, 0, h_prev, self.cpu)  # [B, 1]
         drafts = [d]
         plugin = self.lowering == "plugin"
         mtp_cache = commit1 if plugin else cache  # plugin: each depth writes into the previous depth's output
@@ -497,7 +498,7 @@ class StepGraph(_Graph):
         for k in range(2, self.nextn + 1):
             group_k = self.group(b, 1, past_len + num + (k - 1), past_len, cache, extra)
             h_prev, commit = mtp_block(m, 0, h_prev, d, group_k, mtp_cache, self.lowering, first_row=False)
-            d = draft_token(m, 0, h_prev)
+            d = draft_token(m, 0, h_prev, self.cpu)
             drafts.append(d)
             if plugin:
                 mtp_cache = commit
@@ -550,7 +551,7 @@ class VanillaStepGraph(_Graph):
             start = past_len + 1 - k
             mtp_group = self.group(b, k_max + k, start, start, mtp_caches[k - 1])
             h_k, commit = mtp_block(m, k - 1, hidden, tokens, mtp_group, mtp_caches[k - 1], self.lowering)
-            drafts.append(draft_token(m, k - 1, row_at(h_k, n[:, 0] + k - 1, m.cfg.hidden_size)))  # row q
+            drafts.append(draft_token(m, k - 1, row_at(h_k, n[:, 0] + k - 1, m.cfg.hidden_size), self.cpu))  # row q
             if k < k_max:
                 carry_out.append(row_at(h_k, n[:, 0], m.cfg.hidden_size))
             hidden = h_k

@@ -19,9 +19,9 @@ plugins/ort_lib.py), used where the export's `cpu_ops` is on (export.check_cpu_o
     and W^UK, MlaAttention's attention, W^UV) -- one node instead of ~15 (without DeepSeek Sparse Attention);
   * MoE without routed experts: a dense SwiGLU MLP -- one node instead of five (quantized exports);
   * MtpAccept: the drafts' acceptance (exporters/lowering.py accept_decomposed) -- one node instead of ~100;
-  * RmsNorm: RMSNorm, or a residual add and the RMSNorm after it -- as ONNX Runtime's (Skip)SimplifiedLayerNormalization,
-    but splitting its rows over the threads only where they are many (ONNX Runtime's split any two rows: at a decode
-    step's 2-4 rows, 1.5 us a norm more on 2 threads than on one);
+  * RmsNorm: RMSNorm, or a residual add and the RMSNorm after it -- as ONNX Runtime's
+    (Skip)SimplifiedLayerNormalization, but splitting its rows over the threads only where they are many (ONNX
+    Runtime's split any two rows: at a decode step's 2-4 rows, 1.5 us a norm more on 2 threads than on one);
   * LightningIndexer: DeepSeek Sparse Attention's indexer scores over every seen row and its top-k selection --
     one node instead of ~12, with no [heads x rows] product kept.
 """

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from mtp_trt.exporters.graphs import _Graph, main_forward, mtp_block
 from mtp_trt.exporters.model import DeepseekV3
+from mtp_trt.exporters.ort_ops import cpu_norm
 
 Tensor = torch.Tensor
 
@@ -320,4 +321,4 @@ class TreeStepGraph(_Graph):
 
     def log_probs(self, h: Tensor) -> Tensor:
         """The MTP module's log-probabilities [B, S, V] (fp32) from its output hidden states h [B, S, D]."""
-        return self.model.lm_head(self.model.mtp[0].shared_head.norm(h)).float().log_softmax(-1)
+        return self.model.lm_head(cpu_norm(self.model.mtp[0].shared_head.norm, h, self.cpu)).float().log_softmax(-1)

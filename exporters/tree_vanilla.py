@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from mtp_trt.exporters.graphs import mtp_block, row_at
+from mtp_trt.exporters.ort_ops import cpu_norm
 from mtp_trt.exporters.tree import TreeStepGraph, choose
 
 Tensor = torch.Tensor
@@ -137,4 +138,5 @@ class VanillaTreeStepGraph(TreeStepGraph):
 
     def level_log_probs(self, module: int, h: Tensor) -> Tensor:
         """MTP module `module`'s (0-based) log-probabilities [B, ..., V] (fp32) from its output hidden h."""
-        return self.model.lm_head(self.model.mtp[module].shared_head.norm(h)).float().log_softmax(-1)
+        norm = cpu_norm(self.model.mtp[module].shared_head.norm, h, self.cpu)
+        return self.model.lm_head(norm).float().log_softmax(-1)

@@ -1,7 +1,7 @@
 """mtp-trt's CPU operators for ONNX Runtime (plugins/ort, domain mtp_trt.cpu) against their NumPy references
 (plugins/ort_reference.py), one node at a time: MoE (router included), MLA attention and RmsNorm on random and
-adversarial inputs -- sizes that are not multiples of the vector width, router ties, groups, extra rows, visibility masks,
-cache lengths out of range -- the AVX2 and portable paths, any thread count giving the same bits, and bad input
+adversarial inputs -- sizes that are not multiples of the vector width, router ties, groups, extra rows, visibility
+masks, cache lengths out of range -- the AVX2 and portable paths, any thread count giving the same bits, and bad input
 as one error naming the op and the input.
 
 Tolerances: float32 kernels against float64 references, relative to the output's largest magnitude: 2e-6 (MoE,
@@ -332,7 +332,8 @@ def test_rms_norm_matches_reference(rows, d, skip, sum_out):
     x = (rng.standard_normal((1, rows, d)) * 3).astype(np.float32)
     k = rng.standard_normal((1, rows, d)).astype(np.float32) if skip else None
     w = rng.uniform(0.5, 1.5, d).astype(np.float32)
-    out = run_node("RmsNorm", dict(x=x, weight=w, skip=k), dict(epsilon=1e-5), dict(weight=w), outputs=2 if sum_out else 1)
+    out = run_node("RmsNorm", dict(x=x, weight=w, skip=k), dict(epsilon=1e-5), dict(weight=w),
+                   outputs=2 if sum_out else 1)
     s = x + k if skip else x
     y = out[0] if sum_out else out
     close(y, ref.rms_norm(s.astype(np.float64), w, 1e-5))
@@ -402,7 +403,7 @@ def test_bad_shapes_are_one_error_naming_the_op_and_input():
         run_node("RmsNorm", dict(x=x, weight=np.ones(6, np.float32)), dict(epsilon=1e-6))
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"RmsNorm: skip \[2, 4\] must be"):
         run_node("RmsNorm", dict(x=x, weight=np.ones(8, np.float32), skip=x[:, :4].copy()), dict(epsilon=1e-6))
-    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"RmsNorm: output 1 .* needs the skip"):
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"RmsNorm: output 1 .* the skip"):
         run_node("RmsNorm", dict(x=x, weight=np.ones(8, np.float32)), dict(epsilon=1e-6), outputs=2)
     moe = moe_inputs(rng, 2, 16, 4, 8, 0)
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"MoE: top_k 5.*4 experts"):
