@@ -101,14 +101,8 @@ class CpuRmsNormOp(torch.autograd.Function):
         return g.op(f"{CPU_DOMAIN}::RmsNorm", x, weight, epsilon_f=eps).setType(x.type())
 
 
-class CpuSkipRmsNormOp(torch.autograd.Function):
-    """A residual add and the RMSNorm after it as one `mtp_trt.cpu::RmsNorm` node: h [.., D], delta [.., D],
-    weight [D] -> (norm(h + delta), h + delta)."""
-
-    @staticmethod
-    def forward(ctx, h, delta, weight, eps: float):
-        s = h + delta
-        return rms_norm(s, weight, eps), s
+class CpuSkipRmsNormOp(SkipRmsNormOp):
+    """SkipRmsNormOp as one `mtp_trt.cpu::RmsNorm` node."""
 
     @staticmethod
     def symbolic(g, h, delta, weight, eps: float):
