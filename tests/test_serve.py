@@ -743,8 +743,10 @@ def test_the_printed_url_is_the_one_listened_on(demo):
 
 
 def _serve_process(root, *args, files: int | None = None) -> tuple[subprocess.Popen, int]:
-    """`mtp-trt serve ROOT --port 0 ARGS` in a process (at most `files` open files), and the port it printed."""
+    """`mtp-trt serve ROOT --port 0 ARGS` in a process (at most `files` open files), and the port it printed.  Ctrl-C
+    reaches it as from a terminal, even where these tests run with SIGINT ignored (a shell's background job)."""
     def limit():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         if files is not None:
             import resource
             resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
