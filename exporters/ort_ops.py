@@ -110,8 +110,6 @@ class CpuSkipRmsNormOp(SkipRmsNormOp):
         return y.setType(h.type()), s.setType(h.type())
 
 
-
-
 def _interleaved(gate: Tensor, up: Tensor) -> Tensor:
     """gate, up [..., I, D] -> [..., 2I, D] with rows (gate_j, up_j) adjacent (the ops' fc1 layout)."""
     return torch.stack([gate, up], -2).flatten(-3, -2)
