@@ -244,6 +244,49 @@ class BoundCall:
         for k, v in outs.items():
             self.binding.bind_ortvalue_output(k, ort.OrtValue.ortvalue_from_numpy(v))
         self.result = {k: outs[k] for k in fetch}
+        # the run itself: ONNX Runtime's low-level call where its Python API has one (the public method checks
+        # its arguments on every call for WebGPU graph capture)
+        low, raw = getattr(session, "_sess", None), getattr(self.binding, "_iobinding", None)
+        self.execute = (functools.partial(low.run_with_iobinding, raw, None) if low is not None and raw is not None
+                        else functools.partial(session.run_with_iobinding, self.binding))
+        self.slots = [(offset, slot_rows(caches, rows)) for offset, caches, rows in self.commits]
+
+    def replay(self, feed: dict[str, np.ndarray], written: list[int]) -> dict[str, np.ndarray]:
+        """Run again: `feed`'s arrays copied into the bound inputs, the new rows committed at past_len (`written`:
+        the backend's per-slot high-water marks)."""
+        fed, inputs = self.fed, self.inputs
+        for k, v in feed.items():
+            if (v is not fed.get(k) or v.flags.writeable) and (bound := inputs.get(k)) is not None:
+                bound[...] = v
+                fed[k] = v
+        self.execute()
+        past = feed[C.PAST_LEN].tolist()
+        for offset, slots in self.slots:
+            commit(slots, [p + offset for p in past] if offset else past, written)
+        return self.result
+
+
+def slot_rows(caches: list[np.ndarray], new_rows: list[np.ndarray]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(b, cache rows of slot b [L, T, C], its new rows [L, S, C]) for each cache and slot b < n: caches [B, T, C]
+    with new rows [n, S, C] (L = 1), or [B, L, T, C] with [n, L, S, C] (L consecutive layers of the store)."""
+    return [(b, cache[b], new[b]) if cache.ndim == 4 else (b, cache[b, None], new[b, None])
+            for cache, new in zip(caches, new_rows) for b in range(new.shape[0])]
+
+
+def commit(slots: list[tuple[int, np.ndarray, np.ndarray]], past_len: list[int], written: list[int]) -> None:
+    """Each slot's S new rows into its cache rows past_len[b] .. + S - 1, clipped to the buffer (one slice copy per
+    slot and cache: cheaper than fancy indexing at the few sequences of a decode); written[b]: the rows of slot b
+    ever written (swap_slots, allocate)."""
+    for b, cache, new in slots:
+        p, s, t = past_len[b], new.shape[1], cache.shape[1]
+        if 0 <= p and p + s <= t:
+            cache[:, p:p + s] = new
+        elif max(p, 0) < min(p + s, t):  # the rows inside the buffer only
+            cache[:, max(p, 0):p + s] = new[:, max(-p, 0):t - p]
+        else:
+            continue
+        if p + s > written[b]:
+            written[b] = min(p + s, t)
 
 
 class OrtBackend(Backend):
@@ -414,23 +457,6 @@ class OrtBackend(Backend):
         self.bound = {}  # (graph, family, n, outputs) -> its BoundCall
         self.written = [0] * batch  # per slot: rows below this were ever written (swap_slots)
 
-    def _commit(self, caches: list[np.ndarray], new_rows: list[np.ndarray], past_len: np.ndarray) -> None:
-        """new_rows[i] [n, S, C] into caches[i] [B, T, C] at rows past_len[b] .. + S - 1, clipped to the buffer
-        (or [n, L, S, C] into [B, L, T, C]: L layers at once): one slice copy per sequence and cache (cheaper than
-        fancy indexing at the few sequences of a decode)."""
-        n, s = new_rows[0].shape[0], new_rows[0].shape[-2]
-        t, written, layers = caches[0].shape[-2], self.written, caches[0].ndim == 4
-        for b, p in enumerate(past_len[:n].tolist()):
-            lo, hi = max(p, 0), min(p + s, t)  # never write outside the buffer
-            if lo < hi:
-                for cache, new in zip(caches, new_rows):
-                    if layers:
-                        cache[b, :, lo:hi] = new[b, :, lo - p:hi - p]
-                    else:
-                        cache[b, lo:hi] = new[b, lo - p:hi - p]
-                if hi > written[b]:
-                    written[b] = hi
-
     def has_graph(self, graph):
         return graph in self.manifest.graphs
 
@@ -458,31 +484,23 @@ class OrtBackend(Backend):
         return self.views[key]
 
     def run(self, graph, n, feed, fetch, family=mtp_family(0), replay=False):
-        call = self.bound.get((graph, family, n, tuple(fetch))) if replay else None
-        if call is not None:  # a step: its inputs copied into the bound arrays, nothing else looked up
-            fed = call.fed
-            for k, v in feed.items():
-                if (bound := call.inputs.get(k)) is not None and not (v is fed[k] and not v.flags.writeable):
-                    bound[...] = v
-                    fed[k] = v
-            call.session.run_with_iobinding(call.binding)
-            out, commits = call.result, call.commits
+        if replay and (call := self.bound.get((graph, family, n, tuple(fetch)))) is not None:
+            return call.replay(feed, self.written)  # a step: nothing else looked up
+        inputs, kv_outputs, groups = self._plan(graph, family)
+        views = self._cache_views(graph, family, n, groups)
+        feed = {k: v for k, v in feed.items() if k in inputs}
+        if replay:
+            call = self.bound[graph, family, n, tuple(fetch)] = BoundCall(self, graph, n, feed, views, fetch,
+                                                                          kv_outputs, groups)
+            out, commits = dict(call.result), call.commits
         else:
-            inputs, kv_outputs, groups = self._plan(graph, family)
-            views = self._cache_views(graph, family, n, groups)
-            feed = {k: v for k, v in feed.items() if k in inputs}
-            if replay:
-                call = self.bound[graph, family, n, tuple(fetch)] = BoundCall(self, graph, n, feed, views, fetch,
-                                                                              kv_outputs, groups)
-                out, commits = dict(call.result), call.commits
-            else:
-                names = fetch + kv_outputs
-                out = dict(zip(names, self.session(graph).run(names, feed | views)))
-                commits = [(offset, [views[kv] for kv, *_ in entries], [out.pop(new) for *_, new in entries])
-                           for offset, entries in groups]
-        past_len = feed[C.PAST_LEN]
-        for offset, caches, new_rows in commits:  # one index computation per window offset
-            self._commit(caches, new_rows, past_len + offset if offset else past_len)
+            names = fetch + kv_outputs
+            out = dict(zip(names, self.session(graph).run(names, feed | views)))
+            commits = [(offset, [views[kv] for kv, *_ in entries], [out.pop(new) for *_, new in entries])
+                       for offset, entries in groups]
+        past = feed[C.PAST_LEN].tolist()
+        for offset, caches, new_rows in commits:
+            commit(slot_rows(caches, new_rows), [p + offset for p in past], self.written)
         return out
 
     def swap_slots(self, i, j):

@@ -110,6 +110,12 @@ class State:
     tree_tokens: np.ndarray | None = None  # [B, N] tree drafting: the next step's tree (mtp_trt/tree.py)
     tree_parents: np.ndarray | None = None  # [B, N]
     avail: np.ndarray | None = None  # [B] drafts each slot holds for its next step (adaptive speculation)
+    ids: np.ndarray = dataclasses.field(init=False)  # [B, 1 + K]: last, then the drafts (a chain step's input_ids)
+
+    def __post_init__(self):
+        # `last` and `drafts` are the columns of `ids`: a step feeds [last, d_1..d_K] without gathering them
+        self.ids = np.concatenate([self.last[:, None], self.drafts], 1).astype(np.int32)
+        self.last, self.drafts = self.ids[:, 0], self.ids[:, 1:]
 
 
 @dataclasses.dataclass
@@ -119,9 +125,10 @@ class Stats:
 
     steps: int = 0  # batched verify steps
     num_drafts: int = 0  # verify steps with drafts (K > 0) summed over the sequences
-    num_accepted_tokens_per_pos: np.ndarray | None = None  # [K] drafts accepted at each position
-    num_drafts_per_pos: np.ndarray | None = None  # [K] drafts that had position j (K varies: adaptive speculation)
-    num_tried_per_pos: np.ndarray | None = None  # [K] drafts that had position j with positions 1..j-1 accepted
+    # per draft position (Python lists: counted on every step, see accept)
+    num_accepted_tokens_per_pos: list[int] | None = None  # [K] drafts accepted at each position
+    num_drafts_per_pos: list[int] | None = None  # [K] drafts that had position j (K varies: adaptive speculation)
+    num_tried_per_pos: list[int] | None = None  # [K] drafts that had position j with positions 1..j-1 accepted
     draft_tokens: int = 0  # draft tokens verified
     seq_steps: int = 0  # verify steps summed over the sequences, with drafts or without
     k_chosen: list = dataclasses.field(default_factory=list)  # the K of each batched step
@@ -129,13 +136,14 @@ class Stats:
 
     def __post_init__(self):
         if self.num_accepted_tokens_per_pos is not None:
-            for name in ("num_drafts_per_pos", "num_tried_per_pos"):
-                if getattr(self, name) is None:
-                    setattr(self, name, np.zeros_like(self.num_accepted_tokens_per_pos))
+            width = len(self.num_accepted_tokens_per_pos)
+            for name in ("num_accepted_tokens_per_pos", "num_drafts_per_pos", "num_tried_per_pos"):
+                counts = getattr(self, name)
+                setattr(self, name, [0] * width if counts is None else [int(c) for c in counts])
 
     @property
     def num_accepted_tokens(self) -> int:
-        return int(self.num_accepted_tokens_per_pos.sum())
+        return sum(self.num_accepted_tokens_per_pos)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -160,10 +168,11 @@ class Stats:
 
     def __add__(self, other: Stats) -> Stats:
         """The figures of two decodes with the same nextn taken together."""
+        add = lambda a, b: [x + y for x, y in zip(a, b)]  # noqa: E731
         return Stats(self.steps + other.steps, self.num_drafts + other.num_drafts,
-                     self.num_accepted_tokens_per_pos + other.num_accepted_tokens_per_pos,
-                     self.num_drafts_per_pos + other.num_drafts_per_pos,
-                     self.num_tried_per_pos + other.num_tried_per_pos, self.draft_tokens + other.draft_tokens,
+                     add(self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
+                     add(self.num_drafts_per_pos, other.num_drafts_per_pos),
+                     add(self.num_tried_per_pos, other.num_tried_per_pos), self.draft_tokens + other.draft_tokens,
                      self.seq_steps + other.seq_steps, self.k_chosen + other.k_chosen)
 
 
@@ -333,23 +342,26 @@ def verify(backend: Backend, st: State, seqs, opts: DecodeOptions, k: int | None
 
 
 def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOptions, rows: int,
-               k: int | None = None) -> None:
+               k: int | None = None, active: list[Sequence] | None = None) -> None:
     """Greedy: verify, accept and draft in one backend call: the export's `step_K` graph, or with
     opts.tree_graph its tree graph (verify the tree, accept its longest path, commit it, draft the next tree:
     exporters/tree.py, exporters/tree_vanilla.py).  Vanilla passes and keeps the carried hidden states of
     depths 1..K-1 (st.carry[:, 1:]); every MTP cache k then holds rows < past_len + 1 - k, as after the
-    separate graphs."""
+    separate graphs.  `active`: the sequences in slots 0..n-1 where the caller has them.
+    (A step's Python runs after the graph's run has taken the caches: a NumPy ufunc costs ~10 microseconds then,
+    so the work here is whole-array copies and Python lists.)"""
     n, k, tree = st.n, opts.nextn if k is None else k, opts.tree_graph
-    ids = st.last[:n, None]
-    if k:  # [last, the drafts or the tree]
-        drafts = st.tree_tokens[:n] if tree else st.drafts[:n, :k]
-        ids = np.empty((n, 1 + drafts.shape[1]), np.int32)
-        ids[:, 0], ids[:, 1:] = st.last[:n], drafts
+    active = _active(st, seqs) if active is None else active
+    if tree:  # [last, the tree]
+        ids = np.empty((n, 1 + st.tree_tokens.shape[1]), np.int32)
+        ids[:, 0], ids[:, 1:] = st.last[:n], st.tree_tokens[:n]
+    else:
+        ids = st.ids[:n, :k + 1]
     carry = st.carry[:n, 1:] if st.carry is not None and k > 1 else None
     rest = (st.past_len[:n], st.thinking[:n], opts.relaxed_topk, opts.relaxed_delta, carry)
     out = backend.tree_step(tree, n, ids, st.tree_parents[:n], *rest) if tree else backend.step(n, ids, *rest)
     st.thinking[:n] = out[C.THINKING_OUT]
-    accept(st, seqs, out[C.ACCEPTED_TOKENS], out[C.NUM_ACCEPTED], stats, opts, rows, k)
+    accept(st, seqs, out[C.ACCEPTED_TOKENS], out[C.NUM_ACCEPTED], stats, opts, rows, k, active=active)
     if not k:
         return
     if tree:
@@ -359,42 +371,48 @@ def fused_step(backend: Backend, st: State, seqs, stats: Stats, opts: DecodeOpti
         st.drafts[:n, :k] = out[C.DRAFTS]
         drafts = out[C.DRAFTS].tolist()
     # both graphs commit module k's rows below past_len + 1 - k (an unfused step drafts on from there): module
-    # j + 1's past_len - j (lists: see accept)
+    # j + 1's past_len - j (lists, not a NumPy ufunc: see the docstring)
     past = st.past_len[:n].tolist()
     st.mtp_past_len[:n] = [[p - j for j in range(st.mtp_past_len.shape[1])] for p in past]
     if C.CARRY_OUT in out:
         st.carry[:n, 1:] = out[C.CARRY_OUT]
-    for s, p, d in zip(_active(st, seqs), past, drafts):
+    for s, p, d in zip(active, past, drafts):
         if s.finish_reason is None:  # a tree step logs its tokens, then its parents
             s.draft_log.append((p - 1, d))
 
 
 def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, opts: DecodeOptions,
-           rows: int, k: int | None = None, caps: list[int] | None = None) -> list[int]:
+           rows: int, k: int | None = None, caps: list[int] | None = None,
+           active: list[Sequence] | None = None) -> list[int]:
     """Append the accepted tokens, advance (and so rewind) the lengths, apply the stop conditions, count the
     step's drafts (k: the drafts verified, default opts.nextn; a tree's depth; caps: each sequence's, when fewer).
-    Returns the start rows of this step (the old past_len) for the MTP depth-1 update."""
+    `active`: the sequences in slots 0..n-1 where the caller has them.  Returns the start rows of this step (the
+    old past_len) for the MTP depth-1 update."""
     n, k = st.n, opts.nextn if k is None else k
-    # (Python lists: a decode step's per-sequence work is a few scalars, where NumPy's per-element access costs most,
-    # and a NumPy call rarely made in a step costs most of all: its code is out of the caches after the graph's run)
+    # (One loop over the sequences, on Python lists: after the graph's run the step's code is out of the caches, and
+    # every NumPy ufunc, comprehension or generator costs microseconds to bring back)
     accepted, nums, start = tokens.tolist(), num.tolist(), st.past_len[:n].tolist()
-    after = [p + m + 1 for p, m in zip(start, nums)]
-    st.past_len[:n] = after
-    st.last[:n] = [row[m] for row, m in zip(accepted, nums)]
+    after, last, width = [], [], len(stats.num_accepted_tokens_per_pos)
     stats.steps += 1
     stats.seq_steps += n
     stats.k_chosen.append(k)
     stats.last_accepted = nums
-    caps = [k] * n if caps is None else caps
-    stats.num_drafts += sum(1 for c in caps if c)
-    stats.draft_tokens += sum(caps)
-    _count_prefixes(stats.num_drafts_per_pos, caps)
-    _count_prefixes(stats.num_tried_per_pos, [min(m + 1, c) for m, c in zip(nums, caps)])
-    _count_prefixes(stats.num_accepted_tokens_per_pos, nums)
-    for s, row, m, past, c in zip(_active(st, seqs), accepted, nums, after, caps):
+    for i, s in enumerate(_active(st, seqs) if active is None else active):
+        row, m, c = accepted[i], nums[i], k if caps is None else caps[i]
+        past = start[i] + m + 1
+        after.append(past)
+        last.append(row[m])
         s.steps += 1
-        if c:
-            _count_drafts(s, c, m, len(stats.num_accepted_tokens_per_pos))
+        if c:  # the drafts at positions 0..c-1, those tried (all before them accepted), the accepted ones
+            stats.num_drafts += 1
+            stats.draft_tokens += c
+            for j in range(c):
+                stats.num_drafts_per_pos[j] += 1
+                if j <= m:
+                    stats.num_tried_per_pos[j] += 1
+                if j < m:
+                    stats.num_accepted_tokens_per_pos[j] += 1
+            _count_drafts(s, c, m, width)
         room = s.max_new_tokens - s.num_generated
         for t in row[:min(m + 1, room)]:
             s.tokens.append(t)
@@ -405,17 +423,9 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
             s.finish_reason = "length"
         if s.finish_reason is None and past + 2 > rows:  # as plain decoding: the next token would not fit
             s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
+    st.past_len[:n] = after
+    st.last[:n] = last
     return start
-
-
-def _count_prefixes(counts: np.ndarray, lengths: list[int]) -> None:
-    """counts[:m] += 1 for each m of `lengths`, in Python (see accept: no NumPy ufunc in a step)."""
-    if any(lengths):
-        total = counts.tolist()
-        for m in lengths:
-            for j in range(m):
-                total[j] += 1
-        counts[:] = total
 
 
 def _count_drafts(s: Sequence, k: int, m: int, width: int) -> None:
@@ -500,6 +510,7 @@ class Batch:
     explored: int = 0  # auto_k: the K those steps ran last
     explored_turn: int = 0  # auto_k: explorations so far (below and above the current K in turn)
     chosen_for: tuple | None = None  # auto_k: what `held` was chosen from (the slots' sequences, drafts verified)
+    chain_limits: tuple[int, int] | None = None  # chain_limit: (the limit, the least past_len)
 
     @property
     def capacity(self) -> int:
@@ -527,7 +538,7 @@ def open_batch(backend: Backend, opts: DecodeOptions, capacity: int, rows: int, 
                drafts=zeros(k), q_dist=None, mtp_past_len=zeros(depths), carry=None)
     if opts.tree_graph:
         st.tree_tokens, st.tree_parents = zeros(opts.tree.budget), zeros(opts.tree.budget)
-    stats = Stats(num_accepted_tokens_per_pos=np.zeros(k, np.int64))
+    stats = Stats(num_accepted_tokens_per_pos=[0] * k)
     st.avail = np.full(capacity, k, np.int64)
     return Batch(st, {}, stats, opts, rows, k=k)
 
@@ -681,7 +692,7 @@ def chain_prior(stats: Stats, weight: float = PRIOR_WEIGHT) -> np.ndarray:
     never tried takes the previous one's rate, and a few rejections lower a position's rate without zeroing it."""
     rates = np.empty(len(stats.num_tried_per_pos))
     last = PRIOR
-    for j, (a, t) in enumerate(zip(stats.num_accepted_tokens_per_pos.tolist(), stats.num_tried_per_pos.tolist())):
+    for j, (a, t) in enumerate(zip(stats.num_accepted_tokens_per_pos, stats.num_tried_per_pos)):
         last = rates[j] = (a + weight * last) / (t + weight)
     return rates
 
@@ -700,13 +711,25 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     down to none, so that sequences end where plain decoding does with its tokens; it runs unfused where the step
     graph's rows would not fit (fits_step), and still drafts (within the cache: drafts_room)."""
     st, seqs, opts = batch.st, batch.seqs, batch.opts
-    retire(backend, st, seqs)
+    active = _active(st, seqs)
+    if any(s.finish_reason is not None for s in active):
+        retire(backend, st, seqs)
+        active = _active(st, seqs)
     if not st.n:
         return
-    greedy = not _samples(_active(st, seqs))
+    greedy = not _samples(active)
+    past = st.past_len[:st.n].tolist()
+    top = max(past)  # the longest sequence's cache rows
+    if greedy and top <= chain_limit(backend, batch) and min(past) >= batch.chain_limits[1]:  # the plain fused step
+        fused_step(backend, st, seqs, batch.stats, opts, batch.rows, opts.nextn, active)
+        st.avail[:st.n], batch.k = opts.nextn, opts.nextn
+        if on_accept:
+            on_accept()
+        if any(s.finish_reason is not None for s in active):
+            retire(backend, st, seqs)
+        return
     k = k_next = opts.nextn
     caps = None
-    top = max(st.past_len[:st.n].tolist())  # the longest sequence's cache rows
     fit = fitting_drafts(top, batch.rows, opts.nextn)
     if opts.adaptive:
         k_next = max(0, min(opts.nextn, int((batch.policy or auto_k)(batch))))
@@ -719,17 +742,18 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
         k = max(caps)
         caps = None if min(caps) == k else caps
     # vanilla's step and tree graphs need every depth's window to start at row >= 0 (past_len >= K - 1)
-    early = backend.manifest.mtp_mode == "vanilla" and st.past_len[:st.n].min() < opts.nextn - 1
+    early = backend.manifest.mtp_mode == "vanilla" and min(past) < opts.nextn - 1
     if (greedy and not early and k == k_next and caps is None and (opts.tree_graph or backend.has_step(k))
             and fits_step(backend, top, batch.rows, k, opts.tree_graph and opts.tree)):
         n, t0 = st.n, time.perf_counter()
-        fused_step(backend, st, seqs, batch.stats, opts, batch.rows, k)
+        fused_step(backend, st, seqs, batch.stats, opts, batch.rows, k, active)
         if opts.adaptive:
             observe_cost(batch.cost, k, n, time.perf_counter() - t0)
         st.avail[:n], batch.k = k, k
         if on_accept:
             on_accept()
-        retire(backend, st, seqs)
+        if any(s.finish_reason is not None for s in active):
+            retire(backend, st, seqs)
         return
     tokens, num, hidden = verify(backend, st, seqs, opts, k, caps)
     start = np.array(accept(st, seqs, tokens, num, batch.stats, opts, batch.rows, k, caps))
@@ -743,6 +767,20 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
         draft(backend, st, seqs, hidden[:st.n], start[:st.n], opts, k_next)
         if opts.tree_graph:  # the chain's drafts are the next tree step's tree
             st.tree_tokens[:st.n], st.tree_parents[:st.n] = chain_tree(st.drafts[:st.n], opts.tree.budget)
+
+
+def chain_limit(backend: Backend, batch: Batch) -> int:
+    """The longest sequence's past_len up to which a greedy step is the export's step_K graph with K = nextn (no
+    adaptive speculation, no tree; fitting_drafts and fits_step allow K), -1 where that step never runs: what
+    `step` decides for such a batch, worked out once (batch.chain_limits: the limit, and the shortest sequence's least
+    past_len, vanilla's K - 1)."""
+    if batch.chain_limits is None:
+        opts, k, rows = batch.opts, batch.opts.nextn, batch.rows
+        eagle = backend.manifest.mtp_mode == "eagle"
+        plain = not opts.adaptive and not opts.tree_graph and backend.has_step(k)
+        limit = min(rows - 2 - k, rows - 2 * k if eagle else rows) if plain else -1
+        batch.chain_limits = (limit, 0 if eagle else k - 1)
+    return batch.chain_limits[0]
 
 
 def fitting_drafts(past_len: int, rows: int, nextn: int) -> int:

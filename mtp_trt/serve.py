@@ -265,11 +265,11 @@ class Engine:
             r.stopped_at = next((n for n in range(before + 1, r.decoded)
                                  if cut_at_stop(self.runner.decode(r.seq.generated[:n]), r.stop)[1]), r.decoded)
 
-    def _count_drafts(self, drafts: int, draft_tokens: int, accepted_per_pos: np.ndarray) -> None:
+    def _count_drafts(self, drafts: int, draft_tokens: int, accepted_per_pos: list[int]) -> None:
         s, f = self.batch.stats, self.figures
         f.num_drafts += s.num_drafts - drafts
         f.num_draft_tokens += s.num_draft_tokens - draft_tokens
-        f.num_accepted_tokens_per_pos += s.num_accepted_tokens_per_pos - accepted_per_pos
+        f.num_accepted_tokens_per_pos += np.subtract(s.num_accepted_tokens_per_pos, accepted_per_pos)
 
     def _events(self) -> None:
         """Send each request its new text; end the finished ones and let them go."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtp_trt import contract as C
-from mtp_trt.backend import OrtBackend
+from mtp_trt.backend import OrtBackend, commit, slot_rows
 from mtp_trt.decode import DecodeOptions, Sequence, generate, sequence_rng
 from mtp_trt.exporters.generate import greedy_generate
 from mtp_trt.exporters.loader import load_checkpoint
@@ -158,6 +158,27 @@ def test_a_decode_of_the_same_shape_reuses_the_caches_and_bound_calls(setup):
     assert be.store is store and not store.any() and be.written == [0] * store.shape[1]
     be.allocate(store.shape[1], store.shape[2] - 1)
     assert be.store is not store and not be.bound
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_commit_writes_each_slots_rows_inside_the_buffer(stacked):
+    """commit: slot b's S new rows land at rows past_len[b] .. + S - 1 of its cache, those outside the buffer (a
+    window starting before row 0 or running past the end) dropped, against a row-by-row reference; `written`
+    holds each slot's highest row written, as swap_slots and allocate read it."""
+    rng = np.random.default_rng(0)
+    t, c = 8, 4
+    for s in (1, 2, 3):
+        for past in ([-4, 0], [-1, 3], [5, 6], [7, 8], [0, 10]):
+            shape = (2, 3, t, c) if stacked else (2, t, c)
+            cache, new = np.zeros(shape), rng.normal(size=shape[:-2] + (s, c))
+            want, written = cache.copy(), [0, 0]
+            for b, p in enumerate(past):
+                for r in range(s):
+                    if 0 <= p + r < t:
+                        want[b, ..., p + r, :] = new[b, ..., r, :]
+            commit(slot_rows([cache], [new]), past, written)
+            np.testing.assert_array_equal(cache, want)
+            assert written == [min(p + s, t) if max(p, 0) < min(p + s, t) else 0 for p in past]
 
 
 def _reference_drafts(model, tokens, q, mode):
