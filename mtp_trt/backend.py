@@ -100,6 +100,12 @@ class Backend(ABC):
         a `step_{nextn}` graph)."""
         return self.has_graph(C.step_graph(nextn))
 
+    def bound_step(self, graph: str, n: int) -> BoundCall | None:
+        """Step graph `graph`'s call on slots 0..n-1 as the backend keeps it bound once a step has run (ONNX
+        Runtime: BoundCall, whose `inputs` a decode loop may write in place before its `run`); None where there is
+        none (yet), or the backend binds no call."""
+        return None
+
     def step(self, n: int, input_ids: np.ndarray, past_len: np.ndarray, thinking: np.ndarray, relaxed_topk: int,
              relaxed_delta: float, carry: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Verify, accept and draft the next K tokens in one call (the `step_K` graph, K = input_ids' width - 1),
@@ -251,19 +257,24 @@ class BoundCall:
                         else functools.partial(session.run_with_iobinding, self.binding))
         self.slots = [(offset, slot_rows(caches, rows)) for offset, caches, rows in self.commits]
 
-    def replay(self, feed: dict[str, np.ndarray], written: list[int]) -> dict[str, np.ndarray]:
-        """Run again: `feed`'s arrays copied into the bound inputs, the new rows committed at past_len (`written`:
-        the backend's per-slot high-water marks)."""
+        self.backend = backend  # (its `written`, which allocate replaces)
+
+    def replay(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run again: `feed`'s arrays copied into the bound inputs, then `run`."""
         fed, inputs = self.fed, self.inputs
         for k, v in feed.items():
             if (v is not fed.get(k) or v.flags.writeable) and (bound := inputs.get(k)) is not None:
                 bound[...] = v
                 fed[k] = v
-        self.execute()
-        past = feed[C.PAST_LEN].tolist()
-        for offset, slots in self.slots:
-            commit(slots, [p + offset for p in past] if offset else past, written)
+        self.run(feed[C.PAST_LEN].tolist())
         return self.result
+
+    def run(self, past_len: list[int]) -> None:
+        """Run on the bound inputs as they are (`inputs`: the caller may write them in place) and commit the new rows
+        at `past_len` (the past_len input's values, as a list) into the caches."""
+        self.execute()
+        for offset, slots in self.slots:
+            commit(slots, [p + offset for p in past_len] if offset else past_len, self.backend.written)
 
 
 def slot_rows(caches: list[np.ndarray], new_rows: list[np.ndarray]) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -460,6 +471,10 @@ class OrtBackend(Backend):
     def has_graph(self, graph):
         return graph in self.manifest.graphs
 
+    def bound_step(self, graph, n):
+        fetch = self.__dict__.get("_step_fetch", {}).get(graph)
+        return None if fetch is None else self.bound.get((graph, mtp_family(0), n, tuple(fetch)))
+
     def _plan(self, graph: str, family: str):
         """How to feed and commit graph `graph` over MTP cache `family`, worked out on first use: its input names
         and, per window offset from past_len, its caches as (input name, cache family, index, new-rows output):
@@ -485,7 +500,7 @@ class OrtBackend(Backend):
 
     def run(self, graph, n, feed, fetch, family=mtp_family(0), replay=False):
         if replay and (call := self.bound.get((graph, family, n, tuple(fetch)))) is not None:
-            return call.replay(feed, self.written)  # a step: nothing else looked up
+            return call.replay(feed)  # a step: nothing else looked up
         inputs, kv_outputs, groups = self._plan(graph, family)
         views = self._cache_views(graph, family, n, groups)
         feed = {k: v for k, v in feed.items() if k in inputs}

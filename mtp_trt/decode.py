@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mtp_trt import contract as C
-from mtp_trt.backend import Backend
+from mtp_trt.backend import Backend, relaxed_inputs
 from mtp_trt.sampling import SamplingParams, probabilities, sample, speculative_accept
 from mtp_trt.speculation import (PRIOR, PRIOR_WEIGHT, Acceptance, CostModel, acceptance_rates, choose_k, could_pay,
                                   observe_acceptance, observe_cost, remembered)
@@ -403,16 +403,8 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
         after.append(past)
         last.append(row[m])
         s.steps += 1
-        if c:  # the drafts at positions 0..c-1, those tried (all before them accepted), the accepted ones
-            stats.num_drafts += 1
-            stats.draft_tokens += c
-            for j in range(c):
-                stats.num_drafts_per_pos[j] += 1
-                if j <= m:
-                    stats.num_tried_per_pos[j] += 1
-                if j < m:
-                    stats.num_accepted_tokens_per_pos[j] += 1
-            _count_drafts(s, c, m, width)
+        if c:
+            _count_drafts(stats, s, c, m, width)
         room = s.max_new_tokens - s.num_generated
         for t in row[:min(m + 1, room)]:
             s.tokens.append(t)
@@ -428,8 +420,18 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
     return start
 
 
-def _count_drafts(s: Sequence, k: int, m: int, width: int) -> None:
-    """A sequence's figures after a verify step with k drafts, m accepted (width: the most drafts a step has)."""
+def _count_drafts(stats: Stats, s: Sequence, k: int, m: int, width: int) -> None:
+    """The decode's and sequence s's figures after a verify step of s with k > 0 drafts, m accepted (width: the
+    most drafts a step has): the drafts at positions 0..k-1, those tried (all before them accepted), the accepted
+    ones."""
+    stats.num_drafts += 1
+    stats.draft_tokens += k
+    for j in range(k):
+        stats.num_drafts_per_pos[j] += 1
+        if j <= m:
+            stats.num_tried_per_pos[j] += 1
+        if j < m:
+            stats.num_accepted_tokens_per_pos[j] += 1
     if len(s.accepted_per_pos) < width:
         s.accepted_per_pos += [0] * (width - len(s.accepted_per_pos))
         s.drafts_per_pos += [0] * (width - len(s.drafts_per_pos))
@@ -769,6 +771,93 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
             st.tree_tokens[:st.n], st.tree_parents[:st.n] = chain_tree(st.drafts[:st.n], opts.tree.budget)
 
 
+def chain_steps(backend: Backend, batch: Batch, on_accept=None) -> bool:
+    """`step`'s plain fused steps (greedy sequences, no adaptive speculation, no tree: the step_K graph with K =
+    nextn) back to back on the backend's bound call (Backend.bound_step), until a sequence finishes or the cache's end
+    nears: each step writes the next one's inputs into the call's own arrays and keeps the lengths, tokens and
+    figures in Python lists, the State and the figures brought up to date when the steps end.  The same tokens,
+    drafts and figures as that many `step` calls, without their per-step bookkeeping, which after each graph run
+    costs more than the work itself (the step's code is out of the caches by then).  `on_accept()` runs after each
+    step's tokens, as in `step`.  Returns False, having run nothing, where `step` must run the next step (no bound
+    call yet, a sequence that samples or has finished, another kind of step)."""
+    st, seqs, opts, k, n = batch.st, batch.seqs, batch.opts, batch.opts.nextn, batch.st.n
+    call = backend.bound_step(C.step_graph(k), n) if n else None
+    if call is None:
+        return False
+    active, past = _active(st, seqs), st.past_len[:n].tolist()
+    if (_samples(active) or any(s.finish_reason is not None for s in active) or max(past) > chain_limit(backend, batch)
+            or min(past) < batch.chain_limits[1]):
+        return False
+    ids, out = call.inputs[C.INPUT_IDS], call.result
+    topk, delta = relaxed_inputs(opts.relaxed_topk, opts.relaxed_delta)
+    feed = {C.INPUT_IDS: st.ids[:n, :k + 1], C.PAST_LEN: st.past_len[:n], C.THINKING: st.thinking[:n],
+            C.RELAXED_TOPK: topk, C.RELAXED_DELTA: delta}
+    carry = C.CARRY in call.inputs
+    if carry:
+        feed[C.CARRY] = st.carry[:n, 1:]
+    for name, value in feed.items():
+        if name in call.inputs:  # (a graph without drafts has no relaxed acceptance's inputs)
+            call.inputs[name][...] = value
+            call.fed[name] = value
+    limit, rows, eos = chain_limit(backend, batch), batch.rows, opts.eos_ids
+    ends = [len(s.prompt) + s.max_new_tokens for s in active]  # each sequence's length at max_new_tokens
+    taken = []  # each step's accepted drafts per sequence
+    while True:
+        call.run(past)
+        accepted, nums, last, done = out[C.ACCEPTED_TOKENS].tolist(), out[C.NUM_ACCEPTED].tolist(), [], False
+        for i, s in enumerate(active):  # accept's tokens, lengths and stop conditions
+            row, m, tokens = accepted[i], nums[i], s.tokens
+            past[i] += m + 1
+            last.append(row[m])
+            for t in row[:min(m + 1, ends[i] - len(tokens))]:
+                tokens.append(t)
+                if t in eos:
+                    s.finish_reason = "stop"
+                    break
+            if s.finish_reason is None and len(tokens) >= ends[i]:
+                s.finish_reason = "length"
+            if s.finish_reason is None and past[i] + 2 > rows:
+                s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
+        taken.append(nums)
+        if k:
+            for s, p, d in zip(active, past, out[C.DRAFTS].tolist()):
+                if s.finish_reason is None:
+                    s.draft_log.append((p - 1, d))
+        if on_accept:
+            on_accept()
+        for s in active:
+            done = done or s.finish_reason is not None
+        if done or max(past) > limit:
+            break
+        ids[:, 0] = last  # the next step's inputs
+        if k:
+            ids[:, 1:] = out[C.DRAFTS]
+        call.inputs[C.PAST_LEN][...] = past
+        call.inputs[C.THINKING][...] = out[C.THINKING_OUT]
+        if carry:
+            call.inputs[C.CARRY][...] = out[C.CARRY_OUT]
+    st.past_len[:n], st.last[:n], st.thinking[:n] = past, last, out[C.THINKING_OUT]
+    if k:
+        st.drafts[:n, :k] = out[C.DRAFTS]
+        st.mtp_past_len[:n] = [[p - j for j in range(st.mtp_past_len.shape[1])] for p in past]
+    if carry:
+        st.carry[:n, 1:] = out[C.CARRY_OUT]
+    st.avail[:n], batch.k = k, k
+    stats, width = batch.stats, len(batch.stats.num_accepted_tokens_per_pos)
+    stats.steps += len(taken)
+    stats.seq_steps += n * len(taken)
+    stats.k_chosen += [k] * len(taken)
+    stats.last_accepted = taken[-1]
+    for nums in taken:
+        for s, m in zip(active, nums):
+            s.steps += 1
+            if k:
+                _count_drafts(stats, s, k, m, width)
+    if done:
+        retire(backend, st, seqs)
+    return True
+
+
 def chain_limit(backend: Backend, batch: Batch) -> int:
     """The longest sequence's past_len up to which a greedy step is the export's step_K graph with K = nextn (no
     adaptive speculation, no tree; fitting_drafts and fits_step allow K), -1 where that step never runs: what
@@ -899,5 +988,7 @@ def generate(backend: Backend, prompts: list[list[int]], opts: DecodeOptions, se
     if on_step:
         on_step(seqs)
     while batch.st.n:
-        step(backend, batch, (lambda: on_step(seqs)) if on_step else None)
+        on_accept = (lambda: on_step(seqs)) if on_step else None
+        if not chain_steps(backend, batch, on_accept):
+            step(backend, batch, on_accept)
     return seqs, batch.stats

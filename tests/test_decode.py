@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from mtp_trt import contract as C
+from mtp_trt import decode
 from mtp_trt.backend import OrtBackend, commit, slot_rows
-from mtp_trt.decode import DecodeOptions, Sequence, generate, sequence_rng
+from mtp_trt.decode import DecodeOptions, Sequence, generate, sequence_rng, step
 from mtp_trt.exporters.generate import greedy_generate
 from mtp_trt.exporters.loader import load_checkpoint
 from mtp_trt.manifest import Manifest
@@ -77,6 +78,9 @@ class RandomDrafts:
         out["drafts"] = self.rng.integers(0, 90, out["drafts"].shape).astype(np.int32)
         return out
 
+    def bound_step(self, graph, n):  # every step through `step` above (decode.chain_steps runs none)
+        return None
+
 
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_wrong_drafter_still_gives_greedy_output(setup, mode):
@@ -138,6 +142,30 @@ def test_bound_step_calls_equal_unbound_ones(setup, mode):
             assert [s.generated for s in bound] == [s.generated for s in plain]
             assert [s.draft_log for s in bound] == [s.draft_log for s in plain]
     assert be.bound and not unbound.bound
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+@pytest.mark.parametrize("nextn", [0, K])
+def test_chained_steps_equal_one_step_at_a_time(setup, mode, nextn, monkeypatch):
+    """decode.chain_steps (a greedy decode's fused steps back to back on the bound call) gives what `step` gives one
+    step at a time: the tokens, the drafts, the finish reasons and every speculative figure, sequences finishing at
+    different steps; and it runs most of the steps."""
+    _, backends, reference = setup
+    opts = DecodeOptions(nextn=nextn, max_new_tokens=NEW, eos_ids=(EOS,))
+    chained, stats = generate(backends[mode], PROMPTS, opts)
+    calls = []
+    monkeypatch.setattr(decode, "chain_steps", lambda *a: calls.append(a) and False)
+    stepped, one_by_one = generate(backends[mode], PROMPTS, opts)
+    assert len(calls) >= one_by_one.steps
+    assert [s.generated for s in chained] == [s.generated for s in stepped] == reference
+    assert ([(s.draft_log, s.finish_reason, s.steps, s.spec_usage(nextn)) for s in chained]
+            == [(s.draft_log, s.finish_reason, s.steps, s.spec_usage(nextn)) for s in stepped])
+    assert dataclasses.asdict(stats) == dataclasses.asdict(one_by_one)
+    monkeypatch.undo()
+    steps = []
+    monkeypatch.setattr(decode, "step", lambda *a: steps.append(a) or step(*a))
+    generate(backends[mode], PROMPTS, opts)
+    assert len(steps) < stats.steps / 2, "chain_steps should run most steps"
 
 
 def test_a_decode_of_the_same_shape_reuses_the_caches_and_bound_calls(setup):
