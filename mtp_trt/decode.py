@@ -405,19 +405,25 @@ def accept(st: State, seqs, tokens: np.ndarray, num: np.ndarray, stats: Stats, o
         s.steps += 1
         if c:
             _count_drafts(stats, s, c, m, width)
-        room = s.max_new_tokens - s.num_generated
-        for t in row[:min(m + 1, room)]:
-            s.tokens.append(t)
-            if t in opts.eos_ids:
-                s.finish_reason = "stop"
-                break
-        if s.finish_reason is None and s.num_generated >= s.max_new_tokens:
-            s.finish_reason = "length"
-        if s.finish_reason is None and past + 2 > rows:  # as plain decoding: the next token would not fit
-            s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
+        _take(s, row, m, past, rows, opts.eos_ids)
     st.past_len[:n] = after
     st.last[:n] = last
     return start
+
+
+def _take(s: Sequence, row: list[int], m: int, past_len: int, rows: int, eos_ids: tuple[int, ...]) -> None:
+    """Append sequence s's accepted tokens row[:m + 1] (as many as max_new_tokens leaves room for) and apply the stop
+    conditions: an EOS token, max_new_tokens, the cache's `rows` (past_len: the sequence's after this step)."""
+    room = s.max_new_tokens - s.num_generated
+    for t in row[:min(m + 1, room)]:
+        s.tokens.append(t)
+        if t in eos_ids:
+            s.finish_reason = "stop"
+            break
+    if s.finish_reason is None and s.num_generated >= s.max_new_tokens:
+        s.finish_reason = "length"
+    if s.finish_reason is None and past_len + 2 > rows:  # as plain decoding: the next token would not fit
+        s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
 
 
 def _count_drafts(stats: Stats, s: Sequence, k: int, m: int, width: int) -> None:
@@ -800,24 +806,15 @@ def chain_steps(backend: Backend, batch: Batch, on_accept=None) -> bool:
             call.inputs[name][...] = value
             call.fed[name] = value
     limit, rows, eos = chain_limit(backend, batch), batch.rows, opts.eos_ids
-    ends = [len(s.prompt) + s.max_new_tokens for s in active]  # each sequence's length at max_new_tokens
     taken = []  # each step's accepted drafts per sequence
     while True:
         call.run(past)
-        accepted, nums, last, done = out[C.ACCEPTED_TOKENS].tolist(), out[C.NUM_ACCEPTED].tolist(), [], False
-        for i, s in enumerate(active):  # accept's tokens, lengths and stop conditions
-            row, m, tokens = accepted[i], nums[i], s.tokens
+        accepted, nums, last = out[C.ACCEPTED_TOKENS].tolist(), out[C.NUM_ACCEPTED].tolist(), []
+        for i, s in enumerate(active):  # accept's lengths, tokens and stop conditions
+            row, m = accepted[i], nums[i]
             past[i] += m + 1
             last.append(row[m])
-            for t in row[:min(m + 1, ends[i] - len(tokens))]:
-                tokens.append(t)
-                if t in eos:
-                    s.finish_reason = "stop"
-                    break
-            if s.finish_reason is None and len(tokens) >= ends[i]:
-                s.finish_reason = "length"
-            if s.finish_reason is None and past[i] + 2 > rows:
-                s.finish_reason, s.message = "length", f"KV cache full ({rows} rows per sequence)"
+            _take(s, row, m, past[i], rows, eos)
         taken.append(nums)
         if k:
             for s, p, d in zip(active, past, out[C.DRAFTS].tolist()):
@@ -825,8 +822,7 @@ def chain_steps(backend: Backend, batch: Batch, on_accept=None) -> bool:
                     s.draft_log.append((p - 1, d))
         if on_accept:
             on_accept()
-        for s in active:
-            done = done or s.finish_reason is not None
+        done = any(s.finish_reason is not None for s in active)
         if done or max(past) > limit:
             break
         ids[:, 0] = last  # the next step's inputs

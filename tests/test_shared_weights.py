@@ -88,3 +88,19 @@ def test_shared_weights_decode_the_same_tokens(tmp_path, mode):
         variants = [dict(share_weights=True), dict(share_weights=True, prepack=()), dict(share_weights=False)]
         runs = [generate(backend.OrtBackend(manifest, **v), prompts, opts)[0] for v in variants]
         assert [q.generated for q in runs[0]] == [q.generated for q in runs[1]] == [q.generated for q in runs[2]]
+
+
+def test_weights_are_read_into_memory_up_to_a_share_of_it(tmp_path, monkeypatch):
+    """read_weights: the file's bytes, read-only; in memory of the process's own up to 1 / IN_MEMORY_SHARE of the
+    machine's memory, memory-mapped above it (a model larger than memory streams from the page cache)."""
+    import numpy as np
+
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    monkeypatch.setattr(backend, "machine_memory", lambda: 4 * data.size)
+    read = backend.read_weights(path)
+    assert type(read) is np.ndarray and not read.flags.writeable and np.array_equal(read, data)
+    monkeypatch.setattr(backend, "machine_memory", lambda: 4 * data.size - 1)
+    mapped = backend.read_weights(path)
+    assert isinstance(mapped, np.memmap) and np.array_equal(mapped, data)
