@@ -22,7 +22,11 @@ PROMPT = list(range(3, 60))
 
 
 class Timed:
-    """An InferenceSession whose run() and run_with_iobinding() add up their wall time."""
+    """An InferenceSession whose run() and run_with_iobinding() add up their wall time and, in `gaps` (shared by
+    every Timed), the wall time from the end of the last graph call (of any session) to the start of this one."""
+
+    gaps: list[float] = []
+    last_end: list[float | None] = [None]
 
     def __init__(self, session):
         self.session, self.seconds = session, 0.0
@@ -30,16 +34,26 @@ class Timed:
     def io_binding(self):
         return self.session.io_binding()
 
-    def run(self, *args, **kwargs):
+    def _start(self) -> float:
         t0 = time.perf_counter()
+        if self.last_end[0] is not None:
+            self.gaps.append(t0 - self.last_end[0])
+        return t0
+
+    def _end(self, t0: float) -> None:
+        self.last_end[0] = time.perf_counter()
+        self.seconds += self.last_end[0] - t0
+
+    def run(self, *args, **kwargs):
+        t0 = self._start()
         out = self.session.run(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        self._end(t0)
         return out
 
     def run_with_iobinding(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = self._start()
         self.session.run_with_iobinding(*args, **kwargs)
-        self.seconds += time.perf_counter() - t0
+        self._end(t0)
 
 
 class Recorded:
@@ -94,36 +108,27 @@ def main():
     print(f"Python around the graph calls (stand-in sessions, CPU time, best of 7 decodes): {min(per_step) * 1e6:.1f} "
           f"us per step")
 
-    # 1. wall time of whole decodes, the share spent outside ONNX Runtime, Python in the decode itself (each step's
-    #    wall time less its graph calls: more than the stand-ins' figure, as a graph call streams the weights through
-    #    the CPU's caches and the Python after it runs with its code and data out of them), and Python's profile
-    import mtp_trt.decode as decode
-
+    # 1. wall time of whole decodes, the share spent outside ONNX Runtime, Python in the decode itself (from the end
+    #    of one graph call to the start of the next: more than the stand-ins' figure, as a graph call streams the
+    #    weights through the CPU's caches and the Python after it runs with its code and data out of them), and
+    #    Python's profile
     timed = {name: Timed(s) for name, s in backend.sessions.items()}
     backend.sessions.update(timed)
     backend.bound.clear()
     graph_seconds = lambda: sum(s.seconds for s in timed.values())  # noqa: E731
-    step_python, real_step = [], decode.step
-
-    def timed_step(*args, **kwargs):
-        before, t0 = graph_seconds(), time.perf_counter()
-        real_step(*args, **kwargs)
-        step_python.append(time.perf_counter() - t0 - (graph_seconds() - before))
-
-    walls, outside = [], []
-    decode.step = timed_step
-    try:
-        for _ in range(5):
-            for s in timed.values():
-                s.seconds = 0.0
-            t0 = time.perf_counter()
-            seqs, stats = generate(backend, [PROMPT], opts)
-            walls.append(time.perf_counter() - t0)
-            outside.append(walls[-1] - graph_seconds())
-    finally:
-        decode.step = real_step
-    print(f"Python around the graph calls in the decode (wall time, median of {len(step_python)} steps): "
-          f"{np.median(step_python) * 1e6:.1f} us per step")
+    walls, outside, between = [], [], []
+    for _ in range(5):
+        for s in timed.values():
+            s.seconds = 0.0
+        Timed.last_end[0] = None
+        Timed.gaps.clear()
+        t0 = time.perf_counter()
+        seqs, stats = generate(backend, [PROMPT], opts)
+        walls.append(time.perf_counter() - t0)
+        outside.append(walls[-1] - graph_seconds())
+        between += Timed.gaps[1:]  # (the first: from the prompt's pass to the first step)
+    print(f"Python around the graph calls in the decode (wall time between two graph calls, median of "
+          f"{len(between)}): {np.median(between) * 1e6:.1f} us per step")
     wall, steps = sorted(walls)[2], stats.steps
     print(f"outside ONNX Runtime (no profiler, median of 5 decodes): {sorted(outside)[2] * 1e3 / steps:.3f} ms per "
           f"step of {wall * 1e3 / steps:.3f} ms")
