@@ -220,8 +220,8 @@ class BoundCall:
     that each call fills in place, output arrays that each call overwrites -- so that a call converts, allocates
     and looks up nothing.  Made by the first call of its shape, which runs unbound and gives the outputs' shapes.
     `result`: the `fetch` outputs (the next call overwrites them: the caller reads, never changes, the dict);
-    `commits`: per window offset from past_len, the caches and the graph's new rows for them.  An input fed the
-    same read-only array as last time (relaxed_inputs) is not copied again."""
+    `slots`: per window offset from past_len, each slot's cache rows and the graph's new rows for them.  An input
+    fed the same read-only array as last time (relaxed_inputs) is not copied again."""
 
     def __init__(self, backend: OrtBackend, graph: str, n: int, feed: dict[str, np.ndarray],
                  views: dict[str, np.ndarray], fetch: list[str], kv_outputs: list[str], groups):
@@ -231,7 +231,7 @@ class BoundCall:
         self.inputs = {k: np.array(v, copy=True, order="C") for k, v in feed.items()}
         self.fed = dict(feed)  # the array each input was last copied from
         outs = dict(zip(names, session.run(names, self.inputs | views)))
-        self.commits = []
+        commits = []  # per window offset: the caches and the graph's new rows for them
         for offset, entries in groups:
             layers = [backend.layer_of[fam, i] for _, fam, i, _ in entries]
             if (len(layers) > 1 and layers == list(range(layers[0], layers[0] + len(layers)))
@@ -240,10 +240,10 @@ class BoundCall:
                 stack = np.stack([outs[new] for *_, new in entries])
                 outs |= {new: stack[j] for j, (*_, new) in enumerate(entries)}
                 store = backend.store[layers[0]:layers[-1] + 1, :n]
-                self.commits.append((offset, [store.transpose(1, 0, 2, 3)], [stack.transpose(1, 0, 2, 3)]))
+                commits.append((offset, [store.transpose(1, 0, 2, 3)], [stack.transpose(1, 0, 2, 3)]))
             else:
                 outs |= {new: np.array(outs[new], copy=True, order="C") for *_, new in entries}
-                self.commits.append((offset, [views[kv] for kv, *_ in entries], [outs[new] for *_, new in entries]))
+                commits.append((offset, [views[kv] for kv, *_ in entries], [outs[new] for *_, new in entries]))
         outs |= {k: np.array(outs[k], copy=True, order="C") for k in fetch}
         self.session, self.binding = session, session.io_binding()
         for k, v in (self.inputs | views).items():
@@ -256,19 +256,24 @@ class BoundCall:
         low, raw = getattr(session, "_sess", None), getattr(self.binding, "_iobinding", None)
         self.execute = (functools.partial(low.run_with_iobinding, raw, None) if low is not None and raw is not None
                         else functools.partial(session.run_with_iobinding, self.binding))
-        self.slots = [(offset, slot_rows(caches, rows)) for offset, caches, rows in self.commits]
+        self.slots = [(offset, slot_rows(caches, rows)) for offset, caches, rows in commits]
 
         self.backend = backend  # (its `written`, which allocate replaces)
 
     def replay(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run again: `feed`'s arrays copied into the bound inputs, then `run`."""
+        """Run again: `load`, then `run`."""
+        self.load(feed)
+        self.run(feed[C.PAST_LEN].tolist())
+        return self.result
+
+    def load(self, feed: dict[str, np.ndarray]) -> None:
+        """`feed`'s arrays copied into the bound inputs (those the graph has; a read-only array fed last time is
+        not copied again)."""
         fed, inputs = self.fed, self.inputs
         for k, v in feed.items():
             if (v is not fed.get(k) or v.flags.writeable) and (bound := inputs.get(k)) is not None:
                 bound[...] = v
                 fed[k] = v
-        self.run(feed[C.PAST_LEN].tolist())
-        return self.result
 
     def run(self, past_len: list[int]) -> None:
         """Run on the bound inputs as they are (`inputs`: the caller may write them in place) and commit the new rows
@@ -353,11 +358,11 @@ class OrtBackend(Backend):
 
     One copy of the weights per process (`share_weights`; where the export lists its initializers):
     weights.bin is read once (read_weights: into memory, or memory-mapped where it is large), and every session
-    is handed the same memory for each of its weights (`SessionOptions.add_initializer` with an OrtValue over the mapping, made once per tensor),
-    with ONNX Runtime's pre-packing of MatMul weights turned off (a pre-packed copy is per session, and
-    ONNX Runtime's Python API cannot share one) -- except in the graphs named by `prepack` (prefixes; default
-    the step and tree graphs, one of which runs on every greedy decode step): those pre-pack a private copy
-    of their dense MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS
+    is handed the same memory for each of its weights (`SessionOptions.add_initializer` with an OrtValue over it,
+    made once per tensor), with ONNX Runtime's pre-packing of MatMul weights turned off (a pre-packed copy is per
+    session, and ONNX Runtime's Python API cannot share one) -- except in the graphs named by `prepack`
+    (prefixes; default the step and tree graphs, one of which runs on every greedy decode step): those pre-pack a
+    private copy of their dense MatMul weights (the MoE node's experts are not pre-packed: they stay shared).  MLAS
     streams a pre-packed matrix 1.3-1.4x faster than an unpacked one at one token and 2x at two, where it
     packs the unpacked one on every call (benchmarks/shared_weights.py --chain); a greedy decode runs one
     step graph, so one copy of its dense weights (+69 MB at 85M parameters, +229 MB at 304M) buys 1.05-1.1x
@@ -539,18 +544,18 @@ class OrtBackend(Backend):
         inputs, kv_outputs, groups = self._plan(graph, family)
         views = self._cache_views(graph, family, n, groups)
         feed = {k: v for k, v in feed.items() if k in inputs}
-        if replay:
+        past = feed[C.PAST_LEN].tolist()
+        if replay:  # (its first run, unbound, gives the outputs' shapes)
             call = self.bound[graph, family, n, tuple(fetch)] = BoundCall(self, graph, n, feed, views, fetch,
                                                                           kv_outputs, groups)
-            out, commits = dict(call.result), call.commits
+            slots, out = call.slots, dict(call.result)
         else:
             names = fetch + kv_outputs
             out = dict(zip(names, self.session(graph).run(names, feed | views)))
-            commits = [(offset, [views[kv] for kv, *_ in entries], [out.pop(new) for *_, new in entries])
-                       for offset, entries in groups]
-        past = feed[C.PAST_LEN].tolist()
-        for offset, caches, new_rows in commits:
-            commit(slot_rows(caches, new_rows), [p + offset for p in past], self.written)
+            slots = [(offset, slot_rows([views[kv] for kv, *_ in entries], [out.pop(new) for *_, new in entries]))
+                     for offset, entries in groups]
+        for offset, rows in slots:
+            commit(rows, [p + offset for p in past], self.written)
         return out
 
     def swap_slots(self, i, j):

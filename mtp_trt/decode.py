@@ -518,7 +518,7 @@ class Batch:
     explored: int = 0  # auto_k: the K those steps ran last
     explored_turn: int = 0  # auto_k: explorations so far (below and above the current K in turn)
     chosen_for: tuple | None = None  # auto_k: what `held` was chosen from (the slots' sequences, drafts verified)
-    chain_limits: tuple[int, int] | None = None  # chain_limit: (the limit, the least past_len)
+    chain_limits: tuple[int, int] | None = None  # plain_step: (the most past_len, the least)
 
     @property
     def capacity(self) -> int:
@@ -728,7 +728,7 @@ def step(backend: Backend, batch: Batch, on_accept=None) -> None:
     greedy = not _samples(active)
     past = st.past_len[:st.n].tolist()
     top = max(past)  # the longest sequence's cache rows
-    if greedy and top <= chain_limit(backend, batch) and min(past) >= batch.chain_limits[1]:  # the plain fused step
+    if greedy and plain_step(backend, batch, past):
         fused_step(backend, st, seqs, batch.stats, opts, batch.rows, opts.nextn, active)
         st.avail[:st.n], batch.k = opts.nextn, opts.nextn
         if on_accept:
@@ -791,21 +791,13 @@ def chain_steps(backend: Backend, batch: Batch, on_accept=None) -> bool:
     if call is None:
         return False
     active, past = _active(st, seqs), st.past_len[:n].tolist()
-    if (_samples(active) or any(s.finish_reason is not None for s in active) or max(past) > chain_limit(backend, batch)
-            or min(past) < batch.chain_limits[1]):
+    if _samples(active) or any(s.finish_reason is not None for s in active) or not plain_step(backend, batch, past):
         return False
-    ids, out = call.inputs[C.INPUT_IDS], call.result
+    ids, out, carry = call.inputs[C.INPUT_IDS], call.result, C.CARRY in call.inputs
     topk, delta = relaxed_inputs(opts.relaxed_topk, opts.relaxed_delta)
-    feed = {C.INPUT_IDS: st.ids[:n, :k + 1], C.PAST_LEN: st.past_len[:n], C.THINKING: st.thinking[:n],
-            C.RELAXED_TOPK: topk, C.RELAXED_DELTA: delta}
-    carry = C.CARRY in call.inputs
-    if carry:
-        feed[C.CARRY] = st.carry[:n, 1:]
-    for name, value in feed.items():
-        if name in call.inputs:  # (a graph without drafts has no relaxed acceptance's inputs)
-            call.inputs[name][...] = value
-            call.fed[name] = value
-    limit, rows, eos = chain_limit(backend, batch), batch.rows, opts.eos_ids
+    call.load({C.INPUT_IDS: st.ids[:n, :k + 1], C.PAST_LEN: st.past_len[:n], C.THINKING: st.thinking[:n],
+               C.RELAXED_TOPK: topk, C.RELAXED_DELTA: delta} | ({C.CARRY: st.carry[:n, 1:]} if carry else {}))
+    limit, rows, eos = batch.chain_limits[0], batch.rows, opts.eos_ids
     taken = []  # each step's accepted drafts per sequence
     while True:
         call.run(past)
@@ -854,18 +846,18 @@ def chain_steps(backend: Backend, batch: Batch, on_accept=None) -> bool:
     return True
 
 
-def chain_limit(backend: Backend, batch: Batch) -> int:
-    """The longest sequence's past_len up to which a greedy step is the export's step_K graph with K = nextn (no
-    adaptive speculation, no tree; fitting_drafts and fits_step allow K), -1 where that step never runs: what
-    `step` decides for such a batch, worked out once (batch.chain_limits: the limit, and the shortest sequence's least
-    past_len, vanilla's K - 1)."""
+def plain_step(backend: Backend, batch: Batch, past_len: list[int]) -> bool:
+    """Whether `step` runs the export's step_K graph with K = nextn for greedy sequences of these past_lens (no adaptive
+    speculation, no tree; fitting_drafts and fits_step allow K; vanilla's windows start at row >= 0), decided from
+    figures worked out once per batch (batch.chain_limits: the longest past_len allowed, -1 where that step never
+    runs, and the shortest one's least)."""
     if batch.chain_limits is None:
         opts, k, rows = batch.opts, batch.opts.nextn, batch.rows
         eagle = backend.manifest.mtp_mode == "eagle"
         plain = not opts.adaptive and not opts.tree_graph and backend.has_step(k)
         limit = min(rows - 2 - k, rows - 2 * k if eagle else rows) if plain else -1
         batch.chain_limits = (limit, 0 if eagle else k - 1)
-    return batch.chain_limits[0]
+    return max(past_len) <= batch.chain_limits[0] and min(past_len) >= batch.chain_limits[1]
 
 
 def fitting_drafts(past_len: int, rows: int, nextn: int) -> int:
