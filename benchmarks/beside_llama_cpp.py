@@ -123,6 +123,45 @@ def active_bytes(ckpt: Path) -> int:
     return int(total)
 
 
+# Inputs of mtp-trt's MoE operators that hold the routed experts ([E, ...] each): a token reads top_k of E
+ROUTED_INPUTS = {"MoE": (3, 4), "QMoE": (3, 4, 5, 6)}
+# Inputs read one row per token (an embedding, RoPE's tables at the token's position): [rows, ...]
+ROW_INPUTS = {"Gather": (0,), "GatherBlockQuantized": (0, 2), "MlaSelfAttention": (4, 5)}
+
+
+def graph_bytes_per_token(model) -> int:
+    """Bytes of constant weights (initializers) one token reads through an ONNX graph `model` (loaded without its
+    external data): each initializer once, routed experts at top_k / E, a gathered table or RoPE table one row."""
+    import onnx
+
+    sizes = {t.name: (math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize, list(t.dims))
+             for t in model.graph.initializer}
+    share: dict[str, float] = {}  # initializer -> the share of it a token reads (the largest any node reads)
+    for node in model.graph.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        for i, name in enumerate(node.input):
+            if name not in sizes:
+                continue
+            dims = sizes[name][1]
+            if i in ROUTED_INPUTS.get(node.op_type, ()) and attrs.get("top_k") and dims:
+                part = attrs["top_k"] / dims[0]
+            elif i in ROW_INPUTS.get(node.op_type, ()) and dims:
+                part = 1 / dims[0]
+            else:
+                part = 1.0
+            share[name] = max(share.get(name, 0.0), part)
+    return int(sum(sizes[n][0] * f for n, f in share.items()))
+
+
+def export_bytes_per_token(export: Path) -> int:
+    """graph_bytes_per_token of an export's plain decode step (its step graph at nextn 0)."""
+    import onnx
+    from mtp_trt.manifest import Manifest
+
+    m = Manifest.load(export)
+    return graph_bytes_per_token(onnx.load(str(m.root / m.graphs["step_0"].file), load_external_data=False))
+
+
 def margins_child(ckpt: str, ids: list[int], runs: dict[str, list[int]]) -> dict:
     """(in a child process) transformers' greedy tokens on `ckpt`: where each engine's tokens first differ from
     them, and transformers' top-2 logit margin there (a near tie that float rounding can flip)."""
@@ -564,7 +603,7 @@ def main():
     isa_of = {"llama": llama_isa(llama_info), "llama-mtp": None,  # (the binary's set: not read)
               "mtp": a.isa or child_script("isa")[0]}
     print(f"instruction sets: mtp-trt {isa_of['mtp']}, llama.cpp {isa_of['llama']} ({llama_info})", flush=True)
-    report, tables, drafting_tables, prefill = [], [], [], []
+    report, tables, drafting_tables, prefill, quant_ratios = [], [], [], [], []
     for size, nextns in nextn_of.items():
         ckpt = DEMO if size == "demo" else Path(child_script("checkpoint", size))
         progress = lambda m: print(m, flush=True)  # noqa: E731
@@ -605,6 +644,9 @@ def main():
         streamed = active_bytes(ckpt)
         print(f"\n{size}: {streamed / 1e6:.1f} MB of f32 weights read per decoded token (active parameters); "
               f"{a.rounds} rounds, {a.tokens} new tokens, {a.threads} threads")
+        per_token = {q: export_bytes_per_token(e) for q, e in exports.items()}
+        for q, n in per_token.items():
+            print(f"{size}: mtp-trt {q}: {n / 1e6:.1f} MB of weights read per token by a plain decode step", flush=True)
         for k, rs in runs.items():
             if k[0] == "llama-mtp":  # its text against llama.cpp's plain greedy tokens on its own GGUF
                 first_diff, against = rs[-1]["first_difference"], f"llama.cpp {GGUF_LABELS[k[1]]} plain greedy"
@@ -618,14 +660,23 @@ def main():
                    "peak_rss_mb": rss[k], "first_difference_from": against, "first_difference": first_diff,
                    "mean_acceptance_length": rs[-1].get("mean_acceptance_length"),
                    "runs": [{x: r[x] for x in ("seconds", "first")} for r in rs]}
+            if k[0] == "mtp" and k[2] == 0:  # the weights' stream: bytes a token reads times tokens/s
+                row["weights_gb_per_second"] = per_token[k[1]] * rate[k]["decode"] / 1e9
             report.append(row)
             print(f"{size:5s} {label(k):30s} [{row['isa'] or '?'}] decode {rate[k]['decode']:8.1f} tokens/s "
                   f"(best round "
                   f"{rate[k]['best']:8.1f}; with the prompt {rate[k]['with_prompt']:8.1f}), peak RSS {rss[k]:6.0f} MB"
                   + (f", {row['mean_acceptance_length']:.2f} tokens/step" if row["nextn"] else "")
+                  + (f", weights at {row['weights_gb_per_second']:.1f} GB/s" if "weights_gb_per_second" in row else "")
                   + ("" if k == ref_key else f"; tokens = {against}'s: "
                      + ("yes" if first_diff is None else f"no (first difference at new token {first_diff})")),
                   flush=True)
+        if ("mtp", "int4", 0) in runs and ("mtp", "int8", 0) in runs:  # what int4 gains over int8, and could
+            ratio = round_ratio(runs[("mtp", "int4", 0)], runs[("mtp", "int8", 0)], a.tokens)
+            fewer = per_token["int8"] / per_token["int4"]
+            quant_ratios.append({"size": size, "int4_over_int8": ratio, "int8_bytes_over_int4": fewer})
+            print(f"{size}: mtp-trt int4 over int8 at nextn 0: {ratio:.2f}x tokens/s, reading {fewer:.2f}x fewer "
+                  f"weight bytes per token", flush=True)
         for q, g in PAIRS:
             if ("llama", g) not in runs or q not in exports:
                 continue
@@ -687,7 +738,8 @@ def main():
                     f"first difference at new token {v['first_difference']}, where transformers' top-2 logits are "
                     f"{v['top2_margin']:.1e} apart"), flush=True)
     print_tables(report, tables, drafting_tables, prefill)
-    out = {"report": report, "pairs": tables} | ({"draft_mtp": drafting_tables} if a.llama_mtp_bin else {}) | \
+    out = {"report": report, "pairs": tables} | ({"int4_over_int8": quant_ratios} if quant_ratios else {}) | \
+        ({"draft_mtp": drafting_tables} if a.llama_mtp_bin else {}) | \
         ({"prefill": prefill} if a.prefill else {})
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

@@ -277,3 +277,44 @@ def test_mtp_worker_times_its_first_token_inside_the_timed_generation(tmp_path, 
     assert len(calls) == 1 and 0 < worker.first  # one generation, its first token timed inside it
     seqs, _ = real(OrtBackend(Manifest.load(out), threads=1), [ids], decode.DecodeOptions(nextn=1, max_new_tokens=6))
     assert generated == seqs[0].generated
+
+
+# ------------------------------------------------------------------------------------------ bytes per token
+def test_graph_bytes_per_token_counts_routed_experts_and_gathered_rows():
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+    from beside_llama_cpp import graph_bytes_per_token
+
+    def init(name, shape, dtype=np.float32):
+        return numpy_helper.from_array(np.zeros(shape, dtype), name)
+
+    inits = [init("emb", (10, 6)), init("w", (6, 6)), init("gate", (4, 6)), init("fc1", (4, 8, 6), np.uint8),
+             init("fc1s", (4, 8, 1), np.float16), init("fc2", (4, 6, 4), np.uint8), init("fc2s", (4, 6, 1), np.float16),
+             init("sh", (8, 6), np.uint8)]
+    nodes = [helper.make_node("Gather", ["emb", "ids"], ["x"]),
+             helper.make_node("MatMul", ["x", "w"], ["y"]),
+             helper.make_node("MatMul", ["y", "w"], ["y2"]),  # (read twice, counted once)
+             helper.make_node("QMoE", ["y2", "gate", "", "fc1", "fc1s", "fc2", "fc2s", "sh"], ["z"],
+                              domain="mtp_trt.cpu", top_k=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)], inits)
+    routed = (4 * 8 * 6 + 4 * 8 * 2 + 4 * 6 * 4 + 4 * 6 * 2) / 4  # 1 of 4 experts
+    assert graph_bytes_per_token(helper.make_model(graph)) == 6 * 4 + 36 * 4 + 24 * 4 + routed + 48
+
+
+def test_an_fp32_exports_bytes_per_token_are_the_checkpoints_active_weights(tmp_path):
+    """The plain step of an fp32 export reads the checkpoint's active f32 weights (beside_llama_cpp.active_bytes,
+    from the safetensors header) plus one embedding row and each layer's RoPE rows; int8 and int4 read less."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from runtime_models import make_random
+    from beside_llama_cpp import active_bytes, export_bytes_per_token
+    from mtp_trt.exporters.export import export
+
+    ckpt = make_random(tmp_path / "ckpt", nextn=1)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    rows = 4 * cfg["hidden_size"] + cfg["num_hidden_layers"] * 2 * 4 * cfg["qk_rope_head_dim"] // 2
+    got = {q: export_bytes_per_token(export(ckpt, tmp_path / q, nextn=1, max_seq_len=64, trees="none",
+                                            quant_scheme=q)) for q in ("none", "int8", "int4")}
+    assert got["none"] == active_bytes(ckpt) + rows
+    assert got["none"] / 4 < got["int8"] < got["none"] / 2 and got["int4"] < got["int8"]
