@@ -77,10 +77,11 @@ struct Mbar {
     long expected = 0, pending = 0, tx = 0;
     unsigned phase = 0;
 };
-struct TmaCopy {  // a TMA box copy not yet landed (deferred mode)
+struct TmaCopy {  // a TMA box copy (or a thread's cp.async copies and their mbarrier arrival) not yet landed
     uint32_t bar;
     long bytes;
     std::function<void()> copy;
+    long arrivals = 0;  // cp_async_mbar_arrive: one arrival when the copies land
 };
 
 struct Block {
@@ -123,6 +124,13 @@ inline bool deferred_cp_async() {
         return e && std::strcmp(e, "deferred") == 0;
     }();
     return on;
+}
+
+// MTP_EMU_TMA=deferred: TMA boxes and the cp.async copies a thread hands to an mbarrier (emu_hopper.h) land at the
+// first wait on the barrier (read at every copy: tests switch it between launches).
+inline bool deferred_tma() {
+    const char* e = std::getenv("MTP_EMU_TMA");
+    return e && std::strcmp(e, "deferred") == 0;
 }
 
 inline unsigned char* dyn_smem() { return ctx.block->smem.data(); }
@@ -210,6 +218,16 @@ T emu_shfl(T v, int src, bool keep_own) {
 }
 template <typename T> T __shfl_xor_sync(unsigned, T v, int m, int = 32) { return emu_shfl(v, emu::ctx.lane ^ m, false); }
 template <typename T> T __shfl_sync(unsigned, T v, int src, int = 32) { return emu_shfl(v, src, false); }
+inline unsigned __ballot_sync(unsigned, int pred) {
+    emu::Warp& w = *emu::ctx.warp;
+    w.slot[emu::ctx.lane] = pred ? 1u : 0u;
+    w.bar.arrive_and_wait();
+    unsigned r = 0;
+    for (int l = 0; l < 32; ++l)
+        if (w.slot[l]) r |= 1u << l;
+    w.bar.arrive_and_wait();
+    return r;
+}
 template <typename T> T __shfl_up_sync(unsigned, T v, unsigned d, int = 32) {
     return emu_shfl(v, emu::ctx.lane - static_cast<int>(d), emu::ctx.lane < static_cast<int>(d));
 }

@@ -14,7 +14,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
         emu::trace.rows.push_back(id);
         emu::trace.rows.push_back(reinterpret_cast<unsigned long long>(gmem));
     }
-    if (emu::deferred_cp_async()) {
+    if (emu::deferred_cp_async() || emu::deferred_tma()) {
         emu::ctx.open.push_back({smem, gmem, pred});
         return;
     }

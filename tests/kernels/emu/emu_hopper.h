@@ -82,10 +82,7 @@ template <int N> inline void wgmma_wait() {
 // bytes.  TMA copies land at issue (MTP_EMU_TMA unset or "immediate": a stage refilled while it is still being read
 // corrupts the reader) or when a thread first waits on their barrier ("deferred": data read without waiting is
 // stale); the tests run both.  The trace (mtp_emu_trace) records every 16-byte chunk a box reads inside the tensor.
-inline bool emu_tma_deferred() {  // read at every copy: tests switch it between launches
-    const char* e = std::getenv("MTP_EMU_TMA");
-    return e && std::strcmp(e, "deferred") == 0;
-}
+inline bool emu_tma_deferred() { return emu::deferred_tma(); }
 
 struct EmuTensorMap {  // what encode_tensor_map_3d stores in the CUtensorMap under the emulation
     const unsigned char* base;
@@ -132,27 +129,69 @@ inline void emu_land(emu::TmaCopy& c) {  // under hmu
     c.copy();
     auto& b = emu::ctx.block->mbars.at(c.bar);
     b.tx -= c.bytes;
+    b.pending -= c.arrivals;
+    if (b.pending < 0) {
+        std::fprintf(stderr, "emu_hopper: more arrivals on an mbarrier phase than its count\n");
+        std::abort();
+    }
     emu_mbar_complete_if_done(b);
+}
+// cp.async.mbarrier.arrive.noinc: the thread's cp.async copies not yet landed (MTP_EMU_CP_ASYNC=deferred or
+// MTP_EMU_TMA=deferred; committed or not -- the emulation takes them out of their groups) land together with one
+// arrival on `bar`: at once, or (MTP_EMU_TMA=deferred) at the first wait on the barrier, so a reader that does not
+// wait for the phase reads stale shared memory.
+inline void cp_async_mbar_arrive(uint64_t* bar) {
+    std::vector<emu::PendingCopy> mine;
+    for (auto& g : emu::ctx.groups) mine.insert(mine.end(), g.begin(), g.end());
+    mine.insert(mine.end(), emu::ctx.open.begin(), emu::ctx.open.end());
+    emu::ctx.groups.clear();
+    emu::ctx.open.clear();
+    auto copy = [mine]() {
+        for (const auto& c : mine) {
+            if (c.pred)
+                std::memcpy(c.dst, c.src, 16);
+            else
+                std::memset(c.dst, 0, 16);
+        }
+    };
+    emu::TmaCopy c{smem_addr(bar), 0, copy, 1};
+    std::lock_guard<std::mutex> lock(emu::ctx.block->hmu);
+    if (emu::ctx.block->mbars.find(c.bar) == emu::ctx.block->mbars.end()) {
+        std::fprintf(stderr, "emu_hopper: cp.async arrival on an mbarrier never initialised\n");
+        std::abort();
+    }
+    if (emu_tma_deferred()) {
+        emu::ctx.block->tma.push_back(std::move(c));
+        emu::ctx.block->hcv.notify_all();
+    } else {
+        emu_land(c);
+    }
 }
 inline void mbar_wait(uint64_t* bar, unsigned parity) {
     emu::Block& blk = *emu::ctx.block;
     const uint32_t off = smem_addr(bar);
     std::unique_lock<std::mutex> lock(blk.hmu);
-    for (size_t i = 0; i < blk.tma.size();) {  // deferred copies on this barrier land now
-        if (blk.tma[i].bar == off) {
-            emu::TmaCopy c = std::move(blk.tma[i]);
-            blk.tma.erase(blk.tma.begin() + static_cast<long>(i));
-            emu_land(c);
-        } else {
-            ++i;
+    auto land = [&] {  // deferred copies on this barrier land now (and those handed to it while this thread waits)
+        for (size_t i = 0; i < blk.tma.size();) {
+            if (blk.tma[i].bar == off) {
+                emu::TmaCopy c = std::move(blk.tma[i]);
+                blk.tma.erase(blk.tma.begin() + static_cast<long>(i));
+                emu_land(c);
+            } else {
+                ++i;
+            }
         }
-    }
+    };
+    land();
     auto it = blk.mbars.find(off);
     if (it == blk.mbars.end()) {
         std::fprintf(stderr, "emu_hopper: wait on an mbarrier never initialised\n");
         std::abort();
     }
-    if (!blk.hcv.wait_for(lock, std::chrono::seconds(60), [&] { return it->second.phase != parity; })) {
+    if (!blk.hcv.wait_for(lock, std::chrono::seconds(60), [&] {
+            land();
+            return it->second.phase != parity;
+        })) {
         std::fprintf(stderr, "emu_hopper: mbarrier wait (parity %u) never completes\n", parity);
         std::abort();
     }
