@@ -76,12 +76,15 @@ struct Warp {
 struct Mbar {
     long expected = 0, pending = 0, tx = 0;
     unsigned phase = 0;
+    long completed = 0;                            // phases completed so far
+    bool cp_async_now = false, cp_async_last = false;  // cp.async copies arrived in the current / last completed phase
 };
 struct TmaCopy {  // a TMA box copy (or a thread's cp.async copies and their mbarrier arrival) not yet landed
     uint32_t bar;
     long bytes;
     std::function<void()> copy;
     long arrivals = 0;  // cp_async_mbar_arrive: one arrival when the copies land
+    std::vector<uint32_t> chunks;  // cp_async_mbar_arrive: the shared offsets its copies write
 };
 
 struct Block {
@@ -92,6 +95,9 @@ struct Block {
     std::condition_variable hcv;
     std::map<uint32_t, Mbar> mbars;  // by shared-memory offset
     std::vector<TmaCopy> tma;
+    // per 16-byte chunk of shared memory written by cp.async copies handed to an mbarrier: (barrier offset << 32) |
+    // the number of the phase they complete in (emu_hopper.h checks that wgmma reads them only after waiting for it)
+    std::vector<uint64_t> cp_tag;
 };
 
 struct PendingCopy {
@@ -115,6 +121,10 @@ struct Ctx {
     // runs (reads shared memory, updates the issuing thread's accumulators) when a wait retires its group
     std::vector<std::function<void()>> wg_open;
     std::vector<std::vector<std::function<void()>>> wg_groups;
+    // mbarriers (emu_hopper.h): the phases this thread has seen complete, per barrier offset; whether it waited for a
+    // phase cp.async copies completed in and has not executed fence.proxy.async since
+    std::vector<std::pair<uint32_t, long>> seen;
+    bool unfenced = false;
 };
 inline thread_local Ctx ctx;
 
@@ -173,6 +183,8 @@ void run_grid(K kernel, dim3 g, dim3 b, size_t smem, unsigned cluster, Args... a
                             ctx.cluster_bar = cluster > 1 ? &cluster_bar : nullptr;
                             ctx.cluster_blocks = &members;
                             ctx.open.clear();
+                            ctx.seen.clear();
+                            ctx.unfenced = false;
                             ctx.groups.clear();
                             ctx.wg_open.clear();
                             ctx.wg_groups.clear();
