@@ -117,6 +117,7 @@ struct Ctx {
     std::vector<Block*>* cluster_blocks = nullptr;
     std::vector<PendingCopy> open;
     std::vector<std::vector<PendingCopy>> groups;
+    std::vector<void*> issued;  // cp.async destinations since the last cp_async_wait / cp_async_mbar_arrive
     // wgmma (emu_hopper.h): issued operations not yet committed, and the committed groups not yet waited for; each
     // runs (reads shared memory, updates the issuing thread's accumulators) when a wait retires its group
     std::vector<std::function<void()>> wg_open;
@@ -184,6 +185,7 @@ void run_grid(K kernel, dim3 g, dim3 b, size_t smem, unsigned cluster, Args... a
                             ctx.cluster_blocks = &members;
                             ctx.open.clear();
                             ctx.seen.clear();
+                            ctx.issued.clear();
                             ctx.unfenced = false;
                             ctx.groups.clear();
                             ctx.wg_open.clear();

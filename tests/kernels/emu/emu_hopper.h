@@ -189,7 +189,8 @@ inline void cp_async_mbar_arrive(uint64_t* bar) {
         }
     };
     emu::TmaCopy c{smem_addr(bar), 0, copy, 1};
-    for (const auto& m : mine) c.chunks.push_back(smem_addr(m.dst));
+    for (void* dst : emu::ctx.issued) c.chunks.push_back(smem_addr(dst));  // landed at issue or with this arrival
+    emu::ctx.issued.clear();
     std::lock_guard<std::mutex> lock(emu::ctx.block->hmu);
     if (emu::ctx.block->cp_tag.empty()) emu::ctx.block->cp_tag.assign(emu::ctx.block->smem.size() / 16 + 1, 0);
     if (emu::ctx.block->mbars.find(c.bar) == emu::ctx.block->mbars.end()) {
