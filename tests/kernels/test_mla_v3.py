@@ -3,7 +3,7 @@ emulation, on an emulated compute capability 9.0 device: against the NumPy refer
 and two 64-row blocks, S = 1 .. 4, tree masks, ragged lengths over many parts, empty parts, scores beyond fp32), with
 TMA copies landing at issue and at the wait; the cache rows each block reads (the TMA trace); sparse lists (rows
 gathered by cp.async onto the stages' mbarriers: the reference, unlisted NaN rows, the bytes read, the barriers); v2
-still serving MTP_MLA_FORCE_V2.  The emulation implements the PTX ISA's layouts (tests/kernels/emu/emu_hopper.h): it
+still serving MTP_MLA_FORCE_V2 and MTP_TRT_MLA_PATH=v2.  The emulation implements the PTX ISA's layouts (tests/kernels/emu/emu_hopper.h): it
 checks that the kernel uses them consistently, not the hardware's reading of them (test_hopper.py's probe does
 that on a GPU)."""
 
@@ -210,6 +210,35 @@ def test_force_v2_stays_on_v2(emu_lib, host, hopper):
     G.run_mla(host, emu_lib, B=1, S=1, H=16, Dl=DL, Dr=D - DL, T_max=90, past_len=[60], dtype="bfloat16",
               num_splits=2, flags=cuda_lib.MLA_FORCE_V2)
     assert _count(emu_lib, "wgmma") == wgmma
+
+
+def test_mla_path_v2_keeps_sparse_and_dense_on_v2():
+    """MTP_TRT_MLA_PATH=v2 (read once per process: a child process) keeps sparse and dense launches on v2 on an
+    emulated compute capability 9.0 device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from mtp_trt.fsutil import cache_dir\n"
+            "from mtp_trt.plugins import cuda_lib\n"
+            "from tests.kernels import test_gpu_kernels as G\n"
+            "from tests.kernels._gpu import Gpu, HostRuntime\n"
+            "from tests.kernels.emu import build\n"
+            "from tests.kernels.test_emulated import _count\n"
+            "lib = cuda_lib.KernelLib(build.build_emulated_library(cache_dir('emu')))\n"
+            "host = Gpu(HostRuntime(num_sms=132))\n"
+            "G.run_mla_sparse(host, lib, B=1, S=2, H=16, Dl=512, Dr=64, Di=128, T_max=200, past_len=[150], K=100,\n"
+            "                 dtype='bfloat16', num_splits=3)\n"
+            "G.run_mla(host, lib, B=1, S=1, H=16, Dl=512, Dr=64, T_max=90, past_len=[60], dtype='bfloat16',\n"
+            "          num_splits=2)\n"
+            "print('wgmma', _count(lib, 'wgmma'))\n")
+    env = dict(os.environ, MTP_TRT_MLA_PATH="v2", MTP_EMU_CC="90", MTP_EMU_SMEM_OPTIN="232448", MTP_EMU_DEVICE="7",
+               MTP_EMU_CP_ASYNC="deferred")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wgmma 0" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("B,S,H,T,past,P", [(3, 1, 16, 200, [0, 199, 64], 4), (2, 1, 128, 150, [149, 20], 3)],
