@@ -1466,8 +1466,9 @@ bool v2_config(mtp_dtype dtype, const MlaParams& p, long long M, int flags, int&
     return smem <= optin;
 }
 
-// Whether v3 serves a launch v2 serves (dense or sparse): a launch on a compute capability 9 GPU running this library's sm_90a
-// code (not JIT-compiled PTX of another arch), with room for its shared memory, unless MTP_MLA_FORCE_V2.
+// Whether v3 serves a launch v2 serves (dense or sparse): a launch on a compute capability 9 GPU running this
+// library's sm_90a code (not JIT-compiled PTX of another arch), with room for its shared memory, unless
+// MTP_MLA_FORCE_V2.
 bool v3_serves(const MlaParams& p, int flags) {
     static const bool env_v2 = [] {  // MTP_TRT_MLA_PATH=v2: v2 everywhere (comparisons on a GPU, whole test runs)
         const char* e = getenv("MTP_TRT_MLA_PATH");

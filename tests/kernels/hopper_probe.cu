@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(128, 1) gather_probe_kernel(const T* a, const 
     }
     for (int i = tid; i < 64 * K; i += 128) {
         const int r = i / K, k = i % K;
-        *reinterpret_cast<T*>(sA + hopper::swizzle128((k / 64) * kSlice + (r / 8) * 1024 + (r % 8) * 128 + (k % 64) * 2)) =
-            a[i];
+        const uint32_t off = (k / 64) * kSlice + (r / 8) * 1024 + (r % 8) * 128 + (k % 64) * 2;
+        *reinterpret_cast<T*>(sA + hopper::swizzle128(off)) = a[i];
     }
     hopper::fence_proxy_async();
     __syncthreads();

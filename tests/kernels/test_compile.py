@@ -180,7 +180,8 @@ def test_v3_fits_one_block_per_sm(compiled):
 @pytest.mark.slow
 def test_v3_runs_on_warpgroup_mma_and_tma(compiled):
     """sm_90a SASS of the MLA kernels: v3's products are HGMMA (64x64x16) and its loads UTMALDG (TMA; a sparse list's
-    rows LDGSTS, cp.async), with no local memory; needs cuobjdump (set CUOBJDUMP; pip's nvidia-cuda-cuobjdump carries one, with nvidia-cuda-nvdisasm)."""
+    rows LDGSTS, cp.async), with no local memory; needs cuobjdump (set CUOBJDUMP; pip's nvidia-cuda-cuobjdump carries
+    one, with nvidia-cuda-nvdisasm)."""
     import subprocess
 
     from .test_hopper import find_cuobjdump

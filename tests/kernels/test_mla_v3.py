@@ -3,9 +3,9 @@ emulation, on an emulated compute capability 9.0 device: against the NumPy refer
 and two 64-row blocks, S = 1 .. 4, tree masks, ragged lengths over many parts, empty parts, scores beyond fp32), with
 TMA copies landing at issue and at the wait; the cache rows each block reads (the TMA trace); sparse lists (rows
 gathered by cp.async onto the stages' mbarriers: the reference, unlisted NaN rows, the bytes read, the barriers); v2
-still serving MTP_MLA_FORCE_V2 and MTP_TRT_MLA_PATH=v2.  The emulation implements the PTX ISA's layouts (tests/kernels/emu/emu_hopper.h): it
-checks that the kernel uses them consistently, not the hardware's reading of them (test_hopper.py's probe does
-that on a GPU)."""
+still serving MTP_MLA_FORCE_V2 and MTP_TRT_MLA_PATH=v2.  The emulation implements the PTX ISA's layouts
+(tests/kernels/emu/emu_hopper.h): it checks that the kernel uses them consistently, not the hardware's reading of them
+(test_hopper.py's probes do that on a GPU)."""
 
 from __future__ import annotations
 

@@ -159,7 +159,8 @@ inline void emu_land(emu::TmaCopy& c) {  // under hmu
     if (c.arrivals) {
         std::vector<uint64_t>& tags = emu::ctx.block->cp_tag;
         const uint64_t tag = (static_cast<uint64_t>(c.bar) << 32) | static_cast<uint64_t>(b.completed + 1);
-        for (uint32_t off : c.chunks) std::atomic_ref<uint64_t>(tags.at(off / 16)).store(tag, std::memory_order_relaxed);
+        for (uint32_t off : c.chunks)
+            std::atomic_ref<uint64_t>(tags.at(off / 16)).store(tag, std::memory_order_relaxed);
         b.cp_async_now = true;
     }
     b.tx -= c.bytes;
