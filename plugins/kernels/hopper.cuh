@@ -18,7 +18,9 @@
 //   d[4 i + 0 / 1] = D[16 w + g][8 i + 2 c + 0 / 1],  d[4 i + 2 / 3] = D[16 w + g + 8][8 i + 2 c + 0 / 1].
 // TMA and mbarriers: a 3-D tensor map over matrices of rows of 16-bit values (encode_tensor_map_3d, host), box copies
 // of 64 values x `rows` rows into a 128-byte-swizzled tile (tma_load_3d), completing on a shared-memory mbarrier whose
-// phases the consumers wait for (mbar_*); elements outside the tensor arrive as zeros.  Programmatic dependent
+// phases the consumers wait for (mbar_*); elements outside the tensor arrive as zeros.  Rows TMA's tiled mode cannot
+// gather (a sparse list's) are loaded with 16-byte cp.async into the same swizzled layout, each thread's copies
+// completing on the mbarrier by cp_async_mbar_arrive.  Programmatic dependent
 // launch: launch_pdl starts a kernel that may begin before the previous kernel on the stream ends; it calls
 // grid_dependency_wait() before reading what that kernel wrote, and grid_launch_dependents() lets the next one start.
 #pragma once
@@ -130,6 +132,14 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, unsigned by
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
+#endif
+}
+// One arrival on `bar` once every cp.async this thread issued before has landed (the arrival counted in the barrier's
+// initial count: .noinc).  What those copies wrote is visible to the threads that then wait for the phase; wgmma reads
+// it only after fence_proxy_async (cp.async writes through the generic proxy).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 #endif
 }
 // Waits until the phase of parity `parity` has completed.

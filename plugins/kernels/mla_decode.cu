@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaPa
 
 // =============================================================================================
 // v3: DeepSeek's shapes on Hopper (sm_90a): warpgroup MMA and TMA (hopper.cuh).  Same grid, schedule, workspace and
-// combine as v2 (the prologue cuts the tiles of KT = 64 rows); only dense launches (sparse lists stay on v2).
+// combine as v2 (the prologue cuts the tiles of KT = 64 rows); dense launches and sparse lists.
 //
 // A block takes 64 query rows (m = s * H + h, rows past the sequence's M are computed and dropped) and two
 // warpgroups.  Per 64-row KV tile (its 576 values as 9 slices of 64, each a TMA box of 64 x 64 landing 128-byte
@@ -566,6 +566,11 @@ __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaPa
 //   barrier B     P(i) . V(i) done: sP and tile i's stage free; one thread issues the TMA of tile i + 2 into it;
 //                 warpgroup 0 publishes P(i + 1) (rounded to T) and its factors, zeroes tile i + 1's rows past the
 //                 sequence's end (the cache there may hold NaN, and 0 * NaN would reach O), fences for the async proxy
+// Sparse lists: a tile is 64 slots of the query token's list; TMA's tiled mode cannot gather rows, so every thread
+// copies 18 of its 16-byte chunks by cp.async into the positions the TMA boxes would give them (zeros for a -1 slot
+// and slots past the list), its copies completing on the stage's mbarrier (cp.async.mbarrier.arrive.noinc: the stage
+// barriers expect 256 arrivals); the waiting threads fence for the async proxy before wgmma reads the tile, and the
+// softmax masks every slot that names no row (a ballot of the tile's 64 list entries per warp).
 // Two stages: tile i + 1 lands while tile i is computed.  The prologue, this kernel and the combine are chained by
 // programmatic dependent launch: each waits (griddepcontrol.wait) before reading what the previous one wrote.
 // Not yet done: FlashMLA's "seesaw" (each warpgroup computing S for half the rows so that both softmaxes overlap the
@@ -575,6 +580,7 @@ __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaPa
 constexpr int V3_KT = 64;
 constexpr int V3_THREADS = 256;
 constexpr int V3_SLICES = V2_D / 64;  // 9
+constexpr int V3_CHUNKS = V2_D / 8;   // 16-byte chunks per row (sparse loads)
 constexpr uint32_t V3_SLICE = 64 * 128;
 constexpr uint32_t V3_TILE = V3_SLICES * V3_SLICE;  // 73728
 constexpr size_t V3_Q_OFF = 0, V3_K_OFF = V3_TILE, V3_P_OFF = 3 * V3_TILE, V3_BAR_OFF = V3_P_OFF + V3_SLICE;
@@ -609,8 +615,9 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
 
     if (tid == 0) {
         hopper::mbar_init(bar_q, 1);
-        hopper::mbar_init(bar_kv, 1);
-        hopper::mbar_init(bar_kv + 1, 1);
+        const unsigned kv_arrivals = p.sel ? V3_THREADS : 1;  // sparse: every thread's cp.async; dense: the TMA issuer
+        hopper::mbar_init(bar_kv, kv_arrivals);
+        hopper::mbar_init(bar_kv + 1, kv_arrivals);
         hopper::mbar_init_fence();
     }
     __syncthreads();
@@ -648,12 +655,34 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
                 hopper::tma_load_3d(sK + stage * V3_TILE + j * V3_SLICE, &tm_kv, 64 * j, (tb + i) * V3_KT, b,
                                     bar_kv + stage);
         };
+        // sparse: tile tb + i's 64 slots into stage (every thread, 18 chunks each): the listed rows by 16-byte
+        // cp.async into the layout the TMA boxes give (slice j of row r at j * V3_SLICE + swizzle128(r * 128 + ...)),
+        // zeros for a -1 slot and slots past the list; each thread's copies complete on the stage's mbarrier
+        const T* rows_b = p.sel ? cache_of<T>(p, b) : nullptr;
+        auto gather = [&](int i, unsigned stage) {
+            unsigned char* dst = sK + stage * V3_TILE;
+            const int t0 = (tb + i) * V3_KT;
+#pragma unroll 2
+            for (int e = tid; e < V3_KT * V3_CHUNKS; e += V3_THREADS) {
+                const int r = e / V3_CHUNKS, q = e - r * V3_CHUNKS;
+                const int row = t0 + r < L ? cache_row(p, b, t0 + r) : -1;
+                const T* src = rows_b + static_cast<size_t>(max(row, 0)) * p.stride + 8 * q;
+                cp_async16(dst + (q >> 3) * V3_SLICE + hopper::swizzle128(r * 128 + (q & 7) * 16), src, row >= 0);
+            }
+            hopper::cp_async_mbar_arrive(bar_kv + stage);
+        };
+        auto load = [&](int i, unsigned stage) {  // tile tb + i into stage: sparse every thread, dense one
+            if (p.sel)
+                gather(i, stage);
+            else if (tid == 0)
+                issue(i, stage);
+        };
         if (tid == 0 && n > 0) {
             hopper::mbar_arrive_expect_tx(bar_q, V3_TILE);
             for (int j = 0; j < V3_SLICES; ++j)
                 hopper::tma_load_3d(sQ + j * V3_SLICE, &tm_q, 64 * j, m0, b, bar_q);
-            for (int i = 0; i < 2 && i < n; ++i) issue(i, (it + i) & 1);
         }
+        for (int i = 0; i < 2 && i < n; ++i) load(i, (it + i) & 1);
 
         float acc[4][32];
 #pragma unroll
@@ -680,7 +709,14 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
         // warpgroup 0, after S of tile k is complete: mask, online softmax (a quad holds a row) -> P in sc, alpha_n
         auto softmax = [&](int k) {
             const int t0 = (tb + k) * V3_KT;
-            const bool all_visible = t0 + V3_KT <= c;
+            const bool all_visible = !p.sel && t0 + V3_KT <= c;
+            uint32_t listed[2] = {0u, 0u};  // sparse: bit r of listed[r / 32]: slot t0 + r names a cache row
+            if (p.sel)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int t = t0 + 32 * h + lane;
+                    listed[h] = __ballot_sync(kFullMask, t < L && cache_row(p, b, t) >= 0);
+                }
             float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
             for (int i8 = 0; i8 < 8; ++i8)
@@ -689,7 +725,11 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
                     const int h = e >> 1;
                     const int t = t0 + 8 * i8 + 2 * c4 + (e & 1);
                     bool ok = row_of[h] < nq;
-                    if (!all_visible) ok = ok && t < L && visible(t, c, tok_of[h], p.S, mask_b);
+                    if (p.sel) {  // slot t0 + 8 i8 + 2 c4 + (e & 1)
+                        ok = ok && ((listed[i8 >> 2] >> (8 * (i8 & 3) + 2 * c4 + (e & 1))) & 1u);
+                    } else if (!all_visible) {
+                        ok = ok && t < L && visible(t, c, tok_of[h], p.S, mask_b);
+                    }
                     const float x = ok ? finite_score(sc[4 * i8 + e] * p.scale_log2) : -INFINITY;
                     sc[4 * i8 + e] = x;
                     mx[h] = fmaxf(mx[h], x);
@@ -728,7 +768,7 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
                 if (c4 == 0) sAlpha[r] = alpha_n[h];
             }
             const int t0 = (tb + k) * V3_KT;
-            if (t0 + V3_KT > L) {
+            if (!p.sel && t0 + V3_KT > L) {  // (sparse: cp.async wrote zeros there)
                 unsigned char* sKt = sK + stage * V3_TILE;
                 for (int e = tid; e < V3_KT * 8 * 8; e += 128) {  // (row, slice, 16-byte chunk) of V's 8 slices
                     const int r = e >> 6, j = (e >> 3) & 7, ch = e & 7;
@@ -744,6 +784,7 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
             hopper::mbar_wait(bar_q, q_phase & 1);
             ++q_phase;
             hopper::mbar_wait(bar_kv + (it & 1), (it >> 1) & 1);
+            if (p.sel) hopper::fence_proxy_async();  // cp.async wrote the tile through the generic proxy
             if (wg == 0) {
                 hopper::wgmma_fence();
                 scores(it & 1);
@@ -788,6 +829,7 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
             };
             if (wg == 0 && next) {
                 hopper::mbar_wait(bar_kv + nstage, nparity);
+                if (p.sel) hopper::fence_proxy_async();
                 hopper::wgmma_fence();
                 scores(nstage);
                 pv();
@@ -802,9 +844,12 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
-            if (wg == 1 && next) hopper::mbar_wait(bar_kv + nstage, nparity);  // tile i + 1's data visible here too
+            if (wg == 1 && next) {  // tile i + 1's data visible here too
+                hopper::mbar_wait(bar_kv + nstage, nparity);
+                if (p.sel) hopper::fence_proxy_async();
+            }
             __syncthreads();  // B: P(i) . V(i) done: sP and stage i free
-            if (tid == 0 && i + 2 < n) issue(i + 2, stage);
+            if (i + 2 < n) load(i + 2, stage);
             if (wg == 0 && next) publish(i + 1, nstage);
         }
         it += n;
@@ -1421,14 +1466,15 @@ bool v2_config(mtp_dtype dtype, const MlaParams& p, long long M, int flags, int&
     return smem <= optin;
 }
 
-// Whether v3 serves a launch v2 serves: a dense launch on a compute capability 9 GPU running this library's sm_90a
-// code (not JIT-compiled PTX of another arch), with room for its shared memory, unless MTP_MLA_FORCE_V2.
+// Whether v3 serves a launch v2 serves (dense or sparse): a launch on a compute capability 9 GPU running this
+// library's sm_90a code (not JIT-compiled PTX of another arch), with room for its shared memory, unless
+// MTP_MLA_FORCE_V2.
 bool v3_serves(const MlaParams& p, int flags) {
     static const bool env_v2 = [] {  // MTP_TRT_MLA_PATH=v2: v2 everywhere (comparisons on a GPU, whole test runs)
         const char* e = getenv("MTP_TRT_MLA_PATH");
         return e && e[0] == 'v' && e[1] == '2' && e[2] == 0;
     }();
-    if (p.sel || (flags & MTP_MLA_FORCE_V2) || env_v2 || compute_major() != 9 ||
+    if ((flags & MTP_MLA_FORCE_V2) || env_v2 || compute_major() != 9 ||
         static_cast<size_t>(max_optin_smem()) < V3_BYTES)
         return false;
     static const int binary = [] {
@@ -1446,9 +1492,10 @@ bool v3_serves(const MlaParams& p, int flags) {
 // its sequence's T_max rows); false where the driver cannot encode them (v2 serves the launch then).
 bool v3_maps(const MlaParams& p, int nseq, CUtensorMap& tm_q, CUtensorMap& tm_kv) {
     const uint64_t M = static_cast<uint64_t>(p.S) * p.H;
+    const uint64_t cache_seqs = p.sel ? nseq / p.Sq : nseq;  // sparse: the cache's B sequences (not read by TMA)
     return hopper::encode_tensor_map_3d(&tm_q, p.q, V2_D, M, nseq, V2_D * 2, 64) &&
-           hopper::encode_tensor_map_3d(&tm_kv, p.cache, p.stride, p.T_max, nseq, static_cast<uint64_t>(p.stride) * 2,
-                                        V3_KT);
+           hopper::encode_tensor_map_3d(&tm_kv, p.cache, p.stride, p.T_max, cache_seqs,
+                                        static_cast<uint64_t>(p.stride) * 2, V3_KT);
 }
 
 template <typename T>

@@ -127,3 +127,95 @@ extern "C" cudaError_t mtp_probe_tma(const void* base, int cols, int rows, int d
     tma_probe_kernel<<<1, 128, smem, stream>>>(tm, out, box_rows, x, y, z);
     return cudaGetLastError();
 }
+
+// ---- cp.async onto an mbarrier (MLA decode v3's sparse tiles): D [64][64] fp32 = A [64][K] . B_sel^T, where row n of
+// B_sel is row sel[n] of b [nrows][K] (zeros where sel[n] < 0), gathered by 16-byte cp.async straight into the
+// 128-byte-swizzled K-major layout, each thread's copies completing on one mbarrier (cp.async.mbarrier.arrive.noinc,
+// 128 arrivals); the threads wait for its phase and fence for the async proxy before wgmma.  skip: bit 0 leaves out
+// the wait, bit 1 the fence (deliberate bugs the emulation must refuse).
+namespace {
+template <typename T>
+__global__ void __launch_bounds__(128, 1) gather_probe_kernel(const T* a, const T* b, const int* sel, float* d, int K,
+                                                              int skip) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned char* sA = smem;
+    unsigned char* sB = smem + (K / 64) * kSlice;
+    uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 2 * (K / 64) * kSlice);
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        hopper::mbar_init(bar, 128);
+        hopper::mbar_init_fence();
+    }
+    for (int i = tid; i < 64 * K; i += 128) {
+        const int r = i / K, k = i % K;
+        const uint32_t off = (k / 64) * kSlice + (r / 8) * 1024 + (r % 8) * 128 + (k % 64) * 2;
+        *reinterpret_cast<T*>(sA + hopper::swizzle128(off)) = a[i];
+    }
+    hopper::fence_proxy_async();
+    __syncthreads();
+    const int chunks = K / 8;  // per row
+    for (int e = tid; e < 64 * chunks; e += 128) {
+        const int n = e / chunks, q = e % chunks, row = sel[n];
+        cp_async16(sB + (q / 8) * kSlice + hopper::swizzle128(n * 128 + (q % 8) * 16),
+                   b + static_cast<size_t>(row < 0 ? 0 : row) * K + 8 * q, row >= 0);
+    }
+    hopper::cp_async_mbar_arrive(bar);
+    if (!(skip & 1)) hopper::mbar_wait(bar, 0);
+    if (!(skip & 2)) hopper::fence_proxy_async();
+    float acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    hopper::wgmma_fence();
+    const uint32_t a0 = hopper::smem_addr(sA), b0 = hopper::smem_addr(sB);
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        const uint64_t da = hopper::smem_desc(a0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024, hopper::kSwizzle128B);
+        const uint64_t db = hopper::smem_desc(b0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024, hopper::kSwizzle128B);
+        hopper::Wgmma64<T, false>::run(acc, da, db, k0 > 0);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_regs(acc);
+    if (skip & 1) hopper::mbar_wait(bar, 0);  // the copies are done before the block exits
+    const int w = tid / 32, g = (tid % 32) / 4, c = tid % 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) d[(16 * w + g + 8 * h) * 64 + 8 * i + 2 * c + e] = acc[4 * i + 2 * h + e];
+}
+}  // namespace
+
+// a [64][K], b [nrows][K] (fp16 or bf16, mtp_dtype), sel [64], d [64][64]; K a multiple of 64, at most 576.
+extern "C" cudaError_t mtp_probe_gather(int dtype, const void* a, const void* b, const int* sel, float* d, int K,
+                                        int skip, cudaStream_t stream) {
+    if ((dtype != MTP_DTYPE_F16 && dtype != MTP_DTYPE_BF16) || K <= 0 || K % 64 != 0 || K > 576 || !a || !b || !sel ||
+        !d)
+        return cudaErrorInvalidValue;
+#ifndef MTP_EMULATE_DEVICE
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev))
+        return cudaErrorNoDevice;
+    if (major != 9 || minor != 0) return cudaErrorNotSupported;
+#endif
+    const size_t smem = 1024 + 2 * static_cast<size_t>(K / 64) * kSlice + 64;
+    cudaError_t err;
+    if (dtype == MTP_DTYPE_F16) {
+        if ((err = cudaFuncSetAttribute(gather_probe_kernel<__half>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem))) != cudaSuccess)
+            return err;
+        gather_probe_kernel<__half><<<1, 128, smem, stream>>>(static_cast<const __half*>(a),
+                                                              static_cast<const __half*>(b), sel, d, K, skip);
+    } else {
+        if ((err = cudaFuncSetAttribute(gather_probe_kernel<__nv_bfloat16>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) !=
+            cudaSuccess)
+            return err;
+        gather_probe_kernel<__nv_bfloat16><<<1, 128, smem, stream>>>(static_cast<const __nv_bfloat16*>(a),
+                                                                     static_cast<const __nv_bfloat16*>(b), sel, d, K,
+                                                                     skip);
+    }
+    return cudaGetLastError();
+}

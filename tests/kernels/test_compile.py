@@ -152,11 +152,36 @@ def test_library_host_functions_without_gpu(tmp_path, monkeypatch):
         lib.mla_sparse_decode("bfloat16", 16, 16, 16, 0, 16, 16, 0, 0, 40000, 2, 16, 512, 64, 704, 100, 8, 0.1, 1)
     lib.mla_sparse_decode("bfloat16", 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 16, 512, 64, 704, 100, 8, 0.1, 1)  # B = 0
 
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+@pytest.mark.slow
+def test_v3_fits_one_block_per_sm(compiled):
+    """v3 on sm_90a (dense and sparse launches, one kernel): its 256 threads' registers fit the SM's 65,536 and its
+    shared memory (the dynamic V3_BYTES of mla_decode.cu plus any static) the 227 KB one block may opt in to."""
+    res, _, _ = compiled
+    log = next(r.log for r in res if r.source == "mla_decode.cu")
+    regs, cur = {}, None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            cur = m.group(1) if m.group(2) == "sm_90a" and "mla_v3_kernel" in m.group(1) else None
+        elif cur and (m := _USED.search(line)):
+            regs[cur] = (int(m.group(1)), int(m.group(2) or 0))
+            cur = None
+    assert len(regs) == 2, regs
+    src = (cuda_lib.KERNEL_DIR / "mla_decode.cu").read_text()
+    dyn = int(re.search(r"V3_BYTES = 1024 \+ V3_M_OFF \+ 256;\s*// ([\d,]+) bytes", src).group(1).replace(",", ""))
+    for name, (r, static) in regs.items():
+        print(f"{name}: {r} registers, {static} + {dyn} bytes of shared memory")
+        assert r * 256 <= 65536 and r <= 255, name
+        assert static + dyn <= 227 * 1024, name
+
 
 @pytest.mark.slow
 def test_v3_runs_on_warpgroup_mma_and_tma(compiled):
-    """sm_90a SASS of the MLA kernels: v3's products are HGMMA (64x64x16) and its loads UTMALDG (TMA), with no
-    local memory; needs cuobjdump (set CUOBJDUMP; pip's nvidia-cuda-cuobjdump carries one, with nvidia-cuda-nvdisasm)."""
+    """sm_90a SASS of the MLA kernels: v3's products are HGMMA (64x64x16) and its loads UTMALDG (TMA; a sparse list's
+    rows LDGSTS, cp.async), with no local memory; needs cuobjdump (set CUOBJDUMP; pip's nvidia-cuda-cuobjdump carries
+    one, with nvidia-cuda-nvdisasm)."""
     import subprocess
 
     from .test_hopper import find_cuobjdump
@@ -171,4 +196,5 @@ def test_v3_runs_on_warpgroup_mma_and_tma(compiled):
     assert len(v3) == 2
     for blk in v3:
         assert blk.count("HGMMA.64x64x16.F32") >= 8 and "UTMALDG.3D" in blk, blk.splitlines()[0]
+        assert "LDGSTS" in blk, blk.splitlines()[0]  # sparse lists: the listed rows by cp.async
         assert "LDL" not in blk and "STL" not in blk

@@ -6,6 +6,9 @@ shared memory addressed by descriptors in the 128-byte swizzle, through tests/ke
   before the wait changes the result (the emulation runs wgmma when its group is waited for);
 * TMA: a 3-D box lands 128-byte swizzled as the emulation assumes (inside the tensor, and zero-filled past its
   rows, columns and matrices), landing at issue and at the wait;
+* cp.async onto an mbarrier (v3's sparse tiles): rows gathered by a list (-1: zeros) into the swizzled K-major
+  layout and multiplied by wgmma equal the plain product, landing at issue and at the wait; a wgmma issued without
+  waiting for the barrier, or without fence.proxy.async after the wait, aborts the emulation;
 * nvcc for sm_90a: the probe assembles to HGMMA, with no spill;
 * on a Hopper GPU (marker gpu): the same probe against the same plain product -- the check of the emulation's
   layouts against the hardware."""
@@ -67,6 +70,23 @@ def tma_case(call, x, y, z, seed=0):
     return call(t, x, y, z), want
 
 
+GATHER_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+               ctypes.c_int, ctypes.c_void_p]
+
+
+def gather_case(call, *, K, dtype, seed=0, skip=0):
+    """A [64, K] times 64 rows of b [100, K] picked by a list with -1 slots (zero rows), through
+    `call(dtype_code, a, b, sel, K, skip) -> [64, 64]`: (got, want)."""
+    rng = np.random.default_rng(seed)
+    a_s, a = storage(rng.standard_normal((64, K)), dtype)
+    b_s, b = storage(rng.standard_normal((100, K)), dtype)
+    sel = rng.permutation(100)[:64].astype(np.int32)
+    sel[[3, 17, 40, 63]] = -1
+    b_sel = np.zeros((64, K))
+    b_sel[sel >= 0] = b[sel[sel >= 0]]
+    return call(CODES[dtype], a_s, b_s, sel, K, skip), a @ b_sel.T
+
+
 @pytest.fixture(scope="module")
 def emu_lib_probe():
     if (why := emu_build.unavailable_reason()) is not None:
@@ -126,6 +146,51 @@ def test_emulated_wgmma_is_a_matrix_product(emu_probe, dtype, trans_b, K):
     assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))  # |a . b| ~ sqrt(K)
 
 
+@pytest.fixture(scope="module")
+def emu_gather(emu_lib_probe):
+    fn = emu_lib_probe.mtp_probe_gather
+    fn.restype, fn.argtypes = ctypes.c_int, GATHER_ARGS
+
+    def call(code, a, b, sel, K, skip):
+        d = np.full((64, 64), np.nan, np.float32)
+        a, b, sel = np.ascontiguousarray(a), np.ascontiguousarray(b), np.ascontiguousarray(sel)
+        assert fn(code, a.ctypes.data, b.ctypes.data, sel.ctypes.data, d.ctypes.data, K, skip, None) == 0
+        return d
+
+    return call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+@pytest.mark.parametrize("dtype,K", [("bfloat16", 576), ("float16", 64)])
+def test_emulated_cp_async_gather_onto_an_mbarrier(emu_gather, monkeypatch, mode, dtype, K):
+    monkeypatch.setenv("MTP_EMU_TMA", mode)
+    got, want = gather_case(emu_gather, K=K, dtype=dtype, seed=K)
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skip,message", [(1, "before its issuing thread waited"), (2, "without fence.proxy.async")],
+                         ids=["no-wait", "no-fence"])
+def test_emulation_refuses_wgmma_on_unwaited_or_unfenced_cp_async_data(emu_lib_probe, skip, message):
+    """The emulation aborts (so the process, here a child) where wgmma reads cp.async data its thread has not waited
+    for on the mbarrier, or reads it without fence.proxy.async after the wait."""
+    import sys
+
+    code = (f"import ctypes, numpy as np\n"
+            f"from tests.kernels.test_hopper import GATHER_ARGS, gather_case\n"
+            f"fn = ctypes.CDLL({emu_lib_probe._name!r}).mtp_probe_gather\n"
+            f"fn.restype, fn.argtypes = ctypes.c_int, GATHER_ARGS\n"
+            f"def call(code, a, b, sel, K, skip):\n"
+            f"    d = np.zeros((64, 64), np.float32)\n"
+            f"    fn(code, a.ctypes.data, b.ctypes.data, sel.ctypes.data, d.ctypes.data, K, skip, None)\n"
+            f"    return d\n"
+            f"gather_case(call, K=64, dtype='bfloat16', skip={skip})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_emulated_wgmma_reads_its_operands_at_the_wait(emu_probe):
     """An operand overwritten between issue and wait changes the product under the emulation: a kernel that reuses
@@ -158,7 +223,7 @@ def test_probe_builds_for_sm90a_without_spills(tmp_path):
     proc = nvcc_probe(tmp_path, "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "probe.cubin"))
     assert proc.returncode == 0, proc.stderr
     spills = [ln for ln in proc.stderr.splitlines() if "bytes spill" in ln]
-    assert len(spills) == 5 and all(ln.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for ln in spills)
+    assert len(spills) == 7 and all(ln.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for ln in spills)
     ptx = nvcc_probe(tmp_path, "-ptx", "-o", str(tmp_path / "probe.ptx"))
     assert ptx.returncode == 0, ptx.stderr
     text = (tmp_path / "probe.ptx").read_text()
@@ -233,7 +298,27 @@ def gpu_probe(tmp_path: Path):
         rt.cudaFree(dst)
         return out
 
+    def gather(code, a, b, sel, K, skip):
+        ptrs = []
+        for arr in (a, b, sel):
+            arr = np.ascontiguousarray(arr)
+            p = ck(rt.cudaMalloc(arr.nbytes))
+            ck(rt.cudaMemcpy(p, arr.ctypes.data, arr.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+            ptrs.append(p)
+        d = ck(rt.cudaMalloc(64 * 64 * 4))
+        ck(rt.cudaMemset(d, 0xFF, 64 * 64 * 4))
+        fg = lib.mtp_probe_gather
+        fg.restype, fg.argtypes = ctypes.c_int, GATHER_ARGS
+        assert fg(code, int(ptrs[0]), int(ptrs[1]), int(ptrs[2]), int(d), K, skip, None) == 0
+        ck(rt.cudaDeviceSynchronize())
+        out = np.empty((64, 64), np.float32)
+        ck(rt.cudaMemcpy(out.ctypes.data, d, out.nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        for p in (*ptrs, d):
+            rt.cudaFree(p)
+        return out
+
     call.tma = tma
+    call.gather = gather
     return call
 
 
@@ -253,3 +338,13 @@ def test_tma_swizzle_on_hopper(tmp_path, box):
     """The 128-byte swizzle TMA writes is the one the emulation (and v3's P and zeroed rows) assume."""
     got, want = tma_case(gpu_probe(tmp_path).tma, *box)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,K", [("bfloat16", 576), ("float16", 64)])
+def test_cp_async_gather_onto_an_mbarrier_on_hopper(tmp_path, dtype, K):
+    """v3's sparse tiles on the hardware: rows gathered by cp.async into the swizzled layout, completing on an
+    mbarrier (cp.async.mbarrier.arrive.noinc), fenced for the async proxy and read by wgmma."""
+    got, want = gather_case(gpu_probe(tmp_path).gather, K=K, dtype=dtype, seed=K)
+    assert not np.isnan(got).any()
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))

@@ -76,11 +76,15 @@ struct Warp {
 struct Mbar {
     long expected = 0, pending = 0, tx = 0;
     unsigned phase = 0;
+    long completed = 0;                            // phases completed so far
+    bool cp_async_now = false, cp_async_last = false;  // cp.async copies arrived in the current / last completed phase
 };
-struct TmaCopy {  // a TMA box copy not yet landed (deferred mode)
+struct TmaCopy {  // a TMA box copy (or a thread's cp.async copies and their mbarrier arrival) not yet landed
     uint32_t bar;
     long bytes;
     std::function<void()> copy;
+    long arrivals = 0;  // cp_async_mbar_arrive: one arrival when the copies land
+    std::vector<uint32_t> chunks;  // cp_async_mbar_arrive: the shared offsets its copies write
 };
 
 struct Block {
@@ -91,6 +95,9 @@ struct Block {
     std::condition_variable hcv;
     std::map<uint32_t, Mbar> mbars;  // by shared-memory offset
     std::vector<TmaCopy> tma;
+    // per 16-byte chunk of shared memory written by cp.async copies handed to an mbarrier: (barrier offset << 32) |
+    // the number of the phase they complete in (emu_hopper.h checks that wgmma reads them only after waiting for it)
+    std::vector<uint64_t> cp_tag;
 };
 
 struct PendingCopy {
@@ -110,10 +117,15 @@ struct Ctx {
     std::vector<Block*>* cluster_blocks = nullptr;
     std::vector<PendingCopy> open;
     std::vector<std::vector<PendingCopy>> groups;
+    std::vector<void*> issued;  // cp.async destinations since the last cp_async_wait / cp_async_mbar_arrive
     // wgmma (emu_hopper.h): issued operations not yet committed, and the committed groups not yet waited for; each
     // runs (reads shared memory, updates the issuing thread's accumulators) when a wait retires its group
     std::vector<std::function<void()>> wg_open;
     std::vector<std::vector<std::function<void()>>> wg_groups;
+    // mbarriers (emu_hopper.h): the phases this thread has seen complete, per barrier offset; whether it waited for a
+    // phase cp.async copies completed in and has not executed fence.proxy.async since
+    std::vector<std::pair<uint32_t, long>> seen;
+    bool unfenced = false;
 };
 inline thread_local Ctx ctx;
 
@@ -123,6 +135,13 @@ inline bool deferred_cp_async() {
         return e && std::strcmp(e, "deferred") == 0;
     }();
     return on;
+}
+
+// MTP_EMU_TMA=deferred: TMA boxes and the cp.async copies a thread hands to an mbarrier (emu_hopper.h) land at the
+// first wait on the barrier (read at every copy: tests switch it between launches).
+inline bool deferred_tma() {
+    const char* e = std::getenv("MTP_EMU_TMA");
+    return e && std::strcmp(e, "deferred") == 0;
 }
 
 inline unsigned char* dyn_smem() { return ctx.block->smem.data(); }
@@ -165,6 +184,9 @@ void run_grid(K kernel, dim3 g, dim3 b, size_t smem, unsigned cluster, Args... a
                             ctx.cluster_bar = cluster > 1 ? &cluster_bar : nullptr;
                             ctx.cluster_blocks = &members;
                             ctx.open.clear();
+                            ctx.seen.clear();
+                            ctx.issued.clear();
+                            ctx.unfenced = false;
                             ctx.groups.clear();
                             ctx.wg_open.clear();
                             ctx.wg_groups.clear();
@@ -210,6 +232,16 @@ T emu_shfl(T v, int src, bool keep_own) {
 }
 template <typename T> T __shfl_xor_sync(unsigned, T v, int m, int = 32) { return emu_shfl(v, emu::ctx.lane ^ m, false); }
 template <typename T> T __shfl_sync(unsigned, T v, int src, int = 32) { return emu_shfl(v, src, false); }
+inline unsigned __ballot_sync(unsigned, int pred) {
+    emu::Warp& w = *emu::ctx.warp;
+    w.slot[emu::ctx.lane] = pred ? 1u : 0u;
+    w.bar.arrive_and_wait();
+    unsigned r = 0;
+    for (int l = 0; l < 32; ++l)
+        if (w.slot[l]) r |= 1u << l;
+    w.bar.arrive_and_wait();
+    return r;
+}
 template <typename T> T __shfl_up_sync(unsigned, T v, unsigned d, int = 32) {
     return emu_shfl(v, emu::ctx.lane - static_cast<int>(d), emu::ctx.lane < static_cast<int>(d));
 }

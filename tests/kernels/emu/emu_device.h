@@ -7,6 +7,7 @@
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
     ++emu::counts[emu::kCpAsync];
+    emu::ctx.issued.push_back(smem);
     if (pred && emu::trace.on) {
         const unsigned long long id = emu::ctx.bid.x | (static_cast<unsigned long long>(emu::ctx.bid.y) << 21) |
                                       (static_cast<unsigned long long>(emu::ctx.bid.z) << 42);
@@ -14,7 +15,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
         emu::trace.rows.push_back(id);
         emu::trace.rows.push_back(reinterpret_cast<unsigned long long>(gmem));
     }
-    if (emu::deferred_cp_async()) {
+    if (emu::deferred_cp_async() || emu::deferred_tma()) {
         emu::ctx.open.push_back({smem, gmem, pred});
         return;
     }
@@ -28,6 +29,7 @@ __device__ __forceinline__ void cp_async_commit() {
     emu::ctx.open.clear();
 }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
+    emu::ctx.issued.clear();
     auto& gs = emu::ctx.groups;
     while (gs.size() > static_cast<size_t>(N)) {
         for (const auto& c : gs.front()) {

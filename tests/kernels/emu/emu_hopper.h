@@ -11,7 +11,7 @@
 inline uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(static_cast<const unsigned char*>(p) - emu::ctx.block->smem.data());
 }
-inline void fence_proxy_async() {}
+inline void fence_proxy_async() { emu::ctx.unfenced = false; }
 inline void wgmma_fence() {}
 inline void fence_regs(float (&)[32]) {}
 
@@ -33,6 +33,22 @@ inline uint32_t emu_operand_offset(uint64_t desc, int mn, int k, bool mn_major) 
     std::abort();
 }
 
+// A wgmma operand element written by cp.async copies handed to an mbarrier: the issuing thread must have waited for
+// the phase they completed in (`seen`, its phases at issue) -- or another thread's wait would have landed them.
+inline void emu_check_visible(uint32_t off, const std::vector<std::pair<uint32_t, long>>& seen) {
+    std::vector<uint64_t>& tags = emu::ctx.block->cp_tag;
+    if (off / 16 >= tags.size()) return;
+    const uint64_t tag = std::atomic_ref<uint64_t>(tags[off / 16]).load(std::memory_order_relaxed);
+    if (!tag) return;
+    const uint32_t bar = static_cast<uint32_t>(tag >> 32);
+    const long phase = static_cast<long>(tag & 0xffffffffu);
+    for (const auto& e : seen)
+        if (e.first == bar && e.second >= phase) return;
+    std::fprintf(stderr, "emu_hopper: wgmma reads shared offset %u, written by cp.async copies completing phase %ld of "
+                         "the mbarrier at %u, before its issuing thread waited for that phase\n", off, phase, bar);
+    std::abort();
+}
+
 template <typename T> inline float emu_smem_value(uint32_t off) {
     const std::vector<unsigned char>& smem = emu::ctx.block->smem;
     if (off + 2 > smem.size()) {
@@ -50,15 +66,24 @@ template <typename T, bool TRANS_B> struct Wgmma64 {
         const int t = static_cast<int>(emu::ctx.tid.x + emu::ctx.bdim.x * (emu::ctx.tid.y + emu::ctx.bdim.y * emu::ctx.tid.z));
         const int w = (t / 32) % 4, g = (t % 32) / 4, c = t % 4;
         float* acc = d;
+        if (emu::ctx.unfenced) {
+            std::fprintf(stderr, "emu_hopper: wgmma issued after a wait for cp.async data without fence.proxy.async\n");
+            std::abort();
+        }
+        const std::vector<std::pair<uint32_t, long>> seen = emu::ctx.seen;
         emu::ctx.wg_open.push_back([=]() {
             for (int i = 0; i < 8; ++i)
                 for (int h = 0; h < 2; ++h)
                     for (int e = 0; e < 2; ++e) {
                         const int r = 16 * w + g + 8 * h, n = 8 * i + 2 * c + e;
                         float s = 0.f;
-                        for (int k = 0; k < 16; ++k)
-                            s += emu_smem_value<T>(emu_operand_offset(da, r, k, false)) *
-                                 emu_smem_value<T>(emu_operand_offset(db, n, k, TRANS_B));
+                        for (int k = 0; k < 16; ++k) {
+                            const uint32_t oa = emu_operand_offset(da, r, k, false);
+                            const uint32_t ob = emu_operand_offset(db, n, k, TRANS_B);
+                            emu_check_visible(oa, seen);
+                            emu_check_visible(ob, seen);
+                            s += emu_smem_value<T>(oa) * emu_smem_value<T>(ob);
+                        }
                         float& out = acc[4 * i + 2 * h + e];
                         out = (accumulate ? out : 0.f) + s;
                     }
@@ -82,10 +107,7 @@ template <int N> inline void wgmma_wait() {
 // bytes.  TMA copies land at issue (MTP_EMU_TMA unset or "immediate": a stage refilled while it is still being read
 // corrupts the reader) or when a thread first waits on their barrier ("deferred": data read without waiting is
 // stale); the tests run both.  The trace (mtp_emu_trace) records every 16-byte chunk a box reads inside the tensor.
-inline bool emu_tma_deferred() {  // read at every copy: tests switch it between launches
-    const char* e = std::getenv("MTP_EMU_TMA");
-    return e && std::strcmp(e, "deferred") == 0;
-}
+inline bool emu_tma_deferred() { return emu::deferred_tma(); }
 
 struct EmuTensorMap {  // what encode_tensor_map_3d stores in the CUtensorMap under the emulation
     const unsigned char* base;
@@ -107,6 +129,9 @@ inline bool encode_tensor_map_3d(CUtensorMap* map, const void* base, uint64_t co
 inline void emu_mbar_complete_if_done(emu::Mbar& b) {  // under hmu
     if (b.pending == 0 && b.tx == 0) {
         b.phase ^= 1u;
+        ++b.completed;
+        b.cp_async_last = b.cp_async_now;
+        b.cp_async_now = false;
         b.pending = b.expected;
         emu::ctx.block->hcv.notify_all();
     }
@@ -131,31 +156,91 @@ inline void mbar_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
 inline void emu_land(emu::TmaCopy& c) {  // under hmu
     c.copy();
     auto& b = emu::ctx.block->mbars.at(c.bar);
+    if (c.arrivals) {
+        std::vector<uint64_t>& tags = emu::ctx.block->cp_tag;
+        const uint64_t tag = (static_cast<uint64_t>(c.bar) << 32) | static_cast<uint64_t>(b.completed + 1);
+        for (uint32_t off : c.chunks)
+            std::atomic_ref<uint64_t>(tags.at(off / 16)).store(tag, std::memory_order_relaxed);
+        b.cp_async_now = true;
+    }
     b.tx -= c.bytes;
+    b.pending -= c.arrivals;
+    if (b.pending < 0) {
+        std::fprintf(stderr, "emu_hopper: more arrivals on an mbarrier phase than its count\n");
+        std::abort();
+    }
     emu_mbar_complete_if_done(b);
+}
+// cp.async.mbarrier.arrive.noinc: the thread's cp.async copies not yet landed (MTP_EMU_CP_ASYNC=deferred or
+// MTP_EMU_TMA=deferred; committed or not -- the emulation takes them out of their groups) land together with one
+// arrival on `bar`: at once, or (MTP_EMU_TMA=deferred) at the first wait on the barrier, so a reader that does not
+// wait for the phase reads stale shared memory.
+inline void cp_async_mbar_arrive(uint64_t* bar) {
+    std::vector<emu::PendingCopy> mine;
+    for (auto& g : emu::ctx.groups) mine.insert(mine.end(), g.begin(), g.end());
+    mine.insert(mine.end(), emu::ctx.open.begin(), emu::ctx.open.end());
+    emu::ctx.groups.clear();
+    emu::ctx.open.clear();
+    auto copy = [mine]() {
+        for (const auto& c : mine) {
+            if (c.pred)
+                std::memcpy(c.dst, c.src, 16);
+            else
+                std::memset(c.dst, 0, 16);
+        }
+    };
+    emu::TmaCopy c{smem_addr(bar), 0, copy, 1};
+    for (void* dst : emu::ctx.issued) c.chunks.push_back(smem_addr(dst));  // landed at issue or with this arrival
+    emu::ctx.issued.clear();
+    std::lock_guard<std::mutex> lock(emu::ctx.block->hmu);
+    if (emu::ctx.block->cp_tag.empty()) emu::ctx.block->cp_tag.assign(emu::ctx.block->smem.size() / 16 + 1, 0);
+    if (emu::ctx.block->mbars.find(c.bar) == emu::ctx.block->mbars.end()) {
+        std::fprintf(stderr, "emu_hopper: cp.async arrival on an mbarrier never initialised\n");
+        std::abort();
+    }
+    if (emu_tma_deferred()) {
+        emu::ctx.block->tma.push_back(std::move(c));
+        emu::ctx.block->hcv.notify_all();
+    } else {
+        emu_land(c);
+    }
 }
 inline void mbar_wait(uint64_t* bar, unsigned parity) {
     emu::Block& blk = *emu::ctx.block;
     const uint32_t off = smem_addr(bar);
     std::unique_lock<std::mutex> lock(blk.hmu);
-    for (size_t i = 0; i < blk.tma.size();) {  // deferred copies on this barrier land now
-        if (blk.tma[i].bar == off) {
-            emu::TmaCopy c = std::move(blk.tma[i]);
-            blk.tma.erase(blk.tma.begin() + static_cast<long>(i));
-            emu_land(c);
-        } else {
-            ++i;
+    auto land = [&] {  // deferred copies on this barrier land now (and those handed to it while this thread waits)
+        for (size_t i = 0; i < blk.tma.size();) {
+            if (blk.tma[i].bar == off) {
+                emu::TmaCopy c = std::move(blk.tma[i]);
+                blk.tma.erase(blk.tma.begin() + static_cast<long>(i));
+                emu_land(c);
+            } else {
+                ++i;
+            }
         }
-    }
+    };
+    land();
     auto it = blk.mbars.find(off);
     if (it == blk.mbars.end()) {
         std::fprintf(stderr, "emu_hopper: wait on an mbarrier never initialised\n");
         std::abort();
     }
-    if (!blk.hcv.wait_for(lock, std::chrono::seconds(60), [&] { return it->second.phase != parity; })) {
+    if (!blk.hcv.wait_for(lock, std::chrono::seconds(60), [&] {
+            land();
+            return it->second.phase != parity;
+        })) {
         std::fprintf(stderr, "emu_hopper: mbarrier wait (parity %u) never completes\n", parity);
         std::abort();
     }
+    bool known = false;  // the phases this thread has now seen complete
+    for (auto& e : emu::ctx.seen)
+        if (e.first == off) {
+            e.second = std::max(e.second, it->second.completed);
+            known = true;
+        }
+    if (!known) emu::ctx.seen.emplace_back(off, it->second.completed);
+    if (it->second.cp_async_last) emu::ctx.unfenced = true;
 }
 
 inline void tma_load_3d(void* dst, const CUtensorMap* map, int x, int y, int z, uint64_t* bar) {
