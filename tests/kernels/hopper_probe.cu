@@ -9,6 +9,39 @@ using namespace mtp;
 
 constexpr int kSlice = 64 * 128;  // one 64-row slice of 64 16-bit values, 128-byte swizzled: 8 atoms of 1024 bytes
 
+// The warpgroup's m64n64 fp32 accumulators (PTX ISA fragment: thread tid's warp w, row group g, column pair c)
+// into d [64][64].
+__device__ void store_d(const float (&acc)[32], float* d, int tid) {
+    const int w = tid / 32, g = (tid % 32) / 4, c = tid % 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) d[(16 * w + g + 8 * h) * 64 + 8 * i + 2 * c + e] = acc[4 * i + 2 * h + e];
+}
+
+// cudaSuccess on a compute capability 9.0 GPU (and under the emulation), else why the probes cannot run.
+cudaError_t need_sm90() {
+#ifndef MTP_EMULATE_DEVICE
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev))
+        return cudaErrorNoDevice;
+    if (major != 9 || minor != 0) return cudaErrorNotSupported;
+#endif
+    return cudaSuccess;
+}
+
+// kernel<<<1, 128, smem>>>(args...) with its dynamic shared memory allowed.
+template <typename... P, typename... A>
+cudaError_t launch_probe(void (*kernel)(P...), size_t smem, cudaStream_t stream, A... args) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    kernel<<<1, 128, smem, stream>>>(args...);
+    return cudaGetLastError();
+}
+
 // overwrite != 0: after issuing, thread 0 zeroes A's shared copy before the wait (a deliberate ordering bug; the
 // emulation, which runs wgmma at the wait, must then give a different product).
 template <typename T, bool TRANS_B>
@@ -51,24 +84,13 @@ __global__ void __launch_bounds__(128, 1) wgmma_probe_kernel(const T* a, const T
     }
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc);
-    const int w = tid / 32, g = (tid % 32) / 4, c = tid % 4;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) d[(16 * w + g + 8 * h) * 64 + 8 * i + 2 * c + e] = acc[4 * i + 2 * h + e];
+    store_d(acc, d, tid);
 }
 
 template <typename T, bool TRANS_B>
 cudaError_t launch(const void* a, const void* b, float* d, int K, int overwrite, cudaStream_t stream) {
-    const size_t smem = 1024 + 2 * static_cast<size_t>(K / 64) * kSlice;
-    cudaError_t err = cudaFuncSetAttribute(wgmma_probe_kernel<T, TRANS_B>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-    wgmma_probe_kernel<T, TRANS_B><<<1, 128, smem, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b), d, K,
-                                                              overwrite);
-    return cudaGetLastError();
+    return launch_probe(wgmma_probe_kernel<T, TRANS_B>, 1024 + 2 * static_cast<size_t>(K / 64) * kSlice, stream,
+                        static_cast<const T*>(a), static_cast<const T*>(b), d, K, overwrite);
 }
 }  // namespace
 
@@ -78,13 +100,7 @@ extern "C" cudaError_t mtp_probe_wgmma(int dtype, const void* a, const void* b, 
                                        int overwrite, cudaStream_t stream) {
     if ((dtype != MTP_DTYPE_F16 && dtype != MTP_DTYPE_BF16) || K <= 0 || K % 64 != 0 || K > 576 || !a || !b || !d)
         return cudaErrorInvalidValue;
-#ifndef MTP_EMULATE_DEVICE
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev))
-        return cudaErrorNoDevice;
-    if (major != 9 || minor != 0) return cudaErrorNotSupported;
-#endif
+    if (cudaError_t err = need_sm90(); err != cudaSuccess) return err;
     if (dtype == MTP_DTYPE_F16)
         return trans_b ? launch<__half, true>(a, b, d, K, overwrite, stream)
                        : launch<__half, false>(a, b, d, K, overwrite, stream);
@@ -120,12 +136,8 @@ extern "C" cudaError_t mtp_probe_tma(const void* base, int cols, int rows, int d
                                      int x, int y, int z, uint16_t* out, cudaStream_t stream) {
     CUtensorMap tm;
     if (!hopper::encode_tensor_map_3d(&tm, base, cols, rows, depth, row_bytes, box_rows)) return cudaErrorInvalidValue;
-    const size_t smem = 1024 + static_cast<size_t>(box_rows) * 128 + 64;
-    cudaError_t err = cudaFuncSetAttribute(tma_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-    tma_probe_kernel<<<1, 128, smem, stream>>>(tm, out, box_rows, x, y, z);
-    return cudaGetLastError();
+    return launch_probe(tma_probe_kernel, 1024 + static_cast<size_t>(box_rows) * 128 + 64, stream, tm, out, box_rows,
+                        x, y, z);
 }
 
 // ---- cp.async onto an mbarrier (MLA decode v3's sparse tiles): D [64][64] fp32 = A [64][K] . B_sel^T, where row n of
@@ -177,13 +189,7 @@ __global__ void __launch_bounds__(128, 1) gather_probe_kernel(const T* a, const 
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc);
     if (skip & 1) hopper::mbar_wait(bar, 0);  // the copies are done before the block exits
-    const int w = tid / 32, g = (tid % 32) / 4, c = tid % 4;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) d[(16 * w + g + 8 * h) * 64 + 8 * i + 2 * c + e] = acc[4 * i + 2 * h + e];
+    store_d(acc, d, tid);
 }
 }  // namespace
 
@@ -193,29 +199,11 @@ extern "C" cudaError_t mtp_probe_gather(int dtype, const void* a, const void* b,
     if ((dtype != MTP_DTYPE_F16 && dtype != MTP_DTYPE_BF16) || K <= 0 || K % 64 != 0 || K > 576 || !a || !b || !sel ||
         !d)
         return cudaErrorInvalidValue;
-#ifndef MTP_EMULATE_DEVICE
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev))
-        return cudaErrorNoDevice;
-    if (major != 9 || minor != 0) return cudaErrorNotSupported;
-#endif
+    if (cudaError_t err = need_sm90(); err != cudaSuccess) return err;
     const size_t smem = 1024 + 2 * static_cast<size_t>(K / 64) * kSlice + 64;
-    cudaError_t err;
-    if (dtype == MTP_DTYPE_F16) {
-        if ((err = cudaFuncSetAttribute(gather_probe_kernel<__half>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem))) != cudaSuccess)
-            return err;
-        gather_probe_kernel<__half><<<1, 128, smem, stream>>>(static_cast<const __half*>(a),
-                                                              static_cast<const __half*>(b), sel, d, K, skip);
-    } else {
-        if ((err = cudaFuncSetAttribute(gather_probe_kernel<__nv_bfloat16>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) !=
-            cudaSuccess)
-            return err;
-        gather_probe_kernel<__nv_bfloat16><<<1, 128, smem, stream>>>(static_cast<const __nv_bfloat16*>(a),
-                                                                     static_cast<const __nv_bfloat16*>(b), sel, d, K,
-                                                                     skip);
-    }
-    return cudaGetLastError();
+    if (dtype == MTP_DTYPE_F16)
+        return launch_probe(gather_probe_kernel<__half>, smem, stream, static_cast<const __half*>(a),
+                            static_cast<const __half*>(b), sel, d, K, skip);
+    return launch_probe(gather_probe_kernel<__nv_bfloat16>, smem, stream, static_cast<const __nv_bfloat16*>(a),
+                        static_cast<const __nv_bfloat16*>(b), sel, d, K, skip);
 }

@@ -113,6 +113,21 @@ def test_v3_sparse_against_the_reference(emu_lib, host, hopper, name, tma):
     assert _count(emu_lib, "wgmma") > wgmma  # v3 ran
 
 
+def _traced(emu_lib, launch) -> tuple[np.ndarray, np.ndarray, int]:
+    """launch() with the emulation's load trace on: each traced load's block and address, and the block barriers
+    passed."""
+    trace = emu_lib.lib.mtp_emu_trace
+    trace.restype, trace.argtypes = ctypes.c_long, [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+    barriers = _count(emu_lib, "syncthreads")
+    trace(1, None, 0)
+    launch()
+    n = trace(0, None, 0)
+    barriers = _count(emu_lib, "syncthreads") - barriers
+    rows = np.zeros(2 * n, np.uint64)
+    trace(0, rows.ctypes.data, n)
+    return rows[0::2], rows[1::2].astype(np.int64), barriers
+
+
 def _sparse_problem(rng, B, S, H, T, K, past, Di=128, holes=True):
     """q, cache [B, T, D + Di], new rows and lists whose -1 slots lie anywhere in the list (holes), as storage."""
     C = D + Di
@@ -172,17 +187,9 @@ def test_v3_sparse_bytes_read_and_two_barriers_per_tile(emu_lib, host, hopper, B
     c_s, _ = to_storage(c32, "bfloat16")
     d_cache = host.upload(c_s)
     d_out, d_ws, ws = G.decode_buffers(host, emu_lib, B * S, 1, H, DL, "bfloat16", P)
-    trace = emu_lib.lib.mtp_emu_trace
-    trace.restype, trace.argtypes = ctypes.c_long, [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
-    barriers = _count(emu_lib, "syncthreads")
-    trace(1, None, 0)
-    emu_lib.mla_sparse_decode("bfloat16", host.upload(q_s), d_cache, host.upload(past), 0, host.upload(sel), d_out,
-                              d_ws, ws, B, S, H, DL, D - DL, D + 128, T, K, 1 / math.sqrt(D), P, 0)
-    n = trace(0, None, 0)
-    barriers = _count(emu_lib, "syncthreads") - barriers
-    rows = np.zeros(2 * n, np.uint64)
-    trace(0, rows.ctypes.data, n)
-    blocks, addrs = rows[0::2], rows[1::2].astype(np.int64)
+    blocks, addrs, barriers = _traced(emu_lib, lambda: emu_lib.mla_sparse_decode(
+        "bfloat16", host.upload(q_s), d_cache, host.upload(past), 0, host.upload(sel), d_out, d_ws, ws, B, S, H, DL,
+        D - DL, D + 128, T, K, 1 / math.sqrt(D), P, 0))
     in_cache = (addrs >= d_cache) & (addrs < d_cache + c_s.nbytes)
     row_bytes = (D + 128) * 2
     listed = np.sort(np.concatenate([b * T + sel[b, s][(sel[b, s] >= 0) & (sel[b, s] < T)]
@@ -255,17 +262,9 @@ def test_v3_schedule_bytes_read_and_two_barriers_per_tile(emu_lib, host, hopper,
     c_s, _ = to_storage(rng.standard_normal((B, T, D)), "bfloat16")
     d_cache = host.upload(c_s)
     d_out, d_ws, ws = G.decode_buffers(host, emu_lib, B, S, H, DL, "bfloat16", P)
-    trace = emu_lib.lib.mtp_emu_trace
-    trace.restype, trace.argtypes = ctypes.c_long, [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
-    barriers = _count(emu_lib, "syncthreads")
-    trace(1, None, 0)
-    emu_lib.mla_decode("bfloat16", host.upload(q_s), d_cache, host.upload(past), 0, 0, d_out, d_ws, ws, B, S, H, DL,
-                       D - DL, T, 1 / math.sqrt(D), P, 0)
-    n = trace(0, None, 0)
-    barriers = _count(emu_lib, "syncthreads") - barriers
-    rows = np.zeros(2 * n, np.uint64)
-    trace(0, rows.ctypes.data, n)
-    blocks, addrs = rows[0::2], rows[1::2].astype(np.int64)
+    blocks, addrs, barriers = _traced(emu_lib, lambda: emu_lib.mla_decode(
+        "bfloat16", host.upload(q_s), d_cache, host.upload(past), 0, 0, d_out, d_ws, ws, B, S, H, DL, D - DL, T,
+        1 / math.sqrt(D), P, 0))
     in_cache = (addrs >= d_cache) & (addrs < d_cache + c_s.nbytes)
     L = np.minimum(past + S, T)
     for mb in range(-(-S * H // 64)):
