@@ -124,6 +124,150 @@ def emu_probe(emu_lib_probe):
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_void_p]
 
+    def call(code, a, b, K, trans_b, overwrite):
+        d = np.full((64, 64), np.nan, np.float32)
+        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+        err = fn(code, a.ctypes.data, b.ctypes.data, d.ctypes.data, K, trans_b, overwrite, None)
+        assert err == 0, f"mtp_probe_wgmma: error {err}"
+        return d
+
+    return call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("trans_b", [0, 1], ids=["B-K-major", "B-MN-major"])
+@pytest.mark.parametrize("K", [64, 576])
+def test_emulated_wgmma_is_a_matrix_product(emu_probe, dtype, trans_b, K):
+    """fp32 accumulation of exact products of 16-bit values: within 8e-5 sqrt(K) (the size of a . b for N(0, 1)
+    rows) of the float64 product."""
+    got, want = probe_case(emu_probe, K=K, trans_b=trans_b, dtype=dtype, seed=K + trans_b)
+    assert not np.isnan(got).any()
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))  # |a . b| ~ sqrt(K)
+
+
+@pytest.fixture(scope="module")
+def emu_gather(emu_lib_probe):
+    fn = emu_lib_probe.mtp_probe_gather
+    fn.restype, fn.argtypes = ctypes.c_int, GATHER_ARGS
+
+    def call(code, a, b, sel, K, skip):
+        d = np.full((64, 64), np.nan, np.float32)
+        a, b, sel = np.ascontiguousarray(a), np.ascontiguousarray(b), np.ascontiguousarray(sel)
+        assert fn(code, a.ctypes.data, b.ctypes.data, sel.ctypes.data, d.ctypes.data, K, skip, None) == 0
+        return d
+
+    return call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["immediate", "deferred"])
+@pytest.mark.parametrize("dtype,K", [("bfloat16", 576), ("float16", 64)])
+def test_emulated_cp_async_gather_onto_an_mbarrier(emu_gather, monkeypatch, mode, dtype, K):
+    monkeypatch.setenv("MTP_EMU_TMA", mode)
+    got, want = gather_case(emu_gather, K=K, dtype=dtype, seed=K)
+    assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skip,message", [(1, "before its issuing thread waited"), (2, "without fence.proxy.async")],
+                         ids=["no-wait", "no-fence"])
+def test_emulation_refuses_wgmma_on_unwaited_or_unfenced_cp_async_data(emu_lib_probe, skip, message):
+    """The emulation aborts (so the process, here a child) where wgmma reads cp.async data its thread has not waited
+    for on the mbarrier, or reads it without fence.proxy.async after the wait."""
+    import sys
+
+    code = (f"import ctypes, numpy as np\n"
+            f"from tests.kernels.test_hopper import GATHER_ARGS, gather_case\n"
+            f"fn = ctypes.CDLL({emu_lib_probe._name!r}).mtp_probe_gather\n"
+            f"fn.restype, fn.argtypes = ctypes.c_int, GATHER_ARGS\n"
+            f"def call(code, a, b, sel, K, skip):\n"
+            f"    d = np.zeros((64, 64), np.float32)\n"
+            f"    fn(code, a.ctypes.data, b.ctypes.data, sel.ctypes.data, d.ctypes.data, K, skip, None)\n"
+            f"    return d\n"
+            f"gather_case(call, K=64, dtype='bfloat16', skip={skip})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_emulated_wgmma_reads_its_operands_at_the_wait(emu_probe):
+    """An operand overwritten between issue and wait changes the product under the emulation: a kernel that reuses
+    a stage before waiting for the wgmma that reads it fails the emulated tests."""
+    got, want = probe_case(emu_probe, K=128, trans_b=0, dtype="bfloat16", overwrite=1)
+    assert np.all(got == 0) and np.abs(want).max() > 1
+
+
+def nvcc_probe(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    nvcc = cuda_lib.find_nvcc()
+    cmd = [str(nvcc), "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
+           "-I", str(cuda_lib.KERNEL_DIR), *flags, str(PROBE)]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, check=False)
+
+
+def find_cuobjdump() -> str | None:
+    """$CUOBJDUMP, else cuobjdump on PATH or beside nvcc."""
+    import os
+
+    if (env := os.environ.get("CUOBJDUMP")) and Path(env).is_file():
+        return env
+    nvcc = cuda_lib.find_nvcc()
+    beside = Path(os.path.realpath(nvcc)).with_name("cuobjdump") if nvcc else None
+    return shutil.which("cuobjdump") or (str(beside) if beside and beside.is_file() else None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cuda_lib.find_nvcc() is None, reason="nvcc not found")
+def test_probe_builds_for_sm90a_without_spills(tmp_path):
+    proc = nvcc_probe(tmp_path, "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "probe.cubin"))
+    assert proc.returncode == 0, proc.stderr
+    spills = [ln for ln in proc.stderr.splitlines() if "bytes spill" in ln]
+    assert len(spills) == 7 and all(ln.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for ln in spills)
+    ptx = nvcc_probe(tmp_path, "-ptx", "-o", str(tmp_path / "probe.ptx"))
+    assert ptx.returncode == 0, ptx.stderr
+    text = (tmp_path / "probe.ptx").read_text()
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in text and "fence.proxy.async" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cuda_lib.find_nvcc() is None, reason="nvcc not found")
+def test_probe_sass_has_hgmma(tmp_path):
+    if (cuobjdump := find_cuobjdump()) is None:
+        pytest.skip("cuobjdump not found (set CUOBJDUMP; pip's nvidia-cuda-cuobjdump carries one)")
+    proc = nvcc_probe(tmp_path, "-cubin", "-o", str(tmp_path / "probe.cubin"))
+    assert proc.returncode == 0, proc.stderr
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "probe.cubin")], capture_output=True, text=True)
+    assert sass.returncode == 0, sass.stderr
+    assert sass.stdout.count("HGMMA.64x64x16") >= 4, sass.stdout[-3000:]  # both dtypes x both layouts
+
+
+def gpu_probe(tmp_path: Path):
+    """The probe built for sm_90a and loaded, where a Hopper GPU and cuda-python are present (else skip)."""
+    try:
+        rt = cuda_lib.import_cudart()
+        err, major = rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, 0)
+        err2, minor = rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, 0)
+    except Exception as e:  # noqa: BLE001 - no cuda-python, no driver
+        pytest.skip(f"no CUDA runtime: {e}")
+    if int(err) or int(err2) or (int(major), int(minor)) != (9, 0):
+        pytest.skip("needs a compute capability 9.0 GPU (H100 / H200)")
+    if cuda_lib.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    so = tmp_path / "probe.so"
+    proc = nvcc_probe(tmp_path, "-shared", "-Xcompiler", "-fPIC", "-o", str(so))
+    assert proc.returncode == 0, proc.stderr
+    lib = ctypes.CDLL(str(so))
+    fn = lib.mtp_probe_wgmma
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_void_p]
+
+    def ck(res):
+        e = res[0] if isinstance(res, tuple) else res
+        assert int(e) == 0, res
+        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
+
     def run(invoke, inputs, out_dtype):
         """inputs copied to the device, a [64, 64] output (0xFF bytes first), invoke(*input pointers, output)."""
         ptrs = []
