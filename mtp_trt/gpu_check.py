@@ -199,11 +199,15 @@ def check(root: Path = ROOT) -> tuple[int, list[str], dict]:
     return status, lines, data
 
 
+TARGET_SHAPES = "64x4096,1x4096,1x131072"  # the (batch, cache) shapes of the GPU issue's targets
+STEP_LIMIT_S = {"tests": 120, "table": 80, "ncu": 90, "report": 30}
+
+
 def kernel_session_steps(out: Path, root: Path = ROOT) -> list[tuple[str, list[str], dict]]:
     """The MLA kernel session on a GPU, in order: (name, command, extra environment).  v2 as it is first (its GPU
-    tests, its tables with lengths uniform and ragged, one Nsight Compute pass on its main kernel at H 128, B 64,
-    T 4096, S 1), then the same for the default path (v3 on compute capability 9: the wgmma layout probe runs among
-    the tests, before any table)."""
+    tests, its tables with lengths uniform and ragged at the target shapes, one Nsight Compute pass on its main kernel
+    at H 128, B 64, T 4096, S 1, printed as text), then the same for the default path (v3 on compute capability 9:
+    the wgmma layout probe runs among the tests, before any table), then the DSA and acceptance tables."""
     py = sys.executable
     tests = [py, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-m", "gpu and not trt",
              str(root / "tests" / "kernels")]
@@ -212,35 +216,72 @@ def kernel_session_steps(out: Path, root: Path = ROOT) -> list[tuple[str, list[s
         steps.append((f"{path}: GPU kernel tests", tests, env))
         for lengths in ("uniform", "ragged"):
             steps.append((f"{path}: MLA table, {lengths} lengths",
-                          [py, "-m", "mtp_trt.plugins.bench_kernels", "--quick", "--mla-only", f"--{lengths}", *force,
-                           "--json", str(out / f"mla-{path}-{lengths}.json")], env))
+                          [py, "-m", "mtp_trt.plugins.bench_kernels", "--mla-only", "--shapes", TARGET_SHAPES,
+                           f"--{lengths}", *force, "--json", str(out / f"mla-{path}-{lengths}.json")], env))
+        rep = out / f"ncu-{path}"
         steps.append((f"{path}: Nsight Compute, main kernel at H128 B64 T4096 S1",
                       ["ncu", "--clock-control", "none", "-k", "regex:mla_v[23]_kernel", "-c", "1", "--set", "full",
-                       "-o", str(out / f"ncu-{path}"), "-f", py, "-m", "mtp_trt.plugins.bench_kernels", "--mla-only",
+                       "-o", str(rep), "-f", py, "-m", "mtp_trt.plugins.bench_kernels", "--mla-only",
                        "--heads", "128", "--seq", "1", "--shapes", "64x4096", "--iters", "1", "--no-torch",
                        "--uniform", *force], env))
+        steps.append((f"{path}: Nsight Compute report as text",
+                      ["ncu", "--import", f"{rep}.ncu-rep", "--page", "details", "--print-units", "base"], {}))
     steps.append(("default: DSA and acceptance tables (ragged)",
-                  [py, "-m", "mtp_trt.plugins.bench_kernels", "--quick", "--json", str(out / "all-ragged.json")], {}))
+                  [py, "-m", "mtp_trt.plugins.bench_kernels", "--quick", "--seq", "1,2", "--json",
+                   str(out / "all-ragged.json")], {}))
     return steps
 
 
-def kernel_session(out: Path, root: Path = ROOT) -> int:
-    """Run kernel_session_steps, each step's output to out/<n>.log and its tail to stdout; 1 if any step failed."""
+def step_limit(cmd: list[str]) -> int:
+    """Seconds a kernel-session step may run (a hung kernel must not eat the session)."""
+    if cmd[0] == "ncu":
+        return STEP_LIMIT_S["report" if "--import" in cmd else "ncu"]
+    return STEP_LIMIT_S["tests" if "pytest" in cmd else "table"]
+
+
+def run_step(cmd: list[str], env: dict, cwd: Path, limit: float) -> tuple[int | None, str]:
+    """(exit status, or None when it ran past `limit` seconds and was killed with its children; its output)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        text = proc.communicate(timeout=limit)[0]
+        return proc.returncode, text
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+
+
+def kernel_session(out: Path, root: Path = ROOT, deadline_s: float = 540.0) -> int:
+    """Run kernel_session_steps, each step's output to out/<n>.log and its tail to stdout, each within its own limit
+    and all within `deadline_s` seconds (later steps are skipped, saying so); 1 if any step failed."""
     import shutil
+    import time
 
     out.mkdir(parents=True, exist_ok=True)
-    status = 0
+    status, end = 0, time.monotonic() + deadline_s
     for n, (name, cmd, env) in enumerate(kernel_session_steps(out, root)):
         if cmd[0] == "ncu" and shutil.which("ncu") is None:
             print(f"== {name}: skipped (ncu not found)")
             continue
-        full_env = {**os.environ, **env,
+        if "--import" in cmd and not Path(cmd[cmd.index("--import") + 1]).is_file():
+            print(f"== {name}: skipped (no report)")
+            continue
+        if (left := end - time.monotonic()) < 10:
+            print(f"== {name}: skipped (the session's {deadline_s:.0f} s are spent)")
+            status = 1
+            continue
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run(cmd, cwd=root, env=full_env, text=True, capture_output=True)
-        (out / f"{n:02d}.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
-        print(f"== {name}: exit status {proc.returncode}")
-        print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:]))
-        status = status or (1 if proc.returncode else 0)
+        t0 = time.monotonic()
+        code, text = run_step(cmd, full_env, root, min(step_limit(cmd), left))
+        took = time.monotonic() - t0
+        (out / f"{n:02d}.log").write_text(f"$ {' '.join(cmd)}\n{text}")
+        print(f"== {name}: " + (f"exit status {code}" if code is not None else "killed: ran past its limit")
+              + f" ({took:.0f} s)")
+        print("\n".join(text.strip().splitlines()[-40:]), flush=True)
+        status = status or (1 if code != 0 else 0)
     return status
 
 
@@ -250,9 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", metavar="DIR",
                     help="instead: the MLA kernel session (v2, then the default path: GPU tests, tables uniform and "
                          "ragged, one Nsight Compute pass each), logs and JSON in DIR")
+    ap.add_argument("--deadline", type=float, default=540.0, metavar="SECONDS",
+                    help="with --kernels: the whole session's time; steps left when it is spent are skipped")
     args = ap.parse_args(argv)
     if args.kernels:
-        return kernel_session(Path(args.kernels))
+        return kernel_session(Path(args.kernels), deadline_s=args.deadline)
     status, lines, data = check()
     print("\n== mtp-trt GPU check ==")
     for line in lines:

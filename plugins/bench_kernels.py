@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -69,6 +70,8 @@ class Bench:
         self.rng = np.random.default_rng(seed)
         self.data = data
         self._stream = None
+        self.ungraphed: dict[str, int] = {}  # why a timing fell back to stream launches -> how many did
+        self.graphed = True  # the last timing ran as one CUDA graph
 
     def ck(self, res, what):
         err = res[0] if isinstance(res, tuple) else res
@@ -132,14 +135,10 @@ class Bench:
             self._stream = self.ck(self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking), "stream")
         return int(self._stream)
 
-    def timed(self, fn, iters: int, warmup: int = 3) -> float:
-        """Milliseconds per call of fn(i, stream) (i = 0, 1, ...): iters calls captured into one CUDA graph, replayed
-        REPLAYS times between events, the median; back-to-back stream launches where capture fails."""
-        rt, stream = self.rt, self.stream()
-        for i in range(warmup):
-            fn(i, stream)
-        self.ck(rt.cudaStreamSynchronize(stream), "sync")
-        graph = None
+    def capture(self, fn, iters: int, stream: int):
+        """(the graph, its executable) of iters calls of fn(i, stream) captured on `stream`, or (None, None) where a
+        launch is refused inside the capture or the capture itself fails (the reason counted in self.ungraphed)."""
+        rt, graph = self.rt, None
         try:
             self.ck(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
                     "capture")
@@ -148,15 +147,32 @@ class Bench:
                     fn(i, stream)
             finally:
                 graph = self.ck(rt.cudaStreamEndCapture(stream), "end capture")
-            launch = self.ck(rt.cudaGraphInstantiate(graph, 0), "instantiate")
-            run = lambda: self.ck(rt.cudaGraphLaunch(launch, stream), "graph launch")  # noqa: E731
-        except (RuntimeError, cuda_lib.CudaKernelError):  # a launch refused inside the capture, or the capture itself
+            return graph, self.ck(rt.cudaGraphInstantiate(graph, 0), "instantiate")
+        except (RuntimeError, cuda_lib.CudaKernelError) as e:
             rt.cudaGetLastError()
-            launch = None
+            if graph is not None:
+                rt.cudaGraphDestroy(graph)
+            self.ungraphed[str(e)] = self.ungraphed.get(str(e), 0) + 1
+            return None, None
 
-            def run():
-                for i in range(iters):
-                    fn(i, stream)
+    def timed(self, fn, iters: int, warmup: int = 3, graph: bool = True) -> float:
+        """Milliseconds per call of fn(i, stream) (i = 0, 1, ...): iters calls captured into one CUDA graph, replayed
+        REPLAYS times between events, the median; back-to-back stream launches where capture fails or `graph` is
+        False."""
+        rt, stream = self.rt, self.stream()
+        for i in range(warmup):
+            fn(i, stream)
+        self.ck(rt.cudaStreamSynchronize(stream), "sync")
+        graph, launch = self.capture(fn, iters, stream) if graph else (None, None)
+        self.graphed = launch is not None
+
+        def run():
+            if launch is not None:
+                self.ck(rt.cudaGraphLaunch(launch, stream), "graph launch")
+                return
+            for i in range(iters):
+                fn(i, stream)
+
         start, end = self.ck(rt.cudaEventCreate(), "event"), self.ck(rt.cudaEventCreate(), "event")
         times = []
         for _ in range(REPLAYS):
@@ -169,7 +185,6 @@ class Bench:
             rt.cudaEventDestroy(ev)
         if launch is not None:
             rt.cudaGraphExecDestroy(launch)
-        if graph is not None:
             rt.cudaGraphDestroy(graph)
         return statistics.median(times)
 
@@ -302,12 +317,23 @@ def device_info(rt, b: Bench) -> dict:
             "global_mem_bytes": int(prop.totalGlobalMem)}
 
 
-def copy_bandwidth(b: Bench, nbytes: int, iters: int) -> float:
+def copy_bandwidth(b: Bench, nbytes: int, iters: int, torch=None) -> tuple[float, str]:
+    """(the device-to-device copy's GB/s counting bytes read and written, by what): the fastest of cudaMemcpyAsync
+    captured in a CUDA graph, cudaMemcpyAsync launched on the stream (a graph's copy node can be much slower) and, where
+    PyTorch has CUDA, its copy kernel: the strongest ceiling, so that the kernels' "% copy" does not flatter them."""
     src, dst = b.alloc(nbytes), b.alloc(nbytes)
     kind = b.rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-    ms = b.timed(lambda i, s: b.ck(b.rt.cudaMemcpyAsync(dst, src, nbytes, kind, s), "cudaMemcpyAsync"), iters)
+    copy = lambda i, s: b.ck(b.rt.cudaMemcpyAsync(dst, src, nbytes, kind, s), "cudaMemcpyAsync")  # noqa: E731
+    best = max((2 * nbytes / (b.timed(copy, iters, graph=g) * 1e-3) / 1e9, f"cudaMemcpyAsync, {how}")
+               for g, how in ((True, "CUDA graph"), (False, "stream launches")))
     b.free_all()
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    if torch is not None:
+        x, y = (torch.empty(nbytes // 4, dtype=torch.float32, device="cuda") for _ in range(2))
+        gbps = 2 * nbytes / (torch_timed(torch, lambda i: y.copy_(x), iters) * 1e-3) / 1e9
+        del x, y
+        torch.cuda.empty_cache()
+        best = max(best, (gbps, f"torch {torch.__version__} Tensor.copy_"))
+    return best
 
 
 def rates(row: dict, prefix: str, ms: float, nbytes: int, flops: int = 0) -> dict:
@@ -414,7 +440,7 @@ def mla_rotation(info: dict, B: int, T: int, H: int, S: int, lens, iters: int) -
 
 
 def bench_mla(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: str, iters: int, flags: int,
-              ragged: bool = True, torch=None) -> dict:
+              ragged: bool = True, torch=None, splits: int | None = None) -> dict:
     """One row of the MLA table: the decode with its KV commit (the S new rows written first, as the runtime calls
     it), checked once against the reference, then timed over copies sized on the rows the lengths make it read."""
     es, D = 2, DL + DR
@@ -429,7 +455,7 @@ def bench_mla(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: 
     new_h, news = b.filled(rot.copies, B * S * D, dtype)
     out = b.alloc(B * S * H * DL * es)
     d_len = b.upload(lens)
-    ns = lib.mla_decode_num_splits(B, S, H, T, info["sm_count"])
+    ns = splits or lib.mla_decode_num_splits(B, S, H, T, info["sm_count"])
     ws_bytes = lib.mla_decode_workspace_size(B, S, H, DL, ns)
     ws = b.alloc(ws_bytes) if ws_bytes else 0
     scale = 1.0 / math.sqrt(192)
@@ -451,7 +477,7 @@ def bench_mla(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: 
         return r | {"mismatch": f"sequences {seqs}: {why}"}
     ms = b.timed(launch, rot.calls)
     b.free_all()
-    r |= {"time_us": ms * 1e3, "GBps": moved / (ms * 1e-3) / 1e9, "TFLOPS": r["flops"] / (ms * 1e-3) / 1e12}
+    r |= {"graph": b.graphed, "time_us": ms * 1e3, "GBps": moved / (ms * 1e-3) / 1e9, "TFLOPS": r["flops"] / (ms * 1e-3) / 1e12}
     if torch is not None and not ragged:
         r["torch_us"] = torch_mla_ms(torch, B, T, H, S, dtype, rot.calls, rot.copies) * 1e3
         r["x_torch"] = r["torch_us"] / r["time_us"]
@@ -659,7 +685,7 @@ def mla_line(r: dict) -> str:
         return f"{head}  OUTPUT MISMATCH, not timed: {r['mismatch']}"
     torch_us = f"{r['torch_us']:>9.1f}" if "torch_us" in r else f"{'-':>9}"
     return (f"{head} {r['time_us']:>9.1f} {r['GBps']:>7.0f} {r['pct_copy']:>6.1f}% {r['TFLOPS']:>7.1f} {torch_us} "
-            f"{fmt_x(r, 'x_torch')}")
+            f"{fmt_x(r, 'x_torch')}{'' if r.get('graph', True) else '  (stream launches)'}")
 
 
 def dsa_line(r: dict, copy_gbps: float) -> str:
@@ -704,6 +730,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--force-v2", action="store_true", help="MLA decode on v2 where v3 (Hopper) would serve it")
     ap.add_argument("--shapes", metavar="BxT,...", help="only these (batch, cache) shapes of the MLA table, e.g. 64x4096")
     ap.add_argument("--mla-only", action="store_true", help="only the MLA decode table")
+    ap.add_argument("--splits", metavar="N,...", help="MLA decode rows at these KV split counts instead of the "
+                    "library's choice (a sweep of its rule)")
     ap.add_argument("--single-stage", action="store_true", help="no cp.async double buffering")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return ap
@@ -733,10 +761,10 @@ def main(argv=None) -> int:
     if args.shapes:
         shapes = [tuple(int(v) for v in bt.lower().split("x")) for bt in args.shapes.split(",")]
     copy_bytes = min(1 << 30, info["global_mem_bytes"] // 8)
-    copy_gbps = copy_bandwidth(b, copy_bytes, 20)
+    copy_gbps, copy_by = copy_bandwidth(b, copy_bytes, 20, torch)
     print(f"device: {info['name']} (sm_{info['compute_capability'].replace('.', '')}, {info['sm_count']} SMs, "
           f"L2 {info['l2_bytes'] >> 20} MiB)")
-    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write, {copy_bytes >> 20} MiB)")
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write, {copy_bytes >> 20} MiB, {copy_by})")
     print(f"data: {args.data} (seed {args.seed}); lengths: {'ragged' if ragged else 'T - S each'}; timing: at least "
           f"{args.iters} calls per CUDA graph over copies of the inputs (L2x: bytes read between two uses of a copy "
           f"over L2), median of {REPLAYS} replays; every output checked against the reference once first; PyTorch: "
@@ -750,18 +778,19 @@ def main(argv=None) -> int:
     print(hdr)
     print("-" * len(hdr))
     results = []
+    sweep = [int(x) for x in args.splits.split(",")] if args.splits else [None]
     for H in [int(x) for x in args.heads.split(",")]:
         for S in [int(x) for x in args.seq.split(",")]:
-            for B, T in shapes:
+            for (B, T), splits in itertools.product(shapes, sweep):
                 if B * T * (DL + DR) * 2 * 2 > info["global_mem_bytes"] * 0.8:
                     continue
-                r = bench_mla(b, lib, info, B, T, H, S, dtype, args.iters, flags, ragged, torch)
+                r = bench_mla(b, lib, info, B, T, H, S, dtype, args.iters, flags, ragged, torch, splits)
                 if "GBps" in r:
                     r["pct_copy"] = 100.0 * r["GBps"] / copy_gbps
                 results.append(r)
                 print(mla_line(r), flush=True)
     if args.mla_only:
-        return finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, [], [])
+        return finish(args, b, info, dtype, flags, ragged, torch, copy_gbps, results, [], [])
     print(f"DeepSeek Sparse Attention {dtype}: mtp_dsa_select ({HI} heads x {DI}, top {TOPK}) | "
           f"mtp_mla_sparse_decode over {TOPK} fresh rows per token (H={H_DSA}, Dl={DL} Dr={DR}):")
     hdr = (f"{'B':>4} {'T':>7} {'S':>2} {'select us':>10} {'GB/s':>6} {'% copy':>7} {'TFLOPS':>7} {'vs torch':>8} "
@@ -786,19 +815,21 @@ def main(argv=None) -> int:
         r = bench_accept(b, lib, info, B, K_ACCEPT, V_ACCEPT, dtype, args.iters)
         accept.append(r)
         print(accept_line(r, copy_gbps), flush=True)
-    return finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, dsa, accept)
+    return finish(args, b, info, dtype, flags, ragged, torch, copy_gbps, results, dsa, accept)
 
 
-def finish(args, info, dtype, flags, ragged, torch, copy_gbps, results, dsa, accept) -> int:
+def finish(args, b, info, dtype, flags, ragged, torch, copy_gbps, results, dsa, accept) -> int:
     mismatches = sum(any(k.endswith("mismatch") for k in r) for r in results + dsa + accept)
     if mismatches:
         print(f"{mismatches} row(s) with an output that does not match the reference: those kernels were not timed")
+    for why, n in b.ungraphed.items():
+        print(f"{n} timing(s) on back-to-back stream launches, not one CUDA graph (host time included), because: {why}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": info, "dtype": dtype, "flags": flags, "data": args.data, "seed": args.seed,
                        "ragged": ragged, "iters": args.iters, "torch": torch.__version__ if torch else None,
                        "copy_GBps": copy_gbps, "mla_decode": results, "dsa": dsa, "accept": accept,
-                       "mismatches": mismatches}, f, indent=2)
+                       "mismatches": mismatches, "ungraphed": b.ungraphed}, f, indent=2)
         print(f"wrote {args.json}")
     return 1 if mismatches else 0
 

@@ -117,13 +117,14 @@ def test_missing_test_dependencies_are_named(monkeypatch):
 
 
 def test_kernel_session_runs_v2_first_then_the_default_path(tmp_path):
-    """--kernels DIR: v2 as it is (its GPU tests, its tables uniform and ragged, one Nsight Compute pass at H128 B64
-    S1), then the same on the default path (v3 on Hopper), then the other tables."""
+    """--kernels DIR: v2 as it is (its GPU tests, its tables uniform and ragged at the target shapes, one Nsight
+    Compute pass at H128 B64 S1 and its text), then the same on the default path (v3 on Hopper), then the other
+    tables."""
     steps = gpu_check.kernel_session_steps(tmp_path)
     names = [name for name, _, _ in steps]
-    assert names[:4] == ["v2: GPU kernel tests", "v2: MLA table, uniform lengths", "v2: MLA table, ragged lengths",
-                         "v2: Nsight Compute, main kernel at H128 B64 T4096 S1"]
-    assert [n.split(":")[0] for n in names[4:8]] == ["default"] * 4
+    assert names[:5] == ["v2: GPU kernel tests", "v2: MLA table, uniform lengths", "v2: MLA table, ragged lengths",
+                         "v2: Nsight Compute, main kernel at H128 B64 T4096 S1", "v2: Nsight Compute report as text"]
+    assert [n.split(":")[0] for n in names[5:10]] == ["default"] * 5
     for name, cmd, env in steps[:4]:
         assert env == {"MTP_TRT_MLA_PATH": "v2"}, name
         assert cmd[0] == "ncu" or "pytest" in cmd or "--force-v2" in cmd, name
@@ -131,4 +132,46 @@ def test_kernel_session_runs_v2_first_then_the_default_path(tmp_path):
         assert env == {} and "--force-v2" not in cmd, name
     ncu = steps[3][1]
     assert ncu[:3] == ["ncu", "--clock-control", "none"] and "64x4096" in ncu and "--uniform" in ncu
+    assert steps[4][1][:3] == ["ncu", "--import", f"{ncu[ncu.index('-o') + 1]}.ncu-rep"]
     assert ["--ragged" in cmd for _, cmd, _ in steps[1:3]] == [False, True]
+    for _, cmd, _ in steps[1:3]:  # the issue's target shapes: B64 T4096, B1 T4096, B1 T128k
+        assert cmd[cmd.index("--shapes") + 1] == "64x4096,1x4096,1x131072"
+
+
+def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
+    """A hung kernel must not eat the session: the step and every process it started are killed at its limit."""
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    script = (f"import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pidfile)!r}, 'w').write(str(c.pid)); print('started', flush=True); c.wait()")
+    t0 = time.monotonic()
+    code, text = gpu_check.run_step([sys.executable, "-c", script], dict(os.environ), tmp_path, 3)
+    assert code is None and "started" in text and time.monotonic() - t0 < 30
+    child = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"child {child} still running")
+    assert gpu_check.run_step([sys.executable, "-c", "print('ok'); raise SystemExit(4)"], dict(os.environ),
+                              tmp_path, 30) == (4, "ok\n")
+
+
+def test_kernel_session_skips_what_the_deadline_leaves_no_time_for(tmp_path, monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(gpu_check, "kernel_session_steps",
+                        lambda out, root=None: [("one", [sys.executable, "-c", "print(1)"], {}),
+                                                ("two", [sys.executable, "-c", "import time; time.sleep(30)"], {}),
+                                                ("three", [sys.executable, "-c", "print(3)"], {})])
+    real = gpu_check.run_step
+    monkeypatch.setattr(gpu_check, "run_step", lambda cmd, env, cwd, limit: ran.append(limit) or real(cmd, env, cwd,
+                                                                                                    limit))
+    assert gpu_check.kernel_session(tmp_path, deadline_s=15) == 1
+    out = capsys.readouterr().out
+    assert "== one: exit status 0" in out and "== two: killed: ran past its limit" in out
+    assert "== three: skipped (the session's 15 s are spent)" in out
+    assert len(ran) == 2 and ran[1] <= 15 and (tmp_path / "00.log").read_text().endswith("1\n")

@@ -489,9 +489,10 @@ __global__ void __launch_bounds__(V2_THREADS, 1) mla_v2_kernel(const MlaParams p
     }
 }
 
-// Combine of the persistent grid: one warp per query row of a sequence run by several parts.
+// Combine of the persistent grid: a block per query row of a sequence run by several parts, each of its four warps
+// taking 128 of the row's 512 output columns (one float4 per lane per part: many rows' loads in flight at batch 1).
 // out = sum_k w_k O_k / sum_k w_k l_k, w_k = 2^(m_k - max m); empty parts have m = -inf, l = 0, O = 0 (weight 0).
-constexpr int V2C_THREADS = 128;
+constexpr int V2C_THREADS = 128;  // 4 warps x 128 columns = V2_DL
 
 template <typename T>
 __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaParams p, int nseq) {
@@ -499,8 +500,8 @@ __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaPa
     hopper::grid_dependency_wait();  // launched dependent on v3's main kernel: its partials complete and visible
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int M = p.S * p.H;
-    const long long row = static_cast<long long>(blockIdx.x) * (V2C_THREADS / 32) + warp;
-    if (row >= static_cast<long long>(nseq) * M) return;  // whole warp leaves; no block barrier below
+    const long long row = blockIdx.x;
+    if (row >= static_cast<long long>(nseq) * M) return;
     const int b = static_cast<int>(row / M), m = static_cast<int>(row - static_cast<long long>(b) * M);
     const int2 ss = p.seq_sched[b];
     if (ss.y <= 1) return;  // written directly by its only part
@@ -518,33 +519,23 @@ __global__ void __launch_bounds__(V2C_THREADS) mla_v2_combine_kernel(const MlaPa
     lsum = warp_sum(lsum);
     __syncwarp();
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-    const float4* o = reinterpret_cast<const float4*>(p.opart + base * V2_DL) + lane;
+    const float4* o = reinterpret_cast<const float4*>(p.opart + base * V2_DL) + 32 * warp + lane;
     const size_t step = static_cast<size_t>(M) * V2_DL / 4;  // float4s from one slot to the next
-    float4 a[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) a[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
     for (int k = 0; k < ss.y; ++k) {
         const float w = sw[warp][k];
-        float4 v[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] = o[k * step + 32 * j];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            a[j].x = fmaf(w, v[j].x, a[j].x);
-            a[j].y = fmaf(w, v[j].y, a[j].y);
-            a[j].z = fmaf(w, v[j].z, a[j].z);
-            a[j].w = fmaf(w, v[j].w, a[j].w);
-        }
+        const float4 v = o[k * step];
+        a.x = fmaf(w, v.x, a.x);
+        a.y = fmaf(w, v.y, a.y);
+        a.z = fmaf(w, v.z, a.z);
+        a.w = fmaf(w, v.w, a.w);
     }
-    T* out = static_cast<T*>(p.out) + (static_cast<size_t>(b) * M + m) * V2_DL + 4 * lane;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        uint2 pk;
-        pk.x = pack2<T>(a[j].x * inv, a[j].y * inv);
-        pk.y = pack2<T>(a[j].z * inv, a[j].w * inv);
-        *reinterpret_cast<uint2*>(out + 128 * j) = pk;
-    }
+    uint2 pk;
+    pk.x = pack2<T>(a.x * inv, a.y * inv);
+    pk.y = pack2<T>(a.z * inv, a.w * inv);
+    *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + (static_cast<size_t>(b) * M + m) * V2_DL + 128 * warp +
+                              4 * lane) = pk;
 }
 
 // =============================================================================================
@@ -1582,7 +1573,7 @@ cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, const Commit& co
             err = launch_v2<__nv_bfloat16>(p, nseq, R, KT, smem, stream);
         if (err != cudaSuccess || parts <= 1) return err;
         const long long rows = static_cast<long long>(nseq) * M;
-        const unsigned blocks = static_cast<unsigned>((rows + V2C_THREADS / 32 - 1) / (V2C_THREADS / 32));
+        const unsigned blocks = static_cast<unsigned>(rows);  // one per query row
         if (v3)
             return dtype == MTP_DTYPE_F16
                        ? hopper::launch_pdl(mla_v2_combine_kernel<__half>, dim3(blocks), V2C_THREADS, 0, stream, p, nseq)

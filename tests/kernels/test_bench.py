@@ -64,8 +64,57 @@ def test_timed_falls_back_when_a_launch_fails_inside_the_capture():
         if rt.capturing:
             raise cuda_lib.CudaKernelError("mtp_x: CUDA error 901 (operation not permitted when stream is capturing)")
 
-    assert bk.Bench(rt).timed(fn, iters=3, warmup=1) == 6.0 / 3 and "cudaGraphLaunch" not in rt.log
+    b = bk.Bench(rt)
+    assert b.timed(fn, iters=3, warmup=1) == 6.0 / 3 and "cudaGraphLaunch" not in rt.log
+    why = "mtp_x: CUDA error 901 (operation not permitted when stream is capturing)"
+    assert not b.graphed and b.ungraphed == {why: 1}
+    b.timed(lambda i, stream: None, iters=3, warmup=1)  # the next timing is graphed again; the reason stays counted
+    assert b.graphed and len(b.ungraphed) == 1
 
+
+def test_copy_ceiling_is_the_fastest_copy(monkeypatch):
+    """The "% copy" columns divide by the strongest of three copies: cudaMemcpyAsync captured in a CUDA graph (a copy
+    node can run far below the SMs' copy rate), the same launched on the stream, and PyTorch's copy kernel where
+    PyTorch has CUDA."""
+    class Rt(Recorder):
+        class cudaMemcpyKind:  # noqa: N801 - mirrors cuda-python
+            cudaMemcpyDeviceToDevice = 3
+
+        def cudaMalloc(self, n):  # noqa: N802
+            return (0, 4096)
+
+    class FakeTorch:
+        __version__ = "9.9"
+        float32 = "float32"
+
+        class cuda:  # noqa: N801
+            empty_cache = staticmethod(lambda: None)
+
+        @staticmethod
+        def empty(n, dtype, device):
+            return type("T", (), {"copy_": lambda self, other: None})()
+
+    def bench(graph_ms: float, stream_ms: float):
+        b = bk.Bench(Rt())
+        b.timed = lambda fn, iters, warmup=3, graph=True: graph_ms if graph else stream_ms
+        return b
+
+    gbps = lambda ms: 2 * 4000 / (ms * 1e-3) / 1e9  # noqa: E731
+    assert bk.copy_bandwidth(bench(2.0, 1.0), 4000, 4) == (gbps(1.0), "cudaMemcpyAsync, stream launches")
+    assert bk.copy_bandwidth(bench(1.0, 2.0), 4000, 4) == (gbps(1.0), "cudaMemcpyAsync, CUDA graph")
+    monkeypatch.setattr(bk, "torch_timed", lambda torch, fn, iters: 0.5)
+    assert bk.copy_bandwidth(bench(2.0, 1.0), 4000, 4, FakeTorch) == (gbps(0.5), "torch 9.9 Tensor.copy_")
+    monkeypatch.setattr(bk, "torch_timed", lambda torch, fn, iters: 3.0)
+    assert bk.copy_bandwidth(bench(2.0, 1.0), 4000, 4, FakeTorch) == (gbps(1.0), "cudaMemcpyAsync, stream launches")
+
+
+def test_timed_on_stream_launches_when_asked():
+    rt = Recorder()
+    b = bk.Bench(rt)
+    calls = []
+    assert b.timed(lambda i, stream: calls.append(i), iters=3, warmup=1, graph=False) == 6.0 / 3
+    assert "cudaStreamBeginCapture" not in rt.log and not b.graphed and b.ungraphed == {}
+    assert calls == [0] + [0, 1, 2] * bk.REPLAYS
 
 def test_random_values_are_seeded_bounded_and_distinct():
     for dtype in ("bfloat16", "float16", "float32"):

@@ -195,6 +195,8 @@ def test_mla_benchmark_launches_emulated(emu_lib, small_bench):
     r = bk.bench_mla(bk.Bench(HostRuntime(), seed=1), emu_lib, info, 2, 40, 4, 2, "bfloat16", 1, 0)  # ragged
     assert "mismatch" not in r, r.get("mismatch")
     assert r["ragged"] and 2 * 2 <= r["rows"] < 2 * 40 and r["flops"] == 2 * 2 * 4 * r["rows"] * (80 + 64)
+    r = bk.bench_mla(bk.Bench(HostRuntime(), seed=1), emu_lib, info, 2, 40, 4, 2, "bfloat16", 1, 0, splits=5)
+    assert "mismatch" not in r and r["splits"] == 5  # --splits: the sweep's count, not the library's rule
 
 
 def test_mla_benchmark_does_not_time_a_wrong_output(emu_lib, small_bench, monkeypatch):

@@ -242,8 +242,10 @@ def test_probe_sass_has_hgmma(tmp_path):
     assert sass.stdout.count("HGMMA.64x64x16") >= 4, sass.stdout[-3000:]  # both dtypes x both layouts
 
 
-def gpu_probe(tmp_path: Path):
-    """The probe built for sm_90a and loaded, where a Hopper GPU and cuda-python are present (else skip)."""
+@pytest.fixture(scope="module")
+def gpu_probe(tmp_path_factory):
+    """The probe built once for sm_90a and loaded, where a Hopper GPU and cuda-python are present (else skip)."""
+    tmp_path = tmp_path_factory.mktemp("probe")
     try:
         rt = cuda_lib.import_cudart()
         err, major = rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, 0)
@@ -309,25 +311,25 @@ def gpu_probe(tmp_path: Path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("trans_b", [0, 1], ids=["B-K-major", "B-MN-major"])
 @pytest.mark.parametrize("K", [64, 576])
-def test_wgmma_layouts_on_hopper(tmp_path, dtype, trans_b, K):
-    got, want = probe_case(gpu_probe(tmp_path), K=K, trans_b=trans_b, dtype=dtype, seed=K + trans_b)
+def test_wgmma_layouts_on_hopper(gpu_probe, dtype, trans_b, K):
+    got, want = probe_case(gpu_probe, K=K, trans_b=trans_b, dtype=dtype, seed=K + trans_b)
     assert not np.isnan(got).any()
     assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("box", TMA_BOXES, ids=["inside", "past-rows", "past-cols-and-rows", "last-matrix-last-cols"])
-def test_tma_swizzle_on_hopper(tmp_path, box):
+def test_tma_swizzle_on_hopper(gpu_probe, box):
     """The 128-byte swizzle TMA writes is the one the emulation (and v3's P and zeroed rows) assume."""
-    got, want = tma_case(gpu_probe(tmp_path).tma, *box)
+    got, want = tma_case(gpu_probe.tma, *box)
     assert np.array_equal(got, want)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,K", [("bfloat16", 576), ("float16", 64)])
-def test_cp_async_gather_onto_an_mbarrier_on_hopper(tmp_path, dtype, K):
+def test_cp_async_gather_onto_an_mbarrier_on_hopper(gpu_probe, dtype, K):
     """v3's sparse tiles on the hardware: rows gathered by cp.async into the swizzled layout, completing on an
     mbarrier (cp.async.mbarrier.arrive.noinc), fenced for the async proxy and read by wgmma."""
-    got, want = gather_case(gpu_probe(tmp_path).gather, K=K, dtype=dtype, seed=K)
+    got, want = gather_case(gpu_probe.gather, K=K, dtype=dtype, seed=K)
     assert not np.isnan(got).any()
     assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))
