@@ -200,14 +200,19 @@ def check(root: Path = ROOT) -> tuple[int, list[str], dict]:
 
 
 TARGET_SHAPES = "64x4096,1x4096,1x131072"  # the (batch, cache) shapes of the GPU issue's targets
+SWEEP_SHAPES = "1x64,1x4096,1x131072,64x4096"  # 1x64: what a call costs with next to no attention
+SWEEP_SPLITS = "8,16,32,66,132"
 STEP_LIMIT_S = {"tests": 120, "table": 80, "ncu": 90, "report": 30}
 
 
-def kernel_session_steps(out: Path, root: Path = ROOT) -> list[tuple[str, list[str], dict]]:
+def kernel_session_steps(out: Path, root: Path = ROOT, baseline: Path | None = None) -> list[tuple[str, list[str],
+                                                                                                dict]]:
     """The MLA kernel session on a GPU, in order: (name, command, extra environment).  v2 as it is first (its GPU
     tests, its tables with lengths uniform and ragged at the target shapes, one Nsight Compute pass on its main kernel
     at H 128, B 64, T 4096, S 1, printed as text), then the same for the default path (v3 on compute capability 9:
-    the wgmma layout probe runs among the tests, before any table), then the DSA and acceptance tables."""
+    the wgmma layout probe runs among the tests, before any table), the batch-1 floor and a split-count sweep, with
+    `baseline` (a kernel library) the default path's uniform table on it in the same run, then the DSA and
+    acceptance tables."""
     py = sys.executable
     tests = [py, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-m", "gpu and not trt",
              str(root / "tests" / "kernels")]
@@ -226,6 +231,15 @@ def kernel_session_steps(out: Path, root: Path = ROOT) -> list[tuple[str, list[s
                        "--uniform", *force], env))
         steps.append((f"{path}: Nsight Compute report as text",
                       ["ncu", "--import", f"{rep}.ncu-rep", "--page", "details", "--print-units", "base"], {}))
+    steps.append(("default: batch-1 floor and split sweep",
+                  [py, "-m", "mtp_trt.plugins.bench_kernels", "--mla-only", "--heads", "128,16", "--seq", "1",
+                   "--shapes", SWEEP_SHAPES, "--splits", SWEEP_SPLITS, "--uniform", "--no-torch", "--json",
+                   str(out / "sweep.json")], {}))
+    if baseline is not None:
+        steps.append(("baseline: MLA table, uniform lengths",
+                      [py, "-m", "mtp_trt.plugins.bench_kernels", "--mla-only", "--shapes", TARGET_SHAPES, "--uniform",
+                       "--no-torch", "--json", str(out / "mla-baseline-uniform.json")],
+                      {"MTP_TRT_KERNEL_LIB": str(baseline)}))
     steps.append(("default: DSA and acceptance tables (ragged)",
                   [py, "-m", "mtp_trt.plugins.bench_kernels", "--quick", "--seq", "1,2", "--json",
                    str(out / "all-ragged.json")], {}))
@@ -253,7 +267,7 @@ def run_step(cmd: list[str], env: dict, cwd: Path, limit: float) -> tuple[int | 
         return None, proc.communicate()[0]
 
 
-def kernel_session(out: Path, root: Path = ROOT, deadline_s: float = 540.0) -> int:
+def kernel_session(out: Path, root: Path = ROOT, deadline_s: float = 540.0, baseline: Path | None = None) -> int:
     """Run kernel_session_steps, each step's output to out/<n>.log and its tail to stdout, each within its own limit
     and all within `deadline_s` seconds (later steps are skipped, saying so); 1 if any step failed."""
     import shutil
@@ -261,7 +275,7 @@ def kernel_session(out: Path, root: Path = ROOT, deadline_s: float = 540.0) -> i
 
     out.mkdir(parents=True, exist_ok=True)
     status, end = 0, time.monotonic() + deadline_s
-    for n, (name, cmd, env) in enumerate(kernel_session_steps(out, root)):
+    for n, (name, cmd, env) in enumerate(kernel_session_steps(out, root, baseline)):
         if cmd[0] == "ncu" and shutil.which("ncu") is None:
             print(f"== {name}: skipped (ncu not found)")
             continue
@@ -293,9 +307,15 @@ def main(argv: list[str] | None = None) -> int:
                          "ragged, one Nsight Compute pass each), logs and JSON in DIR")
     ap.add_argument("--deadline", type=float, default=540.0, metavar="SECONDS",
                     help="with --kernels: the whole session's time; steps left when it is spent are skipped")
+    ap.add_argument("--baseline", metavar="LIB",
+                    help="with --kernels: also the default path's uniform table on this kernel library, in the same "
+                         "run (an A/B of a kernel change)")
     args = ap.parse_args(argv)
+    if args.baseline and not Path(args.baseline).is_file():
+        ap.error(f"--baseline {args.baseline}: no such file")
     if args.kernels:
-        return kernel_session(Path(args.kernels), deadline_s=args.deadline)
+        return kernel_session(Path(args.kernels), deadline_s=args.deadline,
+                              baseline=Path(args.baseline).resolve() if args.baseline else None)
     status, lines, data = check()
     print("\n== mtp-trt GPU check ==")
     for line in lines:

@@ -136,6 +136,22 @@ def test_kernel_session_runs_v2_first_then_the_default_path(tmp_path):
     assert ["--ragged" in cmd for _, cmd, _ in steps[1:3]] == [False, True]
     for _, cmd, _ in steps[1:3]:  # the issue's target shapes: B64 T4096, B1 T4096, B1 T128k
         assert cmd[cmd.index("--shapes") + 1] == "64x4096,1x4096,1x131072"
+    sweep = dict((name, cmd) for name, cmd, _ in steps)["default: batch-1 floor and split sweep"]
+    assert sweep[sweep.index("--splits") + 1] == "8,16,32,66,132" and "1x64" in sweep[sweep.index("--shapes") + 1]
+    assert not any(name.startswith("baseline") for name in names)
+
+
+def test_kernel_session_runs_a_baseline_library_in_the_same_session(tmp_path):
+    """--baseline LIB: the default path's uniform table again on another kernel library (an A/B in one GPU call)."""
+    lib = tmp_path / "old.so"
+    steps = gpu_check.kernel_session_steps(tmp_path, baseline=lib)
+    (name, cmd, env), = [s for s in steps if s[0].startswith("baseline")]
+    assert env == {"MTP_TRT_KERNEL_LIB": str(lib)} and "--uniform" in cmd and "--force-v2" not in cmd
+    assert cmd[cmd.index("--shapes") + 1] == gpu_check.TARGET_SHAPES
+    got = subprocess.run([sys.executable, "-m", "mtp_trt.gpu_check", "--kernels", str(tmp_path / "k"), "--baseline",
+                          str(tmp_path / "missing.so")], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(gpu_check.ROOT)})
+    assert got.returncode == 2 and "--baseline" in got.stderr and "missing.so: no such file" in got.stderr
 
 
 def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
@@ -164,7 +180,7 @@ def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
 def test_kernel_session_skips_what_the_deadline_leaves_no_time_for(tmp_path, monkeypatch, capsys):
     ran = []
     monkeypatch.setattr(gpu_check, "kernel_session_steps",
-                        lambda out, root=None: [("one", [sys.executable, "-c", "print(1)"], {}),
+                        lambda out, root=None, baseline=None: [("one", [sys.executable, "-c", "print(1)"], {}),
                                                 ("two", [sys.executable, "-c", "import time; time.sleep(30)"], {}),
                                                 ("three", [sys.executable, "-c", "print(3)"], {})])
     real = gpu_check.run_step
