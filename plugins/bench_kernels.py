@@ -477,7 +477,8 @@ def bench_mla(b: Bench, lib, info: dict, B: int, T: int, H: int, S: int, dtype: 
         return r | {"mismatch": f"sequences {seqs}: {why}"}
     ms = b.timed(launch, rot.calls)
     b.free_all()
-    r |= {"graph": b.graphed, "time_us": ms * 1e3, "GBps": moved / (ms * 1e-3) / 1e9, "TFLOPS": r["flops"] / (ms * 1e-3) / 1e12}
+    r |= {"graph": b.graphed, "time_us": ms * 1e3, "GBps": moved / (ms * 1e-3) / 1e9,
+          "TFLOPS": r["flops"] / (ms * 1e-3) / 1e12}
     if torch is not None and not ragged:
         r["torch_us"] = torch_mla_ms(torch, B, T, H, S, dtype, rot.calls, rot.copies) * 1e3
         r["x_torch"] = r["torch_us"] / r["time_us"]

@@ -34,6 +34,24 @@ cudaError_t need_sm90() {
 }
 
 // kernel<<<1, 128, smem>>>(args...) with its dynamic shared memory allowed.
+// acc = A [64][K] . B (K-major A in 64-value slices; B K-major likewise, or MN-major [K][64] with TRANS_B) issued as
+// K / 16 wgmma m64n64k16 in one commit group, not waited for.
+template <typename T, bool TRANS_B>
+__device__ void issue_product(float (&acc)[32], const void* sA, const void* sB, int K) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    hopper::wgmma_fence();
+    const uint32_t a0 = hopper::smem_addr(sA), b0 = hopper::smem_addr(sB);
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        const uint64_t da = hopper::smem_desc(a0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024, hopper::kSwizzle128B);
+        const uint64_t db = TRANS_B ? hopper::smem_desc(b0 + k0 * 128, 0, 1024, hopper::kSwizzle128B)
+                                    : hopper::smem_desc(b0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024,
+                                                        hopper::kSwizzle128B);
+        hopper::Wgmma64<T, TRANS_B>::run(acc, da, db, k0 > 0);
+    }
+    hopper::wgmma_commit();
+}
+
 template <typename... P, typename... A>
 cudaError_t launch_probe(void (*kernel)(P...), size_t smem, cudaStream_t stream, A... args) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -65,18 +83,7 @@ __global__ void __launch_bounds__(128, 1) wgmma_probe_kernel(const T* a, const T
     hopper::fence_proxy_async();
     __syncthreads();
     float acc[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-    hopper::wgmma_fence();
-    const uint32_t a0 = hopper::smem_addr(sA), b0 = hopper::smem_addr(sB);
-    for (int k0 = 0; k0 < K; k0 += 16) {
-        const uint64_t da = hopper::smem_desc(a0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024, hopper::kSwizzle128B);
-        const uint64_t db = TRANS_B ? hopper::smem_desc(b0 + k0 * 128, 0, 1024, hopper::kSwizzle128B)
-                                    : hopper::smem_desc(b0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024,
-                                                        hopper::kSwizzle128B);
-        hopper::Wgmma64<T, TRANS_B>::run(acc, da, db, k0 > 0);
-    }
-    hopper::wgmma_commit();
+    issue_product<T, TRANS_B>(acc, sA, sB, K);
     if (overwrite) {
         if (tid == 0)
             for (int i = 0; i < (K / 64) * kSlice; ++i) sA[i] = 0;
@@ -176,16 +183,7 @@ __global__ void __launch_bounds__(128, 1) gather_probe_kernel(const T* a, const 
     if (!(skip & 1)) hopper::mbar_wait(bar, 0);
     if (!(skip & 2)) hopper::fence_proxy_async();
     float acc[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-    hopper::wgmma_fence();
-    const uint32_t a0 = hopper::smem_addr(sA), b0 = hopper::smem_addr(sB);
-    for (int k0 = 0; k0 < K; k0 += 16) {
-        const uint64_t da = hopper::smem_desc(a0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024, hopper::kSwizzle128B);
-        const uint64_t db = hopper::smem_desc(b0 + (k0 / 64) * kSlice + (k0 % 64) * 2, 16, 1024, hopper::kSwizzle128B);
-        hopper::Wgmma64<T, false>::run(acc, da, db, k0 > 0);
-    }
-    hopper::wgmma_commit();
+    issue_product<T, false>(acc, sA, sB, K);
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc);
     if (skip & 1) hopper::mbar_wait(bar, 0);  // the copies are done before the block exits
