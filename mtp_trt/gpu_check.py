@@ -208,24 +208,28 @@ STEP_LIMIT_S = {"tests": 120, "table": 80, "ncu": 90, "report": 30}
 def kernel_session_steps(out: Path, root: Path = ROOT, baseline: Path | None = None) -> list[tuple[str, list[str],
                                                                                                 dict]]:
     """The MLA kernel session on a GPU, in order: (name, command, extra environment).  v2 as it is first (its GPU
-    tests, its tables with lengths uniform and ragged at the target shapes, one Nsight Compute pass on its main kernel
-    at H 128, B 64, T 4096, S 1, printed as text), then the same for the default path (v3 on compute capability 9:
-    the wgmma layout probe runs among the tests, before any table), the batch-1 floor and a split-count sweep, with
-    `baseline` (a kernel library) the default path's uniform table on it in the same run, then the DSA and
-    acceptance tables."""
+    tests, its tables with lengths uniform and ragged at the target shapes), then the default path (v3 on compute
+    capability 9: the wgmma layout probe runs among the tests, before any table) and v3's seesaw schedule
+    (MTP_TRT_MLA_PATH=seesaw), each with its tests, its tables and one Nsight Compute pass on its main kernel at
+    H 128, B 64, T 4096, S 1 printed as text; the batch-1 floor and a split-count sweep, with `baseline` (a kernel
+    library) the default path's uniform table on it in the same run, then the DSA and acceptance tables."""
     py = sys.executable
     tests = [py, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-m", "gpu and not trt",
              str(root / "tests" / "kernels")]
     steps = []
-    for path, env, force in (("v2", {"MTP_TRT_MLA_PATH": "v2"}, ["--force-v2"]), ("default", {}, [])):
+    paths = (("v2", {"MTP_TRT_MLA_PATH": "v2"}, ["--force-v2"]), ("default", {}, []),
+             ("seesaw", {"MTP_TRT_MLA_PATH": "seesaw"}, ["--seesaw"]))
+    for path, env, force in paths:
         steps.append((f"{path}: GPU kernel tests", tests, env))
         for lengths in ("uniform", "ragged"):
             steps.append((f"{path}: MLA table, {lengths} lengths",
                           [py, "-m", "mtp_trt.plugins.bench_kernels", "--mla-only", "--shapes", TARGET_SHAPES,
                            f"--{lengths}", *force, "--json", str(out / f"mla-{path}-{lengths}.json")], env))
+        if path == "v2":  # its profile is known; the session's time goes to v3's two schedules
+            continue
         rep = out / f"ncu-{path}"
         steps.append((f"{path}: Nsight Compute, main kernel at H128 B64 T4096 S1",
-                      ["ncu", "--clock-control", "none", "-k", "regex:mla_v[23]_kernel", "-c", "1", "--set", "full",
+                      ["ncu", "--clock-control", "none", "-k", "regex:mla_(v3|seesaw)_kernel", "-c", "1", "--set", "full",
                        "-o", str(rep), "-f", py, "-m", "mtp_trt.plugins.bench_kernels", "--mla-only",
                        "--heads", "128", "--seq", "1", "--shapes", "64x4096", "--iters", "1", "--no-torch",
                        "--uniform", *force], env))

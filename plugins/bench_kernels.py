@@ -729,6 +729,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparisons")
     ap.add_argument("--simt", action="store_true", help="force the SIMT attention path")
     ap.add_argument("--force-v2", action="store_true", help="MLA decode on v2 where v3 (Hopper) would serve it")
+    ap.add_argument("--seesaw", action="store_true", help="MLA decode's dense launches on v3's seesaw schedule "
+                    "(Hopper)")
     ap.add_argument("--shapes", metavar="BxT,...", help="only these (batch, cache) shapes of the MLA table, e.g. 64x4096")
     ap.add_argument("--mla-only", action="store_true", help="only the MLA decode table")
     ap.add_argument("--splits", metavar="N,...", help="MLA decode rows at these KV split counts instead of the "
@@ -757,7 +759,7 @@ def main(argv=None) -> int:
     torch = None if args.no_torch else torch_cuda()
     dtype = {"bf16": "bfloat16", "fp16": "float16"}[args.dtype]
     flags = (cuda_lib.MLA_FORCE_SIMT if args.simt else 0) | (cuda_lib.MLA_SINGLE_STAGE if args.single_stage else 0) | \
-        (cuda_lib.MLA_FORCE_V2 if args.force_v2 else 0)
+        (cuda_lib.MLA_FORCE_V2 if args.force_v2 else 0) | (cuda_lib.MLA_SEESAW if args.seesaw else 0)
     shapes = QUICK_BT if args.quick else CONFIGS_BT
     if args.shapes:
         shapes = [tuple(int(v) for v in bt.lower().split("x")) for bt in args.shapes.split(",")]
@@ -770,7 +772,8 @@ def main(argv=None) -> int:
           f"{args.iters} calls per CUDA graph over copies of the inputs (L2x: bytes read between two uses of a copy "
           f"over L2), median of {REPLAYS} replays; every output checked against the reference once first; PyTorch: "
           f"{'torch ' + torch.__version__ if torch is not None and not ragged else 'not compared'}")
-    path = "SIMT" if args.simt else "v2 forced" if args.force_v2 else "v3" if info["compute_capability"] == "9.0" \
+    hopper = info["compute_capability"] == "9.0"
+    path = "SIMT" if args.simt else "v2 forced" if args.force_v2 else ("v3 seesaw" if args.seesaw else "v3") if hopper \
         else "v2"
     print(f"mtp_mla_decode with its KV commit, {dtype}, Dl={DL} Dr={DR}, {path}"
           f"{' single-stage' if args.single_stage else ''}:")

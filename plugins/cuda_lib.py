@@ -49,6 +49,7 @@ MLA_FORCE_SIMT = 1
 MLA_SINGLE_STAGE = 2
 MLA_FORCE_V1 = 4
 MLA_FORCE_V2 = 8
+MLA_SEESAW = 16
 
 
 class CudaKernelError(MtpTrtError):

@@ -116,23 +116,27 @@ def test_missing_test_dependencies_are_named(monkeypatch):
     assert got == {"error": "cannot run: onnx, typer not installed (pip install -e '.[cpu,dev]' installs them)"}
 
 
-def test_kernel_session_runs_v2_first_then_the_default_path(tmp_path):
-    """--kernels DIR: v2 as it is (its GPU tests, its tables uniform and ragged at the target shapes, one Nsight
-    Compute pass at H128 B64 S1 and its text), then the same on the default path (v3 on Hopper), then the other
-    tables."""
+def test_kernel_session_runs_v2_first_then_the_default_path_then_the_seesaw(tmp_path):
+    """--kernels DIR: v2 as it is (its GPU tests, its tables uniform and ragged at the target shapes), then the default
+    path (v3 on Hopper) and v3's seesaw schedule, each with its tests, its tables and one Nsight Compute pass at H128
+    B64 S1 with its text, then the other tables."""
     steps = gpu_check.kernel_session_steps(tmp_path)
     names = [name for name, _, _ in steps]
-    assert names[:5] == ["v2: GPU kernel tests", "v2: MLA table, uniform lengths", "v2: MLA table, ragged lengths",
-                         "v2: Nsight Compute, main kernel at H128 B64 T4096 S1", "v2: Nsight Compute report as text"]
-    assert [n.split(":")[0] for n in names[5:10]] == ["default"] * 5
-    for name, cmd, env in steps[:4]:
+    assert names[:3] == ["v2: GPU kernel tests", "v2: MLA table, uniform lengths", "v2: MLA table, ragged lengths"]
+    assert [n.split(":")[0] for n in names[3:8]] == ["default"] * 5
+    assert [n.split(":")[0] for n in names[8:13]] == ["seesaw"] * 5
+    for name, cmd, env in steps[:3]:
         assert env == {"MTP_TRT_MLA_PATH": "v2"}, name
-        assert cmd[0] == "ncu" or "pytest" in cmd or "--force-v2" in cmd, name
-    for name, cmd, env in steps[4:]:
-        assert env == {} and "--force-v2" not in cmd, name
-    ncu = steps[3][1]
-    assert ncu[:3] == ["ncu", "--clock-control", "none"] and "64x4096" in ncu and "--uniform" in ncu
-    assert steps[4][1][:3] == ["ncu", "--import", f"{ncu[ncu.index('-o') + 1]}.ncu-rep"]
+        assert "pytest" in cmd or "--force-v2" in cmd, name
+    for name, cmd, env in steps[3:8]:
+        assert env == {} and "--force-v2" not in cmd and "--seesaw" not in cmd, name
+    for name, cmd, env in steps[8:13]:
+        assert env.get("MTP_TRT_MLA_PATH") == "seesaw" or cmd[1] == "--import", name
+        assert cmd[0] == "ncu" or "pytest" in cmd or "--seesaw" in cmd, name
+    for first in (3, 8):
+        ncu = steps[first + 3][1]
+        assert ncu[:3] == ["ncu", "--clock-control", "none"] and "64x4096" in ncu and "--uniform" in ncu
+        assert steps[first + 4][1][:3] == ["ncu", "--import", f"{ncu[ncu.index('-o') + 1]}.ncu-rep"]
     assert ["--ragged" in cmd for _, cmd, _ in steps[1:3]] == [False, True]
     for _, cmd, _ in steps[1:3]:  # the issue's target shapes: B64 T4096, B1 T4096, B1 T128k
         assert cmd[cmd.index("--shapes") + 1] == "64x4096,1x4096,1x131072"

@@ -16,6 +16,8 @@
 //     start + (n / 64) * LBO + (k / 8) * SBO + (k % 8) * 128 + 2 (n % 64)  before the swizzle; a k-step adds 2 SBO.
 // Accumulator fragment of wgmma.m64nNk16 (fp32), warp w of the warpgroup, g = lane / 4, c = lane % 4:
 //   d[4 i + 0 / 1] = D[16 w + g][8 i + 2 c + 0 / 1],  d[4 i + 2 / 3] = D[16 w + g + 8][8 i + 2 c + 0 / 1].
+// Named barriers (bar.sync / bar.arrive with an id and a thread count) let the two warpgroups of a block hand work
+// to each other without stopping the whole block.
 // TMA and mbarriers: a 3-D tensor map over matrices of rows of 16-bit values (encode_tensor_map_3d, host), box copies
 // of 64 values x `rows` rows into a 128-byte-swizzled tile (tma_load_3d), completing on a shared-memory mbarrier whose
 // phases the consumers wait for (mbar_*); elements outside the tensor arrive as zeros.  Rows TMA's tiled mode cannot
@@ -114,6 +116,16 @@ MTP_WGMMA_DEF(__half, "f16")
 MTP_WGMMA_DEF(__nv_bfloat16, "bf16")
 #undef MTP_WGMMA_DEF
 #undef MTP_WGMMA_ASM
+
+// ---- named barriers (ids 1 .. 15; 0 is __syncthreads): `count` threads, whole warps, of the block.  named_sync waits
+// until `count` threads have arrived (itself included); named_arrive counts this thread's warp and goes on, so one
+// warpgroup can signal another (the shared-memory writes before the arrival are visible to the waiters).
+__device__ __forceinline__ void named_sync(unsigned id, unsigned count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(unsigned id, unsigned count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 
 // ---- mbarriers (shared memory, 8 bytes each)
 __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {

@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 
 #include "common.cuh"
 #include "hopper.cuh"
@@ -578,6 +579,211 @@ constexpr size_t V3_Q_OFF = 0, V3_K_OFF = V3_TILE, V3_P_OFF = 3 * V3_TILE, V3_BA
 constexpr size_t V3_ALPHA_OFF = V3_BAR_OFF + 64, V3_L_OFF = V3_ALPHA_OFF + 256, V3_M_OFF = V3_L_OFF + 256;
 constexpr size_t V3_BYTES = 1024 + V3_M_OFF + 256;  // 231,232 bytes
 
+// ---- v3's pieces, shared by its two schedules (warpgroup 128-thread fragments: hopper.cuh)
+
+// A block's start on both schedules: the Q mbarrier and the two KV ones after it initialised (kv_arrivals per phase)
+// and visible to the async proxy and the block; the prologue's commit and schedule awaited (programmatic dependent
+// launch); then the run of the block's part, from tile tf of sequence bf to tile tl (exclusive) of sequence bl --
+// false for an empty part of the persistent grid.
+__device__ __forceinline__ bool v3_begin(const MlaParams& p, uint64_t* bar_q, unsigned kv_arrivals, int& bf, int& tf,
+                                         int& bl, int& tl) {
+    if (threadIdx.x == 0) {
+        hopper::mbar_init(bar_q, 1);
+        hopper::mbar_init(bar_q + 1, kv_arrivals);
+        hopper::mbar_init(bar_q + 2, kv_arrivals);
+        hopper::mbar_init_fence();
+    }
+    __syncthreads();
+    hopper::grid_dependency_wait();  // the prologue's commit and schedule are complete and visible
+    hopper::grid_launch_dependents();
+    if (p.nsplit > 1) {
+        const int4 run = p.part_sched[blockIdx.y];
+        if (run.x < 0) return false;
+        bf = run.x, tf = run.y, bl = run.z, tl = run.w;
+    } else {
+        bf = bl = blockIdx.y;
+        tf = 0;
+        tl = v2_tiles(p, bf, V3_KT);
+    }
+    return true;
+}
+
+// Sequence b's share of the run for query rows up to m_last: committed rows c, rows L after the commit, first tile
+// tb, tiles n (cut at the causal limit), whether the run holds all of its tiles (direct output), its tree mask.
+struct V3Segment {
+    int c, L, tb, n;
+    bool direct;
+    const uint8_t* mask_b;
+};
+__device__ __forceinline__ V3Segment v3_segment(const MlaParams& p, int b, int bf, int tf, int bl, int tl, int m_last) {
+    V3Segment s;
+    s.L = seq_rows(p, b, s.c);
+    const int nt = (s.L + V3_KT - 1) / V3_KT;
+    s.tb = b == bf ? tf : 0;
+    int te = b == bl ? tl : nt;
+    s.direct = s.tb == 0 && te == nt;
+    te = min(te, (tile_rows(p, s.L, s.c, m_last) + V3_KT - 1) / V3_KT);
+    s.n = max(0, te - s.tb);
+    s.mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
+    return s;
+}
+
+// S = Q . K^T of one tile into sc: 36 wgmma m64n64k16, Q and the tile (at kt_base) both K-major from shared memory;
+// one commit group of its own, not waited for.
+template <typename T>
+__device__ __forceinline__ void v3_scores(float (&sc)[32], uint32_t q_base, uint32_t kt_base) {
+#pragma unroll
+    for (int j = 0; j < V3_SLICES; ++j)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            const uint64_t da = hopper::smem_desc(q_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
+            const uint64_t db = hopper::smem_desc(kt_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
+            hopper::Wgmma64<T, false>::run(sc, da, db, j > 0 || ks > 0);
+        }
+    hopper::wgmma_commit();
+}
+
+// acc += P . V over output columns 256 half .. 256 half + 255: P the 64 x 64 K-major tile at p_base, V the tile's
+// slices 4 half .. 4 half + 3 read MN-major (no copy); one commit group.
+template <typename T>
+__device__ __forceinline__ void v3_pv(float (&acc)[4][32], uint32_t p_base, uint32_t kt_base, int half) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint64_t da = hopper::smem_desc(p_base + 32 * kk, 16, 1024, hopper::kSwizzle128B);
+            const uint64_t db = hopper::smem_desc(kt_base + (4 * half + j) * V3_SLICE + 2048 * kk, 0, 1024,
+                                                  hopper::kSwizzle128B);
+            hopper::Wgmma64<T, true>::run(acc[j], da, db, true);
+        }
+    hopper::wgmma_commit();
+}
+
+// The scores of the tile whose first row (sparse: slot) is t0, for this thread's two rows: scaled to base 2, -inf
+// where the row is past the block's queries or may not see the column; mx = each row's max over the tile (a quad
+// holds a row).  Sparse lists: a ballot of the tile's 64 list entries per warp.
+__device__ __forceinline__ void v3_mask_max(const MlaParams& p, int b, int L, int c, int t0, const uint8_t* mask_b,
+                                            const int (&row_of)[2], const int (&tok_of)[2], int nq, int lane,
+                                            float (&sc)[32], float (&mx)[2]) {
+    const int c4 = lane & 3;
+    const bool all_visible = !p.sel && t0 + V3_KT <= c;
+    uint32_t listed[2] = {0u, 0u};  // sparse: bit r of listed[r / 32]: slot t0 + r names a cache row
+    if (p.sel)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int t = t0 + 32 * h + lane;
+            listed[h] = __ballot_sync(kFullMask, t < L && cache_row(p, b, t) >= 0);
+        }
+    mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+    for (int i8 = 0; i8 < 8; ++i8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = e >> 1;
+            const int t = t0 + 8 * i8 + 2 * c4 + (e & 1);
+            bool ok = row_of[h] < nq;
+            if (p.sel) {  // slot t0 + 8 i8 + 2 c4 + (e & 1)
+                ok = ok && ((listed[i8 >> 2] >> (8 * (i8 & 3) + 2 * c4 + (e & 1))) & 1u);
+            } else if (!all_visible) {
+                ok = ok && t < L && visible(t, c, tok_of[h], p.S, mask_b);
+            }
+            const float x = ok ? finite_score(sc[4 * i8 + e] * p.scale_log2) : -INFINITY;
+            sc[4 * i8 + e] = x;
+            mx[h] = fmaxf(mx[h], x);
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+    }
+}
+
+// P = 2^(s - m) rounded to T (0 where s = -inf), in place; ls = this thread's share of each row's sum of the rounded
+// weights (the denominator sums what P . V multiplies).
+template <typename T>
+__device__ __forceinline__ void v3_exp(float (&sc)[32], const float (&m)[2], float (&ls)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        ls[h] = 0.f;
+#pragma unroll
+        for (int i8 = 0; i8 < 8; ++i8)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float x = sc[4 * i8 + 2 * h + e];
+                const float q = to_f<T>(from_f<T>(x == -INFINITY ? 0.f : exp2f(x - m[h])));
+                sc[4 * i8 + 2 * h + e] = q;
+                ls[h] += q;
+            }
+    }
+}
+
+// f[row] * P (rounded to T) into the 64 x 64 K-major 128-byte-swizzled tile at dst (P . V's A operand).
+template <typename T>
+__device__ __forceinline__ void v3_store_p(unsigned char* dst, const float (&sc)[32], const int (&row_of)[2], int c4,
+                                           const float (&f)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row_of[h];
+#pragma unroll
+        for (int i8 = 0; i8 < 8; ++i8)
+            *reinterpret_cast<uint32_t*>(dst + hopper::swizzle128((r >> 3) * 1024 + (r & 7) * 128 + 2 * (8 * i8 + 2 * c4))) =
+                pack2<T>(sc[4 * i8 + 2 * h] * f[h], sc[4 * i8 + 2 * h + 1] * f[h]);
+    }
+}
+
+// The rows of the tile in sKt (first row t0) past the sequence's end (L), zeroed in V's 8 slices for P . V (their P is
+// 0, but the cache there may hold NaN and 0 * NaN would reach O); by the 128 threads of a warpgroup (tw: 0 .. 127).
+__device__ __forceinline__ void v3_zero_tail(unsigned char* sKt, int t0, int L, int tw) {
+    if (t0 + V3_KT <= L) return;
+    for (int e = tw; e < V3_KT * 8 * 8; e += 128) {  // (row, slice, 16-byte chunk)
+        const int r = e >> 6, j = (e >> 3) & 7, ch = e & 7;
+        if (t0 + r >= L)
+            *reinterpret_cast<uint4*>(sKt + j * V3_SLICE + hopper::swizzle128(r * 128 + ch * 16)) = make_uint4(0, 0, 0, 0);
+    }
+}
+
+// acc rows scaled by f (this thread's two rows).
+__device__ __forceinline__ void v3_scale(float (&acc)[4][32], const float (&f)[2]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i8 = 0; i8 < 8; ++i8) {
+            acc[j][4 * i8 + 0] *= f[0];
+            acc[j][4 * i8 + 1] *= f[0];
+            acc[j][4 * i8 + 2] *= f[1];
+            acc[j][4 * i8 + 3] *= f[1];
+        }
+}
+
+// This warpgroup's half of the block's output (columns 256 wg ..) for sequence b: divided by the row sums l (direct:
+// the sequence's only part) or fp32 partials with (m, l) (v2's workspace layout, slot blockIdx.y + b).
+template <typename T>
+__device__ __forceinline__ void v3_store_out(const MlaParams& p, const float (&acc)[4][32], int b, int m0, int nq,
+                                             const int (&row_of)[2], int wg, int c4, bool direct, const float (&m)[2],
+                                             const float (&l)[2]) {
+    const int M = p.S * p.H;
+    const int slot = blockIdx.y + b;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row_of[h];
+        if (r >= nq) continue;
+        const float inv = direct ? (l[h] > 0.f ? 1.f / l[h] : 0.f) : 1.f;
+        const size_t orow = direct ? static_cast<size_t>(b) * M + m0 + r : static_cast<size_t>(slot) * M + m0 + r;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i8 = 0; i8 < 8; ++i8) {
+                const int col = 256 * wg + 64 * j + 8 * i8 + 2 * c4;
+                const float v0 = acc[j][4 * i8 + 2 * h] * inv, v1 = acc[j][4 * i8 + 2 * h + 1] * inv;
+                if (direct)
+                    *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + orow * V2_DL + col) = pack2<T>(v0, v1);
+                else
+                    *reinterpret_cast<float2*>(p.opart + orow * V2_DL + col) = make_float2(v0, v1);
+            }
+        if (!direct && wg == 0 && c4 == 0) p.ml[orow] = make_float2(m[h], l[h]);
+    }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p, const __grid_constant__ CUtensorMap tm_q,
                                                                const __grid_constant__ CUtensorMap tm_kv) {
@@ -604,41 +810,16 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
 #pragma unroll
     for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
 
-    if (tid == 0) {
-        hopper::mbar_init(bar_q, 1);
-        const unsigned kv_arrivals = p.sel ? V3_THREADS : 1;  // sparse: every thread's cp.async; dense: the TMA issuer
-        hopper::mbar_init(bar_kv, kv_arrivals);
-        hopper::mbar_init(bar_kv + 1, kv_arrivals);
-        hopper::mbar_init_fence();
-    }
-    __syncthreads();
-    hopper::grid_dependency_wait();  // the prologue's commit and schedule are complete and visible
-    hopper::grid_launch_dependents();
-
-    int bf, tf, bl, tl;
-    if (p.nsplit > 1) {
-        const int4 run = p.part_sched[blockIdx.y];
-        if (run.x < 0) return;
-        bf = run.x, tf = run.y, bl = run.z, tl = run.w;
-    } else {
-        bf = bl = blockIdx.y;
-        tf = 0;
-        tl = v2_tiles(p, bf, V3_KT);
-    }
+    int bf, tf, bl, tl;  // sparse: every thread's cp.async arrives on the KV barriers; dense: the TMA issuer
+    if (!v3_begin(p, bar_q, p.sel ? V3_THREADS : 1, bf, tf, bl, tl)) return;
     const uint32_t q_base = hopper::smem_addr(sQ), k_base = hopper::smem_addr(sK), p_base = hopper::smem_addr(sP);
     unsigned q_phase = 0, it = 0;  // Q loads so far; KV tiles so far (stage it % 2, parity (it / 2) & 1)
 
     for (int b = bf; b <= bl; ++b) {
-        int c;
-        const int L = seq_rows(p, b, c);
-        const int nt = (L + V3_KT - 1) / V3_KT;
-        const int tb = b == bf ? tf : 0;
-        int te = b == bl ? tl : nt;
-        const bool direct = tb == 0 && te == nt;
-        const int lim = tile_rows(p, L, c, m0 + nq - 1);
-        te = min(te, (lim + V3_KT - 1) / V3_KT);
-        const int n = max(0, te - tb);
-        const uint8_t* mask_b = p.mask ? p.mask + static_cast<size_t>(b) * p.S * p.S : nullptr;
+        const V3Segment seg = v3_segment(p, b, bf, tf, bl, tl, m0 + nq - 1);
+        const int c = seg.c, L = seg.L, tb = seg.tb, n = seg.n;
+        const bool direct = seg.direct;
+        const uint8_t* mask_b = seg.mask_b;
 
         auto issue = [&](int i, unsigned stage) {  // tile tb + i into stage (one thread)
             hopper::mbar_arrive_expect_tx(bar_kv + stage, V3_TILE);
@@ -685,89 +866,32 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
         float alpha_n[2];    // warpgroup 0: that tile's rescale factors
 
         // warpgroup 0: S of tile k (in `stage`) issued into sc (a commit group of its own; not waited for)
-        auto scores = [&](unsigned stage) {
-            const uint32_t kt_base = k_base + stage * V3_TILE;
-#pragma unroll
-            for (int j = 0; j < V3_SLICES; ++j)
-#pragma unroll
-                for (int ks = 0; ks < 4; ++ks) {
-                    const uint64_t da = hopper::smem_desc(q_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
-                    const uint64_t db = hopper::smem_desc(kt_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
-                    hopper::Wgmma64<T, false>::run(sc, da, db, j > 0 || ks > 0);
-                }
-            hopper::wgmma_commit();
-        };
+        auto scores = [&](unsigned stage) { v3_scores<T>(sc, q_base, k_base + stage * V3_TILE); };
         // warpgroup 0, after S of tile k is complete: mask, online softmax (a quad holds a row) -> P in sc, alpha_n
         auto softmax = [&](int k) {
-            const int t0 = (tb + k) * V3_KT;
-            const bool all_visible = !p.sel && t0 + V3_KT <= c;
-            uint32_t listed[2] = {0u, 0u};  // sparse: bit r of listed[r / 32]: slot t0 + r names a cache row
-            if (p.sel)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int t = t0 + 32 * h + lane;
-                    listed[h] = __ballot_sync(kFullMask, t < L && cache_row(p, b, t) >= 0);
-                }
-            float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int i8 = 0; i8 < 8; ++i8)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int h = e >> 1;
-                    const int t = t0 + 8 * i8 + 2 * c4 + (e & 1);
-                    bool ok = row_of[h] < nq;
-                    if (p.sel) {  // slot t0 + 8 i8 + 2 c4 + (e & 1)
-                        ok = ok && ((listed[i8 >> 2] >> (8 * (i8 & 3) + 2 * c4 + (e & 1))) & 1u);
-                    } else if (!all_visible) {
-                        ok = ok && t < L && visible(t, c, tok_of[h], p.S, mask_b);
-                    }
-                    const float x = ok ? finite_score(sc[4 * i8 + e] * p.scale_log2) : -INFINITY;
-                    sc[4 * i8 + e] = x;
-                    mx[h] = fmaxf(mx[h], x);
-                }
+            float mx[2], m_new[2], ls[2];
+            v3_mask_max(p, b, L, c, (tb + k) * V3_KT, mask_b, row_of, tok_of, nq, lane, sc, mx);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
-                mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
-                const float m_new = fmaxf(m_run[h], mx[h]);
-                alpha_n[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
-                float ls = 0.f;
+                m_new[h] = fmaxf(m_run[h], mx[h]);
+                alpha_n[h] = m_new[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m_new[h]);
+            }
+            v3_exp<T>(sc, m_new, ls);
 #pragma unroll
-                for (int i8 = 0; i8 < 8; ++i8)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x = sc[4 * i8 + 2 * h + e];
-                        const float q = to_f<T>(from_f<T>(x == -INFINITY ? 0.f : exp2f(x - m_new)));
-                        sc[4 * i8 + 2 * h + e] = q;
-                        ls += q;  // the denominator sums the rounded weights
-                    }
-                l_run[h] = l_run[h] * alpha_n[h] + ls;
-                m_run[h] = m_new;
+            for (int h = 0; h < 2; ++h) {
+                l_run[h] = l_run[h] * alpha_n[h] + ls[h];
+                m_run[h] = m_new[h];
             }
         };
         // warpgroup 0, when sP and the tile's stage are free of readers: P and alpha to shared memory, the tile's rows
-        // past the sequence's end zeroed for P . V (their P is 0, the cache there may hold NaN); fenced for wgmma
+        // past the sequence's end zeroed (sparse: cp.async wrote zeros there); fenced for wgmma
         auto publish = [&](int k, unsigned stage) {
+            const float one[2] = {1.f, 1.f};
+            v3_store_p<T>(sP, sc, row_of, c4, one);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row_of[h];
-#pragma unroll
-                for (int i8 = 0; i8 < 8; ++i8)
-                    *reinterpret_cast<uint32_t*>(sP + hopper::swizzle128((r >> 3) * 1024 + (r & 7) * 128 +
-                                                                        2 * (8 * i8 + 2 * c4))) =
-                        pack2<T>(sc[4 * i8 + 2 * h], sc[4 * i8 + 2 * h + 1]);
-                if (c4 == 0) sAlpha[r] = alpha_n[h];
-            }
-            const int t0 = (tb + k) * V3_KT;
-            if (!p.sel && t0 + V3_KT > L) {  // (sparse: cp.async wrote zeros there)
-                unsigned char* sKt = sK + stage * V3_TILE;
-                for (int e = tid; e < V3_KT * 8 * 8; e += 128) {  // (row, slice, 16-byte chunk) of V's 8 slices
-                    const int r = e >> 6, j = (e >> 3) & 7, ch = e & 7;
-                    if (t0 + r >= L)
-                        *reinterpret_cast<uint4*>(sKt + j * V3_SLICE + hopper::swizzle128(r * 128 + ch * 16)) =
-                            make_uint4(0, 0, 0, 0);
-                }
-            }
+            for (int h = 0; h < 2; ++h)
+                if (c4 == 0) sAlpha[row_of[h]] = alpha_n[h];
+            if (!p.sel) v3_zero_tail(sK + stage * V3_TILE, (tb + k) * V3_KT, L, tid);
             hopper::fence_proxy_async();
         };
 
@@ -794,30 +918,11 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
             const bool next = i + 1 < n;
             __syncthreads();  // A: P(i), alpha(i) and tile i's zeroed rows visible
             {
-                const float a0 = sAlpha[row_of[0]], a1 = sAlpha[row_of[1]];
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int i8 = 0; i8 < 8; ++i8) {
-                        acc[j][4 * i8 + 0] *= a0;
-                        acc[j][4 * i8 + 1] *= a0;
-                        acc[j][4 * i8 + 2] *= a1;
-                        acc[j][4 * i8 + 3] *= a1;
-                    }
+                const float a[2] = {sAlpha[row_of[0]], sAlpha[row_of[1]]};
+                v3_scale(acc, a);
             }
             const uint32_t kt_base = k_base + stage * V3_TILE;
-            auto pv = [&]() {  // this warpgroup's half of P(i) . V(i), one commit group
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int kk = 0; kk < 4; ++kk) {
-                        const uint64_t da = hopper::smem_desc(p_base + 32 * kk, 16, 1024, hopper::kSwizzle128B);
-                        const uint64_t db = hopper::smem_desc(kt_base + (4 * wg + j) * V3_SLICE + 2048 * kk, 0, 1024,
-                                                              hopper::kSwizzle128B);
-                        hopper::Wgmma64<T, true>::run(acc[j], da, db, true);
-                    }
-                hopper::wgmma_commit();
-            };
+            auto pv = [&]() { v3_pv<T>(acc, p_base, kt_base, wg); };  // this warpgroup's half of P(i) . V(i)
             if (wg == 0 && next) {
                 hopper::mbar_wait(bar_kv + nstage, nparity);
                 if (p.sel) hopper::fence_proxy_async();
@@ -859,26 +964,9 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
             }
         }
         __syncthreads();
-        const int slot = blockIdx.y + b;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row_of[h];
-            if (r >= nq) continue;
-            const float l = sL[r];
-            const float inv = direct ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
-            const size_t orow = direct ? static_cast<size_t>(b) * M + m0 + r : static_cast<size_t>(slot) * M + m0 + r;
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int i8 = 0; i8 < 8; ++i8) {
-                    const int col = 256 * wg + 64 * j + 8 * i8 + 2 * c4;
-                    const float v0 = acc[j][4 * i8 + 2 * h] * inv, v1 = acc[j][4 * i8 + 2 * h + 1] * inv;
-                    if (direct)
-                        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + orow * V2_DL + col) = pack2<T>(v0, v1);
-                    else
-                        *reinterpret_cast<float2*>(p.opart + orow * V2_DL + col) = make_float2(v0, v1);
-                }
-            if (!direct && wg == 0 && c4 == 0) p.ml[orow] = make_float2(sM[r], l);
+        {
+            const float m[2] = {sM[row_of[0]], sM[row_of[1]]}, l[2] = {sL[row_of[0]], sL[row_of[1]]};
+            v3_store_out<T>(p, acc, b, m0, nq, row_of, wg, c4, direct, m, l);
         }
         __syncthreads();  // sL / sM read
     }
@@ -887,6 +975,265 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
 #endif
 }
 
+
+// =============================================================================================
+// v3 "seesaw" (dense launches, sm_90a; chosen by MTP_MLA_SEESAW or MTP_TRT_MLA_PATH=seesaw): v3's tiles, loads,
+// layouts, grid and combine with FlashMLA's seesaw schedule.  The two warpgroups take the scores and softmax of
+// alternate tiles, so one warpgroup's softmax runs while the other's products keep the tensor cores busy, and each
+// owns half of the output columns (O_L: warpgroup 0, O_R: warpgroup 1) throughout.  Tiles go in pairs: tile 2k in
+// buffer 0 (its scores and softmax on warpgroup 0), tile 2k + 1 in buffer 1 (warpgroup 1).  The running max m is
+// shared, in shared memory; scale0 and scale1 are the factors the pair's two softmaxes move it by:
+//   warpgroup 0                                     warpgroup 1
+//   softmax(2k): m, scale0, P0                      (waits for m, scale0)
+//   O_L = scale0 O_L + P0 V0_L                      softmax(2k + 1): m, scale1, P1
+//   (waits for m, scale1, P1)                       O_R = scale0 scale1 O_R + P1 V1_R
+//   scale1 P0 to shared memory                      (waits for scale1 P0)  O_R += (scale1 P0) V0_R
+//   O_L = scale1 O_L + P1 V1_L;  S(2k + 2)          S(2k + 3)
+// which is the online softmax over the pair (O = 2^-m sum_t 2^s_t V_t, each half rescaled whenever m moves).
+// Hand-offs are named barriers: S0 (0 -> 1: m, scale0), S1 (1 -> 0: m, scale1, P1 and tile 2k + 1's zeroed rows), P0
+// (0 -> 1: scale1 P0); W0 / W1 sync a warpgroup's own threads before its products read what they stored, and before
+// they overwrite what its products read (each warp's part of a wgmma retires on its own).  P0 lies in
+// buffer 0's ninth slice and P1 in buffer 1's (the rope columns, dead once the tile's scores are done), scale1 P0 in
+// an 8 KB tile of its own.  A buffer is refilled with the tile two ahead once both warpgroups are done with it: each,
+// after its products on the tile retire, adds one to the buffer's counter, and the second (the odd count) issues
+// the TMA.  Dense launches only (sparse lists stay on v3's schedule).
+// Shared memory: 1 KB alignment slack, Q 72 KB, 2 buffers of 72 KB, scale1 P0 8 KB, 3 mbarriers, 2 counters, fp32
+// m / scale0 / scale1 per row, the two warpgroups' row sums.
+// =============================================================================================
+constexpr size_t SS_K_OFF = V3_TILE, SS_PX_OFF = 3 * V3_TILE, SS_BAR_OFF = SS_PX_OFF + V3_SLICE;
+constexpr size_t SS_REL_OFF = SS_BAR_OFF + 32, SS_M_OFF = SS_BAR_OFF + 64, SS_S0_OFF = SS_M_OFF + 256;
+constexpr size_t SS_S1_OFF = SS_S0_OFF + 256, SS_L_OFF = SS_S1_OFF + 256;
+constexpr size_t SS_BYTES = 1024 + SS_L_OFF + 512;  // 231,744 bytes
+static_assert(SS_BYTES == 231744 && SS_PX_OFF % 1024 == 0, "the seesaw's shared memory, as stated");
+enum : unsigned { SS_NB_S0 = 1, SS_NB_S1 = 2, SS_NB_P0 = 3, SS_NB_W0 = 4 /* W1 = 5 */ };
+
+template <typename T>
+__global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaParams p,
+                                                                   const __grid_constant__ CUtensorMap tm_q,
+                                                                   const __grid_constant__ CUtensorMap tm_kv) {
+#if defined(MTP_HAS_WGMMA) || defined(MTP_EMULATE_DEVICE)  // code for sm_90a only
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned char* sQ = smem;
+    unsigned char* sK = smem + SS_K_OFF;  // buffer j at sK + j * V3_TILE
+    unsigned char* sPx = smem + SS_PX_OFF;
+    uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + SS_BAR_OFF);
+    uint64_t* bar_kv = bar_q + 1;  // [2]
+    int* rel = reinterpret_cast<int*>(smem + SS_REL_OFF);  // [2]
+    float* sM = reinterpret_cast<float*>(smem + SS_M_OFF);
+    float* sScale0 = reinterpret_cast<float*>(smem + SS_S0_OFF);
+    float* sScale1 = reinterpret_cast<float*>(smem + SS_S1_OFF);
+    float* sL = reinterpret_cast<float*>(smem + SS_L_OFF);  // [2][64]
+
+    const int tid = threadIdx.x, w = (tid >> 5) & 3, lane = tid & 31, tw = tid & 127;
+    const int wg = __shfl_sync(kFullMask, tid >> 7, 0);  // warp-uniform to the compiler: wgmma in uniform branches
+    const int g = lane >> 2, c4 = lane & 3;
+    const int M = p.S * p.H;
+    const int m0 = blockIdx.x * 64;
+    const int nq = min(64, M - m0);
+    const int row_of[2] = {16 * w + g, 16 * w + g + 8};
+    int tok_of[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
+
+    if (tid == 0) rel[0] = rel[1] = 0;
+    int bf, tf, bl, tl;
+    if (!v3_begin(p, bar_q, 1, bf, tf, bl, tl)) return;
+    const uint32_t q_base = hopper::smem_addr(sQ), k_base = hopper::smem_addr(sK), px_base = hopper::smem_addr(sPx);
+    const uint32_t kb0 = k_base, kb1 = k_base + V3_TILE, my_kb = k_base + wg * V3_TILE;
+    const float one[2] = {1.f, 1.f};
+    unsigned q_phase = 0, fills = 0;  // Q loads so far; this warpgroup's waits on its buffer (buffer wg)
+
+    for (int b = bf; b <= bl; ++b) {
+        const V3Segment seg = v3_segment(p, b, bf, tf, bl, tl, m0 + nq - 1);
+        const int c = seg.c, L = seg.L, tb = seg.tb, n = seg.n;
+        const bool direct = seg.direct;
+        const uint8_t* mask_b = seg.mask_b;
+
+        auto issue = [&](int i) {  // tile tb + i into buffer i & 1 (one thread)
+            uint64_t* bar = bar_kv + (i & 1);
+            hopper::mbar_arrive_expect_tx(bar, V3_TILE);
+            for (int j = 0; j < V3_SLICES; ++j)
+                hopper::tma_load_3d(sK + (i & 1) * V3_TILE + j * V3_SLICE, &tm_kv, 64 * j, (tb + i) * V3_KT, b, bar);
+        };
+        // this warpgroup is done with tile i (its products on it retired): the second to say so refills the buffer
+        auto release = [&](int i) {
+            hopper::named_sync(SS_NB_W0 + wg, 128);  // every warp of the warpgroup past its wait
+            if (tw == 0) {
+                __threadfence_block();
+                if ((atomicAdd(rel + (i & 1), 1) & 1) && i + 2 < n) issue(i + 2);
+            }
+        };
+        float sc[32];  // this warpgroup's tile: its scores, then P (rounded to T, as floats)
+        auto scores = [&]() {  // this warpgroup's next tile, in its buffer: landed, then S issued into sc
+            hopper::mbar_wait(bar_kv + wg, fills & 1);
+            ++fills;
+            hopper::wgmma_fence();
+            v3_scores<T>(sc, q_base, my_kb);
+        };
+
+        if (tid < 64) sM[tid] = -INFINITY;
+        if (tid == 0 && n > 0) {
+            hopper::mbar_arrive_expect_tx(bar_q, V3_TILE);
+            for (int j = 0; j < V3_SLICES; ++j)
+                hopper::tma_load_3d(sQ + j * V3_SLICE, &tm_q, 64 * j, m0, b, bar_q);
+            issue(0);
+            if (n > 1) issue(1);
+        }
+        __syncthreads();  // sM set
+
+        float acc[4][32];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 32; ++e) acc[j][e] = 0.f;
+        float l_run[2] = {0.f, 0.f};  // this warpgroup's share of the row sums (of its tiles), at the current m
+        if (n > 0) {
+            hopper::mbar_wait(bar_q, q_phase & 1);
+            ++q_phase;
+            if (wg < n) {
+                scores();
+                hopper::wgmma_wait<0>();
+                hopper::fence_regs(sc);
+            }
+        }
+        for (int i0 = 0; i0 < n; i0 += 2) {
+            const bool has1 = i0 + 1 < n;
+            float s0[2], s1[2] = {1.f, 1.f};
+            // softmax of this warpgroup's tile i against the shared max: m moves by `scale`; ls: this thread's share
+            // of the tile's row sums
+            auto softmax = [&](int i, float (&scale)[2], float (&ls)[2]) {
+                float mx[2], m_new[2];
+                v3_mask_max(p, b, L, c, (tb + i) * V3_KT, mask_b, row_of, tok_of, nq, lane, sc, mx);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float mo = sM[row_of[h]];
+                    m_new[h] = fmaxf(mo, mx[h]);
+                    scale[h] = m_new[h] == -INFINITY ? 1.f : exp2f(mo - m_new[h]);
+                }
+                __syncwarp();  // every lane of a quad has read sM before one writes it
+                if (c4 == 0)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        sM[row_of[h]] = m_new[h];
+                        (wg == 0 ? sScale0 : sScale1)[row_of[h]] = scale[h];
+                    }
+                v3_exp<T>(sc, m_new, ls);
+            };
+            float ls[2];
+            if (wg == 0) {
+                softmax(i0, s0, ls);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * s0[h] + ls[h];
+                hopper::named_arrive(SS_NB_S0, 256);
+                v3_scale(acc, s0);
+                hopper::named_sync(SS_NB_W0, 128);  // every warp's part of S(i0) has read the tile
+                v3_store_p<T>(sK + 8 * V3_SLICE, sc, row_of, c4, one);  // P0 over buffer 0's rope slice
+                v3_zero_tail(sK, (tb + i0) * V3_KT, L, tw);
+                hopper::fence_proxy_async();
+                hopper::named_sync(SS_NB_W0, 128);
+                hopper::wgmma_fence();
+                v3_pv<T>(acc, kb0 + 8 * V3_SLICE, kb0, 0);  // O_L += P0 V0_L
+                hopper::named_sync(SS_NB_S1, 256);           // m, scale1, P1 (tile i0 + 1's softmax)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) s1[h] = sScale1[row_of[h]];
+                v3_store_p<T>(sPx, sc, row_of, c4, s1);  // scale1 P0 for O_R
+                hopper::fence_proxy_async();
+                hopper::named_arrive(SS_NB_P0, 256);
+                hopper::wgmma_wait<0>();
+#pragma unroll
+                for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
+                release(i0);
+                v3_scale(acc, s1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) l_run[h] *= s1[h];
+                if (has1) {
+                    hopper::wgmma_fence();
+                    v3_pv<T>(acc, kb1 + 8 * V3_SLICE, kb1, 0);  // O_L += P1 V1_L
+                }
+                const bool more = i0 + 2 < n;
+                if (more) scores();  // S(i0 + 2) beside P1 V1_L
+                if (has1) {
+                    if (more)
+                        hopper::wgmma_wait<1>();
+                    else
+                        hopper::wgmma_wait<0>();
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
+                    release(i0 + 1);
+                }
+                hopper::wgmma_wait<0>();
+                hopper::fence_regs(sc);
+            } else {
+                hopper::named_sync(SS_NB_S0, 256);  // m, scale0 (tile i0's softmax)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) s0[h] = sScale0[row_of[h]];
+                if (has1) {
+                    softmax(i0 + 1, s1, ls);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * s0[h] * s1[h] + ls[h];
+                    hopper::named_sync(SS_NB_W0 + 1, 128);  // every warp's part of S(i0 + 1) has read the tile
+                    v3_store_p<T>(sK + V3_TILE + 8 * V3_SLICE, sc, row_of, c4, one);  // P1 over buffer 1's rope slice
+                    v3_zero_tail(sK + V3_TILE, (tb + i0 + 1) * V3_KT, L, tw);
+                } else {
+                    if (c4 == 0)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) sScale1[row_of[h]] = 1.f;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) l_run[h] *= s0[h];
+                }
+                hopper::fence_proxy_async();
+                hopper::named_arrive(SS_NB_S1, 256);
+                {
+                    const float f[2] = {s0[0] * s1[0], s0[1] * s1[1]};
+                    v3_scale(acc, f);
+                }
+                if (has1) {
+                    hopper::named_sync(SS_NB_W0 + 1, 128);
+                    hopper::wgmma_fence();
+                    v3_pv<T>(acc, kb1 + 8 * V3_SLICE, kb1, 1);  // O_R += P1 V1_R
+                }
+                hopper::named_sync(SS_NB_P0, 256);  // scale1 P0
+                hopper::wgmma_fence();
+                v3_pv<T>(acc, px_base, kb0, 1);  // O_R += (scale1 P0) V0_R
+                if (has1) {
+                    hopper::wgmma_wait<1>();
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
+                    release(i0 + 1);
+                }
+                hopper::wgmma_wait<0>();
+#pragma unroll
+                for (int j = 0; j < 4; ++j) hopper::fence_regs(acc[j]);
+                release(i0);
+                if (i0 + 3 < n) {
+                    scores();  // S(i0 + 3)
+                    hopper::wgmma_wait<0>();
+                    hopper::fence_regs(sc);
+                }
+            }
+        }
+
+        // ---- epilogue: each warpgroup's row sums over the quad, added; direct output or fp32 partials
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float l = l_run[h];
+            l += __shfl_xor_sync(kFullMask, l, 1);
+            l += __shfl_xor_sync(kFullMask, l, 2);
+            if (c4 == 0) sL[64 * wg + row_of[h]] = l;
+        }
+        __syncthreads();
+        {
+            const float m[2] = {sM[row_of[0]], sM[row_of[1]]};
+            const float l[2] = {sL[row_of[0]] + sL[64 + row_of[0]], sL[row_of[1]] + sL[64 + row_of[1]]};
+            v3_store_out<T>(p, acc, b, m0, nq, row_of, wg, c4, direct, m, l);
+        }
+        __syncthreads();  // sL / sM read; both buffers and sQ free
+    }
+#else
+    __trap();
+#endif
+}
 // =============================================================================================
 // Tensor-core path (fp16 / bf16).  Block = 8 warps, 32 query rows, tiles of 32 latent rows.
 //   scores S[32 x 32] = Q[32 x D] . K^T with mma.sync m16n8k16, split over k across the warps:
@@ -1460,12 +1807,21 @@ bool v2_config(mtp_dtype dtype, const MlaParams& p, long long M, int flags, int&
 // Whether v3 serves a launch v2 serves (dense or sparse): a launch on a compute capability 9 GPU running this
 // library's sm_90a code (not JIT-compiled PTX of another arch), with room for its shared memory, unless
 // MTP_MLA_FORCE_V2.
-bool v3_serves(const MlaParams& p, int flags) {
-    static const bool env_v2 = [] {  // MTP_TRT_MLA_PATH=v2: v2 everywhere (comparisons on a GPU, whole test runs)
+// MTP_TRT_MLA_PATH (read once): "v2" keeps every launch on v2, "seesaw" takes v3's dense launches on the seesaw
+// schedule (comparisons on a GPU, whole test runs); anything else: the defaults.
+enum class MlaPath { kDefault, kV2, kSeesaw };
+MlaPath mla_path_env() {
+    static const MlaPath path = [] {
         const char* e = getenv("MTP_TRT_MLA_PATH");
-        return e && e[0] == 'v' && e[1] == '2' && e[2] == 0;
+        if (e && strcmp(e, "v2") == 0) return MlaPath::kV2;
+        if (e && strcmp(e, "seesaw") == 0) return MlaPath::kSeesaw;
+        return MlaPath::kDefault;
     }();
-    if ((flags & MTP_MLA_FORCE_V2) || env_v2 || compute_major() != 9 ||
+    return path;
+}
+
+bool v3_serves(const MlaParams& p, int flags) {
+    if ((flags & MTP_MLA_FORCE_V2) || mla_path_env() == MlaPath::kV2 || compute_major() != 9 ||
         static_cast<size_t>(max_optin_smem()) < V3_BYTES)
         return false;
     static const int binary = [] {
@@ -1489,19 +1845,33 @@ bool v3_maps(const MlaParams& p, int nseq, CUtensorMap& tm_q, CUtensorMap& tm_kv
                                         static_cast<uint64_t>(p.stride) * 2, V3_KT);
 }
 
-template <typename T>
-cudaError_t launch_v3(MlaParams& p, int nseq, const CUtensorMap& tm_q, const CUtensorMap& tm_kv, cudaStream_t stream) {
-    const long long M = static_cast<long long>(p.S) * p.H;
-    static std::atomic<unsigned long long> raised{0};
+// The opt-in shared memory of `kernel` raised to `bytes`, once per device (`raised`: a bit per device done).
+template <typename K>
+cudaError_t raise_smem_once(K kernel, size_t bytes, std::atomic<unsigned long long>& raised) {
     const int dev = current_device();
     const unsigned long long bit = dev >= 0 && dev < kMaxDevices ? 1ull << dev : 0;
-    if (!bit || !(raised.load(std::memory_order_relaxed) & bit)) {
-        const cudaError_t e = cudaFuncSetAttribute(mla_v3_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(V3_BYTES));
-        if (e != cudaSuccess) return e;
-        raised.fetch_or(bit, std::memory_order_relaxed);
-    }
+    if (bit && (raised.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (e == cudaSuccess) raised.fetch_or(bit, std::memory_order_relaxed);
+    return e;
+}
+
+// v3: dense launches on the seesaw schedule with MTP_MLA_SEESAW or MTP_TRT_MLA_PATH=seesaw, else (and sparse lists)
+// on v3's.
+template <typename T>
+cudaError_t launch_v3(MlaParams& p, int nseq, const CUtensorMap& tm_q, const CUtensorMap& tm_kv, int flags,
+                      cudaStream_t stream) {
+    const long long M = static_cast<long long>(p.S) * p.H;
     const dim3 grid(static_cast<unsigned>((M + 63) / 64), static_cast<unsigned>(p.nsplit > 1 ? p.nsplit : nseq));
+    if (!p.sel && ((flags & MTP_MLA_SEESAW) || mla_path_env() == MlaPath::kSeesaw)) {
+        static std::atomic<unsigned long long> raised{0};
+        const cudaError_t e = raise_smem_once(mla_seesaw_kernel<T>, SS_BYTES, raised);
+        if (e != cudaSuccess) return e;
+        return hopper::launch_pdl(mla_seesaw_kernel<T>, grid, V3_THREADS, SS_BYTES, stream, p, tm_q, tm_kv);
+    }
+    static std::atomic<unsigned long long> raised{0};
+    const cudaError_t e = raise_smem_once(mla_v3_kernel<T>, V3_BYTES, raised);
+    if (e != cudaSuccess) return e;
     return hopper::launch_pdl(mla_v3_kernel<T>, grid, V3_THREADS, V3_BYTES, stream, p, tm_q, tm_kv);
 }
 
@@ -1565,8 +1935,8 @@ cudaError_t launch_mla(mtp_dtype dtype, MlaParams& p, int nseq, const Commit& co
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
         }
         if (v3)
-            err = dtype == MTP_DTYPE_F16 ? launch_v3<__half>(p, nseq, tm_q, tm_kv, stream)
-                                         : launch_v3<__nv_bfloat16>(p, nseq, tm_q, tm_kv, stream);
+            err = dtype == MTP_DTYPE_F16 ? launch_v3<__half>(p, nseq, tm_q, tm_kv, flags, stream)
+                                         : launch_v3<__nv_bfloat16>(p, nseq, tm_q, tm_kv, flags, stream);
         else if (dtype == MTP_DTYPE_F16)
             err = launch_v2<__half>(p, nseq, R, KT, smem, stream);
         else

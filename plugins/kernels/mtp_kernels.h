@@ -75,12 +75,14 @@ int mtp_get_last_error(void);
  * (fp32, odd dims) -> SIMT (Dl <= 512).  docs/kernels.md describes each.
  * flags: MTP_MLA_FORCE_SIMT forces the SIMT path (for testing); MTP_MLA_FORCE_V1 the general
  * tensor-core kernel (benchmarking); MTP_MLA_SINGLE_STAGE disables the general tensor-core
- * kernel's cp.async double buffering.
+ * kernel's cp.async double buffering; MTP_MLA_FORCE_V2 keeps Hopper's launches on v2 and
+ * MTP_MLA_SEESAW takes v3's dense launches on the seesaw schedule (benchmarking).
  * ========================================================================================== */
 #define MTP_MLA_FORCE_SIMT 1
 #define MTP_MLA_SINGLE_STAGE 2 /* general tensor-core kernel: no double buffering (benchmarking) */
 #define MTP_MLA_FORCE_V1 4     /* DeepSeek's dims served by the general kernels, not v2 (benchmarking) */
 #define MTP_MLA_FORCE_V2 8     /* DeepSeek's dims on v2 where v3 (Hopper) would serve them (benchmarking) */
+#define MTP_MLA_SEESAW 16      /* v3's dense launches on the seesaw schedule (benchmarking; docs/kernels.md) */
 #define MTP_MLA_MAX_SPLITS 256
 
 /* Parts of the persistent grid for a launch: floor(num_sms / ceil(S*H / 64)) -- one wave of blocks of

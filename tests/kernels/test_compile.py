@@ -156,21 +156,25 @@ _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
 @pytest.mark.slow
-def test_v3_fits_one_block_per_sm(compiled):
-    """v3 on sm_90a (dense and sparse launches, one kernel): its 256 threads' registers fit the SM's 65,536 and its
-    shared memory (the dynamic V3_BYTES of mla_decode.cu plus any static) the 227 KB one block may opt in to."""
+@pytest.mark.parametrize("kernel,bytes_line", [
+    ("mla_v3_kernel", r"V3_BYTES = 1024 \+ V3_M_OFF \+ 256;\s*// ([\d,]+) bytes"),
+    ("mla_seesaw_kernel", r"SS_BYTES = 1024 \+ SS_L_OFF \+ 512;\s*// ([\d,]+) bytes")], ids=["v3", "seesaw"])
+def test_v3_fits_one_block_per_sm(compiled, kernel, bytes_line):
+    """v3 on sm_90a (dense and sparse launches, one kernel) and its seesaw schedule: their 256 threads' registers fit
+    the SM's 65,536 and their shared memory (the dynamic bytes mla_decode.cu states, plus any static) the 227 KB one
+    block may opt in to."""
     res, _, _ = compiled
     log = next(r.log for r in res if r.source == "mla_decode.cu")
     regs, cur = {}, None
     for line in log.splitlines():
         if m := _ENTRY.search(line):
-            cur = m.group(1) if m.group(2) == "sm_90a" and "mla_v3_kernel" in m.group(1) else None
+            cur = m.group(1) if m.group(2) == "sm_90a" and kernel in m.group(1) else None
         elif cur and (m := _USED.search(line)):
             regs[cur] = (int(m.group(1)), int(m.group(2) or 0))
             cur = None
     assert len(regs) == 2, regs
     src = (cuda_lib.KERNEL_DIR / "mla_decode.cu").read_text()
-    dyn = int(re.search(r"V3_BYTES = 1024 \+ V3_M_OFF \+ 256;\s*// ([\d,]+) bytes", src).group(1).replace(",", ""))
+    dyn = int(re.search(bytes_line, src).group(1).replace(",", ""))
     for name, (r, static) in regs.items():
         print(f"{name}: {r} registers, {static} + {dyn} bytes of shared memory")
         assert r * 256 <= 65536 and r <= 255, name

@@ -60,18 +60,38 @@ def test_v3_against_the_reference(emu_lib, host, hopper, name, tma):
     assert _count(emu_lib, "wgmma") > wgmma  # v3 ran
 
 
+@pytest.mark.parametrize("tma", ["immediate", "deferred"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_seesaw_against_the_reference(emu_lib, host, hopper, name, tma):
+    """MTP_MLA_SEESAW: v3's dense launches on the seesaw schedule (the warpgroups take alternate tiles' softmax, hand
+    m, the rescale factors and P to each other by named barriers, and refill a buffer when both are done with it):
+    every dense case, odd and even tile counts, the copies landing at issue and at the first wait."""
+    hopper(tma)
+    wgmma = _count(emu_lib, "wgmma")
+    G.run_mla(host, emu_lib, Dl=DL, Dr=D - DL, flags=cuda_lib.MLA_SEESAW, **dict(CASES)[name])
+    assert _count(emu_lib, "wgmma") > wgmma
+
+
+def test_seesaw_scores_beyond_fp32_range(emu_lib, host, hopper):
+    hopper()
+    G.run_mla(host, emu_lib, B=2, S=2, H=16, Dl=DL, Dr=D - DL, T_max=90, past_len=[20, 70], dtype="bfloat16",
+              num_splits=3, huge_scores=True, flags=cuda_lib.MLA_SEESAW)
+
+
 def test_v3_scores_beyond_fp32_range(emu_lib, host, hopper):
     hopper()
     G.run_mla(host, emu_lib, B=2, S=2, H=16, Dl=DL, Dr=D - DL, T_max=90, past_len=[20, 70], dtype="bfloat16",
               num_splits=3, huge_scores=True)
 
 
-def test_v3_ignores_nan_rows_past_the_sequence(emu_lib, host, hopper):
+@pytest.mark.parametrize("flags,T", [(0, 130), (cuda_lib.MLA_SEESAW, 200)], ids=["v3", "seesaw"])
+def test_v3_ignores_nan_rows_past_the_sequence(emu_lib, host, hopper, flags, T):
     """The cache rows past each sequence's end hold NaN (a caller's unused cache may hold anything): the 64-row tiles
-    read them, the kernel must not let them into P . V."""
+    read them, the kernel must not let them into P . V (the seesaw: 1 and 2 tiles, the NaN rows in warpgroup 0's tile,
+    then in warpgroup 1's)."""
     hopper()
     rng = np.random.default_rng(1)
-    B, S, H, T = 2, 1, 16, 130
+    B, S, H = 2, 1, 16
     past = np.int32([40, 100])
     q_s, q = to_storage(rng.standard_normal((B, S, H, D)), "bfloat16")
     c32 = rng.standard_normal((B, T, D)).astype(np.float32)
@@ -84,7 +104,7 @@ def test_v3_ignores_nan_rows_past_the_sequence(emu_lib, host, hopper):
         d_cache = host.upload(c_s)
         d_out, d_ws, ws = G.decode_buffers(host, emu_lib, B, S, H, DL, "bfloat16", splits)
         emu_lib.mla_decode("bfloat16", host.upload(q_s), d_cache, host.upload(past), host.upload(n_s), 0, d_out, d_ws,
-                           ws, B, S, H, DL, D - DL, T, 0.05, splits, 0)
+                           ws, B, S, H, DL, D - DL, T, 0.05, splits, flags)
         got = G.from_storage(host.download(d_out, want.shape, np.uint16), "bfloat16")
         G.assert_close(got, want, atol=2e-2, rtol=2e-2, name=f"NaN past the end, {splits} parts")
 

@@ -79,6 +79,10 @@ struct Mbar {
     long completed = 0;                            // phases completed so far
     bool cp_async_now = false, cp_async_last = false;  // cp.async copies arrived in the current / last completed phase
 };
+struct NamedBar {  // a named barrier (emu_hopper.h): threads arrived in the current generation, its count, generations done
+    long arrived = 0, gen = 0;
+    unsigned count = 0;
+};
 struct TmaCopy {  // a TMA box copy (or a thread's cp.async copies and their mbarrier arrival) not yet landed
     uint32_t bar;
     long bytes;
@@ -94,6 +98,7 @@ struct Block {
     std::mutex hmu;  // mbarriers and TMA of the block (emu_hopper.h)
     std::condition_variable hcv;
     std::map<uint32_t, Mbar> mbars;  // by shared-memory offset
+    std::map<unsigned, NamedBar> named;  // by id
     std::vector<TmaCopy> tma;
     // per 16-byte chunk of shared memory written by cp.async copies handed to an mbarrier: (barrier offset << 32) |
     // the number of the phase they complete in (emu_hopper.h checks that wgmma reads them only after waiting for it)
@@ -258,6 +263,7 @@ inline cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attr, int va
 // Atomics and bit casts of the kernels (dsa.cu).
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_add(v); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline float __uint_as_float(unsigned u) {
     float x;
     std::memcpy(&x, &u, sizeof x);

@@ -103,6 +103,41 @@ template <int N> inline void wgmma_wait() {
     }
 }
 
+// ---- named barriers: per id, the threads arrived in the current generation; a generation completes when `count`
+// have arrived (bar.sync waits for that, bar.arrive does not).  More arrivals on one generation than its count, or
+// another count for the same generation, abort.
+inline void emu_named(unsigned id, unsigned count, bool wait) {
+    emu::Block& blk = *emu::ctx.block;
+    if (id == 0 || id > 15 || count == 0 || count % 32) {
+        std::fprintf(stderr, "emu_hopper: named barrier id %u count %u\n", id, count);
+        std::abort();
+    }
+    std::unique_lock<std::mutex> lock(blk.hmu);
+    emu::NamedBar& nb = blk.named[id];
+    if (nb.arrived == 0) nb.count = count;
+    if (nb.count != count) {
+        std::fprintf(stderr, "emu_hopper: named barrier %u: count %u in a generation of count %u\n", id, count, nb.count);
+        std::abort();
+    }
+    const long gen = nb.gen;
+    if (++nb.arrived == static_cast<long>(count)) {
+        nb.arrived = 0;
+        ++nb.gen;
+        blk.hcv.notify_all();
+        return;
+    }
+    if (!wait) return;
+    if (!blk.hcv.wait_for(lock, std::chrono::seconds(60), [&] { return nb.gen != gen; })) {
+        std::fprintf(stderr, "emu_hopper: named barrier %u (count %u) never completes\n", id, count);
+        for (const auto& [other, st] : blk.named)
+            std::fprintf(stderr, "  named barrier %u: %ld of %u arrived, %ld generations done\n", other, st.arrived,
+                         st.count, st.gen);
+        std::abort();
+    }
+}
+inline void named_sync(unsigned id, unsigned count) { emu_named(id, count, true); }
+inline void named_arrive(unsigned id, unsigned count) { emu_named(id, count, false); }
+
 // ---- mbarriers and TMA.  A barrier's state lives beside the block (Block::mbars, by shared offset), not in its 8
 // bytes.  TMA copies land at issue (MTP_EMU_TMA unset or "immediate": a stage refilled while it is still being read
 // corrupts the reader) or when a thread first waits on their barrier ("deferred": data read without waiting is
@@ -280,10 +315,12 @@ inline void tma_load_3d(void* dst, const CUtensorMap* map, int x, int y, int z, 
     };
     emu::TmaCopy c{smem_addr(bar), static_cast<long>(m.box_rows) * 128, copy};
     std::lock_guard<std::mutex> lock(emu::ctx.block->hmu);
-    if (emu_tma_deferred())
+    if (emu_tma_deferred()) {
         emu::ctx.block->tma.push_back(std::move(c));
-    else
+        emu::ctx.block->hcv.notify_all();  // a thread already waiting on the barrier lands it
+    } else {
         emu_land(c);
+    }
 }
 
 inline void grid_dependency_wait() {}
