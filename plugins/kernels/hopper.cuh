@@ -86,7 +86,7 @@ __device__ __forceinline__ void fence_regs(float (&d)[32]) {
 #define MTP_WGMMA_D32                                                                                            \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
     "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define MTP_WGMMA_D32_OUT                                                                                          \
+#define MTP_WGMMA_D32_OUT()                                                                                          \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),    \
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),      \
         "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),     \
@@ -96,24 +96,52 @@ __device__ __forceinline__ void fence_regs(float (&d)[32]) {
 // after wgmma_commit + wgmma_wait); A K-major, B K-major (TRANS_B = false: B given as [n][k]) or MN-major
 // (TRANS_B = true: B given as [k][n]), both by descriptor.  Issued by all 128 threads of a warpgroup.
 template <typename T, bool TRANS_B> struct Wgmma64;
-#define MTP_WGMMA_DEF(TYPE, PTXT)                                                                                     \
-    template <bool TRANS_B> struct Wgmma64<TYPE, TRANS_B> {                                                          \
-        static __device__ __forceinline__ void run(float (&d)[32], uint64_t da, uint64_t db, bool accumulate) {     \
-            MTP_WGMMA_ASM(PTXT)                                                                                       \
+
+// D[64 x 256] = A[64 x 16] . B[16 x 256] + (accumulate ? D : 0): as Wgmma64 with N = 256 (one instruction where four
+// m64n64k16 would read A four times), d[4 i + 0 / 1] = D[16 w + g][8 i + 2 c + 0 / 1], d[4 i + 2 / 3] = D[16 w + g +
+// 8][8 i + 2 c + 0 / 1] for i < 32 -- so four Wgmma64 accumulators of consecutive 64-column blocks, laid end to end,
+// are one Wgmma256 accumulator.  B by descriptor; MN-major B's 64-column blocks lie LBO bytes apart.
+template <typename T, bool TRANS_B> struct Wgmma256;
+#define MTP_WGMMA_D128 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, " \
+    "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, " \
+    "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, " \
+    "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, " \
+    "%102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, " \
+    "%119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define MTP_WGMMA_F8(i) \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+        "+f"(d[i + 7])
+#define MTP_WGMMA_D128_OUT()                                                                                       \
+    MTP_WGMMA_F8(0), MTP_WGMMA_F8(8), MTP_WGMMA_F8(16), MTP_WGMMA_F8(24), MTP_WGMMA_F8(32), MTP_WGMMA_F8(40),      \
+        MTP_WGMMA_F8(48), MTP_WGMMA_F8(56), MTP_WGMMA_F8(64), MTP_WGMMA_F8(72), MTP_WGMMA_F8(80), MTP_WGMMA_F8(88), \
+        MTP_WGMMA_F8(96), MTP_WGMMA_F8(104), MTP_WGMMA_F8(112), MTP_WGMMA_F8(120)
+
+// The instruction for both shapes: d (NACC fp32 registers: DLIST, and DOUT() the asm outputs) = A . B (+ d); the
+// operands da, db, the accumulate predicate and TRANS_B numbered after d (IA, IB, IP, IT).
+#define MTP_WGMMA_DEF(STRUCT, NACC, SHAPE, DLIST, DOUT, IA, IB, IP, IT, TYPE, PTXT)                                   \
+    template <bool TRANS_B> struct STRUCT<TYPE, TRANS_B> {                                                           \
+        static __device__ __forceinline__ void run(float (&d)[NACC], uint64_t da, uint64_t db, bool accumulate) {   \
+            MTP_WGMMA_ASM(SHAPE, DLIST, DOUT, IA, IB, IP, IT, PTXT)                                                   \
         }                                                                                                             \
     };
 #ifdef MTP_HAS_WGMMA
-#define MTP_WGMMA_ASM(PTXT)                                                                                          \
-    asm volatile(                                                                                                    \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXT "." PTXT " " MTP_WGMMA_D32 ", %32, %33, p, 1, 1, 0, %35;\n}\n" \
-        : MTP_WGMMA_D32_OUT                                                                                          \
-        : "l"(da), "l"(db), "r"(static_cast<int>(accumulate)), "n"(static_cast<int>(TRANS_B)));
+#define MTP_WGMMA_ASM(SHAPE, DLIST, DOUT, IA, IB, IP, IT, PTXT)                                                      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." PTXT     \
+                 "." PTXT " " DLIST ", %" IA ", %" IB ", p, 1, 1, 0, %" IT ";\n}\n"                                    \
+                 : DOUT()                                                                                            \
+                 : "l"(da), "l"(db), "r"(static_cast<int>(accumulate)), "n"(static_cast<int>(TRANS_B)));
 #else
-#define MTP_WGMMA_ASM(PTXT) __trap();  // only sm_90a has wgmma; the launchers never run this elsewhere
+#define MTP_WGMMA_ASM(...) __trap();  // only sm_90a has wgmma; the launchers never run this elsewhere
 #endif
-MTP_WGMMA_DEF(__half, "f16")
-MTP_WGMMA_DEF(__nv_bfloat16, "bf16")
+MTP_WGMMA_DEF(Wgmma64, 32, "m64n64k16", MTP_WGMMA_D32, MTP_WGMMA_D32_OUT, "32", "33", "34", "35", __half, "f16")
+MTP_WGMMA_DEF(Wgmma64, 32, "m64n64k16", MTP_WGMMA_D32, MTP_WGMMA_D32_OUT, "32", "33", "34", "35", __nv_bfloat16,
+              "bf16")
+MTP_WGMMA_DEF(Wgmma256, 128, "m64n256k16", MTP_WGMMA_D128, MTP_WGMMA_D128_OUT, "128", "129", "130", "131", __half,
+              "f16")
+MTP_WGMMA_DEF(Wgmma256, 128, "m64n256k16", MTP_WGMMA_D128, MTP_WGMMA_D128_OUT, "128", "129", "130", "131",
+              __nv_bfloat16, "bf16")
 #undef MTP_WGMMA_DEF
 #undef MTP_WGMMA_ASM
 

@@ -581,16 +581,17 @@ constexpr size_t V3_BYTES = 1024 + V3_M_OFF + 256;  // 231,232 bytes
 
 // ---- v3's pieces, shared by its two schedules (warpgroup 128-thread fragments: hopper.cuh)
 
-// A block's start on both schedules: the Q mbarrier and the two KV ones after it initialised (kv_arrivals per phase)
+// A block's start on both schedules: the Q mbarrier and the NKV KV ones after it initialised (kv_arrivals per phase)
 // and visible to the async proxy and the block; the prologue's commit and schedule awaited (programmatic dependent
 // launch); then the run of the block's part, from tile tf of sequence bf to tile tl (exclusive) of sequence bl --
 // false for an empty part of the persistent grid.
+template <int NKV>
 __device__ __forceinline__ bool v3_begin(const MlaParams& p, uint64_t* bar_q, unsigned kv_arrivals, int& bf, int& tf,
                                          int& bl, int& tl) {
     if (threadIdx.x == 0) {
         hopper::mbar_init(bar_q, 1);
-        hopper::mbar_init(bar_q + 1, kv_arrivals);
-        hopper::mbar_init(bar_q + 2, kv_arrivals);
+#pragma unroll
+        for (int k = 1; k <= NKV; ++k) hopper::mbar_init(bar_q + k, kv_arrivals);
         hopper::mbar_init_fence();
     }
     __syncthreads();
@@ -628,34 +629,48 @@ __device__ __forceinline__ V3Segment v3_segment(const MlaParams& p, int b, int b
     return s;
 }
 
-// S = Q . K^T of one tile into sc: 36 wgmma m64n64k16, Q and the tile (at kt_base) both K-major from shared memory;
-// one commit group of its own, not waited for.
-template <typename T>
-__device__ __forceinline__ void v3_scores(float (&sc)[32], uint32_t q_base, uint32_t kt_base) {
+// The part of S = Q . K^T over the tile's slices J0 .. J1 - 1 (4 wgmma m64n64k16 each; Q and the tile at kt_base both
+// K-major from shared memory), added to sc unless `first` (then the first product sets it).  Not committed.
+template <typename T, int J0, int J1>
+__device__ __forceinline__ void v3_score_slices(float (&sc)[32], uint32_t q_base, uint32_t kt_base, bool first) {
 #pragma unroll
-    for (int j = 0; j < V3_SLICES; ++j)
+    for (int j = J0; j < J1; ++j)
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
             const uint64_t da = hopper::smem_desc(q_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
             const uint64_t db = hopper::smem_desc(kt_base + j * V3_SLICE + 32 * ks, 16, 1024, hopper::kSwizzle128B);
-            hopper::Wgmma64<T, false>::run(sc, da, db, j > 0 || ks > 0);
+            hopper::Wgmma64<T, false>::run(sc, da, db, !first || j > J0 || ks > 0);
         }
+}
+
+// S of one tile into sc: 36 wgmma; one commit group of its own, not waited for.
+template <typename T>
+__device__ __forceinline__ void v3_scores(float (&sc)[32], uint32_t q_base, uint32_t kt_base) {
+    v3_score_slices<T, 0, V3_SLICES>(sc, q_base, kt_base, true);
     hopper::wgmma_commit();
 }
 
 // acc += P . V over output columns 256 half .. 256 half + 255: P the 64 x 64 K-major tile at p_base, V the tile's
-// slices 4 half .. 4 half + 3 read MN-major (no copy); one commit group.
-template <typename T>
+// slices 4 half .. 4 half + 3 read MN-major (no copy); one commit group.  WIDE: one m64n256k16 per 16 rows of V
+// (the four slices 8 KB apart: LBO), else four m64n64k16.
+template <typename T, bool WIDE = false>
 __device__ __forceinline__ void v3_pv(float (&acc)[4][32], uint32_t p_base, uint32_t kt_base, int half) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const uint64_t da = hopper::smem_desc(p_base + 32 * kk, 16, 1024, hopper::kSwizzle128B);
-            const uint64_t db = hopper::smem_desc(kt_base + (4 * half + j) * V3_SLICE + 2048 * kk, 0, 1024,
+    for (int kk = 0; kk < 4; ++kk) {
+        const uint64_t da = hopper::smem_desc(p_base + 32 * kk, 16, 1024, hopper::kSwizzle128B);
+        if constexpr (WIDE) {
+            const uint64_t db = hopper::smem_desc(kt_base + 4 * half * V3_SLICE + 2048 * kk, V3_SLICE, 1024,
                                                   hopper::kSwizzle128B);
-            hopper::Wgmma64<T, true>::run(acc[j], da, db, true);
+            hopper::Wgmma256<T, true>::run(reinterpret_cast<float(&)[128]>(acc), da, db, true);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint64_t db = hopper::smem_desc(kt_base + (4 * half + j) * V3_SLICE + 2048 * kk, 0, 1024,
+                                                      hopper::kSwizzle128B);
+                hopper::Wgmma64<T, true>::run(acc[j], da, db, true);
+            }
         }
+    }
     hopper::wgmma_commit();
 }
 
@@ -811,7 +826,7 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
     for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
 
     int bf, tf, bl, tl;  // sparse: every thread's cp.async arrives on the KV barriers; dense: the TMA issuer
-    if (!v3_begin(p, bar_q, p.sel ? V3_THREADS : 1, bf, tf, bl, tl)) return;
+    if (!v3_begin<2>(p, bar_q, p.sel ? V3_THREADS : 1, bf, tf, bl, tl)) return;
     const uint32_t q_base = hopper::smem_addr(sQ), k_base = hopper::smem_addr(sK), p_base = hopper::smem_addr(sP);
     unsigned q_phase = 0, it = 0;  // Q loads so far; KV tiles so far (stage it % 2, parity (it / 2) & 1)
 
@@ -994,14 +1009,17 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
 // (0 -> 1: scale1 P0); W0 / W1 sync a warpgroup's own threads before its products read what they stored, and before
 // they overwrite what its products read (each warp's part of a wgmma retires on its own).  P0 lies in
 // buffer 0's ninth slice and P1 in buffer 1's (the rope columns, dead once the tile's scores are done), scale1 P0 in
-// an 8 KB tile of its own.  A buffer is refilled with the tile two ahead once both warpgroups are done with it: each,
-// after its products on the tile retire, adds one to the buffer's counter, and the second (the odd count) issues
-// the TMA.  Dense launches only (sparse lists stay on v3's schedule).
-// Shared memory: 1 KB alignment slack, Q 72 KB, 2 buffers of 72 KB, scale1 P0 8 KB, 3 mbarriers, 2 counters, fp32
+// an 8 KB tile of its own.  A buffer is refilled with the tile two ahead in three parts, each on its own mbarrier, as
+// soon as the warpgroups that read the part are done with it: V_L (slices 0 .. 3) by warpgroup 0 after its P . V_L,
+// V_R (slices 4 .. 7) by warpgroup 1 after its P . V_R, slice 8 by warpgroup 0 in buffer 0 and, in buffer 1 (P1, read
+// by both), by the second warpgroup done with it (a shared counter); each warpgroup's scores take the parts its own
+// releases refilled first.  P . V is one m64n256k16 per 16 rows of V (v3_pv<T, true>).  Dense launches only (sparse
+// lists stay on v3's schedule).
+// Shared memory: 1 KB alignment slack, Q 72 KB, 2 buffers of 72 KB, scale1 P0 8 KB, 7 mbarriers, a counter, fp32
 // m / scale0 / scale1 per row, the two warpgroups' row sums.
 // =============================================================================================
 constexpr size_t SS_K_OFF = V3_TILE, SS_PX_OFF = 3 * V3_TILE, SS_BAR_OFF = SS_PX_OFF + V3_SLICE;
-constexpr size_t SS_REL_OFF = SS_BAR_OFF + 32, SS_M_OFF = SS_BAR_OFF + 64, SS_S0_OFF = SS_M_OFF + 256;
+constexpr size_t SS_REL_OFF = SS_BAR_OFF + 56, SS_M_OFF = SS_BAR_OFF + 64, SS_S0_OFF = SS_M_OFF + 256;
 constexpr size_t SS_S1_OFF = SS_S0_OFF + 256, SS_L_OFF = SS_S1_OFF + 256;
 constexpr size_t SS_BYTES = 1024 + SS_L_OFF + 512;  // 231,744 bytes
 static_assert(SS_BYTES == 231744 && SS_PX_OFF % 1024 == 0, "the seesaw's shared memory, as stated");
@@ -1018,8 +1036,8 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaPara
     unsigned char* sK = smem + SS_K_OFF;  // buffer j at sK + j * V3_TILE
     unsigned char* sPx = smem + SS_PX_OFF;
     uint64_t* bar_q = reinterpret_cast<uint64_t*>(smem + SS_BAR_OFF);
-    uint64_t* bar_kv = bar_q + 1;  // [2]
-    int* rel = reinterpret_cast<int*>(smem + SS_REL_OFF);  // [2]
+    uint64_t* bar_kv = bar_q + 1;  // [buffer][part]: part 0 = slices 0 .. 3, 1 = slices 4 .. 7, 2 = slice 8
+    int* rel = reinterpret_cast<int*>(smem + SS_REL_OFF);  // buffer 1's slice 8: warpgroups done with it
     float* sM = reinterpret_cast<float*>(smem + SS_M_OFF);
     float* sScale0 = reinterpret_cast<float*>(smem + SS_S0_OFF);
     float* sScale1 = reinterpret_cast<float*>(smem + SS_S1_OFF);
@@ -1036,9 +1054,9 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaPara
 #pragma unroll
     for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
 
-    if (tid == 0) rel[0] = rel[1] = 0;
+    if (tid == 0) *rel = 0;
     int bf, tf, bl, tl;
-    if (!v3_begin(p, bar_q, 1, bf, tf, bl, tl)) return;
+    if (!v3_begin<6>(p, bar_q, 1, bf, tf, bl, tl)) return;
     const uint32_t q_base = hopper::smem_addr(sQ), k_base = hopper::smem_addr(sK), px_base = hopper::smem_addr(sPx);
     const uint32_t kb0 = k_base, kb1 = k_base + V3_TILE, my_kb = k_base + wg * V3_TILE;
     const float one[2] = {1.f, 1.f};
@@ -1050,26 +1068,56 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaPara
         const bool direct = seg.direct;
         const uint8_t* mask_b = seg.mask_b;
 
-        auto issue = [&](int i) {  // tile tb + i into buffer i & 1 (one thread)
-            uint64_t* bar = bar_kv + (i & 1);
-            hopper::mbar_arrive_expect_tx(bar, V3_TILE);
-            for (int j = 0; j < V3_SLICES; ++j)
+        // part q of tile tb + i into buffer i & 1, on its own mbarrier (one thread): 0 = slices 0 .. 3 (V_L),
+        // 1 = slices 4 .. 7 (V_R), 2 = slice 8 (the rope columns, then P)
+        auto issue = [&](int i, int q) {
+            uint64_t* bar = bar_kv + 3 * (i & 1) + q;
+            const int j0 = 4 * q, j1 = q == 2 ? V3_SLICES : j0 + 4;
+            hopper::mbar_arrive_expect_tx(bar, (j1 - j0) * V3_SLICE);
+            for (int j = j0; j < j1; ++j)
                 hopper::tma_load_3d(sK + (i & 1) * V3_TILE + j * V3_SLICE, &tm_kv, 64 * j, (tb + i) * V3_KT, b, bar);
         };
-        // this warpgroup is done with tile i (its products on it retired): the second to say so refills the buffer
+        // this warpgroup's products on tile i have retired: the parts of its buffer only this warpgroup read get tile
+        // i + 2 (warpgroup 0: V_L and slice 8 of buffer 0, V_L of buffer 1; warpgroup 1: V_R of either), and the second
+        // warpgroup done with buffer 1's slice 8 (P1, read by both) refills it
         auto release = [&](int i) {
             hopper::named_sync(SS_NB_W0 + wg, 128);  // every warp of the warpgroup past its wait
-            if (tw == 0) {
+            if (tw != 0) return;
+            const bool more = i + 2 < n;
+            if (more) issue(i + 2, wg);
+            if (wg == 0 && !(i & 1) && more) issue(i + 2, 2);
+            if (i & 1) {
                 __threadfence_block();
-                if ((atomicAdd(rel + (i & 1), 1) & 1) && i + 2 < n) issue(i + 2);
+                if ((atomicAdd(rel, 1) & 1) && more) issue(i + 2, 2);
             }
         };
         float sc[32];  // this warpgroup's tile: its scores, then P (rounded to T, as floats)
-        auto scores = [&]() {  // this warpgroup's next tile, in its buffer: landed, then S issued into sc
-            hopper::mbar_wait(bar_kv + wg, fills & 1);
-            ++fills;
-            hopper::wgmma_fence();
-            v3_scores<T>(sc, q_base, my_kb);
+        // S of this warpgroup's next tile (in its buffer) into sc, each part issued as it lands, the parts its own
+        // releases refill first (warpgroup 0: V_L, slice 8, V_R; warpgroup 1: V_R, V_L, slice 8); one commit group
+        auto scores = [&]() {
+            uint64_t* bar = bar_kv + 3 * wg;
+            const unsigned parity = fills++ & 1;
+            auto part = [&](int q) {  // landed, then the warpgroup's registers fenced before its products
+                hopper::mbar_wait(bar + q, parity);
+                hopper::wgmma_fence();
+            };
+            if (wg == 0) {
+                part(0);
+                v3_score_slices<T, 0, 4>(sc, q_base, my_kb, true);
+                part(2);
+                v3_score_slices<T, 8, 9>(sc, q_base, my_kb, false);
+                part(1);
+                v3_score_slices<T, 4, 8>(sc, q_base, my_kb, false);
+                hopper::wgmma_commit();
+            } else {
+                part(1);
+                v3_score_slices<T, 4, 8>(sc, q_base, my_kb, true);
+                part(0);
+                v3_score_slices<T, 0, 4>(sc, q_base, my_kb, false);
+                part(2);
+                v3_score_slices<T, 8, 9>(sc, q_base, my_kb, false);
+                hopper::wgmma_commit();  // in each branch: a commit where they join makes ptxas fence again
+            }
         };
 
         if (tid < 64) sM[tid] = -INFINITY;
@@ -1077,8 +1125,8 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaPara
             hopper::mbar_arrive_expect_tx(bar_q, V3_TILE);
             for (int j = 0; j < V3_SLICES; ++j)
                 hopper::tma_load_3d(sQ + j * V3_SLICE, &tm_q, 64 * j, m0, b, bar_q);
-            issue(0);
-            if (n > 1) issue(1);
+            for (int i = 0; i < 2 && i < n; ++i)
+                for (int q = 0; q < 3; ++q) issue(i, q);
         }
         __syncthreads();  // sM set
 
@@ -1133,7 +1181,7 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaPara
                 hopper::fence_proxy_async();
                 hopper::named_sync(SS_NB_W0, 128);
                 hopper::wgmma_fence();
-                v3_pv<T>(acc, kb0 + 8 * V3_SLICE, kb0, 0);  // O_L += P0 V0_L
+                v3_pv<T, true>(acc, kb0 + 8 * V3_SLICE, kb0, 0);  // O_L += P0 V0_L
                 hopper::named_sync(SS_NB_S1, 256);           // m, scale1, P1 (tile i0 + 1's softmax)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) s1[h] = sScale1[row_of[h]];
@@ -1149,7 +1197,7 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaPara
                 for (int h = 0; h < 2; ++h) l_run[h] *= s1[h];
                 if (has1) {
                     hopper::wgmma_fence();
-                    v3_pv<T>(acc, kb1 + 8 * V3_SLICE, kb1, 0);  // O_L += P1 V1_L
+                    v3_pv<T, true>(acc, kb1 + 8 * V3_SLICE, kb1, 0);  // O_L += P1 V1_L
                 }
                 const bool more = i0 + 2 < n;
                 if (more) scores();  // S(i0 + 2) beside P1 V1_L
@@ -1191,11 +1239,11 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaPara
                 if (has1) {
                     hopper::named_sync(SS_NB_W0 + 1, 128);
                     hopper::wgmma_fence();
-                    v3_pv<T>(acc, kb1 + 8 * V3_SLICE, kb1, 1);  // O_R += P1 V1_R
+                    v3_pv<T, true>(acc, kb1 + 8 * V3_SLICE, kb1, 1);  // O_R += P1 V1_R
                 }
                 hopper::named_sync(SS_NB_P0, 256);  // scale1 P0
                 hopper::wgmma_fence();
-                v3_pv<T>(acc, px_base, kb0, 1);  // O_R += (scale1 P0) V0_R
+                v3_pv<T, true>(acc, px_base, kb0, 1);  // O_R += (scale1 P0) V0_R
                 if (has1) {
                     hopper::wgmma_wait<1>();
 #pragma unroll

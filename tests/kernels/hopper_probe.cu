@@ -9,16 +9,17 @@ using namespace mtp;
 
 constexpr int kSlice = 64 * 128;  // one 64-row slice of 64 16-bit values, 128-byte swizzled: 8 atoms of 1024 bytes
 
-// The warpgroup's m64n64 fp32 accumulators (PTX ISA fragment: thread tid's warp w, row group g, column pair c)
-// into d [64][64].
-__device__ void store_d(const float (&acc)[32], float* d, int tid) {
+// The warpgroup's m64nN fp32 accumulators (PTX ISA fragment: thread tid's warp w, row group g, column pair c)
+// into d [64][N].
+template <int N>
+__device__ void store_d(const float (&acc)[N / 2], float* d, int tid) {
     const int w = tid / 32, g = (tid % 32) / 4, c = tid % 4;
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < N / 8; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) d[(16 * w + g + 8 * h) * 64 + 8 * i + 2 * c + e] = acc[4 * i + 2 * h + e];
+            for (int e = 0; e < 2; ++e) d[(16 * w + g + 8 * h) * N + 8 * i + 2 * c + e] = acc[4 * i + 2 * h + e];
 }
 
 // cudaSuccess on a compute capability 9.0 GPU (and under the emulation), else why the probes cannot run.
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(128, 1) wgmma_probe_kernel(const T* a, const T
     }
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc);
-    store_d(acc, d, tid);
+    store_d<64>(acc, d, tid);
 }
 
 template <typename T, bool TRANS_B>
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(128, 1) gather_probe_kernel(const T* a, const 
     hopper::wgmma_wait<0>();
     hopper::fence_regs(acc);
     if (skip & 1) hopper::mbar_wait(bar, 0);  // the copies are done before the block exits
-    store_d(acc, d, tid);
+    store_d<64>(acc, d, tid);
 }
 }  // namespace
 
@@ -204,4 +205,51 @@ extern "C" cudaError_t mtp_probe_gather(int dtype, const void* a, const void* b,
                             static_cast<const __half*>(b), sel, d, K, skip);
     return launch_probe(gather_probe_kernel<__nv_bfloat16>, smem, stream, static_cast<const __nv_bfloat16*>(a),
                         static_cast<const __nv_bfloat16*>(b), sel, d, K, skip);
+}
+
+// ---- wgmma m64n256k16 (MLA decode v3's seesaw P . V): D [64][256] fp32 = A [64][64] . B [64][256], A K-major, B
+// MN-major as four 64-column blocks of 8 KB (a tile's four V slices), one instruction per 16 rows of B.
+namespace {
+template <typename T>
+__global__ void __launch_bounds__(128, 1) wgmma256_probe_kernel(const T* a, const T* b, float* d) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+    unsigned char* sA = smem;
+    unsigned char* sB = smem + kSlice;
+    const int tid = threadIdx.x;
+    for (int i = tid; i < 64 * 64; i += 128)
+        *reinterpret_cast<T*>(sA + hopper::swizzle128((i / 512) * 1024 + (i / 64 % 8) * 128 + (i % 64) * 2)) = a[i];
+    for (int i = tid; i < 64 * 256; i += 128) {
+        const int k = i / 256, n = i % 256;
+        *reinterpret_cast<T*>(sB + (n / 64) * kSlice + hopper::swizzle128(k * 128 + (n % 64) * 2)) = b[i];
+    }
+    hopper::fence_proxy_async();
+    __syncthreads();
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    hopper::wgmma_fence();
+    const uint32_t a0 = hopper::smem_addr(sA), b0 = hopper::smem_addr(sB);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        hopper::Wgmma256<T, true>::run(acc, hopper::smem_desc(a0 + 32 * kk, 16, 1024, hopper::kSwizzle128B),
+                                       hopper::smem_desc(b0 + 2048 * kk, kSlice, 1024, hopper::kSwizzle128B), kk > 0);
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) hopper::fence_regs(reinterpret_cast<float(&)[32]>(acc[32 * j]));
+    store_d<256>(acc, d, tid);
+}
+}  // namespace
+
+// a [64][64], b [64][256] (fp16 or bf16, mtp_dtype), d [64][256].
+extern "C" cudaError_t mtp_probe_wgmma256(int dtype, const void* a, const void* b, float* d, cudaStream_t stream) {
+    if ((dtype != MTP_DTYPE_F16 && dtype != MTP_DTYPE_BF16) || !a || !b || !d) return cudaErrorInvalidValue;
+    if (cudaError_t err = need_sm90(); err != cudaSuccess) return err;
+    const size_t smem = 1024 + 5 * static_cast<size_t>(kSlice);
+    if (dtype == MTP_DTYPE_F16)
+        return launch_probe(wgmma256_probe_kernel<__half>, smem, stream, static_cast<const __half*>(a),
+                            static_cast<const __half*>(b), d);
+    return launch_probe(wgmma256_probe_kernel<__nv_bfloat16>, smem, stream, static_cast<const __nv_bfloat16*>(a),
+                        static_cast<const __nv_bfloat16*>(b), d);
 }

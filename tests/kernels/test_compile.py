@@ -182,6 +182,17 @@ def test_v3_fits_one_block_per_sm(compiled, kernel, bytes_line):
 
 
 @pytest.mark.slow
+def test_wgmma_chains_are_not_fenced_or_serialized_by_ptxas(compiled):
+    """ptxas says nothing of the MLA kernels' wgmma: no product serialized (C7514, C7520: an accumulator touched while
+    its wgmma may run) and no warpgroup.arrive injected (C7519: registers used by wgmma without the kernel's own
+    fence, e.g. after a wait loop or where two branches' products join)."""
+    res, _, _ = compiled
+    log = next(r.log for r in res if r.source == "mla_decode.cu")
+    notes = [ln for ln in log.splitlines() if re.search(r"\(C75(14|19|20)\)", ln)]
+    assert not notes, "\n".join(notes[:5])
+
+
+@pytest.mark.slow
 def test_v3_runs_on_warpgroup_mma_and_tma(compiled):
     """sm_90a SASS of the MLA kernels: v3's products are HGMMA (64x64x16) and its loads UTMALDG (TMA; a sparse list's
     rows LDGSTS, cp.async), with no local memory; needs cuobjdump (set CUOBJDUMP; pip's nvidia-cuda-cuobjdump carries

@@ -146,6 +146,40 @@ def test_emulated_wgmma_is_a_matrix_product(emu_probe, dtype, trans_b, K):
     assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))  # |a . b| ~ sqrt(K)
 
 
+def wide_case(call, *, dtype, seed=0):
+    """A [64, 64] times B [64, 256] (MN-major: the seesaw's P . V as m64n256k16) through `call(dtype_code, a, b) ->
+    [64, 256]`: (got, want)."""
+    rng = np.random.default_rng(seed)
+    a_s, a = storage(rng.standard_normal((64, 64)), dtype)
+    b_s, b = storage(rng.standard_normal((64, 256)), dtype)
+    return call(CODES[dtype], a_s, b_s), a @ b
+
+
+WIDE_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+
+@pytest.fixture(scope="module")
+def emu_wide(emu_lib_probe):
+    fn = emu_lib_probe.mtp_probe_wgmma256
+    fn.restype, fn.argtypes = ctypes.c_int, WIDE_ARGS
+
+    def call(code, a, b):
+        d = np.full((64, 256), np.nan, np.float32)
+        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+        assert fn(code, a.ctypes.data, b.ctypes.data, d.ctypes.data, None) == 0
+        return d
+
+    return call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_emulated_wgmma256_is_a_matrix_product(emu_wide, dtype):
+    got, want = wide_case(emu_wide, dtype=dtype, seed=3)
+    assert not np.isnan(got).any()
+    assert np.max(np.abs(got - want)) <= 1e-5 * 8 * 8, np.max(np.abs(got - want))  # K = 64: |a . b| ~ 8
+
+
 @pytest.fixture(scope="module")
 def emu_gather(emu_lib_probe):
     fn = emu_lib_probe.mtp_probe_gather
@@ -223,11 +257,12 @@ def test_probe_builds_for_sm90a_without_spills(tmp_path):
     proc = nvcc_probe(tmp_path, "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "probe.cubin"))
     assert proc.returncode == 0, proc.stderr
     spills = [ln for ln in proc.stderr.splitlines() if "bytes spill" in ln]
-    assert len(spills) == 7 and all(ln.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for ln in spills)
+    assert len(spills) == 9 and all(ln.strip().startswith("0 bytes stack frame, 0 bytes spill stores") for ln in spills)
     ptx = nvcc_probe(tmp_path, "-ptx", "-o", str(tmp_path / "probe.ptx"))
     assert ptx.returncode == 0, ptx.stderr
     text = (tmp_path / "probe.ptx").read_text()
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in text and "fence.proxy.async" in text
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in text
 
 
 @pytest.mark.slow
@@ -270,15 +305,15 @@ def gpu_probe(tmp_path_factory):
         assert int(e) == 0, res
         return res[1] if isinstance(res, tuple) and len(res) > 1 else None
 
-    def run(invoke, inputs, out_dtype):
-        """inputs copied to the device, a [64, 64] output (0xFF bytes first), invoke(*input pointers, output)."""
+    def run(invoke, inputs, out_dtype, shape=(64, 64)):
+        """inputs copied to the device, an output of `shape` (0xFF bytes first), invoke(*input pointers, output)."""
         ptrs = []
         for arr in inputs:
             arr = np.ascontiguousarray(arr)
             p = ck(rt.cudaMalloc(arr.nbytes))
             ck(rt.cudaMemcpy(p, arr.ctypes.data, arr.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
             ptrs.append(p)
-        out = np.empty((64, 64), out_dtype)
+        out = np.empty(shape, out_dtype)
         d = ck(rt.cudaMalloc(out.nbytes))
         ck(rt.cudaMemset(d, 0xFF, out.nbytes))
         assert invoke(*(int(p) for p in ptrs), int(d)) == 0
@@ -302,8 +337,14 @@ def gpu_probe(tmp_path_factory):
         fg.restype, fg.argtypes = ctypes.c_int, GATHER_ARGS
         return run(lambda pa, pb, ps, d: fg(code, pa, pb, ps, d, K, skip, None), (a, b, sel), np.float32)
 
+    def wide(code, a, b):
+        fw = lib.mtp_probe_wgmma256
+        fw.restype, fw.argtypes = ctypes.c_int, WIDE_ARGS
+        return run(lambda pa, pb, d: fw(code, pa, pb, d, None), (a, b), np.float32, (64, 256))
+
     call.tma = tma
     call.gather = gather
+    call.wide = wide
     return call
 
 
@@ -315,6 +356,14 @@ def test_wgmma_layouts_on_hopper(gpu_probe, dtype, trans_b, K):
     got, want = probe_case(gpu_probe, K=K, trans_b=trans_b, dtype=dtype, seed=K + trans_b)
     assert not np.isnan(got).any()
     assert np.max(np.abs(got - want)) <= 1e-5 * np.sqrt(K) * 8, np.max(np.abs(got - want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_wgmma256_layout_on_hopper(gpu_probe, dtype):
+    got, want = wide_case(gpu_probe.wide, dtype=dtype, seed=3)
+    assert not np.isnan(got).any()
+    assert np.max(np.abs(got - want)) <= 1e-5 * 8 * 8, np.max(np.abs(got - want))
 
 
 @pytest.mark.gpu

@@ -60,34 +60,44 @@ template <typename T> inline float emu_smem_value(uint32_t off) {
     return to_f<T>(v);
 }
 
+// One warpgroup product D[64 x N] (+)= A[64 x 16] . B[16 x N]: this thread's accumulators of the fragment, deferred
+// to the wait that retires its commit group.
+template <typename T, bool TRANS_B, int N>
+inline void emu_wgmma(float* acc, uint64_t da, uint64_t db, bool accumulate) {
+    ++emu::counts[emu::kWgmma];
+    const int t = static_cast<int>(emu::ctx.tid.x + emu::ctx.bdim.x * (emu::ctx.tid.y + emu::ctx.bdim.y * emu::ctx.tid.z));
+    const int w = (t / 32) % 4, g = (t % 32) / 4, c = t % 4;
+    if (emu::ctx.unfenced) {
+        std::fprintf(stderr, "emu_hopper: wgmma issued after a wait for cp.async data without fence.proxy.async\n");
+        std::abort();
+    }
+    const std::vector<std::pair<uint32_t, long>> seen = emu::ctx.seen;
+    emu::ctx.wg_open.push_back([=]() {
+        for (int i = 0; i < N / 8; ++i)
+            for (int h = 0; h < 2; ++h)
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 16 * w + g + 8 * h, n = 8 * i + 2 * c + e;
+                    float s = 0.f;
+                    for (int k = 0; k < 16; ++k) {
+                        const uint32_t oa = emu_operand_offset(da, r, k, false);
+                        const uint32_t ob = emu_operand_offset(db, n, k, TRANS_B);
+                        emu_check_visible(oa, seen);
+                        emu_check_visible(ob, seen);
+                        s += emu_smem_value<T>(oa) * emu_smem_value<T>(ob);
+                    }
+                    float& out = acc[4 * i + 2 * h + e];
+                    out = (accumulate ? out : 0.f) + s;
+                }
+    });
+}
 template <typename T, bool TRANS_B> struct Wgmma64 {
     static void run(float (&d)[32], uint64_t da, uint64_t db, bool accumulate) {
-        ++emu::counts[emu::kWgmma];
-        const int t = static_cast<int>(emu::ctx.tid.x + emu::ctx.bdim.x * (emu::ctx.tid.y + emu::ctx.bdim.y * emu::ctx.tid.z));
-        const int w = (t / 32) % 4, g = (t % 32) / 4, c = t % 4;
-        float* acc = d;
-        if (emu::ctx.unfenced) {
-            std::fprintf(stderr, "emu_hopper: wgmma issued after a wait for cp.async data without fence.proxy.async\n");
-            std::abort();
-        }
-        const std::vector<std::pair<uint32_t, long>> seen = emu::ctx.seen;
-        emu::ctx.wg_open.push_back([=]() {
-            for (int i = 0; i < 8; ++i)
-                for (int h = 0; h < 2; ++h)
-                    for (int e = 0; e < 2; ++e) {
-                        const int r = 16 * w + g + 8 * h, n = 8 * i + 2 * c + e;
-                        float s = 0.f;
-                        for (int k = 0; k < 16; ++k) {
-                            const uint32_t oa = emu_operand_offset(da, r, k, false);
-                            const uint32_t ob = emu_operand_offset(db, n, k, TRANS_B);
-                            emu_check_visible(oa, seen);
-                            emu_check_visible(ob, seen);
-                            s += emu_smem_value<T>(oa) * emu_smem_value<T>(ob);
-                        }
-                        float& out = acc[4 * i + 2 * h + e];
-                        out = (accumulate ? out : 0.f) + s;
-                    }
-        });
+        emu_wgmma<T, TRANS_B, 64>(d, da, db, accumulate);
+    }
+};
+template <typename T, bool TRANS_B> struct Wgmma256 {
+    static void run(float (&d)[128], uint64_t da, uint64_t db, bool accumulate) {
+        emu_wgmma<T, TRANS_B, 256>(d, da, db, accumulate);
     }
 };
 
