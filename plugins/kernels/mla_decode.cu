@@ -609,6 +609,31 @@ __device__ __forceinline__ bool v3_begin(const MlaParams& p, uint64_t* bar_q, un
     return true;
 }
 
+// A thread's place in both schedules: its warpgroup (warp-uniform to the compiler, so wgmma stays in uniform
+// branches), its lane's column pair c4, the block's first query row m0 of M and how many of its 64 are real (nq), and
+// the thread's two rows of the accumulator fragment (16 w + lane / 4 and 8 more, warp w of its warpgroup) with the new
+// token each belongs to.
+struct V3Thread {
+    int tid, lane, wg, c4, M, m0, nq;
+    int row_of[2], tok_of[2];
+};
+__device__ __forceinline__ V3Thread v3_thread(const MlaParams& p) {
+    V3Thread t;
+    t.tid = threadIdx.x;
+    t.lane = t.tid & 31;
+    t.wg = __shfl_sync(kFullMask, t.tid >> 7, 0);
+    t.c4 = t.lane & 3;
+    t.M = p.S * p.H;
+    t.m0 = blockIdx.x * 64;
+    t.nq = min(64, t.M - t.m0);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        t.row_of[h] = 16 * ((t.tid >> 5) & 3) + (t.lane >> 2) + 8 * h;
+        t.tok_of[h] = min((t.m0 + t.row_of[h]) / p.H, p.S - 1);
+    }
+    return t;
+}
+
 // Sequence b's share of the run for query rows up to m_last: committed rows c, rows L after the commit, first tile
 // tb, tiles n (cut at the causal limit), whether the run holds all of its tiles (direct output), its tree mask.
 struct V3Segment {
@@ -814,16 +839,10 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_v3_kernel(const MlaParams p
     float* sL = reinterpret_cast<float*>(smem + V3_L_OFF);
     float* sM = reinterpret_cast<float*>(smem + V3_M_OFF);
 
-    const int tid = threadIdx.x, w = (tid >> 5) & 3, lane = tid & 31;
-    const int wg = __shfl_sync(kFullMask, tid >> 7, 0);  // warp-uniform to the compiler: wgmma in uniform branches
-    const int g = lane >> 2, c4 = lane & 3;
-    const int M = p.S * p.H;
-    const int m0 = blockIdx.x * 64;
-    const int nq = min(64, M - m0);
-    const int row_of[2] = {16 * w + g, 16 * w + g + 8};
-    int tok_of[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
+    const V3Thread th = v3_thread(p);
+    const int tid = th.tid, lane = th.lane, wg = th.wg, c4 = th.c4, M = th.M, m0 = th.m0, nq = th.nq;
+    const int(&row_of)[2] = th.row_of;
+    const int(&tok_of)[2] = th.tok_of;
 
     int bf, tf, bl, tl;  // sparse: every thread's cp.async arrives on the KV barriers; dense: the TMA issuer
     if (!v3_begin<2>(p, bar_q, p.sel ? V3_THREADS : 1, bf, tf, bl, tl)) return;
@@ -1043,16 +1062,11 @@ __global__ void __launch_bounds__(V3_THREADS, 1) mla_seesaw_kernel(const MlaPara
     float* sScale1 = reinterpret_cast<float*>(smem + SS_S1_OFF);
     float* sL = reinterpret_cast<float*>(smem + SS_L_OFF);  // [2][64]
 
-    const int tid = threadIdx.x, w = (tid >> 5) & 3, lane = tid & 31, tw = tid & 127;
-    const int wg = __shfl_sync(kFullMask, tid >> 7, 0);  // warp-uniform to the compiler: wgmma in uniform branches
-    const int g = lane >> 2, c4 = lane & 3;
-    const int M = p.S * p.H;
-    const int m0 = blockIdx.x * 64;
-    const int nq = min(64, M - m0);
-    const int row_of[2] = {16 * w + g, 16 * w + g + 8};
-    int tok_of[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) tok_of[h] = min((m0 + row_of[h]) / p.H, p.S - 1);
+    const V3Thread th = v3_thread(p);
+    const int tid = th.tid, lane = th.lane, wg = th.wg, c4 = th.c4, M = th.M, m0 = th.m0, nq = th.nq;
+    const int(&row_of)[2] = th.row_of;
+    const int(&tok_of)[2] = th.tok_of;
+    const int tw = tid & 127;
 
     if (tid == 0) *rel = 0;
     int bf, tf, bl, tl;
