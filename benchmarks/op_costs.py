@@ -1,5 +1,5 @@
 """What one node of a decode step costs: one-node ONNX Runtime sessions of mtp-trt's CPU operators at the demo
-checkpoint's shapes (and a trivial ONNX Runtime node), each the minimum over --calls calls less an empty
+checkpoint's shapes and the 304M's attention (and a trivial ONNX Runtime node), each the minimum over --calls calls less an empty
 session's run (the Python binding's and the session's fixed cost), so that a busy machine hardly moves the
 figures.  Not run in CI.
 
@@ -40,6 +40,7 @@ def best_call(m, feed: dict, threads: int, calls: int) -> float:
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    options.add_session_config_entry(ort_lib.THREADS_KEY, str(threads))  # (as OrtBackend's sessions)
     session = ort_lib.session(m.SerializeToString(), options)
     best = float("inf")
     for _ in range(calls):
@@ -88,6 +89,20 @@ def cases(rng) -> dict:
         model([op("MlaSelfAttention", ["q", "kv", "norm", "pos", "cos", "sin", "cache", "past_len", "", "", "w_uk",
                                        "w_uv"], ["o", "rows"], heads=HEADS, scale=0.1, eps=1e-6, interleave=1)],
               feed, ["o", "rows"], weights), feed)
+    # the attention alone at the 304M checkpoint's shapes (16 heads, Dl 256, Dr 32; the query given in the latent
+    # space, no W^UK, W^UV), over a short, a middling and a long context
+    h, dl, dr = 16, 256, 32
+    angles = rng.uniform(0, 6, (4096, dr // 2))
+    tables = {"norm": np.ones(dl, np.float32), "cos": np.cos(angles).astype(np.float32),
+              "sin": np.sin(angles).astype(np.float32)}
+    for cached in (90, 500, 2000):
+        feed = {"q": rng.standard_normal((1, 1, h * (dl + dr))).astype(np.float32),
+                "kv": rng.standard_normal((1, 1, dl + dr)).astype(np.float32), "pos": np.array([[cached]], np.int64),
+                "cache": rng.standard_normal((1, cached + 1, dl + dr)).astype(np.float32),
+                "past_len": np.array([cached], np.int32)}
+        out[f"MlaSelfAttention, 304M's 16 heads (Dl {dl}), {cached} cached rows, no W^UK, W^UV"] = (
+            model([op("MlaSelfAttention", ["q", "kv", "norm", "pos", "cos", "sin", "cache", "past_len"], ["o", "rows"],
+                      heads=h, scale=0.05, eps=1e-6, interleave=1)], feed, ["o", "rows"], tables), feed)
     return out
 
 

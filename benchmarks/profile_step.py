@@ -2,7 +2,7 @@
 count) and Python's (the decode loop around the graph calls: alone, inside the decode, and profiled), batch 1,
 greedy.
 
-  python benchmarks/profile_step.py EXPORT_DIR [--nextn 0] [--tokens 64] [--threads 2]
+  python benchmarks/profile_step.py EXPORT_DIR [--nextn 0] [--tokens 64] [--threads 2] [--pack auto|on|off]
 """
 
 from __future__ import annotations
@@ -82,18 +82,22 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-share", action="store_true", help="OrtBackend(share_weights=False); default: its own choice")
+    ap.add_argument("--pack", choices=["auto", "on", "off"], default="auto",
+                    help="OrtBackend(pack_weights=...): the quantized operators pack their weights; auto: its own choice")
     a = ap.parse_args()
     from mtp_trt.backend import OrtBackend
     from mtp_trt.decode import DecodeOptions, generate
     from mtp_trt.manifest import Manifest
 
     manifest = Manifest.load(a.export)
+    pack = {"auto": None, "on": True, "off": False}[a.pack]
     opts = DecodeOptions(nextn=a.nextn, max_new_tokens=a.tokens)
     step = f"step_{a.nextn}"
 
     # 0. Python alone: the sessions replaced by stand-ins that return one real run's outputs (CPU time, so that
     #    other work on the machine hardly moves it)
-    backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None)
+    backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None,
+                             pack_weights=pack)
     generate(backend, [PROMPT], opts)
     real = dict(backend.sessions)
     backend.bound.clear()  # bind the stand-ins' calls afresh
@@ -150,7 +154,8 @@ def main():
 
     # 2. ONNX Runtime's profile of the step graph
     with tempfile.TemporaryDirectory() as tmp:
-        prof_backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None)
+        prof_backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None,
+                             pack_weights=pack)
         base = prof_backend.session_options
 
         def profiled(file, *args):
@@ -170,18 +175,26 @@ def main():
     per_run_nodes = collections.Counter()
     cfg = manifest.config
     import onnx
+    from onnx import helper
 
     graph = onnx.load(str(manifest.root / manifest.graphs[step].file), load_external_data=False).graph
-    const = {t.name: 4 * int(np.prod(t.dims)) for t in graph.initializer}  # fp32 bytes
-    node_weights = {n.name: sum(const.get(i, 0) for i in n.input) for n in graph.node}
+    const = {t.name: helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * int(np.prod(t.dims))
+             for t in graph.initializer}
+    # the share of each constant input a step reads: the routed experts' (MoE: fc1, fc2; QMoE: fc1, its scales,
+    # fc2, its scales) at the share of experts the step's tokens select, MLA's rope tables (cos, sin) one row of
+    # thousands (none), everything else whole
     routed = min(1.0, (a.nextn + 1) * cfg.num_experts_per_tok / max(cfg.n_routed_experts, 1))
+    shares = {"MoE": {3: routed, 4: routed}, "QMoE": {i: routed for i in range(3, 7)},
+              "MlaSelfAttention": {4: 0.0, 5: 0.0}}
+    node_weights = {n.name: sum(const.get(x, 0) * shares.get(n.op_type, {}).get(i, 1.0) for i, x in enumerate(n.input))
+                    for n in graph.node}
     for e in nodes:
         op = e["args"]["op_name"]
         by_type[op] += e["dur"]
         # constant inputs: all of a MatMul's weights; the MoE node's experts at the share its tokens select
         # (from the ONNX file where the node kept its name: a pre-packed weight is no longer the kernel's input)
         size = node_weights.get(e["name"].removesuffix("_kernel_time"), int(e["args"].get("parameter_size", 0)))
-        weight_bytes[op] += size * (routed if op == "MoE" else 1)
+        weight_bytes[op] += size
         per_run_nodes[e["name"]] += 1
     n_runs = max(len(runs), 1)
     for name in per_run_nodes:

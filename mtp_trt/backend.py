@@ -452,6 +452,7 @@ class OrtBackend(Backend):
             ort_lib.register(options)
             if not self.pack_weights:
                 options.add_session_config_entry(ort_lib.PACK_MAX_BYTES_KEY, "0")
+            options.add_session_config_entry(ort_lib.THREADS_KEY, str(self.threads))
         options.intra_op_num_threads = self.threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
         if self.spin and bounded_spin():

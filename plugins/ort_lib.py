@@ -212,6 +212,9 @@ def register(session_options) -> None:
 # The session config entry that limits which weights the quantized operators pack (bytes; "0": none): at most
 # the process's limit (MTP_ORT_PACK_MAX_BYTES, default 16 MiB per weight).  Read by ONNX Runtime >= 1.24.
 PACK_MAX_BYTES_KEY = "mtp_trt.cpu.pack_max_bytes"
+# The session config entry that tells the operators the session's intra-op thread count (where it is "1" the
+# attention keeps all of a token's heads in one work item).  Read by ONNX Runtime >= 1.24.
+THREADS_KEY = "mtp_trt.cpu.intra_op_threads"
 
 
 def float_dequantized_matmuls(options) -> None:

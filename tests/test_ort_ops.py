@@ -29,9 +29,10 @@ TYPES = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.bool_: T
 
 
 def run_node(op: str, inputs: dict, attrs: dict, constants: dict = (), threads: int = 2, outputs: int = 1,
-             out_type: int = TensorProto.FLOAT):
+             out_type: int = TensorProto.FLOAT, say_threads: bool = True):
     """One mtp_trt.cpu node: `inputs` fed (name -> array, None: left out), `constants` as initializers -> its output
-    (its `outputs` outputs, where more than one, all of `out_type`)."""
+    (its `outputs` outputs, where more than one, all of `out_type`), on `threads` intra-op threads, which the
+    session tells the operators as OrtBackend's do unless not `say_threads`."""
     constants = dict(constants)
     names = list(inputs)
     while names and inputs[names[-1]] is None:  # trailing optional inputs are simply absent
@@ -50,6 +51,8 @@ def run_node(op: str, inputs: dict, attrs: dict, constants: dict = (), threads: 
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    if say_threads:
+        options.add_session_config_entry(ort_lib.THREADS_KEY, str(threads))
     out = ort_lib.session(model.SerializeToString(), options).run(None, fed)
     return out[0] if outputs == 1 else out
 
@@ -133,6 +136,8 @@ MLA_CASES = [  # b, s, h, dl, dr, t, r, mask
     (2, 5, 16, 40, 8, 9, 5, "batch"),  # a tree mask per sequence
     (2, 2, 3, 24, 8, 30, 6, "shared"),  # extra rows before the new ones, one mask for the batch
     (1, 3, 2, 8, 8, 0, 3, None),  # an empty cache
+    (1, 1, 16, 256, 32, 200, 1, None),  # 304M's decode step: tiles of 4 heads, the keys in blocks
+    (2, 3, 7, 40, 8, 140, 3, None),  # 7 heads: a tile of 4 and 3 more; 40 columns: 24 + 16
 ]
 
 
@@ -240,20 +245,21 @@ def test_mla_self_attention_is_mla_attention_after_the_projections():
     close(out, want, 1e-5)
 
 
-def test_mla_self_attention_rows_do_not_depend_on_their_neighbours():
+@pytest.mark.parametrize("h, dl, past", [(4, 24, 10), (16, 72, 100)])
+def test_mla_self_attention_rows_do_not_depend_on_their_neighbours(h, dl, past):
     """A token's outputs carry the same bits whether it runs alone or after others in the same call (a verify step's
     rows equal a one-token step's): token 2 of a 3-token call against the same token alone with tokens 0 and 1
-    as committed cache rows."""
-    b, s, h, dn, dl, dr, dv, t = 1, 3, 4, 16, 24, 8, 12, 30
+    as committed cache rows (also with 16 heads and more cached rows than a block of keys)."""
+    b, s, dn, dr, dv, t = 1, 3, 16, 8, 12, past + 20
     ins = mla_self_inputs(np.random.default_rng(4), b, s, h, dn, dl, dr, dv, t, 0, None, True)
-    ins["past_len"] = np.array([10], np.int32)
+    ins["past_len"] = np.array([past], np.int32)
     attrs = dict(heads=h, scale=0.2, eps=1e-6, interleave=1)
     out, rows = run_node("MlaSelfAttention", ins, attrs, outputs=2)
     one = {k: v for k, v in ins.items()}
     one["cache"] = ins["cache"].copy()
-    one["cache"][0, 10:12] = rows[0, :2]
+    one["cache"][0, past:past + 2] = rows[0, :2]
     one.update(q=ins["q"][:, 2:], kv=ins["kv"][:, 2:], positions=ins["positions"][:, 2:],
-               past_len=np.array([12], np.int32))
+               past_len=np.array([past + 2], np.int32))
     out1, rows1 = run_node("MlaSelfAttention", one, attrs, outputs=2)
     assert np.array_equal(rows1[0, 0], rows[0, 2]) and np.array_equal(out1[0, 0], out[0, 2])
 
@@ -344,7 +350,8 @@ def test_rms_norm_matches_reference(rows, d, skip, sum_out):
 # ------------------------------------------------------------------------------ threads and paths
 def test_any_thread_count_gives_the_same_bits(monkeypatch):
     """Work is split by output columns, heads and tokens, never within a sum: 1, 2 and 3 threads agree exactly,
-    whether every call is split (MTP_ORT_MIN_PARALLEL_WORK=0) or only large ones."""
+    whether every call is split (MTP_ORT_MIN_PARALLEL_WORK=0) or only large ones, and whether the session tells the
+    operators its thread count (on one thread the attention keeps a token's heads together) or not."""
     rng = np.random.default_rng(11)
     moe = moe_inputs(rng, 5, 72, 16, 24, 24)
     consts = {n: a for n, a in moe.items() if n != "x"}
@@ -354,10 +361,10 @@ def test_any_thread_count_gives_the_same_bits(monkeypatch):
     norm = dict(x=rng.standard_normal((3, 5, 40)).astype(np.float32), weight=rng.standard_normal(40).astype(np.float32),
                 skip=rng.standard_normal((3, 5, 40)).astype(np.float32))
     outs = []
-    for split, n in itertools.product(("0", ""), (1, 2, 3)):
+    for split, n, say in itertools.product(("0", ""), (1, 2, 3), (True, False)):
         monkeypatch.setenv("MTP_ORT_MIN_PARALLEL_WORK", split)  # read when a session makes its kernels
         outs.append((run_node("MoE", moe, attrs, consts, threads=n),
-                     run_node("MlaAttention", mla, dict(heads=8, scale=0.2), threads=n),
+                     run_node("MlaAttention", mla, dict(heads=8, scale=0.2), threads=n, say_threads=say),
                      *run_node("RmsNorm", norm, dict(epsilon=1e-6), threads=n, outputs=2)))
     for out in outs[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(out, outs[0]))

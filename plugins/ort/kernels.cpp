@@ -222,86 +222,149 @@ AVX2 void dot_1xr(const float* x, W w, size_t j, size_t k, float* y) {
     }
 }
 
-// Weight rows j .. j + 3 against two activation rows (8 accumulators): each weight vector loaded once for both.
-template <class W>
-AVX2 void dot_2x4(const float* x0, const float* x1, W w, size_t j, size_t k, float* y0, float* y1) {
-    const float *r0 = w[j], *r1 = w[j + 1], *r2 = w[j + 2], *r3 = w[j + 3];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+// Weight rows j .. j + R - 1 against the M activation rows x, x + ldx, .. (M x R <= 12 accumulators, one per
+// pair; each weight vector loaded once for the M rows, each activation vector once for the R weight rows).
+// Every pair's sum is dot_1xr's: 8 lanes accumulated in K's order, then hsum, then the tail.  Ahead: prefetch
+// the weight rows after next (on the first of the passes over these rows).
+template <int M, int R, bool Ahead, class W>
+AVX2 void dot_mxr(const float* x, size_t ldx, W w, size_t j, size_t k, float* y, size_t ldy) {
+    const float* rr[R];
+    __m256 a[M][R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) rr[r] = w[j + r];
+#pragma GCC unroll 4
+    for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) a[i][r] = _mm256_setzero_ps();
     size_t t = 0;
     for (; t + 8 <= k; t += 8) {
-        prefetch_rows_ahead<4>(w, j, t);
-        const __m256 u = _mm256_loadu_ps(x0 + t), v = _mm256_loadu_ps(x1 + t);
-        const __m256 w0 = _mm256_loadu_ps(r0 + t), w1 = _mm256_loadu_ps(r1 + t);
-        const __m256 w2 = _mm256_loadu_ps(r2 + t), w3 = _mm256_loadu_ps(r3 + t);
-        a0 = _mm256_fmadd_ps(w0, u, a0), b0 = _mm256_fmadd_ps(w0, v, b0);
-        a1 = _mm256_fmadd_ps(w1, u, a1), b1 = _mm256_fmadd_ps(w1, v, b1);
-        a2 = _mm256_fmadd_ps(w2, u, a2), b2 = _mm256_fmadd_ps(w2, v, b2);
-        a3 = _mm256_fmadd_ps(w3, u, a3), b3 = _mm256_fmadd_ps(w3, v, b3);
+        if constexpr (Ahead) prefetch_rows_ahead<R>(w, j, t);
+        __m256 wv[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(rr[r] + t);
+#pragma GCC unroll 4
+        for (int i = 0; i < M; ++i) {
+            const __m256 u = _mm256_loadu_ps(x + i * ldx + t);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) a[i][r] = _mm256_fmadd_ps(wv[r], u, a[i][r]);
+        }
     }
-    const float* rr[4] = {r0, r1, r2, r3};
-    float sa[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)}, sb[4] = {hsum(b0), hsum(b1), hsum(b2), hsum(b3)};
-    for (int r = 0; r < 4; ++r) {
-        for (size_t u = t; u < k; ++u) sa[r] += x0[u] * rr[r][u], sb[r] += x1[u] * rr[r][u];
-        y0[r] = sa[r], y1[r] = sb[r];
-    }
+    for (int i = 0; i < M; ++i)
+        for (int r = 0; r < R; ++r) {
+            float s = hsum(a[i][r]);
+            for (size_t u = t; u < k; ++u) s += x[i * ldx + u] * rr[r][u];
+            y[i * ldy + r] = s;
+        }
 }
 
-template <class W>
-AVX2 void rows_dot_avx2(const float* x, size_t m, size_t ldx, W w, size_t n, size_t k, float* y, size_t ldy) {
+// Weight rows in blocks of R, the activation rows M at a time inside: a block stays in L1 while every group of M
+// rows passes over it (the first pass prefetches the block after next).
+template <int M, int R, class W>
+AVX2 void dot_blocks(const float* x, size_t m, size_t ldx, W w, size_t n, size_t k, float* y, size_t ldy) {
     size_t j = 0;
-    if (m == 1) {
-        for (; j + 8 <= n; j += 8) dot_1xr<8>(x, w, j, k, y + j);
-        for (; j + 4 <= n; j += 4) dot_1xr<4>(x, w, j, k, y + j);
-        for (; j < n; ++j) dot_1xr<1>(x, w, j, k, y + j);
-        return;
-    }
-    // Weight rows in blocks of 4, the activation rows in pairs inside: the block stays in L1 while every
-    // pair passes over it.
-    for (; j + 4 <= n; j += 4) {
+    for (; j + R <= n; j += R) {
         size_t i = 0;
-        for (; i + 2 <= m; i += 2) dot_2x4(x + i * ldx, x + (i + 1) * ldx, w, j, k, y + i * ldy + j, y + (i + 1) * ldy + j);
-        if (i < m) dot_1xr<4>(x + i * ldx, w, j, k, y + i * ldy + j);
+        for (; i + M <= m; i += M) {
+            if (i == 0) dot_mxr<M, R, true>(x, ldx, w, j, k, y + j, ldy);
+            else dot_mxr<M, R, false>(x + i * ldx, ldx, w, j, k, y + i * ldy + j, ldy);
+        }
+        const float* xi = x + i * ldx;
+        float* yi = y + i * ldy + j;
+        if constexpr (M > 3) if (m - i == 3) dot_mxr<3, R, false>(xi, ldx, w, j, k, yi, ldy);
+        if constexpr (M > 2) if (m - i == 2) dot_mxr<2, R, false>(xi, ldx, w, j, k, yi, ldy);
+        if (m - i == 1) dot_mxr<1, R, false>(xi, ldx, w, j, k, yi, ldy);
     }
     for (; j < n; ++j)
         for (size_t i = 0; i < m; ++i) dot_1xr<1>(x + i * ldx, w, j, k, y + i * ldy + j);
 }
 
-// y rows += p-weighted sums of v rows: two output rows by 32 columns in 8 accumulators per pass over v.
+template <class W>
+AVX2 void rows_dot_avx2(const float* x, size_t m, size_t ldx, W w, size_t n, size_t k, float* y, size_t ldy) {
+    if (m == 1) {
+        size_t j = 0;
+        for (; j + 8 <= n; j += 8) dot_1xr<8>(x, w, j, k, y + j);
+        for (; j + 4 <= n; j += 4) dot_1xr<4>(x, w, j, k, y + j);
+        for (; j < n; ++j) dot_1xr<1>(x, w, j, k, y + j);
+        return;
+    }
+    // 4 x 3 tiles where there are 4 rows or more (the attention's heads), else 2 x 4
+    if (m >= 4) return dot_blocks<4, 3>(x, m, ldx, w, n, k, y, ldy);
+    dot_blocks<2, 4>(x, m, ldx, w, n, k, y, ldy);
+}
+
+// y rows i .. i + H - 1, columns d .. d + 8 V - 1, += the p-weighted sum of v's rows t0 .. t1 - 1 (H x V
+// accumulators, loaded from y and stored back): per key row, V vectors loaded once for the H rows.  Each value's
+// sum is a chain of products added in the key rows' order, as in the scalar kernel's loop.
+template <int H, int V, class Rows>
+AVX2 void axpy_tile(const float* p, size_t ldp, Rows v, size_t t0, size_t t1, size_t d, float* y, size_t ldy) {
+    __m256 a[H][V];
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < V; ++c) a[h][c] = _mm256_loadu_ps(y + h * ldy + d + 8 * c);
+    for (size_t t = t0; t < t1; ++t) {
+        const float* vt = v[t] + d;
+        if constexpr (H <= 2) {  // (the weights in registers, each value vector loaded as it is used)
+            __m256 s[H];
+#pragma GCC unroll 4
+            for (int h = 0; h < H; ++h) s[h] = _mm256_broadcast_ss(p + h * ldp + t);
+#pragma GCC unroll 4
+            for (int c = 0; c < V; ++c) {
+                const __m256 vv = _mm256_loadu_ps(vt + 8 * c);
+#pragma GCC unroll 4
+                for (int h = 0; h < H; ++h) a[h][c] = _mm256_fmadd_ps(s[h], vv, a[h][c]);
+            }
+            continue;
+        }
+        __m256 vv[V];
+#pragma GCC unroll 4
+        for (int c = 0; c < V; ++c) vv[c] = _mm256_loadu_ps(vt + 8 * c);
+#pragma GCC unroll 4
+        for (int h = 0; h < H; ++h) {
+            const __m256 s = _mm256_broadcast_ss(p + h * ldp + t);
+#pragma GCC unroll 4
+            for (int c = 0; c < V; ++c) a[h][c] = _mm256_fmadd_ps(s, vv[c], a[h][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < V; ++c) _mm256_storeu_ps(y + h * ldy + d + 8 * c, a[h][c]);
+}
+
+// axpy_tile over every output row, for columns d .. d + 8 V - 1: the tiles of 4 rows, then the rest.
+template <int V, class Rows>
+AVX2 void axpy_columns(const float* p, size_t m, size_t ldp, Rows v, size_t t0, size_t t1, size_t d, float* y,
+                       size_t ldy) {
+    size_t i = 0;
+    for (; i + 4 <= m; i += 4) axpy_tile<4, V>(p + i * ldp, ldp, v, t0, t1, d, y + i * ldy, ldy);
+    switch (m - i) {
+        case 3: return axpy_tile<3, V>(p + i * ldp, ldp, v, t0, t1, d, y + i * ldy, ldy);
+        case 2: return axpy_tile<2, V>(p + i * ldp, ldp, v, t0, t1, d, y + i * ldy, ldy);
+        case 1: return axpy_tile<1, V>(p + i * ldp, ldp, v, t0, t1, d, y + i * ldy, ldy);
+        default: return;
+    }
+}
+
+// y rows += p-weighted sums of v rows: tiles of 4 output rows by 24 columns (12 accumulators; 2 rows by 32 where
+// there are no more), the key rows in blocks of kAxpyRows and, inside a block, its columns 24 at a time, so that those columns of the block stay in
+// L1 while every row tile passes over them.
+constexpr size_t kAxpyRows = 64;
+
 template <class V>
 AVX2 void rows_axpy_avx2(const float* p, size_t m, size_t ldp, V v, size_t n, size_t dv, float* y, size_t ldy) {
-    const size_t d32 = dv & ~size_t(31);
-    for (size_t i = 0; i < m; i += 2) {
-        const bool two = i + 1 < m;
-        const float* p0 = p + i * ldp;
-        const float* p1 = two ? p0 + ldp : p0;
-        float* y0 = y + i * ldy;
-        float* y1 = two ? y0 + ldy : nullptr;
-        for (size_t d = 0; d < d32; d += 32) {
-            __m256 a[4], b[4];
-            for (int q = 0; q < 4; ++q) {
-                a[q] = _mm256_loadu_ps(y0 + d + 8 * q);
-                b[q] = two ? _mm256_loadu_ps(y1 + d + 8 * q) : _mm256_setzero_ps();
-            }
-            for (size_t t = 0; t < n; ++t) {
-                const float* vt = v[t] + d;
-                const __m256 s0 = _mm256_broadcast_ss(p0 + t), s1 = _mm256_broadcast_ss(p1 + t);
-#pragma GCC unroll 4
-                for (int q = 0; q < 4; ++q) {
-                    const __m256 vv = _mm256_loadu_ps(vt + 8 * q);
-                    a[q] = _mm256_fmadd_ps(s0, vv, a[q]);
-                    b[q] = _mm256_fmadd_ps(s1, vv, b[q]);
-                }
-            }
-            for (int q = 0; q < 4; ++q) {
-                _mm256_storeu_ps(y0 + d + 8 * q, a[q]);
-                if (two) _mm256_storeu_ps(y1 + d + 8 * q, b[q]);
-            }
-        }
-        if (d32 < dv) {
-            for (size_t r = i; r < std::min(i + 2, m); ++r)
-                for (size_t t = 0; t < n; ++t)
-                    for (size_t d = d32; d < dv; ++d) y[r * ldy + d] += p[r * ldp + t] * v[t][d];
-        }
+    const size_t block = m <= 2 ? n : kAxpyRows;  // (one or two rows: their accumulators pass over all keys once)
+    for (size_t t0 = 0; t0 < n; t0 += block) {
+        const size_t t1 = std::min(n, t0 + block);
+        size_t d = 0;
+        if (m <= 2)  // (one or two rows: 32 columns a tile, 8 accumulators)
+            for (; d + 32 <= dv; d += 32) axpy_columns<4>(p, m, ldp, v, t0, t1, d, y, ldy);
+        for (; d + 24 <= dv; d += 24) axpy_columns<3>(p, m, ldp, v, t0, t1, d, y, ldy);
+        if (d + 16 <= dv) axpy_columns<2>(p, m, ldp, v, t0, t1, d, y, ldy), d += 16;
+        if (d + 8 <= dv) axpy_columns<1>(p, m, ldp, v, t0, t1, d, y, ldy), d += 8;
+        for (size_t i = 0; i < m && d < dv; ++i)  // (dv not a multiple of 8)
+            for (size_t t = t0; t < t1; ++t)
+                for (size_t e = d; e < dv; ++e) y[i * ldy + e] += p[i * ldp + t] * v[t][e];
     }
 }
 

@@ -134,19 +134,29 @@ double min_parallel_work() {
 // process's limit.  Every kernel of a session, so of an OrtBackend, reads a given weight the same way.
 constexpr const char* kPackMaxBytesKey = "mtp_trt.cpu.pack_max_bytes";
 
-size_t pack_max_bytes(const OrtKernelInfo* info) {
-    size_t limit = qpack_max_bytes();
+// The session's intra-op thread count, where whoever made the session says it (OrtBackend does): the config entry
+// kThreadsKey.  A kernel that knows it runs on one thread cuts its work in fewer, larger items.
+constexpr const char* kThreadsKey = "mtp_trt.cpu.intra_op_threads";
+
+// The session's config entry `key` as a number (ONNX Runtime >= 1.24 hands kernels their session's entries);
+// `otherwise` where it is absent or cannot be read.
+size_t config_number(const OrtKernelInfo* info, const char* key, size_t otherwise) {
     const OrtApi* api = g_api24;  // (KernelInfo_GetConfigEntries)
     OrtKeyValuePairs* entries = nullptr;
-    if (!limit || !api) return limit;
+    if (!api) return otherwise;
     if (OrtStatus* s = api->KernelInfo_GetConfigEntries(info, &entries)) {
         api->ReleaseStatus(s);
-        return limit;
+        return otherwise;
     }
-    if (const char* v = api->GetKeyValue(entries, kPackMaxBytesKey); v && *v)
-        limit = std::min<size_t>(limit, std::strtoull(v, nullptr, 10));
+    size_t value = otherwise;
+    if (const char* v = api->GetKeyValue(entries, key); v && *v) value = std::strtoull(v, nullptr, 10);
     api->ReleaseKeyValuePairs(entries);
-    return limit;
+    return value;
+}
+
+size_t pack_max_bytes(const OrtKernelInfo* info) {
+    const size_t limit = qpack_max_bytes();
+    return limit ? std::min(limit, config_number(info, kPackMaxBytesKey, limit)) : 0;
 }
 
 // `value`'s type, shape and data into v (present).
@@ -206,6 +216,7 @@ struct Call {
     double min_work;                    // min_parallel_work() when the kernel was made
     const std::vector<View>& constants;  // constant_inputs() when the kernel was made
     size_t pack_max;                     // pack_max_bytes() when the kernel was made
+    size_t threads;                      // the session's intra-op threads (kThreadsKey), 0 where not known
 
     OrtStatus* error(const std::string& what) const {
         return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string("mtp_trt.cpu::") + op + ": " + what).c_str());
@@ -794,9 +805,12 @@ struct Rows {
     }
 };
 
-// The attention's work items: one per query token, its heads split further where there are few tokens (decode), into
-// groups of at least two heads (the score and value products take two heads per pass over the rows).
-size_t head_splits(size_t tokens, size_t heads) {
+// The attention's work items: one per query token, its heads split further where there are few tokens (decode) and
+// more than one thread, into groups of at least two heads (the score and value products take up to four heads per
+// pass over the rows; on one thread every head of a token in one item, so that each pass over the rows serves them
+// all).  A head's values do not depend on the heads beside it in an item.
+size_t head_splits(const Call& c, size_t tokens, size_t heads) {
+    if (c.threads == 1) return 1;
     return tokens >= 4 ? 1 : std::min<size_t>(std::max<size_t>(heads / 2, 1), (4 + tokens - 1) / tokens);
 }
 
@@ -841,7 +855,7 @@ struct MlaAttentionKernel {
         double macs = 0;  // per head and key: its score over C values and its share of the Dl outputs
         for (size_t tok = 0; tok < tokens; ++tok)
             macs += double(sel.present ? size_t(k_sel) : in.cached(tok / s_len) + size_t(in.r_len)) * double(h * (ch + dl));
-        const size_t splits = c.serial(macs) ? 1 : head_splits(tokens, size_t(h));
+        const size_t splits = c.serial(macs) ? 1 : head_splits(c, tokens, size_t(h));
         const size_t per = (size_t(h) + splits - 1) / splits;
         auto work = [&](size_t item) {
             const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
@@ -1019,7 +1033,7 @@ struct MlaSelfAttentionKernel {
         for (size_t tok = 0; tok < tokens; ++tok)  // per head and key: as MlaAttention's
             macs += double(std::clamp<int64_t>(static_cast<const int32_t*>(valid.data)[tok / size_t(s_len)], 0, t_len) +
                            r_len) * double(h * (ch + dl));
-        const size_t splits = c.serial(macs) ? 1 : head_splits(tokens, size_t(h));
+        const size_t splits = c.serial(macs) ? 1 : head_splits(c, tokens, size_t(h));
         const size_t per = (size_t(h) + splits - 1) / splits, n_ch = size_t(ch), qw = size_t(h * (dn + dr));
         auto work = [&](size_t item) {
             const size_t tok = item / splits, h0 = (item % splits) * per, h1 = std::min(size_t(h), h0 + per);
@@ -1305,12 +1319,12 @@ struct Op : OrtCustomOp {
             }
             const Spec& spec = static_cast<const Op*>(op)->spec;
             *kernel = new Bound{k, api, spec.name, min_parallel_work(), constant_inputs(api, info, spec.inputs.size()),
-                                pack_max_bytes(info)};
+                                pack_max_bytes(info), config_number(info, kThreadsKey, 0)};
             return nullptr;
         };
         KernelComputeV2 = [](void* kernel, OrtKernelContext* ctx) -> OrtStatus* {
             auto* b = static_cast<Bound*>(kernel);
-            const Call call{b->api, ctx, b->name, b->min_work, b->constants, b->pack_max};
+            const Call call{b->api, ctx, b->name, b->min_work, b->constants, b->pack_max, b->threads};
             try {
                 return b->kernel->compute(call);
             } catch (const std::exception& e) {  // (allocation failures): an error, never an abort
@@ -1330,7 +1344,7 @@ struct Op : OrtCustomOp {
         const char* name;
         double min_work;
         std::vector<View> constants;
-        size_t pack_max;
+        size_t pack_max, threads;
     };
 };
 
