@@ -127,9 +127,10 @@ struct Step {
 };
 
 // The weight scales of one step's lanes (float16 where Half, else float32): one weight block spans `bpw` bytes; a
-// block as wide as the vector or wider is one broadcast scale, narrower ones are spread by idx (lane l takes the
-// block of byte 4 l).
-template <bool Half>
+// block as wide as the vector or wider is one broadcast scale (N = 1), narrower ones, N = kStep / bpw to a full
+// step, are spread by idx (lane l takes the block of byte 4 l).  N is the kernel's constant, so that a full step
+// takes its scales without a branch.
+template <bool Half, int N>
 struct Scales {
     using S = std::conditional_t<Half, uint16_t, float>;
     size_t bpw;
@@ -140,15 +141,16 @@ struct Scales {
     QK static const S* row(const QWeights& w, size_t r) { return static_cast<const S*>(w.scales) + r * w.blocks(); }
     template <bool Part>
     QK Vec::F at(const S* ws, size_t at, size_t bytes) const {
-        if (bpw >= kStep) {
+        if constexpr (N == 1) {
             if constexpr (Half) return Vec::set1(_cvtsh_ss(ws[at >> shift]));
             else return Vec::set1(ws[at >> shift]);
+        } else {
+            // only the step's own blocks: a full vector of scales would read past the last row's (the end of
+            // weights.bin's mapping, for the last tensor)
+            const size_t n = Part ? (bytes + bpw - 1) >> shift : size_t(N);
+            if constexpr (Half) return Vec::spread(idx, Vec::loadh_part(ws + (at >> shift), n));
+            else return Vec::spread(idx, Vec::loadf_part(ws + (at >> shift), n));
         }
-        // only the step's own blocks: a full vector of scales would read past the last row's (the end of
-        // weights.bin's mapping, for the last tensor)
-        const size_t n = ((Part ? bytes : kStep) + bpw - 1) >> shift;
-        if constexpr (Half) return Vec::spread(idx, Vec::loadh_part(ws + (at >> shift), n));
-        else return Vec::spread(idx, Vec::loadf_part(ws + (at >> shift), n));
     }
 };
 
@@ -188,8 +190,8 @@ struct Dot {
 };
 
 // One step for R weight rows by C activation rows (Part: the row's last, `bytes` < kStep bytes).
-template <int Bits, bool Half, int R, int C, bool Part>
-QK inline void tile_step(const QWeights& w, size_t ldw, const Scales<Half>& sc, const uint8_t* x, size_t ldx,
+template <int Bits, bool Half, int N, int R, int C, bool Part>
+QK inline void tile_step(const QWeights& w, size_t ldw, const Scales<Half, N>& sc, const uint8_t* x, size_t ldx,
                          const QAct& a, size_t at, size_t bytes, Vec::F (&acc)[R][C]) {
     const Step s(at, Bits);
     // The tile after next, in its memory order: its R rows are one run of R * ldw bytes, which this tile's steps
@@ -202,7 +204,7 @@ QK inline void tile_step(const QWeights& w, size_t ldw, const Scales<Half>& sc, 
     for (int r = 0; r < R; ++r) {
         Dot<Bits> d;
         d.template load<Part>(w.data + r * ldw + at, bytes);
-        const Vec::F ws = sc.template at<Part>(Scales<Half>::row(w, r), at, bytes);
+        const Vec::F ws = sc.template at<Part>(Scales<Half, N>::row(w, r), at, bytes);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
             const uint8_t* xc = x + c * ldx;
@@ -214,8 +216,8 @@ QK inline void tile_step(const QWeights& w, size_t ldw, const Scales<Half>& sc, 
 
 // y[c * ldy + r] for R weight rows from w and C activation rows from x: one pass over the weight rows,
 // every weight vector loaded once for all C rows.
-template <int Bits, bool Half, int R, int C>
-QK void tile(const QWeights& w, const Scales<Half>& sc, const uint8_t* x, size_t ldx, const QAct& a, float* y,
+template <int Bits, bool Half, int N, int R, int C>
+QK void tile(const QWeights& w, const Scales<Half, N>& sc, const uint8_t* x, size_t ldx, const QAct& a, float* y,
              size_t ldy) {
     Vec::F acc[R][C];
 #pragma GCC unroll 8
@@ -223,8 +225,8 @@ QK void tile(const QWeights& w, const Scales<Half>& sc, const uint8_t* x, size_t
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
     const size_t ldw = w.row_bytes(), full = ldw / kStep * kStep;
-    for (size_t at = 0; at < full; at += kStep) tile_step<Bits, Half, R, C, false>(w, ldw, sc, x, ldx, a, at, kStep, acc);
-    if (full < ldw) tile_step<Bits, Half, R, C, true>(w, ldw, sc, x, ldx, a, full, ldw - full, acc);
+    for (size_t at = 0; at < full; at += kStep) tile_step<Bits, Half, N, R, C, false>(w, ldw, sc, x, ldx, a, at, kStep, acc);
+    if (full < ldw) tile_step<Bits, Half, N, R, C, true>(w, ldw, sc, x, ldx, a, full, ldw - full, acc);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -232,32 +234,45 @@ QK void tile(const QWeights& w, const Scales<Half>& sc, const uint8_t* x, size_t
 }
 
 // R weight rows against all m activation rows, QK_MAXC at a time: the R rows stay in L1 while the groups pass.
-template <int Bits, bool Half, int R>
-QK void row_tiles(const QWeights& w, const Scales<Half>& sc, const uint8_t* x, size_t m, const QAct& a, float* y,
+template <int Bits, bool Half, int N, int R>
+QK void row_tiles(const QWeights& w, const Scales<Half, N>& sc, const uint8_t* x, size_t m, const QAct& a, float* y,
                   size_t ldy) {
     size_t i = 0;
-    for (; i + QK_MAXC <= m; i += QK_MAXC) tile<Bits, Half, R, QK_MAXC>(w, sc, x + i * a.bytes, a.bytes, a, y + i * ldy, ldy);
+    for (; i + QK_MAXC <= m; i += QK_MAXC) tile<Bits, Half, N, R, QK_MAXC>(w, sc, x + i * a.bytes, a.bytes, a, y + i * ldy, ldy);
     x += i * a.bytes, y += i * ldy;
     switch (m - i) {
-        case 1: return tile<Bits, Half, R, 1>(w, sc, x, a.bytes, a, y, ldy);
-        case 2: return tile<Bits, Half, R, 2>(w, sc, x, a.bytes, a, y, ldy);
-        case 3: return tile<Bits, Half, R, 3>(w, sc, x, a.bytes, a, y, ldy);
+        case 1: return tile<Bits, Half, N, R, 1>(w, sc, x, a.bytes, a, y, ldy);
+        case 2: return tile<Bits, Half, N, R, 2>(w, sc, x, a.bytes, a, y, ldy);
+        case 3: return tile<Bits, Half, N, R, 3>(w, sc, x, a.bytes, a, y, ldy);
         default: return;
     }
 }
 
-template <int Bits, bool Half>
+template <int Bits, bool Half, int N>
 QK void qdot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
     const QAct a(w);
-    const Scales<Half> sc(w);
+    const Scales<Half, N> sc(w);
     size_t j = 0;
-    for (; j + kRows <= n; j += kRows) row_tiles<Bits, Half, kRows>(w.from_row(j), sc, x, m, a, y + j, ldy);
-    for (; j < n; ++j) row_tiles<Bits, Half, 1>(w.from_row(j), sc, x, m, a, y + j, ldy);
+    for (; j + kRows <= n; j += kRows) row_tiles<Bits, Half, N, kRows>(w.from_row(j), sc, x, m, a, y + j, ldy);
+    for (; j < n; ++j) row_tiles<Bits, Half, N, 1>(w.from_row(j), sc, x, m, a, y + j, ldy);
+}
+
+// qdot for the weight blocks a full step spans (N: 1 where a block is a step or wider; blocks are 16 to 256
+// values, so 4-bit ones of 16 on the 512-bit path span 8 bytes, N = 8)
+template <int Bits, bool Half>
+QK void qdot_blocks(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
+    const size_t bpw = w.block * size_t(Bits) / 8;
+    switch (bpw >= kStep ? 1 : kStep / bpw) {
+        case 1: return qdot<Bits, Half, 1>(x, m, w, n, y, ldy);
+        case 2: return qdot<Bits, Half, 2>(x, m, w, n, y, ldy);
+        case 4: return qdot<Bits, Half, 4>(x, m, w, n, y, ldy);
+        default: return qdot<Bits, Half, 8>(x, m, w, n, y, ldy);
+    }
 }
 
 QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
-    if (w.bits == 4) return w.half ? qdot<4, true>(x, m, w, n, y, ldy) : qdot<4, false>(x, m, w, n, y, ldy);
-    return w.half ? qdot<8, true>(x, m, w, n, y, ldy) : qdot<8, false>(x, m, w, n, y, ldy);
+    if (w.bits == 4) return w.half ? qdot_blocks<4, true>(x, m, w, n, y, ldy) : qdot_blocks<4, false>(x, m, w, n, y, ldy);
+    return w.half ? qdot_blocks<8, true>(x, m, w, n, y, ldy) : qdot_blocks<8, false>(x, m, w, n, y, ldy);
 }
 
 // ------------------------------------------------------------------------------------ packed weights (QPack)
