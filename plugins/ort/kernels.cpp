@@ -347,8 +347,8 @@ AVX2 void axpy_columns(const float* p, size_t m, size_t ldp, Rows v, size_t t0, 
 }
 
 // y rows += p-weighted sums of v rows: tiles of 4 output rows by 24 columns (12 accumulators; 2 rows by 32 where
-// there are no more), the key rows in blocks of kAxpyRows and, inside a block, its columns 24 at a time, so that those columns of the block stay in
-// L1 while every row tile passes over them.
+// there are no more), the key rows in blocks of kAxpyRows and, inside a block, its columns 24 at a time, so that
+// those columns of the block stay in L1 while every row tile passes over them.
 constexpr size_t kAxpyRows = 64;
 
 template <class V>
