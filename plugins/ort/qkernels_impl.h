@@ -257,17 +257,17 @@ QK void qdot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, 
     for (; j < n; ++j) row_tiles<Bits, Half, N, 1>(w.from_row(j), sc, x, m, a, y + j, ldy);
 }
 
-// qdot for the weight blocks a full step spans (N: 1 where a block is a step or wider; blocks are 16 to 256
-// values, so 4-bit ones of 16 on the 512-bit path span 8 bytes, N = 8)
+// qdot for the weight blocks a full step spans: N = 1 where a block is a step or wider, else kStep / bpw, at most
+// kMaxN (blocks have 16 values or more: 2 Bits bytes)
 template <int Bits, bool Half>
 QK void qdot_blocks(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
-    const size_t bpw = w.block * size_t(Bits) / 8;
-    switch (bpw >= kStep ? 1 : kStep / bpw) {
-        case 1: return qdot<Bits, Half, 1>(x, m, w, n, y, ldy);
-        case 2: return qdot<Bits, Half, 2>(x, m, w, n, y, ldy);
-        case 4: return qdot<Bits, Half, 4>(x, m, w, n, y, ldy);
-        default: return qdot<Bits, Half, 8>(x, m, w, n, y, ldy);
-    }
+    constexpr size_t kMaxN = kStep / (2 * Bits);  // (2 on AVX2 at 8 bits, 4 at 4 bits; twice that at 512 bits)
+    const size_t bpw = w.block * size_t(Bits) / 8, blocks = bpw >= kStep ? 1 : kStep / bpw;
+    if (blocks == 1) return qdot<Bits, Half, 1>(x, m, w, n, y, ldy);
+    if (kMaxN == 2 || blocks == 2) return qdot<Bits, Half, 2>(x, m, w, n, y, ldy);
+    if constexpr (kMaxN >= 4)
+        if (kMaxN == 4 || blocks == 4) return qdot<Bits, Half, 4>(x, m, w, n, y, ldy);
+    if constexpr (kMaxN >= 8) return qdot<Bits, Half, 8>(x, m, w, n, y, ldy);
 }
 
 QK void qrows_dot(const uint8_t* x, size_t m, const QWeights& w, size_t n, float* y, size_t ldy) {
