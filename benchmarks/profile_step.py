@@ -2,7 +2,8 @@
 count) and Python's (the decode loop around the graph calls: alone, inside the decode, and profiled), batch 1,
 greedy.
 
-  python benchmarks/profile_step.py EXPORT_DIR [--nextn 0] [--tokens 64] [--threads 2] [--pack auto|on|off]
+  python benchmarks/profile_step.py EXPORT_DIR [--nextn 0] [--tokens 64] [--prompt-tokens 57] [--threads 2]
+                                   [--pack auto|on|off]
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-PROMPT = list(range(3, 60))
+PROMPT = list(range(3, 60))  # (--prompt-tokens N: these ids repeated to N tokens)
 
 
 class Timed:
@@ -80,6 +81,8 @@ def main():
     ap.add_argument("export", type=Path)
     ap.add_argument("--nextn", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=len(PROMPT),
+                    help="prompt length (a long one: the attention over a long cache)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-share", action="store_true", help="OrtBackend(share_weights=False); default: its own choice")
     ap.add_argument("--pack", choices=["auto", "on", "off"], default="auto",
@@ -90,6 +93,7 @@ def main():
     from mtp_trt.manifest import Manifest
 
     manifest = Manifest.load(a.export)
+    prompt = [PROMPT[i % len(PROMPT)] for i in range(a.prompt_tokens)]
     pack = {"auto": None, "on": True, "off": False}[a.pack]
     opts = DecodeOptions(nextn=a.nextn, max_new_tokens=a.tokens)
     step = f"step_{a.nextn}"
@@ -98,14 +102,14 @@ def main():
     #    other work on the machine hardly moves it)
     backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None,
                              pack_weights=pack)
-    generate(backend, [PROMPT], opts)
+    generate(backend, [prompt], opts)
     real = dict(backend.sessions)
     backend.bound.clear()  # bind the stand-ins' calls afresh
     backend.sessions.update({name: Recorded(s) for name, s in real.items()})
     per_step = []
     for _ in range(7):
         t0 = time.process_time()
-        _, stats = generate(backend, [PROMPT], opts)
+        _, stats = generate(backend, [prompt], opts)
         per_step.append((time.process_time() - t0) / stats.steps)
     backend.sessions.update(real)
     backend.bound.clear()
@@ -127,7 +131,7 @@ def main():
         Timed.last_end[0] = None
         Timed.gaps.clear()
         t0 = time.perf_counter()
-        seqs, stats = generate(backend, [PROMPT], opts)
+        seqs, stats = generate(backend, [prompt], opts)
         walls.append(time.perf_counter() - t0)
         outside.append(walls[-1] - graph_seconds())
         between += Timed.gaps[1:]  # (the first: from the prompt's pass to the first step)
@@ -140,13 +144,13 @@ def main():
     backend.bound.clear()
     prof = cProfile.Profile()
     prof.enable()
-    generate(backend, [PROMPT], opts)
+    generate(backend, [prompt], opts)
     prof.disable()
     ps = pstats.Stats(prof)
     run_time = sum(v[3] for k, v in ps.stats.items() if k[2] in ("run", "run_with_iobinding")
                    and "onnxruntime" in k[0])
     total = sum(v[2] for v in ps.stats.values())  # self time of everything
-    print(f"decode of {a.tokens} tokens (prompt {len(PROMPT)}): {wall * 1e3:.1f} ms wall, "
+    print(f"decode of {a.tokens} tokens (prompt {len(prompt)}): {wall * 1e3:.1f} ms wall, "
           f"{len(seqs[0].generated) / wall:.1f} tokens/s; steps {steps}")
     print(f"Python profile: {total * 1e3:.1f} ms in all, of which ONNX Runtime's runs {run_time * 1e3:.1f} ms: "
           f"{(total - run_time) * 1e3 / a.tokens:.3f} ms per token outside ONNX Runtime (profiler overhead included)")
@@ -166,7 +170,7 @@ def main():
             return o
 
         prof_backend.session_options = profiled
-        generate(prof_backend, [PROMPT], opts)
+        generate(prof_backend, [prompt], opts)
         path = prof_backend.session(step).end_profiling()
         events = json.loads(Path(path).read_text())
     nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
