@@ -1,7 +1,7 @@
 """What one node of a decode step costs: one-node ONNX Runtime sessions of mtp-trt's CPU operators at the demo
-checkpoint's shapes and the 304M's attention (and a trivial ONNX Runtime node), each the minimum over --calls calls less an empty
-session's run (the Python binding's and the session's fixed cost), so that a busy machine hardly moves the
-figures.  Not run in CI.
+checkpoint's shapes and the 304M's attention (and a trivial ONNX Runtime node), each the minimum over --calls calls
+less an empty session's run (the Python binding's and the session's fixed cost), so that a busy machine hardly moves
+the figures.  Not run in CI.
 
   python benchmarks/op_costs.py [--threads 1] [--calls 3000]
 """

@@ -86,7 +86,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-share", action="store_true", help="OrtBackend(share_weights=False); default: its own choice")
     ap.add_argument("--pack", choices=["auto", "on", "off"], default="auto",
-                    help="OrtBackend(pack_weights=...): the quantized operators pack their weights; auto: its own choice")
+                    help="OrtBackend(pack_weights=...): the quantized operators pack their weights; "
+                         "auto: its own choice")
     a = ap.parse_args()
     from mtp_trt.backend import OrtBackend
     from mtp_trt.decode import DecodeOptions, generate
@@ -95,13 +96,17 @@ def main():
     manifest = Manifest.load(a.export)
     prompt = [PROMPT[i % len(PROMPT)] for i in range(a.prompt_tokens)]
     pack = {"auto": None, "on": True, "off": False}[a.pack]
+
+    def make_backend():
+        return OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None,
+                          pack_weights=pack)
+
     opts = DecodeOptions(nextn=a.nextn, max_new_tokens=a.tokens)
     step = f"step_{a.nextn}"
 
     # 0. Python alone: the sessions replaced by stand-ins that return one real run's outputs (CPU time, so that
     #    other work on the machine hardly moves it)
-    backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None,
-                             pack_weights=pack)
+    backend = make_backend()
     generate(backend, [prompt], opts)
     real = dict(backend.sessions)
     backend.bound.clear()  # bind the stand-ins' calls afresh
@@ -158,8 +163,7 @@ def main():
 
     # 2. ONNX Runtime's profile of the step graph
     with tempfile.TemporaryDirectory() as tmp:
-        prof_backend = OrtBackend(manifest, threads=a.threads, share_weights=False if a.no_share else None,
-                             pack_weights=pack)
+        prof_backend = make_backend()
         base = prof_backend.session_options
 
         def profiled(file, *args):
