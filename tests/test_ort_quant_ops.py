@@ -128,8 +128,9 @@ def activations(rng, m, k):
 
 
 def qmatmul_case(block):
-    """K for a block size: a few blocks, the last one partial; for 16 an odd number of blocks."""
-    return {16: 291, 32: 301, 64: 300, 128: 389, 256: 773}[block]
+    """K for a block size: a few blocks, the last one partial; for 16 and 32 an odd number of blocks (the AVX2
+    kernels' rows then end in half a step: 8-bit at 16, 4-bit at 32)."""
+    return {16: 291, 32: 269, 64: 300, 128: 389, 256: 773}[block]
 
 
 # ----------------------------------------------------------------------------------------- QMatMul
@@ -228,6 +229,7 @@ QMOE_CASES = [  # n, d, e, i, shared_i, k, n_group, topk_group, softmax, group_t
     (16, 48, 32, 16, 16, 4, 8, 4, False, True, True, 2.5, 4, 16),  # DeepSeek-V3's routing, scaled down
     (64, 64, 8, 32, 32, 2, 2, 1, False, True, True, 1.0, 4, 256),  # a prompt's rows
     (2, 40, 6, 20, 12, 6, 1, 1, True, False, False, 16.0, 8, 32),  # every expert selected
+    (1, 128, 8, 160, 160, 2, 4, 2, False, True, True, 1.0, 4, 32),  # the 304M's experts: 5 blocks a down row
 ]
 
 

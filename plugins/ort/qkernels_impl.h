@@ -19,6 +19,18 @@
 // 32512) and need no correction.  Each lane's sum is exact; it is then scaled by its activation block's and
 // weight block's scales into float accumulators.
 
+// The sums of four vectors' lanes, [sum(a), sum(b), sum(c), sum(d)]: one tile's four rows' results at once, each
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)); hsum_256 adds one vector's lanes in the same order, so that a row
+// gets the same bits in a tile of four rows or alone.
+QK inline __m128 hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // each half: its 4 sums
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+QK inline float hsum_256(__m256 v) {
+    const __m256 h = _mm256_hadd_ps(v, v), q = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
 #if QK_512
 struct Vec {
     using F = __m512;
@@ -28,11 +40,15 @@ struct Vec {
     QK static I load_part(const uint8_t* p, size_t bytes) {  // the first `bytes` (< 64), zeros after
         return _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << bytes) - 1), p);
     }
+    QK static I load_half(const uint8_t* p) {  // the first 32 bytes, zeros after
+        return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
     QK static F loadf(const float* p) { return _mm512_loadu_ps(p); }
     QK static F loadf_part(const float* p, size_t n) { return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p); }
     QK static F loadh_part(const uint16_t* p, size_t n) {  // n <= 8 float16 values, zeros after
         return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), p)));
     }
+    QK static F loadh(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
     QK static F set1(float f) { return _mm512_set1_ps(f); }
     QK static I set1_8(char b) { return _mm512_set1_epi8(b); }
     QK static I set1_32(int32_t v) { return _mm512_set1_epi32(v); }
@@ -41,6 +57,7 @@ struct Vec {
     QK static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
     QK static F zero() { return _mm512_setzero_ps(); }
     QK static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+    QK static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
     QK static I srl32(I v, int n) { return _mm512_srli_epi32(v, n); }
     QK static I low_nibbles(I v) { return _mm512_and_si512(v, set1_8(0x0F)); }
     QK static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), set1_8(0x0F)); }
@@ -49,12 +66,9 @@ struct Vec {
     QK static F scale_add(I d, const float* xs, F ws, F acc) {
         return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), loadf(xs)), ws, acc);
     }
-    QK static float hsum(F v) {
-        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-    }
+    QK static __m256 halves(F v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+    QK static float hsum(F v) { return hsum_256(halves(v)); }
+    QK static __m128 hsum4(F a, F b, F c, F d) { return hsum4_256(halves(a), halves(b), halves(c), halves(d)); }
 };
 #else
 struct Vec {
@@ -67,6 +81,9 @@ struct Vec {
     QK static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
     QK static I load_part(const uint8_t* p, size_t bytes) {  // (bytes: a multiple of 4 below 32)
         return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), lanes_mask(bytes / 4));
+    }
+    QK static I load_half(const uint8_t* p) {  // the first 16 bytes, zeros after
+        return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     }
     QK static F loadf(const float* p) { return _mm256_loadu_ps(p); }
     // n <= 8 float32 / n <= 4 float16 values, zeros after: loads of fixed sizes (a masked load or a copy of n
@@ -90,6 +107,7 @@ struct Vec {
         }
         return _mm256_cvtph_ps(_mm_cvtsi64_si128(int64_t(v)));
     }
+    QK static F loadh(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
     QK static F set1(float f) { return _mm256_set1_ps(f); }
     QK static I set1_8(char b) { return _mm256_set1_epi8(b); }
     QK static I set1_32(int32_t v) { return _mm256_set1_epi32(v); }
@@ -98,6 +116,7 @@ struct Vec {
     QK static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
     QK static F zero() { return _mm256_setzero_ps(); }
     QK static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+    QK static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
     QK static I srl32(I v, int n) { return _mm256_srli_epi32(v, n); }
     QK static I low_nibbles(I v) { return _mm256_and_si256(v, set1_8(0x0F)); }
     QK static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), set1_8(0x0F)); }
@@ -108,16 +127,19 @@ struct Vec {
     QK static F scale_add(I d, const float* xs, F ws, F acc) {
         return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), loadf(xs)), ws, acc);
     }
-    QK static float hsum(F v) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-    }
+    QK static float hsum(F v) { return hsum_256(v); }
+    QK static __m128 hsum4(F a, F b, F c, F d) { return hsum4_256(a, b, c, d); }
 };
 #endif
 
 constexpr size_t kStep = 4 * Vec::kLanes;  // weight bytes per step
-constexpr size_t kAhead = 2;                // tiles of weight rows prefetched ahead
+
+// How much of a step a row has left: all of it; its last kStep / 2 bytes (256-bit vectors: one 16-byte load; 4-bit
+// rows of an odd number of 32-value blocks, such as the 304M checkpoint's MoE down-projections); or its last
+// `bytes` < kStep otherwise (a masked load).
+enum class Span { full, half, part };
+
+constexpr size_t kAhead = 2;  // tiles of weight rows prefetched ahead
 
 // Where one step's data lie: weights at byte `at` of the row; x's values (4 bits: the low-nibble half, the
 // high-nibble half 64 bytes further) and its lanes (corr, scale) in the activation row.
@@ -129,7 +151,9 @@ struct Step {
 // The weight scales of one step's lanes (float16 where Half, else float32): one weight block spans `bpw` bytes; a
 // block as wide as the vector or wider is one broadcast scale (N = 1), narrower ones, N = kStep / bpw to a full
 // step, are spread by idx (lane l takes the block of byte 4 l).  N is the kernel's constant, so that a full step
-// takes its scales without a branch.
+// takes its scales without a branch.  Where blocks are a step wide or narrower (`chunks`), a row's scales are
+// also read a chunk at a time: Vec::kLanes blocks (kLanes / N steps) in one load, converted once, each step's
+// spread from them by idx + N * (the step in the chunk).
 template <bool Half, int N>
 struct Scales {
     using S = std::conditional_t<Half, uint16_t, float>;
@@ -139,7 +163,13 @@ struct Scales {
     QK explicit Scales(const QWeights& w)
         : bpw(w.block * size_t(w.bits) / 8), shift(__builtin_ctzl(bpw)), idx(Vec::srl32(Vec::iota(), shift - 2)) {}
     QK static const S* row(const QWeights& w, size_t r) { return static_cast<const S*>(w.scales) + r * w.blocks(); }
-    template <bool Part>
+    static constexpr size_t kChunk = Vec::kLanes / N * kStep;  // the weight bytes of a chunk
+    QK bool chunks() const { return bpw * N == kStep; }
+    QK static Vec::F chunk(const S* ws, size_t block) {  // blocks [block, block + kLanes) of a row, as float32
+        if constexpr (Half) return Vec::loadh(ws + block);
+        else return Vec::loadf(ws + block);
+    }
+    template <Span P>
     QK Vec::F at(const S* ws, size_t at, size_t bytes) const {
         if constexpr (N == 1) {
             if constexpr (Half) return Vec::set1(_cvtsh_ss(ws[at >> shift]));
@@ -147,7 +177,7 @@ struct Scales {
         } else {
             // only the step's own blocks: a full vector of scales would read past the last row's (the end of
             // weights.bin's mapping, for the last tensor)
-            const size_t n = Part ? (bytes + bpw - 1) >> shift : size_t(N);
+            const size_t n = P == Span::part ? (bytes + bpw - 1) >> shift : P == Span::half ? size_t(N / 2) : size_t(N);
             if constexpr (Half) return Vec::spread(idx, Vec::loadh_part(ws + (at >> shift), n));
             else return Vec::spread(idx, Vec::loadf_part(ws + (at >> shift), n));
         }
@@ -158,9 +188,12 @@ struct Scales {
 template <int Bits>
 struct Dot {
     Vec::I lo, hi;
-    template <bool Part>
+    template <Span P>
     QK void load(const uint8_t* w, size_t bytes) {
-        const Vec::I u = Part ? Vec::load_part(w, bytes) : Vec::load(w);
+        Vec::I u;
+        if constexpr (P == Span::full) u = Vec::load(w);
+        else if constexpr (P == Span::half) u = Vec::load_half(w);
+        else u = Vec::load_part(w, bytes);
         if constexpr (Bits == 4) {
             lo = Vec::low_nibbles(u), hi = Vec::high_nibbles(u);
         } else {
@@ -189,9 +222,9 @@ struct Dot {
     }
 };
 
-// One step for R weight rows by C activation rows (Part: the row's last, `bytes` < kStep bytes).
-template <int Bits, bool Half, int N, int R, int C, bool Part>
-QK inline void tile_step(const QWeights& w, size_t ldw, const Scales<Half, N>& sc, const uint8_t* x, size_t ldx,
+// One step (or its first `bytes`: Span) for R weight rows, whose scales are ws, by C activation rows.
+template <int Bits, int R, int C, Span P>
+QK inline void tile_step(const QWeights& w, size_t ldw, const Vec::F (&ws)[R], const uint8_t* x, size_t ldx,
                          const QAct& a, size_t at, size_t bytes, Vec::F (&acc)[R][C]) {
     const Step s(at, Bits);
     // The tile after next, in its memory order: its R rows are one run of R * ldw bytes, which this tile's steps
@@ -203,15 +236,24 @@ QK inline void tile_step(const QWeights& w, size_t ldw, const Scales<Half, N>& s
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
         Dot<Bits> d;
-        d.template load<Part>(w.data + r * ldw + at, bytes);
-        const Vec::F ws = sc.template at<Part>(Scales<Half, N>::row(w, r), at, bytes);
+        d.template load<P>(w.data + r * ldw + at, bytes);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
             const uint8_t* xc = x + c * ldx;
-            acc[r][c] = Vec::scale_add(d.with(xc, a, s), reinterpret_cast<const float*>(xc + a.scale_at) + s.lane, ws,
-                                       acc[r][c]);
+            acc[r][c] = Vec::scale_add(d.with(xc, a, s), reinterpret_cast<const float*>(xc + a.scale_at) + s.lane,
+                                       ws[r], acc[r][c]);
         }
     }
+}
+
+// tile_step with the R rows' scales of its own step read as it needs them
+template <int Bits, bool Half, int N, int R, int C, Span P>
+QK inline void scaled_step(const QWeights& w, size_t ldw, const Scales<Half, N>& sc, const uint8_t* x, size_t ldx,
+                           const QAct& a, size_t at, size_t bytes, Vec::F (&acc)[R][C]) {
+    Vec::F ws[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) ws[r] = sc.template at<P>(Scales<Half, N>::row(w, r), at, bytes);
+    tile_step<Bits, R, C, P>(w, ldw, ws, x, ldx, a, at, bytes, acc);
 }
 
 // y[c * ldy + r] for R weight rows from w and C activation rows from x: one pass over the weight rows,
@@ -225,12 +267,42 @@ QK void tile(const QWeights& w, const Scales<Half, N>& sc, const uint8_t* x, siz
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) acc[r][c] = Vec::zero();
     const size_t ldw = w.row_bytes(), full = ldw / kStep * kStep;
-    for (size_t at = 0; at < full; at += kStep) tile_step<Bits, Half, N, R, C, false>(w, ldw, sc, x, ldx, a, at, kStep, acc);
-    if (full < ldw) tile_step<Bits, Half, N, R, C, true>(w, ldw, sc, x, ldx, a, full, ldw - full, acc);
+    using Sc = Scales<Half, N>;
+    size_t at = 0;
+#if !QK_512  // (AVX2 and AVX-VNNI, where converting each step's scales cost the most; one activation row, whose
+             // accumulators leave the chunk's scales their registers)
+    if (C == 1 && sc.chunks())
+        for (; at + Sc::kChunk <= full; at += Sc::kChunk) {
+            Vec::F chunk[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
+            for (int r = 0; r < R; ++r) chunk[r] = Sc::chunk(Sc::row(w, r), at >> sc.shift);
+            Vec::I idx = sc.idx;
+#pragma GCC unroll 4
+            for (size_t b = 0; b < Sc::kChunk; b += kStep, idx = Vec::add32(idx, Vec::set1_32(N))) {
+                Vec::F ws[R];
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) y[c * ldy + r] = Vec::hsum(acc[r][c]);
+                for (int r = 0; r < R; ++r) ws[r] = Vec::spread(idx, chunk[r]);
+                tile_step<Bits, R, C, Span::full>(w, ldw, ws, x, ldx, a, at + b, kStep, acc);
+            }
+        }
+#endif
+    for (; at < full; at += kStep) scaled_step<Bits, Half, N, R, C, Span::full>(w, ldw, sc, x, ldx, a, at, kStep, acc);
+#if !QK_512
+    if (N > 1 && ldw - full == kStep / 2)  // (N == 1: rows are whole steps)
+        scaled_step<Bits, Half, N, R, C, Span::half>(w, ldw, sc, x, ldx, a, full, kStep / 2, acc);
+    else
+#endif
+    if (full < ldw)
+        scaled_step<Bits, Half, N, R, C, Span::part>(w, ldw, sc, x, ldx, a, full, ldw - full, acc);
+    if constexpr (R == 4) {
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) _mm_storeu_ps(y + c * ldy, Vec::hsum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]));
+    } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) y[c * ldy + r] = Vec::hsum(acc[r][c]);
+    }
 }
 
 // R weight rows against all m activation rows, QK_MAXC at a time: the R rows stay in L1 while the groups pass.
