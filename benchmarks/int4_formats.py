@@ -36,7 +36,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_common import DEMO  # noqa: E402
-from quant_quality import heldout_windows  # noqa: E402
+from quant_quality import heldout_windows, nll_and_argmax  # noqa: E402
 
 from mtp_trt.quant import INT4_DIVISORS, Scheme, dequantize, quantize  # noqa: E402
 
@@ -128,10 +128,17 @@ def quantized_model(int4, group: int):
     return model
 
 
-def logits_of(model, windows: np.ndarray, batch: int = 16) -> torch.Tensor:
+def scored(model, windows: np.ndarray, batch: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """(every window's next-token negative log-likelihoods, every position's argmax) of `model`, as
+    quant_quality.py scores them."""
+    nll, top = [], []
     with torch.no_grad():
-        return torch.cat([model(torch.from_numpy(windows[i:i + batch]).long()).logits.float()
-                          for i in range(0, len(windows), batch)])
+        for i in range(0, len(windows), batch):
+            logits = model(torch.from_numpy(windows[i:i + batch]).long()).logits.float().numpy()
+            for lg, ids in zip(logits, windows[i:i + batch]):
+                n, t = nll_and_argmax(lg, ids)
+                nll.append(n), top.append(t)
+    return np.concatenate(nll), np.concatenate(top)
 
 
 ROWS = {
@@ -154,22 +161,14 @@ def main():
 
     transformers.logging.set_verbosity_error()
     windows, _ = heldout_windows(256, a.windows)
-    ids = torch.from_numpy(windows).long()
-    ref = logits_of(AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval(), windows)
-    ref_top = ref.argmax(-1)
-
-    def perplexity(logits):
-        logp = torch.log_softmax(logits[:, :-1], -1)
-        return float(torch.exp(-logp.gather(-1, ids[:, 1:, None]).mean()))
-
-    print(f"{len(windows)} held-out windows, {ref_top.numel()} positions; the float model's perplexity "
-          f"{perplexity(ref):.4f}")
+    ref_nll, ref_top = scored(AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval(), windows)
+    print(f"{len(windows)} held-out windows, {ref_top.size} positions; the float model's perplexity "
+          f"{np.exp(ref_nll.mean()):.4f}")
     for name, (int4, group) in ROWS.items():
         t0 = time.perf_counter()
-        logits = logits_of(quantized_model(int4, group), windows)
-        agree = float((logits.argmax(-1) == ref_top).float().mean())
-        print(f"  {name:52s} top-1 agreement {100 * agree:6.2f}%  perplexity {perplexity(logits):.4f}  "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        nll, top = scored(quantized_model(int4, group), windows)
+        print(f"  {name:52s} top-1 agreement {100 * float((top == ref_top).mean()):6.2f}%  perplexity "
+              f"{np.exp(nll.mean()):.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

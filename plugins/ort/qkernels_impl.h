@@ -40,15 +40,11 @@ struct Vec {
     QK static I load_part(const uint8_t* p, size_t bytes) {  // the first `bytes` (< 64), zeros after
         return _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << bytes) - 1), p);
     }
-    QK static I load_half(const uint8_t* p) {  // the first 32 bytes, zeros after
-        return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    }
     QK static F loadf(const float* p) { return _mm512_loadu_ps(p); }
     QK static F loadf_part(const float* p, size_t n) { return _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p); }
     QK static F loadh_part(const uint16_t* p, size_t n) {  // n <= 8 float16 values, zeros after
         return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), p)));
     }
-    QK static F loadh(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
     QK static F set1(float f) { return _mm512_set1_ps(f); }
     QK static I set1_8(char b) { return _mm512_set1_epi8(b); }
     QK static I set1_32(int32_t v) { return _mm512_set1_epi32(v); }
@@ -57,7 +53,6 @@ struct Vec {
     QK static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
     QK static F zero() { return _mm512_setzero_ps(); }
     QK static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-    QK static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
     QK static I srl32(I v, int n) { return _mm512_srli_epi32(v, n); }
     QK static I low_nibbles(I v) { return _mm512_and_si512(v, set1_8(0x0F)); }
     QK static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), set1_8(0x0F)); }
@@ -163,12 +158,14 @@ struct Scales {
     QK explicit Scales(const QWeights& w)
         : bpw(w.block * size_t(w.bits) / 8), shift(__builtin_ctzl(bpw)), idx(Vec::srl32(Vec::iota(), shift - 2)) {}
     QK static const S* row(const QWeights& w, size_t r) { return static_cast<const S*>(w.scales) + r * w.blocks(); }
+#if !QK_512  // (the 256-bit paths only: tile)
     static constexpr size_t kChunk = Vec::kLanes / N * kStep;  // the weight bytes of a chunk
     QK bool chunks() const { return bpw * N == kStep; }
     QK static Vec::F chunk(const S* ws, size_t block) {  // blocks [block, block + kLanes) of a row, as float32
         if constexpr (Half) return Vec::loadh(ws + block);
         else return Vec::loadf(ws + block);
     }
+#endif
     template <Span P>
     QK Vec::F at(const S* ws, size_t at, size_t bytes) const {
         if constexpr (N == 1) {
@@ -192,7 +189,9 @@ struct Dot {
     QK void load(const uint8_t* w, size_t bytes) {
         Vec::I u;
         if constexpr (P == Span::full) u = Vec::load(w);
+#if !QK_512  // (the 256-bit paths only: tile)
         else if constexpr (P == Span::half) u = Vec::load_half(w);
+#endif
         else u = Vec::load_part(w, bytes);
         if constexpr (Bits == 4) {
             lo = Vec::low_nibbles(u), hi = Vec::high_nibbles(u);
