@@ -151,7 +151,8 @@ def scored(model, windows: np.ndarray, batch: int = 16) -> tuple[np.ndarray, np.
             logits = model(torch.from_numpy(windows[i:i + batch]).long()).logits.float().numpy()
             for lg, ids in zip(logits, windows[i:i + batch]):
                 n, t = nll_and_argmax(lg, ids)
-                nll.append(n), top.append(t)
+                nll.append(n)
+                top.append(t)
     return np.concatenate(nll), np.concatenate(top)
 
 
